@@ -1,0 +1,238 @@
+"""Event payloads: the agent lifecycle vocabulary plus the bus's own events.
+
+An event travels as one body frame holding one of these structs (tagged on `type`); the header
+frame repeats `type`, `agent` and `run` so the hub can stamp, log and publish it without decoding
+the body. Decode with `decode_event`, which turns an unknown `type` into `None` instead of raising.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from bus.messages import AssistantDelta, AssistantMessage, Message, ToolResultMessage, Usage
+
+
+class _Event(msgspec.Struct, tag_field="type", omit_defaults=True):
+    pass
+
+
+# --- agent lifecycle (pi / AgentCore vocabulary) -------------------------------------------
+
+
+class AgentStart(_Event, tag="agent_start"):
+    parent_run_id: str = ""
+
+
+class TurnStart(_Event, tag="turn_start"):
+    turn: int = 0
+
+
+class MessageStart(_Event, tag="message_start"):
+    message: Message
+
+
+class MessageUpdate(_Event, tag="message_update"):
+    delta: AssistantDelta
+
+
+class MessageEnd(_Event, tag="message_end"):
+    message: Message
+
+
+class ToolExecutionStart(_Event, tag="tool_execution_start"):
+    tool_call_id: str
+    tool_name: str
+    args: Any = None
+
+
+class ToolExecutionUpdate(_Event, tag="tool_execution_update"):
+    tool_call_id: str
+    tool_name: str
+    partial: Any = None
+
+
+class ToolExecutionEnd(_Event, tag="tool_execution_end"):
+    tool_call_id: str
+    tool_name: str
+    result: ToolResultMessage
+    is_error: bool = False
+    duration: float = 0.0
+
+
+class TurnEnd(_Event, tag="turn_end"):
+    message: AssistantMessage
+    tool_results: list[ToolResultMessage] = msgspec.field(default_factory=list)
+    turn: int = 0
+
+
+class AgentEnd(_Event, tag="agent_end"):
+    final_text: str = ""
+    stop_reason: str = "stop"
+    usage: dict[str, Usage] = msgspec.field(default_factory=dict)
+    error: str | None = None
+    message_count: int = 0
+
+
+class CompactionStart(_Event, tag="compaction_start"):
+    tokens: int = 0
+
+
+class CompactionComplete(_Event, tag="compaction_complete"):
+    compacted: bool = False
+    tokens_before: int = 0
+
+
+class LlmRetry(_Event, tag="llm_retry"):
+    attempt: int
+    delay: float
+    status: int = 0
+    error: str = ""
+    provider: str = ""
+
+
+class TopicMessage(_Event, tag="topic_message"):
+    topic: str
+    text: str
+    sender: str = ""
+
+
+# --- bus events (published by the hub and by `busctl up`) ----------------------------------
+
+
+class PeerJoined(_Event, tag="peer_joined"):
+    peer: str
+    name: str = ""
+    host: str = ""
+    pid: int = 0
+    session: str = ""
+
+
+class PeerLeft(_Event, tag="peer_left"):
+    peer: str
+    name: str = ""
+    reason: str = ""
+
+
+class ServiceRegistered(_Event, tag="service_registered"):
+    service: str
+    peer: str
+    capacity: int = 1
+
+
+class ServiceRemoved(_Event, tag="service_removed"):
+    service: str
+    peer: str
+    reason: str = ""
+
+
+class WorkerLost(_Event, tag="worker_lost"):
+    peer: str
+    name: str = ""
+    failed: int = 0
+    redispatched: int = 0
+
+
+class ProcessRestarted(_Event, tag="process_restarted"):
+    process: str
+    exit_code: int | None = None
+    restarts: int = 0
+
+
+class ProcessGaveUp(_Event, tag="process_gave_up"):
+    process: str
+    exit_code: int | None = None
+    restarts: int = 0
+
+
+class Gap(_Event, tag="gap"):
+    """Synthesised by a subscriber (never sent by the hub): seqs `first`..`last` were not seen."""
+
+    first: int
+    last: int
+
+
+Event = Union[
+    AgentStart,
+    TurnStart,
+    MessageStart,
+    MessageUpdate,
+    MessageEnd,
+    ToolExecutionStart,
+    ToolExecutionUpdate,
+    ToolExecutionEnd,
+    TurnEnd,
+    AgentEnd,
+    CompactionStart,
+    CompactionComplete,
+    LlmRetry,
+    TopicMessage,
+    PeerJoined,
+    PeerLeft,
+    ServiceRegistered,
+    ServiceRemoved,
+    WorkerLost,
+    ProcessRestarted,
+    ProcessGaveUp,
+    Gap,
+]
+
+LIFECYCLE_TYPES: frozenset[str] = frozenset(
+    {
+        "agent_start",
+        "turn_start",
+        "message_start",
+        "message_update",
+        "message_end",
+        "tool_execution_start",
+        "tool_execution_update",
+        "tool_execution_end",
+        "turn_end",
+        "agent_end",
+    }
+)
+
+BUS_TYPES: frozenset[str] = frozenset(
+    {
+        "peer_joined",
+        "peer_left",
+        "service_registered",
+        "service_removed",
+        "worker_lost",
+        "process_restarted",
+        "process_gave_up",
+        "gap",
+    }
+)
+
+
+def event_type(event: Event) -> str:
+    return type(event).__struct_config__.tag  # type: ignore[return-value]
+
+
+def event_family(type_: str) -> str:
+    """The first segment of an event's topic: `agent`, `bus` or `ext` (anything else)."""
+    if type_ in BUS_TYPES:
+        return "bus"
+    if type_ in LIFECYCLE_TYPES or type_ in {"compaction_start", "compaction_complete", "llm_retry"}:
+        return "agent"
+    return "ext"
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def encode_event(event: Event) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode_event(body: bytes | memoryview) -> Event | None:
+    """Decode one event body; an unknown `type` gives None (counted by the caller), bad bytes raise."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        if "Invalid value" in str(exc) and "$.type" in str(exc):
+            return None
+        raise

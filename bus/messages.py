@@ -1,0 +1,255 @@
+"""Provider-neutral conversation messages: the vocabulary the gateway, the loop and events share.
+
+Every type is a `msgspec.Struct` tagged on `role` (messages) or `type` (content parts), so a
+`list[Message]` decodes without guessing. Fields added later must have defaults (see
+docs/protocol.md, "Schema evolution").
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Union
+
+import msgspec
+
+StopReason = Literal["stop", "tool_use", "length", "error", "aborted"]
+STOP_REASONS: tuple[str, ...] = ("stop", "tool_use", "length", "error", "aborted")
+
+
+def now() -> float:
+    return time.time()
+
+
+# --- content parts -------------------------------------------------------------------------
+
+
+class TextPart(msgspec.Struct, tag_field="type", tag="text", omit_defaults=True):
+    text: str
+
+
+class ImagePart(msgspec.Struct, tag_field="type", tag="image", omit_defaults=True):
+    data: bytes
+    mime_type: str = "image/png"
+
+
+class ThinkingPart(msgspec.Struct, tag_field="type", tag="thinking", omit_defaults=True):
+    thinking: str
+    signature: str = ""
+
+
+class ToolCall(msgspec.Struct, tag_field="type", tag="tool_call", omit_defaults=True):
+    """A call the model asked for. `arguments` is the raw JSON text exactly as the model wrote it."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+
+UserContent = Union[TextPart, ImagePart]
+AssistantContent = Union[TextPart, ThinkingPart, ToolCall]
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+    total: int = 0
+    cost: float = 0.0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input=self.input + other.input,
+            output=self.output + other.output,
+            cache_read=self.cache_read + other.cache_read,
+            cache_write=self.cache_write + other.cache_write,
+            total=self.total + other.total,
+            cost=self.cost + other.cost,
+        )
+
+
+# --- messages ------------------------------------------------------------------------------
+
+
+class UserMessage(msgspec.Struct, tag_field="role", tag="user", omit_defaults=True):
+    content: list[UserContent]
+    timestamp: float = msgspec.field(default_factory=now)
+    hidden: bool = False
+
+
+class AssistantMessage(msgspec.Struct, tag_field="role", tag="assistant", omit_defaults=True):
+    content: list[AssistantContent] = msgspec.field(default_factory=list)
+    stop_reason: StopReason = "stop"
+    usage: Usage = msgspec.field(default_factory=Usage)
+    model: str = ""
+    provider: str = ""
+    error: str | None = None
+    timestamp: float = msgspec.field(default_factory=now)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [p for p in self.content if isinstance(p, ToolCall)]
+
+
+class ToolResultMessage(msgspec.Struct, tag_field="role", tag="tool_result", omit_defaults=True):
+    tool_call_id: str
+    tool_name: str
+    content: list[UserContent]
+    is_error: bool = False
+    details: Any = None
+    timestamp: float = msgspec.field(default_factory=now)
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+class CompactionSummaryMessage(
+    msgspec.Struct, tag_field="role", tag="compaction_summary", omit_defaults=True
+):
+    summary: str
+    tokens_before: int = 0
+    timestamp: float = msgspec.field(default_factory=now)
+
+
+class BranchSummaryMessage(msgspec.Struct, tag_field="role", tag="branch_summary", omit_defaults=True):
+    summary: str
+    from_id: str = ""
+    timestamp: float = msgspec.field(default_factory=now)
+
+
+class CustomMessage(msgspec.Struct, tag_field="role", tag="custom", omit_defaults=True):
+    custom_type: str
+    content: str
+    display: bool = True
+    timestamp: float = msgspec.field(default_factory=now)
+
+
+LlmMessage = Union[UserMessage, AssistantMessage, ToolResultMessage]
+Message = Union[
+    UserMessage,
+    AssistantMessage,
+    ToolResultMessage,
+    CompactionSummaryMessage,
+    BranchSummaryMessage,
+    CustomMessage,
+]
+
+
+def user_text(text: str, *, hidden: bool = False) -> UserMessage:
+    return UserMessage(content=[TextPart(text)], hidden=hidden)
+
+
+def tool_result_text(
+    call: ToolCall, text: str, *, is_error: bool = False, details: Any = None
+) -> ToolResultMessage:
+    return ToolResultMessage(
+        tool_call_id=call.id,
+        tool_name=call.name,
+        content=[TextPart(text)],
+        is_error=is_error,
+        details=details,
+    )
+
+
+# --- the `llm` service: request and streamed deltas ----------------------------------------
+
+
+class ToolSpec(msgspec.Struct, omit_defaults=True):
+    """A tool as offered to a model: `parameters` is a flattened JSON Schema (root type object)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(
+        default_factory=lambda: {"type": "object", "properties": {}, "additionalProperties": False}
+    )
+
+
+class RetryPolicy(msgspec.Struct, omit_defaults=True):
+    max_attempts: int = 5
+    base_delay: float = 1.0
+    max_delay: float = 60.0
+    retry_statuses: list[int] = msgspec.field(default_factory=lambda: [429, 500, 502, 503, 504])
+
+
+ToolChoice = Union[Literal["auto", "none", "required"], str]
+
+
+class LlmRequest(msgspec.Struct, omit_defaults=True):
+    """Body of a request to service `llm`. `model` names a configured alias (or "" for the default)."""
+
+    messages: list[LlmMessage]
+    model: str = ""
+    system_prompt: str = ""
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
+    reasoning: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    retry: RetryPolicy = msgspec.field(default_factory=RetryPolicy)
+    agent: str = ""
+    run_id: str = ""
+    experiment: str = ""
+
+
+DeltaKind = Literal["text", "thinking", "tool_call"]
+
+
+class AssistantDelta(msgspec.Struct, omit_defaults=True):
+    """One streamed piece of an assistant message (published as `message_update`)."""
+
+    kind: DeltaKind
+    delta: str
+    index: int = 0
+    tool_call_id: str = ""
+    tool_name: str = ""
+
+
+# --- tool services (`tool.<name>`): request, result and catalog entries ---------------------
+
+
+class ToolInfo(msgspec.Struct, omit_defaults=True):
+    """A live tool as the hub's registry knows it (service `tool.<name>` metadata)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    sequential: bool = False
+    idempotent: bool = False
+    timeout: float | None = None
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+
+
+class ToolCallRequest(msgspec.Struct, omit_defaults=True):
+    """Body of a request to service `tool.<name>`; `arguments` is the model's raw JSON text."""
+
+    call_id: str
+    name: str
+    arguments: str = "{}"
+    agent: str = ""
+    run_id: str = ""
+    experiment: str = ""
+
+
+class ToolResult(msgspec.Struct, omit_defaults=True):
+    """Final reply of a tool call. `done` ends the agent's run (TaskComplete / Done)."""
+
+    content: list[UserContent] = msgspec.field(default_factory=list)
+    is_error: bool = False
+    details: Any = None
+    done: bool = False
+    done_message: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+
+def error_result(text: str) -> ToolResult:
+    return ToolResult(content=[TextPart(text)], is_error=True)

@@ -1,0 +1,209 @@
+"""The AGB/1 wire protocol: frames, the routing header, control bodies and their codecs.
+
+A message is `[SIGNATURE, header, *body]` (the ROUTER side sees the peer's routing id first;
+published events have a topic frame first). The header is a MessagePack map decoded into
+`Header`; the hub routes on it alone and forwards body frames untouched. docs/protocol.md is the
+normative description; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any, Final
+
+import msgspec
+
+SIGNATURE: Final = b"AGB/1"
+MAJOR: Final = 1
+MINOR: Final = 0
+
+# Message kinds (header `kind`).
+HELLO: Final = "hello"  # peer -> hub: Hello body
+WELCOME: Final = "welcome"  # hub -> peer: Welcome body
+REGISTER: Final = "register"  # peer -> hub: Register body
+UNREGISTER: Final = "unregister"  # peer -> hub: Unregister body
+REQUEST: Final = "request"  # requester -> hub -> server; header.service, header.id, body opaque
+PARTIAL: Final = "partial"  # server -> hub -> requester; header.id; body opaque
+REPLY: Final = "reply"  # server -> hub -> requester; final; header.id; body opaque
+ERROR: Final = "error"  # server or hub -> requester; final; header.id, code, error
+CANCEL: Final = "cancel"  # requester -> hub -> server; header.id
+EVENT: Final = "event"  # peer -> hub -> subscribers; header.type/agent/run; body = Event
+HEARTBEAT: Final = "heartbeat"  # both ways, and on the event socket (header.seq = latest)
+BYE: Final = "bye"  # peer -> hub: leaving
+RECONNECT: Final = "reconnect"  # hub -> peer: "I do not know you; say hello again"
+
+KINDS: Final = frozenset(
+    {HELLO, WELCOME, REGISTER, UNREGISTER, REQUEST, PARTIAL, REPLY, ERROR, CANCEL, EVENT}
+    | {HEARTBEAT, BYE, RECONNECT}
+)
+
+# Error codes carried by `error` replies.
+NO_SERVICE: Final = "no_service"
+PEER_LOST: Final = "peer_lost"
+DEADLINE: Final = "deadline_exceeded"
+CANCELLED: Final = "cancelled"
+OVERLOADED: Final = "overloaded"
+BAD_REQUEST: Final = "bad_request"
+HANDLER_ERROR: Final = "handler_error"
+HUB_LOST: Final = "hub_lost"
+
+# Services the hub serves itself.
+HUB_STATUS: Final = "hub.status"
+HUB_REPLAY: Final = "hub.replay"
+
+# Topic of the idle heartbeat on the event socket.
+HEARTBEAT_TOPIC: Final = b"hb"
+
+
+class Header(msgspec.Struct, omit_defaults=True):
+    """The routing header. Unknown keys are ignored, so a newer minor version decodes here."""
+
+    kind: str
+    id: str = ""
+    v: int = MINOR
+    peer: str = ""
+    session: str = ""
+    parent: str = ""
+    service: str = ""
+    deadline: float = 0.0
+    code: str = ""
+    error: str = ""
+    # events
+    type: str = ""
+    agent: str = ""
+    run: str = ""
+    experiment: str = ""
+    seq: int = 0
+    ts: float = 0.0
+
+
+class ServiceSpec(msgspec.Struct, omit_defaults=True):
+    name: str
+    capacity: int = 1
+    idempotent: bool = False
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Hello(msgspec.Struct, omit_defaults=True):
+    name: str
+    session: str
+    pid: int = 0
+    host: str = ""
+    role: str = ""
+
+
+class Welcome(msgspec.Struct, omit_defaults=True):
+    peer: str
+    hub_session: str
+    events: str
+    heartbeat_interval: float
+    liveness: int
+    max_message_bytes: int
+
+
+class Register(msgspec.Struct):
+    services: list[ServiceSpec]
+
+
+class Unregister(msgspec.Struct):
+    services: list[str]
+
+
+class ReplayRequest(msgspec.Struct, omit_defaults=True):
+    since: int = 0
+    limit: int = 2000
+    topics: list[str] = msgspec.field(default_factory=list)
+
+
+class ReplayBatch(msgspec.Struct):
+    """Reply to `hub.replay`: (header, body) pairs of logged events after `since`, and the log head."""
+
+    events: list[tuple[bytes, bytes]]
+    head: int
+
+
+class ServiceLoad(msgspec.Struct, omit_defaults=True):
+    name: str
+    capacity: int
+    load: int
+    idempotent: bool = False
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class PeerInfo(msgspec.Struct, omit_defaults=True):
+    peer: str
+    name: str
+    host: str = ""
+    pid: int = 0
+    session: str = ""
+    role: str = ""
+    since: float = 0.0
+    last_seen: float = 0.0
+    services: list[ServiceLoad] = msgspec.field(default_factory=list)
+
+
+class ServiceInfo(msgspec.Struct, omit_defaults=True):
+    name: str
+    peers: int
+    capacity: int
+    load: int
+    queued: int
+    idempotent: bool = False
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Status(msgspec.Struct, omit_defaults=True):
+    hub_session: str
+    endpoint: str
+    events: str
+    uptime: float
+    seq: int
+    peers: list[PeerInfo]
+    services: list[ServiceInfo]
+    counters: dict[str, int]
+    state_dir: str = ""
+
+
+# --- codecs: one encoder/decoder per type, built once --------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(Header)
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def encode(obj: Any) -> bytes:
+    return _encoder.encode(obj)
+
+
+def decode_header(data: bytes | memoryview) -> Header:
+    return _header_decoder.decode(data)
+
+
+def decode(data: bytes | memoryview, type_: type[Any]) -> Any:
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.msgpack.Decoder(type_)
+    return decoder.decode(data)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def new_session() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def this_pid() -> int:
+    return os.getpid()
+
+
+def event_topic(family: str, agent: str, run: str, type_: str) -> bytes:
+    """`family/agent/run/type`: subscribe to a prefix of it (e.g. `agent/assistant/`)."""
+    return f"{family}/{agent}/{run}/{type_}".encode()
