@@ -118,9 +118,11 @@ class ReplayRequest(msgspec.Struct, omit_defaults=True):
 
 
 class ReplayBatch(msgspec.Struct):
-    """Reply to `hub.replay`: (header, body) pairs of logged events after `since`, and the log head."""
+    """Reply to `hub.replay`: (header, body) pairs of logged events in (since, upto], and the log
+    head. Ask again from `upto` until `upto == head`."""
 
     events: list[tuple[bytes, bytes]]
+    upto: int
     head: int
 
 

@@ -1,0 +1,642 @@
+"""The hub process: one ROUTER for requests and registrations, one PUB for the event stream.
+
+The hot loop is a blocking `zmq.Poller` loop (Majordomo style): each wake-up drains every ready
+message, routes requests and replies on the header alone (body frames are forwarded as the same
+`zmq.Frame` objects, never decoded), appends the pass's events to the SQLite log in one
+transaction, publishes them, then does the periodic work (heartbeats, expiry, purging dead peers).
+Nothing a peer sends can raise out of the loop: bad input is counted, logged and dropped.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import msgspec
+import zmq
+
+from bus import events as ev
+from bus import protocol as p
+from bus.eventlog import EventLog, Row
+from bus.security import CurveServer
+
+log = logging.getLogger("bus.hub")
+
+DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still runs under load
+TICK = 0.1  # seconds between expiry scans
+
+
+class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    endpoint: str = "tcp://127.0.0.1:7400"
+    events: str = ""  # default: tcp port + 1, or "<ipc path>.events"
+    state_dir: str = ""  # "" keeps the event log in memory
+    heartbeat_interval: float = 1.0
+    liveness: int = 3
+    max_message_bytes: int = 16 * 1024 * 1024
+    queue_limit: int = 10_000
+    router_hwm: int = 100_000
+    pub_hwm: int = 100_000
+    curve: CurveServer | None = None
+
+
+def default_events_endpoint(endpoint: str) -> str:
+    if endpoint.startswith("ipc://"):
+        return endpoint + ".events"
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[6:].rpartition(":")
+        if port in ("0", "*"):
+            return f"tcp://{host}:*"
+        return f"tcp://{host}:{int(port) + 1}"
+    raise ValueError(f"unsupported endpoint {endpoint!r}: use tcp://HOST:PORT or ipc://PATH")
+
+
+def _bindable(endpoint: str) -> str:
+    """tcp port 0 means "any free port", which libzmq spells `*`."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        return endpoint[:-1] + "*"
+    return endpoint
+
+
+@dataclass(slots=True)
+class Pending:
+    id: str
+    requester: bytes
+    service: str
+    deadline: float  # monotonic; math.inf when none
+    header: zmq.Frame
+    body: list[zmq.Frame]
+    server: bytes | None = None
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class Slot:
+    capacity: int
+    load: int = 0
+
+
+@dataclass(slots=True)
+class Service:
+    name: str
+    idempotent: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+    slots: dict[bytes, Slot] = field(default_factory=dict)
+    queue: deque[Pending] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class PeerState:
+    ident: bytes
+    id: str
+    hello: p.Hello
+    since: float
+    last_seen: float
+    services: set[str] = field(default_factory=set)
+    serving: dict[str, Pending] = field(default_factory=dict)
+    requested: set[str] = field(default_factory=set)
+
+
+class Counters(dict[str, int]):
+    def bump(self, name: str, n: int = 1) -> int:
+        value = self.get(name, 0) + n
+        self[name] = value
+        return value
+
+
+class Hub:
+    """Routes requests, tracks liveness, stamps/logs/publishes events. Call `run()` in a process."""
+
+    def __init__(self, config: HubConfig) -> None:
+        self.config = config
+        self.session = p.new_session()
+        self.started = time.time()
+        self.peers: dict[bytes, PeerState] = {}
+        self.services: dict[str, Service] = {}
+        self.requests: dict[str, Pending] = {}
+        self.deadlines: list[tuple[float, str]] = []
+        self.counters = Counters()
+        self._batch: list[tuple[bytes, bytes, bytes]] = []  # (topic, header, body)
+        self._rows: list[Row] = []
+        self._stopping = False
+        state = Path(config.state_dir) if config.state_dir else None
+        self.log = EventLog(state / "events.db" if state else None)
+        self.seq = self.log.last_seq()
+        self.ctx = zmq.Context()
+        self._auth = None
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self._configure_sockets()
+        self.endpoint = self._bind(self.router, config.endpoint)
+        self.events_endpoint = self._bind(
+            self.pub, config.events or default_events_endpoint(config.endpoint)
+        )
+        self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
+        self._reconnect_header = p.encode(p.Header(kind=p.RECONNECT))
+
+    # --- setup ---------------------------------------------------------------------------
+
+    def _configure_sockets(self) -> None:
+        cfg = self.config
+        if cfg.curve is not None:
+            self._auth = cfg.curve.start_authenticator(self.ctx)
+            cfg.curve.apply(self.router)
+            cfg.curve.apply(self.pub)
+        for sock in (self.router, self.pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, cfg.router_hwm)
+        self.router.setsockopt(zmq.RCVHWM, cfg.router_hwm)
+        # libzmq drops a connection whose single frame exceeds this, before allocating it.
+        self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + 65536)
+        self.pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
+        self.pub.setsockopt(zmq.MAXMSGSIZE, 65536)  # subscribers only send subscriptions
+
+    def _bind(self, sock: zmq.Socket[Any], endpoint: str) -> str:
+        if endpoint.startswith("ipc://"):
+            Path(endpoint[6:]).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sock.bind(_bindable(endpoint))
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # --- main loop -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        interval = self.config.heartbeat_interval
+        next_beat = time.monotonic() + interval
+        next_tick = time.monotonic() + TICK
+        while not self._stopping:
+            now = time.monotonic()
+            timeout = max(0.0, min(next_beat, next_tick) - now)
+            try:
+                ready = dict(poller.poll(timeout * 1000))
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EINTR:
+                    continue
+                raise
+            if ready:
+                self._drain()
+            self._flush_events()
+            now = time.monotonic()
+            if now >= next_tick:
+                self._expire(now)
+                next_tick = now + TICK
+            if now >= next_beat:
+                self._beat(now)
+                next_beat = now + interval
+            self._flush_events()
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self.router.close(0)
+        self.pub.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
+        self.log.close()
+
+    def _drain(self) -> None:
+        for _ in range(DRAIN_LIMIT):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # a bug must not take the hub down; it is counted and logged
+                self._reject("internal_errors", frames[0].bytes, "handler failed", exc_info=True)
+
+    # --- input validation ----------------------------------------------------------------
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        if len(frames) < 3:
+            return self._reject("malformed", ident, f"{len(frames)} frames, expected >= 3")
+        signature = frames[1].bytes
+        if signature != p.SIGNATURE:
+            reason = "wrong_version" if signature.startswith(b"AGB/") else "malformed"
+            return self._reject(reason, ident, f"signature {signature[:16]!r}")
+        size = sum(len(f.buffer) for f in frames)
+        if size > self.config.max_message_bytes:
+            return self._reject("oversize", ident, f"{size} bytes")
+        try:
+            header = p.decode_header(frames[2].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return self._reject("malformed", ident, f"bad header: {exc}")
+        handler = self._handlers.get(header.kind)
+        if handler is None:
+            return self._reject("unknown_kind", ident, f"kind {header.kind[:32]!r}")
+        peer = self.peers.get(ident)
+        if peer is None and header.kind != p.HELLO:
+            self.counters.bump("unknown_peer")
+            if header.kind == p.REQUEST:
+                self._send_error(ident, header.id, p.HUB_LOST, "hub does not know this peer; say hello")
+            self._send([ident, p.SIGNATURE, self._reconnect_header])
+            return None
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        handler(self, ident, peer, header, frames)
+        return None
+
+    def _reject(self, counter: str, ident: bytes, why: str, exc_info: bool = False) -> None:
+        n = self.counters.bump(counter)
+        if n <= 10 or n % 1000 == 0:
+            log.warning("dropped message from %s (%s #%d): %s", ident.hex(), counter, n, why,
+                        exc_info=exc_info)
+
+    # --- handlers ------------------------------------------------------------------------
+
+    def _on_hello(self, ident: bytes, peer: PeerState | None, header: p.Header,
+                  frames: list[zmq.Frame]) -> None:
+        hello = p.decode(frames[3].buffer, p.Hello) if len(frames) > 3 else None
+        if hello is None:
+            return self._reject("malformed", ident, "hello without body")
+        if peer is not None:
+            self._drop_peer(peer, "said hello again (restarted)")
+        now = time.monotonic()
+        peer = PeerState(ident, ident.hex(), hello, time.time(), now)
+        self.peers[ident] = peer
+        welcome = p.Welcome(
+            peer=peer.id,
+            hub_session=self.session,
+            events=self.events_endpoint,
+            heartbeat_interval=self.config.heartbeat_interval,
+            liveness=self.config.liveness,
+            max_message_bytes=self.config.max_message_bytes,
+        )
+        self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.WELCOME, id=header.id)),
+                    p.encode(welcome)])
+        self._emit(ev.PeerJoined(peer=peer.id, name=hello.name, host=hello.host, pid=hello.pid,
+                                 session=hello.session))
+        return None
+
+    def _on_register(self, ident: bytes, peer: PeerState, header: p.Header,
+                     frames: list[zmq.Frame]) -> None:
+        reg = p.decode(frames[3].buffer, p.Register)
+        for spec in reg.services:
+            if not spec.name or spec.name.startswith("hub.") or spec.capacity < 1:
+                self._reject("bad_register", ident, f"service {spec.name!r} capacity {spec.capacity}")
+                continue
+            service = self.services.get(spec.name)
+            if service is None:
+                service = self.services[spec.name] = Service(spec.name)
+            service.idempotent = spec.idempotent
+            service.meta = spec.meta
+            service.slots[ident] = Slot(spec.capacity, service.slots.get(ident, Slot(0)).load)
+            peer.services.add(spec.name)
+            self._emit(ev.ServiceRegistered(service=spec.name, peer=peer.id, capacity=spec.capacity))
+            self._dispatch_queued(service)
+
+    def _on_unregister(self, ident: bytes, peer: PeerState, header: p.Header,
+                       frames: list[zmq.Frame]) -> None:
+        unreg = p.decode(frames[3].buffer, p.Unregister)
+        for name in unreg.services:
+            if name in peer.services:
+                self._remove_slot(peer, name, "unregistered")
+
+    def _on_request(self, ident: bytes, peer: PeerState, header: p.Header,
+                    frames: list[zmq.Frame]) -> None:
+        self.counters.bump("requests")
+        if not header.id or header.id in self.requests:
+            self._reject("bad_request", ident, f"request id {header.id!r} missing or in use")
+            return
+        if header.service.startswith("hub."):
+            self._serve_builtin(ident, header, frames)
+            return
+        deadline = math.inf
+        if header.deadline:
+            deadline = time.monotonic() + (header.deadline - time.time())
+        req = Pending(header.id, ident, header.service, deadline, frames[2], frames[3:])
+        service = self.services.get(header.service)
+        if service is None or not service.slots:
+            if deadline == math.inf:
+                self._send_error(ident, req.id, p.NO_SERVICE, self._no_service_text(header.service))
+                return
+            if service is None:
+                service = self.services[header.service] = Service(header.service)
+        if len(service.queue) >= self.config.queue_limit:
+            self._send_error(ident, req.id, p.OVERLOADED,
+                             f"service `{service.name}` queue is full ({self.config.queue_limit})")
+            return
+        self.requests[req.id] = req
+        peer.requested.add(req.id)
+        if deadline != math.inf:
+            heapq.heappush(self.deadlines, (deadline, req.id))
+        if not self._try_dispatch(service, req):
+            service.queue.append(req)
+
+    def _on_reply(self, ident: bytes, peer: PeerState, header: p.Header,
+                  frames: list[zmq.Frame]) -> None:
+        req = peer.serving.get(header.id)
+        if req is None:
+            self.counters.bump("stale_replies")
+            return
+        self._send([req.requester, p.SIGNATURE, *frames[2:]])
+        if header.kind != p.PARTIAL:
+            self._finish(req)
+
+    def _on_cancel(self, ident: bytes, peer: PeerState, header: p.Header,
+                   frames: list[zmq.Frame]) -> None:
+        req = self.requests.get(header.id)
+        if req is None or req.requester != ident:
+            return
+        self._cancel(req, "cancelled by requester")
+
+    def _on_event(self, ident: bytes, peer: PeerState, header: p.Header,
+                  frames: list[zmq.Frame]) -> None:
+        if len(frames) != 4 or not header.type:
+            self._reject("malformed", ident, "event needs a type and exactly one body frame")
+            return
+        header.peer = peer.id
+        self._stamp(header, frames[3].bytes)
+
+    def _on_heartbeat(self, ident: bytes, peer: PeerState, header: p.Header,
+                      frames: list[zmq.Frame]) -> None:
+        return None
+
+    def _on_bye(self, ident: bytes, peer: PeerState, header: p.Header,
+                frames: list[zmq.Frame]) -> None:
+        self._drop_peer(peer, "said bye")
+
+    def _on_unexpected(self, ident: bytes, peer: PeerState | None, header: p.Header,
+                       frames: list[zmq.Frame]) -> None:
+        self._reject("unexpected_kind", ident, f"kind {header.kind!r} is hub-to-peer only")
+
+    _handlers: dict[str, Any] = {
+        p.HELLO: _on_hello,
+        p.REGISTER: _on_register,
+        p.UNREGISTER: _on_unregister,
+        p.REQUEST: _on_request,
+        p.PARTIAL: _on_reply,
+        p.REPLY: _on_reply,
+        p.ERROR: _on_reply,
+        p.CANCEL: _on_cancel,
+        p.EVENT: _on_event,
+        p.HEARTBEAT: _on_heartbeat,
+        p.BYE: _on_bye,
+        p.WELCOME: _on_unexpected,
+        p.RECONNECT: _on_unexpected,
+    }
+
+    # --- routing -------------------------------------------------------------------------
+
+    def _try_dispatch(self, service: Service, req: Pending) -> bool:
+        best: bytes | None = None
+        best_ratio = 2.0
+        for ident, slot in service.slots.items():
+            if slot.load >= slot.capacity:
+                continue
+            ratio = slot.load / slot.capacity
+            if ratio < best_ratio:
+                best, best_ratio = ident, ratio
+        if best is None:
+            return False
+        server = self.peers[best]
+        if not self._send([best, p.SIGNATURE, req.header, *req.body]):
+            return False
+        service.slots[best].load += 1
+        req.server = best
+        server.serving[req.id] = req
+        return True
+
+    def _dispatch_queued(self, service: Service) -> None:
+        while service.queue:
+            if not self._try_dispatch(service, service.queue[0]):
+                return
+            service.queue.popleft()
+
+    def _finish(self, req: Pending) -> None:
+        self.requests.pop(req.id, None)
+        requester = self.peers.get(req.requester)
+        if requester is not None:
+            requester.requested.discard(req.id)
+        if req.server is None:
+            return
+        server = self.peers.get(req.server)
+        if server is not None:
+            server.serving.pop(req.id, None)
+        service = self.services.get(req.service)
+        if service is None:
+            return
+        slot = service.slots.get(req.server)
+        if slot is not None and slot.load > 0:
+            slot.load -= 1
+        self._dispatch_queued(service)
+
+    def _cancel(self, req: Pending, why: str) -> None:
+        """Tell the server (if any) and forget the request; a late reply counts as stale."""
+        if req.server is not None:
+            self._send([req.server, p.SIGNATURE, p.encode(p.Header(kind=p.CANCEL, id=req.id))])
+        else:
+            service = self.services.get(req.service)
+            if service is not None and req in service.queue:
+                service.queue.remove(req)
+        self._finish(req)
+
+    def _expire(self, now: float) -> None:
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, req_id = heapq.heappop(self.deadlines)
+            req = self.requests.get(req_id)
+            if req is None:
+                continue
+            self.counters.bump("expired_requests")
+            service = self.services.get(req.service)
+            if req.server is None and (service is None or not service.slots):
+                self._send_error(req.requester, req.id, p.NO_SERVICE,
+                                 self._no_service_text(req.service))
+            else:
+                where = "in the queue" if req.server is None else "while being served"
+                self._send_error(req.requester, req.id, p.DEADLINE,
+                                 f"request to `{req.service}` passed its deadline {where}")
+            self._cancel(req, "deadline")
+        self._prune_services()
+
+    def _prune_services(self) -> None:
+        empty = [n for n, s in self.services.items() if not s.slots and not s.queue]
+        for name in empty:
+            del self.services[name]
+
+    @staticmethod
+    def _no_service_text(service: str) -> str:
+        return f"no peer serves `{service}` (start one, e.g. `busctl worker`, or check the name)"
+
+    # --- liveness ------------------------------------------------------------------------
+
+    def _beat(self, now: float) -> None:
+        expiry = self.config.heartbeat_interval * self.config.liveness
+        for peer in [p_ for p_ in self.peers.values() if now - p_.last_seen > expiry]:
+            self.counters.bump("peers_expired")
+            self._drop_peer(peer, f"missed {self.config.liveness} heartbeats")
+        for ident in list(self.peers):
+            self._send([ident, p.SIGNATURE, self._hb_header])
+        hb = p.Header(kind=p.HEARTBEAT, seq=self.seq, ts=time.time())
+        self.pub.send_multipart([p.HEARTBEAT_TOPIC, p.SIGNATURE, p.encode(hb)])
+
+    def _remove_slot(self, peer: PeerState, name: str, reason: str) -> None:
+        peer.services.discard(name)
+        service = self.services.get(name)
+        if service is not None:
+            service.slots.pop(peer.ident, None)
+        self._emit(ev.ServiceRemoved(service=name, peer=peer.id, reason=reason))
+
+    def _drop_peer(self, peer: PeerState, reason: str) -> None:
+        self.peers.pop(peer.ident, None)
+        for name in list(peer.services):
+            self._remove_slot(peer, name, reason)
+        failed = redispatched = 0
+        for req in list(peer.serving.values()):
+            peer.serving.pop(req.id, None)
+            service = self.services.get(req.service)
+            req.server = None
+            if service is not None and service.idempotent and req.id in self.requests:
+                redispatched += 1
+                if not self._try_dispatch(service, req):
+                    service.queue.appendleft(req)
+                continue
+            failed += 1
+            self._send_error(req.requester, req.id, p.PEER_LOST,
+                             f"peer `{peer.hello.name}` ({peer.id}) serving `{req.service}` was lost: {reason}")
+            self._finish(req)
+        for req_id in list(peer.requested):
+            req = self.requests.get(req_id)
+            if req is not None:
+                self._cancel(req, "requester lost")
+        self._emit(ev.PeerLeft(peer=peer.id, name=peer.hello.name, reason=reason))
+        if failed or redispatched:
+            self._emit(ev.WorkerLost(peer=peer.id, name=peer.hello.name, failed=failed,
+                                     redispatched=redispatched))
+        self._prune_services()
+
+    # --- sending -------------------------------------------------------------------------
+
+    def _send(self, frames: list[Any]) -> bool:
+        try:
+            self.router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.counters.bump("send_dropped_hwm")
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.counters.bump("unroutable")
+            return False
+        return True
+
+    def _send_error(self, ident: bytes, req_id: str, code: str, text: str) -> None:
+        header = p.Header(kind=p.ERROR, id=req_id, code=code, error=text)
+        self._send([ident, p.SIGNATURE, p.encode(header)])
+
+    # --- events --------------------------------------------------------------------------
+
+    def _stamp(self, header: p.Header, body: bytes) -> None:
+        self.seq += 1
+        header.seq = self.seq
+        header.ts = time.time()
+        header_bytes = p.encode(header)
+        topic = p.event_topic(ev.event_family(header.type), header.agent, header.run, header.type)
+        self._batch.append((topic, header_bytes, body))
+        self._rows.append((self.seq, header.ts, header.type, header.agent, header.run,
+                           header.experiment, header_bytes, body))
+        self.counters.bump("events")
+
+    def _emit(self, event: ev.Event) -> None:
+        header = p.Header(kind=p.EVENT, id=p.new_id(), type=ev.event_type(event), peer="hub",
+                          session=self.session)
+        self._stamp(header, ev.encode_event(event))
+
+    def _flush_events(self) -> None:
+        if not self._batch:
+            return
+        self.log.append(self._rows)  # durable before anyone can see it
+        for topic, header, body in self._batch:
+            try:
+                self.pub.send_multipart([topic, p.SIGNATURE, header, body], zmq.NOBLOCK)
+            except zmq.Again:
+                self.counters.bump("publish_dropped_hwm")
+        self._batch = []
+        self._rows = []
+
+    # --- built-in services ---------------------------------------------------------------
+
+    def _serve_builtin(self, ident: bytes, header: p.Header, frames: list[zmq.Frame]) -> None:
+        if header.service == p.HUB_STATUS:
+            body = p.encode(self.status())
+        elif header.service == p.HUB_REPLAY:
+            self._flush_events()
+            request = p.decode(frames[3].buffer, p.ReplayRequest) if len(frames) > 3 else p.ReplayRequest()
+            body = p.encode(self.replay(request))
+        else:
+            self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
+            return
+        self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)), body])
+
+    def replay(self, request: p.ReplayRequest) -> p.ReplayBatch:
+        limit = max(1, min(request.limit, 10_000))
+        rows = self.log.read(max(0, request.since), limit)
+        prefixes = [t.encode() for t in request.topics]
+        events: list[tuple[bytes, bytes]] = []
+        for _, header_bytes, body in rows:
+            if prefixes:
+                header = p.decode_header(header_bytes)
+                topic = p.event_topic(ev.event_family(header.type), header.agent, header.run,
+                                      header.type)
+                if not any(topic.startswith(prefix) for prefix in prefixes):
+                    continue
+            events.append((header_bytes, body))
+        upto = rows[-1][0] if len(rows) == limit else self.seq
+        return p.ReplayBatch(events=events, upto=upto, head=self.seq)
+
+    def status(self) -> p.Status:
+        peers = []
+        for peer in self.peers.values():
+            loads = []
+            for name in sorted(peer.services):
+                service = self.services[name]
+                slot = service.slots[peer.ident]
+                loads.append(p.ServiceLoad(name, slot.capacity, slot.load, service.idempotent,
+                                           service.meta))
+            h = peer.hello
+            peers.append(p.PeerInfo(peer.id, h.name, h.host, h.pid, h.session, h.role, peer.since,
+                                    time.time() - (time.monotonic() - peer.last_seen), loads))
+        services = [
+            p.ServiceInfo(s.name, len(s.slots), sum(x.capacity for x in s.slots.values()),
+                          sum(x.load for x in s.slots.values()), len(s.queue), s.idempotent, s.meta)
+            for s in sorted(self.services.values(), key=lambda s: s.name)
+        ]
+        return p.Status(self.session, self.endpoint, self.events_endpoint,
+                        time.time() - self.started, self.seq, peers, services, dict(self.counters),
+                        self.config.state_dir)
+
+
+def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
+    """Run a hub until SIGTERM/SIGINT; print one JSON `ready` line on stdout once bound."""
+    hub = Hub(config)
+    signal.signal(signal.SIGTERM, lambda *_: hub.stop())
+    signal.signal(signal.SIGINT, lambda *_: hub.stop())
+    line = {"ready": "hub", "endpoint": hub.endpoint, "events": hub.events_endpoint,
+            "pid": os.getpid(), "seq": hub.seq}
+    print(json.dumps(line), flush=True)
+    log.info("hub listening on %s, events on %s", hub.endpoint, hub.events_endpoint)
+    try:
+        hub.run()
+    finally:
+        hub.close()
+
+
+if __name__ == "__main__":  # python -m bus.hub ENDPOINT [STATE_DIR]
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    args = sys.argv[1:]
+    serve(HubConfig(endpoint=args[0] if args else HubConfig.endpoint,
+                    state_dir=args[1] if len(args) > 1 else ""))
