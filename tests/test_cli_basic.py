@@ -1,0 +1,56 @@
+"""busctl hub/status/watch driven as a user would: real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+from tests.support import busctl, running
+
+
+def run(*args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(busctl(*args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_commands() -> None:
+    result = run("--help")
+    assert result.returncode == 0
+    for command in ("hub", "status", "watch"):
+        assert command in result.stdout
+
+
+def test_status_against_dead_hub_fails_fast_naming_the_address() -> None:
+    started = time.monotonic()
+    result = run("status", "--hub", "tcp://127.0.0.1:1")
+    assert result.returncode == 2
+    assert "tcp://127.0.0.1:1" in result.stderr
+    assert time.monotonic() - started < 8
+
+
+def test_non_loopback_bind_without_keys_is_refused() -> None:
+    result = run("hub", "--hub", "tcp://0.0.0.0:7999")
+    assert result.returncode == 2
+    assert "busctl keys generate" in result.stderr
+
+
+def test_status_and_watch_json(hub: dict) -> None:
+    status = run("status", "--hub", hub["endpoint"], "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["endpoint"] == hub["endpoint"]
+    watch = run("watch", "--hub", hub["endpoint"], "--no-follow", "--since", "0", "--json")
+    assert watch.returncode == 0, watch.stderr
+    lines = [json.loads(line) for line in watch.stdout.splitlines()]
+    assert lines, "the status call above joined and left, so the log has events"
+    assert [e["seq"] for e in lines] == sorted(e["seq"] for e in lines)
+    for key in ("seq", "ts", "type", "agent", "run_id"):
+        assert key in lines[0]
+
+
+def test_watch_follows_live_events(hub: dict) -> None:
+    with running(busctl("watch", "--hub", hub["endpoint"], "--json", "--since", "0")) as watcher:
+        # a status call makes the hub publish peer_joined/peer_left
+        status = run("status", "--hub", hub["endpoint"])
+        assert status.returncode == 0, status.stderr
+        line = watcher.wait_line(lambda s: '"peer_left"' in s and "busctl-status" in s, 10)
+        assert json.loads(line)["type"] == "peer_left"
