@@ -226,5 +226,41 @@ def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None,
         pass
 
 
+# --- busctl worker ------------------------------------------------------------------------
+
+
+@main.command()
+@hub_options
+@click.option("--tools", "tool_modules", multiple=True, default=("tools.builtin",),
+              show_default=True, help="Dotted module or .py file with @tool functions (repeatable).")
+@click.option("--concurrency", type=click.IntRange(1), default=8, show_default=True,
+              help="Calls this worker runs at once.")
+@click.option("--workspace", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Root the file tools are confined to (and where run_shell runs).")
+@click.option("--name", default="", help="Peer name shown in `busctl status` [default: worker-PID].")
+@click.option("--shell", "allow_shell", is_flag=True, help="Enable the run_shell tool.")
+def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...], concurrency: int,
+           workspace: str, name: str, allow_shell: bool) -> None:
+    """Attach a tool worker: serve each tool as service `tool.<name>` until SIGINT/SIGTERM.
+
+    \b
+    Examples:
+      busctl worker --tools mypkg.tools --concurrency 4
+      busctl worker --hub tcp://10.0.0.5:7400 --tools ./my_tools.py --workspace /data
+    """
+    from tools import ToolLoadError
+    from tools.worker import WorkerSettings, run_worker
+
+    settings = WorkerSettings(hub=hub, tool_modules=list(tool_modules), concurrency=concurrency,
+                              workspace=workspace, name=name or f"worker-{os.getpid()}",
+                              allow_shell=allow_shell, curve=curve)
+    try:
+        run_async(run_worker, settings)
+    except ToolLoadError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        pass
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,243 @@
+"""The topology file: which hub, models, gateways, tool workers, agents and extra processes to run.
+
+A TOML file decoded with msgspec into `Topology` (unknown keys are errors). `load_topology` turns
+every problem into a `TopologyError` that names the file, the key path and what was expected, so
+`busctl up` and `busctl config check` can print one clear line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from agents.llm import ModelConfig
+
+QueueMode = Literal["one-at-a-time", "all"]
+
+
+class TopologyError(Exception):
+    pass
+
+
+class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    endpoint: str = "tcp://127.0.0.1:7400"
+    events: str = ""
+    state_dir: str = ".busctl"
+    heartbeat_interval: float = 1.0
+    liveness: int = 3
+    max_message_bytes: int = 16 * 1024 * 1024
+    curve_secret: str = ""  # the hub's secret key file: turns CURVE on
+    curve_authorized: str = ""  # directory of authorised client public keys
+    insecure: bool = False
+
+
+class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`[models.<alias>]`: see agents.llm.ModelConfig for the meaning of each field."""
+
+    provider: Literal["openai", "anthropic"]
+    model: str
+    base_url: str = ""
+    api_key_env: str = ""
+    context_window: int = 128_000
+    input_price: float | None = None
+    output_price: float | None = None
+    cache_read_price: float | None = None
+    cache_write_price: float | None = None
+    max_concurrency: int = 8
+    requests_per_minute: float | None = None
+    timeout: float = 120.0
+
+    def config(self, alias: str) -> ModelConfig:
+        return msgspec.convert({"alias": alias, **msgspec.to_builtins(self)}, ModelConfig)
+
+
+class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    count: int = 1
+    default_model: str = ""  # alias used when an agent names none; "" = the first model
+
+
+class WorkerGroup(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str = "tools"
+    tools: list[str] = msgspec.field(default_factory=lambda: ["tools.builtin"])
+    count: int = 1
+    concurrency: int = 8
+    workspace: str = "."
+    shell: bool = False
+
+
+class TopicSubscription(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    topic: str
+    mode: Literal["follow_up", "steer"] = "follow_up"
+
+
+class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    model: str = ""
+    system_prompt: str = "You are a helpful assistant. Use the tools available to you."
+    tools: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    tool_execution: Literal["parallel", "sequential"] = "parallel"
+    max_iterations: int = 200
+    require_done_tool: bool = False
+    hooks: dict[str, str] = msgspec.field(default_factory=dict)
+    steering_mode: QueueMode = "one-at-a-time"
+    follow_up_mode: QueueMode = "one-at-a-time"
+    agents: list[str] = msgspec.field(default_factory=list)  # other agents offered as tools
+    subscribe: list[TopicSubscription] = msgspec.field(default_factory=list)
+    experiment: str = ""
+
+
+class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    command: list[str]
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    restart: bool = True
+
+
+class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    hub: HubSection = msgspec.field(default_factory=HubSection)
+    models: dict[str, ModelEntry] = msgspec.field(default_factory=dict)
+    gateways: GatewaySection = msgspec.field(default_factory=GatewaySection)
+    workers: list[WorkerGroup] = msgspec.field(default_factory=lambda: [WorkerGroup()])
+    coordinators: int = 1
+    agents: list[AgentSpec] = msgspec.field(default_factory=lambda: [AgentSpec("assistant")])
+    processes: list[ProcessSpec] = msgspec.field(default_factory=list)
+
+    def model_configs(self) -> list[ModelConfig]:
+        return [entry.config(alias) for alias, entry in self.models.items()]
+
+    def agent(self, name: str) -> AgentSpec:
+        for spec in self.agents:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+HOOK_NAMES = frozenset({
+    "before_tool_call", "after_tool_call", "transform_context", "convert_to_llm",
+    "prepare_next_turn", "should_stop_after_turn", "get_incomplete_work_prompt",
+})
+
+
+def default_topology() -> Topology:
+    return Topology()
+
+
+def load_topology(path: Path | str) -> Topology:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TopologyError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        if path.suffix == ".json":
+            topology = msgspec.json.decode(data, type=Topology)
+        else:
+            topology = msgspec.toml.decode(data, type=Topology)
+    except msgspec.ValidationError as exc:
+        raise TopologyError(f"{path}: {_keypath_message(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+    problems = check_topology(topology)
+    if problems:
+        raise TopologyError(f"{path}: {problems[0]}")
+    return topology
+
+
+def _keypath_message(message: str) -> str:
+    """msgspec says `... - at `$.agents[0].tools``; we say `agents[0].tools: ...`."""
+    match = re.match(r"(?s)(.*) - at `\$\.?(.*)`$", message)
+    if not match:
+        return message
+    text, path = match.groups()
+    unknown = re.match(r"Object contains unknown field `(.+)`", text)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return f"{key}: unknown key (check the spelling; see `busctl config show`)"
+    return f"{path or '(top level)'}: {text}"
+
+
+def check_topology(topology: Topology) -> list[str]:
+    """Cross-field checks msgspec cannot express; each problem names its key path."""
+    problems: list[str] = []
+    aliases = set(topology.models)
+    if topology.gateways.default_model and topology.gateways.default_model not in aliases:
+        problems.append(f"gateways.default_model: unknown model alias "
+                        f"{topology.gateways.default_model!r} (defined: {_names(aliases)})")
+    names = [a.name for a in topology.agents]
+    for i, agent in enumerate(topology.agents):
+        where = f"agents[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", agent.name):
+            problems.append(f"{where}.name: {agent.name!r} must be letters, digits, _ . or -")
+        if names.count(agent.name) > 1:
+            problems.append(f"{where}.name: agent {agent.name!r} is defined twice")
+        if agent.model and agent.model not in aliases:
+            problems.append(f"{where}.model: unknown model alias {agent.model!r} "
+                            f"(defined: {_names(aliases)}; add a [models.{agent.model}] table)")
+        for hook in agent.hooks:
+            if hook not in HOOK_NAMES:
+                problems.append(f"{where}.hooks.{hook}: unknown hook (one of {_names(HOOK_NAMES)})")
+        for other in agent.agents:
+            if other not in names:
+                problems.append(f"{where}.agents: unknown agent {other!r}")
+    for i, group in enumerate(topology.workers):
+        for j, module in enumerate(group.tools):
+            if not tool_module_exists(module):
+                problems.append(f"workers[{i}].tools[{j}]: cannot find tool module {module!r} "
+                                "(a dotted module name importable from here, or a .py file)")
+        if group.count < 0 or group.concurrency < 1:
+            problems.append(f"workers[{i}]: count must be >= 0 and concurrency >= 1")
+    if topology.gateways.count < 0 or topology.coordinators < 0:
+        problems.append("gateways.count / coordinators: must be >= 0")
+    return problems
+
+
+def tool_module_exists(module: str) -> bool:
+    if module.endswith(".py"):
+        return Path(module).is_file()
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _names(names: set[str] | frozenset[str]) -> str:
+    return ", ".join(sorted(names)) or "none"
+
+
+EXAMPLE = """\
+# agent-bus topology. Every key is optional; this is the embedded default plus comments.
+[hub]
+endpoint = "tcp://127.0.0.1:7400"   # ROUTER; events bind on port + 1
+state_dir = ".busctl"               # event log, conversations, logs, pid file
+heartbeat_interval = 1.0            # seconds
+liveness = 3                        # missed beats before a peer is dead
+
+# [models.local]                    # a model alias the agents refer to
+# provider = "openai"               # "openai" (any chat-completions server) or "anthropic"
+# base_url = "http://127.0.0.1:8080/v1"
+# model = "qwen2.5-7b-instruct"
+# api_key_env = "OPENAI_API_KEY"    # the NAME of the variable, never the key
+# context_window = 32768
+# max_concurrency = 4
+
+[gateways]
+count = 1                           # no [models]: configured from OPENAI_* / ANTHROPIC_* env
+
+[[workers]]
+name = "tools"
+tools = ["tools.builtin"]           # dotted modules or .py files with @tool functions
+count = 1
+concurrency = 8
+workspace = "."
+shell = false                       # the run_shell tool is refused unless true
+
+[[agents]]
+name = "assistant"
+tools = ["*"]                       # every live tool
+tool_execution = "parallel"
+max_iterations = 200
+"""

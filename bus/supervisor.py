@@ -1,0 +1,224 @@
+"""Child-process supervision for `busctl up`: start, wait for ready, restart with backoff, stop.
+
+Each child runs in its own process group (so a stop takes its grandchildren too), writes its
+output to `<log_dir>/<name>.log` and, in the foreground, to the terminal prefixed by its name. A
+child announces readiness with one JSON line starting with `{"ready"` on stdout. A child that exits
+while the topology is up is restarted with exponential backoff; one that crash-loops is given up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+import anyio.abc
+
+RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)
+CRASH_LOOP_RESTARTS = 5  # restarts within CRASH_LOOP_WINDOW that make us give up
+CRASH_LOOP_WINDOW = 60.0
+STOP_TIMEOUT = 4.0
+
+Notify = Callable[[str, "Child", int | None], Awaitable[None]]  # (what, child, exit code)
+
+
+@dataclass
+class ChildSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    ready_timeout: float = 20.0
+    restart: bool = True
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    process: anyio.abc.Process | None = None
+    ready: dict[str, Any] | None = None
+    restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)
+    gave_up: bool = False
+    ready_event: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+
+class ChildFailed(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, log_dir: Path, echo: TextIO | None, color: bool = False) -> None:
+        self.log_dir = log_dir
+        self.echo = echo
+        self.color = color
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+        self.notify: Notify | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    async def __aenter__(self) -> Supervisor:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.stop_all()
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+
+    async def start(self, spec: ChildSpec) -> Child:
+        """Start a child and wait for its ready line; raise ChildFailed with its output if not."""
+        child = Child(spec)
+        self.children[spec.name] = child
+        assert self._tg is not None
+        self._tg.start_soon(self._supervise, child)
+        with anyio.move_on_after(spec.ready_timeout):
+            await child.ready_event.wait()
+        if child.ready is None:
+            tail = self.tail(spec.name)
+            raise ChildFailed(f"`{spec.name}` did not become ready within {spec.ready_timeout:g}s"
+                              f" (log: {self.log_path(spec.name)}){tail}")
+        return child
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            text = self.log_path(name).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return ("\n" + "\n".join(f"  {name} | {line}" for line in text)) if text else ""
+
+    async def _supervise(self, child: Child) -> None:
+        while not self.stopping:
+            code = await self._run_once(child)
+            if self.stopping or not child.spec.restart:
+                return
+            now = time.monotonic()
+            child.restart_times = [t for t in child.restart_times if now - t < CRASH_LOOP_WINDOW]
+            if len(child.restart_times) >= CRASH_LOOP_RESTARTS:
+                child.gave_up = True
+                self._say(child.spec.name, f"crash-looping (exit {code}, {child.restarts} restarts); "
+                          f"giving up — see {self.log_path(child.spec.name)}")
+                if self.notify:
+                    await self.notify("gave_up", child, code)
+                return
+            delay = RESTART_BACKOFF[min(len(child.restart_times), len(RESTART_BACKOFF) - 1)]
+            self._say(child.spec.name, f"exited with {code}; restarting in {delay:g}s")
+            await anyio.sleep(delay)
+            if self.stopping:
+                return
+            child.restarts += 1
+            child.restart_times.append(time.monotonic())
+            child.ready_event = anyio.Event()
+            child.ready = None
+            if self.notify:
+                self._tg.start_soon(self._notify_when_ready, child, code)  # type: ignore[union-attr]
+
+    async def _notify_when_ready(self, child: Child, code: int | None) -> None:
+        with anyio.move_on_after(child.spec.ready_timeout):
+            await child.ready_event.wait()
+        if self.notify:
+            await self.notify("restarted", child, code)
+
+    async def _run_once(self, child: Child) -> int | None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.spec.env}
+        log = self.log_path(child.spec.name).open("a", buffering=1)
+        try:
+            process = await anyio.open_process(child.spec.argv, stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                               env=env, start_new_session=True)
+        except OSError as exc:
+            log.write(f"failed to start: {exc}\n")
+            log.close()
+            return None
+        child.process = process
+        try:
+            async with process:
+                assert process.stdout is not None
+                await self._pump(child, process.stdout, log)
+                return await process.wait()
+        finally:
+            log.close()
+
+    async def _pump(self, child: Child, stream: anyio.abc.ByteReceiveStream, log: TextIO) -> None:
+        buffer = b""
+        async for chunk in stream:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                log.write(line + "\n")
+                if child.ready is None and line.startswith('{"ready"'):
+                    try:
+                        child.ready = json.loads(line)
+                    except ValueError:
+                        continue
+                    child.ready_event.set()
+                    continue
+                self._say(child.spec.name, line)
+
+    def _say(self, name: str, line: str) -> None:
+        if self.echo is None:
+            return
+        prefix = f"{name:>12} | "
+        if self.color:
+            import click
+
+            prefix = click.style(prefix, fg="cyan")
+        self.echo.write(prefix + line + "\n")
+        self.echo.flush()
+
+    async def stop_all(self, order: list[str] | None = None) -> None:
+        """SIGTERM each child (in `order`, else reverse start order); SIGKILL what is left."""
+        self.stopping = True
+        names = order or list(reversed(self.children))
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for name in names:
+            child = self.children.get(name)
+            if child is None or not child.alive:
+                continue
+            _killpg(child, signal.SIGTERM)
+            with anyio.move_on_after(max(0.1, min(2.0, deadline - time.monotonic()))):
+                await child.process.wait()  # type: ignore[union-attr]
+        for child in self.children.values():
+            if child.process is not None:
+                _killpg(child, signal.SIGKILL)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        child = self.children[name]
+        _killpg(child, sig)
+
+
+def _killpg(child: Child, sig: int) -> None:
+    if child.process is None:
+        return
+    try:
+        os.killpg(child.process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def python_argv(*args: str) -> list[str]:
+    """Run `busctl` children with this interpreter, whether or not the script is on PATH."""
+    return [sys.executable, "-m", "cli", *args]
