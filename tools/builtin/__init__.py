@@ -1,0 +1,27 @@
+"""Built-in tools: workspace file access, a text-only URL fetch and an opt-in shell.
+
+    read_file(path, offset=1, limit=2000)     write_file(path, content)
+    list_dir(path=".")                         search_files(pattern, path=".", glob=None)
+    fetch_url(url)                             run_shell(command, timeout=60)
+
+File tools are confined to the worker's workspace (`ToolContext.workspace`); `run_shell` refuses
+unless the worker enabled shell access (`ToolContext.allow_shell`). Serve them all with
+`load_tools("tools.builtin")`.
+"""
+
+from tools._tool import Tool
+from tools.builtin._files import list_dir, read_file, search_files, write_file
+from tools.builtin._shell import run_shell
+from tools.builtin._web import fetch_url
+
+BUILTIN_TOOLS: list[Tool] = [read_file, write_file, list_dir, search_files, fetch_url, run_shell]
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "fetch_url",
+    "list_dir",
+    "read_file",
+    "run_shell",
+    "search_files",
+    "write_file",
+]

@@ -1,0 +1,164 @@
+"""`ToolContext`: what a running tool may know about its call, and how it reports back.
+
+A tool receives one by declaring a parameter annotated `ToolContext` (any name; it is left out of
+the schema). The runner creates one per call on the event loop thread; tools running in a worker
+thread use the same object from there (`cancelled`, `progress` and `wait_cancelled_blocking` are
+thread-safe).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Generator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+from bus.messages import ToolResult
+from tools._exceptions import WorkspaceError
+from tools._results import to_content
+
+logger = logging.getLogger(__name__)
+
+#: Receives each progress update as a partial ToolResult; may be sync or async.
+ProgressCallback = Callable[[ToolResult], "Awaitable[None] | None"]
+
+
+class _Ready:
+    """An awaitable that is already finished (what `progress` returns when nothing is left to do)."""
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield  # pragma: no cover - makes this a generator
+
+
+class ToolContext:
+    """Per-call facts and channels for a tool.
+
+    Attributes: `call_id`, `tool_name`, `agent`, `run_id`, `experiment` (from the request),
+    `workspace` (resolved Path the file tools are confined to) and `allow_shell` (whether the
+    worker enabled shell commands).
+    """
+
+    def __init__(
+        self,
+        *,
+        call_id: str = "",
+        tool_name: str = "",
+        agent: str = "",
+        run_id: str = "",
+        experiment: str = "",
+        workspace: str | os.PathLike[str] = ".",
+        allow_shell: bool = False,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        self.call_id = call_id
+        self.tool_name = tool_name
+        self.agent = agent
+        self.run_id = run_id
+        self.experiment = experiment
+        self.workspace = Path(workspace).resolve()
+        self.allow_shell = allow_shell
+        self._on_progress = on_progress
+        self._cancelled = threading.Event()
+        self._cancelled_async: anyio.Event | None = None
+        self._closed = False
+        self._loop_thread = threading.get_ident()
+        self._token: Any = None
+
+    # --- cancellation --------------------------------------------------------------------
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the call was cancelled or timed out; sync tools poll it and stop early."""
+        return self._cancelled.is_set()
+
+    async def wait_cancelled(self) -> None:
+        """Return when the call is cancelled (for async tools watching in a side task)."""
+        if self._cancelled.is_set():
+            return
+        if self._cancelled_async is None:
+            self._cancelled_async = anyio.Event()
+        await self._cancelled_async.wait()
+
+    def wait_cancelled_blocking(self, timeout: float | None = None) -> bool:
+        """From a worker thread: sleep up to `timeout` s, waking early on cancellation.
+
+        Returns True if the call was cancelled. Use it instead of `time.sleep` in sync tools.
+        """
+        return self._cancelled.wait(timeout)
+
+    def _cancel(self) -> None:
+        """Called by the runner, on the event loop thread."""
+        self._cancelled.set()
+        if self._cancelled_async is not None:
+            self._cancelled_async.set()
+
+    # --- progress ------------------------------------------------------------------------
+
+    def progress(self, update: Any) -> Awaitable[None]:
+        """Stream a partial result (mapped like a return value) to the caller.
+
+        Async tools: `await ctx.progress(obj)`. Sync tools in a worker thread: `ctx.progress(obj)`
+        blocks until the update is handed over (the returned awaitable is already done). Updates
+        after the call ended, or with no listener, are dropped.
+        """
+        if self._closed or self._on_progress is None:
+            return _Ready()
+        partial = ToolResult(content=to_content(update))
+        if threading.get_ident() == self._loop_thread:
+            return self._deliver(partial)
+        try:
+            anyio.from_thread.run(self._deliver, partial, token=self._token)
+        except RuntimeError:  # the event loop is gone: the call is over, drop the update
+            pass
+        return _Ready()
+
+    async def _deliver(self, partial: ToolResult) -> None:
+        if self._closed or self._on_progress is None:
+            return
+        try:
+            pending = self._on_progress(partial)
+            if inspect.isawaitable(pending):
+                await pending
+        except Exception:  # best effort, like the event stream: a bad listener must not fail the tool
+            logger.exception("progress callback failed for tool call %s", self.call_id)
+
+    def _bind(self) -> None:
+        """Called by the runner on the event loop: lets worker threads reach this loop."""
+        self._loop_thread = threading.get_ident()
+        self._token = anyio.lowlevel.current_token()
+
+    def _close(self) -> None:
+        self._closed = True
+
+    # --- workspace -----------------------------------------------------------------------
+
+    def resolve_path(self, path: str | os.PathLike[str]) -> Path:
+        """`path` (relative to the workspace, or absolute inside it) as a resolved Path.
+
+        Raises WorkspaceError if it resolves, through `..` or symlinks, outside the workspace.
+        """
+        return confine(self.workspace, path)
+
+
+def confine(workspace: Path, path: str | os.PathLike[str]) -> Path:
+    """Resolve `path` against `workspace` (symlinks included) and refuse escapes."""
+    root = workspace.resolve()
+    raw = os.fspath(path)
+    if "\0" in raw:
+        raise WorkspaceError(f"Path `{raw!r}` contains a NUL byte")
+    candidate = Path(raw)
+    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+    if resolved != root and not resolved.is_relative_to(root):
+        raise WorkspaceError(
+            f"Path `{raw}` resolves to `{resolved}`, outside the workspace `{root}`; "
+            f"use a path inside the workspace (relative paths are resolved against it)"
+        )
+    return resolved
