@@ -262,5 +262,371 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...], c
         pass
 
 
+# --- busctl gateway / coordinator / fake-llm --------------------------------------------
+
+
+def _load_topology_or_exit(path: str | None) -> Any:
+    from agents.topology import TopologyError, default_topology, load_topology
+
+    if path is None:
+        return default_topology()
+    try:
+        return load_topology(path)
+    except TopologyError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@hub_options
+@click.option("--topology", "topology_file", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Topology file whose [models] to serve [default: from the environment].")
+@click.option("--name", default="", help="Peer name [default: gateway-PID].")
+def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name: str) -> None:
+    """Run an LLM gateway: serve `llm` requests by calling model providers over HTTP.
+
+    \b
+    Models come from the topology's [models] tables, or else from the environment:
+    OPENAI_API_KEY / OPENAI_BASE_URL / OPENAI_MODEL, or ANTHROPIC_API_KEY / ANTHROPIC_MODEL.
+    Example:
+      OPENAI_BASE_URL=http://127.0.0.1:8080/v1 busctl gateway
+    """
+    from agents.gateway import GatewaySettings, run_gateway
+
+    topology = _load_topology_or_exit(topology_file)
+    settings = GatewaySettings(hub=hub, models=topology.model_configs(),
+                               default_model=topology.gateways.default_model,
+                               name=name or f"gateway-{os.getpid()}", curve=curve)
+    try:
+        run_async(run_gateway, settings)
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command()
+@hub_options
+@click.option("--topology", "topology_file", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="Topology file declaring the agents [default: one `assistant`].")
+@click.option("--agent", "agent_names", multiple=True,
+              help="Host only these agents of the topology (repeatable) [default: all].")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=".busctl/agents",
+              show_default=True, help="Where conversations are stored.")
+@click.option("--name", default="", help="Peer name [default: coordinator-PID].")
+def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
+                agent_names: tuple[str, ...], state_dir: str, name: str) -> None:
+    """Run a coordinator: host agents as services `agent.<name>` and run their loops.
+
+    \b
+    Example:
+      busctl coordinator --topology team.toml --agent researcher --agent writer
+    """
+    from agents.coordinator import CoordinatorSettings, run_coordinator
+
+    topology = _load_topology_or_exit(topology_file)
+    known = {a.name for a in topology.agents}
+    unknown = [n for n in agent_names if n not in known]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)} not in the topology "
+                                 f"(agents: {', '.join(sorted(known))})", param_hint="--agent")
+    agents = [a for a in topology.agents if not agent_names or a.name in agent_names]
+    settings = CoordinatorSettings(hub=hub, agents=agents, state_dir=state_dir,
+                                   name=name or f"coordinator-{os.getpid()}", curve=curve)
+    try:
+        run_async(run_coordinator, settings)
+    except KeyboardInterrupt:
+        pass
+
+
+def _register_fake_llm() -> None:
+    from agents.fakellm import fake_llm_command
+
+    main.add_command(fake_llm_command, "fake-llm")
+
+
+_register_fake_llm()
+
+
+# --- busctl up / down / ps / config --------------------------------------------------------
+
+
+@main.command()
+@click.option("-c", "--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="Topology file (TOML) [default: the embedded default, see `busctl config show`].")
+@click.option("--hub", "hub_addr", envvar=HUB_ENV, default=None,
+              help=f"Hub address to bind, overriding the file (env {HUB_ENV}).")
+@click.option("--tools", "extra_tools", multiple=True,
+              help="Extra tool module for the first worker group (repeatable).")
+@click.option("--workers", type=click.IntRange(0), default=None,
+              help="Number of processes in the first worker group.")
+@click.option("--demo", is_flag=True,
+              help="Point the gateway at the bundled scripted model (no key, no network).")
+@click.option("-d", "--detach", is_flag=True, help="Run in the background; stop with `busctl down`.")
+@click.option("--ready-file", default="", hidden=True)
+def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ...],
+       workers: int | None, demo: bool, detach: bool, ready_file: str) -> None:
+    """Start a whole topology — hub, gateways, workers, coordinators — and supervise it.
+
+    \b
+    Examples:
+      busctl up --demo                 # everything, on a scripted model: no key needed
+      busctl up -c team.toml -d        # a topology file, in the background
+      busctl up --tools ./my_tools.py --workers 4
+    Ctrl-C stops everything in order.
+    """
+    from agents.launch import UpOptions, up as run_up
+
+    topology = _load_topology_or_exit(config_file)
+    options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
+                        detach_ready_file=ready_file)
+    from agents.launch import resolve
+    from agents.topology import check_topology
+
+    problems = check_topology(resolve(topology, options))
+    if problems:
+        raise click.ClickException(f"{config_file or 'embedded default'}: {problems[0]}")
+    _refuse_insecure_bind(resolve(topology, options))
+    if detach:
+        _detach(topology, options)
+        return
+    from bus.supervisor import ChildFailed
+
+    try:
+        code = anyio.run(run_up, topology, options, sys.stdout, use_color())
+    except ChildFailed as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+def _refuse_insecure_bind(topology: Any) -> None:
+    hub_cfg = topology.hub
+    if hub_cfg.curve_secret or hub_cfg.insecure or is_loopback_endpoint(hub_cfg.endpoint):
+        return
+    raise click.UsageError(
+        f"refusing to bind {hub_cfg.endpoint} without CURVE: other machines could connect. "
+        "Make keys with `busctl keys generate DIR` and set hub.curve_secret and "
+        "hub.curve_authorized in the topology, or set hub.insecure = true on a trusted network."
+    )
+
+
+def _detach(topology: Any, options: Any) -> None:
+    import subprocess
+    import time
+
+    from agents.launch import pid_file, resolve, state_dir
+
+    topo = resolve(topology, options)
+    state = state_dir(topo)
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    pid_path = pid_file(topo)
+    if pid_path.exists() and _pid_alive(int(pid_path.read_text().split()[0] or 0)):
+        raise click.ClickException(f"already up (pid file {pid_path}); `busctl down` first")
+    ready = state / "up.ready"
+    ready.unlink(missing_ok=True)
+    argv = [a for a in sys.argv[1:] if a not in ("-d", "--detach")]
+    with open(state / "logs" / "up.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", *argv, "--ready-file", str(ready)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    pid_path.write_text(f"{proc.pid}\n")
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pid_path.unlink(missing_ok=True)
+            raise click.ClickException(f"`busctl up` failed to start; see {state / 'logs' / 'up.log'}")
+        time.sleep(0.05)
+    click.echo(f"up in the background (pid {proc.pid}); logs in {state / 'logs'}; "
+               "stop with `busctl down`")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@main.command()
+@click.option("-c", "--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="The topology file given to `busctl up -d` (for its state directory).")
+@click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+              help="Seconds to wait before killing.")
+def down(config_file: str | None, timeout: float) -> None:
+    """Stop a topology started with `busctl up -d`.
+
+    \b
+    Example:
+      busctl up -d && busctl run "hi" && busctl down
+    """
+    import signal
+    import time
+
+    from agents.launch import pid_file
+
+    path = pid_file(_load_topology_or_exit(config_file))
+    if not path.exists():
+        raise click.ClickException(f"nothing is up here (no pid file {path})")
+    pid = int(path.read_text().split()[0])
+    if _pid_alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _pid_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+    path.unlink(missing_ok=True)
+    click.echo(f"stopped (pid {pid})")
+
+
+@main.command()
+@hub_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per peer per line.")
+def ps(hub: str, curve: CurveClient | None, as_json: bool) -> None:
+    """List the processes connected to the hub, with their services and load."""
+
+    async def fetch() -> p.Status:
+        async with connect(hub, name="busctl-ps", role="cli", curve=curve) as peer:
+            return await peer.status()
+
+    st = run_async(fetch)
+    for peer in st.peers:
+        if peer.role == "cli":
+            continue
+        if as_json:
+            click.echo(msgspec.json.encode(peer).decode())
+            continue
+        services = ", ".join(f"{s.name} {s.load}/{s.capacity}" for s in peer.services)
+        click.echo(f"{peer.name:<22} {peer.role or '-':<11} pid {peer.pid:<7} {peer.host:<12} "
+                   f"{services}")
+
+
+@main.group()
+def config() -> None:
+    """Validate and show topology files."""
+
+
+@config.command("check")
+@click.argument("file", type=click.Path(dir_okay=False))
+def config_check(file: str) -> None:
+    """Validate FILE and print the resolved topology as JSON."""
+    topology = _load_topology_or_exit(file)
+    click.echo(msgspec.json.format(msgspec.json.encode(topology)).decode())
+
+
+@config.command("show")
+def config_show() -> None:
+    """Print the embedded default topology, commented."""
+    from agents.topology import EXAMPLE
+
+    click.echo(EXAMPLE, nl=False)
+
+
+@main.group()
+def keys() -> None:
+    """CurveZMQ keys for a hub that other machines connect to."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--client", "clients", multiple=True, default=("client",), show_default=True,
+              help="Name of a client key pair to make and authorise (repeatable).")
+def keys_generate(directory: str, clients: tuple[str, ...]) -> None:
+    """Make a hub key pair and client key pairs in DIRECTORY (files 0600, directory 0700).
+
+    \b
+    Then:
+      busctl hub --hub tcp://0.0.0.0:7400 --curve-secret DIR/hub.key_secret --curve-authorized DIR/authorized
+      busctl worker --hub tcp://HOST:7400 --curve-server-key DIR/hub.key --curve-key DIR/client.key_secret
+    """
+    import shutil
+
+    from bus.security import generate_keys
+
+    root = Path(directory)
+    generate_keys(root, "hub")
+    authorized = root / "authorized"
+    authorized.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name in clients:
+        public, _ = generate_keys(root, name)
+        shutil.copy(public, authorized / public.name)
+        os.chmod(authorized / public.name, 0o600)
+    click.echo(f"hub keys: {root / 'hub.key'} (give to clients), {root / 'hub.key_secret'} (hub only)")
+    click.echo(f"clients: {', '.join(clients)}; authorised public keys in {authorized}")
+
+
+# --- busctl run / chat / steer / follow-up / abort ----------------------------------------
+
+
+@main.command("run")
+@hub_options
+@click.option("--agent", default="assistant", show_default=True, help="Agent to prompt.")
+@click.option("--json", "as_json", is_flag=True, help="Print the run's events as JSON lines.")
+@click.option("--new-session", is_flag=True, help="Start a new conversation first.")
+@click.option("--experiment", default="", help="Tag the run's events with this experiment id.")
+@click.argument("prompt")
+def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, new_session: bool,
+            experiment: str, prompt: str) -> None:
+    """Send PROMPT (or `-` for stdin) to an agent and stream the run; print the final text.
+
+    \b
+    Exit status: 0 on a normal stop, 1 on error, 130 when aborted (Ctrl-C aborts the run; a
+    second Ctrl-C exits at once).
+    Example:
+      busctl run --agent assistant "summarise README.md"
+    """
+    from agents.drive import drive_run
+
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
+    code = run_async(drive_run, hub, curve, agent, text, as_json, new_session, experiment,
+                     use_color())
+    sys.exit(code)
+
+
+@main.command()
+@hub_options
+@click.option("--agent", default="assistant", show_default=True, help="Agent to talk to.")
+def chat(hub: str, curve: CurveClient | None, agent: str) -> None:
+    """An interactive session: each line is a prompt; while a run streams, a line steers it.
+
+    \b
+    `/abort` aborts the current run, `/follow TEXT` queues a follow-up, `/reset` starts over,
+    Ctrl-D quits.
+    """
+    from agents.drive import chat as run_chat
+
+    run_async(run_chat, hub, curve, agent, use_color())
+
+
+def _agent_verb(verb: str) -> Callable[..., None]:
+    @hub_options
+    @click.argument("agent")
+    @click.argument("text", required=verb in ("steer", "follow_up"))
+    def command(hub: str, curve: CurveClient | None, agent: str, text: str | None = None) -> None:
+        from agents.remote import connect as connect_agents
+
+        async def go() -> None:
+            async with connect_agents(hub, name=f"busctl-{verb}", curve=curve) as bus:
+                method = getattr(bus, verb)
+                await (method(agent, text) if text is not None else method(agent))
+
+        run_async(go)
+        click.echo(f"{verb.replace('_', '-')} sent to {agent}")
+
+    return command
+
+
+main.command("steer", help="Queue a steering message for AGENT's current run (TEXT).")(
+    _agent_verb("steer"))
+main.command("follow-up", help="Queue TEXT for AGENT to handle when it would otherwise stop.")(
+    _agent_verb("follow_up"))
+main.command("abort", help="Abort AGENT's current run (model call and tool calls).")(
+    _agent_verb("abort"))
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,412 @@
+"""Context management for the loop: usage tracking, the tool-output cache and compaction helpers.
+
+These are pure, in-memory pieces; the loop (`agents.loop`) decides when to use them. They exist
+so a long run keeps fitting the model's context window without losing anything for good: large
+tool outputs are cut but stay retrievable by ref, and old history is folded into a summary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bus.messages import (
+    AssistantMessage,
+    BranchSummaryMessage,
+    CompactionSummaryMessage,
+    CustomMessage,
+    LlmMessage,
+    Message,
+    TextPart,
+    ToolCallRequest,
+    ToolInfo,
+    ToolResult,
+    ToolResultMessage,
+    Usage,
+    error_result,
+    user_text,
+)
+
+DEFAULT_CONTEXT_WINDOW = 128_000
+
+# --- usage --------------------------------------------------------------------------------
+
+
+class UsageTracker:
+    """Sums token usage by model and remembers the last response's usage (for context-left %)."""
+
+    def __init__(self) -> None:
+        self.by_model: dict[str, Usage] = {}
+        self.last: Usage | None = None
+
+    def add(self, message: AssistantMessage) -> None:
+        """Record one model response; error responses count too (providers may bill them)."""
+        self.last = message.usage
+        key = message.model or "unknown"
+        self.by_model[key] = self.by_model.get(key, Usage()) + message.usage
+
+    def merge(self, by_model: dict[str, Usage]) -> None:
+        """Fold another tracker's totals (e.g. one run's) into these."""
+        for key, usage in by_model.items():
+            self.by_model[key] = self.by_model.get(key, Usage()) + usage
+
+    @property
+    def total(self) -> Usage:
+        total = Usage()
+        for usage in self.by_model.values():
+            total = total + usage
+        return total
+
+    def context_left_percent(self, context_window: int | None) -> int | None:
+        """Percent of the window left after the last response; None when unknown."""
+        if self.last is None or not context_window:
+            return None
+        if self.last.total <= 0:
+            return 100
+        left = round((1 - self.last.total / context_window) * 100)
+        return max(0, min(100, left))
+
+
+# --- tool output cache --------------------------------------------------------------------
+
+TOOL_OUTPUT_TOOL = "tool_output"
+BYTES_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class ToolOutputConfig:
+    """Limits for tool outputs kept in history.
+
+    `max_message_bytes` cuts any single result; `budget_tokens` bounds all tool outputs in history
+    together (None: 25% of the context window, clamped to [20000, 60000] tokens).
+    """
+
+    max_message_bytes: int = 51_200
+    budget_tokens: int | None = None
+    context_ratio: float = 0.25
+
+    def budget(self, context_window: int | None) -> int:
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        if not context_window:
+            return 60_000
+        return max(20_000, min(60_000, math.floor(context_window * self.context_ratio)))
+
+
+class ToolOutputStore:
+    """Full texts of tool outputs by ref, so cut or trimmed outputs stay retrievable.
+
+    The coordinator can offer it to models as the built-in `tool_output` tool via `tool_info()`
+    and `handle()`.
+    """
+
+    def __init__(self) -> None:
+        self._texts: dict[str, str] = {}
+
+    def put(self, text: str) -> str:
+        ref = uuid.uuid4().hex[:12]
+        self._texts[ref] = text
+        return ref
+
+    def get(self, ref: str) -> str | None:
+        return self._texts.get(ref)
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    @staticmethod
+    def tool_info() -> ToolInfo:
+        return ToolInfo(
+            name=TOOL_OUTPUT_TOOL,
+            description=(
+                "Read the full text of a truncated or trimmed tool output by its `ref` "
+                "(shown as `ref=<id>`). Use `offset`/`limit` (characters) to page."
+            ),
+            parameters={
+                "type": "object",
+                "properties": {
+                    "ref": {"type": "string"},
+                    "offset": {"type": "integer", "minimum": 0},
+                    "limit": {"type": "integer", "minimum": 1},
+                },
+                "required": ["ref"],
+                "additionalProperties": False,
+            },
+            idempotent=True,
+        )
+
+    async def handle(self, request: ToolCallRequest) -> ToolResult:
+        """Serve one `tool_output` call; bad input becomes an error result, never an exception."""
+        try:
+            args = json.loads(request.arguments or "{}")
+            ref, offset = str(args["ref"]), int(args.get("offset", 0))
+            limit = args.get("limit")
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_result(f"Error: `tool_output` expects {{ref, offset?, limit?}}: {exc}")
+        text = self.get(ref)
+        if text is None:
+            return error_result(f"Error: no tool output with ref={ref}")
+        end = None if limit is None else offset + int(limit)
+        return ToolResult(content=[TextPart(text[offset:end])])
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def cut_to_bytes(text: str, max_bytes: int) -> str:
+    """Longest prefix of whole lines within `max_bytes` (a single overlong line is cut mid-line)."""
+    kept: list[str] = []
+    used = 0
+    for line in text.splitlines(keepends=True):
+        size = _utf8_len(line)
+        if used + size > max_bytes:
+            if not kept:
+                kept.append(line.encode("utf-8")[:max_bytes].decode("utf-8", "ignore"))
+            break
+        kept.append(line)
+        used += size
+    return "".join(kept)
+
+
+class ToolOutputCache:
+    """Applies `ToolOutputConfig` to tool-result messages, storing full texts in a `ToolOutputStore`."""
+
+    def __init__(
+        self,
+        store: ToolOutputStore,
+        config: ToolOutputConfig | None = None,
+        context_window: int | None = DEFAULT_CONTEXT_WINDOW,
+    ) -> None:
+        self.store = store
+        self.config = config or ToolOutputConfig()
+        self.context_window = context_window
+        self._refs: dict[str, str] = {}  # tool_call_id -> ref
+        self._trimmed: set[str] = set()
+
+    def process(self, message: ToolResultMessage) -> ToolResultMessage:
+        """Store the full text and cut the message to `max_message_bytes` (marker with the ref)."""
+        if message.tool_name == TOOL_OUTPUT_TOOL or not _has_text(message):
+            return message
+        text = message.text
+        ref = self.store.put(text)
+        self._refs[message.tool_call_id] = ref
+        if _utf8_len(text) <= self.config.max_message_bytes:
+            return message
+        cut = cut_to_bytes(text, self.config.max_message_bytes)
+        content = [TextPart(f"{cut}\n\n[tool output truncated; ref={ref}]")]
+        return _with_content(message, content)
+
+    def trim(self, messages: list[Message]) -> int:
+        """Replace the oldest tool outputs by a ref marker until all fit the budget; returns count."""
+        budget = self.config.budget(self.context_window)
+        indexes = [i for i, m in enumerate(messages) if isinstance(m, ToolResultMessage)]
+        used = sum(_tokens(messages[i]) for i in indexes)
+        trimmed = 0
+        for i in indexes:
+            if used <= budget:
+                break
+            message = messages[i]
+            assert isinstance(message, ToolResultMessage)
+            if message.tool_call_id in self._trimmed or message.tool_name == TOOL_OUTPUT_TOOL:
+                continue
+            ref = self._refs.get(message.tool_call_id) or self.store.put(message.text)
+            marker = _with_content(message, [TextPart(f"[tool output trimmed; ref={ref}]")])
+            used += _tokens(marker) - _tokens(message)
+            messages[i] = marker
+            self._trimmed.add(message.tool_call_id)
+            trimmed += 1
+        return trimmed
+
+
+def _has_text(message: ToolResultMessage) -> bool:
+    return any(isinstance(p, TextPart) for p in message.content)
+
+
+def _tokens(message: ToolResultMessage | Message) -> int:
+    text = message.text if isinstance(message, ToolResultMessage) else ""
+    return math.ceil(_utf8_len(text) / BYTES_PER_TOKEN)
+
+
+def _with_content(message: ToolResultMessage, content: list[Any]) -> ToolResultMessage:
+    return ToolResultMessage(
+        tool_call_id=message.tool_call_id,
+        tool_name=message.tool_name,
+        content=content,
+        is_error=message.is_error,
+        details=message.details,
+        timestamp=message.timestamp,
+    )
+
+
+# --- compaction ---------------------------------------------------------------------------
+
+DEFAULT_SUMMARY_PROMPT = (
+    "Summarize the conversation so it can be continued later. Focus on decisions, results, "
+    "constraints, and next steps. Keep it concise and factual."
+)
+DEFAULT_RETAIN_PROMPT = (
+    "List concrete details that must be preserved verbatim. Include tool output refs, file paths, "
+    "identifiers, commands, TODOs, and any critical decisions."
+)
+
+
+@dataclass(frozen=True)
+class CompactionConfig:
+    """When and how to fold history into a summary (set LoopConfig.compaction=None to disable)."""
+
+    enabled: bool = True
+    threshold: float = 0.8
+    retain_last_turns: int = 1
+    model: str | None = None
+    summary_prompt: str = DEFAULT_SUMMARY_PROMPT
+    retain_prompt: str | None = DEFAULT_RETAIN_PROMPT
+
+
+def should_compact(
+    config: CompactionConfig | None, usage: Usage | None, context_window: int | None
+) -> bool:
+    """True when the last response used at least threshold * context_window tokens."""
+    if config is None or not config.enabled or usage is None or not context_window:
+        return False
+    return usage.total >= math.floor(context_window * config.threshold)
+
+
+def compaction_prompt(config: CompactionConfig) -> str:
+    lines = [
+        "You are summarizing the conversation for context compaction.",
+        "Respond only with the XML-like tags below and nothing else:",
+    ]
+    if config.retain_prompt is not None:
+        lines.append("<retain>...</retain>")
+    lines += ["<summary>...</summary>", ""]
+    if config.retain_prompt is not None:
+        lines += ["Retain instructions:", config.retain_prompt.strip(), ""]
+    lines += ["Summary instructions:", config.summary_prompt.strip()]
+    return "\n".join(lines).strip()
+
+
+def _tag(text: str, tag: str) -> str:
+    match = re.search(rf"<{tag}>([\s\S]*?)</{tag}>", text, re.IGNORECASE)
+    return match.group(1).strip() if match else ""
+
+
+def parse_compaction(text: str) -> str:
+    """Summary text from a compaction reply: retained details, then the summary ("" if none)."""
+    retain, summary = _tag(text, "retain"), _tag(text, "summary")
+    if not summary:
+        summary = re.sub(r"<retain>[\s\S]*?</retain>", "", text, flags=re.IGNORECASE)
+        summary = re.sub(r"</?summary>", "", summary, flags=re.IGNORECASE).strip()
+    if retain and summary:
+        return f"{summary}\n\nDetails to keep:\n{retain}"
+    return summary or retain
+
+
+def messages_for_summary(messages: Sequence[Message], prompt: str) -> list[Message]:
+    """A copy of history for a summary call: a trailing unanswered tool-call message is reduced to
+    its text (or dropped) so the request stays valid, then the prompt is appended."""
+    copy = list(messages)
+    last = copy[-1] if copy else None
+    if isinstance(last, AssistantMessage) and last.tool_calls:
+        copy.pop()
+        if last.text:
+            copy.append(AssistantMessage(content=[TextPart(last.text)], model=last.model))
+    copy.append(user_text(prompt))
+    return copy
+
+
+def last_turns_start(messages: Sequence[Message], turns: int) -> int:
+    """Index where the last `turns` loop turns begin.
+
+    A turn is one assistant message with its tool results, preceded by the messages injected at
+    the start of that turn (prompts, steering, custom), so the tail never starts with an orphaned
+    tool result.
+    """
+    if turns <= 0:
+        return len(messages)
+    replies = [i for i, m in enumerate(messages) if isinstance(m, AssistantMessage)]
+    if len(replies) < turns:
+        return 0
+    start = replies[-turns]
+    while start > 0 and not isinstance(messages[start - 1], (AssistantMessage, ToolResultMessage)):
+        start -= 1
+    return start
+
+
+def compacted_history(
+    messages: Sequence[Message], summary: str, retain_last_turns: int, tokens_before: int = 0
+) -> list[Message]:
+    """[CompactionSummaryMessage(summary)] + the messages of the last `retain_last_turns` turns."""
+    start = last_turns_start(messages, retain_last_turns)
+    tail = [m for m in messages[start:] if not isinstance(m, CompactionSummaryMessage)]
+    head: Message = CompactionSummaryMessage(summary=summary, tokens_before=tokens_before)
+    return [head, *tail]
+
+
+# --- conversion at the LLM boundary -------------------------------------------------------
+
+COMPACTION_SUMMARY_PREFIX = (
+    "The conversation history before this point was compacted into the following summary:\n\n"
+)
+BRANCH_SUMMARY_PREFIX = "The following is a summary of a branch that this conversation came back from:\n\n"
+NO_RESULT_TEXT = "No result provided"
+
+
+def to_llm_message(message: Message) -> LlmMessage | None:
+    """One agent message as a model sees it (custom kinds become user messages); None drops it."""
+    if isinstance(message, CompactionSummaryMessage):
+        return user_text(f"{COMPACTION_SUMMARY_PREFIX}<summary>\n{message.summary}\n</summary>")
+    if isinstance(message, BranchSummaryMessage):
+        return user_text(f"{BRANCH_SUMMARY_PREFIX}<summary>\n{message.summary}\n</summary>")
+    if isinstance(message, CustomMessage):
+        return user_text(message.content)
+    if isinstance(message, AssistantMessage) and message.stop_reason in ("error", "aborted"):
+        return None  # a failed reply carries nothing a model should see again
+    return message
+
+
+def default_convert_to_llm(messages: list[Message]) -> list[LlmMessage]:
+    """Default `convert_to_llm`: map custom kinds to user messages, drop failed replies, and give
+    every unanswered tool call a `No result provided` error result so providers accept the list."""
+    out: list[LlmMessage] = []
+    open_calls: list[tuple[str, str]] = []
+    for message in messages:
+        converted = to_llm_message(message)
+        if converted is None:
+            continue
+        if not isinstance(converted, ToolResultMessage):
+            out += _close_calls(open_calls)
+            open_calls = []
+        if isinstance(converted, AssistantMessage):
+            open_calls = [(c.id, c.name) for c in converted.tool_calls]
+        elif isinstance(converted, ToolResultMessage):
+            open_calls = [c for c in open_calls if c[0] != converted.tool_call_id]
+        out.append(converted)
+    return out + _close_calls(open_calls)
+
+
+def _close_calls(open_calls: list[tuple[str, str]]) -> list[LlmMessage]:
+    return [
+        ToolResultMessage(
+            tool_call_id=call_id, tool_name=name, content=[TextPart(NO_RESULT_TEXT)], is_error=True
+        )
+        for call_id, name in open_calls
+    ]
+
+
+__all__ = [
+    "DEFAULT_CONTEXT_WINDOW",
+    "CompactionConfig",
+    "ToolOutputCache",
+    "ToolOutputConfig",
+    "ToolOutputStore",
+    "UsageTracker",
+    "compacted_history",
+    "default_convert_to_llm",
+    "should_compact",
+]

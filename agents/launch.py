@@ -1,0 +1,210 @@
+"""`busctl up`: bring a whole topology up as supervised child processes, and take it down.
+
+Order: hub → (demo model server) → gateways, workers and coordinators in parallel → extra
+processes. Each child is a `busctl <piece>` process that prints a JSON ready line once it has
+registered with the hub. Stop order is the reverse, so agents finish before their tools and model
+go away and the hub is last.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+import msgspec
+
+from agents.topology import ModelEntry, Topology
+from bus import events as ev
+from bus.client import Peer, connect
+from bus.supervisor import Child, ChildSpec, Supervisor, python_argv
+
+DEMO_MODEL = "demo"
+
+
+class UpOptions(msgspec.Struct):
+    demo: bool = False
+    extra_tools: list[str] = msgspec.field(default_factory=list)
+    workers: int | None = None
+    hub: str | None = None
+    detach_ready_file: str = ""  # where a detached `up` reports readiness
+
+
+def resolve(topology: Topology, options: UpOptions) -> Topology:
+    """Apply command-line overrides to a topology (a copy)."""
+    topo = msgspec.convert(msgspec.to_builtins(topology), Topology)
+    if options.hub:
+        topo.hub.endpoint = options.hub
+    if options.extra_tools and topo.workers:
+        topo.workers[0].tools = [*topo.workers[0].tools, *options.extra_tools]
+    if options.workers is not None and topo.workers:
+        topo.workers[0].count = options.workers
+    return topo
+
+
+def state_dir(topology: Topology) -> Path:
+    return Path(topology.hub.state_dir).resolve()
+
+
+def hub_argv(topo: Topology) -> list[str]:
+    hub = topo.hub
+    argv = python_argv("hub", "--hub", hub.endpoint, "--state-dir", str(state_dir(topo) / "hub"),
+                       "--heartbeat-interval", str(hub.heartbeat_interval),
+                       "--liveness", str(hub.liveness),
+                       "--max-message-bytes", str(hub.max_message_bytes))
+    if hub.events:
+        argv += ["--events", hub.events]
+    if hub.curve_secret:
+        argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized]
+    if hub.insecure:
+        argv.append("--insecure")
+    return argv
+
+
+def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[ChildSpec]:
+    """Gateways, workers and coordinators (started in parallel once the hub is up)."""
+    specs: list[ChildSpec] = []
+    for i in range(topo.gateways.count):
+        specs.append(ChildSpec(f"gateway-{i + 1}", python_argv(
+            "gateway", "--hub", endpoint, "--topology", str(topology_file),
+            "--name", f"gateway-{i + 1}")))
+    for group in topo.workers:
+        for i in range(group.count):
+            name = f"{group.name}-{i + 1}"
+            argv = python_argv("worker", "--hub", endpoint, "--concurrency", str(group.concurrency),
+                               "--workspace", group.workspace, "--name", name)
+            for module in group.tools:
+                argv += ["--tools", module]
+            if group.shell:
+                argv.append("--shell")
+            specs.append(ChildSpec(name, argv))
+    count = topo.coordinators
+    for i in range(count):
+        mine = [a.name for a in topo.agents[i::count]] if count else []
+        if not mine:
+            continue
+        argv = python_argv("coordinator", "--hub", endpoint, "--topology", str(topology_file),
+                           "--state-dir", str(state_dir(topo) / "agents"),
+                           "--name", f"coordinator-{i + 1}")
+        for agent in mine:
+            argv += ["--agent", agent]
+        specs.append(ChildSpec(f"coordinator-{i + 1}", argv))
+    for proc in topo.processes:
+        specs.append(ChildSpec(proc.name, proc.command, env=proc.env, restart=proc.restart))
+    return specs
+
+
+async def _start_all(sup: Supervisor, specs: list[ChildSpec]) -> None:
+    async with anyio.create_task_group() as tg:
+        for spec in specs:
+            tg.start_soon(sup.start, spec)
+
+
+async def _publisher(peer: Peer) -> Any:
+    async def notify(what: str, child: Child, code: int | None) -> None:
+        event: ev.Event
+        if what == "restarted":
+            event = ev.ProcessRestarted(process=child.spec.name, exit_code=code,
+                                        restarts=child.restarts)
+        else:
+            event = ev.ProcessGaveUp(process=child.spec.name, exit_code=code,
+                                     restarts=child.restarts)
+        await peer.publish(event)
+
+    return notify
+
+
+def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
+            tools: list[str]) -> list[str]:
+    state = state_dir(topo)
+    lines = [f"hub        {endpoint}  (events {events})"]
+    procs = "  ".join(f"{name}[{child.pid}]" for name, child in sup.children.items())
+    lines.append(f"processes  {procs}")
+    lines.append(f"agents     {', '.join(a.name for a in topo.agents)}")
+    lines.append(f"tools      {', '.join(tools) or '(none)'}")
+    lines.append(f"state      {state}  (logs in {state / 'logs'})")
+    lines.append("try        busctl run \"hello\"   ·   busctl watch   ·   busctl status")
+    return lines
+
+
+async def _live_tools(peer: Peer) -> list[str]:
+    status = await peer.status()
+    return sorted(s.name[5:] for s in status.services if s.name.startswith("tool."))
+
+
+async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -> int:
+    """Run the topology until SIGINT/SIGTERM. Returns the exit code."""
+    topo = resolve(topology, options)
+    state = state_dir(topo)
+    state.mkdir(parents=True, exist_ok=True)
+    async with Supervisor(state / "logs", out, color) as sup:
+        hub = await sup.start(ChildSpec("hub", hub_argv(topo)))
+        assert hub.ready is not None
+        endpoint, events = hub.ready["endpoint"], hub.ready["events"]
+        if options.demo:
+            fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0")))
+            assert fake.ready is not None
+            topo.models = {DEMO_MODEL: ModelEntry(provider="openai", model="demo-model",
+                                                  base_url=fake.ready["base_url"])}
+            topo.gateways.default_model = DEMO_MODEL
+        topology_file = state / "topology.json"
+        topology_file.write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
+        await _start_all(sup, child_specs(topo, endpoint, topology_file))
+        async with connect(endpoint, name="busctl-up", role="supervisor") as peer:
+            sup.notify = await _publisher(peer)
+            for line in summary(topo, sup, endpoint, events, await _live_tools(peer)):
+                out.write(line + "\n")
+            out.flush()
+            _announce(options, endpoint, events)
+            await _wait_for_signal()
+            out.write("stopping…\n")
+            out.flush()
+        await sup.stop_all(_stop_order(sup))
+    return 0
+
+
+def _stop_order(sup: Supervisor) -> list[str]:
+    names = list(sup.children)
+    rank = {"coordinator": 0, "worker": 1, "gateway": 2, "fake-llm": 3, "hub": 4}
+
+    def key(name: str) -> int:
+        if name == "hub":
+            return 5
+        if name.startswith("coordinator"):
+            return 1
+        if name.startswith("gateway"):
+            return 3
+        if name == "fake-llm":
+            return 4
+        return 2 if name in rank else 0  # extra processes first, then workers (rank 2)
+
+    return sorted(names, key=key)
+
+
+def _announce(options: UpOptions, endpoint: str, events: str) -> None:
+    line = msgspec.json.encode({"ready": "up", "endpoint": endpoint, "events": events,
+                                "pid": os.getpid()}).decode()
+    print(line, flush=True)
+    if options.detach_ready_file:
+        Path(options.detach_ready_file).write_text(line + "\n")
+
+
+async def _wait_for_signal() -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            return
+
+
+def pid_file(topo: Topology) -> Path:
+    return state_dir(topo) / "up.pid"
+
+
+def write_pid_file(topo: Topology) -> None:
+    pid_file(topo).write_text(f"{os.getpid()}\n")
+
+
+def python_executable() -> str:
+    return sys.executable

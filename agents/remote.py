@@ -1,0 +1,148 @@
+"""Drive agents on the bus from a script or the CLI: prompt, follow a run's events, steer, abort.
+
+    async with connect("tcp://127.0.0.1:7400") as bus:
+        run = await bus.prompt("assistant", "list the files")
+        async for envelope in run.events():
+            print(envelope.event)
+        result = await run.result()
+
+Events of a run are read from the hub's log and live stream from the moment before the prompt
+was sent, so none is missed however fast the agent is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import msgspec
+
+from agents import commands as cmd
+from bus import events as ev
+from bus.client import Envelope, Peer, Subscription
+from bus.client import connect as connect_peer
+from bus.security import CurveClient
+
+PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
+
+
+class Run:
+    """One run of one agent: its id, its events, and its result."""
+
+    def __init__(self, bus: AgentBus, agent: str, subscription: Subscription,
+                 replies: AsyncIterator[bytes], exit_stack: AsyncExitStack) -> None:
+        self.bus = bus
+        self.agent = agent
+        self.run_id = ""
+        self._subscription = subscription
+        self._replies = replies
+        self._stack = exit_stack
+        self._result: cmd.RunResult | None = None
+        self._ended = False
+
+    async def _started(self) -> None:
+        first = await self._replies.__anext__()
+        started = msgspec.msgpack.decode(first, type=cmd.RunStarted)
+        self.run_id = started.run_id
+
+    async def events(self) -> AsyncIterator[Envelope]:
+        """This run's events, in seq order, ending with its `agent_end`."""
+        if self._ended:
+            return
+        async for envelope in self._subscription:
+            if envelope.header.run != self.run_id:
+                continue
+            yield envelope
+            if isinstance(envelope.event, ev.AgentEnd):
+                self._ended = True
+                return
+
+    async def result(self) -> cmd.RunResult:
+        """Wait for the run to end; the final text, stop reason, usage and error."""
+        if self._result is None:
+            body = b""
+            async for body in self._replies:
+                pass
+            self._result = msgspec.msgpack.decode(body, type=cmd.RunResult)
+            await self.close()
+        return self._result
+
+    async def abort(self) -> None:
+        await self.bus.abort(self.agent)
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+
+class AgentBus:
+    """A peer with agent verbs. Use `connect()`."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.peer = peer
+
+    async def _command(self, agent: str, command: cmd.Command, timeout: float = 10.0) -> bytes:
+        return await self.peer.request(cmd.agent_service(agent), cmd.encode(command),
+                                       timeout=timeout)
+
+    async def prompt(self, agent: str, text: str = "", *, messages: Sequence[Any] = (),
+                     experiment: str = "", new_session: bool = False,
+                     parent_run_id: str = "") -> Run:
+        """Start a run; returns once the agent has accepted it (its run id is known)."""
+        command = cmd.Prompt(text=text, messages=list(messages), experiment=experiment,
+                             new_session=new_session, parent_run_id=parent_run_id)
+        return await self._start(agent, command)
+
+    async def continue_(self, agent: str, *, experiment: str = "") -> Run:
+        return await self._start(agent, cmd.Continue(experiment=experiment))
+
+    async def _start(self, agent: str, command: cmd.Command) -> Run:
+        stack = AsyncExitStack()
+        try:
+            seq = (await self.peer.status()).seq
+            subscription = await stack.enter_async_context(
+                self.peer.subscribe([f"agent/{agent}/"], since=seq))
+            stream = await stack.enter_async_context(
+                self.peer.stream(cmd.agent_service(agent), cmd.encode(command),
+                                 timeout=PROMPT_TIMEOUT))
+            run = Run(self, agent, subscription, stream, stack)
+            await run._started()
+        except BaseException:
+            await stack.aclose()
+            raise
+        return run
+
+    async def run(self, agent: str, text: str, **kwargs: Any) -> cmd.RunResult:
+        """Prompt and wait for the result."""
+        run = await self.prompt(agent, text, **kwargs)
+        return await run.result()
+
+    async def steer(self, agent: str, text: str) -> None:
+        await self._command(agent, cmd.Steer(text=text))
+
+    async def follow_up(self, agent: str, text: str) -> None:
+        await self._command(agent, cmd.FollowUp(text=text))
+
+    async def abort(self, agent: str) -> None:
+        await self._command(agent, cmd.Abort())
+
+    async def reset(self, agent: str) -> None:
+        await self._command(agent, cmd.Reset())
+
+    async def state(self, agent: str) -> cmd.AgentState:
+        return msgspec.msgpack.decode(await self._command(agent, cmd.GetState()),
+                                      type=cmd.AgentState)
+
+    async def agents(self) -> list[str]:
+        status = await self.peer.status()
+        return sorted(s.name[6:] for s in status.services if s.name.startswith("agent."))
+
+
+@asynccontextmanager
+async def connect(hub: str | None = None, *, name: str = "agents-client",
+                  curve: CurveClient | None = None) -> AsyncIterator[AgentBus]:
+    async with connect_peer(hub, name=name, role="client", curve=curve) as peer:
+        yield AgentBus(peer)
+
+
+__all__ = ["AgentBus", "Run", "connect"]

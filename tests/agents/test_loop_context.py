@@ -1,0 +1,198 @@
+"""Context management: usage tracking, the tool-output cache and compaction inside the loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from agents.context import (
+    CompactionConfig,
+    ToolOutputCache,
+    ToolOutputConfig,
+    ToolOutputStore,
+    UsageTracker,
+    compacted_history,
+    default_convert_to_llm,
+    parse_compaction,
+)
+from agents.loop import LoopConfig, run_loop
+from bus.messages import (
+    AssistantMessage,
+    CompactionSummaryMessage,
+    Message,
+    TextPart,
+    ToolCallRequest,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+    user_text,
+)
+from tests.agents.conftest import FakeTools, Recorder, ScriptedLlm, call, reply
+
+pytestmark = pytest.mark.anyio
+
+
+def tool_message(call_id: str, text: str, name: str = "read") -> ToolResultMessage:
+    return ToolResultMessage(tool_call_id=call_id, tool_name=name, content=[TextPart(text)])
+
+
+# usage ----------------------------------------------------------------------------------------
+
+
+def test_usage_totals_by_model_and_context_left() -> None:
+    tracker = UsageTracker()
+    assert tracker.context_left_percent(1000) is None
+    tracker.add(AssistantMessage(model="a", usage=Usage(input=10, output=5, total=15)))
+    tracker.add(AssistantMessage(model="b", usage=Usage(total=250)))
+    tracker.add(AssistantMessage(model="a", usage=Usage(input=1, total=1)))
+    assert tracker.by_model["a"] == Usage(input=11, output=5, total=16)
+    assert tracker.total.total == 266
+    assert tracker.context_left_percent(1000) == 100  # last: total 1 -> round(99.9)
+    tracker.add(AssistantMessage(model="b", usage=Usage(total=900)))
+    assert tracker.context_left_percent(1000) == 10
+    assert tracker.context_left_percent(None) is None
+
+
+async def test_agent_end_carries_run_usage_by_model() -> None:
+    llm = ScriptedLlm(reply("", call("c1", "echo")), reply("ok"))
+    big = AssistantMessage(content=[TextPart("ok")], usage=Usage(total=7), model="big")
+    llm.script[1] = big
+    llm.script[0].usage = Usage(total=3)
+    rec = Recorder()
+    await run_loop([user_text("hi")], [], LoopConfig(), llm, FakeTools({"echo": lambda a, u: "x"}), rec)
+    assert rec.of("agent_end")[0].usage == {"m": Usage(total=3), "big": Usage(total=7)}
+
+
+# tool output cache -------------------------------------------------------------------------------
+
+
+def test_large_output_is_cut_with_ref_and_full_text_retrievable() -> None:
+    store = ToolOutputStore()
+    cache = ToolOutputCache(store, ToolOutputConfig(max_message_bytes=51_200))
+    text = "".join(f"line {i:06d} " + "x" * 90 + "\n" for i in range(1000))  # ~102 KB
+    out = cache.process(tool_message("c1", text))
+    cut = out.text
+    ref = cut.rsplit("ref=", 1)[1].rstrip("]")
+    assert cut.endswith(f"\n\n[tool output truncated; ref={ref}]")
+    body = cut[: -len(f"\n\n[tool output truncated; ref={ref}]")]
+    assert len(body.encode()) <= 51_200 and body.endswith("\n") and text.startswith(body)
+    assert store.get(ref) == text
+    small = cache.process(tool_message("c2", "short"))
+    assert small.text == "short"
+
+
+async def test_tool_output_builtin_tool_pages_by_ref() -> None:
+    store = ToolOutputStore()
+    ref = store.put("abcdefghij")
+    info = store.tool_info()
+    assert info.name == "tool_output" and "ref" in info.parameters["properties"]
+    ok = await store.handle(ToolCallRequest(call_id="1", name="tool_output", arguments=f'{{"ref": "{ref}", "offset": 2, "limit": 3}}'))
+    assert (ok.text, ok.is_error) == ("cde", False)
+    missing = await store.handle(ToolCallRequest(call_id="2", name="tool_output", arguments='{"ref": "zz"}'))
+    assert missing.is_error and "ref=zz" in missing.text
+    bad = await store.handle(ToolCallRequest(call_id="3", name="tool_output", arguments="{}"))
+    assert bad.is_error
+
+
+def test_oldest_outputs_trimmed_to_budget() -> None:
+    store = ToolOutputStore()
+    cache = ToolOutputCache(store, ToolOutputConfig(budget_tokens=300))
+    history: list[Message] = [user_text("go")]
+    for i in range(3):
+        history.append(cache.process(tool_message(f"c{i}", "y" * 800)))  # 200 tokens each
+    trimmed = cache.trim(history)
+    assert trimmed == 2
+    texts = [m.text for m in history[1:]]  # type: ignore[union-attr]
+    assert texts[0].startswith("[tool output trimmed; ref=") and texts[1].startswith("[tool output trimmed; ref=")
+    assert texts[2] == "y" * 800
+    ref = texts[0].removeprefix("[tool output trimmed; ref=").rstrip("]")
+    assert store.get(ref) == "y" * 800
+    assert cache.trim(history) == 0
+
+
+def test_budget_defaults_from_context_window() -> None:
+    cfg = ToolOutputConfig()
+    assert (cfg.budget(128_000), cfg.budget(10_000), cfg.budget(1_000_000), cfg.budget(None)) == (
+        32_000, 20_000, 60_000, 60_000,
+    )  # fmt: skip
+
+
+async def test_loop_truncates_tool_results_in_history_and_events() -> None:
+    llm = ScriptedLlm(reply("", call("c1", "dump")), reply("ok"))
+    tools = FakeTools({"dump": lambda a, u: "z" * 60_000})
+    rec, messages = Recorder(), []  # type: ignore[var-annotated]
+    await run_loop([user_text("hi")], messages, LoopConfig(), llm, tools, rec)
+    end = rec.of("tool_execution_end")[0]
+    assert "[tool output truncated; ref=" in end.result.text
+    assert messages[2] is end.result
+
+
+# compaction --------------------------------------------------------------------------------------
+
+
+def test_parse_compaction_and_compacted_history_keep_last_turn() -> None:
+    assert parse_compaction("<retain>ref=1</retain><summary>did X</summary>") == "did X\n\nDetails to keep:\nref=1"
+    assert parse_compaction("plain text") == "plain text"
+    history: list[Message] = [
+        user_text("first"), reply("", call("a", "t")), tool_message("a", "r"), reply("mid"),
+        user_text("second"), reply("", call("b", "t")), tool_message("b", "r2"),
+    ]  # fmt: skip
+    new = compacted_history(history, "S", retain_last_turns=1, tokens_before=9)
+    assert isinstance(new[0], CompactionSummaryMessage) and new[0].summary == "S"
+    assert new[1:] == history[4:]  # the last turn: its injected user message, reply, tool result
+
+
+def test_default_convert_closes_unanswered_tool_calls_and_drops_failed_replies() -> None:
+    failed = AssistantMessage(content=[TextPart("x")], stop_reason="error", error="e")
+    out = default_convert_to_llm([user_text("q"), reply("", call("a", "t"), call("b", "t")), tool_message("a", "r"), failed, user_text("again")])
+    roles = [type(m).__name__ for m in out]
+    assert roles == ["UserMessage", "AssistantMessage", "ToolResultMessage", "ToolResultMessage", "UserMessage"]
+    assert out[3].tool_call_id == "b" and out[3].is_error  # type: ignore[union-attr]
+
+
+def _compaction_config(**kw: Any) -> LoopConfig:
+    return LoopConfig(context_window=1000, compaction=CompactionConfig(threshold=0.8, **kw))
+
+
+async def test_compaction_replaces_history_when_threshold_reached() -> None:
+    llm = ScriptedLlm(
+        reply("", call("c1", "echo"), total=850),
+        reply("<summary>user asked; tool ran</summary>"),
+        reply("after", total=100),
+    )
+    rec, messages = Recorder(), []  # type: ignore[var-annotated]
+    with anyio.fail_after(5):
+        await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
+    assert rec.types()[rec.types().index("turn_end") + 1 : rec.types().index("turn_end") + 3] == [
+        "compaction_start", "compaction_complete",
+    ]  # fmt: skip
+    assert rec.of("compaction_start")[0].tokens == 850
+    assert rec.of("compaction_complete")[0].compacted is True
+    summary_request = llm.requests[1]
+    assert (summary_request.tools, summary_request.tool_choice) == ([], "none")
+    prompt = summary_request.messages[-1].content[0].text  # type: ignore[union-attr]
+    assert prompt.startswith("You are summarizing the conversation for context compaction.")
+    assert isinstance(messages[0], CompactionSummaryMessage) and messages[0].summary == "user asked; tool ran"
+    assert [type(m).__name__ for m in messages[1:]] == [
+        "UserMessage", "AssistantMessage", "ToolResultMessage", "AssistantMessage",
+    ]  # fmt: skip
+    third = llm.requests[2].messages
+    assert isinstance(third[0], UserMessage) and "user asked; tool ran" in third[0].content[0].text  # type: ignore[union-attr]
+
+
+async def test_failed_compaction_leaves_history_unchanged() -> None:
+    llm = ScriptedLlm(reply("big", total=900), reply(stop="error"))
+    rec, messages = Recorder(), []  # type: ignore[var-annotated]
+    await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools(), rec)
+    assert rec.of("compaction_complete")[0].compacted is False
+    assert [type(m).__name__ for m in messages] == ["UserMessage", "AssistantMessage"]
+    assert rec.types()[-3:] == ["compaction_start", "compaction_complete", "agent_end"]
+
+
+async def test_no_compaction_below_threshold_or_when_disabled() -> None:
+    for config, total in ((_compaction_config(), 799), (LoopConfig(context_window=1000, compaction=None), 999)):
+        rec = Recorder()
+        await run_loop([user_text("hi")], [], config, ScriptedLlm(reply("ok", total=total)), FakeTools(), rec)
+        assert "compaction_start" not in rec.types()
