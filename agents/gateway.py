@@ -1,0 +1,106 @@
+"""The LLM gateway process: serves `llm` on the hub by calling providers through `LlmEngine`.
+
+Each request's streamed deltas are published as `message_update` events (and each retry as an
+`llm_retry` event) under the request's agent, run and experiment, while the model is still
+generating; the reply is the finished `AssistantMessage`. API keys stay in this process: the
+engine reads them from the environment at call time and redacts them from every error.
+A second service, `gateway.<name>`, answers with the engine's stats (queues, usage totals).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+import anyio
+import msgspec
+
+from agents.llm import NO_MODEL_ERROR, LlmEngine, ModelConfig, models_from_env
+from bus import events as ev
+from bus.client import IncomingRequest, Peer, connect
+from bus.errors import RemoteError
+from bus.messages import AssistantDelta, LlmRequest
+from bus.security import CurveClient
+
+log = logging.getLogger("agents.gateway")
+
+LLM_SERVICE = "llm"
+LLM_CAPACITY = 256  # requests taken at once; the engine's per-model limits queue the rest
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(LlmRequest)
+
+
+class GatewaySettings(msgspec.Struct):
+    hub: str
+    models: list[ModelConfig] = msgspec.field(default_factory=list)  # empty: from the environment
+    default_model: str = ""
+    name: str = "gateway"
+    curve: CurveClient | None = None
+
+
+def stats_service(name: str) -> str:
+    return f"gateway.{name}"
+
+
+class Gateway:
+    """Wires an `LlmEngine` to a peer: one handler per `llm` request."""
+
+    def __init__(self, peer: Peer, engine: LlmEngine) -> None:
+        self.peer = peer
+        self.engine = engine
+
+    async def handle(self, req: IncomingRequest) -> bytes:
+        try:
+            request = _request_decoder.decode(req.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
+        abort = anyio.Event()
+
+        async def on_delta(delta: AssistantDelta) -> None:
+            await self.peer.publish(ev.MessageUpdate(delta=delta), agent=request.agent,
+                                    run=request.run_id, experiment=request.experiment)
+
+        async def on_retry(attempt: int, delay: float, status: int, error: str) -> None:
+            config = self.engine.model_config(request.model)
+            await self.peer.publish(
+                ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
+                            provider=config.provider if config else ""),
+                agent=request.agent, run=request.run_id, experiment=request.experiment)
+
+        message = await self.engine.complete(request, on_delta, on_retry, abort=abort)
+        return _encoder.encode(message)
+
+    async def handle_stats(self, req: IncomingRequest) -> bytes:
+        return _encoder.encode(self.engine.stats())
+
+
+def build_engine(settings: GatewaySettings) -> LlmEngine:
+    models = settings.models or models_from_env(os.environ)
+    return LlmEngine(models, default=settings.default_model or None)
+
+
+async def run_gateway(settings: GatewaySettings,
+                      *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered."""
+    async with build_engine(settings) as engine, \
+            connect(settings.hub, name=settings.name, role="gateway", curve=settings.curve) as peer:
+        gateway = Gateway(peer, engine)
+        await peer.serve(LLM_SERVICE, gateway.handle, capacity=LLM_CAPACITY)
+        await peer.serve(stats_service(settings.name), gateway.handle_stats, capacity=8)
+        aliases = [m.alias for m in engine.models]
+        if not aliases:
+            print(f"WARNING: {NO_MODEL_ERROR}", file=sys.stderr, flush=True)
+        default = engine.model_config("")
+        print(json.dumps({"ready": "gateway", "name": settings.name, "models": aliases,
+                          "default": default.alias if default else "", "pid": os.getpid()}),
+              flush=True)
+        task_status.started()
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+        with anyio.move_on_after(2, shield=True):
+            await peer.unserve(LLM_SERVICE)
