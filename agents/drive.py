@@ -1,0 +1,129 @@
+"""`busctl run` and `busctl chat`: prompt an agent and show its run as it happens.
+
+Exit codes of `busctl run`: 0 normal stop, 1 error, 130 aborted. The first SIGINT aborts the run
+(the agent ends it with `agent_end` / aborted); a second one exits at once.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import TextIO
+
+import anyio
+import anyio.abc
+
+from agents import commands as cmd
+from agents.remote import AgentBus, Run, connect
+from bus import events as ev
+from bus.render import HumanPrinter, json_line
+from bus.security import CurveClient
+
+EXIT_OK, EXIT_ERROR, EXIT_ABORTED = 0, 1, 130
+
+
+def exit_code(result: cmd.RunResult) -> int:
+    if result.stop_reason == "aborted":
+        return EXIT_ABORTED
+    if result.stop_reason == "error" or result.error:
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+class RunView:
+    """Prints one run's events: human lines (text streamed as it arrives) or JSON lines."""
+
+    def __init__(self, out: TextIO, as_json: bool, color: bool) -> None:
+        self.out = out
+        self.as_json = as_json
+        self.printer = HumanPrinter(out, color)
+
+    def show(self, envelope: ev.Event | object) -> None:
+        header, event = envelope.header, envelope.event  # type: ignore[attr-defined]
+        if self.as_json:
+            self.out.write(json_line(header, event) + "\n")
+            self.out.flush()
+            return
+        if isinstance(event, (ev.MessageStart, ev.MessageEnd, ev.TurnStart)):
+            return  # the human view shows text, tools and the end; watch shows everything
+        self.printer.print(header, event)
+
+
+async def _follow(run: Run, view: RunView) -> cmd.RunResult:
+    async for envelope in run.events():
+        view.show(envelope)
+    return await run.result()
+
+
+async def _abort_on_sigint(bus: AgentBus, agent: str, scope: anyio.CancelScope,
+                           err: TextIO) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+        count = 0
+        async for _ in signals:
+            count += 1
+            if count == 1:
+                err.write("\naborting the run (Ctrl-C again to quit at once)…\n")
+                await bus.abort(agent)
+            else:
+                scope.cancel()
+                return
+
+
+async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, as_json: bool,
+                    new_session: bool, experiment: str, color: bool) -> int:
+    out = sys.stdout
+    view = RunView(out, as_json, color)
+    async with connect(hub, name="busctl-run", curve=curve) as bus:
+        run = await bus.prompt(agent, text, experiment=experiment, new_session=new_session)
+        result: cmd.RunResult | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_abort_on_sigint, bus, agent, tg.cancel_scope, sys.stderr)
+            result = await _follow(run, view)
+            tg.cancel_scope.cancel()
+        if result is None:
+            return EXIT_ABORTED
+        if not as_json:
+            out.write("\n" + (result.final_text or result.error or "") + "\n")
+        return exit_code(result)
+
+
+async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool) -> None:
+    """Read lines from stdin: a prompt when idle, steering while a run streams."""
+    out = sys.stdout
+    view = RunView(out, False, color)
+    async with connect(hub, name="busctl-chat", curve=curve) as bus, \
+            anyio.create_task_group() as tg:
+        running: list[Run] = []
+        out.write(f"chatting with `{agent}` — /abort, /follow TEXT, /reset, Ctrl-D to quit\n> ")
+        out.flush()
+        while True:
+            line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+            if not line:
+                break
+            await _chat_line(bus, agent, line.strip(), running, view, tg)
+        tg.cancel_scope.cancel()
+
+
+async def _chat_line(bus: AgentBus, agent: str, line: str, running: list[Run], view: RunView,
+                     tg: anyio.abc.TaskGroup) -> None:
+    if not line:
+        return
+    if line == "/abort":
+        await bus.abort(agent)
+    elif line == "/reset":
+        await bus.reset(agent)
+    elif line.startswith("/follow "):
+        await bus.follow_up(agent, line[8:])
+    elif running:
+        await bus.steer(agent, line)
+    else:
+        run = await bus.prompt(agent, line)
+        running.append(run)
+
+        async def follow() -> None:
+            result = await _follow(run, view)
+            view.out.write("\n" + (result.final_text or result.error or "") + "\n> ")
+            view.out.flush()
+            running.remove(run)
+
+        tg.start_soon(follow)
