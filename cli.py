@@ -557,6 +557,27 @@ def keys_generate(directory: str, clients: tuple[str, ...]) -> None:
     click.echo(f"clients: {', '.join(clients)}; authorised public keys in {authorized}")
 
 
+@main.command()
+@hub_options
+@click.option("--experiment", required=True, help="The experiment id to export.")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "msgpack"]), default="jsonl",
+              show_default=True, help="JSON lines, or a stream of MessagePack maps.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default="-",
+              help="File to write [default: stdout].")
+def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, output: str) -> None:
+    """Write every event of an experiment from the hub's log; print token/cost totals to stderr.
+
+    \b
+    Example:
+      busctl export --experiment debate-3 -o debate-3.jsonl
+    """
+    from bus.watch import export_events
+
+    with click.open_file(output, "wb") as out:
+        totals = run_async(export_events, hub, curve, experiment, out, fmt)
+    click.echo(msgspec.json.encode(totals).decode(), err=True)
+
+
 # --- busctl run / chat / steer / follow-up / abort ----------------------------------------
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import msgspec
 
 from bus import events as ev
 from bus import protocol as p
 from bus.client import Envelope, Peer, connect
-from bus.render import HumanPrinter, json_line
+from bus.messages import AssistantMessage, Usage
+from bus.render import HumanPrinter, json_line, to_json_obj
 from bus.security import CurveClient
 
 
@@ -79,3 +83,44 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
         async with peer.subscribe(filt.topics(), since=since, fill_gaps=False) as sub:
             async for envelope in sub:
                 show(envelope)
+
+
+class Totals(msgspec.Struct):
+    """Token and cost totals of an export, from each assistant message's usage."""
+
+    events: int = 0
+    runs: list[str] = msgspec.field(default_factory=list)
+    by_agent: dict[str, Usage] = msgspec.field(default_factory=dict)
+    by_model: dict[str, Usage] = msgspec.field(default_factory=dict)
+    total: Usage = msgspec.field(default_factory=Usage)
+
+    def add(self, header: p.Header, event: ev.Event) -> None:
+        self.events += 1
+        if header.run and header.run not in self.runs:  # runs are few; events are many
+            self.runs.append(header.run)
+        if not isinstance(event, ev.MessageEnd) or not isinstance(event.message, AssistantMessage):
+            return
+        usage = event.message.usage
+        model = event.message.model or "?"
+        self.by_agent[header.agent] = self.by_agent.get(header.agent, Usage()) + usage
+        self.by_model[model] = self.by_model.get(model, Usage()) + usage
+        self.total = self.total + usage
+
+
+async def export_events(hub: str, curve: CurveClient | None, experiment: str, out: BinaryIO,
+                        fmt: str) -> Totals:
+    """Write every logged event of `experiment` to `out` (JSON lines or msgpack); return totals."""
+    totals = Totals()
+    encoder = msgspec.msgpack.Encoder()
+    async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
+        async for envelope in replay(peer, 0, []):
+            if envelope.header.experiment != experiment:
+                continue
+            totals.add(envelope.header, envelope.event)
+            obj = to_json_obj(envelope.header, envelope.event)
+            if fmt == "msgpack":
+                out.write(encoder.encode(obj))
+            else:
+                out.write(json_line(envelope.header, envelope.event).encode() + b"\n")
+    out.flush()
+    return totals
