@@ -1,0 +1,801 @@
+"""Scripted fake LLM servers speaking the real OpenAI and Anthropic wire formats over real HTTP.
+
+    with FakeLLMServer(script) as srv:       # 127.0.0.1, a free port
+        srv.base_url                         # "http://127.0.0.1:PORT/v1" (works for both providers)
+        srv.requests, srv.max_in_flight, srv.disconnects
+
+One server answers `POST /v1/chat/completions` (OpenAI) and `POST /v1/messages` (Anthropic), both
+streaming (SSE, chunked transfer encoding) and non-streaming (`"stream": false`).
+
+Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same shape):
+
+    {"steps": [ STEP, ... ],   # consumed one per request, in order, whatever the endpoint
+     "rules": [ RULE, ... ],   # used once the steps are spent: first match wins
+     "echo": true}             # no step, no rule: reply "echo: <last user text>"
+
+    STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
+          | {"fail": FAIL,   "delay": 0.0}
+    REPLY = {"text": "...", "thinking": "...",
+             "tool_calls": [{"name": "f", "arguments": {...} or "raw json", "id": ""}],
+             "finish": "stop|tool_calls|length|content_filter" (default: from the content),
+             "usage": {"input": 0, "output": 0, "cached": 0},   (default: estimated)
+             "chunk_size": 4, "chunk_delay": 0.0, "interleave": false}
+    FAIL  = {"kind": "status", "status": 429, "message": "...", "retry_after": "1", "retry_after_ms": 0}
+          | {"kind": "drop", "after_events": 3}      # stream a few events, then close the socket
+          | {"kind": "malformed"}                    # an SSE event whose data is not JSON
+          | {"kind": "stream_error", "message": "..."}   # an error event inside a 200 stream
+    RULE  = {"contains": ["word", ...],   # any of them in the last user text (case-insensitive); [] = any
+             "tool_result": false,        # true: only right after tool results; null: either
+             "reply": REPLY}
+
+In rule replies, `{last_user}` and `{tool_results}` in the text are filled in from the request, and
+tool calls the request does not offer are dropped (so demos loop sanely). `DEMO_SCRIPT` (from
+`agents/demo/fakellm_demo.json`) makes an agent call `list_dir`, `read_file` and `search_files` in
+parallel, then summarise the results; anything else is echoed.
+
+CLI: `python -m agents.fakellm --script FILE --port N` (default script: the demo).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import select
+import socket
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import click
+import msgspec
+
+# --- script model --------------------------------------------------------------------------
+
+
+class FakeToolCall(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    name: str
+    arguments: dict[str, Any] | str = msgspec.field(default_factory=dict)
+    id: str = ""
+
+    def arguments_json(self) -> str:
+        return self.arguments if isinstance(self.arguments, str) else json.dumps(self.arguments)
+
+
+class FakeUsage(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    input: int = 0
+    output: int = 0
+    cached: int = 0
+    cache_write: int = 0
+
+
+class Reply(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    text: str = ""
+    thinking: str = ""
+    tool_calls: list[FakeToolCall] = msgspec.field(default_factory=list)
+    finish: str | None = None
+    usage: FakeUsage | None = None
+    chunk_size: int = 4
+    chunk_delay: float = 0.0
+    interleave: bool = False
+
+    def finish_reason(self) -> str:
+        return self.finish or ("tool_calls" if self.tool_calls else "stop")
+
+
+FailKind = Literal["status", "drop", "malformed", "stream_error"]
+
+
+class Fail(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    kind: FailKind = "status"
+    status: int = 500
+    message: str = "scripted failure"
+    retry_after: str | None = None
+    retry_after_ms: int | None = None
+    after_events: int = 3
+    partial_text: str = "This answer is cut off before it ends, so it must never be used as complete."
+
+
+class Step(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    reply: Reply | None = None
+    fail: Fail | None = None
+    delay: float = 0.0
+
+
+class Rule(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    reply: Reply
+    contains: list[str] = msgspec.field(default_factory=list)
+    tool_result: bool | None = False
+
+
+class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    steps: list[Step] = msgspec.field(default_factory=list)
+    rules: list[Rule] = msgspec.field(default_factory=list)
+    echo: bool = True
+
+
+ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
+
+
+def load_script(source: ScriptLike) -> Script:
+    """A `Script` from a Script, a list of steps, a dict, or a path to a JSON/TOML file."""
+    if source is None:
+        return Script()
+    if isinstance(source, Script):
+        return source
+    if isinstance(source, (str, Path)):
+        return _load_file(Path(source))
+    if isinstance(source, dict):
+        return msgspec.convert(source, Script)
+    steps = [s if isinstance(s, Step) else msgspec.convert(s, Step) for s in source]
+    return Script(steps=steps)
+
+
+def _load_file(path: Path) -> Script:
+    raw = path.read_bytes()
+    data = tomllib.loads(raw.decode()) if path.suffix == ".toml" else msgspec.json.decode(raw)
+    if isinstance(data, list):
+        return load_script(data)
+    return msgspec.convert(data, Script)
+
+
+DEMO_SCRIPT_PATH = Path(__file__).parent / "demo" / "fakellm_demo.json"
+
+
+def demo_script() -> Script:
+    return load_script(DEMO_SCRIPT_PATH)
+
+
+# --- what a request says -------------------------------------------------------------------
+
+
+class Conversation(msgspec.Struct):
+    last_user: str = ""
+    tool_results: list[str] = msgspec.field(default_factory=list)
+    after_tool_result: bool = False
+    offered_tools: list[str] = msgspec.field(default_factory=list)
+
+
+def read_conversation(api: str, body: dict[str, Any]) -> Conversation:
+    messages = body.get("messages") or []
+    tools = body.get("tools") or []
+    offered = [(t.get("function") or t).get("name", "") for t in tools if isinstance(t, dict)]
+    if body.get("tool_choice") in ("none", {"type": "none"}):
+        offered = []
+    if api == "openai":
+        conv = _openai_conversation(messages)
+    else:
+        conv = _anthropic_conversation(messages)
+    conv.offered_tools = offered
+    return conv
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            _text_of(b.get("content")) if b.get("type") == "tool_result" else b.get("text", "")
+            for b in content
+            if isinstance(b, dict)
+        )
+    return ""
+
+
+def _openai_conversation(messages: list[dict[str, Any]]) -> Conversation:
+    conv = Conversation()
+    users = [m for m in messages if m.get("role") == "user"]
+    conv.last_user = _text_of(users[-1].get("content")) if users else ""
+    trailing = list(itertools.takewhile(lambda m: m.get("role") in ("tool", "user"), reversed(messages)))
+    conv.tool_results = [_text_of(m.get("content")) for m in reversed(trailing) if m.get("role") == "tool"]
+    conv.after_tool_result = bool(conv.tool_results)
+    return conv
+
+
+def _anthropic_conversation(messages: list[dict[str, Any]]) -> Conversation:
+    conv = Conversation()
+    for message in messages:
+        if message.get("role") != "user":
+            continue
+        blocks = message.get("content")
+        results = (
+            [b for b in blocks if isinstance(b, dict) and b.get("type") == "tool_result"]
+            if isinstance(blocks, list)
+            else []
+        )
+        if not results:
+            conv.last_user = _text_of(blocks)
+    last = messages[-1] if messages else {}
+    blocks = last.get("content") if last.get("role") == "user" else None
+    if isinstance(blocks, list):
+        conv.tool_results = [
+            _text_of(b.get("content"))
+            for b in blocks
+            if isinstance(b, dict) and b.get("type") == "tool_result"
+        ]
+    conv.after_tool_result = bool(conv.tool_results)
+    return conv
+
+
+def choose_reply(script: Script, conv: Conversation) -> Reply:
+    """The first matching rule's reply (filled in and fitted to the offered tools), else an echo."""
+    for rule in script.rules:
+        if _matches(rule, conv):
+            reply = _fill(rule.reply, conv)
+            if reply.text or reply.tool_calls or reply.thinking:
+                return reply
+    return Reply(text=f"echo: {conv.last_user}")
+
+
+def _matches(rule: Rule, conv: Conversation) -> bool:
+    if rule.tool_result is not None and rule.tool_result != conv.after_tool_result:
+        return False
+    text = conv.last_user.lower()
+    return not rule.contains or any(word.lower() in text for word in rule.contains)
+
+
+def _fill(reply: Reply, conv: Conversation) -> Reply:
+    results = "\n".join(f"- {r[:200].strip()}" for r in conv.tool_results) or "(no tool results)"
+    text = reply.text.replace("{last_user}", conv.last_user).replace("{tool_results}", results)
+    calls = [c for c in reply.tool_calls if c.name in conv.offered_tools]
+    finish = reply.finish if reply.finish or calls else "stop"
+    return msgspec.structs.replace(reply, text=text, tool_calls=calls, finish=finish)
+
+
+# --- wire formats --------------------------------------------------------------------------
+
+
+def _split(text: str, size: int) -> list[str]:
+    size = max(1, size)
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+def _usage(reply: Reply, body: dict[str, Any]) -> FakeUsage:
+    if reply.usage is not None:
+        return reply.usage
+    prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1
+    out = (
+        len(reply.text) + len(reply.thinking) + sum(len(c.arguments_json()) for c in reply.tool_calls)
+    ) // 4 + 1
+    return FakeUsage(input=prompt, output=out)
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+class _Ids:
+    _counter = itertools.count(1)
+    _lock = threading.Lock()
+
+    @classmethod
+    def next(cls, prefix: str) -> str:
+        with cls._lock:
+            return f"{prefix}_{next(cls._counter):04d}"
+
+
+def _call_ids(reply: Reply, prefix: str) -> list[str]:
+    return [c.id or _Ids.next(prefix) for c in reply.tool_calls]
+
+
+# OpenAI chat completions
+
+
+def openai_events(reply: Reply, model: str, body: dict[str, Any]) -> list[bytes]:
+    cid = _Ids.next("chatcmpl")
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return _sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": int(time.time()),
+                "model": model,
+                "choices": [choice],
+            }
+        )
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"reasoning_content": piece}) for piece in _split(reply.thinking, reply.chunk_size)]
+    events += [chunk({"content": piece}) for piece in _split(reply.text, reply.chunk_size)]
+    events += [chunk({"tool_calls": [d]}) for d in _openai_tool_deltas(reply)]
+    events.append(chunk({}, reply.finish_reason()))
+    if (body.get("stream_options") or {}).get("include_usage"):
+        u = _usage(reply, body)
+        events.append(
+            _sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "model": model,
+                    "choices": [],
+                    "usage": _openai_usage(u),
+                }
+            )
+        )
+    events.append(_sse("[DONE]"))
+    return events
+
+
+def _openai_tool_deltas(reply: Reply) -> list[dict[str, Any]]:
+    per_call: list[list[dict[str, Any]]] = []
+    for index, (call, cid) in enumerate(zip(reply.tool_calls, _call_ids(reply, "call"), strict=True)):
+        first = {
+            "index": index,
+            "id": cid,
+            "type": "function",
+            "function": {"name": call.name, "arguments": ""},
+        }
+        pieces = [
+            {"index": index, "function": {"arguments": p}}
+            for p in _split(call.arguments_json(), reply.chunk_size)
+        ]
+        per_call.append([first, *pieces])
+    if not reply.interleave:
+        return [d for deltas in per_call for d in deltas]
+    merged = itertools.chain.from_iterable(itertools.zip_longest(*per_call))
+    return [d for d in merged if d is not None]
+
+
+def _openai_usage(u: FakeUsage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.input + u.cached,
+        "completion_tokens": u.output,
+        "total_tokens": u.input + u.cached + u.output,
+        "prompt_tokens_details": {"cached_tokens": u.cached},
+    }
+
+
+def openai_json(reply: Reply, model: str, body: dict[str, Any]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
+    if reply.thinking:
+        message["reasoning_content"] = reply.thinking
+    if reply.tool_calls:
+        message["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json()}}
+            for c, cid in zip(reply.tool_calls, _call_ids(reply, "call"), strict=True)
+        ]
+    choice = {"index": 0, "message": message, "finish_reason": reply.finish_reason()}
+    return {
+        "id": _Ids.next("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": _openai_usage(_usage(reply, body)),
+    }
+
+
+# Anthropic messages
+
+_ANTHROPIC_STOP = {
+    "stop": "end_turn",
+    "tool_calls": "tool_use",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+}
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    """An Anthropic SSE event: the event name repeats the payload's `type`."""
+    return _sse({"type": kind, **fields}, kind)
+
+
+def anthropic_events(reply: Reply, model: str, body: dict[str, Any]) -> list[bytes]:
+    u = _usage(reply, body)
+    usage = {"input_tokens": u.input, "output_tokens": 1, "cache_read_input_tokens": u.cached}
+    usage["cache_creation_input_tokens"] = u.cache_write
+    message: dict[str, Any] = {"id": _Ids.next("msg"), "type": "message", "role": "assistant", "model": model}
+    message.update(content=[], stop_reason=None, stop_sequence=None, usage=usage)
+    events = [_event("message_start", message=message), _event("ping")]
+    for index, (block, deltas) in enumerate(_anthropic_blocks(reply)):
+        events.append(_event("content_block_start", index=index, content_block=block))
+        events += [_event("content_block_delta", index=index, delta=d) for d in deltas]
+        events.append(_event("content_block_stop", index=index))
+    stop = _ANTHROPIC_STOP.get(reply.finish_reason(), reply.finish_reason())
+    delta = {"stop_reason": stop, "stop_sequence": None}
+    events.append(_event("message_delta", delta=delta, usage={"output_tokens": u.output}))
+    events.append(_event("message_stop"))
+    return events
+
+
+def _anthropic_blocks(reply: Reply) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    size = reply.chunk_size
+    blocks: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+    if reply.thinking:
+        deltas = [{"type": "thinking_delta", "thinking": p} for p in _split(reply.thinking, size)]
+        deltas.append({"type": "signature_delta", "signature": f"fake-signature-{len(reply.thinking)}"})
+        blocks.append(({"type": "thinking", "thinking": "", "signature": ""}, deltas))
+    if reply.text:
+        blocks.append(
+            (
+                {"type": "text", "text": ""},
+                [{"type": "text_delta", "text": p} for p in _split(reply.text, size)],
+            )
+        )
+    for call, cid in zip(reply.tool_calls, _call_ids(reply, "toolu"), strict=True):
+        pieces = [
+            {"type": "input_json_delta", "partial_json": p} for p in _split(call.arguments_json(), size)
+        ]
+        blocks.append(({"type": "tool_use", "id": cid, "name": call.name, "input": {}}, pieces))
+    return blocks
+
+
+def anthropic_json(reply: Reply, model: str, body: dict[str, Any]) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if reply.thinking:
+        content.append(
+            {
+                "type": "thinking",
+                "thinking": reply.thinking,
+                "signature": f"fake-signature-{len(reply.thinking)}",
+            }
+        )
+    if reply.text:
+        content.append({"type": "text", "text": reply.text})
+    for call, cid in zip(reply.tool_calls, _call_ids(reply, "toolu"), strict=True):
+        content.append(
+            {
+                "type": "tool_use",
+                "id": cid,
+                "name": call.name,
+                "input": json.loads(call.arguments_json() or "{}"),
+            }
+        )
+    u = _usage(reply, body)
+    return {
+        "id": _Ids.next("msg"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": _ANTHROPIC_STOP.get(reply.finish_reason(), reply.finish_reason()),
+        "stop_sequence": None,
+        "usage": {"input_tokens": u.input, "output_tokens": u.output, "cache_read_input_tokens": u.cached},
+    }
+
+
+def error_body(api: str, status: int, message: str) -> dict[str, Any]:
+    if api == "openai":
+        kind = (
+            "rate_limit_exceeded"
+            if status == 429
+            else "server_error"
+            if status >= 500
+            else "invalid_request_error"
+        )
+        return {"error": {"message": message, "type": kind, "code": status}}
+    kind = {429: "rate_limit_error", 529: "overloaded_error"}.get(
+        status, "api_error" if status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def stream_error_event(api: str, message: str) -> bytes:
+    if api == "openai":
+        return _sse({"error": {"message": message, "type": "server_error"}})
+    return _sse({"type": "error", "error": {"type": "overloaded_error", "message": message}}, "error")
+
+
+# --- the server ----------------------------------------------------------------------------
+
+
+class RecordedRequest(msgspec.Struct):
+    path: str
+    headers: dict[str, str]
+    body: Any
+    started: float
+    ended: float | None = None
+    client_closed: float | None = None
+
+
+class _ClientGone(Exception):
+    pass
+
+
+_APIS = {
+    "/v1/chat/completions": "openai",
+    "/chat/completions": "openai",
+    "/v1/messages": "anthropic",
+    "/messages": "anthropic",
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+    _record: RecordedRequest | None = None
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read srv.requests
+        return
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") in ("/v1/models", "/models"):
+            self._send_json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        else:
+            self._send_json(404, {"error": {"message": f"no route for GET {self.path}"}})
+
+    def do_POST(self) -> None:
+        api = _APIS.get(self.path.split("?")[0])
+        body = self._read_body()
+        if api is None or not isinstance(body, dict):
+            self._send_json(
+                404 if api is None else 400, error_body(api or "openai", 400, f"bad request to {self.path}")
+            )
+            return
+        owner = self.server.owner
+        record = self._record = owner._begin(self.path, dict(self.headers.items()), body)
+        try:
+            self._serve(api, body, owner._next_step(api, body), record)
+        except _ClientGone:
+            owner._closed(record)
+            self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError):
+            owner._closed(record)
+            self.close_connection = True
+        finally:
+            owner._end(record)
+            self._record = None
+
+    def _read_body(self) -> Any:
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:
+            return None
+
+    # --- steps
+
+    def _serve(self, api: str, body: dict[str, Any], step: Step, record: RecordedRequest) -> None:
+        self._pause(step.delay)
+        stream = bool(body.get("stream"))
+        model = str(body.get("model") or "fake-model")
+        if step.fail is not None:
+            self._fail(api, step.fail, stream, model, body)
+        elif stream:
+            reply = step.reply or Reply()
+            events = (openai_events if api == "openai" else anthropic_events)(reply, model, body)
+            self._stream(events, reply.chunk_delay)
+        else:
+            reply = step.reply or Reply()
+            self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
+
+    def _fail(self, api: str, fail: Fail, stream: bool, model: str, body: dict[str, Any]) -> None:
+        if fail.kind == "status":
+            headers = {}
+            if fail.retry_after is not None:
+                headers["retry-after"] = fail.retry_after
+            if fail.retry_after_ms is not None:
+                headers["retry-after-ms"] = str(fail.retry_after_ms)
+            self._send_json(fail.status, error_body(api, fail.status, fail.message), headers)
+            return
+        partial = Reply(text=fail.partial_text, chunk_size=6)
+        events = (openai_events if api == "openai" else anthropic_events)(partial, model, body)
+        if fail.kind == "drop":
+            self._start_stream()
+            for event in events[: fail.after_events]:
+                self._chunk(event)
+            self._drop()
+        elif fail.kind == "malformed":
+            self._stream([*events[:2], b"data: {this is not json\n\n", *events[2:]], 0.0)
+        else:
+            self._stream([*events[:2], stream_error_event(api, fail.message)], 0.0)
+
+    # --- low-level writing
+
+    def _send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self._last_write(data)
+
+    def _start_stream(self) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("cache-control", "no-cache")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _stream(self, events: list[bytes], delay: float) -> None:
+        self._start_stream()
+        for event in events:
+            self._chunk(event)
+            self._pause(delay)
+        self._last_write(b"0\r\n\r\n")
+
+    def _last_write(self, data: bytes) -> None:
+        """The response ends here: count it as ended before the client can see the last byte."""
+        if self._record is not None:
+            self.server.owner._end(self._record)
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _drop(self) -> None:
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _pause(self, seconds: float) -> None:
+        """Wait `seconds`, watching the socket: raise `_ClientGone` as soon as the client closes."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and not self.server.owner._stopping.is_set():
+            readable, _, _ = select.select([self.connection], [], [], min(left, 0.05))
+            if readable and _peer_closed(self.connection):
+                raise _ClientGone()
+            if readable:
+                time.sleep(min(left, 0.01))
+
+
+def _peer_closed(conn: socket.socket) -> bool:
+    try:
+        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    owner: FakeLLMServer
+
+
+class FakeLLMServer:
+    """A running fake; also a context manager. Thread-safe counters, readable from any thread."""
+
+    def __init__(self, script: ScriptLike = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.script = load_script(script)
+        self.requests: list[RecordedRequest] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.disconnects: list[float] = []  # time.monotonic() when a client closed mid-response
+        self._cursor = 0
+        self._lock = threading.Condition()
+        self._stopping = threading.Event()
+        self._httpd = _Server((host, port), _Handler)
+        self._httpd.owner = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self._httpd.server_address[0]
+        return f"http://{host!s}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def start(self) -> FakeLLMServer:
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.05,), name="fakellm", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join(timeout=5)
+        self._httpd.server_close()
+
+    def __enter__(self) -> FakeLLMServer:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until interrupted (CLI use)."""
+        try:
+            self._httpd.serve_forever()
+        finally:
+            self._stopping.set()
+            self._httpd.server_close()
+
+    def wait_disconnect(self, timeout: float) -> float | None:
+        """Block until a client has closed a connection mid-response; its monotonic time, or None."""
+        with self._lock:
+            self._lock.wait_for(lambda: bool(self.disconnects), timeout=timeout)
+            return self.disconnects[0] if self.disconnects else None
+
+    @property
+    def bodies(self) -> list[Any]:
+        with self._lock:
+            return [r.body for r in self.requests]
+
+    # --- called by handler threads
+
+    def _next_step(self, api: str, body: dict[str, Any]) -> Step:
+        with self._lock:
+            if self._cursor < len(self.script.steps):
+                self._cursor += 1
+                return self.script.steps[self._cursor - 1]
+        if self.script.rules or self.script.echo:
+            return Step(reply=choose_reply(self.script, read_conversation(api, body)))
+        return Step(fail=Fail(status=500, message="fake-llm script exhausted"))
+
+    def _begin(self, path: str, headers: dict[str, str], body: Any) -> RecordedRequest:
+        record = RecordedRequest(path=path, headers=headers, body=body, started=time.monotonic())
+        with self._lock:
+            self.requests.append(record)
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        return record
+
+    def _end(self, record: RecordedRequest) -> None:
+        with self._lock:
+            if record.ended is not None:
+                return
+            record.ended = time.monotonic()
+            self.in_flight -= 1
+            self._lock.notify_all()
+
+    def _closed(self, record: RecordedRequest) -> None:
+        with self._lock:
+            record.client_closed = time.monotonic()
+            self.disconnects.append(record.client_closed)
+            self._lock.notify_all()
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+@click.command("fake-llm")
+@click.option(
+    "--script",
+    "script_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="JSON or TOML script (steps/rules/echo); default: the built-in parallel-tools demo.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
+@click.option("--port", default=0, show_default=True, type=int, help="Port to bind (0: any free port).")
+def fake_llm_command(script_path: str | None, host: str, port: int) -> None:
+    """Serve a scripted fake OpenAI + Anthropic API (for demos and tests)."""
+    script = load_script(script_path) if script_path else demo_script()
+    server = FakeLLMServer(script, host=host, port=port)
+    # One JSON ready line first (`busctl up` and tests wait for it), then a human line.
+    click.echo(json.dumps({"ready": "fake-llm", "base_url": server.base_url}))
+    click.echo(f"fake-llm listening on {server.base_url} (OPENAI_BASE_URL / ANTHROPIC_BASE_URL)")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    fake_llm_command.main(args=argv, prog_name="python -m agents.fakellm", standalone_mode=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

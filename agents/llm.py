@@ -1,0 +1,631 @@
+"""The provider-calling core of the LLM gateway: one `LlmEngine` serves every configured model.
+
+    engine = LlmEngine.from_env()            # or LlmEngine([ModelConfig(...), ...])
+    async with engine:
+        message = await engine.complete(request, on_delta=..., on_retry=..., abort=event)
+
+Contract of `complete()` (it never raises for provider trouble, and never hangs past its timeouts):
+
+- returns the finished `AssistantMessage`; any failure is a message with `stop_reason="error"` and
+  `error` naming the provider, the HTTP status (when there was one) and the provider's error text;
+- retries 429/5xx (`request.retry.retry_statuses`), connection errors, timeouts and streams that
+  break midway, from scratch, with exponential backoff and jitter, honouring `Retry-After` and
+  `retry-after-ms`; every retry is reported through `on_retry(attempt, delay, status, error)`
+  (`attempt` is the 1-based attempt that just failed, `status` 0 when there was no HTTP status).
+  Deltas of a failed attempt were already sent: after `on_retry`, consumers should discard the
+  partial message they were building — deltas restart at index 0;
+- cancellation: set the `abort` event to stop the call at once — the HTTP stream is closed and the
+  result is a message with `stop_reason="aborted"` holding the text/thinking streamed so far (never
+  tool calls, which may be cut off). Cancelling the task that runs `complete()` (an anyio cancel
+  scope) also closes the stream at once, but then nothing is returned: the cancellation propagates.
+
+API keys are read from the environment variable each model names (`api_key_env`) at call time and
+go only into request headers. They never appear in errors, logs, reprs or `stats()`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import random
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import httpx
+import msgspec
+
+from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
+from agents.providers.base import DeltaCallback, truncate
+from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
+
+log = logging.getLogger("agents.llm")
+
+ProviderName = Literal["openai", "anthropic"]
+RetryCallback = Callable[[int, float, int, str], "Awaitable[None] | None"]
+
+DEFAULT_BASE_URLS: dict[str, str] = {
+    "openai": "https://api.openai.com/v1",
+    "anthropic": "https://api.anthropic.com",
+}
+DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
+DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
+NO_MODEL_ERROR = (
+    "no model is configured for the LLM gateway. Set `OPENAI_API_KEY` (optionally `OPENAI_BASE_URL` "
+    "and `OPENAI_MODEL`; `OPENAI_BASE_URL` alone is enough for a local server such as Ollama or "
+    "vLLM), or `ANTHROPIC_API_KEY` (optionally `ANTHROPIC_MODEL`), or list models in the topology "
+    "TOML file, then restart the gateway."
+)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ERROR_BODY_LIMIT = 64 * 1024
+_MAX_TRACKED_RUNS = 1000
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One model the gateway can call. Prices are USD per million tokens (None: not costed).
+
+    `api_key_env` is the NAME of the environment variable holding the key ("" for servers that need
+    none). `timeout` bounds the wait for the first byte and between streamed chunks."""
+
+    alias: str
+    provider: ProviderName
+    model: str
+    base_url: str = ""
+    api_key_env: str = ""
+    context_window: int = 128_000
+    input_price: float | None = None
+    output_price: float | None = None
+    cache_read_price: float | None = None
+    cache_write_price: float | None = None
+    max_concurrency: int = 8
+    requests_per_minute: float | None = None
+    connect_timeout: float = 10.0
+    timeout: float = 120.0
+
+    def endpoint(self) -> str:
+        return self.base_url or DEFAULT_BASE_URLS[self.provider]
+
+
+class ModelStats(msgspec.Struct, kw_only=True):
+    alias: str
+    provider: str
+    model: str
+    in_flight: int = 0
+    queued: int = 0
+    max_in_flight: int = 0
+    requests: int = 0
+    attempts: int = 0
+    retries: int = 0
+    errors: int = 0
+    aborted: int = 0
+    usage: Usage = msgspec.field(default_factory=Usage)
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Snapshot of `LlmEngine.stats()`: per model, per agent and per run (most recent runs)."""
+
+    models: dict[str, ModelStats]
+    agents: dict[str, Usage]
+    runs: dict[str, Usage]
+
+
+class _AttemptFailed(Exception):
+    def __init__(
+        self, message: str, *, retryable: bool, status: int = 0, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+        self.status = status
+        self.retry_after = retry_after
+
+    def redacted(self, secret: str | None) -> _AttemptFailed:
+        self.message = redact(self.message, secret)
+        return self
+
+
+def redact(text: str, secret: str | None) -> str:
+    """`text` without `secret`, also in its escaped (repr) form."""
+    if not secret or len(secret) < 4:
+        return text
+    for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1]}:
+        text = text.replace(form, "***")
+    return text
+
+
+# --- per-model limits ---------------------------------------------------------------------
+
+
+class _RateLimiter:
+    """At most `per_minute` request starts in any sliding 60 s window."""
+
+    def __init__(self, per_minute: float) -> None:
+        self._limit = max(1, int(per_minute))
+        self._starts: list[float] = []
+
+    async def acquire(self) -> None:
+        while True:
+            now = anyio.current_time()
+            self._starts = [t for t in self._starts if t > now - 60.0]
+            if len(self._starts) < self._limit:
+                self._starts.append(now)
+                return
+            await anyio.sleep(self._starts[0] + 60.0 - now)
+
+
+class _ModelRuntime:
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.provider: Provider = PROVIDERS[config.provider](config.endpoint(), config.model)
+        self.limiter = anyio.CapacityLimiter(max(1, config.max_concurrency))
+        self.rate = _RateLimiter(config.requests_per_minute) if config.requests_per_minute else None
+        self.stats = ModelStats(alias=config.alias, provider=config.provider, model=config.model)
+        self.timeout = httpx.Timeout(
+            connect=config.connect_timeout, read=config.timeout, write=config.timeout, pool=config.timeout
+        )
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Wait for the RPM window and a concurrency slot; counts queue depth and in-flight."""
+        token = object()
+        self.stats.queued += 1
+        try:
+            if self.rate is not None:
+                await self.rate.acquire()
+            await self.limiter.acquire_on_behalf_of(token)
+        finally:
+            self.stats.queued -= 1
+        self.stats.in_flight += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, self.stats.in_flight)
+        try:
+            yield
+        finally:
+            self.stats.in_flight -= 1
+            self.limiter.release_on_behalf_of(token)
+
+    def cost(self, usage: Usage) -> float:
+        c = self.config
+        if c.input_price is None and c.output_price is None:
+            return 0.0
+        input_price = c.input_price or 0.0
+        total = usage.input * input_price + usage.output * (c.output_price or 0.0)
+        total += usage.cache_read * (c.cache_read_price if c.cache_read_price is not None else input_price)
+        total += usage.cache_write * (c.cache_write_price if c.cache_write_price is not None else input_price)
+        return total / 1_000_000
+
+
+class _Call:
+    """Mutable state of one `complete()` call: the builder of the attempt in progress."""
+
+    def __init__(self) -> None:
+        self.builder: MessageBuilder | None = None
+
+
+# --- the engine ---------------------------------------------------------------------------
+
+
+class LlmEngine:
+    """Calls providers for `LlmRequest`s. One `httpx.AsyncClient`, per-model limits, usage totals.
+
+    `models`: the configured models; the first (or `default`) answers requests with `model=""`.
+    `env`: where API keys are looked up (default `os.environ`). `client`: an httpx client to use
+    instead of an owned one (not closed by `aclose()`)."""
+
+    def __init__(
+        self,
+        models: Sequence[ModelConfig] = (),
+        *,
+        default: str | None = None,
+        env: Mapping[str, str] | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._models = {m.alias: _ModelRuntime(m) for m in models}
+        self._default = default or (models[0].alias if models else "")
+        self._env = env if env is not None else os.environ
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+        self._agents: dict[str, Usage] = {}
+        self._runs: OrderedDict[str, Usage] = OrderedDict()
+        if self._default and self._default not in self._models:
+            raise ValueError(
+                f"default model `{self._default}` is not configured (have: {', '.join(self._models)})"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> LlmEngine:
+        """An engine for the models `models_from_env` finds; with none, every call answers an error."""
+        source = env if env is not None else os.environ
+        return cls(models_from_env(source), env=source, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LlmEngine(models={list(self._models)!r}, default={self._default!r})"
+
+    async def __aenter__(self) -> LlmEngine:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    @property
+    def models(self) -> list[ModelConfig]:
+        return [rt.config for rt in self._models.values()]
+
+    def model_config(self, alias: str = "") -> ModelConfig | None:
+        """The model a request with `model=alias` goes to ("" for the default), or None."""
+        runtime = self._resolve(alias)
+        return None if isinstance(runtime, AssistantMessage) else runtime.config
+
+    # --- complete ---------------------------------------------------------------------
+
+    async def complete(
+        self,
+        request: LlmRequest,
+        on_delta: DeltaCallback | None = None,
+        on_retry: RetryCallback | None = None,
+        *,
+        abort: anyio.Event | None = None,
+    ) -> AssistantMessage:
+        """Run `request` to a finished message (see the module docstring for the contract)."""
+        runtime = self._resolve(request.model)
+        if isinstance(runtime, AssistantMessage):
+            return runtime
+        runtime.stats.requests += 1
+        call = _Call()
+        message = await self._run_abortable(runtime, request, on_delta, on_retry, call, abort)
+        self._account(runtime, request, message)
+        return message
+
+    def _resolve(self, alias: str) -> _ModelRuntime | AssistantMessage:
+        if not self._models:
+            return _error_message("", "", NO_MODEL_ERROR)
+        runtime = self._models.get(alias or self._default)
+        if runtime is None:
+            runtime = next((rt for rt in self._models.values() if rt.config.model == alias), None)
+        if runtime is None:
+            known = ", ".join(f"`{a}`" for a in self._models)
+            return _error_message("", alias, f"unknown model alias `{alias}`; configured models: {known}")
+        return runtime
+
+    async def _run_abortable(
+        self,
+        runtime: _ModelRuntime,
+        request: LlmRequest,
+        on_delta: DeltaCallback | None,
+        on_retry: RetryCallback | None,
+        call: _Call,
+        abort: anyio.Event | None,
+    ) -> AssistantMessage:
+        result: AssistantMessage | None = None
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as scope:
+                if abort is not None:
+                    tg.start_soon(_cancel_when_set, abort, scope)
+                result = await self._run(runtime, request, on_delta, on_retry, call)
+            tg.cancel_scope.cancel()
+        if result is None:
+            return self._aborted(runtime, call)
+        return result
+
+    def _aborted(self, runtime: _ModelRuntime, call: _Call) -> AssistantMessage:
+        runtime.stats.aborted += 1
+        builder = call.builder
+        return AssistantMessage(
+            content=builder.partial_content() if builder else [],
+            stop_reason="aborted",
+            usage=builder.usage if builder else Usage(),
+            model=runtime.config.model,
+            provider=runtime.config.provider,
+            error="request aborted by the caller",
+        )
+
+    async def _run(
+        self,
+        runtime: _ModelRuntime,
+        request: LlmRequest,
+        on_delta: DeltaCallback | None,
+        on_retry: RetryCallback | None,
+        call: _Call,
+    ) -> AssistantMessage:
+        policy = request.retry
+        attempts = max(1, policy.max_attempts)
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._attempt(runtime, request, on_delta, call)
+            except _AttemptFailed as failure:
+                if not failure.retryable or attempt == attempts:
+                    return self._failed(runtime, failure, attempt)
+                await self._before_retry(runtime, policy, attempt, failure, on_retry)
+        raise AssertionError("unreachable: the loop returns on its last attempt")
+
+    async def _before_retry(
+        self,
+        runtime: _ModelRuntime,
+        policy: RetryPolicy,
+        attempt: int,
+        failure: _AttemptFailed,
+        on_retry: RetryCallback | None,
+    ) -> None:
+        delay = backoff_delay(policy, attempt, failure.retry_after)
+        runtime.stats.retries += 1
+        log.warning(
+            "%s model `%s`: attempt %d failed (%s); retrying in %.2fs",
+            runtime.config.provider,
+            runtime.config.alias,
+            attempt,
+            failure.message,
+            delay,
+        )
+        if on_retry is not None:
+            await _maybe_await(on_retry(attempt, delay, failure.status, failure.message))
+        await anyio.sleep(delay)
+
+    def _failed(self, runtime: _ModelRuntime, failure: _AttemptFailed, attempts: int) -> AssistantMessage:
+        runtime.stats.errors += 1
+        config = runtime.config
+        tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
+        text = f"{config.provider} (model `{config.alias}`): {failure.message} ({tries})"
+        log.error("%s", text)
+        return _error_message(config.provider, config.model, text)
+
+    async def _attempt(
+        self, runtime: _ModelRuntime, request: LlmRequest, on_delta: DeltaCallback | None, call: _Call
+    ) -> AssistantMessage:
+        key = self._api_key(runtime.config)
+        http = runtime.provider.build_request(request, key)
+        async with runtime.slot():
+            runtime.stats.attempts += 1
+            call.builder = MessageBuilder(on_delta)
+            with _errors_mapped(runtime.config, http.url, key):
+                return await self._stream(runtime, http, request.retry, call.builder)
+
+    def _api_key(self, config: ModelConfig) -> str | None:
+        name = config.api_key_env
+        if not name:
+            return None
+        if not _ENV_NAME.match(name):
+            raise _AttemptFailed(
+                "`api_key_env` must be the NAME of an environment variable holding the key, "
+                "not the key itself; fix the model configuration",
+                retryable=False,
+            )
+        key = self._env.get(name, "").strip()
+        if not key:
+            raise _AttemptFailed(
+                f"environment variable `{name}` is not set; export it with the API key, or set "
+                '`api_key_env = ""` for a server that needs no key',
+                retryable=False,
+            )
+        return key
+
+    async def _stream(
+        self, runtime: _ModelRuntime, http: ProviderRequest, policy: RetryPolicy, builder: MessageBuilder
+    ) -> AssistantMessage:
+        content = msgspec.json.encode(http.body)
+        req = self._client.build_request(
+            "POST", http.url, headers=http.headers, content=content, timeout=runtime.timeout
+        )
+        response = await self._client.send(req, stream=True)
+        try:
+            if not response.is_success:
+                raise await _status_failure(runtime.config.provider, response, policy)
+            _check_content_type(response)
+            lines = response.aiter_lines()
+            message = await runtime.provider.parse_stream(iter_sse(lines), builder)
+            await _drain(lines)
+        finally:
+            with anyio.move_on_after(2, shield=True):
+                await response.aclose()
+        message.usage.cost = runtime.cost(message.usage)
+        return message
+
+    # --- accounting ----------------------------------------------------------------------
+
+    def _account(self, runtime: _ModelRuntime, request: LlmRequest, message: AssistantMessage) -> None:
+        usage = message.usage
+        if not usage.total and not usage.cost:
+            return
+        runtime.stats.usage = runtime.stats.usage + usage
+        if request.agent:
+            self._agents[request.agent] = self._agents.get(request.agent, Usage()) + usage
+        if request.run_id:
+            self._runs[request.run_id] = self._runs.get(request.run_id, Usage()) + usage
+            self._runs.move_to_end(request.run_id)
+            while len(self._runs) > _MAX_TRACKED_RUNS:
+                self._runs.popitem(last=False)
+
+    def stats(self) -> EngineStats:
+        """A copy of the counters: per model (queue depth, in flight, attempts, usage), per agent, per run."""
+        return EngineStats(
+            models={a: msgspec.structs.replace(rt.stats) for a, rt in self._models.items()},
+            agents=dict(self._agents),
+            runs=dict(self._runs),
+        )
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def models_from_env(env: Mapping[str, str]) -> list[ModelConfig]:
+    """`openai` from `OPENAI_API_KEY`/`OPENAI_BASE_URL`/`OPENAI_MODEL`, `anthropic` from
+    `ANTHROPIC_API_KEY`/`ANTHROPIC_BASE_URL`/`ANTHROPIC_MODEL`. The first found is the default."""
+    models: list[ModelConfig] = []
+    for provider, default_model in (("openai", DEFAULT_OPENAI_MODEL), ("anthropic", DEFAULT_ANTHROPIC_MODEL)):
+        prefix = provider.upper()
+        key_env, base_url = f"{prefix}_API_KEY", env.get(f"{prefix}_BASE_URL", "")
+        if not env.get(key_env) and not base_url:
+            continue
+        models.append(
+            ModelConfig(
+                alias=provider,
+                provider=provider,  # type: ignore[arg-type]
+                model=env.get(f"{prefix}_MODEL") or default_model,
+                base_url=base_url,
+                api_key_env=key_env if env.get(key_env) else "",
+            )
+        )
+    return models
+
+
+def backoff_delay(policy: RetryPolicy, attempt: int, retry_after: float | None) -> float:
+    """The server's `retry_after` when given (capped at `max_delay`), else exponential with jitter."""
+    if retry_after is not None:
+        return min(max(retry_after, 0.0), policy.max_delay)
+    ceiling = min(policy.max_delay, policy.base_delay * 2.0 ** (attempt - 1))
+    return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+
+def retry_after_seconds(headers: httpx.Headers) -> float | None:
+    """`retry-after-ms`, else `Retry-After` as seconds or an HTTP date; None when absent/invalid."""
+    ms = headers.get("retry-after-ms")
+    if ms:
+        try:
+            return float(ms) / 1000
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - datetime.now(UTC)).total_seconds())
+
+
+async def _status_failure(provider: str, response: httpx.Response, policy: RetryPolicy) -> _AttemptFailed:
+    body = await _read_limited(response)
+    status = response.status_code
+    retryable = status in policy.retry_statuses
+    return _AttemptFailed(
+        f"HTTP {status} from {response.request.url}: {provider_error_text(body)}",
+        retryable=retryable,
+        status=status,
+        retry_after=retry_after_seconds(response.headers) if retryable else None,
+    )
+
+
+def _check_content_type(response: httpx.Response) -> None:
+    kind = response.headers.get("content-type", "")
+    if kind.startswith("application/json"):
+        raise _AttemptFailed(
+            f"expected a `text/event-stream` reply from {response.request.url}, got `{kind}`: "
+            "the server ignored `stream: true`; use a server that supports streaming",
+            retryable=False,
+            status=response.status_code,
+        )
+
+
+async def _read_limited(response: httpx.Response) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= _ERROR_BODY_LIMIT:
+            break
+    return b"".join(chunks)
+
+
+def provider_error_text(body: bytes) -> str:
+    """The `error.message` of an OpenAI/Anthropic error body, else the body text (truncated)."""
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return truncate(body.decode("utf-8", "replace").strip() or "(empty body)")
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        kind = error.get("type")
+        return truncate(f"{kind}: {error['message']}" if kind else str(error["message"]))
+    if isinstance(error, str):
+        return truncate(error)
+    return truncate(body.decode("utf-8", "replace"))
+
+
+@contextmanager
+def _errors_mapped(config: ModelConfig, url: str, key: str | None) -> Iterator[None]:
+    """The one place where httpx and stream exceptions become `_AttemptFailed` (with the key redacted)."""
+    try:
+        yield
+    except _AttemptFailed as failure:
+        raise failure.redacted(key) from None
+    except StreamError as exc:
+        raise _AttemptFailed(f"broken stream from {url}: {exc}", retryable=exc.retryable).redacted(
+            key
+        ) from exc
+    except httpx.ConnectTimeout as exc:
+        msg = f"could not connect to {url} within {config.connect_timeout}s (connect timeout)"
+        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+    except httpx.TimeoutException as exc:
+        msg = f"no data from {url} for {config.timeout}s ({type(exc).__name__})"
+        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+    except httpx.ConnectError as exc:
+        msg = f"cannot reach {url}: {exc or type(exc).__name__}; is the server running and the URL right?"
+        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+    except (httpx.LocalProtocolError, httpx.UnsupportedProtocol, UnicodeEncodeError) as exc:
+        msg = f"could not send the request to {url} ({type(exc).__name__}: {exc}); check the API key and URL"
+        raise _AttemptFailed(msg, retryable=False).redacted(key) from exc
+    except httpx.TransportError as exc:
+        msg = f"connection to {url} failed mid-request ({type(exc).__name__}: {exc})"
+        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+    except httpx.HTTPError as exc:
+        msg = f"could not send the request to {url} ({type(exc).__name__}: {exc})"
+        raise _AttemptFailed(msg, retryable=False).redacted(key) from exc
+
+
+async def _drain(lines: AsyncIterator[str]) -> None:
+    """Read what follows the end-of-message marker so the connection can be reused.
+
+    The message is already complete: a server that stalls or drops here only costs its connection."""
+    with anyio.move_on_after(1.0):
+        try:
+            async for _ in lines:
+                pass
+        except httpx.HTTPError:
+            return
+
+
+def _error_message(provider: str, model: str, text: str) -> AssistantMessage:
+    return AssistantMessage(stop_reason="error", provider=provider, model=model, error=text)
+
+
+async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _maybe_await(value: object) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+__all__ = [
+    "NO_MODEL_ERROR",
+    "EngineStats",
+    "LlmEngine",
+    "ModelConfig",
+    "ModelStats",
+    "RetryCallback",
+    "backoff_delay",
+    "models_from_env",
+    "provider_error_text",
+    "retry_after_seconds",
+]

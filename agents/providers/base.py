@@ -1,0 +1,261 @@
+"""The provider seam: turn an `LlmRequest` into one HTTP request, and an SSE stream into a message.
+
+A provider is two methods (see `Provider`): `build_request` (pure: request in, URL + headers +
+JSON body out) and `parse_stream` (SSE events in, `AssistantDelta`s out through a callback, the
+finished `AssistantMessage` returned). Everything about HTTP itself (retries, limits, timeouts,
+cancellation, usage accounting) lives in `agents.llm`; providers never touch the network.
+
+Stream failures are raised as `StreamError` (with `retryable`), never returned as a message: a
+partial stream must not pass for a complete one.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Literal
+
+import msgspec
+
+from bus.messages import (
+    AssistantContent,
+    AssistantDelta,
+    AssistantMessage,
+    LlmRequest,
+    StopReason,
+    TextPart,
+    ThinkingPart,
+    ToolCall,
+    Usage,
+)
+
+DeltaCallback = Callable[[AssistantDelta], "Awaitable[None] | None"]
+
+
+class StreamError(Exception):
+    """The response stream broke: malformed SSE, an error event, or an end before completion."""
+
+    def __init__(self, message: str, *, retryable: bool = True, status: int = 0) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+        self.status = status
+
+
+class ProviderRequest(msgspec.Struct):
+    """One HTTP POST, fully described. `headers` may hold the API key: never log or repr it."""
+
+    url: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+    def __repr__(self) -> str:  # the headers carry the secret
+        return f"ProviderRequest(url={self.url!r})"
+
+
+class SseEvent(msgspec.Struct):
+    event: str
+    data: str
+
+
+class Provider:
+    """Base of the provider adapters. Subclasses set `name` and implement the two methods."""
+
+    name: str = "provider"
+
+    def __init__(self, base_url: str, model: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(base_url={self.base_url!r}, model={self.model!r})"
+
+    def build_request(self, request: LlmRequest, api_key: str | None) -> ProviderRequest:
+        """Describe the streaming HTTP call for `request`. Pure; must not raise on valid input."""
+        raise NotImplementedError
+
+    async def parse_stream(
+        self, events: AsyncIterator[SseEvent], builder: MessageBuilder
+    ) -> AssistantMessage:
+        """Consume `events` into `builder` (which forwards deltas) and return the final message.
+
+        Raises `StreamError` when the stream is malformed, reports an error, or ends early."""
+        raise NotImplementedError
+
+
+# --- SSE -----------------------------------------------------------------------------------
+
+
+async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[SseEvent]:
+    """Group SSE lines into events (`event:` + joined `data:` lines); comments are skipped."""
+    event, data = "", list[str]()
+    async for line in lines:
+        if not line:
+            if data:
+                yield SseEvent(event=event or "message", data="\n".join(data))
+            event, data = "", list[str]()
+        elif line.startswith(":"):
+            continue
+        else:
+            field, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if field == "event":
+                event = value
+            elif field == "data":
+                data.append(value)
+    if data:
+        yield SseEvent(event=event or "message", data="\n".join(data))
+
+
+def decode_json(data: str) -> Any:
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise StreamError(f"malformed SSE data (expected JSON): {data[:120]!r}") from exc
+
+
+# --- assembling a message from deltas ------------------------------------------------------
+
+PartKind = Literal["text", "thinking", "tool_call"]
+
+
+class _Part:
+    __slots__ = ("kind", "chunks", "signature", "call_id", "name")
+
+    def __init__(self, kind: PartKind, call_id: str = "", name: str = "") -> None:
+        self.kind: PartKind = kind
+        self.chunks: list[str] = []
+        self.signature = ""
+        self.call_id = call_id
+        self.name = name
+
+    def build(self) -> AssistantContent:
+        joined = "".join(self.chunks)
+        if self.kind == "text":
+            return TextPart(joined)
+        if self.kind == "thinking":
+            return ThinkingPart(joined, signature=self.signature)
+        return ToolCall(id=self.call_id, name=self.name, arguments=joined or "{}")
+
+
+class MessageBuilder:
+    """Ordered content parts keyed by the provider's block id; every append emits a delta.
+
+    `index` in each `AssistantDelta` is the position of the part in the final `content` list."""
+
+    def __init__(self, on_delta: DeltaCallback | None = None) -> None:
+        self._on_delta = on_delta
+        self._parts: list[_Part] = []
+        self._keys: dict[object, int] = {}
+        self.usage = Usage()
+
+    async def start(self, key: object, kind: PartKind, call_id: str = "", name: str = "") -> int:
+        self._parts.append(_Part(kind, call_id, name))
+        index = len(self._parts) - 1
+        self._keys[key] = index
+        if kind == "tool_call":
+            await self._emit(index, "")
+        return index
+
+    def has(self, key: object) -> bool:
+        return key in self._keys
+
+    async def append(self, key: object, kind: PartKind, text: str) -> None:
+        """Append to the part `key`, starting it (with `kind`) when unseen."""
+        index = self._keys[key] if key in self._keys else await self.start(key, kind)
+        await self._append_at(index, text)
+
+    async def append_run(self, kind: PartKind, text: str) -> None:
+        """Append to the last part when it has `kind`, else open a new one (OpenAI text/reasoning)."""
+        index = len(self._parts) - 1
+        if index < 0 or self._parts[index].kind != kind:
+            index = await self.start(("run", len(self._parts)), kind)
+        await self._append_at(index, text)
+
+    async def _append_at(self, index: int, text: str) -> None:
+        if text:
+            self._parts[index].chunks.append(text)
+            await self._emit(index, text)
+
+    def set_signature(self, key: object, signature: str) -> None:
+        if key in self._keys:
+            self._parts[self._keys[key]].signature += signature
+
+    def update_call(self, key: object, call_id: str = "", name: str = "") -> None:
+        part = self._parts[self._keys[key]]
+        part.call_id = part.call_id or call_id
+        part.name = part.name or name
+
+    def content(self) -> list[AssistantContent]:
+        return [p.build() for p in self._parts]
+
+    def partial_content(self) -> list[AssistantContent]:
+        """What streamed so far, minus tool calls (their arguments may be cut off)."""
+        return [p.build() for p in self._parts if p.kind != "tool_call"]
+
+    def has_tool_calls(self) -> bool:
+        return any(p.kind == "tool_call" for p in self._parts)
+
+    def finish(
+        self, provider: str, model: str, stop_reason: StopReason, error: str | None = None
+    ) -> AssistantMessage:
+        return AssistantMessage(
+            content=self.content(),
+            stop_reason=stop_reason,
+            usage=self.usage,
+            model=model,
+            provider=provider,
+            error=error,
+        )
+
+    async def _emit(self, index: int, text: str) -> None:
+        if self._on_delta is None:
+            return
+        part = self._parts[index]
+        delta = AssistantDelta(
+            kind=part.kind, delta=text, index=index, tool_call_id=part.call_id, tool_name=part.name
+        )
+        result = self._on_delta(delta)
+        if inspect.isawaitable(result):
+            await result
+
+
+# --- tool schemas --------------------------------------------------------------------------
+
+
+def flatten_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """Return `schema` with every local `$ref` inlined, `$defs` dropped and a root of type object.
+
+    Recursive references (which cannot be inlined) become `{}` (any value). A root that is not an
+    object schema becomes an empty object schema: providers reject anything else."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    flat = _inline(schema, defs, ())
+    if not isinstance(flat, dict):
+        flat = {}
+    for key in ("$defs", "definitions", "$schema"):
+        flat.pop(key, None)
+    if flat.get("type") != "object":
+        if "properties" in flat and "type" not in flat:
+            flat["type"] = "object"
+        else:
+            flat = {"type": "object", "properties": {}}
+    flat.setdefault("properties", {})
+    return flat
+
+
+def _inline(node: Any, defs: dict[str, Any], seen: tuple[str, ...]) -> Any:
+    if isinstance(node, list):
+        return [_inline(item, defs, seen) for item in node]
+    if not isinstance(node, dict):
+        return node
+    ref = node.get("$ref")
+    if isinstance(ref, str):
+        name = ref.rsplit("/", 1)[-1]
+        if name in seen or name not in defs:
+            return {}
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        return {**_inline(defs[name], defs, (*seen, name)), **_inline(rest, defs, seen)}
+    return {k: _inline(v, defs, seen) for k, v in node.items() if k not in ("$defs", "definitions")}
+
+
+def truncate(text: str, limit: int = 500) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,0 +1,220 @@
+"""OpenAI chat-completions compatible provider (OpenAI, vLLM, llama.cpp, Ollama, OpenRouter…)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from typing import Any
+
+from agents.providers.base import (
+    MessageBuilder,
+    Provider,
+    ProviderRequest,
+    SseEvent,
+    StreamError,
+    decode_json,
+    flatten_schema,
+)
+from bus.messages import (
+    AssistantMessage,
+    ImagePart,
+    LlmMessage,
+    LlmRequest,
+    StopReason,
+    TextPart,
+    ToolCall,
+    ToolResultMessage,
+    ToolSpec,
+    Usage,
+    UserContent,
+    UserMessage,
+)
+
+_STOP_REASONS: dict[str, StopReason] = {
+    "stop": "stop",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "length": "length",
+    "content_filter": "error",
+}
+
+
+class OpenAIProvider(Provider):
+    name = "openai"
+
+    def url(self) -> str:
+        return f"{self.base_url}/chat/completions"
+
+    def build_request(self, request: LlmRequest, api_key: str | None) -> ProviderRequest:
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        return ProviderRequest(url=self.url(), headers=headers, body=self.build_body(request))
+
+    def build_body(self, request: LlmRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": convert_messages(request.system_prompt, request.messages),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if request.tools:
+            body["tools"] = [convert_tool(t) for t in request.tools]
+            body["tool_choice"] = convert_tool_choice(request.tool_choice)
+        if request.max_tokens is not None:
+            body["max_tokens"] = request.max_tokens
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.reasoning:
+            body["reasoning_effort"] = request.reasoning
+        return body
+
+    async def parse_stream(
+        self, events: AsyncIterator[SseEvent], builder: MessageBuilder
+    ) -> AssistantMessage:
+        finish: str | None = None
+        done = False
+        async for event in events:
+            if event.data.strip() == "[DONE]":
+                done = True
+                break
+            chunk = decode_json(event.data)
+            if not isinstance(chunk, dict):
+                raise StreamError(f"malformed chunk (expected an object): {event.data[:120]!r}")
+            finish = await _apply_chunk(chunk, builder) or finish
+        if finish is None and not done:
+            raise StreamError("stream ended before completion (no finish_reason, no [DONE])")
+        return _finish(self, builder, finish)
+
+
+def _finish(provider: OpenAIProvider, builder: MessageBuilder, finish: str | None) -> AssistantMessage:
+    reason: StopReason = _STOP_REASONS.get(finish or "stop", "stop")
+    if reason == "stop" and builder.has_tool_calls():
+        reason = "tool_use"
+    error = (
+        f"{provider.name}: response stopped by the provider (finish_reason `{finish}`)"
+        if reason == "error"
+        else None
+    )
+    return builder.finish(provider.name, provider.model, reason, error)
+
+
+async def _apply_chunk(chunk: dict[str, Any], builder: MessageBuilder) -> str | None:
+    if chunk.get("error"):
+        raise StreamError(f"error event in stream: {_error_message(chunk['error'])}")
+    if isinstance(chunk.get("usage"), dict):
+        builder.usage = parse_usage(chunk["usage"])
+    finish = None
+    for choice in chunk.get("choices") or []:
+        await _apply_delta(choice.get("delta") or {}, builder)
+        finish = choice.get("finish_reason") or finish
+    return finish
+
+
+async def _apply_delta(delta: dict[str, Any], builder: MessageBuilder) -> None:
+    reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+    if isinstance(reasoning, str) and reasoning:
+        await builder.append_run("thinking", reasoning)
+    if isinstance(delta.get("content"), str) and delta["content"]:
+        await builder.append_run("text", delta["content"])
+    for call in delta.get("tool_calls") or []:
+        await _apply_tool_delta(call, builder)
+
+
+async def _apply_tool_delta(call: dict[str, Any], builder: MessageBuilder) -> None:
+    key = ("tool", call.get("index", 0))
+    function = call.get("function") or {}
+    if not builder.has(key):
+        await builder.start(key, "tool_call", call.get("id") or "", function.get("name") or "")
+    else:
+        builder.update_call(key, call.get("id") or "", function.get("name") or "")
+    await builder.append(key, "tool_call", function.get("arguments") or "")
+
+
+def _error_message(error: Any) -> str:
+    if isinstance(error, dict):
+        return str(error.get("message") or error)
+    return str(error)
+
+
+def parse_usage(raw: dict[str, Any]) -> Usage:
+    prompt = int(raw.get("prompt_tokens") or 0)
+    output = int(raw.get("completion_tokens") or 0)
+    cached = int((raw.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return Usage(input=prompt - cached, output=output, cache_read=cached, total=prompt + output)
+
+
+# --- our messages → chat-completions messages ---------------------------------------------
+
+
+def convert_messages(system_prompt: str, messages: list[LlmMessage]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for message in messages:
+        if isinstance(message, UserMessage):
+            out.append({"role": "user", "content": _user_content(message.content)})
+        elif isinstance(message, ToolResultMessage):
+            out.extend(_tool_result(message))
+        elif message.stop_reason not in ("error", "aborted"):
+            assistant = _assistant(message)
+            if assistant is not None:
+                out.append(assistant)
+    return out
+
+
+def _user_content(parts: list[UserContent]) -> str | list[dict[str, Any]]:
+    if all(isinstance(p, TextPart) for p in parts):
+        return "".join(p.text for p in parts if isinstance(p, TextPart))
+    return [_user_part(p) for p in parts]
+
+
+def _user_part(part: UserContent) -> dict[str, Any]:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    data = base64.b64encode(part.data).decode()
+    return {"type": "image_url", "image_url": {"url": f"data:{part.mime_type};base64,{data}"}}
+
+
+def _assistant(message: AssistantMessage) -> dict[str, Any] | None:
+    text = "".join(p.text for p in message.content if isinstance(p, TextPart))
+    calls = [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in message.content
+        if isinstance(c, ToolCall)
+    ]
+    if not text and not calls:
+        return None
+    out: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tool_result(message: ToolResultMessage) -> list[dict[str, Any]]:
+    """Tool messages carry text only; images follow in a user message."""
+    text = message.text or ("(error)" if message.is_error else "(no output)")
+    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": message.tool_call_id, "content": text}]
+    images = [p for p in message.content if isinstance(p, ImagePart)]
+    if images:
+        parts: list[UserContent] = [TextPart(f"Image(s) returned by tool `{message.tool_name}`:"), *images]
+        out.append({"role": "user", "content": [_user_part(p) for p in parts]})
+    return out
+
+
+def convert_tool(tool: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": flatten_schema(tool.parameters),
+        },
+    }
+
+
+def convert_tool_choice(choice: str) -> str | dict[str, Any]:
+    if choice in ("auto", "none", "required"):
+        return choice
+    return {"type": "function", "function": {"name": choice}}
+
+
+__all__ = ["OpenAIProvider", "convert_messages", "convert_tool", "convert_tool_choice", "parse_usage"]

@@ -1,0 +1,100 @@
+"""Shared fixtures for the LLM gateway tests: real HTTP against `agents.fakellm` servers."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from agents.fakellm import FakeLLMServer, ScriptLike
+from agents.llm import LlmEngine, ModelConfig
+from bus.messages import AssistantDelta, LlmRequest, RetryPolicy, ToolSpec, user_text
+
+FAKE_KEY = "sk-FAKE-7f3a9c1e-do-not-leak-0x5EC12E7"
+FAST_RETRY = RetryPolicy(base_delay=0.01, max_delay=0.05)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def fake_server() -> Iterator[Callable[[ScriptLike], FakeLLMServer]]:
+    """Start fake servers on demand; all are closed at teardown."""
+    servers: list[FakeLLMServer] = []
+
+    def start(script: ScriptLike = None) -> FakeLLMServer:
+        server = FakeLLMServer(script).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def model_for(server: FakeLLMServer, provider: str = "openai", **overrides: Any) -> ModelConfig:
+    fields: dict[str, Any] = {
+        "alias": f"fake-{provider}",
+        "provider": provider,
+        "model": f"{provider}-fake-model",
+        "base_url": server.base_url,
+        "api_key_env": "FAKE_LLM_KEY",
+        "timeout": 5.0,
+        "connect_timeout": 2.0,
+    }
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def engine_for(server: FakeLLMServer, provider: str = "openai", **overrides: Any) -> LlmEngine:
+    return LlmEngine([model_for(server, provider, **overrides)], env={"FAKE_LLM_KEY": FAKE_KEY})
+
+
+def request(text: str = "hello", *, retry: RetryPolicy = FAST_RETRY, **fields: Any) -> LlmRequest:
+    return LlmRequest(messages=[user_text(text)], retry=retry, **fields)
+
+
+TOOLS = [
+    ToolSpec(
+        name="read_file",
+        description="Read a file",
+        parameters={
+            "type": "object",
+            "properties": {"path": {"type": "string"}},
+            "required": ["path"],
+        },
+    ),
+    ToolSpec(
+        name="search_files",
+        description="Search files",
+        parameters={
+            "type": "object",
+            "properties": {"pattern": {"type": "string"}, "path": {"type": "string"}},
+        },
+    ),
+    ToolSpec(name="list_dir", description="List a directory"),
+]
+
+
+class DeltaLog:
+    """Collects deltas and rebuilds each content part's streamed text by index."""
+
+    def __init__(self) -> None:
+        self.deltas: list[AssistantDelta] = []
+
+    def __call__(self, delta: AssistantDelta) -> None:
+        self.deltas.append(delta)
+
+    def text_at(self, index: int) -> str:
+        return "".join(d.delta for d in self.deltas if d.index == index)
+
+
+class RetryLog:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, float, int, str]] = []
+
+    async def __call__(self, attempt: int, delay: float, status: int, error: str) -> None:
+        self.calls.append((attempt, delay, status, error))

@@ -1,0 +1,120 @@
+"""The fake LLM servers themselves: wire formats, rules/demo mode, script files, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agents.fakellm import FakeLLMServer, ScriptLike, demo_script, load_script
+from bus.messages import AssistantMessage, LlmRequest, ToolResultMessage, tool_result_text, user_text
+from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request
+
+StartServer = Callable[[ScriptLike], FakeLLMServer]
+CHAT = "/chat/completions"
+
+
+def test_openai_non_streaming_json(fake_server: StartServer) -> None:
+    srv = fake_server([{"reply": {"text": "hi", "tool_calls": [{"name": "f", "arguments": {"a": 1}}]}}])
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    data = httpx.post(srv.base_url + CHAT, json=body).json()
+    message = data["choices"][0]["message"]
+    assert message["content"] == "hi" and data["choices"][0]["finish_reason"] == "tool_calls"
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"a": 1}
+    assert data["usage"]["prompt_tokens"] > 0
+
+
+def test_anthropic_non_streaming_json_and_error_format(fake_server: StartServer) -> None:
+    srv = fake_server(
+        [{"reply": {"text": "hey", "thinking": "hm"}}, {"fail": {"status": 429, "retry_after": "3"}}]
+    )
+    body = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]}
+    data = httpx.post(srv.base_url + "/messages", json=body).json()
+    assert [b["type"] for b in data["content"]] == ["thinking", "text"] and data["stop_reason"] == "end_turn"
+    failed = httpx.post(srv.base_url + "/messages", json=body)
+    assert failed.status_code == 429 and failed.headers["retry-after"] == "3"
+    assert failed.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_openai_stream_wire_format(fake_server: StartServer) -> None:
+    srv = fake_server([{"reply": {"text": "abcdef", "chunk_size": 2}}])
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True}, "messages": []}
+    response = httpx.post(srv.base_url + CHAT, json=body)
+    assert response.headers["content-type"] == "text/event-stream"
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "abcdef"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_records_requests_and_echoes_when_nothing_matches(fake_server: StartServer) -> None:
+    srv = fake_server(None)
+    body = {"model": "m", "messages": [{"role": "user", "content": "ping"}]}
+    data = httpx.post(srv.base_url + CHAT, json=body, headers={"x-test": "1"}).json()
+    assert data["choices"][0]["message"]["content"] == "echo: ping"
+    assert srv.requests[0].headers["x-test"] == "1" and srv.bodies == [body]
+    assert srv.max_in_flight == 1 and srv.in_flight == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_demo_script_calls_three_tools_in_parallel_then_summarises(
+    fake_server: StartServer, provider: str
+) -> None:
+    srv = fake_server(demo_script())
+    async with engine_for(srv, provider) as engine:
+        first = await engine.complete(request("Explore the workspace please", tools=TOOLS))
+        assert first.stop_reason == "tool_use"
+        assert [c.name for c in first.tool_calls] == ["list_dir", "read_file", "search_files"]
+        assert json.loads(first.tool_calls[2].arguments) == {"pattern": "TODO", "path": "."}
+        results: list[ToolResultMessage] = [
+            tool_result_text(c, f"result of {c.name}") for c in first.tool_calls
+        ]
+        history: list[AssistantMessage | ToolResultMessage] = [first, *results]
+        messages = [user_text("Explore the workspace please"), *history]
+        second = await engine.complete(LlmRequest(messages=messages, tools=TOOLS, retry=FAST_RETRY))
+        echo = await engine.complete(request("what is 2+2?", tools=TOOLS))
+    assert (
+        second.stop_reason == "stop" and "result of search_files" in second.text and "Summary" in second.text
+    )
+    assert echo.text == "echo: what is 2+2?"
+
+
+@pytest.mark.anyio
+async def test_rules_drop_tool_calls_the_request_does_not_offer(fake_server: StartServer) -> None:
+    srv = fake_server(demo_script())
+    async with engine_for(srv) as engine:
+        msg = await engine.complete(request("explore the workspace"))  # no tools offered
+    assert msg.stop_reason == "stop" and msg.tool_calls == [] and "look around" in msg.text
+
+
+def test_toml_and_json_script_files(tmp_path: Path) -> None:
+    toml = tmp_path / "s.toml"
+    toml.write_text('[[steps]]\nfail = { status = 503 }\n[[steps]]\nreply = { text = "ok" }\n')
+    script = load_script(toml)
+    assert script.steps[0].fail is not None and script.steps[0].fail.status == 503
+    js = tmp_path / "s.json"
+    js.write_text(json.dumps([{"reply": {"text": "x"}}]))
+    assert load_script(js).steps[0].reply is not None
+
+
+def test_cli_serves_the_demo(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agents.fakellm", "--port", "0"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        base_url = line.split()[3]
+        body = {"model": "m", "messages": [{"role": "user", "content": "yo"}]}
+        data = httpx.post(base_url + CHAT, json=body, timeout=5).json()
+        assert data["choices"][0]["message"]["content"] == "echo: yo"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
