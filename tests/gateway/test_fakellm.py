@@ -110,8 +110,9 @@ def test_cli_serves_the_demo(tmp_path: Path) -> None:
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline()
-        base_url = line.split()[3]
+        ready = json.loads(proc.stdout.readline())
+        assert ready["ready"] == "fake-llm"
+        base_url = ready["base_url"]
         body = {"model": "m", "messages": [{"role": "user", "content": "yo"}]}
         data = httpx.post(base_url + CHAT, json=body, timeout=5).json()
         assert data["choices"][0]["message"]["content"] == "echo: yo"
