@@ -164,25 +164,38 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
       busctl status --json | jq '.services[].name'
     """
 
-    async def fetch() -> p.Status:
+    from agents.remote import topology_status
+
+    async def fetch() -> dict[str, Any]:
         async with connect(hub, name="busctl-status", role="cli", curve=curve) as peer:
-            return await peer.status()
+            return await topology_status(peer)
 
     st = run_async(fetch)
     if as_json:
         click.echo(msgspec.json.encode(st).decode())
         return
-    click.echo(f"hub {st.endpoint}  events {st.events}  seq {st.seq}  up {st.uptime:.0f}s")
+    click.echo(f"hub {st['endpoint']}  events {st['events']}  seq {st['seq']}  "
+               f"up {st['uptime']:.0f}s")
     click.echo("peers:")
-    for peer in st.peers:
-        services = ", ".join(f"{s.name} {s.load}/{s.capacity}" for s in peer.services)
-        click.echo(f"  {peer.name:<20} {peer.peer}  pid {peer.pid}@{peer.host}  {services}")
+    for peer in st["peers"]:
+        services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
+        click.echo(f"  {peer['name']:<20} {peer.get('role', '') or '-':<11} pid {peer.get('pid', 0)}"
+                   f"@{peer.get('host', '')}  {services}")
     click.echo("services:")
-    for svc in st.services:
-        click.echo(f"  {svc.name:<28} peers {svc.peers}  load {svc.load}/{svc.capacity}  "
-                   f"queued {svc.queued}")
-    if st.counters:
-        click.echo("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(st.counters.items())))
+    for svc in st["services"]:
+        click.echo(f"  {svc['name']:<28} peers {svc['peers']}  load {svc['load']}/{svc['capacity']}"
+                   f"  queued {svc['queued']}")
+    for name, agent in st["agents"].items():
+        state = "running " + agent.get("run_id", "") if agent.get("is_running") else "idle"
+        click.echo(f"agent {name:<22} {state}  messages {agent.get('message_count', 0)}")
+    for name, stats in st["gateways"].items():
+        for alias, model in stats.get("models", {}).items():
+            usage = model.get("usage", {})
+            click.echo(f"gateway {name}: {alias} in flight {model.get('in_flight', 0)} queued "
+                       f"{model.get('queued', 0)} requests {model.get('requests', 0)} tokens "
+                       f"{usage.get('total', 0)} cost {usage.get('cost', 0):.4f}")
+    if st["counters"]:
+        click.echo("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
 
 
 # --- busctl watch -------------------------------------------------------------------------

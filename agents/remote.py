@@ -22,6 +22,7 @@ from agents import commands as cmd
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
+from bus.errors import BusError
 from bus.security import CurveClient
 
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
@@ -138,6 +139,25 @@ class AgentBus:
         return sorted(s.name[6:] for s in status.services if s.name.startswith("agent."))
 
 
+async def topology_status(peer: Peer) -> dict[str, Any]:
+    """The hub's status plus each gateway's queues and usage and each agent's state."""
+    status = await peer.status()
+    report: dict[str, Any] = msgspec.to_builtins(status)
+    report["gateways"] = {}
+    report["agents"] = {}
+    for service in status.services:
+        try:
+            if service.name.startswith("gateway."):
+                body = await peer.request(service.name, b"", timeout=3)
+                report["gateways"][service.name[8:]] = msgspec.msgpack.decode(body)
+            elif service.name.startswith("agent."):
+                body = await peer.request(service.name, cmd.encode(cmd.GetState()), timeout=3)
+                report["agents"][service.name[6:]] = msgspec.msgpack.decode(body)
+        except BusError as exc:
+            report.setdefault("errors", []).append(f"{service.name}: {exc}")
+    return report
+
+
 @asynccontextmanager
 async def connect(hub: str | None = None, *, name: str = "agents-client",
                   curve: CurveClient | None = None) -> AsyncIterator[AgentBus]:
@@ -145,4 +165,4 @@ async def connect(hub: str | None = None, *, name: str = "agents-client",
         yield AgentBus(peer)
 
 
-__all__ = ["AgentBus", "Run", "connect"]
+__all__ = ["AgentBus", "Run", "connect", "topology_status"]
