@@ -12,10 +12,12 @@ was sent, so none is missed however fast the agent is.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from typing import Any
 
+import anyio
+import anyio.from_thread
 import msgspec
 
 from agents import commands as cmd
@@ -118,6 +120,26 @@ class AgentBus:
         run = await self.prompt(agent, text, **kwargs)
         return await run.result()
 
+    async def run_many(self, prompts: Sequence[tuple[str, str]], *, concurrency: int = 4,
+                       experiment: str = "") -> list[cmd.RunResult]:
+        """Run (agent, text) prompts with at most `concurrency` at once; results in input order.
+
+        Each agent runs one run at a time, so prompts for the same agent are queued per agent
+        (a busy agent refuses a second prompt); the limit applies across agents.
+        """
+        limiter = anyio.CapacityLimiter(max(1, concurrency))
+        locks: dict[str, anyio.Lock] = {agent: anyio.Lock() for agent, _ in prompts}
+        results: list[cmd.RunResult | None] = [None] * len(prompts)
+
+        async def one(index: int, agent: str, text: str) -> None:
+            async with locks[agent], limiter:
+                results[index] = await self.run(agent, text, experiment=experiment)
+
+        async with anyio.create_task_group() as tg:
+            for index, (agent, text) in enumerate(prompts):
+                tg.start_soon(one, index, agent, text)
+        return [r for r in results if r is not None]
+
     async def steer(self, agent: str, text: str) -> None:
         await self._command(agent, cmd.Steer(text=text))
 
@@ -165,4 +187,45 @@ async def connect(hub: str | None = None, *, name: str = "agents-client",
         yield AgentBus(peer)
 
 
-__all__ = ["AgentBus", "Run", "connect", "topology_status"]
+class BlockingBus:
+    """`AgentBus` for notebooks and plain scripts: the same verbs, called without `await`.
+
+        with connect_blocking() as bus:
+            print(bus.run("assistant", "hello").final_text)
+    """
+
+    def __init__(self, portal: anyio.from_thread.BlockingPortal, bus: AgentBus) -> None:
+        self._portal = portal
+        self._bus = bus
+
+    def run(self, agent: str, text: str, **kwargs: Any) -> cmd.RunResult:
+        return self._portal.call(lambda: self._bus.run(agent, text, **kwargs))
+
+    def run_many(self, prompts: Sequence[tuple[str, str]], **kwargs: Any) -> list[cmd.RunResult]:
+        return self._portal.call(lambda: self._bus.run_many(prompts, **kwargs))
+
+    def steer(self, agent: str, text: str) -> None:
+        self._portal.call(self._bus.steer, agent, text)
+
+    def follow_up(self, agent: str, text: str) -> None:
+        self._portal.call(self._bus.follow_up, agent, text)
+
+    def abort(self, agent: str) -> None:
+        self._portal.call(self._bus.abort, agent)
+
+    def state(self, agent: str) -> cmd.AgentState:
+        return self._portal.call(self._bus.state, agent)
+
+    def agents(self) -> list[str]:
+        return self._portal.call(self._bus.agents)
+
+
+@contextmanager
+def connect_blocking(hub: str | None = None, *, name: str = "agents-client",
+                     curve: CurveClient | None = None) -> Iterator[BlockingBus]:
+    with anyio.from_thread.start_blocking_portal("asyncio") as portal, \
+            portal.wrap_async_context_manager(connect(hub, name=name, curve=curve)) as bus:
+        yield BlockingBus(portal, bus)
+
+
+__all__ = ["AgentBus", "BlockingBus", "Run", "connect", "connect_blocking", "topology_status"]
