@@ -191,7 +191,12 @@ def _openai_conversation(messages: list[dict[str, Any]]) -> Conversation:
     conv = Conversation()
     users = [m for m in messages if m.get("role") == "user"]
     conv.last_user = _text_of(users[-1].get("content")) if users else ""
-    trailing = list(itertools.takewhile(lambda m: m.get("role") in ("tool", "user"), reversed(messages)))
+    # Tool results end the request, possibly followed by image-only user messages (how tool
+    # images travel in this format); a user message with text means a new prompt.
+    def after_tools(m: dict[str, Any]) -> bool:
+        return m.get("role") == "tool" or (m.get("role") == "user" and not _text_of(m.get("content")))
+
+    trailing = list(itertools.takewhile(after_tools, reversed(messages)))
     conv.tool_results = [_text_of(m.get("content")) for m in reversed(trailing) if m.get("role") == "tool"]
     conv.after_tool_result = bool(conv.tool_results)
     return conv

@@ -70,7 +70,7 @@ def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[Chil
     for i in range(topo.gateways.count):
         specs.append(ChildSpec(f"gateway-{i + 1}", python_argv(
             "gateway", "--hub", endpoint, "--topology", str(topology_file),
-            "--name", f"gateway-{i + 1}")))
+            "--name", f"gateway-{i + 1}"), role="gateway"))
     for group in topo.workers:
         for i in range(group.count):
             name = f"{group.name}-{i + 1}"
@@ -80,7 +80,7 @@ def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[Chil
                 argv += ["--tools", module]
             if group.shell:
                 argv.append("--shell")
-            specs.append(ChildSpec(name, argv))
+            specs.append(ChildSpec(name, argv, role="worker"))
     count = topo.coordinators
     for i in range(count):
         mine = [a.name for a in topo.agents[i::count]] if count else []
@@ -91,9 +91,10 @@ def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[Chil
                            "--name", f"coordinator-{i + 1}")
         for agent in mine:
             argv += ["--agent", agent]
-        specs.append(ChildSpec(f"coordinator-{i + 1}", argv))
+        specs.append(ChildSpec(f"coordinator-{i + 1}", argv, role="coordinator"))
     for proc in topo.processes:
-        specs.append(ChildSpec(proc.name, proc.command, env=proc.env, restart=proc.restart))
+        specs.append(ChildSpec(proc.name, proc.command, env=proc.env, restart=proc.restart,
+                               role="process"))
     return specs
 
 
@@ -141,11 +142,12 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
     state = state_dir(topo)
     state.mkdir(parents=True, exist_ok=True)
     async with Supervisor(state / "logs", out, color) as sup:
-        hub = await sup.start(ChildSpec("hub", hub_argv(topo)))
+        hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
         endpoint, events = hub.ready["endpoint"], hub.ready["events"]
         if options.demo:
-            fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0")))
+            fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0"),
+                                             role="fake-llm"))
             assert fake.ready is not None
             topo.models = {DEMO_MODEL: ModelEntry(provider="openai", model="demo-model",
                                                   base_url=fake.ready["base_url"])}
@@ -160,28 +162,16 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
             out.flush()
             _announce(options, endpoint, events)
             await _wait_for_signal()
-            out.write("stopping…\n")
-            out.flush()
-        await sup.stop_all(_stop_order(sup))
+        await _stop(sup, out)
     return 0
 
 
+STOP_RANK = {"process": 0, "coordinator": 1, "worker": 2, "gateway": 3, "fake-llm": 4, "hub": 5}
+
+
 def _stop_order(sup: Supervisor) -> list[str]:
-    names = list(sup.children)
-    rank = {"coordinator": 0, "worker": 1, "gateway": 2, "fake-llm": 3, "hub": 4}
-
-    def key(name: str) -> int:
-        if name == "hub":
-            return 5
-        if name.startswith("coordinator"):
-            return 1
-        if name.startswith("gateway"):
-            return 3
-        if name == "fake-llm":
-            return 4
-        return 2 if name in rank else 0  # extra processes first, then workers (rank 2)
-
-    return sorted(names, key=key)
+    """Extra processes, then agents, their tools, their models, and the hub last."""
+    return sorted(sup.children, key=lambda name: STOP_RANK.get(sup.children[name].spec.role, 0))
 
 
 def _announce(options: UpOptions, endpoint: str, events: str) -> None:
@@ -190,6 +180,16 @@ def _announce(options: UpOptions, endpoint: str, events: str) -> None:
     print(line, flush=True)
     if options.detach_ready_file:
         Path(options.detach_ready_file).write_text(line + "\n")
+
+
+async def _stop(sup: Supervisor, out: TextIO) -> None:
+    """Stop in order; further Ctrl-Cs during the stop are absorbed (it is bounded anyway)."""
+    out.write("stopping…\n")
+    out.flush()
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM):
+        await sup.stop_all(_stop_order(sup))
+    out.write("stopped.\n")
+    out.flush()
 
 
 async def _wait_for_signal() -> None:

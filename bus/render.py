@@ -118,7 +118,9 @@ class HumanPrinter:
 
     def print(self, header: Header, event: ev.Event) -> None:
         type_ = ev.event_type(event)
-        if isinstance(event, ev.MessageUpdate) and event.delta.kind in ("text", "thinking"):
+        if isinstance(event, ev.MessageUpdate) and event.delta.kind == "tool_call":
+            return  # argument fragments: the tool_execution_start line shows the whole call
+        if isinstance(event, ev.MessageUpdate):
             if self._streaming != header.run:
                 self._close_stream()
                 self.out.write(self._prefix(header, type_))

@@ -37,6 +37,7 @@ class ChildSpec:
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout: float = 20.0
     restart: bool = True
+    role: str = ""  # what the child is (hub, gateway, worker…): decides the stop order
 
 
 @dataclass
