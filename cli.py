@@ -51,7 +51,10 @@ def curve_client(server_key: str | None, key: str | None) -> CurveClient | None:
         return None
     if not (server_key and key):
         raise click.UsageError("--curve-server-key and --curve-key go together (CURVE needs both)")
-    return CurveClient(server_public_key_file=server_key, secret_key_file=key)
+    try:
+        return CurveClient(server_public_key_file=server_key, secret_key_file=key)
+    except ValueError as exc:  # e.g. the public `.key` given where the `.key_secret` belongs
+        raise click.UsageError(str(exc)) from None
 
 
 def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,7 +124,7 @@ def hub(endpoint: str, events: str, state_dir: str, heartbeat_interval: float, l
     """
     from bus.hub import HubConfig, serve
 
-    curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure)
+    curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
     config = HubConfig(endpoint=endpoint, events=events, state_dir=state_dir,
                        heartbeat_interval=heartbeat_interval, liveness=liveness,
                        max_message_bytes=max_message_bytes, curve=curve)
@@ -133,11 +136,13 @@ def hub(endpoint: str, events: str, state_dir: str, heartbeat_interval: float, l
 
 
 def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
-              insecure: bool) -> CurveServer | None:
+              insecure: bool, events: str = "") -> CurveServer | None:
     if bool(secret) != bool(authorized):
         raise click.UsageError("--curve-secret and --curve-authorized go together")
     if secret and authorized:
         return CurveServer(secret_key_file=secret, authorized_dir=authorized)
+    if events and not is_loopback_endpoint(events) and is_loopback_endpoint(endpoint):
+        endpoint = events  # the event stream would be readable by anyone who reaches it
     if not is_loopback_endpoint(endpoint):
         if not insecure:
             raise click.UsageError(
@@ -411,7 +416,9 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
 
 def _refuse_insecure_bind(topology: Any) -> None:
     hub_cfg = topology.hub
-    if hub_cfg.curve_secret or hub_cfg.insecure or is_loopback_endpoint(hub_cfg.endpoint):
+    if hub_cfg.curve_secret or hub_cfg.insecure or (
+            is_loopback_endpoint(hub_cfg.endpoint)
+            and (not hub_cfg.events or is_loopback_endpoint(hub_cfg.events))):
         return
     raise click.UsageError(
         f"refusing to bind {hub_cfg.endpoint} without CURVE: other machines could connect. "

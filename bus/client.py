@@ -1,28 +1,41 @@
 """The peer client: how every process (and every test) talks to the hub, on anyio/asyncio.
 
 `async with connect(hub, name=...) as peer:` says hello, keeps heartbeats going both ways, and
-reconnects (re-registering its services) when the hub restarts. One reader task owns the DEALER
-socket's receive side; replies are matched to requests by id. Subscriptions use their own SUB
-socket and are read by the consumer's task.
+reconnects (re-registering its services) when the hub restarts. Replies are matched to requests
+by id. Subscriptions use their own SUB socket and are read by the consumer's task.
+
+How the sockets are driven (the hot path): the DEALER is a plain (blocking-type) pyzmq socket
+whose notification fd is watched with the asyncio loop's `add_reader`. Each wake-up drains every
+ready message with NOBLOCK receives and dispatches them synchronously (a reply resolves its
+caller's future; a request starts a handler task). Sends are NOBLOCK and succeed at once unless
+the high-water mark is reached, in which case the sender waits for the socket to become writable.
+The zmq fd is edge-triggered: any send or `EVENTS` read may consume the edge, so after sending we
+check `EVENTS` and schedule a drain ourselves when input is waiting. This needs anyio's asyncio
+backend (pyzmq has no trio support).
 """
 
 from __future__ import annotations
 
+import asyncio
+import heapq
+import itertools
 import logging
-import math
 import os
 import random
 import time
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.abc
 import msgspec
 import zmq
 import zmq.asyncio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from zmq.backend import Socket as _BackendSocket
 
 from bus import events as ev
 from bus import protocol as p
@@ -35,6 +48,40 @@ DEFAULT_HUB = "tcp://127.0.0.1:7400"
 HUB_ENV = "BUSCTL_HUB"
 CONNECT_TIMEOUT = 5.0
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
+HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
+DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
+YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
+BYE_LINGER_MS = 200
+
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+# pyzmq's send_multipart/recv_multipart spend ~3 us per message on Python-level flag (enum)
+# handling; the backend calls with int flags cost a fraction of that.
+_bsend = _BackendSocket.send
+_brecv = _BackendSocket.recv
+_bget = _BackendSocket.get
+
+
+def _send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+    """Send one multipart message without blocking (zmq.Again, on the first frame, at the HWM)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _bsend(sock, frame, _MORE_NOBLOCK if i < last else _NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket[Any]) -> list[bytes]:
+    """Receive one multipart message without blocking (zmq.Again when there is none)."""
+    frame = _brecv(sock, _NOBLOCK, False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = _brecv(sock, _NOBLOCK, False)
+        frames.append(frame.bytes)
+    return frames
+_SIG = p.SIGNATURE
+_REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 
 
 def default_hub() -> str:
@@ -54,7 +101,7 @@ class IncomingRequest:
     cancelled: anyio.Event = field(default_factory=anyio.Event)
 
     async def partial(self, body: bytes) -> None:
-        await self._peer._send([p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body])
+        await self._peer._send([p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body], wait=False)
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes]]
@@ -71,6 +118,100 @@ class Envelope(msgspec.Struct):
 
     header: p.Header
     event: ev.Event
+
+
+class _Call:
+    """One outstanding request: replies queue here until its task takes them (no stream object)."""
+
+    __slots__ = ("id", "items", "waiter", "expires", "done")
+
+    def __init__(self, req_id: str, expires: float) -> None:
+        self.id = req_id
+        self.items: deque[tuple[p.Header, list[bytes]]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.expires = expires  # monotonic; inf when none
+        self.done = False  # a final reply (or error) was taken
+
+    def put(self, item: tuple[p.Header, list[bytes]]) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> tuple[p.Header, list[bytes]]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
+class _Replies:
+    """The iterator `Peer.stream` yields: partial bodies, then the final reply body."""
+
+    def __init__(self, call: _Call, service: str, timeout: float | None) -> None:
+        self._call = call
+        self._service = service
+        self._timeout = timeout
+
+    def __aiter__(self) -> _Replies:
+        return self
+
+    async def __anext__(self) -> bytes:
+        call = self._call
+        if call.done:
+            raise StopAsyncIteration
+        header, frames = await call.get()
+        kind = header.kind
+        if kind == p.ERROR:
+            call.done = True
+            raise error_for(header.code, header.error or header.code)
+        if kind == p.REPLY:
+            call.done = True
+        return frames[0] if frames else b""
+
+
+class _FdWaiter:
+    """Wake one waiting task when a zmq socket's notification fd fires (edge-triggered)."""
+
+    def __init__(self, sock: zmq.Socket[Any], on_ready: Callable[[], None] | None = None) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.fd = sock.getsockopt(zmq.FD)
+        self.waiter: asyncio.Future[None] | None = None
+        self._on_ready = on_ready
+        self.loop.add_reader(self.fd, self._fired)
+
+    def _fired(self) -> None:
+        if self.sock.closed:
+            return
+        if self._on_ready is not None:
+            self._on_ready()
+            return
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:
+            _bget(self.sock, _EVENTS)  # consume the edge; the reader will find the messages
+
+    async def wait(self) -> None:
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self.fd)
+        except (ValueError, OSError, RuntimeError):
+            pass
+        self.sock.close(linger=0)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the reader sees the socket gone and stops
 
 
 class Peer:
@@ -93,20 +234,34 @@ class Peer:
         self.session = p.new_session()
         self.welcome: p.Welcome | None = None
         self.ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
-        self._connected = anyio.Event()
+        self._sock: zmq.Socket[Any] | None = None
+        self._fdw: _FdWaiter | None = None
+        self._drain_scheduled = False
+        self._writable: list[asyncio.Future[None]] = []
+        self._is_connected = False
+        self._state_changed = anyio.Event()  # set (and replaced) on every connect/disconnect
         self._lost = anyio.Event()
         self._closing = False
         self._last_heard = time.monotonic()
-        self._pending: dict[str, MemoryObjectSendStream[tuple[p.Header, list[bytes]]]] = {}
+        self._pending: dict[str, _Call] = {}
+        self._expiry: list[tuple[float, str]] = []
+        self._ids = itertools.count(1)
+        self._sends = 0
         self._services: dict[str, _Served] = {}
-        self._serving: dict[str, tuple[IncomingRequest, anyio.CancelScope]] = {}
+        # Handlers run as plain asyncio tasks (an anyio task-group spawn costs several times
+        # more per request); they are cancelled and awaited in aclose().
+        self._serving: dict[str, tuple[IncomingRequest, asyncio.Task[None]]] = {}
+        self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tg: anyio.abc.TaskGroup | None = None
         self.counters: dict[str, int] = {}
 
     @property
     def peer_id(self) -> str:
         return self.welcome.peer if self.welcome else ""
+
+    @property
+    def connected(self) -> bool:
+        return self._is_connected
 
     @property
     def events_endpoint(self) -> str:
@@ -120,13 +275,17 @@ class Peer:
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._connection_loop)
+        self._tg.start_soon(self._housekeeping)
         with anyio.move_on_after(self.connect_timeout):
-            await self._connected.wait()
-        if not self._connected.is_set():
+            await self._wait_connected()
+        if not self._is_connected:
             await self.aclose()
             raise HubUnreachable(
                 f"no answer from the hub at {self.hub} within {self.connect_timeout:g}s "
                 f"(is `busctl up` or `busctl hub` running there? set --hub or {HUB_ENV})"
+                + ("; with CURVE, also check that this client's public key is in the hub's "
+                   "authorised directory and that --curve-server-key is the hub's key"
+                   if self.curve is not None else "")
             )
         return self
 
@@ -137,50 +296,63 @@ class Peer:
         if self._closing:
             return
         self._closing = True
-        with anyio.move_on_after(1, shield=True):
-            if self._sock is not None and self._connected.is_set():
-                try:
-                    await self._sock.send_multipart(
-                        [p.SIGNATURE, p.encode(p.Header(kind=p.BYE))], flags=zmq.NOBLOCK
-                    )
-                except zmq.ZMQError:
-                    pass
+        bye_sent = False
+        if self._sock is not None and self._is_connected:
+            try:
+                self._sock.send_multipart([_SIG, p.encode(p.Header(kind=p.BYE))], _NOBLOCK)
+                bye_sent = True
+            except zmq.ZMQError:
+                pass
         self._fail_pending(HubLost("peer closed", p.HUB_LOST))
+        for sub in list(self._subs):
+            sub._close()
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
-        if self._sock is not None:
-            self._sock.close(linger=0)
+        tasks = [task for _, task in self._serving.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await asyncio.gather(*tasks, return_exceptions=True)
+        self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
         self.ctx.term()
 
     # --- connection ----------------------------------------------------------------------
+
+    def _set_connected(self, value: bool) -> None:
+        self._is_connected = value
+        changed, self._state_changed = self._state_changed, anyio.Event()
+        changed.set()
+
+    async def _wait_connected(self) -> None:
+        while not self._is_connected:
+            await self._state_changed.wait()
 
     async def _connection_loop(self) -> None:
         backoff = 0.05
         while not self._closing:
             self._lost = anyio.Event()
-            sock = self._new_socket()
+            self._open_socket()
             try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._reader, sock)
-                    tg.start_soon(self._heartbeat, sock)
-                    await self._send_on(sock, [p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
-                                               p.encode(self._hello())])
-                    await self._lost.wait()
-                    tg.cancel_scope.cancel()
+                self._send_now([_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
+                                p.encode(self._hello())])
+                await self._lost.wait()
+                if self._is_connected:
+                    backoff = 0.05
             finally:
-                was_connected = self._connected.is_set()
-                self._connected = anyio.Event()
-                self.welcome = None if not self._closing else self.welcome
-                sock.close(linger=0)
-                self._sock = None
+                was_connected = self._is_connected
+                if not self._closing:  # when closing, aclose() closes it (letting `bye` out)
+                    self.welcome = None
+                    self._close_socket(linger=0)
                 if was_connected:
-                    self._fail_pending(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
+                    self._set_connected(False)
+                self._fail_pending(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
             await anyio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
-    def _new_socket(self) -> zmq.asyncio.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
+    def _open_socket(self) -> None:
+        sock: zmq.Socket[Any] = zmq.Socket(self.ctx, zmq.DEALER)  # a plain socket; see docstring
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -190,101 +362,240 @@ class Peer:
             self.curve.apply(sock)
         sock.connect(self.hub)
         self._sock = sock
+        self._fdw = _FdWaiter(sock, self._drain)
         self._last_heard = time.monotonic()
-        return sock
+        self._schedule_drain()
+
+    def _close_socket(self, linger: int) -> None:
+        sock, fdw = self._sock, self._fdw
+        self._sock = self._fdw = None
+        if fdw is not None:
+            try:
+                fdw.loop.remove_reader(fdw.fd)
+            except (ValueError, OSError, RuntimeError):
+                pass
+        if sock is not None and not sock.closed:
+            sock.close(linger=linger)
+        for waiter in self._writable:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._writable.clear()
 
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
                        role=self.role)
 
-    async def _heartbeat(self, sock: zmq.asyncio.Socket) -> None:
-        interval = 1.0
-        hb = [p.encode(p.Header(kind=p.HEARTBEAT))]
+    async def _housekeeping(self) -> None:
+        hb = [_SIG, p.encode(p.Header(kind=p.HEARTBEAT))]
+        next_beat = time.monotonic()
         while True:
-            if self.welcome is not None:
-                interval = self.welcome.heartbeat_interval
-                expiry = interval * self.welcome.liveness
+            await anyio.sleep(HOUSEKEEPING)
+            now = time.monotonic()
+            self._expire(now)
+            if self._sock is None:
+                continue
+            welcome = self.welcome
+            if welcome is not None:
+                interval = welcome.heartbeat_interval
+                expiry = interval * welcome.liveness
             else:
-                expiry = max(3.0, interval * 3)
-            await anyio.sleep(interval if self.welcome else 0.25)
-            if time.monotonic() - self._last_heard > expiry:
+                interval, expiry = 1.0, 3.0
+            if now - self._last_heard > expiry:
                 log.warning("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
                             self.hub, expiry)
                 self._lost.set()
-                return
-            if self._connected.is_set():
-                await self._send_on(sock, hb)
+                continue
+            if self._is_connected and now >= next_beat:
+                next_beat = now + interval
+                try:
+                    self._send_now(hb)
+                except zmq.ZMQError:
+                    pass
 
-    async def _reader(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            self._last_heard = time.monotonic()
-            try:
-                await self._dispatch(frames)
-            except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as exc:
-                self._count("malformed")
-                log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
+    def _expire(self, now: float) -> None:
+        """Fail calls past deadline + grace (the hub normally answers at the deadline itself)."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, req_id = heapq.heappop(heap)
+            call = self._pending.pop(req_id, None)
+            if call is not None:
+                call.put((p.Header(kind=p.ERROR, id=req_id, code=p.DEADLINE,
+                                   error="no reply before the deadline"), []))
 
-    async def _dispatch(self, frames: list[bytes]) -> None:
-        if len(frames) < 2 or frames[0] != p.SIGNATURE:
+    # --- receiving -----------------------------------------------------------------------
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._fdw is not None:
+            self._drain_scheduled = True
+            self._fdw.loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Handle every message ready on the DEALER (up to a batch), then wake blocked senders."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        dispatch = self._dispatch
+        handled = 0
+        try:
+            while handled < DRAIN_BATCH:
+                try:
+                    frames = _recv_frames(sock)
+                except zmq.Again:
+                    break
+                handled += 1
+                try:
+                    dispatch(frames)
+                except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as exc:
+                    self._count("malformed")
+                    log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
+                except Exception:  # a bug must not stop the reader
+                    self._count("dispatch_errors")
+                    log.exception("%s: failed to handle a message from the hub", self.name)
+            else:
+                self._schedule_drain()
+            if handled:
+                self._last_heard = time.monotonic()
+            if self._writable and _bget(sock, _EVENTS) & _POLLOUT:
+                for waiter in self._writable:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._writable.clear()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ENOTSOCK:
+                log.warning("%s: socket error: %s", self.name, exc)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) < 2 or frames[0] != _SIG:
             self._count("malformed")
             return
         header = p.decode_header(frames[1])
         kind = header.kind
-        if kind in (p.REPLY, p.PARTIAL, p.ERROR):
-            stream = self._pending.get(header.id)
-            if stream is None:
+        if kind in _REPLY_KINDS:
+            call = self._pending.get(header.id)
+            if call is None:
                 self._count("stale_replies")
                 return
-            stream.send_nowait((header, frames[2:]))
+            if kind != p.PARTIAL:
+                del self._pending[header.id]
+            call.put((header, frames[2:]))
         elif kind == p.REQUEST:
             self._start_serving(header, frames)
         elif kind == p.CANCEL:
             entry = self._serving.get(header.id)
-            if entry is not None:
+            if entry is not None and not entry[0].cancelled.is_set():
                 entry[0].cancelled.set()
                 entry[1].cancel()
         elif kind == p.WELCOME:
-            await self._on_welcome(p.decode(frames[2], p.Welcome))
+            self._on_welcome(p.decode(frames[2], p.Welcome))
         elif kind == p.RECONNECT:
             self._lost.set()
         elif kind != p.HEARTBEAT:
             self._count("unknown_kind")
 
-    async def _on_welcome(self, welcome: p.Welcome) -> None:
+    def _on_welcome(self, welcome: p.Welcome) -> None:
         self.welcome = welcome
         if self._services:
-            await self._send([p.encode(p.Header(kind=p.REGISTER)),
-                              p.encode(p.Register([s.spec for s in self._services.values()]))],
-                             wait=False)
-        self._connected.set()
+            frames = [_SIG, p.encode(p.Header(kind=p.REGISTER)),
+                      p.encode(p.Register([s.spec for s in self._services.values()]))]
+            if not self._send_now(frames):
+                log.warning("%s: could not re-register (send queue full)", self.name)
+        if not self._is_connected:
+            self._set_connected(True)
 
     def _fail_pending(self, error: RequestError) -> None:
-        for req_id, stream in list(self._pending.items()):
-            header = p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error))
-            try:
-                stream.send_nowait((header, []))
-            except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-                pass
+        pending, self._pending = self._pending, {}
+        self._expiry.clear()
+        for req_id, call in pending.items():
+            call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
 
     def _count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
 
     # --- sending -------------------------------------------------------------------------
 
-    async def _send(self, frames: list[Any], *, wait: bool = True) -> None:
-        if wait and not self._connected.is_set():
-            await self._connected.wait()
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Send a whole message (signature included) without blocking; False at the HWM."""
         sock = self._sock
         if sock is None:
             raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
-        await self._send_on(sock, frames)
+        try:
+            _send_frames(sock, frames)
+        except zmq.Again:
+            return False
+        # The send may have consumed the fd's edge for input that arrived meanwhile.
+        if not self._drain_scheduled and _bget(sock, _EVENTS) & _POLLIN:
+            self._schedule_drain()
+        return True
 
-    @staticmethod
-    async def _send_on(sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
-        await sock.send_multipart([p.SIGNATURE, *frames])
+    async def _send(self, frames: list[Any], *, wait: bool = True,
+                    deadline: float = float("inf")) -> None:
+        """Send `[SIGNATURE, *frames]`; wait for the connection (when `wait`) and the HWM."""
+        if wait and not self._is_connected:
+            await self._connection(deadline)
+        message = [_SIG, *frames]
+        if not self._send_now(message):
+            await self._send_blocked(message, deadline)
+        self._sends += 1
+        if self._sends % YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+    async def _connection(self, deadline: float) -> None:
+        """Wait until connected (at most until `deadline`, monotonic), else raise HubLost."""
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await self._wait_connected()
+        if not self._is_connected:
+            raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
+
+    async def _send_blocked(self, message: list[Any], deadline: float) -> None:
+        while True:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded("send queue to the hub stayed full", p.DEADLINE)
+            await self._wait_writable()
+            if self._send_now(message):
+                return
+
+    async def _wait_writable(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._writable.append(waiter)
+        with anyio.move_on_after(0.05):  # the edge may have been consumed elsewhere: re-check
+            await waiter
 
     # --- requests ------------------------------------------------------------------------
+
+    async def _start_call(self, service: str, body: bytes, timeout: float | None,
+                          parent: str) -> _Call:
+        req_id = f"{self.session}{next(self._ids):x}"
+        now = time.monotonic()
+        expires = now + timeout + REPLY_GRACE if timeout else float("inf")
+        header = p.Header(kind=p.REQUEST, id=req_id, service=service,
+                          deadline=time.time() + timeout if timeout else 0.0,
+                          parent=parent, peer=self.peer_id, session=self.session)
+        frames = [_SIG, p.encode(header), body]
+        deadline = now + timeout if timeout else float("inf")
+        if not self._is_connected:
+            await self._connection(deadline)
+        call = _Call(req_id, expires)
+        self._pending[req_id] = call  # before sending: nothing can yield in between
+        try:
+            if not self._send_now(frames):
+                await self._send_blocked(frames, deadline)
+        except BaseException:
+            self._pending.pop(req_id, None)
+            raise
+        if timeout:
+            heapq.heappush(self._expiry, (expires, req_id))
+        return call
+
+    def _end_call(self, call: _Call) -> None:
+        if call.done:
+            return
+        self._pending.pop(call.id, None)
+        if self._is_connected and self._sock is not None:
+            try:
+                self._send_now([_SIG, p.encode(p.Header(kind=p.CANCEL, id=call.id))])
+            except zmq.ZMQError:
+                pass
 
     @asynccontextmanager
     async def stream(
@@ -292,57 +603,31 @@ class Peer:
     ) -> AsyncIterator[AsyncIterator[bytes]]:
         """Send a request; iterate its partial replies; the iterator ends after the final reply.
 
-        The final reply's body is yielded last. Leaving the block early cancels the request.
+        The final reply's body is yielded last. Leaving the block early (or being cancelled)
+        cancels the request at the hub and at the serving peer.
         """
-        req_id = p.new_id()
-        send, receive = anyio.create_memory_object_stream[tuple[p.Header, list[bytes]]](math.inf)
-        self._pending[req_id] = send
-        deadline = time.time() + timeout if timeout else 0.0
-        header = p.Header(kind=p.REQUEST, id=req_id, service=service, deadline=deadline,
-                          parent=parent, peer=self.peer_id, session=self.session)
-        finished = False
+        call = await self._start_call(service, body, timeout, parent)
         try:
-            with anyio.fail_after(timeout + REPLY_GRACE if timeout else None):
-                await self._send([p.encode(header), body])
-
-            async def replies() -> AsyncIterator[bytes]:
-                nonlocal finished
-                async for reply_header, frames in _with_deadline(receive, timeout):
-                    if reply_header.kind == p.ERROR:
-                        finished = True
-                        raise error_for(reply_header.code, reply_header.error or reply_header.code)
-                    if reply_header.kind == p.REPLY:
-                        finished = True
-                    yield frames[0] if frames else b""
-                    if finished:
-                        return
-
-            try:
-                yield replies()
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"no reply from `{service}` within {timeout:g}s", p.DEADLINE
-                ) from None
+            yield _Replies(call, service, timeout)
         finally:
-            self._pending.pop(req_id, None)
-            send.close()
-            receive.close()
-            if not finished and self._connected.is_set() and self._sock is not None:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self._send_on(self._sock,
-                                            [p.encode(p.Header(kind=p.CANCEL, id=req_id))])
-                    except zmq.ZMQError:
-                        pass
+            self._end_call(call)
 
     async def request(self, service: str, body: bytes, *, timeout: float | None = 30.0,
                       parent: str = "") -> bytes:
         """Send a request and return the final reply body (partials are discarded)."""
-        last = b""
-        async with self.stream(service, body, timeout=timeout, parent=parent) as replies:
-            async for last in replies:
-                pass
-        return last
+        call = await self._start_call(service, body, timeout, parent)
+        try:
+            while True:
+                header, frames = await call.get()
+                kind = header.kind
+                if kind == p.REPLY:
+                    call.done = True
+                    return frames[0] if frames else b""
+                if kind == p.ERROR:
+                    call.done = True
+                    raise error_for(header.code, header.error or header.code)
+        finally:
+            self._end_call(call)
 
     async def status(self, timeout: float = 5.0) -> p.Status:
         return p.decode(await self.request(p.HUB_STATUS, b"", timeout=timeout), p.Status)
@@ -363,37 +648,44 @@ class Peer:
 
     def _start_serving(self, header: p.Header, frames: list[bytes]) -> None:
         served = self._services.get(header.service)
-        if served is None or self._tg is None:
+        if served is None or self._tg is None or self._closing:
             self._count("unserved_requests")
-            self._tg_send_error(header.id, p.NO_SERVICE, f"`{header.service}` is not served here")
+            self._send_now([_SIG, _error_header(header.id, p.NO_SERVICE,
+                                                f"`{header.service}` is not served here")])
             return
-        req = IncomingRequest(header.id, header.service, header, frames[2] if len(frames) > 2
-                              else b"", header.deadline, self)
-        self._tg.start_soon(self._serve_one, served.handler, req)
-
-    def _tg_send_error(self, req_id: str, code: str, text: str) -> None:
-        if self._tg is not None:
-            frames = [p.encode(p.Header(kind=p.ERROR, id=req_id, code=code, error=text))]
-            self._tg.start_soon(self._send, frames)
+        req = IncomingRequest(header.id, header.service, header,
+                              frames[2] if len(frames) > 2 else b"", header.deadline, self)
+        task = asyncio.get_running_loop().create_task(self._serve_one(served.handler, req))
+        self._serving[req.id] = (req, task)
 
     async def _serve_one(self, handler: Handler, req: IncomingRequest) -> None:
-        scope = anyio.CancelScope()
-        self._serving[req.id] = (req, scope)
         reply: list[bytes]
         try:
-            with scope:
-                try:
-                    body = await handler(req)
-                    reply = [p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
-                except RequestError as exc:
-                    reply = [_error_header(req.id, exc.code, str(exc))]
-                except Exception as exc:
-                    log.exception("%s: handler for `%s` failed", self.name, req.service)
-                    reply = [_error_header(req.id, p.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")]
-            if scope.cancelled_caught:
-                reply = [_error_header(req.id, p.CANCELLED, "cancelled")]
-            with anyio.CancelScope(shield=True):
-                await self._send(reply, wait=False)
+            try:
+                body = await handler(req)
+                reply = [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
+            except RequestError as exc:
+                reply = [_SIG, _error_header(req.id, exc.code, str(exc))]
+            except asyncio.CancelledError:
+                if self._closing or not req.cancelled.is_set():
+                    raise
+                # Cancelled by the requester or the hub (deadline): the hub has already
+                # forgotten the request; this reply says why the handler stopped (the hub
+                # counts it as stale).
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                reply = [_SIG, _error_header(req.id, p.CANCELLED, "cancelled")]
+            except Exception as exc:
+                log.exception("%s: handler for `%s` failed", self.name, req.service)
+                reply = [_SIG, _error_header(req.id, p.HANDLER_ERROR,
+                                             f"{type(exc).__name__}: {exc}")]
+            if self._sock is None:
+                self._count("reply_lost")
+                return
+            if not self._send_now(reply):
+                with anyio.move_on_after(5):
+                    await self._send_blocked(reply, time.monotonic() + 5)
         except (HubLost, zmq.ZMQError):
             self._count("reply_lost")
         finally:
@@ -408,8 +700,9 @@ class Peer:
 
     async def publish_raw(self, type_: str, body: bytes, *, agent: str = "", run: str = "",
                           experiment: str = "", parent: str = "") -> None:
-        header = p.Header(kind=p.EVENT, id=p.new_id(), type=type_, agent=agent, run=run,
-                          experiment=experiment, parent=parent, session=self.session)
+        header = p.Header(kind=p.EVENT, id=f"{self.session}{next(self._ids):x}", type=type_,
+                          agent=agent, run=run, experiment=experiment, parent=parent,
+                          session=self.session)
         await self._send([p.encode(header), body])
 
     def subscribe(self, topics: list[str] | tuple[str, ...] = (), *, since: int | None = None,
@@ -420,16 +713,6 @@ class Peer:
 
 def _error_header(req_id: str, code: str, text: str) -> bytes:
     return p.encode(p.Header(kind=p.ERROR, id=req_id, code=code, error=text))
-
-
-async def _with_deadline(
-    receive: MemoryObjectReceiveStream[tuple[p.Header, list[bytes]]], timeout: float | None
-) -> AsyncIterator[tuple[p.Header, list[bytes]]]:
-    deadline = time.monotonic() + timeout + REPLY_GRACE if timeout else math.inf
-    while True:
-        with anyio.fail_after(None if deadline == math.inf else max(0, deadline - time.monotonic())):
-            item = await receive.receive()
-        yield item
 
 
 class Subscription:
@@ -449,12 +732,13 @@ class Subscription:
         self.last_seq = since if since is not None else -1
         self.filled = 0
         self.unknown = 0
-        self._sock: zmq.asyncio.Socket | None = None
-        self._backlog: list[Envelope] = []
-        self._pending_first: list[bytes] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._fdw: _FdWaiter | None = None
+        self._backlog: deque[Envelope] = deque()
+        self._held: list[bytes] | None = None
 
     async def __aenter__(self) -> Subscription:
-        sock = self.peer.ctx.socket(zmq.SUB)
+        sock: zmq.Socket[Any] = zmq.Socket(self.peer.ctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         if self.peer.curve is not None:
@@ -465,30 +749,55 @@ class Subscription:
             sock.setsockopt(zmq.SUBSCRIBE, p.HEARTBEAT_TOPIC)
         sock.connect(self.peer.events_endpoint)
         self._sock = sock
-        await self._await_subscription()
-        if self.since is not None:
-            await self._replay_until(None)
+        self._fdw = _FdWaiter(sock)
+        self.peer._subs.add(self)
+        try:
+            await self._await_subscription()
+            if self.since is not None:
+                await self._replay_until(None)
+        except BaseException:
+            self._close()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: Any) -> None:
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        self._close()
+
+    def _close(self) -> None:
+        fdw, self._fdw, self._sock = self._fdw, None, None
+        if fdw is not None:
+            fdw.close()
+
+    async def _recv(self) -> list[bytes]:
+        while True:
+            sock, fdw = self._sock, self._fdw
+            if sock is None or fdw is None:
+                raise StopAsyncIteration
+            try:
+                return _recv_frames(sock)
+            except zmq.Again:
+                pass
+            await fdw.wait()
 
     async def _await_subscription(self) -> None:
-        """Hold the first live message: once one arrives the subscription is in place."""
-        assert self._sock is not None
+        """Hold the first live message: once one arrives the subscription is in place.
+
+        The hub publishes a heartbeat (topic `hb`, carrying the latest seq) every heartbeat
+        interval, so this takes at most about one interval.
+        """
         interval = self.peer.welcome.heartbeat_interval if self.peer.welcome else 1.0
         with anyio.move_on_after(interval * 3):
-            frames = await self._sock.recv_multipart()
-            self._pending_first = frames
+            self._held = await self._recv()
             return
-        self._pending_first = None
+        log.warning("no message on %s within %.1fs; events before now may be missed",
+                    self.peer.events_endpoint, interval * 3)
 
     async def _replay_until(self, until: int | None) -> None:
-        """Append logged events after last_seq (and before `until`) to the backlog."""
+        """Queue logged events with last_seq < seq (< until, when given) on the backlog."""
         cursor = max(self.last_seq, 0)
         while True:
+            if until is not None and cursor >= until - 1:
+                break
             request = p.ReplayRequest(since=cursor, topics=self.topics)
             batch = p.decode(await self.peer.request(p.HUB_REPLAY, p.encode(request)),
                              p.ReplayBatch)
@@ -496,25 +805,31 @@ class Subscription:
                 envelope = self._decode(header_bytes, body)
                 if envelope is None:
                     continue
-                if until is not None and envelope.header.seq >= until:
-                    return
-                self._backlog.append(envelope)
-                self.last_seq = envelope.header.seq
+                seq = envelope.header.seq
+                if until is not None and seq >= until:
+                    break
+                if seq > self.last_seq:
+                    self._backlog.append(envelope)
+                    self.last_seq = seq
+            if batch.upto <= cursor:  # nothing more in the log
+                break
             cursor = batch.upto
-            if until is not None and cursor >= until - 1:
-                self.last_seq = until - 1
-                return
             if cursor >= batch.head:
-                self.last_seq = max(self.last_seq, cursor) if until is None else self.last_seq
-                return
+                break
+        # Everything up to the cursor has been seen in the log (filtered ones are not ours).
+        limit = cursor if until is None else min(cursor, until - 1)
+        self.last_seq = max(self.last_seq, limit)
 
     def _decode(self, header_bytes: bytes, body: bytes) -> Envelope | None:
         try:
             header = p.decode_header(header_bytes)
-            event = ev.decode_event(body)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.unknown += 1
             return None
+        try:
+            event = ev.decode_event(body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            event = None
         if event is None:
             self.unknown += 1
             return None
@@ -526,47 +841,62 @@ class Subscription:
     async def __anext__(self) -> Envelope:
         while True:
             if self._backlog:
-                return self._backlog.pop(0)
+                return self._backlog.popleft()
             envelope = await self._next_live()
             if envelope is not None:
                 return envelope
 
     async def _next_live(self) -> Envelope | None:
-        if self._sock is None:
-            raise StopAsyncIteration
-        frames = self._pending_first
+        frames = self._held
         if frames is not None:
-            self._pending_first = None
+            self._held = None
         else:
-            frames = await self._sock.recv_multipart()
+            frames = await self._recv()
         if len(frames) < 3 or frames[1] != p.SIGNATURE:
             self.unknown += 1
             return None
         if frames[0] == p.HEARTBEAT_TOPIC:
-            hb = p.decode_header(frames[2])
-            if not self.topics and self.last_seq >= 0 and hb.seq > self.last_seq:
-                await self._on_gap(hb.seq + 1)
-            elif self.last_seq < 0:
+            try:
+                hb = p.decode_header(frames[2])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.unknown += 1
+                return None
+            if self.last_seq < 0:
                 self.last_seq = hb.seq
+            elif not self.topics and hb.seq > self.last_seq:
+                await self._on_gap(hb.seq + 1)
             return None
         if len(frames) != 4:
             self.unknown += 1
             return None
-        envelope = self._decode(frames[2], frames[3])
-        if envelope is None:
+        try:
+            header = p.decode_header(frames[2])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.unknown += 1
             return None
-        seq = envelope.header.seq
+        seq = header.seq
         if seq <= self.last_seq:
             return None  # already delivered by a replay
         if not self.topics and self.last_seq >= 0 and seq > self.last_seq + 1:
             await self._on_gap(seq)
-            self._backlog.append(envelope)
-            self.last_seq = seq
-            return None
+            if seq <= self.last_seq:
+                return None
+        try:
+            event = ev.decode_event(frames[3])
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            event = None
         self.last_seq = seq
+        if event is None:
+            self.unknown += 1
+            return None
+        envelope = Envelope(header, event)
+        if self._backlog:  # the gap's events go first
+            self._backlog.append(envelope)
+            return None
         return envelope
 
     async def _on_gap(self, next_seq: int) -> None:
+        """Seqs last_seq+1 .. next_seq-1 were not seen: fill them from the log, or report them."""
         first = self.last_seq + 1
         if self.fill_gaps:
             before = len(self._backlog)

@@ -1,8 +1,8 @@
 """The hub process: one ROUTER for requests and registrations, one PUB for the event stream.
 
 The hot loop is a blocking `zmq.Poller` loop (Majordomo style): each wake-up drains every ready
-message, routes requests and replies on the header alone (body frames are forwarded as the same
-`zmq.Frame` objects, never decoded), appends the pass's events to the SQLite log in one
+message, routes requests and replies on the header alone (body frames are forwarded untouched,
+never decoded; zero-copy from 64 kB up), appends the pass's events to the SQLite log in one
 transaction, publishes them, then does the periodic work (heartbeats, expiry, purging dead peers).
 Nothing a peer sends can raise out of the loop: bad input is counted, logged and dropped.
 """
@@ -24,16 +24,46 @@ from typing import Any, Iterable
 
 import msgspec
 import zmq
+from zmq.backend import Socket as _BackendSocket
 
 from bus import events as ev
 from bus import protocol as p
 from bus.eventlog import EventLog, Row
-from bus.security import CurveServer
+from bus.security import CurveServer, curve_peer_id, peer_user_id, private_ipc
 
 log = logging.getLogger("bus.hub")
 
 DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still runs under load
-TICK = 0.1  # seconds between expiry scans
+TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
+
+# pyzmq's `send_multipart` costs ~3 us per message in Python-level flag (enum) handling; the
+# backend's `send` with plain int flags costs ~0.2 us per frame. Received frames are copied into
+# bytes (cheaper than `zmq.Frame` objects below pyzmq's 64 kB copy threshold), and sent with
+# copy=True below that size too; larger bodies go out zero-copy.
+_bsend = _BackendSocket.send
+_brecv = _BackendSocket.recv
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+_COPY_THRESHOLD = 65536
+
+
+def _recv_frames(sock: zmq.Socket[Any], flags: int = _NOBLOCK) -> list[Any]:
+    """Receive one multipart message (zmq.Again when there is none, with NOBLOCK): small frames
+    as bytes, frames from 64 kB up as `zmq.Frame` (forwarded without a copy)."""
+    frame = _brecv(sock, flags, False)
+    frames = [frame.bytes if len(frame) < _COPY_THRESHOLD else frame]
+    while frame.more:
+        frame = _brecv(sock, flags, False)
+        frames.append(frame.bytes if len(frame) < _COPY_THRESHOLD else frame)
+    return frames
+
+
+def _send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+    """Send a multipart message without blocking (EAGAIN is raised on the first frame only)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _bsend(sock, frame, _MORE_NOBLOCK if i < last else _NOBLOCK,
+               not (len(frame) >= _COPY_THRESHOLD))
 
 
 class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -67,14 +97,14 @@ def _bindable(endpoint: str) -> str:
     return endpoint
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: `in`/`remove` on queues must not compare fields
 class Pending:
     id: str
     requester: bytes
     service: str
     deadline: float  # monotonic; math.inf when none
-    header: zmq.Frame
-    body: list[zmq.Frame]
+    header: bytes
+    body: list[bytes]
     server: bytes | None = None
     cancelled: bool = False
 
@@ -104,6 +134,7 @@ class PeerState:
     services: set[str] = field(default_factory=set)
     serving: dict[str, Pending] = field(default_factory=dict)
     requested: set[str] = field(default_factory=set)
+    user_id: str = ""  # the CURVE key (ZAP User-Id) this peer authenticated with
 
 
 class Counters(dict[str, int]):
@@ -133,6 +164,7 @@ class Hub:
         self.seq = self.log.last_seq()
         self.ctx = zmq.Context()
         self._auth = None
+        self._user_id = ""  # CURVE: the authenticated key of the message being handled
         self.router = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
         self._configure_sockets()
@@ -162,9 +194,8 @@ class Hub:
         self.pub.setsockopt(zmq.MAXMSGSIZE, 65536)  # subscribers only send subscriptions
 
     def _bind(self, sock: zmq.Socket[Any], endpoint: str) -> str:
-        if endpoint.startswith("ipc://"):
-            Path(endpoint[6:]).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        sock.bind(_bindable(endpoint))
+        with private_ipc(endpoint):  # ipc: 0700 parent dir when created, 0600 socket file
+            sock.bind(_bindable(endpoint))
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     # --- main loop -----------------------------------------------------------------------
@@ -190,6 +221,7 @@ class Hub:
             now = time.monotonic()
             if now >= next_tick:
                 self._expire(now)
+                self._expire_peers(now)
                 next_tick = now + TICK
             if now >= next_beat:
                 self._beat(now)
@@ -207,32 +239,44 @@ class Hub:
         self.ctx.term()
         self.log.close()
 
+    def _recv_curve(self, flags: int) -> list[bytes]:
+        """With CURVE: receive as frames to read the connection's ZAP User-Id (its key)."""
+        frames = self.router.recv_multipart(flags, copy=False)
+        self._user_id = peer_user_id(frames[-1])
+        return [f.bytes for f in frames]
+
     def _drain(self) -> None:
+        router = self.router
+        recv = self._recv_curve if self._auth is not None else _recv_frames
+        arg = _NOBLOCK if self._auth is not None else router
+        handle = self._handle
         for _ in range(DRAIN_LIMIT):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv(arg)
             except zmq.Again:
                 return
             try:
-                self._handle(frames)
+                handle(frames)
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError, UnicodeDecodeError) as exc:
+                self._reject("malformed", frames[0], f"bad body: {exc}")
             except Exception:  # a bug must not take the hub down; it is counted and logged
-                self._reject("internal_errors", frames[0].bytes, "handler failed", exc_info=True)
+                self._reject("internal_errors", frames[0], "handler failed", exc_info=True)
 
     # --- input validation ----------------------------------------------------------------
 
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        ident = frames[0].bytes
+    def _handle(self, frames: list[bytes]) -> None:
+        ident = bytes(frames[0])
         if len(frames) < 3:
             return self._reject("malformed", ident, f"{len(frames)} frames, expected >= 3")
-        signature = frames[1].bytes
+        signature = frames[1] if isinstance(frames[1], bytes) else b"<large frame>"
         if signature != p.SIGNATURE:
             reason = "wrong_version" if signature.startswith(b"AGB/") else "malformed"
             return self._reject(reason, ident, f"signature {signature[:16]!r}")
-        size = sum(len(f.buffer) for f in frames)
+        size = sum(map(len, frames))
         if size > self.config.max_message_bytes:
             return self._reject("oversize", ident, f"{size} bytes")
         try:
-            header = p.decode_header(frames[2].buffer)
+            header = p.decode_header(frames[2])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._reject("malformed", ident, f"bad header: {exc}")
         handler = self._handlers.get(header.kind)
@@ -246,6 +290,10 @@ class Hub:
             self._send([ident, p.SIGNATURE, self._reconnect_header])
             return None
         if peer is not None:
+            if peer.user_id and self._user_id != peer.user_id:
+                # the ROUTER refuses duplicate ids, so the key's own connection is gone
+                self._drop_peer(peer, "its routing id was taken by another key")
+                return self._reject("key_mismatch", ident, "routing id reused by another key")
             peer.last_seen = time.monotonic()
         handler(self, ident, peer, header, frames)
         return None
@@ -259,14 +307,18 @@ class Hub:
     # --- handlers ------------------------------------------------------------------------
 
     def _on_hello(self, ident: bytes, peer: PeerState | None, header: p.Header,
-                  frames: list[zmq.Frame]) -> None:
-        hello = p.decode(frames[3].buffer, p.Hello) if len(frames) > 3 else None
+                  frames: list[bytes]) -> None:
+        hello = p.decode(frames[3], p.Hello) if len(frames) > 3 else None
         if hello is None:
             return self._reject("malformed", ident, "hello without body")
         if peer is not None:
             self._drop_peer(peer, "said hello again (restarted)")
         now = time.monotonic()
-        peer = PeerState(ident, ident.hex(), hello, time.time(), now)
+        user_id = self._user_id if self._auth is not None else ""
+        if self._auth is not None and not user_id:
+            return self._reject("malformed", ident, "hello without an authenticated key")
+        peer_id = curve_peer_id(user_id, ident) if user_id else ident.hex()
+        peer = PeerState(ident, peer_id, hello, time.time(), now, user_id=user_id)
         self.peers[ident] = peer
         welcome = p.Welcome(
             peer=peer.id,
@@ -283,8 +335,8 @@ class Hub:
         return None
 
     def _on_register(self, ident: bytes, peer: PeerState, header: p.Header,
-                     frames: list[zmq.Frame]) -> None:
-        reg = p.decode(frames[3].buffer, p.Register)
+                     frames: list[bytes]) -> None:
+        reg = p.decode(frames[3], p.Register)
         for spec in reg.services:
             if not spec.name or spec.name.startswith("hub.") or spec.capacity < 1:
                 self._reject("bad_register", ident, f"service {spec.name!r} capacity {spec.capacity}")
@@ -300,14 +352,14 @@ class Hub:
             self._dispatch_queued(service)
 
     def _on_unregister(self, ident: bytes, peer: PeerState, header: p.Header,
-                       frames: list[zmq.Frame]) -> None:
-        unreg = p.decode(frames[3].buffer, p.Unregister)
+                       frames: list[bytes]) -> None:
+        unreg = p.decode(frames[3], p.Unregister)
         for name in unreg.services:
             if name in peer.services:
                 self._remove_slot(peer, name, "unregistered")
 
     def _on_request(self, ident: bytes, peer: PeerState, header: p.Header,
-                    frames: list[zmq.Frame]) -> None:
+                    frames: list[bytes]) -> None:
         self.counters.bump("requests")
         if not header.id or header.id in self.requests:
             self._reject("bad_request", ident, f"request id {header.id!r} missing or in use")
@@ -338,7 +390,7 @@ class Hub:
             service.queue.append(req)
 
     def _on_reply(self, ident: bytes, peer: PeerState, header: p.Header,
-                  frames: list[zmq.Frame]) -> None:
+                  frames: list[bytes]) -> None:
         req = peer.serving.get(header.id)
         if req is None:
             self.counters.bump("stale_replies")
@@ -348,30 +400,31 @@ class Hub:
             self._finish(req)
 
     def _on_cancel(self, ident: bytes, peer: PeerState, header: p.Header,
-                   frames: list[zmq.Frame]) -> None:
+                   frames: list[bytes]) -> None:
         req = self.requests.get(header.id)
         if req is None or req.requester != ident:
             return
         self._cancel(req, "cancelled by requester")
 
     def _on_event(self, ident: bytes, peer: PeerState, header: p.Header,
-                  frames: list[zmq.Frame]) -> None:
+                  frames: list[bytes]) -> None:
         if len(frames) != 4 or not header.type:
             self._reject("malformed", ident, "event needs a type and exactly one body frame")
             return
         header.peer = peer.id
-        self._stamp(header, frames[3].bytes)
+        body = frames[3]
+        self._stamp(header, body if isinstance(body, bytes) else body.bytes)
 
     def _on_heartbeat(self, ident: bytes, peer: PeerState, header: p.Header,
-                      frames: list[zmq.Frame]) -> None:
+                      frames: list[bytes]) -> None:
         return None
 
     def _on_bye(self, ident: bytes, peer: PeerState, header: p.Header,
-                frames: list[zmq.Frame]) -> None:
+                frames: list[bytes]) -> None:
         self._drop_peer(peer, "said bye")
 
     def _on_unexpected(self, ident: bytes, peer: PeerState | None, header: p.Header,
-                       frames: list[zmq.Frame]) -> None:
+                       frames: list[bytes]) -> None:
         self._reject("unexpected_kind", ident, f"kind {header.kind!r} is hub-to-peer only")
 
     _handlers: dict[str, Any] = {
@@ -474,15 +527,23 @@ class Hub:
 
     # --- liveness ------------------------------------------------------------------------
 
-    def _beat(self, now: float) -> None:
+    def _expire_peers(self, now: float) -> None:
+        """Drop peers silent for `liveness` heartbeat intervals (checked every tick, so a dead
+        peer is noticed at most one tick after its expiry)."""
         expiry = self.config.heartbeat_interval * self.config.liveness
         for peer in [p_ for p_ in self.peers.values() if now - p_.last_seen > expiry]:
             self.counters.bump("peers_expired")
             self._drop_peer(peer, f"missed {self.config.liveness} heartbeats")
+
+    def _beat(self, now: float) -> None:
+        self._expire_peers(now)
         for ident in list(self.peers):
             self._send([ident, p.SIGNATURE, self._hb_header])
+        # Everything stamped so far is published before the heartbeat that announces its seq,
+        # so a subscriber never takes an event still in the batch for a lost one.
+        self._flush_events()
         hb = p.Header(kind=p.HEARTBEAT, seq=self.seq, ts=time.time())
-        self.pub.send_multipart([p.HEARTBEAT_TOPIC, p.SIGNATURE, p.encode(hb)])
+        _send_frames(self.pub, [p.HEARTBEAT_TOPIC, p.SIGNATURE, p.encode(hb)])
 
     def _remove_slot(self, peer: PeerState, name: str, reason: str) -> None:
         peer.services.discard(name)
@@ -523,7 +584,7 @@ class Hub:
 
     def _send(self, frames: list[Any]) -> bool:
         try:
-            self.router.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            _send_frames(self.router, frames)
         except zmq.Again:
             self.counters.bump("send_dropped_hwm")
             return False
@@ -560,9 +621,14 @@ class Hub:
         if not self._batch:
             return
         self.log.append(self._rows)  # durable before anyone can see it
+        pub = self.pub
+        sig = p.SIGNATURE
         for topic, header, body in self._batch:
-            try:
-                self.pub.send_multipart([topic, p.SIGNATURE, header, body], zmq.NOBLOCK)
+            try:  # PUB never blocks: a subscriber at its HWM just misses the message
+                _bsend(pub, topic, _MORE_NOBLOCK)
+                _bsend(pub, sig, _MORE_NOBLOCK)
+                _bsend(pub, header, _MORE_NOBLOCK)
+                _bsend(pub, body, _NOBLOCK, len(body) < _COPY_THRESHOLD)
             except zmq.Again:
                 self.counters.bump("publish_dropped_hwm")
         self._batch = []
@@ -570,12 +636,12 @@ class Hub:
 
     # --- built-in services ---------------------------------------------------------------
 
-    def _serve_builtin(self, ident: bytes, header: p.Header, frames: list[zmq.Frame]) -> None:
+    def _serve_builtin(self, ident: bytes, header: p.Header, frames: list[bytes]) -> None:
         if header.service == p.HUB_STATUS:
             body = p.encode(self.status())
         elif header.service == p.HUB_REPLAY:
             self._flush_events()
-            request = p.decode(frames[3].buffer, p.ReplayRequest) if len(frames) > 3 else p.ReplayRequest()
+            request = p.decode(frames[3], p.ReplayRequest) if len(frames) > 3 else p.ReplayRequest()
             body = p.encode(self.replay(request))
         else:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
@@ -615,8 +681,11 @@ class Hub:
                           sum(x.load for x in s.slots.values()), len(s.queue), s.idempotent, s.meta)
             for s in sorted(self.services.values(), key=lambda s: s.name)
         ]
+        counters = dict(self.counters)
+        if self._auth is not None:
+            counters.update(self._auth.counters())  # auth_refused: refused CURVE handshakes
         return p.Status(self.session, self.endpoint, self.events_endpoint,
-                        time.time() - self.started, self.seq, peers, services, dict(self.counters),
+                        time.time() - self.started, self.seq, peers, services, counters,
                         self.config.state_dir)
 
 
@@ -625,6 +694,9 @@ def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
     hub = Hub(config)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())
     signal.signal(signal.SIGINT, lambda *_: hub.stop())
+    auth = hub._auth
+    if auth is not None:  # re-read the authorised keys now (they are also polled)
+        signal.signal(signal.SIGHUP, lambda *_: auth.reload())
     line = {"ready": "hub", "endpoint": hub.endpoint, "events": hub.events_endpoint,
             "pid": os.getpid(), "seq": hub.seq}
     print(json.dumps(line), flush=True)
@@ -635,8 +707,27 @@ def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
         hub.close()
 
 
-if __name__ == "__main__":  # python -m bus.hub ENDPOINT [STATE_DIR]
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    args = sys.argv[1:]
-    serve(HubConfig(endpoint=args[0] if args else HubConfig.endpoint,
-                    state_dir=args[1] if len(args) > 1 else ""))
+def main(argv: list[str] | None = None) -> None:
+    """`python -m bus.hub [ENDPOINT] [STATE_DIR] [--max-message-bytes N] ...`"""
+    import argparse
+
+    defaults = HubConfig()
+    parser = argparse.ArgumentParser(prog="python -m bus.hub", description=main.__doc__)
+    parser.add_argument("endpoint", nargs="?", default=defaults.endpoint)
+    parser.add_argument("state_dir", nargs="?", default="")
+    parser.add_argument("--events", default="", help="event (PUB) endpoint; default port + 1")
+    parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
+    parser.add_argument("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
+    parser.add_argument("--liveness", type=int, default=defaults.liveness)
+    parser.add_argument("--queue-limit", type=int, default=defaults.queue_limit)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    serve(HubConfig(endpoint=args.endpoint, state_dir=args.state_dir, events=args.events,
+                    max_message_bytes=args.max_message_bytes,
+                    heartbeat_interval=args.heartbeat_interval, liveness=args.liveness,
+                    queue_limit=args.queue_limit))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,14 +2,29 @@
 
 Key files use pyzmq's certificate format (`zmq.auth.create_certificates`). A hub with a
 `CurveServer` encrypts both of its sockets and admits only clients whose public key file is in
-`authorized_dir`; the directory is re-read when it changes, so adding a key needs no restart.
+`authorized_dir`; the directory is re-read when it changes (polled) and on `reload()` (the hub
+calls it on SIGHUP), so adding or removing a key needs no restart.
+
+Who a peer is: with CURVE, libzmq attaches the ZAP `User-Id` to every message of an
+authenticated connection; ours is the client's public key in Z85 (pyzmq's default
+`curve_user_id`). The hub reads it with `peer_user_id(frame)` and derives the peer id from it
+(`curve_peer_id`), so the id shown in `status` and stamped on events names the key that was
+authenticated, not a name the client chose.
+
+Refused handshakes (a key that is not authorised) are counted here, thread-safely, and the hub
+merges `counters()` into its status counters as `auth_refused`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import logging
 import os
+import shutil
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +33,50 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+log = logging.getLogger("bus.security")
+
+ZAP_DOMAIN = "agent-bus"
+RELOAD_POLL = 0.5  # seconds between checks of the authorised-keys directory
+KEY_ID_CHARS = 12  # Z85 characters of the client key shown in a peer id
+
+
+def _load_pair(path: str, what: str) -> tuple[bytes, bytes]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+    if not secret:
+        raise ValueError(f"{what} {path} holds no secret key: pass the `.key_secret` file "
+                         "made by `busctl keys generate`")
+    return public, secret
+
+
+def _load_public(path: str, what: str) -> bytes:
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {what} {path}: {exc}") from None
+    return public
+
 
 class CurveServer(msgspec.Struct, forbid_unknown_fields=True):
     secret_key_file: str  # the hub's `*.key_secret`
     authorized_dir: str  # a directory of client `*.key` files
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
-        public, secret = zmq.auth.load_certificate(self.secret_key_file)
+        """Make `sock` a CURVE server in our ZAP domain (call before bind)."""
+        public, secret = _load_pair(self.secret_key_file, "hub secret key file")
         sock.curve_secretkey = secret
         sock.curve_publickey = public
+        sock.zap_domain = ZAP_DOMAIN.encode()
         sock.curve_server = True
 
     def start_authenticator(self, ctx: zmq.Context[Any]) -> "KeyDirAuthenticator":
-        auth = KeyDirAuthenticator(ctx, Path(self.authorized_dir))
+        """Start the ZAP handler for `ctx`; must run before any CURVE socket binds."""
+        if not Path(self.authorized_dir).is_dir():
+            raise ValueError(f"authorised keys directory {self.authorized_dir} does not exist "
+                             "(make one with `busctl keys generate DIR`)")
+        auth = KeyDirAuthenticator(ctx, Path(self.authorized_dir), RELOAD_POLL)
         auth.start()
         return auth
 
@@ -39,50 +85,143 @@ class CurveClient(msgspec.Struct, forbid_unknown_fields=True):
     server_public_key_file: str  # the hub's `*.key`
     secret_key_file: str  # this client's `*.key_secret`
 
+    def __post_init__(self) -> None:
+        # Fail at configuration time with a readable message, not later inside a socket task.
+        _load_pair(self.secret_key_file, "client secret key file")
+        _load_public(self.server_public_key_file, "hub public key file")
+
     def apply(self, sock: zmq.Socket[Any]) -> None:
-        public, secret = zmq.auth.load_certificate(self.secret_key_file)
-        server_public, _ = zmq.auth.load_certificate(self.server_public_key_file)
+        public, secret = _load_pair(self.secret_key_file, "client secret key file")
         sock.curve_secretkey = secret
         sock.curve_publickey = public
-        sock.curve_serverkey = server_public
+        sock.curve_serverkey = _load_public(self.server_public_key_file, "hub public key file")
+
+
+def peer_user_id(frame: zmq.Frame) -> str:
+    """The ZAP User-Id of the connection a frame (received with copy=False) came on, or ""."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, KeyError, AttributeError):
+        return ""
+
+
+def curve_peer_id(user_id: str, routing_id: bytes) -> str:
+    """`key:<first 12 Z85 chars of the client key>:<routing id hex>`.
+
+    The key part is what the hub authenticated (grep it in the authorised `.key` files); the
+    routing-id part tells apart processes sharing one key. Split with `rpartition(":")`: Z85
+    may itself contain ":".
+    """
+    return f"key:{user_id[:KEY_ID_CHARS]}:{routing_id.hex()}"
 
 
 class KeyDirAuthenticator:
-    """ZAP authenticator for CURVE that reloads the authorised-keys directory when it changes."""
+    """ZAP handler admitting the CURVE keys in a directory; reloads it when it changes.
 
-    def __init__(self, ctx: zmq.Context[Any], directory: Path, poll_interval: float = 0.5) -> None:
+    The key set is swapped atomically on reload; a missing directory or one bad file never
+    widens access (a bad file is skipped with a warning, a missing directory admits no one).
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], directory: Path,
+                 poll_interval: float = RELOAD_POLL) -> None:
         self.directory = directory
-        self._auth = ThreadAuthenticator(ctx)
-        self._stamp: tuple[int, int] | None = None
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("bus.security.zap"))
+        self._keys: frozenset[bytes] = frozenset()
+        self._stamp: object = None
+        self._lock = threading.Lock()
+        self._refused = 0
+        self._accepted = 0
+        self._reloads = 0
         self._stop = threading.Event()
         self._poll_interval = poll_interval
         self._watcher = threading.Thread(target=self._watch, name="curve-keys", daemon=True)
 
-    def start(self) -> None:
-        self._auth.start()
-        self.reload()
-        self._watcher.start()
+    # --- lifecycle ---------------------------------------------------------------------
 
-    def reload(self) -> None:
-        stamp = self._dir_stamp()
-        self._auth.configure_curve(domain="*", location=str(self.directory))
-        self._stamp = stamp
+    def start(self) -> None:
+        self.reload()
+        self._auth.start()
+        self._auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
+        self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._auth.stop()
+        if self._watcher.is_alive():
+            self._watcher.join(2)
 
-    def _dir_stamp(self) -> tuple[int, int]:
+    # --- keys --------------------------------------------------------------------------
+
+    def reload(self) -> int:
+        """Re-read the directory now (also called on SIGHUP); returns the number of keys."""
+        with self._lock:
+            stamp = self._dir_stamp()
+            keys: set[bytes] = set()
+            try:
+                paths = sorted(self.directory.glob("*.key"))
+            except OSError as exc:
+                paths = []
+                log.error("cannot read authorised keys in %s: %s; admitting no one",
+                          self.directory, exc)
+            for path in paths:
+                try:
+                    public, _ = zmq.auth.load_certificate(path)
+                except (OSError, ValueError) as exc:
+                    log.warning("skipping authorised key file %s: %s", path, exc)
+                    continue
+                keys.add(public)
+            if keys != self._keys or self._stamp is None:
+                log.info("authorised CURVE keys: %d (from %s)", len(keys), self.directory)
+            self._keys = frozenset(keys)
+            self._stamp = stamp
+            self._reloads += 1
+            return len(keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq credentials provider: called in the ZAP thread with the client's Z85 key."""
+        allowed = key in self._keys
+        with self._lock:
+            if allowed:
+                self._accepted += 1
+                return True
+            self._refused += 1
+            n = self._refused
+        if n <= 10 or n % 1000 == 0:
+            log.warning("refused a CURVE handshake from unknown key %s... (#%d); add its .key "
+                        "file to %s to authorise it", key[:KEY_ID_CHARS].decode("ascii", "replace"),
+                        n, self.directory)
+        return False
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return {"auth_refused": self._refused, "auth_accepted": self._accepted,
+                    "auth_reloads": self._reloads}
+
+    @property
+    def keys(self) -> frozenset[bytes]:
+        return self._keys
+
+    def _dir_stamp(self) -> object:
+        """Changes whenever a key file is added, removed, renamed or rewritten."""
         try:
             st = self.directory.stat()
-            return (st.st_mtime_ns, len(os.listdir(self.directory)))
+            entries = []
+            with os.scandir(self.directory) as it:
+                for entry in it:
+                    if entry.name.endswith(".key"):
+                        est = entry.stat()
+                        entries.append((entry.name, est.st_mtime_ns, est.st_size, est.st_ino))
+            return (st.st_mtime_ns, tuple(sorted(entries)))
         except OSError:
-            return (0, 0)
+            return None
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll_interval):
-            if self._dir_stamp() != self._stamp:
-                self.reload()
+            try:
+                if self._dir_stamp() != self._stamp:
+                    self.reload()
+            except Exception:  # the watcher must outlive a bad file or a vanished directory
+                log.exception("reloading %s failed", self.directory)
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:
@@ -100,10 +239,47 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def private_ipc(endpoint: str) -> Iterator[None]:
+    """Around an ipc bind: a 0700 parent directory (when we create it) and a 0600 socket file.
+
+    An existing parent directory is not changed (it may be /tmp); a warning says when others
+    can reach into it. The umask is only narrowed for the bind itself.
+    """
+    if not endpoint.startswith("ipc://"):
+        yield
+        return
+    parent = Path(endpoint[6:]).parent
+    if not parent.exists():
+        parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(parent, 0o700)  # mkdir's mode is subject to the umask; make it exact
+    elif parent.stat().st_mode & 0o077:
+        log.warning("ipc endpoint directory %s is accessible to other users; prefer a 0700 "
+                    "directory", parent)
+    old = os.umask(0o177)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
 def generate_keys(directory: Path, name: str) -> tuple[Path, Path]:
-    """Write `<name>.key` and `<name>.key_secret` (0600) into `directory` (0700)."""
+    """Write `<name>.key` and `<name>.key_secret` (both 0600) into `directory` (made 0700).
+
+    The pair is written in a private temporary directory and moved into place, so the secret
+    is never readable by others, whatever the umask.
+    """
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    public, secret = zmq.auth.create_certificates(str(directory), name)
-    for path in (public, secret):
-        os.chmod(path, 0o600)
-    return Path(public), Path(secret)
+    os.chmod(directory, 0o700)
+    tmp = tempfile.mkdtemp(prefix=".keys-", dir=directory)  # 0700
+    try:
+        public, secret = zmq.auth.create_certificates(tmp, name)
+        out = []
+        for path in (public, secret):
+            os.chmod(path, 0o600)
+            target = directory / Path(path).name
+            os.replace(path, target)
+            out.append(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out[0], out[1]

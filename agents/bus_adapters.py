@@ -1,0 +1,183 @@
+"""The loop's injected interfaces implemented over the bus: the model through `llm`, tools through
+`tool.<name>` services (plus the agent's own built-in `tool_output`).
+
+    llm = BusLlmClient(peer)                          # LlmClient over the gateway(s)
+    tools = AgentTools(BusToolExecutor(peer), ["*"], store)   # ToolExecutor for one agent
+
+Neither raises for bus or provider failures: a dead gateway, a lost hub, a deadline or a handler
+error becomes an `AssistantMessage(stop_reason="error")` whose `error` names the gateway problem;
+tool failures are error results (see `tools.executor`). Only anyio cancellation propagates, and
+leaving a request cancels it at the hub, which tells the gateway (it closes the HTTP stream) or
+the worker (the tool's cancellation signal fires).
+
+The gateway publishes the streamed deltas (`message_update`) itself under the request's agent,
+run and experiment, so `BusLlmClient` never calls `on_delta`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import msgspec
+
+from agents.context import TOOL_OUTPUT_TOOL, ToolOutputStore
+from agents.loop import DeltaSink, ToolExecutor, UpdateSink
+from bus.client import Peer
+from bus.errors import (
+    DeadlineExceeded,
+    HubLost,
+    NoService,
+    Overloaded,
+    PeerLost,
+    RequestError,
+)
+from bus.messages import AssistantMessage, LlmRequest, ToolCallRequest, ToolInfo, ToolResult, error_result
+
+LLM_SERVICE = "llm"
+#: Deadline of one model call; None = none. The call still always ends: the gateway bounds each
+#: provider attempt (its own timeouts and retries), a dead gateway is answered by the hub with
+#: `peer_lost`, a lost hub fails the request, and abort cancels it. Without a deadline the hub
+#: also answers `no_service` at once when no gateway is attached (a request with a deadline
+#: would wait in the hub's queue for one until the deadline).
+LLM_TIMEOUT: float | None = None
+#: When no gateway serves `llm`, wait this long for one to attach (e.g. one being restarted, or
+#: started alongside the coordinator) before the call fails.
+SERVICE_WAIT = 3.0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(AssistantMessage)
+
+
+def _gateway_error(exc: RequestError, hub: str, timeout: float | None) -> str:
+    """A sentence a user can act on, naming the gateway problem."""
+    detail = str(exc)
+    if isinstance(exc, NoService):
+        return (f"No LLM gateway is serving `{LLM_SERVICE}` on the hub at {hub} "
+                f"(start one with `busctl gateway`, or `busctl up`): {detail}")
+    if isinstance(exc, PeerLost):
+        return f"The LLM gateway was lost while answering the request: {detail}"
+    if isinstance(exc, HubLost):
+        return f"Lost the hub at {hub} while waiting for the LLM gateway: {detail}"
+    if isinstance(exc, DeadlineExceeded):
+        return f"The LLM gateway did not answer in time ({timeout or 0:g}s): {detail}"
+    if isinstance(exc, Overloaded):
+        return f"The LLM gateway is overloaded: {detail}"
+    return f"The LLM gateway failed to answer ({exc.code or 'error'}): {detail}"
+
+
+class BusLlmClient:
+    """`LlmClient` over the `llm` service.
+
+    `agent`, `run_id` (normally set by the loop) and `experiment` are filled in on each request
+    when empty, so the gateway tags the `message_update` events it publishes.
+    """
+
+    def __init__(self, peer: Peer, *, agent: str = "", experiment: str = "",
+                 timeout: float | None = LLM_TIMEOUT, service: str = LLM_SERVICE,
+                 service_wait: float = SERVICE_WAIT) -> None:
+        self.peer = peer
+        self.agent = agent
+        self.experiment = experiment  # the coordinator sets it per run
+        self.timeout = timeout
+        self.service = service
+        self.service_wait = service_wait
+
+    async def complete(self, request: LlmRequest, on_delta: DeltaSink | None = None) -> AssistantMessage:
+        changes: dict[str, Any] = {}
+        if not request.agent and self.agent:
+            changes["agent"] = self.agent
+        if not request.experiment and self.experiment:
+            changes["experiment"] = self.experiment
+        if changes:
+            request = msgspec.structs.replace(request, **changes)
+        body_out = _encoder.encode(request)
+        try:
+            try:
+                body = await self.peer.request(self.service, body_out, timeout=self.timeout)
+            except NoService:
+                if not await self._wait_for_service():
+                    raise
+                body = await self.peer.request(self.service, body_out, timeout=self.timeout)
+        except RequestError as exc:
+            return _error(request, _gateway_error(exc, self.peer.hub, self.timeout))
+        try:
+            return _reply_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return _error(request, f"The LLM gateway sent an unreadable reply: {exc}")
+
+
+    async def _wait_for_service(self) -> bool:
+        """Poll the hub's registry until a peer serves the service, up to `service_wait` s."""
+        delay = 0.05
+        with anyio.move_on_after(self.service_wait):
+            while True:
+                await anyio.sleep(delay)  # a poll interval inside the deadline above
+                try:
+                    status = await self.peer.status()
+                except RequestError:
+                    continue
+                if any(s.name == self.service and s.peers > 0 for s in status.services):
+                    return True
+                delay = min(delay * 2, 0.5)
+        return False
+
+
+def _error(request: LlmRequest, text: str) -> AssistantMessage:
+    return AssistantMessage(content=[], stop_reason="error", error=text, model=request.model)
+
+
+class AgentTools:
+    """One agent's view of the tools: its allowed subset of the live bus tools plus `tool_output`.
+
+    `allowed` is the agent's `tools` list: `["*"]` offers every live tool, otherwise only the
+    named ones (a named tool that no worker serves is simply not offered). The built-in
+    `tool_output` tool (full text of truncated or trimmed outputs) is served from the agent's
+    `ToolOutputStore` in this process whenever the agent has any tools at all. Calls get the
+    run's `experiment` so workers tag their progress events with it.
+
+    Progress: a worker publishes each `tool_execution_update` itself (like the gateway publishes
+    `message_update`), so by default partial results are not passed on to the loop, which would
+    emit — and the coordinator publish — every update a second time. `forward_updates=True`
+    passes them on (for in-process listeners).
+    """
+
+    def __init__(self, inner: ToolExecutor, allowed: Sequence[str], store: ToolOutputStore, *,
+                 experiment: str = "", forward_updates: bool = False) -> None:
+        self.inner = inner
+        self.forward_updates = forward_updates
+        self.allowed = list(allowed)
+        self.store = store
+        self.experiment = experiment  # the coordinator sets it per run
+        self._all = "*" in self.allowed
+        self._names = frozenset(self.allowed)
+
+    @property
+    def offers_tool_output(self) -> bool:
+        return bool(self.allowed)
+
+    def allows(self, name: str) -> bool:
+        if name == TOOL_OUTPUT_TOOL:
+            return self.offers_tool_output
+        return self._all or name in self._names
+
+    async def catalog(self) -> list[ToolInfo]:
+        if not self.allowed:
+            return []
+        live = [t for t in await self.inner.catalog()
+                if t.name != TOOL_OUTPUT_TOOL and (self._all or t.name in self._names)]
+        return [*live, self.store.tool_info()]
+
+    async def execute(self, request: ToolCallRequest, on_update: UpdateSink | None = None) -> ToolResult:
+        if not self.allows(request.name):
+            return error_result(f"Error: Unknown tool '{request.name}'")
+        if request.name == TOOL_OUTPUT_TOOL:
+            return await self.store.handle(request)
+        if not request.experiment and self.experiment:
+            request = msgspec.structs.replace(request, experiment=self.experiment)
+        return await self.inner.execute(request, on_update if self.forward_updates else None)
+
+
+__all__ = ["LLM_SERVICE", "LLM_TIMEOUT", "AgentTools", "BusLlmClient"]

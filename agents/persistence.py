@@ -1,0 +1,228 @@
+"""Conversation store: each agent's current session and its messages, in SQLite (WAL) in the
+coordinator's state directory, so an agent continues the same conversation after a restart.
+
+    store = ConversationStore(state_dir)              # <state_dir>/conversations.sqlite
+    session, messages = store.load("assistant")       # creates a session on first use
+    recorder = store.recorder("assistant", session)   # keeps the store in step with a history
+    recorder.sync(agent.state.messages)               # append what is new / rewrite when replaced
+    store.new_session("assistant")                    # a fresh conversation (the old one is kept)
+
+Messages are stored one row each as msgpack, in history order. `ConversationRecorder.sync` is
+called as each message ends (the Agent's `on_message_end`) and at turn and run boundaries: when
+the stored rows are still a prefix (by identity) of the history it appends the new tail,
+otherwise (compaction, `prepare_next_turn`, tool-output trimming, reset) it rewrites the session
+in one transaction. Writes are synchronous and small; WAL with `synchronous=NORMAL` keeps each
+one well under a millisecond. Several coordinators may share one state directory.
+
+Full texts of cut or trimmed tool outputs (`ToolOutputStore`) are stored too, so `tool_output`
+refs in a restored conversation stay readable.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from agents.context import ToolOutputStore
+from bus.messages import Message
+
+DB_NAME = "conversations.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    agent   TEXT NOT NULL,
+    session TEXT NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (agent, session)
+);
+CREATE TABLE IF NOT EXISTS current_session (
+    agent   TEXT PRIMARY KEY,
+    session TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    agent   TEXT NOT NULL,
+    session TEXT NOT NULL,
+    idx     INTEGER NOT NULL,
+    body    BLOB NOT NULL,
+    PRIMARY KEY (agent, session, idx)
+);
+CREATE TABLE IF NOT EXISTS tool_outputs (
+    agent   TEXT NOT NULL,
+    ref     TEXT NOT NULL,
+    text    TEXT NOT NULL,
+    PRIMARY KEY (agent, ref)
+);
+"""
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class ConversationStore:
+    """One SQLite file for all agents of a state directory. Not thread-safe: use from one thread."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.dir = Path(state_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / DB_NAME
+        self.db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA busy_timeout=10000")
+        self.db.executescript(_SCHEMA)
+        self.skipped = 0  # rows that no longer decode (dropped on load)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- sessions ------------------------------------------------------------------------
+
+    def current_session(self, agent: str) -> str:
+        """The agent's current session id, creating one on first use."""
+        row = self.db.execute("SELECT session FROM current_session WHERE agent = ?",
+                              (agent,)).fetchone()
+        return row[0] if row else self.new_session(agent)
+
+    def new_session(self, agent: str) -> str:
+        """Start a fresh, empty session and make it current (earlier ones stay stored)."""
+        session = uuid.uuid4().hex
+        with self._tx():
+            self.db.execute("INSERT INTO sessions (agent, session, created) VALUES (?, ?, ?)",
+                            (agent, session, time.time()))
+            self.db.execute("INSERT OR REPLACE INTO current_session (agent, session) VALUES (?, ?)",
+                            (agent, session))
+        return session
+
+    def sessions(self, agent: str) -> list[str]:
+        rows = self.db.execute("SELECT session FROM sessions WHERE agent = ? ORDER BY created",
+                               (agent,)).fetchall()
+        return [r[0] for r in rows]
+
+    # --- messages ------------------------------------------------------------------------
+
+    def messages(self, agent: str, session: str) -> list[Message]:
+        rows = self.db.execute(
+            "SELECT body FROM messages WHERE agent = ? AND session = ? ORDER BY idx",
+            (agent, session)).fetchall()
+        out: list[Message] = []
+        for (body,) in rows:
+            try:
+                out.append(_decoder.decode(body))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.skipped += 1
+        return out
+
+    def load(self, agent: str) -> tuple[str, list[Message]]:
+        """(current session id, its messages in order)."""
+        session = self.current_session(agent)
+        return session, self.messages(agent, session)
+
+    def append(self, agent: str, session: str, start: int, messages: Sequence[Message]) -> None:
+        """Store `messages` at positions start, start+1, ..."""
+        rows = [(agent, session, start + i, _encoder.encode(m)) for i, m in enumerate(messages)]
+        with self._tx():
+            self.db.executemany(
+                "INSERT OR REPLACE INTO messages (agent, session, idx, body) VALUES (?, ?, ?, ?)",
+                rows)
+
+    def rewrite(self, agent: str, session: str, messages: Sequence[Message]) -> None:
+        """Replace the session's messages with `messages` (one transaction)."""
+        rows = [(agent, session, i, _encoder.encode(m)) for i, m in enumerate(messages)]
+        with self._tx():
+            self.db.execute("DELETE FROM messages WHERE agent = ? AND session = ?",
+                            (agent, session))
+            self.db.executemany(
+                "INSERT INTO messages (agent, session, idx, body) VALUES (?, ?, ?, ?)", rows)
+
+    def recorder(self, agent: str, session: str, persisted: Sequence[Message] = ()) -> ConversationRecorder:
+        return ConversationRecorder(self, agent, session, persisted)
+
+    # --- tool outputs --------------------------------------------------------------------
+
+    def put_output(self, agent: str, ref: str, text: str) -> None:
+        with self._tx():
+            self.db.execute("INSERT OR REPLACE INTO tool_outputs (agent, ref, text) VALUES (?, ?, ?)",
+                            (agent, ref, text))
+
+    def get_output(self, agent: str, ref: str) -> str | None:
+        row = self.db.execute("SELECT text FROM tool_outputs WHERE agent = ? AND ref = ?",
+                              (agent, ref)).fetchone()
+        return row[0] if row else None
+
+    def output_store(self, agent: str) -> PersistentOutputStore:
+        return PersistentOutputStore(self, agent)
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self.db)
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, et: object, e: object, tb: object) -> None:
+        self.db.execute("COMMIT" if et is None else "ROLLBACK")
+
+
+class ConversationRecorder:
+    """Keeps one agent's stored session equal to its in-memory history with few writes."""
+
+    def __init__(self, store: ConversationStore, agent: str, session: str,
+                 persisted: Sequence[Message] = ()) -> None:
+        self.store = store
+        self.agent = agent
+        self.session = session
+        self._persisted: list[Message] = list(persisted)  # the objects stored, in order
+        self.appends = 0
+        self.rewrites = 0
+
+    def sync(self, messages: Sequence[Message]) -> None:
+        """Make the stored session equal `messages`: append the new tail, or rewrite it all."""
+        stored = self._persisted
+        n = len(stored)
+        if len(messages) >= n and all(messages[i] is stored[i] for i in range(n)):
+            if len(messages) > n:
+                tail = list(messages[n:])
+                self.store.append(self.agent, self.session, n, tail)
+                stored.extend(tail)
+                self.appends += 1
+            return
+        self.store.rewrite(self.agent, self.session, messages)
+        self._persisted = list(messages)
+        self.rewrites += 1
+
+    def switch(self, session: str, messages: Sequence[Message] = ()) -> None:
+        """Follow a new session (its stored messages are `messages`)."""
+        self.session = session
+        self._persisted = list(messages)
+
+
+class PersistentOutputStore(ToolOutputStore):
+    """A `ToolOutputStore` whose texts are also written to the conversation store."""
+
+    def __init__(self, store: ConversationStore, agent: str) -> None:
+        super().__init__()
+        self._store = store
+        self._agent = agent
+
+    def put(self, text: str) -> str:
+        ref = super().put(text)
+        self._store.put_output(self._agent, ref, text)
+        return ref
+
+    def get(self, ref: str) -> str | None:
+        text = super().get(ref)
+        return text if text is not None else self._store.get_output(self._agent, ref)
+
+
+__all__ = ["DB_NAME", "ConversationRecorder", "ConversationStore", "PersistentOutputStore"]

@@ -1,0 +1,144 @@
+"""BusToolExecutor against a real hub and `busctl worker`: batches, catalog, timeouts, hub loss."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+from bus.messages import ToolResult
+from tests.tools.fixtures.procs import (
+    call,
+    elapsed,
+    executor,
+    fast_hub,
+    service_load,
+    until,
+    workers,
+)
+from tools.executor import BusToolExecutor, arguments_problem
+
+pytestmark = pytest.mark.anyio
+
+
+async def _running(tools: BusToolExecutor) -> bool:
+    return await service_load(tools.peer, "tool.sleepy") == 1
+
+
+def tag(result: ToolResult) -> str:
+    assert not result.is_error, result.text
+    return json.loads(result.text)["tag"]
+
+
+async def test_parallel_batch_yields_as_completed_and_sequential_in_order(hub: dict) -> None:
+    async with workers(hub["endpoint"], 1, "--concurrency", "3"), \
+            executor(hub["endpoint"]) as tools:
+        batch = [call("sleepy", f"c{i}", seconds=s, tag=str(i)) for i, s in
+                 enumerate([0.4, 0.05, 0.2])]
+        seen = [(i, tag(r)) async for i, r in tools.execute_batch(batch)]
+        assert seen == [(1, "1"), (2, "2"), (0, "0")]
+
+        t0 = time.monotonic()
+        seen = [(i, tag(r)) async for i, r in tools.execute_batch(batch, "sequential")]
+        assert seen == [(0, "0"), (1, "1"), (2, "2")]
+        assert elapsed(t0) >= 0.65
+
+        with pytest.raises(ValueError, match="mode must be 'parallel' or 'sequential'"):
+            await tools.execute_all(batch, "random")  # type: ignore[arg-type]
+
+
+async def test_updates_carry_the_call_index(hub: dict) -> None:
+    async with workers(hub["endpoint"]) as [w], executor(hub["endpoint"]) as tools:
+        updates: list[tuple[int, str]] = []
+
+        async def on_update(index: int, partial: ToolResult) -> None:
+            updates.append((index, partial.text))
+
+        batch = [call("add", "a", a=1, b=1), call("fragile", "f", seconds=0)]
+        results = await tools.execute_all(batch, on_update=on_update)
+        assert results[0].text == "2"
+        assert updates == [(1, json.dumps({"pid": w.pid}, separators=(",", ":")))]
+
+
+async def test_invalid_json_is_refused_before_dispatch(hub: dict) -> None:
+    assert arguments_problem(call("x", arguments="")) is None  # blank means {}
+    async with workers(hub["endpoint"]), executor(hub["endpoint"]) as tools:
+        await tools.catalog()  # cached from here on
+        before = (await tools.peer.status()).counters.get("requests", 0)
+        results = await tools.execute_all([call("add", "j1", arguments="{'a': 1}"),
+                                           call("add", "j2", arguments="[1, 2")])
+        after = (await tools.peer.status()).counters.get("requests", 0)
+        assert [r.text.split(":")[0:2] for r in results] == [
+            ["Error", " Invalid tool arguments JSON for add"]] * 2
+        assert all(r.is_error for r in results)
+        assert after - before == 1  # only the second status request: no call was dispatched
+
+
+async def test_catalog_is_cached_and_refreshed_for_new_tools(hub: dict) -> None:
+    async with executor(hub["endpoint"]) as tools:
+        assert await tools.catalog() == []
+        missing = await tools.execute(call("add", a=1, b=2))
+        assert missing.text == "Error: Unknown tool 'add'"
+        async with workers(hub["endpoint"]):
+            # a lookup miss refreshes the cached (empty) catalog at once
+            assert (await tools.execute(call("add", a=1, b=2))).text == "3"
+            names = [t.name for t in await tools.catalog()]
+            assert names == sorted(names) and "sleepy" in names
+            assert (await tools.catalog())[0].parameters["type"] == "object"
+
+
+async def test_executor_timeout_becomes_a_timed_out_result(hub: dict) -> None:
+    async with workers(hub["endpoint"]) as [w], executor(hub["endpoint"]) as tools:
+        quick = BusToolExecutor(tools.peer, default_timeout=0.3)
+        t0 = time.monotonic()
+        result = await quick.execute(call("sleepy", seconds=5))
+        assert result.is_error and result.text == "Tool 'sleepy' timed out after 0.3s"
+        assert elapsed(t0) < 2.0
+        info = {t.name: t for t in await quick.catalog()}
+        assert quick.timeout_for(info["add"]) == 35  # the tool's own 30 s + margin
+        assert (await tools.execute(call("add", a=2, b=2))).text == "4"
+        assert w.popen.poll() is None
+
+
+async def test_hub_loss_mid_call_is_an_error_result(tmp_path: Path) -> None:
+    with fast_hub(tmp_path) as hub:
+        async with workers(hub["endpoint"]), executor(hub["endpoint"]) as tools:
+            await tools.catalog()
+            async with anyio.create_task_group() as tg:
+                results: list[ToolResult] = []
+
+                async def run() -> None:
+                    results.append(await tools.execute(call("sleepy", seconds=30)))
+
+                tg.start_soon(run)
+                await until(lambda: _running(tools), what="the call to reach the worker")
+                hub["proc"].signal(signal.SIGKILL)
+            [result] = results
+            assert result.is_error
+            assert result.text.startswith("Error: lost the hub while running 'sleepy'")
+
+
+async def test_a_call_refused_by_a_leaving_worker_is_sent_again(hub: dict) -> None:
+    from bus import protocol as p
+    from bus.client import IncomingRequest, connect
+    from bus.errors import RequestError
+    from tests.tools.fixtures.worker_tools import add
+
+    async with connect(hub["endpoint"], name="leaving") as leaving:
+        refused: list[str] = []
+
+        async def refuse(req: IncomingRequest) -> bytes:  # what a worker mid-`leave()` answers
+            refused.append(req.id)
+            await leaving.unserve("tool.add")
+            raise RequestError("`tool.add` is not served here", p.NO_SERVICE)
+
+        await leaving.serve("tool.add", refuse, capacity=100, meta=msgspec.to_builtins(add.info))
+        await leaving.status()  # registered first: the hub picks it first
+        async with workers(hub["endpoint"]) as [w], executor(hub["endpoint"]) as tools:
+            result = await tools.execute(call("add", a=20, b=22))
+            assert (result.text, len(refused)) == ("42", 1)

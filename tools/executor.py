@@ -1,0 +1,252 @@
+"""`BusToolExecutor`: the agent loop's `ToolExecutor` over the bus (services `tool.<name>`).
+
+    async with connect(hub, name="coordinator") as peer:
+        tools = BusToolExecutor(peer)
+        specs = [t.spec() for t in await tools.catalog()]
+        result = await tools.execute(ToolCallRequest(call_id="c1", name="read_file",
+                                                     arguments='{"path": "README.md"}'))
+
+Tool failures never raise: they come back as `is_error` results (unknown tool, bad arguments,
+worker lost, timeout, hub lost, an exception in the tool). Only anyio cancellation propagates;
+leaving the request cancels it at the hub, which tells the worker, which cancels the tool.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Literal
+
+import anyio
+import msgspec
+
+from bus import protocol as p
+from bus.client import Peer
+from bus.errors import (
+    DeadlineExceeded,
+    HubLost,
+    NoService,
+    Overloaded,
+    PeerLost,
+    RequestError,
+)
+from bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
+from tools.worker import SERVICE_PREFIX, decode_reply, service_name
+
+#: How long a fetched catalog is reused.
+CATALOG_TTL = 1.0
+#: Request timeout for tools that declare none.
+DEFAULT_TIMEOUT = 600.0
+#: Added to a tool's own timeout (the worker enforces that one and answers with a result).
+TIMEOUT_MARGIN = 5.0
+
+UpdateSink = Callable[[Any], Awaitable[None]]
+BatchMode = Literal["parallel", "sequential"]
+
+
+class BusToolExecutor:
+    """Runs tool calls on whichever workers serve them; see the module docstring."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        catalog_ttl: float = CATALOG_TTL,
+        default_timeout: float = DEFAULT_TIMEOUT,
+        timeout_margin: float = TIMEOUT_MARGIN,
+    ) -> None:
+        self.peer = peer
+        self.catalog_ttl = catalog_ttl
+        self.default_timeout = default_timeout
+        self.timeout_margin = timeout_margin
+        self._catalog: dict[str, ToolInfo] = {}
+        self._fetched = -math.inf
+        self._lock = anyio.Lock()
+
+    # --- catalog -------------------------------------------------------------------------
+
+    async def catalog(self) -> list[ToolInfo]:
+        """The live tools, sorted by name (fetched from the hub at most every `catalog_ttl` s).
+
+        Raises a bus error only when the hub cannot be asked and nothing was fetched before.
+        """
+        return sorted((await self._tools()).values(), key=lambda t: t.name)
+
+    async def _tools(self, *, refresh: bool = False) -> dict[str, ToolInfo]:
+        async with self._lock:
+            fresh = time.monotonic() - self._fetched < self.catalog_ttl
+            if fresh and not refresh:
+                return self._catalog
+            try:
+                status = await self.peer.status()
+            except RequestError:
+                if self._fetched == -math.inf:
+                    raise
+                return self._catalog  # stale beats nothing while the hub is away
+            self._catalog = {info.name: info for info in map(_tool_info, status.services)
+                             if info is not None}
+            self._fetched = time.monotonic()
+            return self._catalog
+
+    async def _lookup(self, name: str) -> ToolInfo | None:
+        tools = await self._tools()
+        if name not in tools and time.monotonic() - self._fetched > 0.05:
+            tools = await self._tools(refresh=True)  # a worker may just have attached
+        return tools.get(name)
+
+    # --- one call ------------------------------------------------------------------------
+
+    async def execute(
+        self, request: ToolCallRequest, on_update: UpdateSink | None = None
+    ) -> ToolResult:
+        """Run one call; partial results (ToolResult) go to `on_update`. Never raises but for
+        cancellation (see the module docstring)."""
+        name = request.name
+        try:
+            info = await self._lookup(name)
+        except RequestError as exc:
+            return error_result(f"Error: cannot reach the hub to run '{name}': {exc}")
+        if info is None:
+            return unknown_tool(name)
+        problem = arguments_problem(request)
+        if problem is not None:
+            return problem
+        timeout = self.timeout_for(info)
+        try:
+            return await self._call_with_retry(request, timeout, on_update)
+        except NoService:
+            return unknown_tool(name)
+        except PeerLost as exc:
+            return error_result(f"Error: worker lost while running '{name}': {exc}")
+        except (DeadlineExceeded, TimeoutError):
+            return error_result(f"Tool '{name}' timed out after {timeout:g}s")
+        except HubLost as exc:
+            return error_result(f"Error: lost the hub while running '{name}' (the call may "
+                                f"or may not have run): {exc}")
+        except Overloaded as exc:
+            return error_result(f"Error: tool '{name}' is overloaded: {exc}")
+        except RequestError as exc:
+            return error_result(f"Error: {exc}")
+
+    async def _call_with_retry(
+        self, request: ToolCallRequest, timeout: float, on_update: UpdateSink | None
+    ) -> ToolResult:
+        """`_call`, once more if a worker that was leaving refused it (`no_service`: it never ran)
+        while the tool is still served elsewhere."""
+        try:
+            return await self._call(request, timeout, on_update)
+        except NoService:
+            if request.name not in await self._tools(refresh=True):
+                raise
+        return await self._call(request, timeout, on_update)
+
+    def timeout_for(self, info: ToolInfo) -> float:
+        if info.timeout is None:
+            return self.default_timeout
+        return info.timeout + self.timeout_margin
+
+    async def _call(
+        self, request: ToolCallRequest, timeout: float, on_update: UpdateSink | None
+    ) -> ToolResult:
+        body = p.encode(request)
+        async with self.peer.stream(service_name(request.name), body, timeout=timeout) as replies:
+            async for reply in replies:
+                try:
+                    decoded = decode_reply(reply)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    return error_result(f"Error: the worker for '{request.name}' sent an "
+                                        f"unreadable reply: {exc}")
+                if isinstance(decoded, ToolResult):
+                    return decoded
+                if on_update is not None:
+                    await on_update(decoded[1])
+        return error_result(f"Error: the worker for '{request.name}' sent no result")
+
+    # --- batches -------------------------------------------------------------------------
+
+    async def execute_batch(
+        self,
+        requests: Sequence[ToolCallRequest],
+        mode: BatchMode = "parallel",
+        on_update: Callable[[int, Any], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[tuple[int, ToolResult]]:
+        """Yield `(index, result)` as calls complete: all started at once ("parallel", in call
+        order) or one after the other ("sequential").
+
+        Consume it to the end, or close it in the task that iterates it
+        (`async with contextlib.aclosing(...)`): leaving early cancels the calls still running.
+        """
+        if mode == "sequential":
+            for index, request in enumerate(requests):
+                yield index, await self.execute(request, _bind(on_update, index))
+            return
+        if mode != "parallel":
+            raise ValueError(f"mode must be 'parallel' or 'sequential', got {mode!r}")
+        send, receive = anyio.create_memory_object_stream[tuple[int, ToolResult]](len(requests))
+
+        async def run_one(index: int, request: ToolCallRequest) -> None:
+            result = await self.execute(request, _bind(on_update, index))
+            send.send_nowait((index, result))  # buffer holds one per request: never blocks
+
+        async with anyio.create_task_group() as tg, receive:
+            for index, request in enumerate(requests):
+                tg.start_soon(run_one, index, request)
+            for _ in requests:
+                yield await receive.receive()
+
+    async def execute_all(
+        self,
+        requests: Sequence[ToolCallRequest],
+        mode: BatchMode = "parallel",
+        on_update: Callable[[int, Any], Awaitable[None]] | None = None,
+    ) -> list[ToolResult]:
+        """Like `execute_batch`, but return the results in call order."""
+        results: list[ToolResult | None] = [None] * len(requests)
+        batch = self.execute_batch(requests, mode, on_update)
+        try:
+            async for index, result in batch:
+                results[index] = result
+        finally:
+            await batch.aclose()
+        return [r if r is not None else error_result("Error: no result") for r in results]
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def unknown_tool(name: str) -> ToolResult:
+    return error_result(f"Error: Unknown tool '{name}'")
+
+
+def arguments_problem(request: ToolCallRequest) -> ToolResult | None:
+    """An error result when `arguments` is not JSON (checked before dispatch), else None."""
+    text = request.arguments.strip() or "{}"
+    try:
+        msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        return error_result(f"Error: Invalid tool arguments JSON for {request.name}: {exc}")
+    return None
+
+
+def _tool_info(service: p.ServiceInfo) -> ToolInfo | None:
+    if not service.name.startswith(SERVICE_PREFIX) or service.peers < 1:
+        return None
+    name = service.name[len(SERVICE_PREFIX):]
+    try:
+        info = msgspec.convert(service.meta, ToolInfo)
+    except msgspec.ValidationError:
+        return ToolInfo(name=name, idempotent=service.idempotent)
+    return msgspec.structs.replace(info, name=name)
+
+
+def _bind(
+    on_update: Callable[[int, Any], Awaitable[None]] | None, index: int
+) -> UpdateSink | None:
+    if on_update is None:
+        return None
+
+    async def sink(partial: Any) -> None:
+        await on_update(index, partial)
+
+    return sink
