@@ -20,6 +20,7 @@ import msgspec
 from agents.topology import ModelEntry, Topology
 from bus import events as ev
 from bus.client import Peer, connect
+from bus.security import CurveClient
 from bus.supervisor import Child, ChildSpec, Supervisor, python_argv
 
 DEMO_MODEL = "demo"
@@ -64,8 +65,36 @@ def hub_argv(topo: Topology) -> list[str]:
     return argv
 
 
+def client_curve(topo: Topology) -> CurveClient | None:
+    hub = topo.hub
+    if not hub.curve_secret:
+        return None
+    return CurveClient(server_public_key_file=hub.curve_server_key,
+                       secret_key_file=hub.curve_client_key)
+
+
+def _curve_args(topo: Topology) -> list[str]:
+    if not topo.hub.curve_secret:
+        return []
+    return ["--curve-server-key", topo.hub.curve_server_key,
+            "--curve-key", topo.hub.curve_client_key]
+
+
 def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[ChildSpec]:
     """Gateways, workers and coordinators (started in parallel once the hub is up)."""
+    specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint, topology_file)]
+    for proc in topo.processes:
+        specs.append(ChildSpec(proc.name, proc.command, env=proc.env, restart=proc.restart,
+                               role="process"))
+    return specs
+
+
+def _with_curve(spec: ChildSpec, topo: Topology) -> ChildSpec:
+    spec.argv = [*spec.argv, *_curve_args(topo)]
+    return spec
+
+
+def _piece_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[ChildSpec]:
     specs: list[ChildSpec] = []
     for i in range(topo.gateways.count):
         specs.append(ChildSpec(f"gateway-{i + 1}", python_argv(
@@ -92,9 +121,6 @@ def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[Chil
         for agent in mine:
             argv += ["--agent", agent]
         specs.append(ChildSpec(f"coordinator-{i + 1}", argv, role="coordinator"))
-    for proc in topo.processes:
-        specs.append(ChildSpec(proc.name, proc.command, env=proc.env, restart=proc.restart,
-                               role="process"))
     return specs
 
 
@@ -155,7 +181,8 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
         topology_file = state / "topology.json"
         topology_file.write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
         await _start_all(sup, child_specs(topo, endpoint, topology_file))
-        async with connect(endpoint, name="busctl-up", role="supervisor") as peer:
+        async with connect(endpoint, name="busctl-up", role="supervisor",
+                           curve=client_curve(topo)) as peer:
             sup.notify = await _publisher(peer)
             for line in summary(topo, sup, endpoint, events, await _live_tools(peer)):
                 out.write(line + "\n")

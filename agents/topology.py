@@ -32,6 +32,8 @@ class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_message_bytes: int = 16 * 1024 * 1024
     curve_secret: str = ""  # the hub's secret key file: turns CURVE on
     curve_authorized: str = ""  # directory of authorised client public keys
+    curve_server_key: str = ""  # the hub's public key file, given to the processes `up` starts
+    curve_client_key: str = ""  # their secret key file (its public half must be authorised)
     insecure: bool = False
 
 
@@ -190,6 +192,13 @@ def check_topology(topology: Topology) -> list[str]:
                                 "(a dotted module name importable from here, or a .py file)")
         if group.count < 0 or group.concurrency < 1:
             problems.append(f"workers[{i}]: count must be >= 0 and concurrency >= 1")
+    hub = topology.hub
+    if bool(hub.curve_secret) != bool(hub.curve_authorized):
+        problems.append("hub.curve_secret / hub.curve_authorized: give both to turn CURVE on")
+    if hub.curve_secret and not (hub.curve_server_key and hub.curve_client_key):
+        problems.append("hub.curve_server_key / hub.curve_client_key: with CURVE on, the processes "
+                        "`busctl up` starts need the hub's public key and a client secret key "
+                        "(both made by `busctl keys generate DIR`)")
     if topology.gateways.count < 0 or topology.coordinators < 0:
         problems.append("gateways.count / coordinators: must be >= 0")
     return problems
