@@ -189,7 +189,7 @@ class BusToolExecutor:
             result = await self.execute(request, _bind(on_update, index))
             send.send_nowait((index, result))  # buffer holds one per request: never blocks
 
-        async with anyio.create_task_group() as tg, receive:
+        async with send, receive, anyio.create_task_group() as tg:
             for index, request in enumerate(requests):
                 tg.start_soon(run_one, index, request)
             for _ in requests:
