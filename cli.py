@@ -337,7 +337,7 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
     Example:
       busctl coordinator --topology team.toml --agent researcher --agent writer
     """
-    from agents.coordinator import CoordinatorSettings, run_coordinator
+    from agents.coordinator import CoordinatorError, CoordinatorSettings, run_coordinator
 
     topology = _load_topology_or_exit(topology_file)
     known = {a.name for a in topology.agents}
@@ -347,9 +347,12 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
                                  f"(agents: {', '.join(sorted(known))})", param_hint="--agent")
     agents = [a for a in topology.agents if not agent_names or a.name in agent_names]
     settings = CoordinatorSettings(hub=hub, agents=agents, state_dir=state_dir,
-                                   name=name or f"coordinator-{os.getpid()}", curve=curve)
+                                   name=name or f"coordinator-{os.getpid()}", curve=curve,
+                                   models=topology.model_configs())
     try:
         run_async(run_coordinator, settings)
+    except CoordinatorError as exc:
+        raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
 

@@ -35,7 +35,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +56,9 @@ from bus import events as ev
 from bus import protocol as p
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
-from bus.security import CurveClient
 from bus.messages import Message
+from bus.security import CurveClient
+from tools.executor import BusToolExecutor
 
 log = logging.getLogger("agents.coordinator")
 
@@ -114,7 +115,7 @@ def resolve_hooks(spec: AgentSpec) -> dict[str, Callable[..., Any]]:
     return hooks
 
 
-def loop_config(spec: AgentSpec, models: list[ModelConfig] = ()) -> LoopConfig:  # type: ignore[assignment]
+def loop_config(spec: AgentSpec, models: Sequence[ModelConfig] = ()) -> LoopConfig:
     """The LoopConfig an AgentSpec describes (hooks imported from their dotted paths)."""
     window = DEFAULT_CONTEXT_WINDOW
     for model in models:
@@ -328,8 +329,6 @@ class Coordinator:
     def __init__(self, settings: CoordinatorSettings, peer: Peer, store: ConversationStore,
                  runs: anyio.abc.TaskGroup, configs: dict[str, LoopConfig],
                  executor: ToolExecutor | None = None) -> None:
-        from tools.executor import BusToolExecutor
-
         self.settings = settings
         self.peer = peer
         self.executor = executor or BusToolExecutor(peer)
@@ -352,7 +351,8 @@ class Coordinator:
         with anyio.move_on_after(grace):
             for hosted in running:
                 await hosted.agent.wait_for_idle()
-        await anyio.sleep(0)  # let the RunResult replies go out
+        if running:
+            await anyio.sleep(0.05)  # let the handlers send their RunResult replies
         with anyio.move_on_after(1):
             for hosted in self.agents.values():
                 try:

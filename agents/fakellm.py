@@ -516,6 +516,7 @@ _APIS = {
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # SSE chunks must go out now, not after a 40 ms ACK delay
     server: _Server
     _record: RecordedRequest | None = None
 
@@ -681,6 +682,15 @@ class FakeLLMServer:
         self._httpd = _Server((host, port), _Handler)
         self._httpd.owner = self
         self._thread: threading.Thread | None = None
+
+    def set_script(self, script: ScriptLike, *, clear_requests: bool = False) -> None:
+        """Replace the script (its steps start again from the first); thread-safe."""
+        loaded = load_script(script)
+        with self._lock:
+            self.script = loaded
+            self._cursor = 0
+            if clear_requests:
+                del self.requests[:]
 
     @property
     def port(self) -> int:

@@ -39,6 +39,13 @@ tool_execution = "sequential"
 name = "p"
 model = "x"
 tools = []
+
+[[agents]]
+name = "h"
+model = "x"
+tools = ["echo"]
+experiment = "spec-exp"
+hooks = { before_tool_call = "tests.coordinator.fixtures.hooks:no_shouting" }
 """
 
 
@@ -75,10 +82,7 @@ class Stack:
         """Replace the fake model's script (steps are consumed one per request, in order)."""
         script = load_script(list(steps))
         script.echo = True
-        with self.srv._lock:  # noqa: SLF001 - the fake has no public re-script call
-            self.srv.script = script
-            self.srv._cursor = 0  # noqa: SLF001
-            del self.srv.requests[:]
+        self.srv.set_script(script, clear_requests=True)
 
     def start(self, name: str, args: list[str], timeout: float = 15.0) -> Proc:
         proc = Proc(args)
@@ -120,7 +124,7 @@ class Stack:
 
 
 def start_stack(tmp: Path, *, gateway: bool = True, worker: bool = True,
-                coordinator: Sequence[str] | None = ("a", "s")) -> Stack:
+                coordinator: Sequence[str] | None = ("a", "s", "h")) -> Stack:
     srv = FakeLLMServer().start()
     topology = tmp / "topology.toml"
     topology.write_text(topology_text(srv.base_url))

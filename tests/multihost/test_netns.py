@@ -168,9 +168,7 @@ def cluster(net: Net, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clus
 async def test_run_succeeds_across_hosts_with_key_identities(cluster: Cluster) -> None:
     keys = cluster.keys
     script = load_script([calls(("echo", {"text": "across the veth"})), text("all done")])
-    with cluster.srv._lock:  # noqa: SLF001 - as tests/coordinator does
-        cluster.srv.script = script
-        cluster.srv._cursor = 0  # noqa: SLF001
+    cluster.srv.set_script(script)
     with anyio.fail_after(30):
         async with connect_agents(cluster.endpoint, name="driver",
                                   curve=keys.client("driver")) as bus:

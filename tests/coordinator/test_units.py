@@ -1,0 +1,157 @@
+"""In-process pieces of the coordinator: persistence, hook resolution, the agent's tool view."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.bus_adapters import AgentTools
+from agents.context import ToolOutputStore
+from agents.coordinator import (
+    CoordinatorError,
+    CoordinatorSettings,
+    build_configs,
+    loop_config,
+    resolve_hook,
+)
+from agents.llm import ModelConfig
+from agents.persistence import ConversationStore
+from agents.topology import AgentSpec
+from bus.messages import (
+    AssistantMessage,
+    TextPart,
+    ToolCallRequest,
+    ToolInfo,
+    ToolResult,
+    user_text,
+)
+from tests.coordinator.fixtures.hooks import no_shouting
+
+pytestmark = pytest.mark.anyio
+
+
+# --- persistence ---------------------------------------------------------------------------
+
+
+def test_recorder_appends_then_rewrites_when_history_is_replaced(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    session, loaded = store.load("a")
+    assert loaded == []
+    rec = store.recorder("a", session)
+    history: list[Any] = [user_text("one")]
+    rec.sync(history)
+    history.append(AssistantMessage(content=[TextPart("two")]))
+    rec.sync(history)
+    rec.sync(history)  # nothing new: no write
+    assert (rec.appends, rec.rewrites) == (2, 0)
+    history[:] = [user_text("summary"), history[1]]  # compaction-style replacement
+    rec.sync(history)
+    assert rec.rewrites == 1
+    history.clear()  # reset
+    rec.sync(history)
+    history.append(user_text("fresh"))
+    rec.sync(history)
+    store.close()
+
+    again = ConversationStore(tmp_path)
+    session2, messages = again.load("a")
+    assert session2 == session
+    assert [m.content[0].text for m in messages] == ["fresh"]
+    again.close()
+
+
+def test_new_session_and_agents_are_separate(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    s1 = store.current_session("a")
+    store.recorder("a", s1).sync([user_text("a1")])
+    store.recorder("b", store.current_session("b")).sync([user_text("b1")])
+    s2 = store.new_session("a")
+    assert s2 != s1 and store.current_session("a") == s2
+    assert store.load("a") == (s2, [])
+    assert [m.content[0].text for m in store.messages("a", s1)] == ["a1"]
+    assert [m.content[0].text for m in store.load("b")[1]] == ["b1"]
+    assert store.sessions("a") == [s1, s2]
+    store.close()
+
+
+async def test_tool_outputs_survive_a_reopen(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    ref = store.output_store("a").put("the full text")
+    store.close()
+    reopened = ConversationStore(tmp_path).output_store("a")
+    result = await reopened.handle(ToolCallRequest(call_id="c", name="tool_output",
+                                                   arguments=f'{{"ref": "{ref}", "offset": 4}}'))
+    assert result.text == "full text" and not result.is_error
+
+
+# --- configuration -------------------------------------------------------------------------
+
+
+def test_resolve_hook_both_spellings() -> None:
+    assert resolve_hook("tests.coordinator.fixtures.hooks:no_shouting") is no_shouting
+    assert resolve_hook("tests.coordinator.fixtures.hooks.no_shouting") is no_shouting
+
+
+@pytest.mark.parametrize("path, why", [
+    ("tests.coordinator.fixtures.nope:fn", "ModuleNotFoundError"),
+    ("tests.coordinator.fixtures.hooks:missing", "AttributeError"),
+    ("nodots", "ValueError"),
+])
+def test_bad_hook_names_the_agent_and_hook(path: str, why: str) -> None:
+    spec = AgentSpec("writer", hooks={"before_tool_call": path})
+    with pytest.raises(CoordinatorError) as err:
+        build_configs(CoordinatorSettings(hub="tcp://127.0.0.1:1", agents=[spec]))
+    text = str(err.value)
+    assert text.startswith(f"agent 'writer': cannot load hook before_tool_call = {path!r}: {why}")
+
+
+def test_loop_config_from_spec() -> None:
+    spec = AgentSpec("w", model="big", system_prompt="S", tool_execution="sequential",
+                     max_iterations=7, require_done_tool=True, steering_mode="all",
+                     hooks={"before_tool_call": "tests.coordinator.fixtures.hooks:no_shouting"})
+    models = [ModelConfig(alias="small", provider="openai", model="s", context_window=1000),
+              ModelConfig(alias="big", provider="openai", model="b", context_window=9000)]
+    config = loop_config(spec, models)
+    assert (config.agent, config.model, config.system_prompt) == ("w", "big", "S")
+    assert (config.tool_execution, config.max_iterations, config.require_done_tool) == (
+        "sequential", 7, True)
+    assert config.steering_mode == "all" and config.context_window == 9000
+    assert config.before_tool_call is no_shouting
+
+
+# --- the agent's tool view -----------------------------------------------------------------
+
+
+class FakeExecutor:
+    def __init__(self) -> None:
+        self.requests: list[ToolCallRequest] = []
+        self.got_update_sink: list[bool] = []
+
+    async def catalog(self) -> list[ToolInfo]:
+        return [ToolInfo(name=n) for n in ("echo", "slow", "tool_output")]
+
+    async def execute(self, request: ToolCallRequest, on_update: Any = None) -> ToolResult:
+        self.requests.append(request)
+        self.got_update_sink.append(on_update is not None)
+        return ToolResult(content=[TextPart(f"ran {request.name}")])
+
+
+async def test_agent_tools_restricts_and_serves_tool_output_locally() -> None:
+    inner, store = FakeExecutor(), ToolOutputStore()
+    tools = AgentTools(inner, ["echo"], store, experiment="e1")
+    assert [t.name for t in await tools.catalog()] == ["echo", "tool_output"]
+    result = await tools.execute(ToolCallRequest(call_id="1", name="echo"), lambda p: None)
+    assert result.text == "ran echo"
+    assert inner.requests[0].experiment == "e1" and inner.got_update_sink == [False]
+    denied = await tools.execute(ToolCallRequest(call_id="2", name="slow"))
+    assert denied.is_error and denied.text == "Error: Unknown tool 'slow'"
+    ref = store.put("kept")
+    local = await tools.execute(ToolCallRequest(call_id="3", name="tool_output",
+                                                arguments=f'{{"ref": "{ref}"}}'))
+    assert local.text == "kept" and len(inner.requests) == 1
+
+    everything = AgentTools(inner, ["*"], store)
+    assert [t.name for t in await everything.catalog()] == ["echo", "slow", "tool_output"]
+    assert await AgentTools(inner, [], store).catalog() == []
