@@ -17,7 +17,6 @@ backend (pyzmq has no trio support).
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import logging
 import os
@@ -27,7 +26,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -98,7 +97,14 @@ class IncomingRequest:
     body: bytes
     deadline: float  # unix time; 0 when none
     _peer: Peer
-    cancelled: anyio.Event = field(default_factory=anyio.Event)
+    _cancelled: anyio.Event | None = None
+
+    @property
+    def cancelled(self) -> anyio.Event:
+        """Set when the requester (or the hub, at the deadline) cancels this request."""
+        if self._cancelled is None:  # made on first use: most requests never look
+            self._cancelled = anyio.Event()
+        return self._cancelled
 
     async def partial(self, body: bytes) -> None:
         await self._peer._send([p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body], wait=False)
@@ -244,7 +250,6 @@ class Peer:
         self._closing = False
         self._last_heard = time.monotonic()
         self._pending: dict[str, _Call] = {}
-        self._expiry: list[tuple[float, str]] = []
         self._ids = itertools.count(1)
         self._sends = 0
         self._services: dict[str, _Served] = {}
@@ -413,14 +418,17 @@ class Peer:
                     pass
 
     def _expire(self, now: float) -> None:
-        """Fail calls past deadline + grace (the hub normally answers at the deadline itself)."""
-        heap = self._expiry
-        while heap and heap[0][0] <= now:
-            _, req_id = heapq.heappop(heap)
-            call = self._pending.pop(req_id, None)
-            if call is not None:
-                call.put((p.Header(kind=p.ERROR, id=req_id, code=p.DEADLINE,
-                                   error="no reply before the deadline"), []))
+        """Fail calls past deadline + grace (the hub normally answers at the deadline itself).
+
+        A scan of the calls in flight (bounded by the caller's concurrency) rather than a heap
+        of every request ever sent, which would hold each one until its deadline."""
+        if not self._pending:
+            return
+        expired = [call for call in self._pending.values() if call.expires <= now]
+        for call in expired:
+            del self._pending[call.id]
+            call.put((p.Header(kind=p.ERROR, id=call.id, code=p.DEADLINE,
+                               error="no reply before the deadline"), []))
 
     # --- receiving -----------------------------------------------------------------------
 
@@ -505,7 +513,6 @@ class Peer:
 
     def _fail_pending(self, error: RequestError) -> None:
         pending, self._pending = self._pending, {}
-        self._expiry.clear()
         for req_id, call in pending.items():
             call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
 
@@ -583,8 +590,6 @@ class Peer:
         except BaseException:
             self._pending.pop(req_id, None)
             raise
-        if timeout:
-            heapq.heappush(self._expiry, (expires, req_id))
         return call
 
     def _end_call(self, call: _Call) -> None:

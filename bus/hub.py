@@ -35,6 +35,8 @@ log = logging.getLogger("bus.hub")
 
 DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still runs under load
 TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
+PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
+PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 
 # pyzmq's `send_multipart` costs ~3 us per message in Python-level flag (enum) handling; the
 # backend's `send` with plain int flags costs ~0.2 us per frame. Received frames are copied into
@@ -173,6 +175,12 @@ class Hub:
             self.pub, config.events or default_events_endpoint(config.endpoint)
         )
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
+        # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
+        # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send
+        # to a peer whose connection is gone fails with EHOSTUNREACH, so after each drop we probe
+        # the peers for a moment. Missed heartbeats remain the fallback (silent network loss).
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._probe_until = 0.0
         self._reconnect_header = p.encode(p.Header(kind=p.RECONNECT))
 
     # --- setup ---------------------------------------------------------------------------
@@ -203,22 +211,30 @@ class Hub:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         interval = self.config.heartbeat_interval
         next_beat = time.monotonic() + interval
         next_tick = time.monotonic() + TICK
+        next_probe = math.inf
         while not self._stopping:
             now = time.monotonic()
-            timeout = max(0.0, min(next_beat, next_tick) - now)
+            timeout = max(0.0, min(next_beat, next_tick, next_probe) - now)
             try:
                 ready = dict(poller.poll(timeout * 1000))
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EINTR:
                     continue
                 raise
-            if ready:
+            if self.router in ready:
                 self._drain()
+            if self._monitor in ready and self._drain_monitor():
+                self._probe_until = time.monotonic() + PROBE_FOR
+                next_probe = min(next_probe, time.monotonic() + 0.001)
             self._flush_events()
             now = time.monotonic()
+            if now >= next_probe:
+                self._probe()
+                next_probe = now + PROBE_EVERY if now < self._probe_until else math.inf
             if now >= next_tick:
                 self._expire(now)
                 self._expire_peers(now)
@@ -232,6 +248,11 @@ class Hub:
         self._stopping = True
 
     def close(self) -> None:
+        try:
+            self.router.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
         self.router.close(0)
         self.pub.close(0)
         if self._auth is not None:
@@ -526,6 +547,37 @@ class Hub:
         return f"no peer serves `{service}` (start one, e.g. `busctl worker`, or check the name)"
 
     # --- liveness ------------------------------------------------------------------------
+
+    def _drain_monitor(self) -> bool:
+        dropped = False
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return dropped
+            dropped = True
+
+    def _probe(self) -> None:
+        """Drop every peer the ROUTER can no longer route to (its connection is gone).
+
+        Only peers with a routing id the ROUTER generated (5 bytes, first byte 0) are probed:
+        such an id dies with its connection (a reconnecting DEALER gets a new one). A peer that
+        set its own routing id may come back under it, so it is left to the heartbeat deadline.
+        """
+        for ident in list(self.peers):
+            if ident[:1] != b"\x00":
+                continue
+            try:
+                _send_frames(self.router, [ident, p.SIGNATURE, self._hb_header])
+            except zmq.Again:
+                continue
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                peer = self.peers.get(ident)
+                if peer is not None:
+                    self.counters.bump("peers_disconnected")
+                    self._drop_peer(peer, "connection closed")
 
     def _expire_peers(self, now: float) -> None:
         """Drop peers silent for `liveness` heartbeat intervals (checked every tick, so a dead

@@ -1,0 +1,394 @@
+"""The agent loop through the whole process topology vs the pure loop in one process.
+
+    /tmp/v/bin/python bench/bench_loop.py [--turns 50] [--calls 4] [--repeat 3]
+
+A run of TURNS model turns, each asking for CALLS parallel `echo` tool calls, then one final
+answer turn, against a zero-latency scripted model. Three ways:
+
+  A  pure loop, one process: in-memory scripted LlmClient, tools run in-process (`run_tool`)
+  B  pure loop, one process, model over HTTP: LlmEngine -> FakeLLMServer (isolates HTTP/SSE)
+  C  full topology: hub, gateway -> FakeLLMServer, 4 tool workers, coordinator (with its SQLite
+     conversation store), driven by a `prompt` request to `agent.bench`
+  D  the pure loop in this process, but model and tools over the same bus (BusLlmClient,
+     AgentTools over BusToolExecutor): C - D is what the coordinator process itself adds
+     (event publishing, persistence, the command path); D also times each model call and each
+     tool batch, which splits the bus overhead between the `llm` path and the tool path.
+
+Bus overhead per turn = (C - A) / turns (the target is < 2 ms); (C - B) / turns is the part
+that is neither the model's HTTP stream nor the loop itself. Per tool call divides the same
+difference by the number of tool calls. Best of REPEAT runs each, after a warm-up run. Not run
+by pytest; every process is stopped at the end, even on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agents import commands as cmd  # noqa: E402
+from agents.loop import LoopConfig, run_loop  # noqa: E402
+from bus.client import connect  # noqa: E402
+from bus.messages import (  # noqa: E402
+    AssistantMessage,
+    LlmRequest,
+    TextPart,
+    ToolCall,
+    ToolCallRequest,
+    ToolInfo,
+    ToolResult,
+    Usage,
+    error_result,
+)
+
+TOOLS_PY = '''
+from tools import tool
+
+@tool
+def echo(text: str) -> str:
+    """Return the text unchanged."""
+    return text
+'''
+
+WORKERS = 4
+CHUNK = int(os.environ.get("BENCH_CHUNK", "4"))
+
+
+def script_steps(turns: int, calls: int) -> list[dict[str, Any]]:
+    steps: list[dict[str, Any]] = []
+    for t in range(turns):
+        steps.append({"reply": {"tool_calls": [
+            {"name": "echo", "arguments": {"text": f"turn {t} call {k}"}, "id": f"c{t}_{k}"}
+            for k in range(calls)], "usage": {"input": 10, "output": 5}, "chunk_size": CHUNK}})
+    steps.append({"reply": {"text": "All done.", "usage": {"input": 10, "output": 2}}})
+    return steps
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- A: pure loop, in-memory model, in-process tools ------------------------------------------
+
+
+class ScriptedLlm:
+    """Replies from the same script as the fake server, with no I/O at all."""
+
+    def __init__(self, steps: list[dict[str, Any]]) -> None:
+        self.steps = steps
+        self.i = 0
+
+    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+        reply = self.steps[self.i]["reply"]
+        self.i += 1
+        content: list[Any] = []
+        if reply.get("text"):
+            content.append(TextPart(reply["text"]))
+        for c in reply.get("tool_calls", []):
+            content.append(ToolCall(id=c["id"], name=c["name"], arguments=json.dumps(c["arguments"])))
+        usage = Usage(input=10, output=5, total=15)
+        return AssistantMessage(content=content, stop_reason="tool_use" if reply.get("tool_calls")
+                                else "stop", usage=usage, model="m")
+
+
+class LocalTools:
+    """The loop's ToolExecutor running the tools in this process (`run_tool`)."""
+
+    def __init__(self, module: str) -> None:
+        from tools import load_tools
+
+        self.tools = {t.name: t for t in load_tools(module)}
+
+    async def catalog(self) -> list[ToolInfo]:
+        return [t.info for t in self.tools.values()]
+
+    async def execute(self, request: ToolCallRequest, on_update: Any = None) -> ToolResult:
+        from tools import run_tool
+
+        t = self.tools.get(request.name)
+        if t is None:
+            return error_result(f"Error: Unknown tool '{request.name}'")
+        return await run_tool(t, request)
+
+
+async def pure_loop(llm: Any, tools: LocalTools) -> tuple[float, str]:
+    messages: list[Any] = []
+    config = LoopConfig(model="x", agent="bench")
+
+    async def emit(event: Any) -> None:
+        return None
+
+    started = time.perf_counter()
+    result = await run_loop([_user("go")], messages, config, llm, tools, emit)
+    return time.perf_counter() - started, result.final_text
+
+
+def _user(text: str) -> Any:
+    from bus.messages import user_text
+
+    return user_text(text)
+
+
+# --- B: pure loop, model over HTTP (LlmEngine -> FakeLLMServer) ------------------------------
+
+
+class EngineLlm:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+        return await self.engine.complete(request, on_delta)
+
+
+# --- D: the pure loop here, model and tools over the bus -------------------------------------
+
+
+class Timed:
+    """Wraps an LlmClient or ToolExecutor and sums the wall time of its calls."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.llm = 0.0
+        self.batches: dict[str, float] = {}  # first-call start per batch -> wall time of the batch
+        self._open: dict[int, list[float]] = {}
+
+    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+        started = time.perf_counter()
+        try:
+            return await self.inner.complete(request, on_delta)
+        finally:
+            self.llm += time.perf_counter() - started
+
+    async def catalog(self) -> list[ToolInfo]:
+        return await self.inner.catalog()
+
+    async def execute(self, request: ToolCallRequest, on_update: Any = None) -> ToolResult:
+        batch = request.call_id.split("_")[0]  # ids are c<turn>_<k>
+        started = time.perf_counter()
+        try:
+            return await self.inner.execute(request, on_update)
+        finally:
+            ended = time.perf_counter()
+            first, last = self._open.setdefault(hash(batch), [started, ended])
+            self._open[hash(batch)] = [min(first, started), max(last, ended)]
+
+    @property
+    def tools(self) -> float:
+        return sum(last - first for first, last in self._open.values())
+
+
+async def bus_loop(endpoint: str, runs: int) -> list[tuple[float, float, float]]:
+    from agents.bus_adapters import AgentTools, BusLlmClient
+    from agents.context import ToolOutputStore
+    from tools.executor import BusToolExecutor
+
+    out = []
+    async with connect(endpoint, name="bench-loop") as peer:
+        for _ in range(runs):
+            llm = Timed(BusLlmClient(peer, agent="bench-d"))
+            tools = Timed(AgentTools(BusToolExecutor(peer), ["echo"], ToolOutputStore()))
+            elapsed, final = await pure_loop(llm, tools)  # type: ignore[arg-type]
+            assert final == "All done.", final
+            out.append((elapsed, llm.llm, tools.tools))
+    return out
+
+
+# --- C: the full topology -------------------------------------------------------------------
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, text=True, cwd=ROOT,
+                                      start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def ready(self, timeout: float = 20.0) -> dict[str, Any]:
+        assert self.popen.stdout is not None
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            line = self.popen.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if line.startswith('{"ready"'):
+                return json.loads(line)
+        raise RuntimeError(f"{self.popen.args!r} did not get ready:\n{''.join(seen[-30:])}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, 15)
+            try:
+                self.popen.wait(5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, 9)
+                self.popen.wait(5)
+
+
+PROFILE_DIR = ""
+
+
+def busctl(*args: str) -> list[str]:
+    if PROFILE_DIR and args[0] in ("coordinator", "gateway"):
+        out = str(Path(PROFILE_DIR) / f"{args[0]}.prof")
+        return [sys.executable, "-m", "cProfile", "-o", out, str(ROOT / "cli.py"), *args]
+    return [sys.executable, str(ROOT / "cli.py"), *args]
+
+
+async def topology_run(endpoint: str, agent: str) -> tuple[float, cmd.RunResult]:
+    async with connect(endpoint, name="bench-client") as peer:
+        body = cmd.encode(cmd.Prompt(text="go", new_session=True))
+        started = time.perf_counter()
+        async with peer.stream(cmd.agent_service(agent), body, timeout=600) as replies:
+            last = b""
+            async for last in replies:
+                pass
+        elapsed = time.perf_counter() - started
+    return elapsed, msgspec.msgpack.decode(last, type=cmd.RunResult)
+
+
+def start_fake(steps: list[dict[str, Any]], tmp: Path, name: str) -> tuple[Proc, str]:
+    script = tmp / f"{name}.json"
+    script.write_text(json.dumps({"steps": steps, "echo": True}))
+    port = free_port()
+    # The fake writes each SSE event with its own small send; without TCP_NODELAY, Nagle's
+    # algorithm and the client's delayed ACK stall the stream ~40 ms per response, which would
+    # swamp everything measured here. (Recommended fix upstream: `disable_nagle_algorithm`.)
+    code = ("import sys, agents.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
+            "sys.exit(f.main(sys.argv[1:]))")
+    proc = Proc([sys.executable, "-c", code, "--script", str(script), "--port", str(port)])
+    assert proc.popen.stdout is not None
+    proc.popen.stdout.readline()  # "fake-llm listening on ..."
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--turns", type=int, default=50)
+    ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="run the coordinator and gateway under cProfile, dumping into DIR")
+    args = ap.parse_args()
+    turns, calls, repeat = args.turns, args.calls, args.repeat
+    global PROFILE_DIR
+    PROFILE_DIR = args.profile
+    steps = script_steps(turns, calls)
+    model_turns, tool_calls = turns + 1, turns * calls
+    runs = repeat + 1  # one warm-up
+
+    with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmpdir:
+        tmp = Path(tmpdir)
+        tools_py = tmp / "bench_tools.py"
+        tools_py.write_text(TOOLS_PY)
+        procs: list[Proc] = []
+        try:
+            # A
+            local = LocalTools(str(tools_py))
+            a_times = []
+            for _ in range(runs):
+                elapsed, final = anyio.run(pure_loop, ScriptedLlm(steps), local)
+                assert final == "All done.", final
+                a_times.append(elapsed)
+
+            # B
+            fake, base_url = start_fake(steps * runs, tmp, "fake-b")
+            procs.append(fake)
+            from agents.llm import LlmEngine, ModelConfig
+
+            async def engine_runs() -> list[float]:
+                model = ModelConfig(alias="x", provider="openai", model="m", base_url=base_url)
+                out = []
+                async with LlmEngine([model]) as engine:
+                    for _ in range(runs):
+                        elapsed, final = await pure_loop(EngineLlm(engine), local)
+                        assert final == "All done.", final
+                        out.append(elapsed)
+                return out
+
+            b_times = anyio.run(engine_runs)
+
+            # C
+            fake_c, base_url_c = start_fake(steps * runs * 2, tmp, "fake-c")  # C, then D
+            procs.append(fake_c)
+            topo = tmp / "topology.toml"
+            topo.write_text(f"""
+[models.x]
+provider = "openai"
+base_url = "{base_url_c}"
+model = "m"
+
+[[agents]]
+name = "bench"
+model = "x"
+tools = ["echo"]
+""")
+            hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp / "hub")))
+            procs.append(hub)
+            endpoint = hub.ready()["endpoint"]
+            starting = [Proc(busctl("gateway", "--hub", endpoint, "--topology", str(topo)))]
+            starting += [Proc(busctl("worker", "--hub", endpoint, "--tools", str(tools_py),
+                                     "--name", f"worker-{i}")) for i in range(WORKERS)]
+            starting.append(Proc(busctl("coordinator", "--hub", endpoint, "--topology", str(topo),
+                                        "--state-dir", str(tmp / "agents"))))
+            procs += starting
+            for proc in starting:
+                proc.ready()
+            c_times = []
+            for _ in range(runs):
+                elapsed, result = anyio.run(topology_run, endpoint, "bench")
+                assert result.final_text == "All done.", result
+                c_times.append(elapsed)
+            d_runs = anyio.run(bus_loop, endpoint, runs)
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+
+    a, b, c = min(a_times[1:]), min(b_times[1:]), min(c_times[1:])
+    d, d_llm, d_tools = min(d_runs[1:])
+    ms = 1000.0
+    print(f"agent loop: {turns} turns x {calls} parallel echo calls + 1 final turn "
+          f"({model_turns} model calls, {tool_calls} tool calls); best of {repeat} after a warm-up")
+    print(f"  A pure loop, in-memory model, in-process tools : {a * ms:8.1f} ms  "
+          f"({a / model_turns * ms:.3f} ms/turn)")
+    print(f"  B pure loop, model over HTTP (FakeLLMServer)   : {b * ms:8.1f} ms  "
+          f"({b / model_turns * ms:.3f} ms/turn)")
+    print(f"  C full topology (hub, gateway, {WORKERS} workers, coord) : {c * ms:8.1f} ms  "
+          f"({c / model_turns * ms:.3f} ms/turn)")
+    print(f"  bus overhead C-A: {(c - a) / model_turns * ms:.3f} ms per turn, "
+          f"{(c - a) / tool_calls * ms:.3f} ms per tool call (same total, divided)")
+    print(f"  bus overhead C-B (HTTP model call excluded): {(c - b) / model_turns * ms:.3f} ms per "
+          f"turn, {(c - b) / tool_calls * ms:.3f} ms per tool call")
+    print(f"  D pure loop here, model + tools over the bus    : {d * ms:8.1f} ms  "
+          f"({d / model_turns * ms:.3f} ms/turn)")
+    print(f"    of which model calls {d_llm / model_turns * ms:.3f} ms/turn (B's HTTP path: "
+          f"{(b - a) / model_turns * ms:.3f}), tool batches {d_tools / turns * ms:.3f} ms/batch "
+          f"(in-process: ~{a / model_turns * ms:.3f} ms/turn for everything)")
+    print(f"  coordinator process itself C-D: {(c - d) / model_turns * ms:.3f} ms per turn")
+    target = 2.0
+    verdict = "MET" if (c - a) / model_turns * ms < target else "NOT MET"
+    print(f"  target < {target:g} ms per turn (C-A): {verdict}")
+    print("  all runs (ms): A " + " ".join(f"{x * ms:.0f}" for x in a_times)
+          + " | B " + " ".join(f"{x * ms:.0f}" for x in b_times)
+          + " | C " + " ".join(f"{x * ms:.0f}" for x in c_times)
+          + " | D " + " ".join(f"{x[0] * ms:.0f}" for x in d_runs))
+
+
+if __name__ == "__main__":
+    main()

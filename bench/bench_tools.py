@@ -1,0 +1,299 @@
+"""Tool calls through the hub: round trip, throughput and parallel speedup, against raw pyzmq.
+
+    /tmp/v/bin/python bench/bench_tools.py [--quick]
+
+Figures:
+  * echo tool round trip (p50/p99) through hub + `busctl worker`, via BusToolExecutor and via a
+    bare `peer.request`, against a raw blocking DEALER -> ROUTER broker -> DEALER echo in the same
+    run (same host, separate processes);
+  * tool calls/s with 4 workers (64 calls in flight);
+  * 8 calls of a 0.5 s tool over N single-capacity workers (N = 1, 2, 4, 8): wall time, speedup.
+
+This file is also the workers' tool module (`--tools bench/bench_tools.py`). Not run by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tools import tool  # noqa: E402
+
+
+@tool
+async def echo(text: str) -> str:
+    """Return `text`."""
+    return text
+
+
+@tool
+def echo_sync(text: str) -> str:
+    """Return `text` (from a worker thread)."""
+    return text
+
+
+@tool
+async def nap(seconds: float = 0.5) -> str:
+    """Sleep `seconds`."""
+    await anyio.sleep(seconds)
+    return "ok"
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- raw pyzmq baseline: DEALER -> ROUTER broker -> DEALER worker ----------------------------
+
+
+def _raw_broker(endpoint: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.bind(endpoint)
+    worker: bytes | None = None
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    while True:
+        poller.poll()
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            ident, kind = frames[0], frames[1]
+            if kind == b"ready":
+                worker = ident
+            elif kind == b"req" and worker is not None:
+                router.send_multipart([worker, b"req", ident, *frames[2:]])
+            elif kind == b"rep":
+                router.send_multipart([frames[2], b"rep", *frames[3:]])
+
+
+def _raw_worker(endpoint: str) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    sock.send_multipart([b"ready"])
+    while True:
+        frames = sock.recv_multipart()
+        sock.send_multipart([b"rep", *frames[1:]])
+
+
+def raw_round_trip(n: int, body: bytes) -> tuple[float, float]:
+    import zmq
+
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    spawn = mp.get_context("spawn")
+    procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True),
+             spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)]
+    for proc in procs:
+        proc.start()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        while True:  # until the worker is known to the broker
+            sock.send_multipart([b"req", body])
+            if sock.poll(200):
+                sock.recv_multipart()
+                break
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            sock.send_multipart([b"req", body])
+            sock.recv_multipart()
+            times.append(time.perf_counter() - t0)
+        return _pct(times, 0.5), _pct(times, 0.99)
+    finally:
+        sock.close()
+        ctx.term()
+        for proc in procs:
+            proc.kill()
+            proc.join()
+
+
+# --- through the hub -------------------------------------------------------------------------
+
+
+class Topology:
+    """A hub and any number of `busctl worker` processes serving this file's tools."""
+
+    def __init__(self, state: str) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        hub = self._spawn([sys.executable, "-m", "bus.hub", "tcp://127.0.0.1:0", state])
+        self.endpoint = json.loads(self._ready(hub))["endpoint"]
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                cwd=ROOT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def _ready(proc: subprocess.Popen[str]) -> str:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith('{"ready"'):
+            raise RuntimeError(f"{proc.args!r} did not start: {line!r}")
+        return line
+
+    def workers(self, n: int, concurrency: int) -> list[subprocess.Popen[str]]:
+        started = [self._spawn([sys.executable, str(ROOT / "cli.py"), "worker", "--hub",
+                                self.endpoint, "--tools", str(Path(__file__).resolve()),
+                                "--concurrency", str(concurrency)]) for _ in range(n)]
+        for proc in started:
+            self._ready(proc)
+        return started
+
+    def stop(self, procs: list[subprocess.Popen[str]] | None = None) -> None:
+        for proc in reversed(procs if procs is not None else self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in reversed(procs if procs is not None else self.procs):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:
+    from bus import protocol as p
+    from bus.client import connect
+    from bus.messages import ToolCallRequest
+    from tools.executor import BusToolExecutor
+
+    request = ToolCallRequest(call_id="c", name=name, arguments=json.dumps({"text": "x" * 40}))
+    async with connect(endpoint, name="bench-client") as peer:
+        tools = BusToolExecutor(peer)
+        for _ in range(200):
+            assert not (await tools.execute(request)).is_error
+        via_executor, via_request = [], []
+        body = p.encode(request)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await tools.execute(request)
+            via_executor.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await peer.request(f"tool.{name}", body)
+            via_request.append(time.perf_counter() - t0)
+    return {"exec_p50": _pct(via_executor, 0.5), "exec_p99": _pct(via_executor, 0.99),
+            "req_p50": _pct(via_request, 0.5), "req_p99": _pct(via_request, 0.99),
+            "body_bytes": len(body)}
+
+
+async def tool_throughput(endpoint: str, seconds: float, in_flight: int) -> float:
+    from bus.client import connect
+    from bus.messages import ToolCallRequest
+    from tools.executor import BusToolExecutor
+
+    request = ToolCallRequest(call_id="c", name="echo", arguments='{"text": "hello"}')
+    async with connect(endpoint, name="bench-client") as peer:
+        tools = BusToolExecutor(peer)
+        await tools.catalog()
+        done = 0
+        stop = time.perf_counter() + seconds
+
+        async def caller() -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                await tools.execute(request)
+                done += 1
+
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for _ in range(in_flight):
+                tg.start_soon(caller)
+        return done / (time.perf_counter() - t0)
+
+
+async def batch_wall(endpoint: str, calls: int, seconds: float) -> float:
+    from bus.client import connect
+    from bus.messages import ToolCallRequest
+    from tools.executor import BusToolExecutor
+
+    batch = [ToolCallRequest(call_id=f"c{i}", name="nap", arguments=json.dumps({"seconds": seconds}))
+             for i in range(calls)]
+    async with connect(endpoint, name="bench-client") as peer:
+        tools = BusToolExecutor(peer)
+        await tools.catalog()
+        t0 = time.perf_counter()
+        results = await tools.execute_all(batch)
+        wall = time.perf_counter() - t0
+    assert not any(r.is_error for r in results), [r.text for r in results]
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer samples, shorter runs")
+    args = parser.parse_args()
+    n = 1000 if args.quick else 5000
+    seconds = 2.0 if args.quick else 5.0
+
+    from bus import protocol as p
+    from bus.messages import ToolCallRequest
+
+    body = p.encode(ToolCallRequest(call_id="c", name="echo", arguments=json.dumps({"text": "x" * 40})))
+    raw_p50, raw_p99 = raw_round_trip(n, body)
+    print(f"raw pyzmq DEALER->ROUTER->DEALER echo ({len(body)} B): p50 {raw_p50 * 1e6:.0f} us, "
+          f"p99 {raw_p99 * 1e6:.0f} us", flush=True)
+
+    with tempfile.TemporaryDirectory() as state:
+        topo = Topology(state)
+        try:
+            first = topo.workers(1, 8)
+            for name in ("echo", "echo_sync"):
+                rt = anyio.run(tool_round_trip, topo.endpoint, n, name)
+                print(f"tool `{name}` round trip via BusToolExecutor: p50 {rt['exec_p50'] * 1e6:.0f} us "
+                      f"({rt['exec_p50'] / raw_p50:.1f}x raw), p99 {rt['exec_p99'] * 1e6:.0f} us "
+                      f"({rt['exec_p99'] / raw_p99:.1f}x raw); bare peer.request: p50 "
+                      f"{rt['req_p50'] * 1e6:.0f} us ({rt['req_p50'] / raw_p50:.1f}x raw), "
+                      f"p99 {rt['req_p99'] * 1e6:.0f} us", flush=True)
+            more = topo.workers(3, 8)
+            rate = anyio.run(tool_throughput, topo.endpoint, seconds, 64)
+            print(f"echo tool calls/s, 4 workers x concurrency 8, 64 in flight: {rate:,.0f} "
+                  f"({rate * raw_p50:.2f}x one raw blocking round-trip stream)", flush=True)
+            topo.stop(first + more)
+
+            serial = 8 * 0.5
+            for workers in (1, 2, 4, 8):
+                started = topo.workers(workers, 1)
+                wall = anyio.run(batch_wall, topo.endpoint, 8, 0.5)
+                ideal = serial / workers
+                print(f"8 x 0.5 s tool over {workers} single-capacity worker(s): {wall:.3f} s "
+                      f"(ideal {ideal:.2f} s; speedup {serial / wall:.2f}x, "
+                      f"efficiency {serial / wall / workers:.0%})", flush=True)
+                topo.stop(started)
+        finally:
+            topo.stop()
+
+
+if __name__ == "__main__":
+    main()
