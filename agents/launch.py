@@ -17,7 +17,8 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from agents.topology import ModelEntry, Topology
+from agents.llm import ModelConfig
+from agents.topology import Topology
 from bus import events as ev
 from bus.client import Peer, connect
 from bus.security import CurveClient
@@ -175,7 +176,7 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
             fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0"),
                                              role="fake-llm"))
             assert fake.ready is not None
-            topo.models = {DEMO_MODEL: ModelEntry(provider="openai", model="demo-model",
+            topo.models = {DEMO_MODEL: ModelConfig(provider="openai", model="demo-model",
                                                   base_url=fake.ready["base_url"])}
             topo.gateways.default_model = DEMO_MODEL
         topology_file = state / "topology.json"

@@ -68,14 +68,15 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _MAX_TRACKED_RUNS = 1000
 
 
-class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """One model the gateway can call. Prices are USD per million tokens (None: not costed).
 
     `api_key_env` is the NAME of the environment variable holding the key ("" for servers that need
-    none). `timeout` bounds the wait for the first byte and between streamed chunks."""
+    none). `timeout` bounds the wait for the first byte and between streamed chunks. In a topology
+    file the alias is the table's name (`[models.<alias>]`), so it may be left out there."""
 
-    alias: str
     provider: ProviderName
+    alias: str = ""
     model: str
     base_url: str = ""
     api_key_env: str = ""

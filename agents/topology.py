@@ -37,26 +37,6 @@ class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     insecure: bool = False
 
 
-class ModelEntry(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """`[models.<alias>]`: see agents.llm.ModelConfig for the meaning of each field."""
-
-    provider: Literal["openai", "anthropic"]
-    model: str
-    base_url: str = ""
-    api_key_env: str = ""
-    context_window: int = 128_000
-    input_price: float | None = None
-    output_price: float | None = None
-    cache_read_price: float | None = None
-    cache_write_price: float | None = None
-    max_concurrency: int = 8
-    requests_per_minute: float | None = None
-    timeout: float = 120.0
-
-    def config(self, alias: str) -> ModelConfig:
-        return msgspec.convert({"alias": alias, **msgspec.to_builtins(self)}, ModelConfig)
-
-
 class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     count: int = 1
     default_model: str = ""  # alias used when an agent names none; "" = the first model
@@ -101,7 +81,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 
 class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     hub: HubSection = msgspec.field(default_factory=HubSection)
-    models: dict[str, ModelEntry] = msgspec.field(default_factory=dict)
+    models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)  # alias -> model
     gateways: GatewaySection = msgspec.field(default_factory=GatewaySection)
     workers: list[WorkerGroup] = msgspec.field(default_factory=lambda: [WorkerGroup()])
     coordinators: int = 1
@@ -109,7 +89,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     processes: list[ProcessSpec] = msgspec.field(default_factory=list)
 
     def model_configs(self) -> list[ModelConfig]:
-        return [entry.config(alias) for alias, entry in self.models.items()]
+        return [msgspec.structs.replace(entry, alias=alias) for alias, entry in self.models.items()]
 
     def agent(self, name: str) -> AgentSpec:
         for spec in self.agents:
