@@ -23,91 +23,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- raw pyzmq baselines ---------------------------------------------------------------------
-
-
-def _raw_broker(endpoint: str) -> None:
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    router.bind(endpoint)
-    worker: bytes | None = None
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    while True:
-        poller.poll()
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            ident, kind = frames[0], frames[1]
-            if kind == b"ready":
-                worker = ident
-            elif kind == b"req" and worker is not None:  # [client, req, body] -> worker
-                router.send_multipart([worker, b"req", ident, *frames[2:]])
-            elif kind == b"rep":  # [worker, rep, client, body] -> client
-                router.send_multipart([frames[2], b"rep", *frames[3:]])
-            elif kind == b"stop":
-                return
-
-
-def _raw_worker(endpoint: str) -> None:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(endpoint)
-    sock.send_multipart([b"ready"])
-    while True:
-        frames = sock.recv_multipart()
-        sock.send_multipart([b"rep", *frames[1:]])
-
-
-def raw_round_trip(n: int) -> tuple[float, float]:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True),
-             spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)]
-    for proc in procs:
-        proc.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(endpoint)
-    try:
-        body = b"x" * 64
-        while True:  # until the worker has registered
-            sock.send_multipart([b"req", body])
-            if sock.poll(200):
-                sock.recv_multipart()
-                break
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sock.send_multipart([b"req", body])
-            sock.recv_multipart()
-            times.append(time.perf_counter() - t0)
-        return _pct(times, 0.5), _pct(times, 0.99)
-    finally:
-        sock.close()
-        ctx.term()
-        for proc in procs:
-            proc.kill()
-            proc.join()
+from bench.baseline import free_port, pct, raw_round_trip  # noqa: E402
 
 
 def _raw_publisher(endpoint: str, n: int) -> None:
@@ -128,7 +44,7 @@ def _raw_publisher(endpoint: str, n: int) -> None:
 
 
 def raw_pubsub(n: int) -> float:
-    port = _free_port()
+    port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     flag = f"/tmp/rawpub.{port}"
     spawn = mp.get_context("spawn")
@@ -238,8 +154,8 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
                         t0 = time.perf_counter()
                         await peer.request("echo", body)
                         times.append(time.perf_counter() - t0)
-                    out["rtt_p50"] = _pct(times, 0.5)
-                    out["rtt_p99"] = _pct(times, 0.99)
+                    out["rtt_p50"] = pct(times, 0.5)
+                    out["rtt_p99"] = pct(times, 0.99)
 
             anyio.run(rtt)
             for _ in range(3):

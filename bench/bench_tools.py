@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,7 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.baseline import pct, raw_round_trip  # noqa: E402
 from tools import tool  # noqa: E402
 
 
@@ -49,93 +48,6 @@ async def nap(seconds: float = 0.5) -> str:
     """Sleep `seconds`."""
     await anyio.sleep(seconds)
     return "ok"
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- raw pyzmq baseline: DEALER -> ROUTER broker -> DEALER worker ----------------------------
-
-
-def _raw_broker(endpoint: str) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.linger = 0
-    router.bind(endpoint)
-    worker: bytes | None = None
-    poller = zmq.Poller()
-    poller.register(router, zmq.POLLIN)
-    while True:
-        poller.poll()
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            ident, kind = frames[0], frames[1]
-            if kind == b"ready":
-                worker = ident
-            elif kind == b"req" and worker is not None:
-                router.send_multipart([worker, b"req", ident, *frames[2:]])
-            elif kind == b"rep":
-                router.send_multipart([frames[2], b"rep", *frames[3:]])
-
-
-def _raw_worker(endpoint: str) -> None:
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(endpoint)
-    sock.send_multipart([b"ready"])
-    while True:
-        frames = sock.recv_multipart()
-        sock.send_multipart([b"rep", *frames[1:]])
-
-
-def raw_round_trip(n: int, body: bytes) -> tuple[float, float]:
-    import zmq
-
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True),
-             spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)]
-    for proc in procs:
-        proc.start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.linger = 0
-    sock.connect(endpoint)
-    try:
-        while True:  # until the worker is known to the broker
-            sock.send_multipart([b"req", body])
-            if sock.poll(200):
-                sock.recv_multipart()
-                break
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            sock.send_multipart([b"req", body])
-            sock.recv_multipart()
-            times.append(time.perf_counter() - t0)
-        return _pct(times, 0.5), _pct(times, 0.99)
-    finally:
-        sock.close()
-        ctx.term()
-        for proc in procs:
-            proc.kill()
-            proc.join()
 
 
 # --- through the hub -------------------------------------------------------------------------
@@ -203,8 +115,8 @@ async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:
             t0 = time.perf_counter()
             await peer.request(f"tool.{name}", body)
             via_request.append(time.perf_counter() - t0)
-    return {"exec_p50": _pct(via_executor, 0.5), "exec_p99": _pct(via_executor, 0.99),
-            "req_p50": _pct(via_request, 0.5), "req_p99": _pct(via_request, 0.99),
+    return {"exec_p50": pct(via_executor, 0.5), "exec_p99": pct(via_executor, 0.99),
+            "req_p50": pct(via_request, 0.5), "req_p99": pct(via_request, 0.99),
             "body_bytes": len(body)}
 
 
