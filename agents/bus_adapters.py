@@ -17,7 +17,7 @@ run and experiment, so `BusLlmClient` never calls `on_delta`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -129,14 +129,26 @@ def _error(request: LlmRequest, text: str) -> AssistantMessage:
     return AssistantMessage(content=[], stop_reason="error", error=text, model=request.model)
 
 
+class LocalTools(Protocol):
+    """Tools served inside the coordinator (e.g. `ask_<agent>`, `publish`; see agents.multiagent)."""
+
+    def handles(self, name: str) -> bool: ...
+
+    async def catalog(self) -> list[ToolInfo]: ...
+
+    async def execute(self, request: ToolCallRequest) -> ToolResult: ...
+
+
 class AgentTools:
-    """One agent's view of the tools: its allowed subset of the live bus tools plus `tool_output`.
+    """One agent's view of the tools: its allowed subset of the live bus tools, its local tools
+    (`local`: other agents as `ask_<agent>`, the `publish` tool) and `tool_output`.
 
     `allowed` is the agent's `tools` list: `["*"]` offers every live tool, otherwise only the
-    named ones (a named tool that no worker serves is simply not offered). The built-in
-    `tool_output` tool (full text of truncated or trimmed outputs) is served from the agent's
-    `ToolOutputStore` in this process whenever the agent has any tools at all. Calls get the
-    run's `experiment` so workers tag their progress events with it.
+    named ones (a named tool that no worker serves is simply not offered). Local tools are
+    always offered and shadow a worker tool of the same name. The built-in `tool_output` tool
+    (full text of truncated or trimmed outputs) is served from the agent's `ToolOutputStore` in
+    this process whenever the agent has any tools at all. Calls get the run's `experiment` so
+    workers tag their progress events with it.
 
     Progress: a worker publishes each `tool_execution_update` itself (like the gateway publishes
     `message_update`), so by default partial results are not passed on to the loop, which would
@@ -145,30 +157,44 @@ class AgentTools:
     """
 
     def __init__(self, inner: ToolExecutor, allowed: Sequence[str], store: ToolOutputStore, *,
-                 experiment: str = "", forward_updates: bool = False) -> None:
+                 experiment: str = "", forward_updates: bool = False,
+                 local: Sequence[LocalTools] = ()) -> None:
         self.inner = inner
         self.forward_updates = forward_updates
         self.allowed = list(allowed)
         self.store = store
+        self.local = list(local)
         self.experiment = experiment  # the coordinator sets it per run
         self._all = "*" in self.allowed
         self._names = frozenset(self.allowed)
 
     @property
     def offers_tool_output(self) -> bool:
-        return bool(self.allowed)
+        return bool(self.allowed) or bool(self.local)
+
+    def _local_for(self, name: str) -> LocalTools | None:
+        for provider in self.local:
+            if provider.handles(name):
+                return provider
+        return None
 
     def allows(self, name: str) -> bool:
         if name == TOOL_OUTPUT_TOOL:
             return self.offers_tool_output
-        return self._all or name in self._names
+        return self._local_for(name) is not None or self._all or name in self._names
 
     async def catalog(self) -> list[ToolInfo]:
-        if not self.allowed:
+        if not self.offers_tool_output:
             return []
-        live = [t for t in await self.inner.catalog()
-                if t.name != TOOL_OUTPUT_TOOL and (self._all or t.name in self._names)]
-        return [*live, self.store.tool_info()]
+        local: list[ToolInfo] = []
+        for provider in self.local:
+            local.extend(await provider.catalog())
+        shadowed = {t.name for t in local} | {TOOL_OUTPUT_TOOL}
+        live: list[ToolInfo] = []
+        if self.allowed:
+            live = [t for t in await self.inner.catalog()
+                    if t.name not in shadowed and (self._all or t.name in self._names)]
+        return [*live, *local, self.store.tool_info()]
 
     async def execute(self, request: ToolCallRequest, on_update: UpdateSink | None = None) -> ToolResult:
         if not self.allows(request.name):
@@ -177,7 +203,10 @@ class AgentTools:
             return await self.store.handle(request)
         if not request.experiment and self.experiment:
             request = msgspec.structs.replace(request, experiment=self.experiment)
+        provider = self._local_for(request.name)
+        if provider is not None:
+            return await provider.execute(request)
         return await self.inner.execute(request, on_update if self.forward_updates else None)
 
 
-__all__ = ["LLM_SERVICE", "LLM_TIMEOUT", "AgentTools", "BusLlmClient"]
+__all__ = ["LLM_SERVICE", "LLM_TIMEOUT", "AgentTools", "BusLlmClient", "LocalTools"]

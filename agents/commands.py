@@ -24,6 +24,10 @@ class Prompt(_Command, tag="prompt"):
     experiment: str = ""
     parent_run_id: str = ""
     new_session: bool = False
+    #: Agents waiting on this prompt through agent-as-tool calls, outermost first (empty for a
+    #: prompt from a person or a script). The coordinator refuses the prompt when the agent is
+    #: already in it (a call cycle) or when it is longer than the depth limit.
+    call_chain: list[str] = msgspec.field(default_factory=list)
 
 
 class Continue(_Command, tag="continue"):

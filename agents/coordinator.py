@@ -24,6 +24,13 @@ Error replies use code `agent_busy` (a run is active), `bad_request` (undecodabl
 Every event an agent emits is published, in emit order (each publish awaited), with
 agent=<name>, run=<run_id>, experiment=<the prompt's experiment, else the spec's>, and
 parent=<the prompt's parent_run_id>. Many agents run concurrently; each runs one run at a time.
+Multi-agent (see `agents.multiagent`): an agent listing `agents` is offered `ask_<agent>` tools
+that prompt those agents through the hub (a prompt's `call_chain` is checked here too: a cycle
+is refused with code `call_cycle`, a chain over the depth limit with `call_depth`); agents with
+topic subscriptions get `publish`, and a `TopicRouter` (started before the services register)
+delivers `topic_message` events to them: a new run when idle, else a queued follow-up/steer.
+Each `agent.<name>` registers with meta `description` = its system prompt's first line.
+
 On SIGINT/SIGTERM: abort running runs, give them up to `SHUTDOWN_GRACE` s to end, unregister,
 close.
 """
@@ -50,6 +57,16 @@ from agents.bus_adapters import AgentTools, BusLlmClient
 from agents.context import DEFAULT_CONTEXT_WINDOW
 from agents.llm import ModelConfig
 from agents.loop import LoopConfig, LoopResult, ToolExecutor
+from agents.multiagent import (
+    PUBLISH_TOOL,
+    AgentCalls,
+    CallContext,
+    TopicPublisher,
+    TopicRouter,
+    call_problem,
+    first_line,
+    topic_text,
+)
 from agents.persistence import ConversationRecorder, ConversationStore
 from agents.topology import HOOK_NAMES, AgentSpec
 from bus import events as ev
@@ -160,8 +177,14 @@ class HostedAgent:
         self.recorder: ConversationRecorder = store.recorder(spec.name, session, messages)
         self.output_store = store.output_store(spec.name)
         self.llm = BusLlmClient(peer, agent=spec.name, experiment=spec.experiment)
+        self.call_context = CallContext(experiment=spec.experiment)
+        local: list[Any] = []
+        if spec.agents:
+            local.append(AgentCalls(peer, spec.name, spec.agents, lambda: self.call_context))
+        if spec.agents or spec.subscribe or PUBLISH_TOOL in spec.tools:
+            local.append(TopicPublisher(peer, spec.name, lambda: self.call_context))
         self.tools = AgentTools(executor, spec.tools, self.output_store,
-                                experiment=spec.experiment)
+                                experiment=spec.experiment, local=local)
         self.agent = Agent(self.llm, self.tools, config, on_message_end=self._on_message_end,
                            messages=messages, output_store=self.output_store)
         self.agent.subscribe(self._on_event)
@@ -170,6 +193,7 @@ class HostedAgent:
         self.current: _Run | None = None
         self._started: anyio.abc.TaskStatus[str] | None = None
         self.publish_failures = 0
+        self._topic_queued = False  # a topic message was queued while a run was active
 
     @property
     def service(self) -> str:
@@ -206,34 +230,69 @@ class HostedAgent:
 
     # --- runs ----------------------------------------------------------------------------
 
-    async def _run(self, start: Callable[[], Any], run: _Run,
-                   *, task_status: anyio.abc.TaskStatus[str]) -> None:
+    async def _run(self, start: Callable[[], Any], run: _Run, background: bool = False,
+                   *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
         """Body of a run task in the coordinator's task group.
 
         `task_status.started(run_id)` is called by the agent_start listener; an AgentError
-        raised before that (busy, nothing to continue) goes to the caller of `start()`.
+        raised before that (busy, nothing to continue) goes to the caller of `start()` (or is
+        logged, for a `background` run nobody waits for).
         """
         self._started = task_status
         try:
             run.result = await start()
         except Exception:
-            if not run.run_id:
+            if not run.run_id and not background:
                 raise
             log.exception("%s: run %s broke", self.name, run.run_id)  # the loop should not raise
         finally:
             if self.current is run:
                 self.current = None
             run.done.set()
+            self._after_run()
 
-    async def _start_run(self, req: IncomingRequest, start: Callable[[], Any], experiment: str,
-                         parent: str, busy_text: str) -> bytes:
-        if self.agent.is_running or self.current is not None:
-            raise RemoteError(busy_text, BUSY)
+    def _begin(self, experiment: str, parent: str, chain: Sequence[str]) -> _Run:
+        """Claim the agent for a new run (synchronously) and set the run's context."""
         run = _Run()
         self.current = run
         self.experiment = experiment or self.spec.experiment
         self.parent = parent
         self.llm.experiment = self.tools.experiment = self.experiment
+        self.call_context = CallContext(chain=list(chain), experiment=self.experiment)
+        return run
+
+    def _start_background(self, start: Callable[[], Any], experiment: str) -> None:
+        """Start a run nobody waits for (a topic message, queued messages left over)."""
+        run = self._begin(experiment, "", ())
+        self.runs.start_soon(self._run, start, run, True)
+
+    def _after_run(self) -> None:
+        """Topic messages queued too late for the run that just ended: run them now."""
+        if not self._topic_queued or self.current is not None or self.agent.is_running:
+            return
+        if not self.agent.has_queued_messages():
+            self._topic_queued = False
+            return
+        log.info("%s: running topic messages queued after its last run", self.name)
+        self._start_background(self.agent.continue_, self.experiment)
+
+    def deliver_topic(self, message: ev.TopicMessage, mode: str, experiment: str) -> None:
+        """A topic message for this agent: a new run when idle, else queued per `mode`."""
+        text = topic_text(message)
+        if self.current is None and not self.agent.is_running:
+            self._start_background(lambda: self.agent.prompt(text), experiment)
+            return
+        if mode == "steer":
+            self.agent.steer(text)
+        else:
+            self.agent.follow_up(text)
+        self._topic_queued = True
+
+    async def _start_run(self, req: IncomingRequest, start: Callable[[], Any], experiment: str,
+                         parent: str, busy_text: str, chain: Sequence[str] = ()) -> bytes:
+        if self.agent.is_running or self.current is not None:
+            raise RemoteError(busy_text, BUSY)
+        run = self._begin(experiment, parent, chain)
         try:
             run_id = await self.runs.start(self._run, start, run)
         except AgentError as exc:
@@ -294,13 +353,17 @@ class HostedAgent:
 
     async def _prompt(self, req: IncomingRequest, command: cmd.Prompt) -> bytes:
         agent = self.agent
+        if command.call_chain:  # asked by another agent (agent as a tool)
+            problem = call_problem(command.call_chain, self.name)
+            if problem is not None:
+                raise RemoteError(problem[1], problem[0])
         if agent.is_running or self.current is not None:
             raise RemoteError(PROMPT_BUSY, BUSY)
         if command.new_session:
             self.new_session()
         value: Any = list(command.messages) if command.messages else command.text
         return await self._start_run(req, lambda: agent.prompt(value), command.experiment,
-                                     command.parent_run_id, PROMPT_BUSY)
+                                     command.parent_run_id, PROMPT_BUSY, command.call_chain)
 
     def new_session(self) -> str:
         """Start a fresh conversation (refused while running)."""
@@ -335,12 +398,14 @@ class Coordinator:
         self.agents = {spec.name: HostedAgent(spec, configs[spec.name], peer, self.executor,
                                               store, runs)
                        for spec in settings.agents}
+        self.topics = TopicRouter(peer, [(h, h.spec.subscribe) for h in self.agents.values()])
 
     async def register(self) -> None:
         for hosted in self.agents.values():
             await self.peer.serve(hosted.service, hosted.handle, capacity=AGENT_CAPACITY,
                                   meta={"agent": hosted.name, "model": hosted.spec.model,
-                                        "coordinator": self.settings.name})
+                                        "coordinator": self.settings.name,
+                                        "description": first_line(hosted.spec.system_prompt)})
         await self.peer.status()  # same connection, in order: the registrations are in place
 
     async def shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
@@ -388,6 +453,8 @@ async def run_coordinator(
                                curve=settings.curve) as peer:
                 async with anyio.create_task_group() as runs:
                     coordinator = Coordinator(settings, peer, store, runs, configs)
+                    if coordinator.topics.active:  # in place before anyone can prompt us
+                        await runs.start(coordinator.topics.run)
                     await coordinator.register()
                     ready = {"ready": "coordinator", "name": settings.name,
                              "agents": list(coordinator.agents), "pid": os.getpid(),

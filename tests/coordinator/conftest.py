@@ -117,6 +117,13 @@ class Stack:
             capture_output=True, text=True, timeout=20, check=True)
         return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
+    def watch_all(self, *args: str) -> list[dict[str, Any]]:
+        """`busctl watch --json --no-follow ARGS...` (e.g. `--type topic_message --since N`)."""
+        out = subprocess.run(
+            busctl("watch", "--hub", self.endpoint, "--json", "--no-follow", *args),
+            capture_output=True, text=True, timeout=20, check=True)
+        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
     def close(self) -> None:
         for name in reversed(list(self.procs)):
             self.stop(name)
@@ -124,10 +131,12 @@ class Stack:
 
 
 def start_stack(tmp: Path, *, gateway: bool = True, worker: bool = True,
-                coordinator: Sequence[str] | None = ("a", "s", "h")) -> Stack:
+                coordinator: Sequence[str] | None = ("a", "s", "h"),
+                agents: str = AGENTS_TOML) -> Stack:
+    """`agents`: the topology's `[[agents]]` tables (TOML text)."""
     srv = FakeLLMServer().start()
     topology = tmp / "topology.toml"
-    topology.write_text(topology_text(srv.base_url))
+    topology.write_text(topology_text(srv.base_url, agents))
     hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp / "hub"),
                       "--heartbeat-interval", HEARTBEAT))
     stack = Stack(tmp, "", srv, topology, {"hub": hub})
