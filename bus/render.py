@@ -26,6 +26,8 @@ def to_json_obj(header: Header, event: ev.Event) -> dict[str, Any]:
     }
     if header.experiment:
         obj["experiment"] = header.experiment
+    if header.parent:
+        obj["parent"] = header.parent  # the calling run, for a sub-agent's run
     if header.peer:
         obj["peer"] = header.peer
     payload.pop("type", None)

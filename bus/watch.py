@@ -25,9 +25,10 @@ class WatchFilter:
     experiments: set[str] = field(default_factory=set)
 
     def topics(self) -> list[str]:
-        """Hub-side prefixes: only agent filters map onto the topic (`agent/<name>/`)."""
+        """Hub-side prefixes: only agent filters map onto the topic (`agent/<name>/`, and
+        `ext/<name>/` for what the agent publishes, e.g. topic messages)."""
         if self.agents and not self.runs:
-            return [f"agent/{a}/" for a in sorted(self.agents)]
+            return [f"{family}/{a}/" for a in sorted(self.agents) for family in ("agent", "ext")]
         return []
 
     def accepts(self, header: p.Header, event: ev.Event) -> bool:
