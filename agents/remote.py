@@ -21,6 +21,7 @@ import anyio.from_thread
 import msgspec
 
 from agents import commands as cmd
+from agents.multiagent import publish_topic
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
@@ -140,6 +141,11 @@ class AgentBus:
                 tg.start_soon(one, index, agent, text)
         return [r for r in results if r is not None]
 
+    async def publish(self, topic: str, text: str, *, sender: str = "script",
+                      experiment: str = "") -> None:
+        """Send `text` to every agent subscribed to `topic` (and to the event stream)."""
+        await publish_topic(self.peer, topic, text, sender, experiment=experiment)
+
     async def steer(self, agent: str, text: str) -> None:
         await self._command(agent, cmd.Steer(text=text))
 
@@ -212,6 +218,9 @@ class BlockingBus:
 
     def abort(self, agent: str) -> None:
         self._portal.call(self._bus.abort, agent)
+
+    def publish(self, topic: str, text: str, **kwargs: Any) -> None:
+        self._portal.call(lambda: self._bus.publish(topic, text, **kwargs))
 
     def state(self, agent: str) -> cmd.AgentState:
         return self._portal.call(self._bus.state, agent)
