@@ -22,6 +22,8 @@ import msgspec
 
 from agents import commands as cmd
 from agents.multiagent import publish_topic
+from tools import Tool, tool
+from tools.worker import ToolWorker, WorkerSettings
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
@@ -145,6 +147,27 @@ class AgentBus:
                       experiment: str = "") -> None:
         """Send `text` to every agent subscribed to `topic` (and to the event stream)."""
         await publish_topic(self.peer, topic, text, sender, experiment=experiment)
+
+    @asynccontextmanager
+    async def serve_tools(self, *functions: Any, concurrency: int = 8, workspace: str = ".",
+                          allow_shell: bool = False) -> AsyncIterator[list[str]]:
+        """Serve these functions (plain, async or `@tool`) as tools on the hub from this script,
+        for as long as the block runs; yields the tool names.
+
+            async with bus.serve_tools(word_count, fetch_prices):
+                await bus.run("analyst", "...")
+        """
+        tools = [f if isinstance(f, Tool) else tool(f) for f in functions]
+        settings = WorkerSettings(hub=self.peer.hub, tool_modules=[], concurrency=concurrency,
+                                  workspace=workspace, allow_shell=allow_shell,
+                                  name=self.peer.name)
+        worker = ToolWorker(settings, tools)
+        await worker.attach(self.peer)
+        try:
+            yield [t.name for t in tools]
+        finally:
+            with anyio.CancelScope(shield=True):
+                await worker.leave()
 
     async def steer(self, agent: str, text: str) -> None:
         await self._command(agent, cmd.Steer(text=text))
