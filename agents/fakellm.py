@@ -26,12 +26,22 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
           | {"kind": "stream_error", "message": "..."}   # an error event inside a 200 stream
     RULE  = {"contains": ["word", ...],   # any of them in the last user text (case-insensitive); [] = any
              "tool_result": false,        # true: only right after tool results; null: either
+             "system": ["word", ...],     # any of them in the system prompt (case-insensitive); [] = any
+             "model": ["name", ...],      # the request's model is one of them; [] = any
+             "results_contain": ["w"],    # any of them in the trailing tool results; [] = any
+             "offers": ["tool", ...],     # every one of them is among the offered tools; [] = any
+             "delay": 0.0,                # seconds before the first byte (simulated latency)
              "reply": REPLY}
 
-In rule replies, `{last_user}` and `{tool_results}` in the text are filled in from the request, and
-tool calls the request does not offer are dropped (so demos loop sanely). `DEMO_SCRIPT` (from
-`agents/demo/fakellm_demo.json`) makes an agent call `list_dir`, `read_file` and `search_files` in
-parallel, then summarise the results; anything else is echoed.
+Every condition a rule gives must hold. `system` and `model` let one server drive several agents
+deterministically: give each agent its own system prompt (or model name) and key its rules on it.
+
+In rule replies, `{last_user}`, `{tool_results}` (one `- result` line each, cut to 200 characters),
+`{tool_results_full}` (the results in full, separated by blank lines) and `{tool_results_json}` (a
+JSON array of the results) are filled in from the request, in the text and in every string of the
+tool calls' arguments; tool calls the request does not offer are dropped (so demos loop sanely).
+`DEMO_SCRIPT` (from `agents/demo/fakellm_demo.json`) makes an agent call `list_dir`, `read_file`
+and `search_files` in parallel, then summarise the results.
 
 CLI: `python -m agents.fakellm --script FILE --port N` (default script: the demo).
 """
@@ -111,6 +121,11 @@ class Rule(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     reply: Reply
     contains: list[str] = msgspec.field(default_factory=list)
     tool_result: bool | None = False
+    system: list[str] = msgspec.field(default_factory=list)
+    model: list[str] = msgspec.field(default_factory=list)
+    results_contain: list[str] = msgspec.field(default_factory=list)
+    offers: list[str] = msgspec.field(default_factory=list)
+    delay: float = 0.0
 
 
 class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -159,6 +174,8 @@ class Conversation(msgspec.Struct):
     tool_results: list[str] = msgspec.field(default_factory=list)
     after_tool_result: bool = False
     offered_tools: list[str] = msgspec.field(default_factory=list)
+    system: str = ""
+    model: str = ""
 
 
 def read_conversation(api: str, body: dict[str, Any]) -> Conversation:
@@ -172,6 +189,12 @@ def read_conversation(api: str, body: dict[str, Any]) -> Conversation:
     else:
         conv = _anthropic_conversation(messages)
     conv.offered_tools = offered
+    conv.model = str(body.get("model") or "")
+    if api == "openai":
+        conv.system = "\n".join(_text_of(m.get("content")) for m in messages
+                                if isinstance(m, dict) and m.get("role") in ("system", "developer"))
+    else:
+        conv.system = _text_of(body.get("system"))
     return conv
 
 
@@ -229,27 +252,60 @@ def _anthropic_conversation(messages: list[dict[str, Any]]) -> Conversation:
 
 def choose_reply(script: Script, conv: Conversation) -> Reply:
     """The first matching rule's reply (filled in and fitted to the offered tools), else an echo."""
+    return choose_step(script, conv).reply or Reply()
+
+
+def choose_step(script: Script, conv: Conversation) -> Step:
+    """`choose_reply` as a step, carrying the matching rule's delay."""
     for rule in script.rules:
         if _matches(rule, conv):
             reply = _fill(rule.reply, conv)
             if reply.text or reply.tool_calls or reply.thinking:
-                return reply
-    return Reply(text=f"echo: {conv.last_user}")
+                return Step(reply=reply, delay=rule.delay)
+    return Step(reply=Reply(text=f"echo: {conv.last_user}"))
+
+
+def _any_in(words: list[str], text: str) -> bool:
+    text = text.lower()
+    return not words or any(word.lower() in text for word in words)
 
 
 def _matches(rule: Rule, conv: Conversation) -> bool:
     if rule.tool_result is not None and rule.tool_result != conv.after_tool_result:
         return False
-    text = conv.last_user.lower()
-    return not rule.contains or any(word.lower() in text for word in rule.contains)
+    if rule.model and conv.model not in rule.model:
+        return False
+    if rule.offers and not set(rule.offers) <= set(conv.offered_tools):
+        return False
+    return (_any_in(rule.contains, conv.last_user) and _any_in(rule.system, conv.system)
+            and _any_in(rule.results_contain, "\n".join(conv.tool_results)))
 
 
 def _fill(reply: Reply, conv: Conversation) -> Reply:
     results = "\n".join(f"- {r[:200].strip()}" for r in conv.tool_results) or "(no tool results)"
-    text = reply.text.replace("{last_user}", conv.last_user).replace("{tool_results}", results)
-    calls = [c for c in reply.tool_calls if c.name in conv.offered_tools]
+    values = {
+        "{last_user}": conv.last_user,
+        "{tool_results}": results,
+        "{tool_results_full}": "\n\n".join(r.strip() for r in conv.tool_results),
+        "{tool_results_json}": json.dumps(conv.tool_results),
+    }
+
+    def fill(value: Any) -> Any:
+        if isinstance(value, str):
+            for key, new in values.items():
+                if key in value:
+                    value = value.replace(key, new)
+            return value
+        if isinstance(value, dict):
+            return {k: fill(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return value
+
+    calls = [msgspec.structs.replace(c, arguments=fill(c.arguments))
+             for c in reply.tool_calls if c.name in conv.offered_tools]
     finish = reply.finish if reply.finish or calls else "stop"
-    return msgspec.structs.replace(reply, text=text, tool_calls=calls, finish=finish)
+    return msgspec.structs.replace(reply, text=fill(reply.text), tool_calls=calls, finish=finish)
 
 
 # --- wire formats --------------------------------------------------------------------------
@@ -754,7 +810,7 @@ class FakeLLMServer:
                 self._cursor += 1
                 return self.script.steps[self._cursor - 1]
         if self.script.rules or self.script.echo:
-            return Step(reply=choose_reply(self.script, read_conversation(api, body)))
+            return choose_step(self.script, read_conversation(api, body))
         return Step(fail=Fail(status=500, message="fake-llm script exhausted"))
 
     def _begin(self, path: str, headers: dict[str, str], body: Any) -> RecordedRequest:
