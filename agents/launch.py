@@ -85,8 +85,11 @@ def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[Chil
     """Gateways, workers and coordinators (started in parallel once the hub is up)."""
     specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint, topology_file)]
     for proc in topo.processes:
-        specs.append(ChildSpec(proc.name, proc.command, env=proc.env, restart=proc.restart,
-                               role="process"))
+        argv = proc.command
+        if argv and argv[0] == "busctl":  # this installation's busctl, whatever PATH says
+            argv = python_argv(*argv[1:])
+        env = {"BUSCTL_HUB": endpoint, **proc.env}
+        specs.append(ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process"))
     return specs
 
 

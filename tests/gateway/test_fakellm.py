@@ -121,3 +121,5 @@ def test_cli_serves_the_demo(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
