@@ -12,6 +12,7 @@ from typing import TextIO
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
 from agents import commands as cmd
 from agents.remote import AgentBus, Run, connect
@@ -101,7 +102,7 @@ async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool) -> 
             if not line:
                 break
             await _chat_line(bus, agent, line.strip(), running, view, tg)
-        tg.cancel_scope.cancel()
+        # End of input: let a run in progress finish (Ctrl-C still aborts it) before leaving.
 
 
 async def _chat_line(bus: AgentBus, agent: str, line: str, running: list[Run], view: RunView,
