@@ -39,6 +39,13 @@ def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         raise HubUnreachableExit(str(exc)) from None
     except BusError as exc:
         raise click.ClickException(str(exc)) from None
+    except BaseExceptionGroup as group:  # a bus error raised inside a task group
+        match, _ = group.split(BusError)
+        while isinstance(match, BaseExceptionGroup):
+            match = match.exceptions[0]
+        if match is None:
+            raise
+        raise click.ClickException(str(match)) from None
 
 
 def use_color(stream: Any = None) -> bool:
@@ -596,7 +603,11 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
     """
     from bus.watch import export_events
 
-    with click.open_file(output, "wb") as out:
+    try:
+        out_file = click.open_file(output, "wb")
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc.strerror}") from None
+    with out_file as out:
         totals = run_async(export_events, hub, curve, experiment, out, fmt)
     click.echo(msgspec.json.encode(totals).decode(), err=True)
 

@@ -51,8 +51,12 @@ class RunView:
 
 
 async def _follow(run: Run, view: RunView) -> cmd.RunResult:
-    async for envelope in run.events():
-        view.show(envelope)
+    async with anyio.create_task_group() as tg:
+        # The request ends the wait too: when the agent's process dies it fails (PeerLost)
+        # and no `agent_end` will come.
+        tg.start_soon(run.final_reply)
+        async for envelope in run.events():
+            view.show(envelope)
     return await run.result()
 
 

@@ -175,6 +175,10 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
         hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
         endpoint, events = hub.ready["endpoint"], hub.ready["events"]
+        # A restarted hub must come back where its peers reconnect: pin the bound addresses
+        # (`--hub tcp://127.0.0.1:0` would otherwise pick new ports on every restart).
+        topo.hub.endpoint, topo.hub.events = endpoint, events
+        hub.spec.argv = hub_argv(topo)
         if options.demo:
             fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0"),
                                              role="fake-llm"))

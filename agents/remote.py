@@ -45,6 +45,7 @@ class Run:
         self._replies = replies
         self._stack = exit_stack
         self._result: cmd.RunResult | None = None
+        self._final: bytes | None = None
         self._ended = False
 
     async def _started(self) -> None:
@@ -67,12 +68,20 @@ class Run:
     async def result(self) -> cmd.RunResult:
         """Wait for the run to end; the final text, stop reason, usage and error."""
         if self._result is None:
-            body = b""
-            async for body in self._replies:
-                pass
+            body = await self.final_reply()
             self._result = msgspec.msgpack.decode(body, type=cmd.RunResult)
             await self.close()
         return self._result
+
+    async def final_reply(self) -> bytes:
+        """The request's final reply body; raises its error (e.g. PeerLost when the agent's
+        coordinator died: then no `agent_end` will ever come)."""
+        if self._final is None:
+            body = b""
+            async for body in self._replies:
+                pass
+            self._final = body
+        return self._final
 
     async def abort(self) -> None:
         await self.bus.abort(self.agent)

@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import random
+import socket
 import time
 import weakref
 from collections import deque
@@ -45,7 +46,7 @@ log = logging.getLogger("bus.client")
 
 DEFAULT_HUB = "tcp://127.0.0.1:7400"
 HUB_ENV = "BUSCTL_HUB"
-CONNECT_TIMEOUT = 5.0
+CONNECT_TIMEOUT = 4.0  # a welcome takes milliseconds; CLI commands must fail within 5 s
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
 HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
@@ -259,6 +260,7 @@ class Peer:
         self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tg: anyio.abc.TaskGroup | None = None
         self.counters: dict[str, int] = {}
+        self._ever_connected = False
 
     @property
     def peer_id(self) -> str:
@@ -277,6 +279,12 @@ class Peer:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Peer:
+        refused = self._check_endpoint()
+        if refused:
+            self.ctx.term()
+            raise HubUnreachable(
+                f"cannot reach the hub at {self.hub}: {refused} (is `busctl up` or "
+                f"`busctl hub` running there? set --hub or {HUB_ENV})")
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         self._tg.start_soon(self._connection_loop)
@@ -296,6 +304,39 @@ class Peer:
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose()
+
+    def _check_endpoint(self) -> str:
+        """Fail fast on a malformed address (raises) or a hub that is plainly not there (returns
+        why: nothing listens on the TCP port, or no ipc socket file), instead of retrying for
+        the whole connect timeout. Anything less clear-cut is left to the ZeroMQ connection."""
+        # (No probe socket on self.ctx: creating one there upsets the fd-driven reader of the
+        # SUB sockets made later — seen as a subscriber stalling under load.)
+        scheme, sep, rest = self.hub.partition("://")
+        ok = sep and rest and scheme in ("tcp", "ipc", "inproc", "ws", "wss", "tipc", "vmci")
+        if ok and scheme == "tcp":
+            port = rest.rpartition(":")[2]
+            ok = ":" in rest and port.isdigit() and 0 < int(port) < 65536
+        if not ok:
+            self.ctx.term()
+            raise HubUnreachable(f"bad hub address {self.hub!r} (use tcp://HOST:PORT or ipc://PATH)")
+        if self.hub.startswith("ipc://"):
+            path = self.hub[6:]
+            if path and not path.startswith("@") and not os.path.exists(path):
+                return f"no socket file at {path}"
+            return ""
+        if self.hub.startswith("tcp://"):
+            host, _, port = self.hub[6:].rpartition(":")
+            host = host.strip("[]")
+            if ";" in host:
+                return ""  # a source address: let ZeroMQ handle it
+            try:
+                with socket.create_connection((host, int(port)), timeout=1.0):
+                    pass
+            except ConnectionRefusedError:
+                return "connection refused"
+            except OSError:
+                return ""
+        return ""
 
     async def aclose(self) -> None:
         if self._closing:
@@ -406,8 +447,9 @@ class Peer:
             else:
                 interval, expiry = 1.0, 3.0
             if now - self._last_heard > expiry:
-                log.warning("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
-                            self.hub, expiry)
+                say = log.warning if self._ever_connected else log.debug  # first connect: quiet
+                say("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
+                    self.hub, expiry)
                 self._lost.set()
                 continue
             if self._is_connected and now >= next_beat:
@@ -508,6 +550,7 @@ class Peer:
                       p.encode(p.Register([s.spec for s in self._services.values()]))]
             if not self._send_now(frames):
                 log.warning("%s: could not re-register (send queue full)", self.name)
+        self._ever_connected = True
         if not self._is_connected:
             self._set_connected(True)
 

@@ -37,6 +37,7 @@ DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still 
 TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
 PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
 PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
+DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
 
 # pyzmq's `send_multipart` costs ~3 us per message in Python-level flag (enum) handling; the
 # backend's `send` with plain int flags costs ~0.2 us per frame. Received frames are copied into
@@ -182,6 +183,10 @@ class Hub:
         self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._probe_until = 0.0
         self._reconnect_header = p.encode(p.Header(kind=p.RECONNECT))
+        # Peers dropped because their connection closed, by routing id (never reused): what they
+        # sent before closing may still be queued in the ROUTER behind the hub's backlog, and
+        # their events must still be logged. Forgotten after DEPARTED_KEEP seconds.
+        self._departed: dict[bytes, tuple[float, PeerState]] = {}
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -305,7 +310,14 @@ class Hub:
             return self._reject("unknown_kind", ident, f"kind {header.kind[:32]!r}")
         peer = self.peers.get(ident)
         if peer is None and header.kind != p.HELLO:
+            departed = self._departed.get(ident)
+            if departed is not None and self._on_departed(ident, departed[1], header, frames):
+                return None
             self.counters.bump("unknown_peer")
+            if header.kind in (p.REPLY, p.ERROR, p.PARTIAL):
+                # e.g. a peer that hung past its liveness window, answering once continued:
+                # its requests were failed or re-dispatched, so this answer goes nowhere
+                self.counters.bump("stale_replies")
             if header.kind == p.REQUEST:
                 self._send_error(ident, header.id, p.HUB_LOST, "hub does not know this peer; say hello")
             self._send([ident, p.SIGNATURE, self._reconnect_header])
@@ -318,6 +330,25 @@ class Hub:
             peer.last_seen = time.monotonic()
         handler(self, ident, peer, header, frames)
         return None
+
+    def _on_departed(self, ident: bytes, peer: PeerState, header: p.Header,
+                     frames: list[bytes]) -> bool:
+        """A message a peer sent before its connection closed, read after the hub dropped it.
+        Events are logged as usual; its bye and heartbeats are moot; a late reply is stale."""
+        kind = header.kind
+        if kind == p.EVENT:
+            self.counters.bump("late_events")
+            self._on_event(ident, peer, header, frames)
+            return True
+        if kind == p.BYE:
+            self._departed.pop(ident, None)
+            return True
+        if kind == p.HEARTBEAT:
+            return True
+        if kind in (p.REPLY, p.ERROR, p.PARTIAL):
+            self.counters.bump("stale_replies")
+            return True
+        return False
 
     def _reject(self, counter: str, ident: bytes, why: str, exc_info: bool = False) -> None:
         n = self.counters.bump(counter)
@@ -577,11 +608,15 @@ class Hub:
                 peer = self.peers.get(ident)
                 if peer is not None:
                     self.counters.bump("peers_disconnected")
+                    self._departed[ident] = (time.monotonic() + DEPARTED_KEEP, peer)
                     self._drop_peer(peer, "connection closed")
 
     def _expire_peers(self, now: float) -> None:
         """Drop peers silent for `liveness` heartbeat intervals (checked every tick, so a dead
         peer is noticed at most one tick after its expiry)."""
+        if self._departed:
+            for ident in [i for i, (until, _) in self._departed.items() if until <= now]:
+                del self._departed[ident]
         expiry = self.config.heartbeat_interval * self.config.liveness
         for peer in [p_ for p_ in self.peers.values() if now - p_.last_seen > expiry]:
             self.counters.bump("peers_expired")

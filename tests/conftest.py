@@ -1,11 +1,24 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import Proc, py
+
+
+def _slow_selected(config: pytest.Config) -> bool:
+    return "slow" in (config.getoption("-m") or "") or os.environ.get("AGENT_BUS_SLOW") == "1"
+
+
+@pytest.fixture(autouse=True)
+def _skip_slow_unless_selected(request: pytest.FixtureRequest) -> None:
+    """Full-size soak/load tests (`@pytest.mark.slow`) run only with `-m slow` or
+    AGENT_BUS_SLOW=1; CI runs their short versions."""
+    if request.node.get_closest_marker("slow") and not _slow_selected(request.config):
+        pytest.skip("slow: run with `pytest -m slow` (or AGENT_BUS_SLOW=1)")
 
 
 @pytest.fixture
