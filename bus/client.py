@@ -496,7 +496,8 @@ class Peer:
                 handled += 1
                 try:
                     dispatch(frames)
-                except (msgspec.DecodeError, msgspec.ValidationError, IndexError) as exc:
+                except (msgspec.DecodeError, msgspec.ValidationError, IndexError,
+                        RecursionError) as exc:
                     self._count("malformed")
                     log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
                 except Exception:  # a bug must not stop the reader

@@ -283,8 +283,9 @@ class Hub:
                 return
             try:
                 handle(frames)
-            except (msgspec.DecodeError, msgspec.ValidationError, IndexError, UnicodeDecodeError) as exc:
-                self._reject("malformed", frames[0], f"bad body: {exc}")
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError, UnicodeDecodeError,
+                    RecursionError) as exc:
+                self._reject("malformed", frames[0], f"bad body: {type(exc).__name__}: {exc}"[:300])
             except Exception:  # a bug must not take the hub down; it is counted and logged
                 self._reject("internal_errors", frames[0], "handler failed", exc_info=True)
 
@@ -303,8 +304,8 @@ class Hub:
             return self._reject("oversize", ident, f"{size} bytes")
         try:
             header = p.decode_header(frames[2])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return self._reject("malformed", ident, f"bad header: {exc}")
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+            return self._reject("malformed", ident, f"bad header: {type(exc).__name__}: {exc}"[:300])
         handler = self._handlers.get(header.kind)
         if handler is None:
             return self._reject("unknown_kind", ident, f"kind {header.kind[:32]!r}")
@@ -418,6 +419,10 @@ class Hub:
             return
         if header.service.startswith("hub."):
             self._serve_builtin(ident, header, frames)
+            return
+        if header.deadline != header.deadline:  # NaN would sit in the deadline heap forever
+            self._reject("bad_request", ident, "deadline is NaN")
+            self._send_error(ident, header.id, p.BAD_REQUEST, "`deadline` is not a number")
             return
         deadline = math.inf
         if header.deadline:
@@ -728,7 +733,13 @@ class Hub:
             body = p.encode(self.status())
         elif header.service == p.HUB_REPLAY:
             self._flush_events()
-            request = p.decode(frames[3], p.ReplayRequest) if len(frames) > 3 else p.ReplayRequest()
+            try:
+                request = (p.decode(frames[3], p.ReplayRequest) if len(frames) > 3
+                           else p.ReplayRequest())
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+                self.counters.bump("malformed")
+                self._send_error(ident, header.id, p.BAD_REQUEST, f"bad ReplayRequest: {exc}")
+                return
             body = p.encode(self.replay(request))
         else:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
@@ -737,7 +748,7 @@ class Hub:
 
     def replay(self, request: p.ReplayRequest) -> p.ReplayBatch:
         limit = max(1, min(request.limit, 10_000))
-        rows = self.log.read(max(0, request.since), limit)
+        rows = self.log.read(min(max(0, request.since), self.seq), limit)
         prefixes = [t.encode() for t in request.topics]
         events: list[tuple[bytes, bytes]] = []
         for _, header_bytes, body in rows:
