@@ -33,6 +33,7 @@ from bus.security import CurveServer, curve_peer_id, peer_user_id, private_ipc
 
 log = logging.getLogger("bus.hub")
 
+SUBSCRIBE_BEAT_GAP = 0.002  # seconds: new subscriptions are answered after this (coalesced)
 DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still runs under load
 TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
 PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
@@ -169,7 +170,10 @@ class Hub:
         self._auth = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
         self.router = self.ctx.socket(zmq.ROUTER)
-        self.pub = self.ctx.socket(zmq.PUB)
+        # XPUB: subscriptions reach the hub, which answers each new one with an event-socket
+        # heartbeat at once, so a subscriber knows within milliseconds that it is in place.
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self._subscribed_at = math.inf  # when a not-yet-answered subscription arrived
         self._configure_sockets()
         self.endpoint = self._bind(self.router, config.endpoint)
         self.events_endpoint = self._bind(
@@ -205,6 +209,7 @@ class Hub:
         self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + 65536)
         self.pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
         self.pub.setsockopt(zmq.MAXMSGSIZE, 65536)  # subscribers only send subscriptions
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass up every subscribe, also repeated ones
 
     def _bind(self, sock: zmq.Socket[Any], endpoint: str) -> str:
         with private_ipc(endpoint):  # ipc: 0700 parent dir when created, 0600 socket file
@@ -217,13 +222,15 @@ class Hub:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self.pub, zmq.POLLIN)
         interval = self.config.heartbeat_interval
         next_beat = time.monotonic() + interval
         next_tick = time.monotonic() + TICK
         next_probe = math.inf
         while not self._stopping:
             now = time.monotonic()
-            timeout = max(0.0, min(next_beat, next_tick, next_probe) - now)
+            next_sub_beat = self._subscribed_at + SUBSCRIBE_BEAT_GAP
+            timeout = max(0.0, min(next_beat, next_tick, next_probe, next_sub_beat) - now)
             try:
                 ready = dict(poller.poll(timeout * 1000))
             except zmq.ZMQError as exc:
@@ -232,6 +239,8 @@ class Hub:
                 raise
             if self.router in ready:
                 self._drain()
+            if self.pub in ready:
+                self._drain_subscriptions()
             if self._monitor in ready and self._drain_monitor():
                 self._probe_until = time.monotonic() + PROBE_FOR
                 next_probe = min(next_probe, time.monotonic() + 0.001)
@@ -247,6 +256,8 @@ class Hub:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + interval
+            elif now >= self._subscribed_at + SUBSCRIBE_BEAT_GAP:
+                self._publish_heartbeat()
             self._flush_events()
 
     def stop(self) -> None:
@@ -631,11 +642,29 @@ class Hub:
         self._expire_peers(now)
         for ident in list(self.peers):
             self._send([ident, p.SIGNATURE, self._hb_header])
+        self._publish_heartbeat()
+
+    def _publish_heartbeat(self) -> None:
         # Everything stamped so far is published before the heartbeat that announces its seq,
         # so a subscriber never takes an event still in the batch for a lost one.
         self._flush_events()
+        self._subscribed_at = math.inf
         hb = p.Header(kind=p.HEARTBEAT, seq=self.seq, ts=time.time())
-        _send_frames(self.pub, [p.HEARTBEAT_TOPIC, p.SIGNATURE, p.encode(hb)])
+        try:
+            _send_frames(self.pub, [p.HEARTBEAT_TOPIC, p.SIGNATURE, p.encode(hb)])
+        except zmq.Again:
+            self.counters.bump("publish_dropped_hwm")
+
+    def _drain_subscriptions(self) -> None:
+        """Note new subscriptions (answered by a heartbeat, at most one per SUBSCRIBE_BEAT_GAP,
+        so a subscriber cannot make the hub flood the stream). Anything else is ignored."""
+        for _ in range(DRAIN_LIMIT):
+            try:
+                message = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01" and self._subscribed_at == math.inf:
+                self._subscribed_at = time.monotonic()
 
     def _remove_slot(self, peer: PeerState, name: str, reason: str) -> None:
         peer.services.discard(name)
