@@ -312,7 +312,8 @@ class Hub:
             return self._reject(reason, ident, f"signature {signature[:16]!r}")
         size = sum(map(len, frames))
         if size > self.config.max_message_bytes:
-            return self._reject("oversize", ident, f"{size} bytes")
+            self._reject("oversize", ident, f"{size} bytes")
+            return self._refuse_oversize(ident, frames[2], size)
         try:
             header = p.decode_header(frames[2])
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
@@ -361,6 +362,17 @@ class Hub:
             self.counters.bump("stale_replies")
             return True
         return False
+
+    def _refuse_oversize(self, ident: bytes, header_frame: bytes, size: int) -> None:
+        """An oversized request gets an error reply, so its sender does not wait it out."""
+        try:
+            header = p.decode_header(header_frame)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return
+        if header.kind == p.REQUEST and header.id and ident in self.peers:
+            self._send_error(ident, header.id, p.BAD_REQUEST,
+                             f"message of {size} bytes is over the hub's limit of "
+                             f"{self.config.max_message_bytes} (`max_message_bytes`)")
 
     def _reject(self, counter: str, ident: bytes, why: str, exc_info: bool = False) -> None:
         n = self.counters.bump(counter)
