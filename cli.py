@@ -144,6 +144,10 @@ def hub(endpoint: str, events: str, state_dir: str, heartbeat_interval: float, l
 
 def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
               insecure: bool, events: str = "") -> CurveServer | None:
+    for flag, address in (("--hub", endpoint), ("--events", events)):
+        if address and not address.startswith(("tcp://", "ipc://")):
+            raise click.BadParameter(f"{address!r} is not a tcp://HOST:PORT or ipc://PATH address",
+                                     param_hint=flag)
     if bool(secret) != bool(authorized):
         raise click.UsageError("--curve-secret and --curve-authorized go together")
     if secret and authorized:
