@@ -189,3 +189,18 @@ def test_run_ctrl_c_aborts_the_run_and_exits_130(up_default: Topology) -> None:
             assert end["stop_reason"] == "aborted"
         again = cli("run", "--hub", topo.endpoint, "hello again")
         assert again.returncode == 0 and "echo: hello again" in again.stdout
+
+
+def test_up_without_a_model_is_healthy_and_run_says_how_to_configure(tmp_path: Path) -> None:
+    no_keys = {"OPENAI_API_KEY": "", "OPENAI_BASE_URL": "", "ANTHROPIC_API_KEY": "",
+               "ANTHROPIC_BASE_URL": ""}
+    proc, ready = start_up(tmp_path, env=no_keys)
+    try:
+        proc.wait_line(lambda s: "no model is configured" in s, 5)
+        started = time.monotonic()
+        result = cli("run", "--hub", ready["endpoint"], "hello")
+        assert time.monotonic() - started < 5
+        assert result.returncode == 1
+        assert "OPENAI_API_KEY" in result.stdout + result.stderr
+    finally:
+        proc.stop(timeout=8)
