@@ -12,6 +12,9 @@ from pathlib import Path
 
 Row = tuple[int, float, str, str, str, str, bytes, bytes]
 
+PAGE_SIZE = 16384  # for a new log file
+CHECKPOINT_BYTES = 32 * 1024 * 1024  # WAL size that triggers an automatic checkpoint
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY,
@@ -36,8 +39,15 @@ class EventLog:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+        # Throughput (measured ~10% per row): 16 kB pages in a new log (a no-op on an existing
+        # one), and a checkpoint (which fsyncs) every ~32 MB of WAL rather than every 1000 pages;
+        # the WAL file is truncated back to 64 MB after a checkpoint if it grew past that.
+        self._db.execute(f"PRAGMA page_size={PAGE_SIZE}")
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        page_size = int(self._db.execute("PRAGMA page_size").fetchone()[0])
+        self._db.execute(f"PRAGMA wal_autocheckpoint={max(1000, CHECKPOINT_BYTES // page_size)}")
+        self._db.execute(f"PRAGMA journal_size_limit={2 * CHECKPOINT_BYTES}")
         self._db.executescript(_SCHEMA)
 
     def last_seq(self) -> int:

@@ -50,6 +50,12 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_THRESHOLD = 65536
 
+# Per-event hot path: the codec methods bound once (same output as `p.encode`/`p.decode_header`).
+_decode_header = msgspec.msgpack.Decoder(p.Header).decode
+_encode = msgspec.msgpack.Encoder().encode
+_time = time.time
+_TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
+
 
 def _recv_frames(sock: zmq.Socket[Any], flags: int = _NOBLOCK) -> list[Any]:
     """Receive one multipart message (zmq.Again when there is none, with NOBLOCK): small frames
@@ -160,8 +166,9 @@ class Hub:
         self.requests: dict[str, Pending] = {}
         self.deadlines: list[tuple[float, str]] = []
         self.counters = Counters()
-        self._batch: list[tuple[bytes, bytes, bytes]] = []  # (topic, header, body)
-        self._rows: list[Row] = []
+        self._topics: list[bytes] = []  # the batch's topics, in step with _rows
+        self._rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
+        self._topic_cache: dict[tuple[str, str, str], bytes] = {}
         self._stopping = False
         state = Path(config.state_dir) if config.state_dir else None
         self.log = EventLog(state / "events.db" if state else None)
@@ -315,7 +322,7 @@ class Hub:
             self._reject("oversize", ident, f"{size} bytes")
             return self._refuse_oversize(ident, frames[2], size)
         try:
-            header = p.decode_header(frames[2])
+            header = _decode_header(frames[2])
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             return self._reject("malformed", ident, f"bad header: {type(exc).__name__}: {exc}"[:300])
         handler = self._handlers.get(header.kind)
@@ -491,9 +498,21 @@ class Hub:
         if len(frames) != 4 or not header.type:
             self._reject("malformed", ident, "event needs a type and exactly one body frame")
             return
-        header.peer = peer.id
         body = frames[3]
-        self._stamp(header, body if isinstance(body, bytes) else body.bytes)
+        if not isinstance(body, bytes):
+            body = body.bytes
+        # _stamp, inlined: this is the per-event hot path
+        header.peer = peer.id
+        self.seq = seq = self.seq + 1
+        header.seq = seq
+        header.ts = ts = _time()
+        header_bytes = _encode(header)
+        type_, agent, run = header.type, header.agent, header.run
+        topic = self._topic_cache.get((type_, agent, run))
+        if topic is None:
+            topic = self._topic(type_, agent, run)
+        self._topics.append(topic)
+        self._rows.append((seq, ts, type_, agent, run, header.experiment, header_bytes, body))
 
     def _on_heartbeat(self, ident: bytes, peer: PeerState, header: p.Header,
                       frames: list[bytes]) -> None:
@@ -735,15 +754,26 @@ class Hub:
     # --- events --------------------------------------------------------------------------
 
     def _stamp(self, header: p.Header, body: bytes) -> None:
-        self.seq += 1
-        header.seq = self.seq
-        header.ts = time.time()
-        header_bytes = p.encode(header)
-        topic = p.event_topic(ev.event_family(header.type), header.agent, header.run, header.type)
-        self._batch.append((topic, header_bytes, body))
-        self._rows.append((self.seq, header.ts, header.type, header.agent, header.run,
-                           header.experiment, header_bytes, body))
-        self.counters.bump("events")
+        """Stamp seq/ts and add the event to the pass's batch (counted in `events` at flush).
+        `_on_event` has its own inlined copy: keep the two in step."""
+        self.seq = seq = self.seq + 1
+        header.seq = seq
+        header.ts = ts = _time()
+        header_bytes = _encode(header)
+        type_, agent, run = header.type, header.agent, header.run
+        topic = self._topic_cache.get((type_, agent, run))
+        if topic is None:
+            topic = self._topic(type_, agent, run)
+        self._topics.append(topic)
+        self._rows.append((seq, ts, type_, agent, run, header.experiment, header_bytes, body))
+
+    def _topic(self, type_: str, agent: str, run: str) -> bytes:
+        cache = self._topic_cache
+        if len(cache) >= _TOPIC_CACHE_MAX:
+            cache.clear()
+        topic = cache[(type_, agent, run)] = p.event_topic(ev.event_family(type_), agent, run,
+                                                           type_)
+        return topic
 
     def _emit(self, event: ev.Event) -> None:
         header = p.Header(kind=p.EVENT, id=p.new_id(), type=ev.event_type(event), peer="hub",
@@ -751,21 +781,28 @@ class Hub:
         self._stamp(header, ev.encode_event(event))
 
     def _flush_events(self) -> None:
-        if not self._batch:
+        rows = self._rows
+        if not rows:
             return
-        self.log.append(self._rows)  # durable before anyone can see it
+        self.log.append(rows)  # durable before anyone can see it
+        topics = self._topics
+        self._rows = []
+        self._topics = []
+        self.counters.bump("events", len(rows))
         pub = self.pub
         sig = p.SIGNATURE
-        for topic, header, body in self._batch:
+        dropped = 0
+        for topic, row in zip(topics, rows):
+            body = row[7]
             try:  # PUB never blocks: a subscriber at its HWM just misses the message
                 _bsend(pub, topic, _MORE_NOBLOCK)
                 _bsend(pub, sig, _MORE_NOBLOCK)
-                _bsend(pub, header, _MORE_NOBLOCK)
+                _bsend(pub, row[6], _MORE_NOBLOCK)
                 _bsend(pub, body, _NOBLOCK, len(body) < _COPY_THRESHOLD)
             except zmq.Again:
-                self.counters.bump("publish_dropped_hwm")
-        self._batch = []
-        self._rows = []
+                dropped += 1
+        if dropped:
+            self.counters.bump("publish_dropped_hwm", dropped)
 
     # --- built-in services ---------------------------------------------------------------
 
@@ -821,6 +858,8 @@ class Hub:
             for s in sorted(self.services.values(), key=lambda s: s.name)
         ]
         counters = dict(self.counters)
+        if self._rows:  # stamped this pass, not yet flushed
+            counters["events"] = counters.get("events", 0) + len(self._rows)
         if self._auth is not None:
             counters.update(self._auth.counters())  # auth_refused: refused CURVE handshakes
         return p.Status(self.session, self.endpoint, self.events_endpoint,
