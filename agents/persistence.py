@@ -20,6 +20,7 @@ refs in a restored conversation stay readable.
 
 from __future__ import annotations
 
+import operator
 import sqlite3
 import time
 import uuid
@@ -190,7 +191,8 @@ class ConversationRecorder:
         """Make the stored session equal `messages`: append the new tail, or rewrite it all."""
         stored = self._persisted
         n = len(stored)
-        if len(messages) >= n and all(messages[i] is stored[i] for i in range(n)):
+        # A C-level identity scan of the stored prefix (the history is usually just longer).
+        if len(messages) >= n and all(map(operator.is_, messages, stored)):
             if len(messages) > n:
                 tail = list(messages[n:])
                 self.store.append(self.agent, self.session, n, tail)

@@ -12,6 +12,12 @@ the high-water mark is reached, in which case the sender waits for the socket to
 The zmq fd is edge-triggered: any send or `EVENTS` read may consume the edge, so after sending we
 check `EVENTS` and schedule a drain ourselves when input is waiting. This needs anyio's asyncio
 backend (pyzmq has no trio support).
+
+Published events are held until the end of the current event-loop iteration and then sent back
+to back (`_hold`): on an idle socket every send wakes ZeroMQ's I/O thread (and then the hub),
+which costs far more than the send itself, so a burst of events (a streamed reply's deltas, a
+turn's lifecycle events) is cheaper sent together. Every other send flushes them first, so this
+peer's messages keep their order; `publish` still waits for the connection and the HWM as before.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ CONNECT_TIMEOUT = 4.0  # a welcome takes milliseconds; CLI commands must fail wi
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
 HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
+HOLD_MAX = 1024  # published events held for the end of the loop iteration at most
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
 
@@ -244,6 +251,10 @@ class Peer:
         self._sock: zmq.Socket[Any] | None = None
         self._fdw: _FdWaiter | None = None
         self._drain_scheduled = False
+        # Published events held until the end of the current event-loop iteration (see
+        # `publish_raw`): always sent, in order, before anything else this peer sends.
+        self._held: list[list[Any]] = []
+        self._flush_scheduled = False
         self._writable: list[asyncio.Future[None]] = []
         self._is_connected = False
         self._state_changed = anyio.Event()  # set (and replaced) on every connect/disconnect
@@ -345,6 +356,7 @@ class Peer:
         bye_sent = False
         if self._sock is not None and self._is_connected:
             try:
+                self._flush_held()
                 self._sock.send_multipart([_SIG, p.encode(p.Header(kind=p.BYE))], _NOBLOCK)
                 bye_sent = True
             except zmq.ZMQError:
@@ -415,6 +427,9 @@ class Peer:
     def _close_socket(self, linger: int) -> None:
         sock, fdw = self._sock, self._fdw
         self._sock = self._fdw = None
+        if self._held:  # like messages still queued in the closed socket: lost
+            self.counters["held_lost"] = self.counters.get("held_lost", 0) + len(self._held)
+            self._held.clear()
         if fdw is not None:
             try:
                 fdw.loop.remove_reader(fdw.fd)
@@ -452,6 +467,8 @@ class Peer:
                     self.hub, expiry)
                 self._lost.set()
                 continue
+            if self._held and not self._flush_scheduled:
+                self._flush_soon()  # events held back by the HWM
             if self._is_connected and now >= next_beat:
                 next_beat = now + interval
                 try:
@@ -507,6 +524,8 @@ class Peer:
                 self._schedule_drain()
             if handled:
                 self._last_heard = time.monotonic()
+            if self._held and not self._flush_scheduled:
+                self._flush_held()
             if self._writable and _bget(sock, _EVENTS) & _POLLOUT:
                 for waiter in self._writable:
                     if not waiter.done():
@@ -566,15 +585,71 @@ class Peer:
     # --- sending -------------------------------------------------------------------------
 
     def _send_now(self, frames: list[Any]) -> bool:
-        """Send a whole message (signature included) without blocking; False at the HWM."""
+        """Send a whole message (signature included) without blocking; False at the HWM.
+
+        Held events go first (order is kept); while some are still held, nothing is sent."""
         sock = self._sock
         if sock is None:
             raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
+        if self._held and not self._flush_held():
+            return False
         try:
             _send_frames(sock, frames)
         except zmq.Again:
             return False
         # The send may have consumed the fd's edge for input that arrived meanwhile.
+        if not self._drain_scheduled and _bget(sock, _EVENTS) & _POLLIN:
+            self._schedule_drain()
+        return True
+
+    def _hold(self, message: list[Any]) -> bool:
+        """Queue an event for the end of this event-loop iteration (False: send it now).
+
+        Everything held meanwhile then goes out back to back: a burst (a streamed reply's
+        deltas parsed from one read, a turn's lifecycle events) costs one wake-up of ZeroMQ's
+        I/O thread and of the hub instead of one per event, an isolated send being the costly
+        kind. Any direct send flushes the held events first, so order is kept. (Requests and
+        replies are not held: sending them at once lets the other side start sooner.)
+        """
+        if self._is_connected and self._sock is not None and len(self._held) < HOLD_MAX:
+            self._held.append(message)
+            self._schedule_flush()
+            return True
+        return False
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and self._fdw is not None:
+            self._flush_scheduled = True
+            self._fdw.loop.call_soon(self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_scheduled = False
+        try:
+            self._flush_held()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ENOTSOCK:
+                log.warning("%s: socket error: %s", self.name, exc)
+
+    def _flush_held(self) -> bool:
+        """Send the held events, in order; False when the HWM stopped it (the rest stay held
+        and go out when the socket is writable again, before anything else)."""
+        held = self._held
+        sock = self._sock
+        if sock is None:
+            held.clear()
+            return True
+        sent = 0
+        try:
+            for message in held:
+                _send_frames(sock, message)
+                sent += 1
+        except zmq.Again:
+            del held[:sent]
+            return False
+        except BaseException:
+            del held[:sent]
+            raise
+        held.clear()
         if not self._drain_scheduled and _bget(sock, _EVENTS) & _POLLIN:
             self._schedule_drain()
         return True
@@ -752,7 +827,15 @@ class Peer:
         header = p.Header(kind=p.EVENT, id=f"{self.session}{next(self._ids):x}", type=type_,
                           agent=agent, run=run, experiment=experiment, parent=parent,
                           session=self.session)
-        await self._send([p.encode(header), body])
+        message = [_SIG, p.encode(header), body]
+        if not self._hold(message):
+            if not self._is_connected:
+                await self._connection(float("inf"))
+            if not self._send_now(message):
+                await self._send_blocked(message, float("inf"))
+        self._sends += 1
+        if self._sends % YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
 
     def subscribe(self, topics: list[str] | tuple[str, ...] = (), *, since: int | None = None,
                   fill_gaps: bool = True) -> Subscription:

@@ -13,12 +13,13 @@ dropped). A timeout is not a cancellation of the caller: it returns the error re
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 from collections.abc import Awaitable
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import anyio.to_thread
 
 from bus.messages import ToolCallRequest, ToolResult, error_result
@@ -56,7 +57,9 @@ async def run_tool(
     if t.context_param is not None:
         kwargs[t.context_param] = ctx
     try:
-        with anyio.move_on_after(t.timeout if t.timeout is not None else float("inf")):
+        if t.timeout is None:  # no timeout: no cancel scope to enter and leave
+            return await _execute(t, kwargs, ctx, limiter)
+        with anyio.move_on_after(t.timeout):
             return await _execute(t, kwargs, ctx, limiter)
     finally:
         ctx._close()
@@ -119,22 +122,36 @@ async def _run_in_thread(
 ) -> ToolResult:
     """Run in a worker thread; on cancellation flag `ctx`, allow CANCEL_GRACE, then abandon it."""
     finished = anyio.Event()
+    loop = asyncio.get_running_loop()
+    lock = threading.Lock()
+    state = {"done": False, "waiting": False}
 
     def target() -> Any:
         try:
             return t.fn(**kwargs)
         finally:
-            try:
-                anyio.from_thread.run_sync(finished.set)
-            except RuntimeError:  # the event loop is gone (an abandoned thread outliving it)
-                pass
+            # The loop is told only when a cancellation waits for this thread: no round trip
+            # through the event loop (`anyio.from_thread.run_sync` blocked this thread on one)
+            # and no extra wake-up of the loop on the normal path.
+            with lock:
+                state["done"] = True
+                waiting = state["waiting"]
+            if waiting:
+                try:
+                    loop.call_soon_threadsafe(finished.set)
+                except RuntimeError:  # the event loop is gone (an abandoned thread outliving it)
+                    pass
 
     try:
         return await _settle(anyio.to_thread.run_sync(target, limiter=limiter, abandon_on_cancel=True))
     except anyio.get_cancelled_exc_class():
         ctx._cancel()
-        with anyio.move_on_after(CANCEL_GRACE, shield=True):
-            await finished.wait()
+        with lock:
+            state["waiting"] = True
+            done = state["done"]
+        if not done:
+            with anyio.move_on_after(CANCEL_GRACE, shield=True):
+                await finished.wait()
         raise
 
 

@@ -74,6 +74,8 @@ class BusToolExecutor:
         return sorted((await self._tools()).values(), key=lambda t: t.name)
 
     async def _tools(self, *, refresh: bool = False) -> dict[str, ToolInfo]:
+        if not refresh and time.monotonic() - self._fetched < self.catalog_ttl:
+            return self._catalog  # fresh: no lock (taking it yields to the loop once per call)
         async with self._lock:
             fresh = time.monotonic() - self._fetched < self.catalog_ttl
             if fresh and not refresh:

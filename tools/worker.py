@@ -205,11 +205,17 @@ class ToolWorker:
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         try:
             with scope:
-                async with self._slots:
+                try:  # a free slot is taken at once (`acquire` would yield to the loop first)
+                    self._slots.acquire_nowait()
+                except anyio.WouldBlock:
+                    await self._slots.acquire()
+                try:
                     result = await run_tool(
                         t, call, workspace=self.workspace, allow_shell=self.settings.allow_shell,
                         on_progress=self._progress_sink(t, call, req), limiter=self._threads,
                     )
+                finally:
+                    self._slots.release()
                 return p.encode(result)
         finally:
             del self._inflight[req.id]
