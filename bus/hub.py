@@ -501,18 +501,8 @@ class Hub:
         body = frames[3]
         if not isinstance(body, bytes):
             body = body.bytes
-        # _stamp, inlined: this is the per-event hot path
         header.peer = peer.id
-        self.seq = seq = self.seq + 1
-        header.seq = seq
-        header.ts = ts = _time()
-        header_bytes = _encode(header)
-        type_, agent, run = header.type, header.agent, header.run
-        topic = self._topic_cache.get((type_, agent, run))
-        if topic is None:
-            topic = self._topic(type_, agent, run)
-        self._topics.append(topic)
-        self._rows.append((seq, ts, type_, agent, run, header.experiment, header_bytes, body))
+        self._stamp(header, body)
 
     def _on_heartbeat(self, ident: bytes, peer: PeerState, header: p.Header,
                       frames: list[bytes]) -> None:
@@ -754,8 +744,7 @@ class Hub:
     # --- events --------------------------------------------------------------------------
 
     def _stamp(self, header: p.Header, body: bytes) -> None:
-        """Stamp seq/ts and add the event to the pass's batch (counted in `events` at flush).
-        `_on_event` has its own inlined copy: keep the two in step."""
+        """Stamp seq/ts and add the event to the pass's batch (counted in `events` at flush)."""
         self.seq = seq = self.seq + 1
         header.seq = seq
         header.ts = ts = _time()
