@@ -425,6 +425,8 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
         code = anyio.run(run_up, topology, options, sys.stdout, use_color())
     except ChildFailed as exc:
         raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:  # a Ctrl-C outside the stop sequence: children are stopped anyway
+        code = 130
     sys.exit(code)
 
 
