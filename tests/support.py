@@ -108,6 +108,25 @@ def busctl(*args: str) -> list[str]:
     return [sys.executable, str(ROOT / "cli.py"), *args]
 
 
+async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Await a cheap condition (sync or async) until it is truthy, or fail with `what` after
+    `timeout`. The async twin of `wait_for`; the only polling loop async tests should need."""
+    import anyio
+
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        value = predicate()
+        if hasattr(value, "__await__"):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await anyio.sleep(delay)  # a poll interval inside the deadline, not a wait
+        delay = min(delay * 2, 0.1)
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
     """Poll a cheap condition until it is truthy, or fail with `what` after `timeout`."""
     deadline = time.monotonic() + timeout

@@ -9,6 +9,7 @@ from agents import connect
 from bus import events as ev
 from bus.client import connect as connect_peer
 from bus.messages import ToolCallRequest
+from tests.support import until
 from tools.executor import BusToolExecutor
 
 pytestmark = pytest.mark.anyio
@@ -30,9 +31,10 @@ async def test_serve_tools_from_a_script(hub: dict) -> None:
             result = await tools.execute(ToolCallRequest(call_id="c1", name="shout",
                                                          arguments='{"text": "hi"}'))
             assert result.text == "HI" and not result.is_error
-        with anyio.fail_after(5):
-            while "shout" in {t.name for t in await tools.catalog()}:
-                await anyio.sleep(0.05)  # poll inside the deadline until the hub forgets it
+        async def forgotten() -> bool:
+            return "shout" not in {t.name for t in await tools.catalog()}
+
+        await until(forgotten, 5, "the hub to forget the script's tool")
 
 
 async def test_publish_from_a_script_is_on_the_stream(hub: dict) -> None:

@@ -198,7 +198,7 @@ async def test_stream_cancelled_mid_way_cancels_the_server(hub: dict) -> None:
             try:
                 for i in range(1000):
                     await req.partial(str(i).encode())
-                    await anyio.sleep(0.01)
+                    await anyio.sleep(0.01)  # the handler streams at a pace: behaviour, not a wait
             finally:
                 if req.cancelled.is_set():
                     cancelled.set()

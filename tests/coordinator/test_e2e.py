@@ -9,7 +9,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from agents.agent import PROMPT_BUSY, RESET_BUSY
@@ -17,6 +16,7 @@ from agents.loop import ABORTED_TEXT
 from agents.remote import connect
 from bus.errors import RemoteError
 from tests.coordinator.conftest import Stack, calls, collapse, role, text, types
+from tests.support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -154,9 +154,7 @@ async def test_steering_during_a_tool_is_injected_next_turn(stack: Stack, tmp_pa
     ])
     async with connect(stack.endpoint, name="test-steer") as bus:
         run = await bus.prompt("a", "wait at the gate", new_session=True)
-        with anyio.fail_after(10):
-            while not Path(str(gate) + ".started").exists():
-                await anyio.sleep(0.01)  # poll inside a deadline
+        await until(Path(str(gate) + ".started").exists, 10, "the gate tool to start")
         await bus.steer("a", "please also say hi")
         gate.write_text("open")
         result = await run.result()
@@ -197,17 +195,13 @@ async def test_abort_mid_tool_cancels_it_on_the_worker(stack: Stack, tmp_path: P
     stack.script([calls(("wait_cancel", {"marker": str(marker)})), text("after abort")])
     async with connect(stack.endpoint, name="test-abort") as bus:
         run = await bus.prompt("a", "block", new_session=True)
-        with anyio.fail_after(10):
-            while not Path(str(marker) + ".started").exists():
-                await anyio.sleep(0.01)  # poll inside a deadline
+        await until(Path(str(marker) + ".started").exists, 10, "the tool to start")
         state = await bus.state("a")
         assert state.is_running and state.pending_tool_calls == ["call_0_wait_cancel"]
         await bus.abort("a")
         result = await run.result()
         assert result.stop_reason == "aborted" and result.error == ABORTED_TEXT
-        with anyio.fail_after(5):  # the worker's side of the cancellation fired
-            while not marker.exists():
-                await anyio.sleep(0.01)
+        await until(marker.exists, 5, "the worker's side of the cancellation to fire")
         assert marker.read_text() == "cancelled"
         state = await bus.state("a")
         assert not state.is_running and state.pending_tool_calls == []

@@ -38,6 +38,7 @@ if __name__ == "__main__":  # the helper peer process: make `bus` and `tests` im
     sys.path.insert(0, str(ROOT))
 
 from bus import protocol as p  # noqa: E402
+from tests.support import until  # noqa: E402
 
 if __name__ != "__main__":
     from hypothesis import HealthCheck, Phase, given, settings
@@ -738,9 +739,11 @@ def test_services_survive_hostile_request_and_event_bodies(tmp_path: Path) -> No
                 assert "hello" in json.dumps(reply)
                 from agents.remote import connect as connect_agents
             async with connect_agents(stack.endpoint, name="checker") as bus:
+                async def idle() -> bool:  # a fuzzed run may still be ending
+                    return not (await bus.state("fz")).is_running
+
+                await until(idle, 30, "the fuzzed agent to be idle")
                 with anyio.fail_after(30):
-                    while (await bus.state("fz")).is_running:  # a fuzzed run may still end
-                        await anyio.sleep(0.05)
                     run = await bus.prompt("fz", "are you there", new_session=True)
                     result = await run.result()
                 assert result.stop_reason == "stop" and not result.error, result

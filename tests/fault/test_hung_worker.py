@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -16,7 +17,7 @@ import pytest
 from bus.client import Peer, connect
 from bus.errors import PeerLost
 from tests.fault.conftest import FAULT_TOOLS
-from tests.support import Proc, busctl, wait_for
+from tests.support import Proc, busctl, until
 from tools.worker import decode_reply
 
 pytestmark = pytest.mark.anyio
@@ -74,24 +75,18 @@ async def hung_worker(endpoint: str, stop_for: float) -> None:
                 tg.start_soon(call, "tool.nap", "nap", "lost")
                 tg.start_soon(call, "tool.nap_again", "nap_again", "moved")
                 # both calls are being served by `hung` before it hangs
-                for _ in range(200):
+                async def both_served() -> Any:
                     (h,) = await peer_named(bus, "hung")
-                    if sum(s.load for s in h.services) == 2:
-                        break
-                    await anyio.sleep(0.02)
-                else:
-                    raise AssertionError("calls never reached the worker")
+                    return h if sum(s.load for s in h.services) == 2 else None
+
+                h = await until(both_served, 4, "both calls to reach the worker")
                 old_id = h.peer
                 healthy = worker(endpoint, "healthy")  # where the idempotent call can go
                 hung.signal(signal.SIGSTOP)
                 stopped = time.monotonic()
-                with anyio.fail_after(10):
-                    while "lost" not in outcome:
-                        await anyio.sleep(0.02)
+                await until(lambda: "lost" in outcome, 10, "the hung worker to be declared lost")
                 declared = time.monotonic() - stopped
-                with anyio.fail_after(10):
-                    while len(outcome) < 2:
-                        await anyio.sleep(0.02)
+                await until(lambda: len(outcome) == 2, 10, "both calls to end")
                 left = stop_for - (time.monotonic() - stopped)
                 if left > 0:
                     await anyio.sleep(left)  # the hang itself: stays stopped this long
@@ -110,9 +105,7 @@ async def hung_worker(endpoint: str, stop_for: float) -> None:
                 now = await peer_named(bus, "hung")
                 return bool(now) and now[0].peer != old_id and len(now[0].services) == 2
 
-            with anyio.fail_after(10):
-                while not await reregistered():
-                    await anyio.sleep(0.05)
+            await until(reregistered, 10, "the worker to re-register")
             # ...and serves new calls (each takes 1.5 s: by their end the old calls, resumed
             # at SIGCONT, have finished too)
             async with anyio.create_task_group() as tg:

@@ -8,13 +8,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import anyio
 import pytest
 
 from bus.client import connect
 from tests.cli.conftest import start_up
 from tests.fault.conftest import FAULT_TOOLS, proc_fds, proc_rss_kb
-from tests.support import Proc, busctl, wait_for
+from tests.support import Proc, busctl, until, wait_for
 
 SHUTDOWN_BOUND = 5.0
 
@@ -57,18 +56,13 @@ async def peer_cycles(endpoint: str, hub_pid: int, cycles: int) -> None:
             return [p.name for p in status.peers] == ["observer"] and not any(
                 s.name.startswith("svc.cycle.") for s in status.services)
 
-        with anyio.fail_after(10):
-            while not await settled():
-                await anyio.sleep(0.05)
+        await until(settled, 10, "the hub to list only the observer")
         fds, rss = proc_fds(hub_pid), proc_rss_kb(hub_pid)
         for i in range(cycles):
             await cycle(20 + i)
-        with anyio.fail_after(10):  # the hub forgets every one of them
-            while not await settled():
-                await anyio.sleep(0.05)
-        with anyio.fail_after(10):
-            while proc_fds(hub_pid) > fds:  # closed connections are reaped by libzmq's I/O thread
-                await anyio.sleep(0.05)
+        await until(settled, 10, "the hub to forget every peer")
+        # closed connections are reaped by libzmq's I/O thread
+        await until(lambda: proc_fds(hub_pid) <= fds, 10, "the hub's fds back to baseline")
         grown = proc_rss_kb(hub_pid) - rss
         # bounded, not per-peer: the event log's page cache and counters may grow a little
         assert grown < 8 * 1024, f"hub RSS grew {grown} kB over {cycles} peer cycles"

@@ -8,7 +8,7 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +23,11 @@ from bus.errors import HubUnreachable
 from bus.hub import Hub, HubConfig
 from bus.security import generate_keys
 from tests.multihost.conftest import Keys
-from tests.support import Proc, busctl, py
+from tests.support import Proc, busctl, py, until
 
 pytestmark = pytest.mark.anyio
 
 HB = 0.2  # hub heartbeat interval in these tests
-
-
-async def until(check: Callable[[], Awaitable[Any]], timeout: float, what: str) -> Any:
-    """Await `check()` repeatedly until it returns something truthy, or fail after `timeout`."""
-    with anyio.move_on_after(timeout):
-        while True:
-            value = await check()
-            if value:
-                return value
-            await anyio.sleep(0.05)  # a poll interval inside the deadline
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start_hub(args: list[str], tmp: Path) -> Proc:

@@ -12,6 +12,7 @@ import anyio
 import pytest
 
 from bus.messages import ImagePart, ToolCallRequest, ToolResult
+from tests.support import until
 from tools import Tool, check_provider_schema, run_tool
 from tools.builtin import (
     BUILTIN_TOOLS,
@@ -174,9 +175,7 @@ def pid_gone(pid: int) -> bool:
 
 
 async def wait_gone(pid: int) -> None:
-    with anyio.fail_after(5):
-        while not pid_gone(pid):
-            await anyio.sleep(0.01)
+    await until(lambda: pid_gone(pid), 5, f"process {pid} to be gone")
 
 
 async def test_run_shell_timeout_kills_background_children(ws: Path) -> None:
