@@ -16,6 +16,8 @@ from tests.support import Proc, py
 
 pytestmark = pytest.mark.anyio
 
+STREAM_PACE = 0.01  # seconds between a streaming handler's partial replies
+
 
 async def test_capacity_one_each_and_twenty_concurrent_requests(hub: dict) -> None:
     with serving_peers(hub["endpoint"], 2, "--capacity", "1") as procs:
@@ -198,7 +200,7 @@ async def test_stream_cancelled_mid_way_cancels_the_server(hub: dict) -> None:
             try:
                 for i in range(1000):
                     await req.partial(str(i).encode())
-                    await anyio.sleep(0.01)  # the handler streams at a pace: behaviour, not a wait
+                    await anyio.sleep(STREAM_PACE)  # behaviour under test, not a wait
             finally:
                 if req.cancelled.is_set():
                     cancelled.set()
