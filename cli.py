@@ -106,8 +106,9 @@ def main(verbose: bool) -> None:
 @click.option("--hub", "endpoint", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
               help="Address to bind the request socket to (tcp://HOST:PORT or ipc://PATH).")
 @click.option("--events", default="", help="Address for the event socket [default: port + 1].")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=".busctl/hub",
-              show_default=True, help="Where the event log (events.db) lives.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the event log (events.db) lives [default: <state home>/<project>/hub, "
+                   "outside the current folder so no tool can reach it].")
 @click.option("--heartbeat-interval", type=click.FloatRange(0.05, 60), default=1.0,
               show_default=True, help="Seconds between heartbeats.")
 @click.option("--liveness", type=click.IntRange(1, 100), default=3, show_default=True,
@@ -120,19 +121,21 @@ def main(verbose: bool) -> None:
               help="Directory of authorised client public keys (reloaded on change).")
 @click.option("--insecure", is_flag=True,
               help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
-def hub(endpoint: str, events: str, state_dir: str, heartbeat_interval: float, liveness: int,
+def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
+        liveness: int,
         max_message_bytes: int, curve_secret: str | None, curve_authorized: str | None,
         insecure: bool) -> None:
     """Run the hub: request routing, liveness, and the event log and stream.
 
     \b
     Example:
-      busctl hub --hub tcp://127.0.0.1:7400 --state-dir .busctl/hub
+      busctl hub --hub tcp://127.0.0.1:7400 --state-dir /var/lib/agent-bus/hub
     """
     from bus.hub import HubConfig, serve
 
     curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
-    config = HubConfig(endpoint=endpoint, events=events, state_dir=state_dir,
+    config = HubConfig(endpoint=endpoint, events=events,
+                       state_dir=str(_state_dir(state_dir, "hub")),
                        heartbeat_interval=heartbeat_interval, liveness=liveness,
                        max_message_bytes=max_message_bytes, curve=curve)
     logging.getLogger().setLevel(logging.INFO)
@@ -294,12 +297,25 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...], c
 # --- busctl gateway / coordinator / fake-llm --------------------------------------------
 
 
+def _state_dir(given: str | None, part: str) -> Path:
+    """A process's state folder, marked so that tools refuse it (see bus.paths)."""
+    from bus.paths import default_state_dir, ensure_state_dir
+
+    if given:
+        return ensure_state_dir(given)
+    return ensure_state_dir(default_state_dir()) / part
+
+
 def _load_topology_or_exit(path: str | None) -> Any:
-    from agents.topology import TopologyError, default_topology, load_topology
+    """The topology from `path`, from stdin as JSON (`-`, how `busctl up` hands it to its
+    children), or the embedded default."""
+    from agents.topology import TopologyError, default_topology, load_topology, parse_topology
 
     if path is None:
         return default_topology()
     try:
+        if path == "-":
+            return parse_topology(sys.stdin.buffer.read(), "<stdin>", as_json=True)
         return load_topology(path)
     except TopologyError as exc:
         raise click.ClickException(str(exc)) from None
@@ -307,8 +323,10 @@ def _load_topology_or_exit(path: str | None) -> Any:
 
 @main.command()
 @hub_options
-@click.option("--topology", "topology_file", type=click.Path(exists=True, dir_okay=False),
-              default=None, help="Topology file whose [models] to serve [default: from the environment].")
+@click.option("--topology", "topology_file",
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True), default=None,
+              help="Topology file whose [models] to serve, or - for JSON on stdin "
+                   "[default: from the environment].")
 @click.option("--name", default="", help="Peer name [default: gateway-PID].")
 def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name: str) -> None:
     """Run an LLM gateway: serve `llm` requests by calling model providers over HTTP.
@@ -333,15 +351,17 @@ def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name
 
 @main.command()
 @hub_options
-@click.option("--topology", "topology_file", type=click.Path(exists=True, dir_okay=False),
-              default=None, help="Topology file declaring the agents [default: one `assistant`].")
+@click.option("--topology", "topology_file",
+              type=click.Path(exists=True, dir_okay=False, allow_dash=True), default=None,
+              help="Topology file declaring the agents, or - for JSON on stdin "
+                   "[default: one `assistant`].")
 @click.option("--agent", "agent_names", multiple=True,
               help="Host only these agents of the topology (repeatable) [default: all].")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=".busctl/agents",
-              show_default=True, help="Where conversations are stored.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Where conversations are stored [default: <state home>/<project>/agents].")
 @click.option("--name", default="", help="Peer name [default: coordinator-PID].")
 def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
-                agent_names: tuple[str, ...], state_dir: str, name: str) -> None:
+                agent_names: tuple[str, ...], state_dir: str | None, name: str) -> None:
     """Run a coordinator: host agents as services `agent.<name>` and run their loops.
 
     \b
@@ -357,7 +377,8 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
         raise click.BadParameter(f"{', '.join(unknown)} not in the topology "
                                  f"(agents: {', '.join(sorted(known))})", param_hint="--agent")
     agents = [a for a in topology.agents if not agent_names or a.name in agent_names]
-    settings = CoordinatorSettings(hub=hub, agents=agents, state_dir=state_dir,
+    settings = CoordinatorSettings(hub=hub, agents=agents,
+                                   state_dir=str(_state_dir(state_dir, "agents")),
                                    name=name or f"coordinator-{os.getpid()}", curve=curve,
                                    models=topology.model_configs())
     try:

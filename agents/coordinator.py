@@ -74,6 +74,7 @@ from bus import protocol as p
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
 from bus.messages import Message
+from bus.paths import default_state_dir, ensure_state_dir
 from bus.security import CurveClient
 from tools.executor import BusToolExecutor
 
@@ -92,7 +93,7 @@ class CoordinatorError(Exception):
 class CoordinatorSettings(msgspec.Struct):
     hub: str
     agents: list[AgentSpec]
-    state_dir: str = ".busctl/agents"
+    state_dir: str = ""  # "" = <default state dir>/agents, outside the project (bus.paths)
     name: str = "coordinator"
     curve: CurveClient | None = None
     #: The topology's models, for each agent's context window (compaction, context-left %).
@@ -445,7 +446,8 @@ async def run_coordinator(
     `agent.<name>` is registered. Raises CoordinatorError before connecting when an agent's
     configuration is unusable (e.g. a hook does not import)."""
     configs = build_configs(settings)
-    store = ConversationStore(Path(settings.state_dir))
+    store = ConversationStore(ensure_state_dir(settings.state_dir) if settings.state_dir
+                              else ensure_state_dir(default_state_dir()) / "agents")
     try:
         with (anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None
               else _no_signals()) as signals:

@@ -21,6 +21,7 @@ from agents.llm import ModelConfig
 from agents.topology import Topology
 from bus import events as ev
 from bus.client import Peer, connect
+from bus.paths import ensure_state_dir
 from bus.security import CurveClient
 from bus.supervisor import Child, ChildSpec, Supervisor, python_argv
 
@@ -48,7 +49,7 @@ def resolve(topology: Topology, options: UpOptions) -> Topology:
 
 
 def state_dir(topology: Topology) -> Path:
-    return Path(topology.hub.state_dir).resolve()
+    return topology.state_path()
 
 
 def hub_argv(topo: Topology) -> list[str]:
@@ -81,15 +82,20 @@ def _curve_args(topo: Topology) -> list[str]:
             "--curve-key", topo.hub.curve_client_key]
 
 
-def child_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[ChildSpec]:
-    """Gateways, workers and coordinators (started in parallel once the hub is up)."""
-    specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint, topology_file)]
+def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
+    """Gateways, workers and coordinators (started in parallel once the hub is up).
+
+    Gateways and coordinators read the topology from stdin (`--topology -`): the supervisor hands
+    it over from memory at every restart, so no file a tool might reach can redirect them.
+    """
+    specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint)]
     for proc in topo.processes:
         argv = proc.command
         if argv and argv[0] == "busctl":  # this installation's busctl, whatever PATH says
             argv = python_argv(*argv[1:])
         env = {"BUSCTL_HUB": endpoint, **proc.env}
-        specs.append(ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process"))
+        specs.append(ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
+                               pass_env=proc.pass_env))
     return specs
 
 
@@ -98,12 +104,13 @@ def _with_curve(spec: ChildSpec, topo: Topology) -> ChildSpec:
     return spec
 
 
-def _piece_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[ChildSpec]:
+def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
+    config = msgspec.json.encode(topo)
     specs: list[ChildSpec] = []
     for i in range(topo.gateways.count):
         specs.append(ChildSpec(f"gateway-{i + 1}", python_argv(
-            "gateway", "--hub", endpoint, "--topology", str(topology_file),
-            "--name", f"gateway-{i + 1}"), role="gateway"))
+            "gateway", "--hub", endpoint, "--topology", "-", "--name", f"gateway-{i + 1}"),
+            role="gateway", inherit_env=True, stdin_data=config))
     for group in topo.workers:
         for i in range(group.count):
             name = f"{group.name}-{i + 1}"
@@ -113,18 +120,19 @@ def _piece_specs(topo: Topology, endpoint: str, topology_file: Path) -> list[Chi
                 argv += ["--tools", module]
             if group.shell:
                 argv.append("--shell")
-            specs.append(ChildSpec(name, argv, role="worker"))
+            specs.append(ChildSpec(name, argv, role="worker", pass_env=group.pass_env))
     count = topo.coordinators
     for i in range(count):
         mine = [a.name for a in topo.agents[i::count]] if count else []
         if not mine:
             continue
-        argv = python_argv("coordinator", "--hub", endpoint, "--topology", str(topology_file),
+        argv = python_argv("coordinator", "--hub", endpoint, "--topology", "-",
                            "--state-dir", str(state_dir(topo) / "agents"),
                            "--name", f"coordinator-{i + 1}")
         for agent in mine:
             argv += ["--agent", agent]
-        specs.append(ChildSpec(f"coordinator-{i + 1}", argv, role="coordinator"))
+        specs.append(ChildSpec(f"coordinator-{i + 1}", argv, role="coordinator",
+                               stdin_data=config))
     return specs
 
 
@@ -169,8 +177,8 @@ async def _live_tools(peer: Peer) -> list[str]:
 async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -> int:
     """Run the topology until SIGINT/SIGTERM. Returns the exit code."""
     topo = resolve(topology, options)
-    state = state_dir(topo)
-    state.mkdir(parents=True, exist_ok=True)
+    state = ensure_state_dir(state_dir(topo))
+    topo.hub.state_dir = str(state)  # children resolve nothing relative to their own cwd
     async with Supervisor(state / "logs", out, color) as sup:
         hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
@@ -186,9 +194,9 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
             topo.models = {DEMO_MODEL: ModelConfig(provider="openai", model="demo-model",
                                                   base_url=fake.ready["base_url"])}
             topo.gateways.default_model = DEMO_MODEL
-        topology_file = state / "topology.json"
-        topology_file.write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
-        await _start_all(sup, child_specs(topo, endpoint, topology_file))
+        # For people (what is running); never read back by the children, see child_specs.
+        (state / "topology.json").write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
+        await _start_all(sup, child_specs(topo, endpoint))
         async with connect(endpoint, name="busctl-up", role="supervisor",
                            curve=client_curve(topo)) as peer:
             sup.notify = await _publisher(peer)

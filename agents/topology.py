@@ -15,6 +15,7 @@ from typing import Literal
 import msgspec
 
 from agents.llm import ModelConfig
+from bus.paths import default_state_dir, inside_state_dir, overlaps
 
 QueueMode = Literal["one-at-a-time", "all"]
 
@@ -26,7 +27,7 @@ class TopologyError(Exception):
 class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     endpoint: str = "tcp://127.0.0.1:7400"
     events: str = ""
-    state_dir: str = ".busctl"
+    state_dir: str = ""  # "" = outside the project, see bus.paths.default_state_dir
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_message_bytes: int = 16 * 1024 * 1024
@@ -49,6 +50,9 @@ class WorkerGroup(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     concurrency: int = 8
     workspace: str = "."
     shell: bool = False
+    # Names of variables passed from `busctl up`'s environment; a worker gets a minimal
+    # environment otherwise (no provider keys: only the gateway holds those).
+    pass_env: list[str] = msgspec.field(default_factory=list)
 
 
 class TopicSubscription(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -76,6 +80,7 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     name: str
     command: list[str]
     env: dict[str, str] = msgspec.field(default_factory=dict)
+    pass_env: list[str] = msgspec.field(default_factory=list)  # as for workers
     restart: bool = True
 
 
@@ -90,6 +95,12 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
     def model_configs(self) -> list[ModelConfig]:
         return [msgspec.structs.replace(entry, alias=alias) for alias, entry in self.models.items()]
+
+    def state_path(self) -> Path:
+        """The resolved state directory (relative paths are relative to the current directory)."""
+        if self.hub.state_dir:
+            return Path(self.hub.state_dir).expanduser().resolve()
+        return default_state_dir()
 
     def agent(self, name: str) -> AgentSpec:
         for spec in self.agents:
@@ -114,18 +125,23 @@ def load_topology(path: Path | str) -> Topology:
         data = path.read_bytes()
     except OSError as exc:
         raise TopologyError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_topology(data, str(path), as_json=path.suffix == ".json")
+
+
+def parse_topology(data: bytes, source: str, *, as_json: bool) -> Topology:
+    """Decode and check a topology; every problem is a TopologyError naming `source` and the key."""
     try:
-        if path.suffix == ".json":
+        if as_json:
             topology = msgspec.json.decode(data, type=Topology)
         else:
             topology = msgspec.toml.decode(data, type=Topology)
     except msgspec.ValidationError as exc:
-        raise TopologyError(f"{path}: {_keypath_message(str(exc))}") from None
+        raise TopologyError(f"{source}: {_keypath_message(str(exc))}") from None
     except msgspec.DecodeError as exc:
-        raise TopologyError(f"{path}: not valid TOML: {exc}") from None
+        raise TopologyError(f"{source}: not valid {'JSON' if as_json else 'TOML'}: {exc}") from None
     problems = check_topology(topology)
     if problems:
-        raise TopologyError(f"{path}: {problems[0]}")
+        raise TopologyError(f"{source}: {problems[0]}")
     return topology
 
 
@@ -181,6 +197,26 @@ def check_topology(topology: Topology) -> list[str]:
                         "(both made by `busctl keys generate DIR`)")
     if topology.gateways.count < 0 or topology.coordinators < 0:
         problems.append("gateways.count / coordinators: must be >= 0")
+    problems += _state_dir_problems(topology)
+    return problems
+
+
+def _state_dir_problems(topology: Topology) -> list[str]:
+    """The state directory (event log, conversations, running config) must be out of the tools'
+    reach: a model that could write it could rewrite the gateway's config or corrupt the log."""
+    state = topology.state_path()
+    problems: list[str] = []
+    for i, group in enumerate(topology.workers):
+        workspace = Path(group.workspace).expanduser().resolve()
+        if overlaps(state, workspace):
+            problems.append(
+                f"workers[{i}].workspace: {str(workspace)!r} and hub.state_dir {str(state)!r} overlap, "
+                "so the model's tools could rewrite the bus's state; put the state directory "
+                "outside every workspace (leave hub.state_dir unset for the default outside "
+                "the project)")
+        elif (marked := inside_state_dir(workspace)) is not None:
+            problems.append(f"workers[{i}].workspace: {str(workspace)!r} is inside the state "
+                            f"directory {str(marked)!r}; choose a workspace outside it")
     return problems
 
 
@@ -201,7 +237,9 @@ EXAMPLE = """\
 # agent-bus topology. Every key is optional; this is the embedded default plus comments.
 [hub]
 endpoint = "tcp://127.0.0.1:7400"   # ROUTER; events bind on port + 1
-state_dir = ".busctl"               # event log, conversations, logs, pid file
+# state_dir = "/path/to/state"     # event log, conversations, logs, pid file; default: outside
+                                    # the project, in ~/.local/state/agent-bus/<folder>-<hash>
+                                    # (must not overlap any worker's workspace)
 heartbeat_interval = 1.0            # seconds
 liveness = 3                        # missed beats before a peer is dead
 
@@ -223,6 +261,7 @@ count = 1
 concurrency = 8
 workspace = "."
 shell = false                       # the run_shell tool is refused unless true
+pass_env = []                       # variables the tools need (workers get no provider keys)
 
 [[agents]]
 name = "assistant"

@@ -30,14 +30,34 @@ STOP_TIMEOUT = 4.0
 Notify = Callable[[str, "Child", int | None], Awaitable[None]]  # (what, child, exit code)
 
 
+# What every child may see of the supervisor's environment. Anything else — provider keys above
+# all — reaches a child only when its spec says so (the gateway inherits everything).
+_SAFE_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED",
+    "NO_COLOR", "FORCE_COLOR", "XDG_STATE_HOME", "BUSCTL_STATE_HOME", "SYSTEMROOT",
+})
+
+
+def minimal_environ(pass_names: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """The safe part of this process's environment, plus the variables named in `pass_names`."""
+    return {name: value for name, value in os.environ.items()
+            if name in _SAFE_ENV_NAMES or name.startswith("LC_") or name in pass_names}
+
+
 @dataclass
 class ChildSpec:
     name: str
     argv: list[str]
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # added to the base environment
     ready_timeout: float = 20.0
     restart: bool = True
     role: str = ""  # what the child is (hub, gateway, worker…): decides the stop order
+    inherit_env: bool = False  # the whole environment (the gateway: it holds the keys)
+    pass_env: list[str] = field(default_factory=list)  # else: minimal + these names
+    # Written to the child's stdin at every (re)start, then closed: configuration handed over
+    # from the supervisor's memory, never re-read from a file something else could rewrite.
+    stdin_data: bytes = b""
 
 
 @dataclass
@@ -143,19 +163,23 @@ class Supervisor:
             await self.notify("restarted", child, code)
 
     async def _run_once(self, child: Child) -> int | None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.spec.env}
-        log = self.log_path(child.spec.name).open("a", buffering=1)
+        spec = child.spec
+        base = dict(os.environ) if spec.inherit_env else minimal_environ(spec.pass_env)
+        env = {**base, "PYTHONUNBUFFERED": "1", **spec.env}
+        log = self.log_path(spec.name).open("a", buffering=1)
         try:
-            process = await anyio.open_process(child.spec.argv, stdin=subprocess.DEVNULL,
-                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                               env=env, start_new_session=True)
+            process = await anyio.open_process(
+                spec.argv, stdin=subprocess.PIPE if spec.stdin_data else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as exc:
             log.write(f"failed to start: {exc}\n")
             log.close()
             return None
         child.process = process
         try:
-            async with process:
+            async with process, anyio.create_task_group() as tg:
+                if process.stdin is not None:
+                    tg.start_soon(_hand_over, process.stdin, spec.stdin_data)
                 assert process.stdout is not None
                 await self._pump(child, process.stdout, log)
                 return await process.wait()
@@ -209,6 +233,15 @@ class Supervisor:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         child = self.children[name]
         _killpg(child, sig)
+
+
+async def _hand_over(stdin: anyio.abc.ByteSendStream, data: bytes) -> None:
+    """Write a child's configuration to its stdin; a child that died first just does not get it."""
+    try:
+        await stdin.send(data)
+        await stdin.aclose()
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
 
 
 def _killpg(child: Child, sig: int) -> None:

@@ -1,12 +1,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support import Proc, py
+
+# Default state directories (bus.paths) go to a throwaway folder, not the user's home; every
+# process a test starts inherits this.
+_STATE_HOME = tempfile.mkdtemp(prefix="agent-bus-state-")
+os.environ["BUSCTL_STATE_HOME"] = _STATE_HOME
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_STATE_HOME, ignore_errors=True)
 
 
 def _slow_selected(config: pytest.Config) -> bool:

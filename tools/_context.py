@@ -21,6 +21,7 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from bus.messages import ToolResult
+from bus.paths import inside_state_dir
 from tools._exceptions import WorkspaceError
 from tools._results import to_content
 
@@ -149,7 +150,11 @@ class ToolContext:
 
 
 def confine(workspace: Path, path: str | os.PathLike[str]) -> Path:
-    """Resolve `path` against `workspace` (symlinks included) and refuse escapes."""
+    """Resolve `path` against `workspace` (symlinks included) and refuse escapes.
+
+    Also refuses anything inside an agent-bus state directory, whatever the workspace: a model
+    that could write there could rewrite the running configuration or the event log.
+    """
     root = workspace.resolve()
     raw = os.fspath(path)
     if "\0" in raw:
@@ -161,4 +166,8 @@ def confine(workspace: Path, path: str | os.PathLike[str]) -> Path:
             f"Path `{raw}` resolves to `{resolved}`, outside the workspace `{root}`; "
             f"use a path inside the workspace (relative paths are resolved against it)"
         )
+    state = inside_state_dir(resolved)
+    if state is not None:
+        raise WorkspaceError(f"Path `{raw}` is inside the bus's state directory `{state}`, "
+                             "which tools may not read or write")
     return resolved

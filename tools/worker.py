@@ -39,6 +39,7 @@ from bus.client import Handler, IncomingRequest, Peer, connect
 from bus.errors import HubLost, RequestError
 from bus.events import ToolExecutionUpdate
 from bus.messages import ToolCallRequest, ToolResult
+from bus.paths import inside_state_dir
 from bus.security import CurveClient
 from tools._exceptions import ToolLoadError
 from tools._loader import load_tools
@@ -273,6 +274,10 @@ async def run_worker(
     tools = load_worker_tools(list(settings.tool_modules))
     if not Path(settings.workspace).is_dir():
         raise ToolLoadError(f"Workspace `{settings.workspace}` is not a directory")
+    state = inside_state_dir(Path(settings.workspace).resolve())
+    if state is not None:
+        raise ToolLoadError(f"Workspace `{settings.workspace}` is inside the bus's state directory "
+                            f"`{state}`; choose a folder outside it (`--workspace`)")
     name = settings.name or f"worker-{os.getpid()}"
     settings = msgspec.structs.replace(settings, name=name)
     worker = ToolWorker(settings, tools)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from agents.fakellm import FakeLLMServer
+from bus.paths import default_state_dir
 from tests.cli.conftest import FIXTURES, Topology, json_lines, pid_alive, start_up
 from tests.support import busctl, running, wait_for
 
@@ -144,7 +145,7 @@ def test_invalid_topology_files_name_the_key_and_start_nothing(
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and key in lines[0] and "bad.toml" in lines[0], result.stderr
-    assert not (tmp_path / ".busctl").exists()
+    assert not default_state_dir(tmp_path).exists()
     check = cli("config", "check", str(config))
     assert check.returncode != 0 and key in check.stderr
 
@@ -161,8 +162,9 @@ def test_up_detached_then_down_leaves_nothing(tmp_path: Path, fake_llm: FakeLLMS
     env = {"OPENAI_BASE_URL": fake_llm.base_url}
     result = cli("up", "-d", "--hub", "tcp://127.0.0.1:0", cwd=tmp_path, env=env, timeout=60)
     assert result.returncode == 0, result.stderr
-    pid = int((tmp_path / ".busctl" / "up.pid").read_text())
-    log = (tmp_path / ".busctl" / "logs" / "up.log").read_text()
+    state = default_state_dir(tmp_path)
+    pid = int((state / "up.pid").read_text())
+    log = (state / "logs" / "up.log").read_text()
     line = next(s for s in log.splitlines() if s.startswith("processes"))
     import re
 
@@ -173,7 +175,7 @@ def test_up_detached_then_down_leaves_nothing(tmp_path: Path, fake_llm: FakeLLMS
     assert not pid_alive(pid)
     for child in children:
         assert not pid_alive(child)
-    assert not (tmp_path / ".busctl" / "up.pid").exists()
+    assert not (state / "up.pid").exists()
 
 
 def test_run_ctrl_c_aborts_the_run_and_exits_130(up_default: Topology) -> None:
