@@ -280,9 +280,11 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...], c
       busctl worker --tools mypkg.tools --concurrency 4
       busctl worker --hub tcp://10.0.0.5:7400 --tools ./my_tools.py --workspace /data
     """
+    from bus.procsec import drop_root_powers
     from tools import ToolLoadError
     from tools.worker import WorkerSettings, run_worker
 
+    drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
     settings = WorkerSettings(hub=hub, tool_modules=list(tool_modules), concurrency=concurrency,
                               workspace=workspace, name=name or f"worker-{os.getpid()}",
                               allow_shell=allow_shell, curve=curve)
@@ -426,7 +428,9 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     Ctrl-C stops everything in order.
     """
     from agents.launch import UpOptions, up as run_up
+    from bus.procsec import make_undumpable
 
+    make_undumpable()  # the keys are in this process's environment: no same-user process reads it
     topology = _load_topology_or_exit(config_file)
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
                         detach_ready_file=ready_file)

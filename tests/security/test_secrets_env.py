@@ -1,0 +1,64 @@
+"""Issue 12, item 2: only the gateway holds the provider key.
+
+The attacks as found: a tool returned the key from `os.environ`, and `run_shell` read it from the
+parent's `/proc/PID/environ`. Here a topology with shell access runs both attacks, against every
+process on the machine; the key must be found nowhere but in the gateway (which the test reads,
+as root or as the same user, to prove the key was really there to be stolen).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from agents.fakellm import FakeLLMServer
+from tests.cli.conftest import Topology, pid_alive, start_up
+from tests.support import busctl
+
+KEY = "sk-proc-environ-attack-9f8e7d6c5b4a"
+SNOOP = Path(__file__).parent / "fixtures" / "snoop_tools.py"
+SHELL_ATTACK = ("for f in /proc/[0-9]*/environ; do tr '\\0' '\\n' < $f 2>/dev/null; done "
+                "| grep -c proc-environ-attack; env | grep -c proc-environ-attack; true")
+
+
+def _script() -> dict[str, Any]:
+    calls = [{"name": "snoop", "arguments": {"needle": KEY}},
+             {"name": "run_shell", "arguments": {"command": SHELL_ATTACK}}]
+    return {"rules": [
+        {"contains": ["steal"], "tool_result": False, "reply": {"text": "Looking.", "tool_calls": calls}},
+        {"contains": [], "tool_result": True, "reply": {"text": "FOUND {tool_results_full}"}},
+    ], "echo": True}
+
+
+def _environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
+def test_key_only_in_the_gateway_and_tools_cannot_read_it(tmp_path: Path) -> None:
+    config = tmp_path / "topology.toml"
+    config.write_text(f"[[workers]]\ntools = ['tools.builtin', '{SNOOP}']\nshell = true\n")
+    with FakeLLMServer(_script()) as llm:
+        env = {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": KEY}
+        proc, ready = start_up(tmp_path, "-c", str(config), env=env)
+        topo = Topology(proc, tmp_path, ready)
+        pids = topo.child_pids()
+        try:
+            assert KEY.encode() in _environ(pids["gateway-1"])
+            for name in ("hub", "tools-1", "coordinator-1"):
+                assert KEY.encode() not in _environ(pids[name]), f"{name} holds the key"
+            result = subprocess.run(busctl("run", "--hub", topo.endpoint, "steal the key"),
+                                    capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            out = result.stdout
+            assert "FOUND" in out and "nothing found" in out, out
+            assert "LEAK" not in out, out
+            assert "\n0\n0\n" in out.replace("\r", ""), out  # both shell greps counted nothing
+            assert llm.requests, "the run never reached the model"
+        finally:
+            proc.stop(timeout=8)
+            for pid in pids.values():
+                if pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
