@@ -22,7 +22,7 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
              "chunk_size": 4, "chunk_delay": 0.0, "interleave": false}
     FAIL  = {"kind": "status", "status": 429, "message": "...", "retry_after": "1", "retry_after_ms": 0}
           | {"kind": "drop", "after_events": 3}      # stream a few events, then close the socket
-          | {"kind": "malformed"}                    # an SSE event whose data is not JSON
+          | {"kind": "malformed", "data": "{this is not json"}   # an SSE event, data not JSON
           | {"kind": "stream_error", "message": "..."}   # an error event inside a 200 stream
     RULE  = {"contains": ["word", ...],   # any of them in the last user text (case-insensitive); [] = any
              "tool_result": false,        # true: only right after tool results; null: either
@@ -32,6 +32,10 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
              "offers": ["tool", ...],     # every one of them is among the offered tools; [] = any
              "delay": 0.0,                # seconds before the first byte (simulated latency)
              "reply": REPLY}
+
+A FAIL's `message` and `data` may echo the caller's API key (the `Authorization: Bearer` or
+`x-api-key` header), as some OpenAI-compatible proxies do in their 401 errors: `{api_key}` is the
+whole key, `{api_key:N}` its first N characters and `{api_key:-N}` its last N (a masked or cut key).
 
 Every condition a rule gives must hold. `system` and `model` let one server drive several agents
 deterministically: give each agent its own system prompt (or model name) and key its rules on it.
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import select
 import socket
 import sys
@@ -108,6 +113,7 @@ class Fail(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     retry_after: str | None = None
     retry_after_ms: int | None = None
     after_events: int = 3
+    data: str = "{this is not json"
     partial_text: str = "This answer is cut off before it ends, so it must never be used as complete."
 
 
@@ -540,6 +546,28 @@ def error_body(api: str, status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+_KEY_ECHO = re.compile(r"\{api_key(?::(-?\d+))?\}")
+
+
+def echo_key(text: str, key: str) -> str:
+    """`text` with `{api_key}`, `{api_key:N}` (first N chars) and `{api_key:-N}` (last N) filled."""
+
+    def fill(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return key
+        n = int(match.group(1))
+        return key[:n] if n >= 0 else key[n:]
+
+    return _KEY_ECHO.sub(fill, text)
+
+
+def request_key(headers: dict[str, str]) -> str:
+    """The API key a request carried: `x-api-key` (Anthropic) or `Authorization: Bearer` (OpenAI)."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    auth = lowered.get("authorization", "")
+    return lowered.get("x-api-key") or auth.removeprefix("Bearer ").strip()
+
+
 def stream_error_event(api: str, message: str) -> bytes:
     if api == "openai":
         return _sse({"error": {"message": message, "type": "server_error"}})
@@ -632,13 +660,15 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
 
     def _fail(self, api: str, fail: Fail, stream: bool, model: str, body: dict[str, Any]) -> None:
+        key = request_key(dict(self.headers.items()))
+        message, data = echo_key(fail.message, key), echo_key(fail.data, key)
         if fail.kind == "status":
             headers = {}
             if fail.retry_after is not None:
                 headers["retry-after"] = fail.retry_after
             if fail.retry_after_ms is not None:
                 headers["retry-after-ms"] = str(fail.retry_after_ms)
-            self._send_json(fail.status, error_body(api, fail.status, fail.message), headers)
+            self._send_json(fail.status, error_body(api, fail.status, message), headers)
             return
         partial = Reply(text=fail.partial_text, chunk_size=6)
         events = (openai_events if api == "openai" else anthropic_events)(partial, model, body)
@@ -648,9 +678,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._chunk(event)
             self._drop()
         elif fail.kind == "malformed":
-            self._stream([*events[:2], b"data: {this is not json\n\n", *events[2:]], 0.0)
+            self._stream([*events[:2], f"data: {data}\n\n".encode(), *events[2:]], 0.0)
         else:
-            self._stream([*events[:2], stream_error_event(api, fail.message)], 0.0)
+            self._stream([*events[:2], stream_error_event(api, message)], 0.0)
 
     # --- low-level writing
 

@@ -3,7 +3,10 @@
 Each request's streamed deltas are published as `message_update` events (and each retry as an
 `llm_retry` event) under the request's agent, run and experiment, while the model is still
 generating; the reply is the finished `AssistantMessage`. API keys stay in this process: the
-engine reads them from the environment at call time and redacts them from every error.
+engine reads them from the environment at call time and redacts them (and any 8-character piece
+of them) from every error; every log record of the process goes through the same redactor; and
+the process makes itself non-dumpable on Linux, so other processes of the same user cannot read
+its environment or memory.
 A second service, `gateway.<name>`, answers with the engine's stats (queues, usage totals).
 """
 
@@ -23,6 +26,8 @@ from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
 from bus.messages import AssistantDelta, LlmRequest
+from bus.procsec import make_undumpable
+from bus.redact import log_redaction
 from bus.security import CurveClient
 
 log = logging.getLogger("agents.gateway")
@@ -86,21 +91,29 @@ def build_engine(settings: GatewaySettings) -> LlmEngine:
 async def run_gateway(settings: GatewaySettings,
                       *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered."""
-    async with build_engine(settings) as engine, \
-            connect(settings.hub, name=settings.name, role="gateway", curve=settings.curve) as peer:
-        gateway = Gateway(peer, engine)
-        await peer.serve(LLM_SERVICE, gateway.handle, capacity=LLM_CAPACITY)
-        await peer.serve(stats_service(settings.name), gateway.handle_stats, capacity=8)
-        aliases = [m.alias for m in engine.models]
-        if not aliases:
-            print(f"WARNING: {NO_MODEL_ERROR}", file=sys.stderr, flush=True)
-        default = engine.model_config("")
-        print(json.dumps({"ready": "gateway", "name": settings.name, "models": aliases,
-                          "default": default.alias if default else "", "pid": os.getpid()}),
-              flush=True)
-        task_status.started()
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
-        with anyio.move_on_after(2, shield=True):
-            await peer.unserve(LLM_SERVICE)
+    make_undumpable()  # first: the keys are in this process's environment already
+    async with build_engine(settings) as engine:
+        with log_redaction(lambda text: engine.redactor()(text)):
+            async with connect(settings.hub, name=settings.name, role="gateway",
+                               curve=settings.curve) as peer:
+                await _serve(settings, engine, peer, task_status)
+
+
+async def _serve(settings: GatewaySettings, engine: LlmEngine, peer: Peer,
+                 task_status: anyio.abc.TaskStatus[None]) -> None:
+    gateway = Gateway(peer, engine)
+    await peer.serve(LLM_SERVICE, gateway.handle, capacity=LLM_CAPACITY)
+    await peer.serve(stats_service(settings.name), gateway.handle_stats, capacity=8)
+    aliases = [m.alias for m in engine.models]
+    if not aliases:
+        print(f"WARNING: {NO_MODEL_ERROR}", file=sys.stderr, flush=True)
+    default = engine.model_config("")
+    print(json.dumps({"ready": "gateway", "name": settings.name, "models": aliases,
+                      "default": default.alias if default else "", "pid": os.getpid()}),
+          flush=True)
+    task_status.started()
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            break
+    with anyio.move_on_after(2, shield=True):
+        await peer.unserve(LLM_SERVICE)

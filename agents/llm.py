@@ -20,7 +20,9 @@ Contract of `complete()` (it never raises for provider trouble, and never hangs 
   scope) also closes the stream at once, but then nothing is returned: the cancellation propagates.
 
 API keys are read from the environment variable each model names (`api_key_env`) at call time and
-go only into request headers. They never appear in errors, logs, reprs or `stats()`.
+go only into request headers. They never appear in errors, logs, reprs or `stats()`: every error
+text is redacted whole (all configured keys, any 8-character piece of them, and key-shaped tokens,
+see `bus.redact`) before it is cut to length, so a server that echoes the key leaves no fragment.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ import httpx
 import msgspec
 
 from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
-from agents.providers.base import DeltaCallback, truncate
+from agents.providers.base import DeltaCallback
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
+from bus.redact import Redactor, clip
 
 log = logging.getLogger("agents.llm")
 
@@ -65,7 +68,9 @@ NO_MODEL_ERROR = (
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _ERROR_BODY_LIMIT = 64 * 1024
+_ERROR_TEXT_LIMIT = 1000  # characters of one attempt's error, after redaction
 _MAX_TRACKED_RUNS = 1000
+_KEY_SHAPES_ONLY = Redactor()
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -127,18 +132,10 @@ class _AttemptFailed(Exception):
         self.status = status
         self.retry_after = retry_after
 
-    def redacted(self, secret: str | None) -> _AttemptFailed:
-        self.message = redact(self.message, secret)
+    def redacted(self, redactor: Redactor) -> _AttemptFailed:
+        """Redact the whole message, then cut it: a cut first could split a key past recognition."""
+        self.message = clip(self.message, redactor, _ERROR_TEXT_LIMIT)
         return self
-
-
-def redact(text: str, secret: str | None) -> str:
-    """`text` without `secret`, also in its escaped (repr) form."""
-    if not secret or len(secret) < 4:
-        return text
-    for form in {secret, repr(secret)[1:-1], repr(secret.encode())[2:-1]}:
-        text = text.replace(form, "***")
-    return text
 
 
 # --- per-model limits ---------------------------------------------------------------------
@@ -234,6 +231,8 @@ class LlmEngine:
         self._client = client or httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
         self._agents: dict[str, Usage] = {}
         self._runs: OrderedDict[str, Usage] = OrderedDict()
+        self._redactor = Redactor()
+        self._redactor_keys: tuple[str, ...] = ()
         if self._default and self._default not in self._models:
             raise ValueError(
                 f"default model `{self._default}` is not configured (have: {', '.join(self._models)})"
@@ -263,6 +262,19 @@ class LlmEngine:
     @property
     def models(self) -> list[ModelConfig]:
         return [rt.config for rt in self._models.values()]
+
+    def secrets(self) -> tuple[str, ...]:
+        """The current values of every configured model's key variable (for redaction only)."""
+        names = {rt.config.api_key_env for rt in self._models.values() if rt.config.api_key_env}
+        values = {v for v in (self._env.get(n, "").strip() for n in names) if v}
+        return tuple(sorted(values))
+
+    def redactor(self) -> Redactor:
+        """Redacts every configured key (not only the called model's: a proxy may echo any)."""
+        keys = self.secrets()
+        if keys != self._redactor_keys:  # keys are read at call time, so they may change
+            self._redactor, self._redactor_keys = Redactor(keys), keys
+        return self._redactor
 
     def model_config(self, alias: str = "") -> ModelConfig | None:
         """The model a request with `model=alias` goes to ("" for the default), or None."""
@@ -386,11 +398,12 @@ class LlmEngine:
     ) -> AssistantMessage:
         key = self._api_key(runtime.config)
         http = runtime.provider.build_request(request, key)
+        redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
             call.builder = MessageBuilder(on_delta)
-            with _errors_mapped(runtime.config, http.url, key):
-                return await self._stream(runtime, http, request.retry, call.builder)
+            with _errors_mapped(runtime.config, http.url, redactor):
+                return await self._stream(runtime, http, request.retry, call.builder, redactor)
 
     def _api_key(self, config: ModelConfig) -> str | None:
         name = config.api_key_env
@@ -412,7 +425,12 @@ class LlmEngine:
         return key
 
     async def _stream(
-        self, runtime: _ModelRuntime, http: ProviderRequest, policy: RetryPolicy, builder: MessageBuilder
+        self,
+        runtime: _ModelRuntime,
+        http: ProviderRequest,
+        policy: RetryPolicy,
+        builder: MessageBuilder,
+        redactor: Redactor,
     ) -> AssistantMessage:
         content = msgspec.json.encode(http.body)
         req = self._client.build_request(
@@ -421,7 +439,7 @@ class LlmEngine:
         response = await self._client.send(req, stream=True)
         try:
             if not response.is_success:
-                raise await _status_failure(runtime.config.provider, response, policy)
+                raise await _status_failure(response, policy, redactor)
             _check_content_type(response)
             lines = response.aiter_lines()
             message = await runtime.provider.parse_stream(iter_sse(lines), builder)
@@ -512,12 +530,14 @@ def retry_after_seconds(headers: httpx.Headers) -> float | None:
     return max(0.0, (when - datetime.now(UTC)).total_seconds())
 
 
-async def _status_failure(provider: str, response: httpx.Response, policy: RetryPolicy) -> _AttemptFailed:
+async def _status_failure(
+    response: httpx.Response, policy: RetryPolicy, redactor: Redactor
+) -> _AttemptFailed:
     body = await _read_limited(response)
     status = response.status_code
     retryable = status in policy.retry_statuses
     return _AttemptFailed(
-        f"HTTP {status} from {response.request.url}: {provider_error_text(body)}",
+        f"HTTP {status} from {response.request.url}: {provider_error_text(body, redactor)}",
         retryable=retryable,
         status=status,
         retry_after=retry_after_seconds(response.headers) if retryable else None,
@@ -546,50 +566,55 @@ async def _read_limited(response: httpx.Response) -> bytes:
     return b"".join(chunks)
 
 
-def provider_error_text(body: bytes) -> str:
-    """The `error.message` of an OpenAI/Anthropic error body, else the body text (truncated)."""
+def provider_error_text(body: bytes, redactor: Callable[[str], str] | None = None) -> str:
+    """The `error.message` of an OpenAI/Anthropic error body, else the body text; redacted, then
+    cut to 500 characters (without `redactor`, only key-shaped tokens are redacted)."""
+    return clip(_error_body_text(body), redactor or _KEY_SHAPES_ONLY)
+
+
+def _error_body_text(body: bytes) -> str:
     try:
         payload = msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return truncate(body.decode("utf-8", "replace").strip() or "(empty body)")
+        return body.decode("utf-8", "replace").strip() or "(empty body)"
     error = payload.get("error") if isinstance(payload, dict) else None
     if isinstance(error, dict) and error.get("message"):
         kind = error.get("type")
-        return truncate(f"{kind}: {error['message']}" if kind else str(error["message"]))
+        return f"{kind}: {error['message']}" if kind else str(error["message"])
     if isinstance(error, str):
-        return truncate(error)
-    return truncate(body.decode("utf-8", "replace"))
+        return error
+    return body.decode("utf-8", "replace")
 
 
 @contextmanager
-def _errors_mapped(config: ModelConfig, url: str, key: str | None) -> Iterator[None]:
+def _errors_mapped(config: ModelConfig, url: str, redactor: Redactor) -> Iterator[None]:
     """The one place where httpx and stream exceptions become `_AttemptFailed` (with the key redacted)."""
     try:
         yield
     except _AttemptFailed as failure:
-        raise failure.redacted(key) from None
+        raise failure.redacted(redactor) from None
     except StreamError as exc:
         raise _AttemptFailed(f"broken stream from {url}: {exc}", retryable=exc.retryable).redacted(
-            key
+            redactor
         ) from exc
     except httpx.ConnectTimeout as exc:
         msg = f"could not connect to {url} within {config.connect_timeout}s (connect timeout)"
-        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+        raise _AttemptFailed(msg, retryable=True).redacted(redactor) from exc
     except httpx.TimeoutException as exc:
         msg = f"no data from {url} for {config.timeout}s ({type(exc).__name__})"
-        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+        raise _AttemptFailed(msg, retryable=True).redacted(redactor) from exc
     except httpx.ConnectError as exc:
         msg = f"cannot reach {url}: {exc or type(exc).__name__}; is the server running and the URL right?"
-        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+        raise _AttemptFailed(msg, retryable=True).redacted(redactor) from exc
     except (httpx.LocalProtocolError, httpx.UnsupportedProtocol, UnicodeEncodeError) as exc:
         msg = f"could not send the request to {url} ({type(exc).__name__}: {exc}); check the API key and URL"
-        raise _AttemptFailed(msg, retryable=False).redacted(key) from exc
+        raise _AttemptFailed(msg, retryable=False).redacted(redactor) from exc
     except httpx.TransportError as exc:
         msg = f"connection to {url} failed mid-request ({type(exc).__name__}: {exc})"
-        raise _AttemptFailed(msg, retryable=True).redacted(key) from exc
+        raise _AttemptFailed(msg, retryable=True).redacted(redactor) from exc
     except httpx.HTTPError as exc:
         msg = f"could not send the request to {url} ({type(exc).__name__}: {exc})"
-        raise _AttemptFailed(msg, retryable=False).redacted(key) from exc
+        raise _AttemptFailed(msg, retryable=False).redacted(redactor) from exc
 
 
 async def _drain(lines: AsyncIterator[str]) -> None:

@@ -89,7 +89,7 @@ class AnthropicProvider(Provider):
         async for event in events:
             payload = decode_json(event.data)
             if not isinstance(payload, dict):
-                raise StreamError(f"malformed event (expected an object): {event.data[:120]!r}")
+                raise StreamError(f"malformed event (expected an object): {event.data!r}")
             await _apply_event(payload, builder, state)
             if state.stopped:
                 break

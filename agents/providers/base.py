@@ -6,7 +6,9 @@ finished `AssistantMessage` returned). Everything about HTTP itself (retries, li
 cancellation, usage accounting) lives in `agents.llm`; providers never touch the network.
 
 Stream failures are raised as `StreamError` (with `retryable`), never returned as a message: a
-partial stream must not pass for a complete one.
+partial stream must not pass for a complete one. Their text quotes the offending data uncut: the
+engine redacts secrets from it first and only then cuts it to length (a cut first could leave a
+piece of an echoed key that redaction no longer recognises).
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def decode_json(data: str) -> Any:
     try:
         return msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
-        raise StreamError(f"malformed SSE data (expected JSON): {data[:120]!r}") from exc
+        raise StreamError(f"malformed SSE data (expected JSON): {data!r}") from exc
 
 
 # --- assembling a message from deltas ------------------------------------------------------
@@ -255,7 +257,3 @@ def _inline(node: Any, defs: dict[str, Any], seen: tuple[str, ...]) -> Any:
         rest = {k: v for k, v in node.items() if k != "$ref"}
         return {**_inline(defs[name], defs, (*seen, name)), **_inline(rest, defs, seen)}
     return {k: _inline(v, defs, seen) for k, v in node.items() if k not in ("$defs", "definitions")}
-
-
-def truncate(text: str, limit: int = 500) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"

@@ -80,7 +80,7 @@ class OpenAIProvider(Provider):
                 break
             chunk = decode_json(event.data)
             if not isinstance(chunk, dict):
-                raise StreamError(f"malformed chunk (expected an object): {event.data[:120]!r}")
+                raise StreamError(f"malformed chunk (expected an object): {event.data!r}")
             finish = await _apply_chunk(chunk, builder) or finish
         if finish is None and not done:
             raise StreamError("stream ended before completion (no finish_reason, no [DONE])")
