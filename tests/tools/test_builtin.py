@@ -247,7 +247,13 @@ def server() -> Iterator[str]:
     httpd.server_close()
 
 
-async def test_fetch_url(server: str, tmp_path: Path) -> None:
+@pytest.fixture
+def allow_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test servers live on loopback, which fetch_url refuses unless allowed."""
+    monkeypatch.setenv("BUSCTL_FETCH_ALLOW", "127.0.0.1")
+
+
+async def test_fetch_url(server: str, tmp_path: Path, allow_loopback: None) -> None:
     assert (await call(fetch_url, tmp_path, url=f"{server}/text")).text == "héllo"
     assert (await call(fetch_url, tmp_path, url=f"{server}/json")).text == '{"a": 1}'
     image = await call(fetch_url, tmp_path, url=f"{server}/image")
@@ -260,7 +266,9 @@ async def test_fetch_url(server: str, tmp_path: Path) -> None:
     assert big.text == "x" * (1024 * 1024) + "\n[truncated: the body is larger than 1048576 bytes]"
 
 
-async def test_fetch_url_rejects_other_schemes_and_dead_hosts(tmp_path: Path) -> None:
+async def test_fetch_url_rejects_other_schemes_and_dead_hosts(
+    tmp_path: Path, allow_loopback: None
+) -> None:
     file_url = await call(fetch_url, tmp_path, url="file:///etc/passwd")
     assert file_url.is_error and "Expected `str` matching regex '^https?://' - at `$.url`" in file_url.text
     with anyio.fail_after(10):

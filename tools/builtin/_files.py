@@ -6,28 +6,37 @@ anything outside the workspace.
 
 from __future__ import annotations
 
-import fnmatch
+import contextlib
+import itertools
 import os
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple, TextIO
 
 import msgspec
+import re2  # type: ignore[import-untyped]  # no stubs; used through `_grep.Matcher`
 
 from bus.messages import ImagePart
 from tools._context import ToolContext
-from tools._exceptions import ToolError, WorkspaceError
+from tools._exceptions import ToolError
 from tools._tool import tool
+from tools.builtin import _grep
 
 MAX_READ_CHARS = 256 * 1024
 MAX_LINE_CHARS = 2000
 MAX_IMAGE_BYTES = 5 * 1024 * 1024
 MAX_DIR_ENTRIES = 1000
 MAX_MATCHES = 200
-MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024
-SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv",
-                       ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox"})
+#: Seconds a search (or a read) may run; it then stops and says so. Enforced by the tool itself
+#: (checked between lines, or by killing the `re` child process), not by abandoning a thread.
+SEARCH_TIME_LIMIT = 10.0
+READ_TIME_LIMIT = 10.0
+#: Characters a long line is read in: memory stays bounded, whatever the line's length.
+READ_CHUNK_CHARS = 64 * 1024
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a refused pattern is reported to the model, not to stderr
 IMAGE_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
                ".gif": "image/gif", ".webp": "image/webp"}
 
@@ -40,7 +49,7 @@ PathArg = Annotated[
 ]
 
 
-@tool(idempotent=True)
+@tool(idempotent=True, timeout=READ_TIME_LIMIT + 5)
 def read_file(
     path: PathArg,
     ctx: ToolContext,
@@ -48,11 +57,18 @@ def read_file(
     limit: Annotated[
         int, msgspec.Meta(ge=1, le=5000, description="Maximum number of lines to return.")
     ] = 2000,
+    column: Annotated[
+        int,
+        msgspec.Meta(
+            ge=1, description="First character of each line to show (1-based): to read on in a "
+            "line that was cut."
+        ),
+    ] = 1,
 ) -> str | ImagePart:
     """Read a text file from the workspace, optionally a range of lines.
-    Output is capped at 256 KiB (lines over 2000 characters are cut); when more lines follow, the
-    text ends with a note giving the `offset` to continue from. PNG, JPEG, GIF and WebP files are
-    returned as images.
+    Output is capped at 256 KiB; lines over 2000 characters are cut, with a note giving the
+    `column` to read on from. When more lines follow, the text ends with a note giving the
+    `offset` to continue from. PNG, JPEG, GIF and WebP files are returned as images.
     """
     target = _existing(ctx, path)
     if target.is_dir():
@@ -61,7 +77,9 @@ def read_file(
     if mime is not None:
         return _read_image(target, path, mime)
     _refuse_binary(target, path)
-    return _read_lines(target, offset, limit)
+    deadline = time.monotonic() + READ_TIME_LIMIT
+    return _read_lines(target, offset, limit, column,
+                       lambda: ctx.cancelled or time.monotonic() >= deadline)
 
 
 def _read_image(target: Path, path: str, mime: str) -> ImagePart:
@@ -71,22 +89,103 @@ def _read_image(target: Path, path: str, mime: str) -> ImagePart:
     return ImagePart(target.read_bytes(), mime_type=mime)
 
 
-def _read_lines(target: Path, offset: int, limit: int) -> str:
-    lines: list[str] = []
+class _Line(NamedTuple):
+    shown: str  # characters [column-1, column-1+MAX_LINE_CHARS) of the line, without its end
+    length: int  # characters in the line, without its end
+    end: str  # "\n", "\r\n", "\r", or "" for a last line without one
+
+
+class _OutOfTime(Exception):
+    """The read passed READ_TIME_LIMIT (or the call was cancelled)."""
+
+
+def _read_lines(
+    target: Path, offset: int, limit: int, column: int, stop: Callable[[], bool]
+) -> str:
+    out: list[str] = []
     size = 0
+    number = 0
     with target.open(encoding="utf-8", errors="replace", newline="") as f:
-        for number, line in enumerate(f, start=1):
-            if number < offset:
-                continue
-            if len(lines) == limit or size + len(line) > MAX_READ_CHARS:
-                shown = f"lines {offset}-{number - 1}" if lines else "no lines"
-                return "".join(lines) + f"\n[Showing {shown}; more follow: call read_file with offset={number}]"
-            line = line if len(line) <= MAX_LINE_CHARS else line[:MAX_LINE_CHARS] + "…[line cut]\n"
-            lines.append(line)
-            size += len(line)
-    if not lines and offset > 1:
+        try:
+            while (line := _read_line(f, column - 1, stop)) is not None:
+                number += 1
+                if number < offset:
+                    continue
+                text = _shown(line, number, column)
+                if out and size + len(text) > MAX_READ_CHARS:
+                    return "".join(out) + _more_note(offset, number)
+                out.append(text)
+                size += len(text)
+                if len(out) == limit:
+                    return "".join(out) + (_more_note(offset, number + 1) if f.read(1) else "")
+        except _OutOfTime:
+            return _out_of_time(out, offset, number + 1)
+    if not out and offset > 1:
         return f"[offset {offset} is past the end of the file]"
-    return "".join(lines)
+    return "".join(out)
+
+
+def _read_line(f: TextIO, start: int, stop: Callable[[], bool]) -> _Line | None:
+    """The next line, read in chunks that are dropped once seen: memory stays bounded however
+    long the line is. Keeps MAX_LINE_CHARS characters from `start` on. None at end of file."""
+    kept: list[str] = []
+    length = 0
+    while True:
+        if stop():
+            raise _OutOfTime
+        chunk = f.readline(READ_CHUNK_CHARS)
+        if not chunk:
+            return _Line("".join(kept), length, "") if length else None
+        body, end = _split_end(f, chunk)
+        lo = start - length
+        kept.append(body[max(lo, 0):max(lo + MAX_LINE_CHARS, 0)])
+        length += len(body)
+        if end or len(chunk) < READ_CHUNK_CHARS:  # a line end, or the end of the file
+            return _Line("".join(kept), length, end)
+
+
+def _split_end(f: TextIO, chunk: str) -> tuple[str, str]:
+    for end in ("\r\n", "\n"):
+        if chunk.endswith(end):
+            return chunk[: -len(end)], end
+    if not chunk.endswith("\r"):
+        return chunk, ""
+    if len(chunk) == READ_CHUNK_CHARS:  # the chunk limit may have split a "\r\n"
+        position = f.tell()
+        if f.read(1) == "\n":
+            return chunk[:-1], "\r\n"
+        f.seek(position)
+    return chunk[:-1], "\r"
+
+
+def _shown(line: _Line, number: int, column: int) -> str:
+    if column == 1 and len(line.shown) == line.length:
+        return line.shown + line.end
+    if not line.shown:
+        return f"[line {number} has {line.length} characters; column {column} is past its end]\n"
+    last = column - 1 + len(line.shown)
+    more = (f"; call read_file with offset={number}, limit=1, column={last + 1} to read on"
+            if last < line.length else "")
+    return (f"{line.shown}…[line {number} cut: showing characters {column}-{last} "
+            f"of {line.length}{more}]\n")
+
+
+def _more_note(offset: int, next_line: int) -> str:
+    return (f"\n[Showing lines {offset}-{next_line - 1}; more follow: call read_file with "
+            f"offset={next_line}]")
+
+
+def _out_of_time(out: list[str], offset: int, number: int) -> str:
+    if not out:
+        raise ToolError(
+            f"read_file stopped at its {READ_TIME_LIMIT:g}s time limit while reading line "
+            f"{number}, before reaching offset {offset}; the file is too large to read this far "
+            f"by lines"
+        )
+    return "".join(out) + (
+        f"\n[Showing lines {offset}-{number - 1}; read_file stopped at its {READ_TIME_LIMIT:g}s "
+        f"time limit in line {number}: call read_file with offset={number} to continue]"
+    )
 
 
 @tool(idempotent=True)
@@ -135,7 +234,7 @@ def _describe_entry(entry: os.DirEntry[str]) -> str:
     return f"{entry.name}  ({entry.stat().st_size} bytes)"
 
 
-@tool(idempotent=True)
+@tool(idempotent=True, timeout=SEARCH_TIME_LIMIT + 5)
 def search_files(
     pattern: Annotated[
         str, msgspec.Meta(min_length=1, description="Python regular expression searched in each line.")
@@ -153,56 +252,60 @@ def search_files(
     ] = None,
 ) -> str:
     """Search workspace text files for lines matching a regular expression.
-    Returns one `path:line: text` per match, stopping after 200 matches. Skips binary files,
-    files over 2 MiB and directories such as `.git` and `node_modules`.
+    Returns one `path:line: text` per match, stopping after 200 matches or 10 seconds. Skips
+    binary files, files over 2 MiB and directories such as `.git` and `node_modules`. Patterns
+    run on RE2 (linear time; `\\d`, `\\w`, `\\b` match ASCII only); ones RE2 lacks, such as
+    backreferences and lookarounds, run on Python's `re` in a separate process.
     """
+    regex, re2_refusal = _compile(pattern)
+    root = _existing(ctx, path)
+    deadline = time.monotonic() + SEARCH_TIME_LIMIT
+
+    def stop() -> bool:
+        return ctx.cancelled or time.monotonic() >= deadline
+
+    if regex is not None:
+        hits = _grep.matches(ctx.workspace, root, glob, regex, stop)
+    else:
+        hits = _grep.matches_in_child(pattern, ctx.workspace, root, glob, stop, SEARCH_TIME_LIMIT)
+    with contextlib.closing(hits):  # closing stops (kills) a child search
+        try:
+            found = list(itertools.islice(hits, MAX_MATCHES + 1))
+        except RuntimeError as exc:
+            raise ToolError(f"Searching for `{pattern}` failed in the `re` process: {exc}") from exc
+    timed_out = time.monotonic() >= deadline and len(found) <= MAX_MATCHES
+    return _search_report(pattern, found, timed_out, re2_refusal)
+
+
+def _compile(pattern: str) -> tuple[_grep.Matcher | None, str]:
+    """RE2's compiled pattern, or None and RE2's reason when only Python's `re` can run it."""
     try:
-        regex = re.compile(pattern)
+        re.compile(pattern)  # the tool promises Python syntax: its errors are the ones to show
     except re.error as exc:
         raise ToolError(f"Invalid regular expression `{pattern}`: {exc}") from exc
-    root = _existing(ctx, path)
-    matches: list[str] = []
-    for file in _walk(ctx, root, glob):
-        if ctx.cancelled:
-            break
-        matches.extend(_grep(ctx, file, regex, MAX_MATCHES + 1 - len(matches)))
-        if len(matches) > MAX_MATCHES:
-            return "\n".join(matches[:MAX_MATCHES]) + f"\n[stopped after {MAX_MATCHES} matches]"
-    return "\n".join(matches) if matches else f"No matches for `{pattern}`"
-
-
-def _walk(ctx: ToolContext, root: Path, glob: str | None) -> Iterator[Path]:
-    if root.is_file():
-        yield root
-        return
-    for directory, dirs, files in os.walk(root):  # does not follow symlinked directories
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-        for name in sorted(files):
-            file = Path(directory, name)
-            if glob is None or _glob_match(glob, _rel(ctx, file), name):
-                yield file
-
-
-def _glob_match(glob: str, rel: str, name: str) -> bool:
-    return fnmatch.fnmatch(rel if "/" in glob else name, glob)
-
-
-def _grep(ctx: ToolContext, file: Path, regex: re.Pattern[str], room: int) -> list[str]:
-    rel = _rel(ctx, file)
     try:
-        file = ctx.resolve_path(file)  # a symlink may point outside
-        if not file.is_file() or file.stat().st_size > MAX_SEARCH_FILE_BYTES or _is_binary(file):
-            return []
-        text = file.read_text(encoding="utf-8", errors="replace")
-    except (WorkspaceError, OSError):
-        return []
-    found: list[str] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if regex.search(line):
-            found.append(f"{rel}:{number}: {line[:300]}")
-            if len(found) >= room:
-                break
-    return found
+        return re2.compile(pattern, _RE2_OPTIONS), ""
+    except re2.error as exc:
+        reason = exc.args[0] if exc.args else exc
+        return None, reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+
+
+def _search_report(pattern: str, found: list[str], timed_out: bool, re2_refusal: str) -> str:
+    if len(found) > MAX_MATCHES:
+        return "\n".join(found[:MAX_MATCHES]) + f"\n[stopped after {MAX_MATCHES} matches]"
+    if timed_out and found:
+        return "\n".join(found) + (
+            f"\n[stopped at the {SEARCH_TIME_LIMIT:g}s time limit; narrow `path` or `glob` to "
+            f"search the rest]"
+        )
+    if timed_out:
+        why = (f" The pattern needs Python's backtracking `re` (RE2: {re2_refusal}), which can "
+               f"take exponential time; simplify it." if re2_refusal else "")
+        raise ToolError(
+            f"search_files stopped at its {SEARCH_TIME_LIMIT:g}s time limit before finding "
+            f"`{pattern}`; narrow `path` or `glob`.{why}"
+        )
+    return "\n".join(found) if found else f"No matches for `{pattern}`"
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -215,6 +318,10 @@ def _existing(ctx: ToolContext, path: str) -> Path:
     return target
 
 
+def _rel(ctx: ToolContext, target: Path) -> str:
+    return _grep.relative(ctx.workspace, target)
+
+
 def _is_binary(file: Path) -> bool:
     with file.open("rb") as f:
         return b"\0" in f.read(8192)
@@ -224,9 +331,3 @@ def _refuse_binary(target: Path, path: str) -> None:
     if _is_binary(target):
         raise ToolError(f"`{path}` looks like a binary file (it contains NUL bytes); not shown")
 
-
-def _rel(ctx: ToolContext, target: Path) -> str:
-    try:
-        return target.relative_to(ctx.workspace).as_posix() or "."
-    except ValueError:
-        return str(target)

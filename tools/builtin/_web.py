@@ -1,7 +1,15 @@
-"""fetch_url: GET a web page or text resource over HTTP(S), size- and time-limited, text only."""
+"""fetch_url: GET a web page or text resource over HTTP(S), size- and time-limited, text only.
+
+Every hop (the URL and each redirect) is resolved and checked by `_netguard` before anything is
+sent, then requested from the checked address: loopback, private and other internal addresses are
+refused unless the worker's `BUSCTL_FETCH_ALLOW` lists them. Redirects are therefore followed here,
+not by httpx, and proxies from the environment are ignored (a proxy would do its own resolving).
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 import anyio
@@ -10,9 +18,11 @@ import msgspec
 
 from tools._exceptions import ToolError
 from tools._tool import tool
+from tools.builtin import _netguard
 
 MAX_FETCH_BYTES = 1024 * 1024
 FETCH_TIME_LIMIT = 20.0
+MAX_REDIRECTS = 5
 USER_AGENT = "agent-bus-fetch/0.1"
 _TEXT_TYPES = ("application/json", "application/xml", "application/javascript",
                "application/xhtml+xml", "application/x-yaml", "application/yaml", "application/toml")
@@ -29,25 +39,75 @@ async def fetch_url(
 ) -> str:
     """Fetch a URL with HTTP GET and return the response body as text.
     Only text responses (text/*, JSON, XML, JavaScript, YAML) are returned; bodies over 1 MiB are
-    cut, redirects are followed, and the whole fetch must finish within 20 seconds. HTML is
-    returned as-is, not rendered.
+    cut, up to 5 redirects are followed, and the whole fetch must finish within 20 seconds. HTML
+    is returned as-is, not rendered. Only public addresses are reached: loopback, private and
+    link-local hosts are refused unless the worker allows them.
     """
+    rules = _netguard.allow_list_from_env()
     try:
         with anyio.fail_after(FETCH_TIME_LIMIT):
-            return await _fetch(url)
+            return await _fetch(url, rules)
     except TimeoutError as exc:
         raise ToolError(f"Fetching `{url}` timed out after {FETCH_TIME_LIMIT:g}s") from exc
-    except httpx.HTTPError as exc:  # the one place httpx errors enter: map them to a message
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:  # the one place httpx errors enter
         raise ToolError(f"Cannot fetch `{url}`: {type(exc).__name__}: {exc}") from exc
 
 
-async def _fetch(url: str) -> str:
-    headers = {"User-Agent": USER_AGENT, "Accept": "text/*, application/json;q=0.9, */*;q=0.1"}
-    async with httpx.AsyncClient(follow_redirects=True, max_redirects=5, timeout=10.0) as client:
-        async with client.stream("GET", url, headers=headers) as response:
-            _check_response(url, response)
-            body, truncated = await _read_capped(response, MAX_FETCH_BYTES)
-            text = _decode(body, response.encoding)
+async def _fetch(url: str, rules: list[_netguard.AllowRule]) -> str:
+    # No keep-alive: a pooled connection, keyed by address, must not carry a second host name.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False, limits=limits) as client:
+        target = httpx.URL(url)
+        for hop in range(MAX_REDIRECTS + 1):
+            try:
+                request = await _pinned_request(client, target, rules)
+            except ToolError as exc:
+                if hop == 0:
+                    raise
+                raise ToolError(f"`{url}` redirected to `{target}`: {exc}") from exc
+            async with _sent(client, request) as response:
+                location = response.headers.get("location") if response.is_redirect else None
+                if location is None:
+                    return await _body(url, response)
+            target = _next_hop(url, target, location)
+    raise ToolError(f"`{url}` redirected more than {MAX_REDIRECTS} times; fetch the final URL")
+
+
+async def _pinned_request(
+    client: httpx.AsyncClient, target: httpx.URL, rules: list[_netguard.AllowRule]
+) -> httpx.Request:
+    """A GET of `target` sent to the checked address, with the name's Host header and TLS SNI."""
+    host = target.raw_host.decode("ascii")
+    port = target.port or (443 if target.scheme == "https" else 80)
+    address = _netguard.pick_address(host, port, await _netguard.resolve(host, port), rules)
+    headers = {"Host": target.netloc.decode("ascii"), "User-Agent": USER_AGENT,
+               "Accept": "text/*, application/json;q=0.9, */*;q=0.1"}
+    extensions = {"sni_hostname": host} if target.scheme == "https" else {}
+    return client.build_request("GET", target.copy_with(host=str(address)), headers=headers,
+                                extensions=extensions)
+
+
+@contextlib.asynccontextmanager
+async def _sent(client: httpx.AsyncClient, request: httpx.Request) -> AsyncIterator[httpx.Response]:
+    """The streamed response to `request`, closed on the way out."""
+    response = await client.send(request, stream=True)
+    try:
+        yield response
+    finally:
+        await response.aclose()
+
+
+def _next_hop(url: str, current: httpx.URL, location: str) -> httpx.URL:
+    target = current.join(location)
+    if target.scheme not in ("http", "https"):
+        raise ToolError(f"`{url}` redirected to `{target}`; fetch_url only follows http(s) URLs")
+    return target
+
+
+async def _body(url: str, response: httpx.Response) -> str:
+    _check_response(url, response)
+    body, truncated = await _read_capped(response, MAX_FETCH_BYTES)
+    text = _decode(body, response.encoding)
     if truncated:
         text += f"\n[truncated: the body is larger than {MAX_FETCH_BYTES} bytes]"
     return text

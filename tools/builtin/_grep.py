@@ -1,0 +1,172 @@
+"""The search behind `search_files`: walk the workspace, read text files, match lines.
+
+Standard library only, because this file also runs on its own as a child process
+(`python -I _grep.py`, the spec as JSON on stdin, one JSON match per stdout line): a pattern RE2
+cannot compile (backreferences, lookarounds) is matched by Python's backtracking `re` there, where
+a runaway match holds only the child's GIL and is killed at the deadline (`matches_in_child`).
+The child also caps its own CPU time and memory, in case the worker dies without killing it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024
+MAX_SHOWN_CHARS = 300
+SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv",
+                       ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox"})
+#: How often the parent wakes to check its deadline while the child is silent.
+POLL_SECONDS = 0.05
+CHILD_MEMORY_BYTES = 1024 * 1024 * 1024
+
+
+class Matcher(Protocol):
+    """A compiled pattern (an `re` or `re2` one): only `search` is used."""
+
+    def search(self, string: str) -> Any: ...
+
+
+# --- the search (in-process, or inside the child) ----------------------------------------------
+
+
+def matches(
+    workspace: Path, root: Path, glob: str | None, matcher: Matcher, stop: Callable[[], bool]
+) -> Iterator[str]:
+    """Yield `path:line: text` for every matching line, until done or `stop()` is true.
+
+    `stop` is asked before each file and each line, so the search ends within one line's match
+    time of its deadline (with RE2, linear in the line, which is at most 2 MiB).
+    """
+    for file in walk(workspace, root, glob):
+        if stop():
+            return
+        text = _searchable_text(workspace, file)
+        if text is None:
+            continue
+        rel = relative(workspace, file)
+        for number, line in enumerate(text.splitlines(), start=1):
+            if stop():
+                return
+            if matcher.search(line):
+                yield f"{rel}:{number}: {line[:MAX_SHOWN_CHARS]}"
+
+
+def walk(workspace: Path, root: Path, glob: str | None) -> Iterator[Path]:
+    if root.is_file():
+        yield root
+        return
+    for directory, dirs, files in os.walk(root):  # does not follow symlinked directories
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for name in sorted(files):
+            file = Path(directory, name)
+            if glob is None or _glob_match(glob, relative(workspace, file), name):
+                yield file
+
+
+def _glob_match(glob: str, rel: str, name: str) -> bool:
+    return fnmatch.fnmatch(rel if "/" in glob else name, glob)
+
+
+def _searchable_text(workspace: Path, file: Path) -> str | None:
+    """The text, or None to skip the file: outside (via a symlink), big, binary or unreadable."""
+    try:
+        real = file.resolve()
+        if real != workspace and not real.is_relative_to(workspace):
+            return None
+        if not real.is_file() or real.stat().st_size > MAX_SEARCH_FILE_BYTES:
+            return None
+        data = real.read_bytes()
+    except OSError:
+        return None
+    if b"\0" in data[:8192]:
+        return None
+    return data.decode("utf-8", errors="replace")
+
+
+def relative(workspace: Path, target: Path) -> str:
+    try:
+        return target.relative_to(workspace).as_posix() or "."
+    except ValueError:
+        return str(target)
+
+
+# --- the child process -------------------------------------------------------------------------
+
+
+def matches_in_child(
+    pattern: str, workspace: Path, root: Path, glob: str | None, stop: Callable[[], bool],
+    cpu_seconds: float,
+) -> Iterator[str]:
+    """`matches` with Python's `re`, run in a child process that is killed when `stop()` is true
+    or the caller stops iterating. Raises RuntimeError if the child fails."""
+    spec = {"pattern": pattern, "workspace": str(workspace), "root": str(root), "glob": glob,
+            "cpu_seconds": math.ceil(cpu_seconds) + 1}
+    child = subprocess.Popen(
+        [sys.executable, "-I", "-S", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None  # opened with PIPE
+        child.stdin.write(json.dumps(spec).encode())
+        child.stdin.close()
+        yield from _child_lines(child.stdout.fileno(), stop)
+        if not stop() and child.wait() != 0:
+            assert child.stderr is not None
+            error = child.stderr.read().decode(errors="replace").strip().splitlines()
+            raise RuntimeError(error[-1] if error else f"exit code {child.returncode}")
+    finally:
+        child.kill()  # no-op once it exited; a runaway `re` is stopped here
+        child.wait()
+        for stream in (child.stdin, child.stdout, child.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _child_lines(fd: int, stop: Callable[[], bool]) -> Iterator[str]:
+    pending = b""
+    while not stop():
+        ready, _, _ = select.select([fd], [], [], POLL_SECONDS)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            yield json.loads(line)
+
+
+def _child_main() -> None:
+    spec = json.load(sys.stdin)
+    _limit_self(spec["cpu_seconds"])
+    matcher = re.compile(spec["pattern"])
+    workspace = Path(spec["workspace"])
+    for hit in matches(workspace, Path(spec["root"]), spec["glob"], matcher, lambda: False):
+        # JSON keeps every line on one stdout line, whatever separators the text holds.
+        sys.stdout.write(json.dumps(hit) + "\n")
+        sys.stdout.flush()
+
+
+def _limit_self(cpu_seconds: int) -> None:
+    """If the worker dies without killing us, the kernel ends a runaway match (SIGXCPU)."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+
+
+if __name__ == "__main__":
+    try:
+        _child_main()
+    except BrokenPipeError:  # the parent stopped reading: it has what it needs
+        sys.exit(0)
