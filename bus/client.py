@@ -544,7 +544,7 @@ class Peer:
         if kind in _REPLY_KINDS:
             call = self._pending.get(header.id)
             if call is None:
-                self._count("stale_replies")
+                self._on_unmatched(header)
                 return
             if kind != p.PARTIAL:
                 del self._pending[header.id]
@@ -562,6 +562,16 @@ class Peer:
             self._lost.set()
         elif kind != p.HEARTBEAT:
             self._count("unknown_kind")
+
+    def _on_unmatched(self, header: p.Header) -> None:
+        """An answer to no pending call: late (stale), or the hub refusing one of our events."""
+        if header.code != p.LOG_UNAVAILABLE:
+            self._count("stale_replies")
+            return
+        self._count("events_refused")
+        n = self.counters["events_refused"]
+        if n == 1 or n % 1000 == 0:
+            log.warning("%s: the hub refused an event (#%d): %s", self.name, n, header.error)
 
     def _on_welcome(self, welcome: p.Welcome) -> None:
         self.welcome = welcome

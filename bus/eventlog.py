@@ -7,6 +7,7 @@ commit is in the WAL file); only an OS crash or power loss can lose the last com
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -55,13 +56,21 @@ class EventLog:
         return int(row[0] or 0)
 
     def append(self, rows: list[Row]) -> None:
+        """Append `rows` in one transaction: all of them or none (then the SQLite error is raised).
+
+        On SQLITE_FULL or an I/O error SQLite may already have rolled the transaction back
+        itself; a second ROLLBACK would then raise "no transaction is active" and hide the cause.
+        """
         self._db.execute("BEGIN")
         try:
             self._db.executemany("INSERT INTO events VALUES (?,?,?,?,?,?,?,?)", rows)
+            self._db.execute("COMMIT")
         except BaseException:
-            self._db.execute("ROLLBACK")
+            if self._db.in_transaction:
+                # the first error is the one to report; a failing ROLLBACK would only hide it
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
             raise
-        self._db.execute("COMMIT")
 
     def read(self, since: int, limit: int) -> list[tuple[int, bytes, bytes]]:
         """Events with seq > since, oldest first: (seq, header, body)."""

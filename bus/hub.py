@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import signal
+import sqlite3
 import sys
 import time
 from collections import deque
@@ -39,6 +40,7 @@ TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
 PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
 PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
+LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
 
 # pyzmq's `send_multipart` costs ~3 us per message in Python-level flag (enum) handling; the
 # backend's `send` with plain int flags costs ~0.2 us per frame. Received frames are copied into
@@ -170,6 +172,11 @@ class Hub:
         self._rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
         self._topic_cache: dict[tuple[str, str, str], bytes] = {}
         self._stopping = False
+        # Event log not writable (disk full, I/O error): events are refused, not stamped, until
+        # a retry every LOG_RETRY seconds succeeds. `_log_error` says why (shown in status).
+        self._log_error = ""
+        self._refusing = False
+        self._log_retry_at = math.inf
         state = Path(config.state_dir) if config.state_dir else None
         self.log = EventLog(state / "events.db" if state else None)
         self.seq = self.log.last_seq()
@@ -257,6 +264,9 @@ class Hub:
                 self._probe()
                 next_probe = now + PROBE_EVERY if now < self._probe_until else math.inf
             if now >= next_tick:
+                if now >= self._log_retry_at:
+                    self._refusing = False  # let the next batch try the log again
+                    self._log_retry_at = math.inf
                 self._expire(now)
                 self._expire_peers(now)
                 next_tick = now + TICK
@@ -497,6 +507,10 @@ class Hub:
                   frames: list[bytes]) -> None:
         if len(frames) != 4 or not header.type:
             self._reject("malformed", ident, "event needs a type and exactly one body frame")
+            return
+        if self._refusing:
+            self.counters.bump("events_refused")
+            self._send_error(ident, header.id, p.LOG_UNAVAILABLE, self._log_refusal())
             return
         body = frames[3]
         if not isinstance(body, bytes):
@@ -765,6 +779,9 @@ class Hub:
         return topic
 
     def _emit(self, event: ev.Event) -> None:
+        if self._refusing:  # the hub's own events are refused like anyone's (counted)
+            self.counters.bump("events_refused")
+            return
         header = p.Header(kind=p.EVENT, id=p.new_id(), type=ev.event_type(event), peer="hub",
                           session=self.session)
         self._stamp(header, ev.encode_event(event))
@@ -773,10 +790,11 @@ class Hub:
         rows = self._rows
         if not rows:
             return
-        self.log.append(rows)  # durable before anyone can see it
         topics = self._topics
         self._rows = []
         self._topics = []
+        if not self._append(rows):
+            return
         self.counters.bump("events", len(rows))
         pub = self.pub
         sig = p.SIGNATURE
@@ -792,6 +810,53 @@ class Hub:
                 dropped += 1
         if dropped:
             self.counters.bump("publish_dropped_hwm", dropped)
+
+    def _append(self, rows: list[Row]) -> bool:
+        """Log the batch (durable before anyone can see it); False when it was refused instead."""
+        try:
+            self.log.append(rows)
+        except sqlite3.Error as exc:
+            return self._append_failed(rows, exc)
+        if self._log_error:
+            log.warning("event log %s is writable again; logging and publishing events",
+                        self.log.path)
+            self._log_error = ""
+        return True
+
+    def _append_failed(self, rows: list[Row], exc: sqlite3.Error) -> bool:
+        """The batch is not in the log: give its seqs back (the log stays gap-free), refuse its
+        events with an error to each publisher, and refuse new ones until a retry succeeds."""
+        try:  # an error raised after COMMIT (a checkpoint) leaves the batch logged
+            if self.log.last_seq() >= rows[-1][0]:
+                return True
+        except sqlite3.Error:
+            pass  # unreadable too: the batch counts as not logged
+        self.seq = rows[0][0] - 1
+        self.counters.bump("log_write_errors")
+        self.counters.bump("events_refused", len(rows))
+        if not self._log_error:  # say it once per episode, not once per retry
+            log.error("event log %s cannot be written (%s); refusing events with `%s` until it "
+                      "can, retrying every %.0f s", self.log.path or ":memory:", exc,
+                      p.LOG_UNAVAILABLE, LOG_RETRY)
+        self._log_error = f"event log cannot be written: {exc}"
+        self._refusing = True
+        self._log_retry_at = time.monotonic() + LOG_RETRY
+        self._refuse_batch(rows)
+        return False
+
+    def _refuse_batch(self, rows: list[Row]) -> None:
+        idents = {peer.id: peer.ident for peer in self.peers.values()}
+        text = self._log_refusal()
+        for row in rows:
+            header = _decode_header(row[6])
+            ident = idents.get(header.peer)
+            if ident is not None:  # the hub's own events have no publisher to tell
+                self._send_error(ident, header.id, p.LOG_UNAVAILABLE, text)
+
+    def _log_refusal(self) -> str:
+        return (f"event refused, neither logged nor published: {self._log_error}; free space "
+                f"for the hub's `state_dir` ({self.config.state_dir or 'in memory'}); the hub "
+                f"retries every {LOG_RETRY:g} s and resumes logging by itself")
 
     # --- built-in services ---------------------------------------------------------------
 
@@ -853,7 +918,7 @@ class Hub:
             counters.update(self._auth.counters())  # auth_refused: refused CURVE handshakes
         return p.Status(self.session, self.endpoint, self.events_endpoint,
                         time.time() - self.started, self.seq, peers, services, counters,
-                        self.config.state_dir)
+                        self.config.state_dir, self._log_error)
 
 
 def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:

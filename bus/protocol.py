@@ -48,6 +48,8 @@ OVERLOADED: Final = "overloaded"
 BAD_REQUEST: Final = "bad_request"
 HANDLER_ERROR: Final = "handler_error"
 HUB_LOST: Final = "hub_lost"
+LOG_UNAVAILABLE: Final = "log_unavailable"  # hub -> publisher: event refused, log not writable
+UNAUTHORIZED: Final = "unauthorized"  # hub -> peer: its CURVE key is no longer authorised
 
 # Services the hub serves itself.
 HUB_STATUS: Final = "hub.status"
@@ -166,6 +168,7 @@ class Status(msgspec.Struct, omit_defaults=True):
     services: list[ServiceInfo]
     counters: dict[str, int]
     state_dir: str = ""
+    log_error: str = ""  # why events are being refused (event log not writable); "" when fine
 
 
 # --- codecs: one encoder/decoder per type, built once --------------------------------------
