@@ -30,7 +30,7 @@ from agents.llm import LlmEngine, ModelConfig
 from agents.remote import connect as connect_agents
 from bus.client import connect
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text
-from bus.redact import FRAGMENT, MARK, Redactor, clip
+from bus.redact import FRAGMENT, MARK, Redactor, clip, log_redaction
 from tests.gateway.conftest import FAST_RETRY, RetryLog, request
 from tests.support import Proc, busctl, py
 
@@ -99,6 +99,20 @@ def test_clip_redacts_before_it_cuts() -> None:
     assert leaks(text[:500], key)  # cutting first would leave a 10-character piece…
     clipped = clip(text, Redactor([key]))
     assert leaks(clipped, key) == [] and clipped == "x" * 490 + MARK  # …redacting first leaves none
+
+
+def test_log_redaction_covers_any_logger_args_and_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    key = "Zq9" + secrets.token_urlsafe(30)
+    caplog.set_level(logging.INFO)
+    with log_redaction(Redactor([key])):
+        logging.getLogger("some.library").warning("sent %s", {"headers": {"x": key[:20]}})
+        try:
+            raise ValueError(f"bad key {key}")
+        except ValueError:
+            logging.getLogger("other").exception("failed")
+    logging.getLogger("after").info("plain %s", key)  # the factory is restored on exit
+    assert caplog.text.count(MARK) == 2 and "ValueError: bad key ***" in caplog.text
+    assert leaks(caplog.text.split("plain")[0], key) == [] and f"plain {key}" in caplog.text
 
 
 # --- the fake's quirk ----------------------------------------------------------------------
