@@ -183,6 +183,7 @@ class Hub:
         self.ctx = zmq.Context()
         self._auth = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
+        self._keys_generation = 0  # the authenticator's key set last checked (see _drop_revoked)
         self.router = self.ctx.socket(zmq.ROUTER)
         # XPUB: subscriptions reach the hub, which answers each new one with an event-socket
         # heartbeat at once, so a subscriber knows within milliseconds that it is in place.
@@ -269,6 +270,7 @@ class Hub:
                     self._log_retry_at = math.inf
                 self._expire(now)
                 self._expire_peers(now)
+                self._drop_revoked()
                 next_tick = now + TICK
             if now >= next_beat:
                 self._beat(now)
@@ -339,6 +341,8 @@ class Hub:
         if handler is None:
             return self._reject("unknown_kind", ident, f"kind {header.kind[:32]!r}")
         peer = self.peers.get(ident)
+        if (peer is None or header.kind == p.HELLO) and self._refuse_revoked(ident, peer, header):
+            return None
         if peer is None and header.kind != p.HELLO:
             departed = self._departed.get(ident)
             if departed is not None and self._on_departed(ident, departed[1], header, frames):
@@ -360,6 +364,25 @@ class Hub:
             peer.last_seen = time.monotonic()
         handler(self, ident, peer, header, frames)
         return None
+
+    def _refuse_revoked(self, ident: bytes, peer: PeerState | None, header: p.Header) -> bool:
+        """With CURVE: refuse a hello, or anything from a peer the hub does not know, that comes
+        on a connection whose key was removed from the authorised keys after its handshake (ZAP
+        only checks at the handshake). Known peers are dropped by `_drop_revoked` instead, so
+        their hot path pays nothing. The sender is told to reconnect; ZAP refuses that."""
+        auth = self._auth
+        if auth is None or not self._user_id or auth.is_authorized(self._user_id):
+            return False
+        if peer is not None:
+            self._drop_peer(peer, "its CURVE key is no longer authorised")
+        who = curve_peer_id(self._user_id, ident)
+        self._reject("revoked_key", ident, f"{header.kind} from {who}, whose key was revoked")
+        if header.kind == p.REQUEST and header.id:
+            self._send_error(ident, header.id, p.UNAUTHORIZED,
+                             f"the CURVE key of {who} is no longer authorised by this hub (put "
+                             "its `.key` file back in the hub's authorised directory)")
+        self._send([ident, p.SIGNATURE, self._reconnect_header])
+        return True
 
     def _on_departed(self, ident: bytes, peer: PeerState, header: p.Header,
                      frames: list[bytes]) -> bool:
@@ -673,6 +696,26 @@ class Hub:
             self.counters.bump("peers_expired")
             self._drop_peer(peer, f"missed {self.config.liveness} heartbeats")
 
+    def _drop_revoked(self) -> None:
+        """After a reload changed the authorised keys: drop the live peers whose key is gone
+        (their calls are re-dispatched or failed `peer_lost`, as for any lost peer), forget the
+        departed ones, and tell each to reconnect, which ZAP then refuses."""
+        auth = self._auth
+        if auth is None or auth.generation == self._keys_generation:
+            return
+        self._keys_generation = auth.generation
+        for ident in [i for i, (_, peer) in self._departed.items()
+                      if not auth.is_authorized(peer.user_id)]:
+            del self._departed[ident]
+        revoked = [peer for peer in self.peers.values() if not auth.is_authorized(peer.user_id)]
+        for peer in revoked:
+            self.counters.bump("peers_revoked")
+            self._drop_peer(peer, "its CURVE key was removed from the authorised keys")
+            self._send([peer.ident, p.SIGNATURE, self._reconnect_header])
+        if revoked:
+            log.warning("dropped %d peer(s) whose CURVE key was revoked: %s", len(revoked),
+                        ", ".join(f"{peer.hello.name} ({peer.id})" for peer in revoked))
+
     def _beat(self, now: float) -> None:
         self._expire_peers(now)
         for ident in list(self.peers):
@@ -928,7 +971,7 @@ def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
     signal.signal(signal.SIGINT, lambda *_: hub.stop())
     auth = hub._auth
     if auth is not None:  # re-read the authorised keys now (they are also polled)
-        signal.signal(signal.SIGHUP, lambda *_: auth.reload())
+        signal.signal(signal.SIGHUP, lambda *_: auth.request_reload())
     line = {"ready": "hub", "endpoint": hub.endpoint, "events": hub.events_endpoint,
             "pid": os.getpid(), "seq": hub.seq}
     print(json.dumps(line), flush=True)

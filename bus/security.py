@@ -2,8 +2,10 @@
 
 Key files use pyzmq's certificate format (`zmq.auth.create_certificates`). A hub with a
 `CurveServer` encrypts both of its sockets and admits only clients whose public key file is in
-`authorized_dir`; the directory is re-read when it changes (polled) and on `reload()` (the hub
-calls it on SIGHUP), so adding or removing a key needs no restart.
+`authorized_dir`; the directory is re-read when it changes (polled) and on `request_reload()`
+(the hub calls it on SIGHUP), so adding or removing a key needs no restart. ZAP only runs at the
+handshake: when a key is removed, the hub itself drops the live peers that authenticated with it
+(it watches `generation`) and refuses whatever else arrives on their connections.
 
 Who a peer is: with CURVE, libzmq attaches the ZAP `User-Id` to every message of an
 authenticated connection; ours is the client's public key in Z85 (pyzmq's default
@@ -36,7 +38,8 @@ from zmq.auth.thread import ThreadAuthenticator
 log = logging.getLogger("bus.security")
 
 ZAP_DOMAIN = "agent-bus"
-RELOAD_POLL = 0.5  # seconds between checks of the authorised-keys directory
+RELOAD_POLL = 0.25  # seconds between checks of the authorised-keys directory (a removed key's
+# peers are dropped within this + the hub's 0.1 s tick: inside one default heartbeat interval)
 KEY_ID_CHARS = 12  # Z85 characters of the client key shown in a peer id
 
 
@@ -132,7 +135,9 @@ class KeyDirAuthenticator:
         self._refused = 0
         self._accepted = 0
         self._reloads = 0
+        self.generation = 0  # bumped whenever the set of keys changes (read by the hub loop)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by request_reload() and stop()
         self._poll_interval = poll_interval
         self._watcher = threading.Thread(target=self._watch, name="curve-keys", daemon=True)
 
@@ -146,6 +151,7 @@ class KeyDirAuthenticator:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._auth.stop()
         if self._watcher.is_alive():
             self._watcher.join(2)
@@ -172,10 +178,22 @@ class KeyDirAuthenticator:
                 keys.add(public)
             if keys != self._keys or self._stamp is None:
                 log.info("authorised CURVE keys: %d (from %s)", len(keys), self.directory)
+            if keys != self._keys:
+                self.generation += 1
             self._keys = frozenset(keys)
             self._stamp = stamp
             self._reloads += 1
             return len(keys)
+
+    def request_reload(self) -> None:
+        """Have the watcher thread reload now. Safe in a signal handler: it takes no lock that
+        the interrupted thread may hold (`reload()` itself would deadlock on `_lock` if the
+        signal landed inside `counters()`)."""
+        self._wake.set()
+
+    def is_authorized(self, user_id: str) -> bool:
+        """Whether the key behind a ZAP User-Id (the client key in Z85) is still authorised."""
+        return user_id.encode("ascii", "replace") in self._keys
 
     def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq credentials provider: called in the ZAP thread with the client's Z85 key."""
@@ -216,9 +234,13 @@ class KeyDirAuthenticator:
             return None
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll_interval):
+        while True:
+            asked = self._wake.wait(self._poll_interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
-                if self._dir_stamp() != self._stamp:
+                if asked or self._dir_stamp() != self._stamp:
                     self.reload()
             except Exception:  # the watcher must outlive a bad file or a vanished directory
                 log.exception("reloading %s failed", self.directory)

@@ -1,6 +1,7 @@
 """A serving peer in its own process, for tests that must SIGKILL it.
 
     python tests/bus/peer_proc.py ENDPOINT [--name N] [--capacity C] [--idempotent]
+                                  [--curve-server-key HUB.key --curve-key CLIENT.key_secret]
 
 Serves `echo` (waits `delay` seconds from the JSON body, then replies with this process's pid
 and the most requests it ever held at once), `slow` (sleeps the body's seconds; prints
@@ -20,6 +21,7 @@ import anyio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bus.client import IncomingRequest, connect  # noqa: E402
+from bus.security import CurveClient  # noqa: E402
 
 
 async def main() -> None:
@@ -28,7 +30,11 @@ async def main() -> None:
     parser.add_argument("--name", default=f"peer-{os.getpid()}")
     parser.add_argument("--capacity", type=int, default=1)
     parser.add_argument("--idempotent", action="store_true")
+    parser.add_argument("--curve-server-key", default="")
+    parser.add_argument("--curve-key", default="")
     args = parser.parse_args()
+    curve = (CurveClient(server_public_key_file=args.curve_server_key,
+                         secret_key_file=args.curve_key) if args.curve_key else None)
     active = 0
     max_active = 0
     served = 0
@@ -55,7 +61,7 @@ async def main() -> None:
     async def report(req: IncomingRequest) -> bytes:
         return stats()
 
-    async with connect(args.endpoint, name=args.name) as peer:
+    async with connect(args.endpoint, name=args.name, curve=curve) as peer:
         await peer.serve("echo", echo, capacity=args.capacity, idempotent=args.idempotent)
         await peer.serve("slow", slow, capacity=args.capacity, idempotent=args.idempotent)
         await peer.serve(f"stats.{os.getpid()}", report)
