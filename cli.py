@@ -142,7 +142,7 @@ def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: f
     try:
         serve(config)
     except Exception as exc:  # a bind failure is the usual cause; say which address
-        raise click.ClickException(f"hub failed to start on {endpoint}: {exc}") from None
+        raise click.ClickException(f"hub on {endpoint} failed: {exc}") from None
 
 
 def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
