@@ -115,6 +115,10 @@ def main(verbose: bool) -> None:
               help="Missed heartbeats before a peer is declared dead.")
 @click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 1024 * 1024,
               show_default=True, help="Largest accepted message; larger ones are dropped.")
+@click.option("--max-event-bytes", type=click.IntRange(1024), default=1024 * 1024,
+              show_default=True, help="Largest accepted event body (bounds subscriber queues).")
+@click.option("--max-redispatch", type=click.IntRange(0), default=1, show_default=True,
+              help="Times an idempotent call whose server was lost is re-dispatched.")
 @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
               help="The hub's secret key file: turns on CURVE encryption.")
 @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
@@ -123,8 +127,8 @@ def main(verbose: bool) -> None:
               help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
 def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
         liveness: int,
-        max_message_bytes: int, curve_secret: str | None, curve_authorized: str | None,
-        insecure: bool) -> None:
+        max_message_bytes: int, max_event_bytes: int, max_redispatch: int,
+        curve_secret: str | None, curve_authorized: str | None, insecure: bool) -> None:
     """Run the hub: request routing, liveness, and the event log and stream.
 
     \b
@@ -137,7 +141,8 @@ def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: f
     config = HubConfig(endpoint=endpoint, events=events,
                        state_dir=str(_state_dir(state_dir, "hub")),
                        heartbeat_interval=heartbeat_interval, liveness=liveness,
-                       max_message_bytes=max_message_bytes, curve=curve)
+                       max_message_bytes=max_message_bytes, max_event_bytes=max_event_bytes,
+                       max_redispatch=max_redispatch, curve=curve, insecure=insecure)
     logging.getLogger().setLevel(logging.INFO)
     try:
         serve(config)
@@ -303,9 +308,13 @@ def _state_dir(given: str | None, part: str) -> Path:
     """A process's state folder, marked so that tools refuse it (see bus.paths)."""
     from bus.paths import default_state_dir, ensure_state_dir
 
-    if given:
-        return ensure_state_dir(given)
-    return ensure_state_dir(default_state_dir()) / part
+    try:
+        if given:
+            return ensure_state_dir(given)
+        return ensure_state_dir(default_state_dir()) / part
+    except OSError as exc:
+        raise click.BadParameter(f"cannot use {given or default_state_dir()!s} as the state "
+                                 f"directory: {exc.strerror or exc}", param_hint="--state-dir")
 
 
 def _load_topology_or_exit(path: str | None) -> Any:

@@ -30,7 +30,8 @@ from zmq.backend import Socket as _BackendSocket
 from bus import events as ev
 from bus import protocol as p
 from bus.eventlog import EventLog, Row
-from bus.security import CurveServer, curve_peer_id, peer_user_id, private_ipc
+from bus.security import (CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id,
+                          private_ipc)
 
 log = logging.getLogger("bus.hub")
 
@@ -41,6 +42,11 @@ PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
 PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
 LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
+# Memory budgets (docs/reliability.md, "Memory budgets"). A held request costs its frames plus
+# about this much in Python objects (Pending, id, dict/set/heap/deque entries; measured ~850 B).
+REQUEST_OVERHEAD = 1024
+EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass's event batch is logged and published past this
+MiB = 1024 * 1024
 
 # pyzmq's `send_multipart` costs ~3 us per message in Python-level flag (enum) handling; the
 # backend's `send` with plain int flags costs ~0.2 us per frame. Received frames are copied into
@@ -86,9 +92,52 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     liveness: int = 3
     max_message_bytes: int = 16 * 1024 * 1024
     queue_limit: int = 10_000
-    router_hwm: int = 100_000
+    router_hwm: int = 100_000  # replies/requests queued to one peer
+    # Messages read ahead from one peer's connection: libzmq counts messages, not bytes, so this
+    # bounds a flooding peer's backlog in the hub at router_rcvhwm x its message size.
+    router_rcvhwm: int = 256
     pub_hwm: int = 100_000
     curve: CurveServer | None = None
+    insecure: bool = False  # allow a non-loopback bind without CURVE
+    # Byte budgets: beyond each the hub refuses (counted, and answered `overloaded`).
+    request_bytes: int = 128 * MiB  # requests held (queued or being served), all requesters
+    peer_request_bytes: int = 64 * MiB  # ...of them, from one requester
+    queued_services: int = 1000  # distinct unserved service names with queued requests
+    max_event_bytes: int = 1 * MiB  # a bigger event body is counted `oversize_events`, dropped
+    subscriber_bytes: int = 64 * MiB  # per subscriber: PUB SNDHWM = this // max_event_bytes
+    replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
+    max_redispatch: int = 1  # times a call whose server was lost is re-dispatched
+
+    def subscriber_hwm(self) -> int:
+        """zmq counts a subscriber's queue in messages: this many of the largest events fit
+        its byte budget (at most `pub_hwm`)."""
+        return max(1, min(self.pub_hwm, self.subscriber_bytes // max(1, self.max_event_bytes)))
+
+
+class HubConfigError(ValueError):
+    """A hub configuration that must not run (e.g. an exposed bind without CURVE)."""
+
+
+BUDGETS = ("request_bytes", "peer_request_bytes", "queued_services", "queue_limit",
+           "max_event_bytes", "subscriber_bytes", "replay_bytes", "max_redispatch")
+
+
+def check_config(config: HubConfig) -> None:
+    """Refuse a config that must not run: checked here, so every way of starting a hub does."""
+    for name in BUDGETS:
+        least = 0 if name == "max_redispatch" else 1
+        if getattr(config, name) < least:
+            raise HubConfigError(f"hub budget `{name}` is {getattr(config, name)}: it must be "
+                                 f">= {least} (see docs/reliability.md, \"Memory budgets\")")
+    if config.curve is not None or config.insecure:
+        return
+    for field_, address in (("endpoint", config.endpoint), ("events", config.events)):
+        if address and not is_loopback_endpoint(address):
+            raise HubConfigError(
+                f"refusing to bind `{field_}` {address} without CURVE: other machines could "
+                "connect. Make keys with `busctl keys generate DIR` and set `curve` (busctl hub "
+                "--curve-secret/--curve-authorized), or set `insecure` (--insecure) on a trusted "
+                "network.")
 
 
 def default_events_endpoint(endpoint: str) -> str:
@@ -118,7 +167,9 @@ class Pending:
     header: bytes
     body: list[bytes]
     server: bytes | None = None
-    cancelled: bool = False
+    cancelled: bool = False  # left in its service's queue (removed lazily, see Service)
+    size: int = 0  # bytes charged to the request budgets while the hub holds it
+    lost: int = 0  # servers lost while serving it (see `max_redispatch`)
 
 
 @dataclass(slots=True)
@@ -133,7 +184,10 @@ class Service:
     idempotent: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
     slots: dict[bytes, Slot] = field(default_factory=dict)
+    # Cancelled requests stay in the deque (marked) until they reach its head or the deque is
+    # compacted, so a requester leaving with n queued requests costs O(n), not O(n x queue).
     queue: deque[Pending] = field(default_factory=deque)
+    queued: int = 0  # live (not cancelled) requests in `queue`
 
 
 @dataclass(slots=True)
@@ -146,6 +200,7 @@ class PeerState:
     services: set[str] = field(default_factory=set)
     serving: dict[str, Pending] = field(default_factory=dict)
     requested: set[str] = field(default_factory=set)
+    request_bytes: int = 0  # charged for its requests the hub holds (`peer_request_bytes`)
     user_id: str = ""  # the CURVE key (ZAP User-Id) this peer authenticated with
 
 
@@ -160,6 +215,7 @@ class Hub:
     """Routes requests, tracks liveness, stamps/logs/publishes events. Call `run()` in a process."""
 
     def __init__(self, config: HubConfig) -> None:
+        check_config(config)
         self.config = config
         self.session = p.new_session()
         self.started = time.time()
@@ -168,6 +224,9 @@ class Hub:
         self.requests: dict[str, Pending] = {}
         self.deadlines: list[tuple[float, str]] = []
         self.counters = Counters()
+        self.request_bytes = 0  # charged for all held requests (budget `request_bytes`)
+        self._batch_bytes = 0  # event bodies read this pass (flushed past EVENT_BATCH_BYTES)
+        self._replay_peak = 0  # largest `hub.replay` batch sent, in bytes (shown in status)
         self._topics: list[bytes] = []  # the batch's topics, in step with _rows
         self._rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
         self._topic_cache: dict[tuple[str, str, str], bytes] = {}
@@ -219,10 +278,10 @@ class Hub:
             sock.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, cfg.router_hwm)
-        self.router.setsockopt(zmq.RCVHWM, cfg.router_hwm)
+        self.router.setsockopt(zmq.RCVHWM, cfg.router_rcvhwm)
         # libzmq drops a connection whose single frame exceeds this, before allocating it.
         self.router.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + 65536)
-        self.pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
+        self.pub.setsockopt(zmq.SNDHWM, cfg.subscriber_hwm())  # bytes, see `subscriber_bytes`
         self.pub.setsockopt(zmq.MAXMSGSIZE, 65536)  # subscribers only send subscriptions
         self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass up every subscribe, also repeated ones
 
@@ -306,7 +365,11 @@ class Hub:
         recv = self._recv_curve if self._auth is not None else _recv_frames
         arg = _NOBLOCK if self._auth is not None else router
         handle = self._handle
+        self._batch_bytes = 0
         for _ in range(DRAIN_LIMIT):
+            if self._batch_bytes > EVENT_BATCH_BYTES:  # big events: bound the batch in bytes
+                self._batch_bytes = 0
+                self._flush_events()
             try:
                 frames = recv(arg)
             except zmq.Again:
@@ -490,24 +553,67 @@ class Hub:
         deadline = math.inf
         if header.deadline:
             deadline = time.monotonic() + (header.deadline - time.time())
-        req = Pending(header.id, ident, header.service, deadline, frames[2], frames[3:])
-        service = self.services.get(header.service)
-        if service is None or not service.slots:
-            if deadline == math.inf:
-                self._send_error(ident, req.id, p.NO_SERVICE, self._no_service_text(header.service))
-                return
-            if service is None:
-                service = self.services[header.service] = Service(header.service)
-        if len(service.queue) >= self.config.queue_limit:
-            self._send_error(ident, req.id, p.OVERLOADED,
-                             f"service `{service.name}` queue is full ({self.config.queue_limit})")
+        req = Pending(header.id, ident, header.service, deadline, frames[2], frames[3:],
+                      size=REQUEST_OVERHEAD + sum(map(len, frames)))
+        service = self._service_for(ident, req)
+        if service is None:
+            return
+        refusal = self._over_budget(peer, service, req)
+        if refusal:
+            self._send_error(ident, req.id, p.OVERLOADED, refusal)
             return
         self.requests[req.id] = req
         peer.requested.add(req.id)
+        peer.request_bytes += req.size
+        self.request_bytes += req.size
         if deadline != math.inf:
             heapq.heappush(self.deadlines, (deadline, req.id))
         if not self._try_dispatch(service, req):
-            service.queue.append(req)
+            self._enqueue(service, req)
+
+    def _service_for(self, ident: bytes, req: Pending) -> Service | None:
+        """The service to queue `req` on, or None after answering why it cannot be queued."""
+        service = self.services.get(req.service)
+        if service is not None and service.slots:
+            return service
+        if req.deadline == math.inf:  # nobody serves it and it would wait forever
+            self._send_error(ident, req.id, p.NO_SERVICE, self._no_service_text(req.service))
+            return None
+        if service is not None:
+            return service
+        limit = self.config.queued_services
+        # names are free: without this cap each new one gets its own `queue_limit`
+        if len(self.services) >= limit and self._unserved() >= limit:
+            self.counters.bump("overloaded_services")
+            self._send_error(ident, req.id, p.OVERLOADED,
+                             f"{limit} unserved service names already have queued requests "
+                             f"(hub budget `queued_services`); {self._no_service_text(req.service)}")
+            return None
+        service = self.services[req.service] = Service(req.service)
+        return service
+
+    def _unserved(self) -> int:
+        return sum(1 for s in self.services.values() if not s.slots)
+
+    def _over_budget(self, peer: PeerState, service: Service, req: Pending) -> str:
+        """Why holding `req` would break a budget (counted), or "" when it fits."""
+        cfg = self.config
+        if service.queued >= cfg.queue_limit:
+            counter = "overloaded_queue"
+            text = f"service `{service.name}` queue is full ({cfg.queue_limit}, `queue_limit`)"
+        elif peer.request_bytes + req.size > cfg.peer_request_bytes:
+            counter = "overloaded_peer_bytes"
+            text = (f"this peer's requests held by the hub would take {peer.request_bytes + req.size}"
+                    f" bytes, over the hub budget `peer_request_bytes` ({cfg.peer_request_bytes});"
+                    " wait for replies before sending more")
+        elif self.request_bytes + req.size > cfg.request_bytes:
+            counter = "overloaded_request_bytes"
+            text = (f"requests held by the hub would take {self.request_bytes + req.size} bytes, "
+                    f"over the hub budget `request_bytes` ({cfg.request_bytes}); retry later")
+        else:
+            return ""
+        self.counters.bump(counter)
+        return text
 
     def _on_reply(self, ident: bytes, peer: PeerState, header: p.Header,
                   frames: list[bytes]) -> None:
@@ -536,8 +642,14 @@ class Hub:
             self._send_error(ident, header.id, p.LOG_UNAVAILABLE, self._log_refusal())
             return
         body = frames[3]
+        if len(body) > self.config.max_event_bytes:
+            # every subscriber's queue is sized for events up to this (`subscriber_bytes`)
+            return self._reject("oversize_events", ident,
+                                f"event `{header.type[:64]}` body of {len(body)} bytes is over "
+                                f"`max_event_bytes` ({self.config.max_event_bytes})")
         if not isinstance(body, bytes):
             body = body.bytes
+        self._batch_bytes += len(body)
         header.peer = peer.id
         self._stamp(header, body)
 
@@ -591,14 +703,44 @@ class Hub:
         return True
 
     def _dispatch_queued(self, service: Service) -> None:
-        while service.queue:
-            if not self._try_dispatch(service, service.queue[0]):
+        queue = service.queue
+        while queue:
+            head = queue[0]
+            if head.cancelled:  # removed lazily (see `_unqueue`)
+                queue.popleft()
+                continue
+            if not self._try_dispatch(service, head):
                 return
-            service.queue.popleft()
+            queue.popleft()
+            service.queued -= 1
+
+    def _enqueue(self, service: Service, req: Pending, front: bool = False) -> None:
+        if front:
+            service.queue.appendleft(req)
+        else:
+            service.queue.append(req)
+        service.queued += 1
+
+    def _unqueue(self, req: Pending) -> None:
+        """Take a queued request out in O(1): it is marked and its body let go; the deque is
+        compacted once cancelled entries outnumber live ones (amortised O(1) per request)."""
+        req.cancelled = True
+        req.body = []
+        service = self.services.get(req.service)
+        if service is None:
+            return
+        service.queued -= 1
+        if not service.queued:
+            service.queue.clear()
+        elif len(service.queue) > 2 * service.queued + 64:
+            service.queue = deque(r for r in service.queue if not r.cancelled)
 
     def _finish(self, req: Pending) -> None:
-        self.requests.pop(req.id, None)
         requester = self.peers.get(req.requester)
+        if self.requests.pop(req.id, None) is req:  # release its budget once
+            self.request_bytes -= req.size
+            if requester is not None:
+                requester.request_bytes -= req.size
         if requester is not None:
             requester.requested.discard(req.id)
         if req.server is None:
@@ -618,10 +760,8 @@ class Hub:
         """Tell the server (if any) and forget the request; a late reply counts as stale."""
         if req.server is not None:
             self._send([req.server, p.SIGNATURE, p.encode(p.Header(kind=p.CANCEL, id=req.id))])
-        else:
-            service = self.services.get(req.service)
-            if service is not None and req in service.queue:
-                service.queue.remove(req)
+        elif not req.cancelled:  # a live request without a server is in its service's queue
+            self._unqueue(req)
         self._finish(req)
 
     def _expire(self, now: float) -> None:
@@ -643,7 +783,7 @@ class Hub:
         self._prune_services()
 
     def _prune_services(self) -> None:
-        empty = [n for n, s in self.services.items() if not s.slots and not s.queue]
+        empty = [n for n, s in self.services.items() if not s.slots and not s.queued]
         for name in empty:
             del self.services[name]
 
@@ -758,16 +898,12 @@ class Hub:
         failed = redispatched = 0
         for req in list(peer.serving.values()):
             peer.serving.pop(req.id, None)
-            service = self.services.get(req.service)
             req.server = None
-            if service is not None and service.idempotent and req.id in self.requests:
+            if self._redispatch(req):
                 redispatched += 1
-                if not self._try_dispatch(service, req):
-                    service.queue.appendleft(req)
                 continue
             failed += 1
-            self._send_error(req.requester, req.id, p.PEER_LOST,
-                             f"peer `{peer.hello.name}` ({peer.id}) serving `{req.service}` was lost: {reason}")
+            self._send_error(req.requester, req.id, p.PEER_LOST, self._lost_text(peer, req, reason))
             self._finish(req)
         for req_id in list(peer.requested):
             req = self.requests.get(req_id)
@@ -778,6 +914,29 @@ class Hub:
             self._emit(ev.WorkerLost(peer=peer.id, name=peer.hello.name, failed=failed,
                                      redispatched=redispatched))
         self._prune_services()
+
+    def _redispatch(self, req: Pending) -> bool:
+        """Serve an idempotent call again after its server was lost, unless it has already been
+        re-dispatched `max_redispatch` times: a call that takes down every peer it reaches (a
+        tool that hangs its worker) must not take down the next one, and the next."""
+        service = self.services.get(req.service)
+        if service is None or not service.idempotent or req.id not in self.requests:
+            return False
+        req.lost += 1
+        if req.lost > self.config.max_redispatch:
+            self.counters.bump("redispatch_refused")
+            return False
+        if not self._try_dispatch(service, req):
+            self._enqueue(service, req, front=True)
+        return True
+
+    def _lost_text(self, peer: PeerState, req: Pending, reason: str) -> str:
+        text = f"peer `{peer.hello.name}` ({peer.id}) serving `{req.service}` was lost: {reason}"
+        if req.lost <= self.config.max_redispatch:
+            return text
+        return (f"{text}; this call has now lost {req.lost} peers serving it and is not "
+                f"re-dispatched again (hub `max_redispatch` = {self.config.max_redispatch}): "
+                f"`{req.service}` may be what hangs or kills its servers")
 
     # --- sending -------------------------------------------------------------------------
 
@@ -915,27 +1074,53 @@ class Hub:
                 self.counters.bump("malformed")
                 self._send_error(ident, header.id, p.BAD_REQUEST, f"bad ReplayRequest: {exc}")
                 return
-            body = p.encode(self.replay(request))
+            try:
+                body = p.encode(self.replay(request))
+            except sqlite3.Error as exc:  # answered: the requester must not wait its deadline
+                self._reject("replay_errors", ident, f"event log read failed: {exc}")
+                self._send_error(ident, header.id, p.HANDLER_ERROR,
+                                 f"`hub.replay` could not read the event log "
+                                 f"({self.log.path or ':memory:'}): {exc}")
+                return
+            self._replay_peak = max(self._replay_peak, len(body))
         else:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
             return
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)), body])
 
     def replay(self, request: p.ReplayRequest) -> p.ReplayBatch:
+        """Logged events after `since`: at most `limit` rows read, and no more rows once
+        `replay_bytes` have been read (at least one): big events never build a huge batch on
+        the routing loop. The requester asks again from `upto`."""
         limit = max(1, min(request.limit, 10_000))
-        rows = self.log.read(min(max(0, request.since), self.seq), limit)
+        upto = min(max(0, request.since), self.seq)
         prefixes = [t.encode() for t in request.topics]
+        budget = self.config.replay_bytes
         events: list[tuple[bytes, bytes]] = []
-        for _, header_bytes, body in rows:
-            if prefixes:
-                header = p.decode_header(header_bytes)
-                topic = p.event_topic(ev.event_family(header.type), header.agent, header.run,
-                                      header.type)
-                if not any(topic.startswith(prefix) for prefix in prefixes):
-                    continue
-            events.append((header_bytes, body))
-        upto = rows[-1][0] if len(rows) == limit else self.seq
+        read = scanned = 0
+        chunk = 1  # rows per read: grows while they are small, shrinks when they are big
+        while scanned < limit and read < budget:
+            want = min(chunk, limit - scanned)
+            rows = self.log.read(upto, want)
+            for seq, header_bytes, body in rows:
+                upto = seq
+                scanned += 1
+                read += len(header_bytes) + len(body)
+                if not prefixes or self._matches(header_bytes, prefixes):
+                    events.append((header_bytes, body))
+                if read >= budget:
+                    break
+            if read < budget and len(rows) < want:  # all read up to the end of the log
+                upto = self.seq
+                break
+            chunk = max(1, min(1024, (budget - read) // max(1, read // scanned)))
         return p.ReplayBatch(events=events, upto=upto, head=self.seq)
+
+    @staticmethod
+    def _matches(header_bytes: bytes, prefixes: list[bytes]) -> bool:
+        header = p.decode_header(header_bytes)
+        topic = p.event_topic(ev.event_family(header.type), header.agent, header.run, header.type)
+        return any(topic.startswith(prefix) for prefix in prefixes)
 
     def status(self) -> p.Status:
         peers = []
@@ -951,7 +1136,7 @@ class Hub:
                                     time.time() - (time.monotonic() - peer.last_seen), loads))
         services = [
             p.ServiceInfo(s.name, len(s.slots), sum(x.capacity for x in s.slots.values()),
-                          sum(x.load for x in s.slots.values()), len(s.queue), s.idempotent, s.meta)
+                          sum(x.load for x in s.slots.values()), s.queued, s.idempotent, s.meta)
             for s in sorted(self.services.values(), key=lambda s: s.name)
         ]
         counters = dict(self.counters)
@@ -961,7 +1146,23 @@ class Hub:
             counters.update(self._auth.counters())  # auth_refused: refused CURVE handshakes
         return p.Status(self.session, self.endpoint, self.events_endpoint,
                         time.time() - self.started, self.seq, peers, services, counters,
-                        self.config.state_dir, self._log_error)
+                        self.config.state_dir, self._log_error, self.budgets())
+
+    def budgets(self) -> dict[str, p.Budget]:
+        """Each budget's limit and use. A subscriber's queue lives inside libzmq, which does not
+        say how full it is: its bound is shown as bytes and as the message count it becomes."""
+        cfg = self.config
+        peer_max = max((peer.request_bytes for peer in self.peers.values()), default=0)
+        return {
+            "request_bytes": p.Budget(cfg.request_bytes, self.request_bytes),
+            "peer_request_bytes": p.Budget(cfg.peer_request_bytes, peer_max),
+            "queued_services": p.Budget(cfg.queued_services, self._unserved()),
+            "max_event_bytes": p.Budget(cfg.max_event_bytes),
+            "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
+            "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
+            "replay_bytes": p.Budget(cfg.replay_bytes, self._replay_peak),
+            "max_redispatch": p.Budget(cfg.max_redispatch),
+        }
 
 
 def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
@@ -994,14 +1195,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
     parser.add_argument("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
     parser.add_argument("--liveness", type=int, default=defaults.liveness)
-    parser.add_argument("--queue-limit", type=int, default=defaults.queue_limit)
+    for name in BUDGETS:
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
+                            help="see docs/reliability.md, \"Memory budgets\"")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback bind without CURVE")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    serve(HubConfig(endpoint=args.endpoint, state_dir=args.state_dir, events=args.events,
-                    max_message_bytes=args.max_message_bytes,
-                    heartbeat_interval=args.heartbeat_interval, liveness=args.liveness,
-                    queue_limit=args.queue_limit))
+    config = HubConfig(endpoint=args.endpoint, state_dir=args.state_dir, events=args.events,
+                       max_message_bytes=args.max_message_bytes,
+                       heartbeat_interval=args.heartbeat_interval, liveness=args.liveness,
+                       insecure=args.insecure, **{n: getattr(args, n) for n in BUDGETS})
+    try:
+        check_config(config)
+    except HubConfigError as exc:
+        parser.error(str(exc))  # one line, exit 2
+    serve(config)
 
 
 if __name__ == "__main__":

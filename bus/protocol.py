@@ -158,6 +158,14 @@ class ServiceInfo(msgspec.Struct, omit_defaults=True):
     meta: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class Budget(msgspec.Struct, omit_defaults=True):
+    """One of the hub's memory budgets (docs/reliability.md, "Memory budgets"): its configured
+    limit and what is in use now (or the most seen, for per-message limits)."""
+
+    limit: int
+    used: int = 0
+
+
 class Status(msgspec.Struct, omit_defaults=True):
     hub_session: str
     endpoint: str
@@ -169,6 +177,7 @@ class Status(msgspec.Struct, omit_defaults=True):
     counters: dict[str, int]
     state_dir: str = ""
     log_error: str = ""  # why events are being refused (event log not writable); "" when fine
+    budgets: dict[str, Budget] = msgspec.field(default_factory=dict)
 
 
 # --- codecs: one encoder/decoder per type, built once --------------------------------------
