@@ -7,11 +7,12 @@ anything outside the workspace.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import itertools
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, NamedTuple, TextIO
 
@@ -20,7 +21,7 @@ import re2  # type: ignore[import-untyped]  # no stubs; used through `_grep.Matc
 
 from bus.messages import ImagePart
 from tools._context import ToolContext
-from tools._exceptions import ToolError
+from tools._exceptions import ToolError, WorkspaceError
 from tools._tool import tool
 from tools.builtin import _grep
 
@@ -29,6 +30,8 @@ MAX_LINE_CHARS = 2000
 MAX_IMAGE_BYTES = 5 * 1024 * 1024
 MAX_DIR_ENTRIES = 1000
 MAX_MATCHES = 200
+SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv",
+                       ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox"})
 #: Seconds a search (or a read) may run; it then stops and says so. Enforced by the tool itself
 #: (checked between lines, or by killing the `re` child process), not by abandoning a thread.
 SEARCH_TIME_LIMIT = 10.0
@@ -264,10 +267,11 @@ def search_files(
     def stop() -> bool:
         return ctx.cancelled or time.monotonic() >= deadline
 
+    files = _searchable_files(ctx, root, glob, stop)
     if regex is not None:
-        hits = _grep.matches(ctx.workspace, root, glob, regex, stop)
+        hits = _grep.matches(files, regex, stop)
     else:
-        hits = _grep.matches_in_child(pattern, ctx.workspace, root, glob, stop, SEARCH_TIME_LIMIT)
+        hits = _grep.matches_in_child(pattern, files, stop, SEARCH_TIME_LIMIT)
     with contextlib.closing(hits):  # closing stops (kills) a child search
         try:
             found = list(itertools.islice(hits, MAX_MATCHES + 1))
@@ -275,6 +279,35 @@ def search_files(
             raise ToolError(f"Searching for `{pattern}` failed in the `re` process: {exc}") from exc
     timed_out = time.monotonic() >= deadline and len(found) <= MAX_MATCHES
     return _search_report(pattern, found, timed_out, re2_refusal)
+
+
+def _searchable_files(
+    ctx: ToolContext, root: Path, glob: str | None, stop: Callable[[], bool]
+) -> Iterator[tuple[str, Path]]:
+    """(name to show, confined path) of each file to search; a symlink leading out is skipped."""
+    for file in _walk(ctx, root, glob):
+        if stop():
+            return
+        try:
+            yield _rel(ctx, file), ctx.resolve_path(file)
+        except WorkspaceError:
+            continue
+
+
+def _walk(ctx: ToolContext, root: Path, glob: str | None) -> Iterator[Path]:
+    if root.is_file():
+        yield root
+        return
+    for directory, dirs, files in os.walk(root):  # does not follow symlinked directories
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
+        for name in sorted(files):
+            file = Path(directory, name)
+            if glob is None or _glob_match(glob, _rel(ctx, file), name):
+                yield file
+
+
+def _glob_match(glob: str, rel: str, name: str) -> bool:
+    return fnmatch.fnmatch(rel if "/" in glob else name, glob)
 
 
 def _compile(pattern: str) -> tuple[_grep.Matcher | None, str]:
@@ -319,7 +352,10 @@ def _existing(ctx: ToolContext, path: str) -> Path:
 
 
 def _rel(ctx: ToolContext, target: Path) -> str:
-    return _grep.relative(ctx.workspace, target)
+    try:
+        return target.relative_to(ctx.workspace).as_posix() or "."
+    except ValueError:
+        return str(target)
 
 
 def _is_binary(file: Path) -> bool:

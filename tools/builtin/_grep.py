@@ -1,4 +1,7 @@
-"""The search behind `search_files`: walk the workspace, read text files, match lines.
+"""The search behind `search_files`: read the files it was given, match their lines.
+
+The caller walks the workspace and confines each file (`ToolContext.resolve_path`); this module
+only reads and matches, under a `stop()` condition.
 
 Standard library only, because this file also runs on its own as a child process
 (`python -I _grep.py`, the spec as JSON on stdin, one JSON match per stdout line): a pattern RE2
@@ -9,7 +12,6 @@ The child also caps its own CPU time and memory, in case the worker dies without
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import os
@@ -17,14 +19,12 @@ import re
 import select
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 MAX_SEARCH_FILE_BYTES = 2 * 1024 * 1024
 MAX_SHOWN_CHARS = 300
-SKIP_DIRS = frozenset({".git", ".hg", ".svn", "node_modules", "__pycache__", ".venv", "venv",
-                       ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox"})
 #: How often the parent wakes to check its deadline while the child is silent.
 POLL_SECONDS = 0.05
 CHILD_MEMORY_BYTES = 1024 * 1024 * 1024
@@ -39,21 +39,20 @@ class Matcher(Protocol):
 # --- the search (in-process, or inside the child) ----------------------------------------------
 
 
-def matches(
-    workspace: Path, root: Path, glob: str | None, matcher: Matcher, stop: Callable[[], bool]
-) -> Iterator[str]:
-    """Yield `path:line: text` for every matching line, until done or `stop()` is true.
+def matches(files: Iterable[tuple[str, Path]], matcher: Matcher, stop: Callable[[], bool]
+            ) -> Iterator[str]:
+    """Yield `rel:line: text` for every matching line of `files` (pairs of the name to show and
+    the path, already confined to the workspace by the caller), until done or `stop()` is true.
 
     `stop` is asked before each file and each line, so the search ends within one line's match
     time of its deadline (with RE2, linear in the line, which is at most 2 MiB).
     """
-    for file in walk(workspace, root, glob):
+    for rel, file in files:
         if stop():
             return
-        text = _searchable_text(workspace, file)
+        text = _searchable_text(file)
         if text is None:
             continue
-        rel = relative(workspace, file)
         for number, line in enumerate(text.splitlines(), start=1):
             if stop():
                 return
@@ -61,31 +60,12 @@ def matches(
                 yield f"{rel}:{number}: {line[:MAX_SHOWN_CHARS]}"
 
 
-def walk(workspace: Path, root: Path, glob: str | None) -> Iterator[Path]:
-    if root.is_file():
-        yield root
-        return
-    for directory, dirs, files in os.walk(root):  # does not follow symlinked directories
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-        for name in sorted(files):
-            file = Path(directory, name)
-            if glob is None or _glob_match(glob, relative(workspace, file), name):
-                yield file
-
-
-def _glob_match(glob: str, rel: str, name: str) -> bool:
-    return fnmatch.fnmatch(rel if "/" in glob else name, glob)
-
-
-def _searchable_text(workspace: Path, file: Path) -> str | None:
-    """The text, or None to skip the file: outside (via a symlink), big, binary or unreadable."""
+def _searchable_text(file: Path) -> str | None:
+    """The text, or None to skip the file: not a regular file, big, binary or unreadable."""
     try:
-        real = file.resolve()
-        if real != workspace and not real.is_relative_to(workspace):
+        if not file.is_file() or file.stat().st_size > MAX_SEARCH_FILE_BYTES:
             return None
-        if not real.is_file() or real.stat().st_size > MAX_SEARCH_FILE_BYTES:
-            return None
-        data = real.read_bytes()
+        data = file.read_bytes()
     except OSError:
         return None
     if b"\0" in data[:8192]:
@@ -93,24 +73,16 @@ def _searchable_text(workspace: Path, file: Path) -> str | None:
     return data.decode("utf-8", errors="replace")
 
 
-def relative(workspace: Path, target: Path) -> str:
-    try:
-        return target.relative_to(workspace).as_posix() or "."
-    except ValueError:
-        return str(target)
-
-
 # --- the child process -------------------------------------------------------------------------
 
 
 def matches_in_child(
-    pattern: str, workspace: Path, root: Path, glob: str | None, stop: Callable[[], bool],
-    cpu_seconds: float,
+    pattern: str, files: Iterable[tuple[str, Path]], stop: Callable[[], bool], cpu_seconds: float
 ) -> Iterator[str]:
     """`matches` with Python's `re`, run in a child process that is killed when `stop()` is true
     or the caller stops iterating. Raises RuntimeError if the child fails."""
-    spec = {"pattern": pattern, "workspace": str(workspace), "root": str(root), "glob": glob,
-            "cpu_seconds": math.ceil(cpu_seconds) + 1}
+    listed = [(rel, str(file)) for rel, file in files]  # the child reads them all, then writes
+    spec = {"pattern": pattern, "files": listed, "cpu_seconds": math.ceil(cpu_seconds) + 1}
     child = subprocess.Popen(
         [sys.executable, "-I", "-S", __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -150,8 +122,8 @@ def _child_main() -> None:
     spec = json.load(sys.stdin)
     _limit_self(spec["cpu_seconds"])
     matcher = re.compile(spec["pattern"])
-    workspace = Path(spec["workspace"])
-    for hit in matches(workspace, Path(spec["root"]), spec["glob"], matcher, lambda: False):
+    files = [(rel, Path(file)) for rel, file in spec["files"]]
+    for hit in matches(files, matcher, lambda: False):
         # JSON keeps every line on one stdout line, whatever separators the text holds.
         sys.stdout.write(json.dumps(hit) + "\n")
         sys.stdout.flush()
