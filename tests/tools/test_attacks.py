@@ -28,6 +28,7 @@ import anyio
 import pytest
 
 from bus.messages import ToolCallRequest, ToolResult
+from bus.paths import ensure_state_dir
 from tests.tools.fixtures.procs import call as bus_call
 from tests.tools.fixtures.procs import executor, until, workers
 from tools import Tool, run_tool
@@ -325,6 +326,17 @@ async def test_patterns_re2_lacks_run_on_python_re(evil: Path) -> None:
     assert (await call(search_files, evil, pattern=r"(?<!x)lo\Z")).text == "evil.txt:51: hello"
     bad = await call(search_files, evil, pattern=r"(?<=a+)x")
     assert bad.is_error and bad.text.startswith("Error: Invalid regular expression `(?<=a+)x`:")
+
+
+async def test_the_re_process_searches_only_confined_files(tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "secret.txt").write_text("hello secret\n")
+    (ws / "escape").symlink_to(tmp_path / "secret.txt")
+    (ensure_state_dir(ws / "state") / "topology.json").write_text("hello state\n")
+    (ws / "ok.txt").write_text("hello ok\n")
+    for pattern in (r"(l)\1", "hello"):  # the `re` process, and RE2 in the worker
+        assert (await call(search_files, ws, pattern=pattern)).text == "ok.txt:1: hello ok"
 
 
 def children(pid: int) -> set[int]:
