@@ -18,11 +18,23 @@ to back (`_hold`): on an idle socket every send wakes ZeroMQ's I/O thread (and t
 which costs far more than the send itself, so a burst of events (a streamed reply's deltas, a
 turn's lifecycle events) is cheaper sent together. Every other send flushes them first, so this
 peer's messages keep their order; `publish` still waits for the connection and the HWM as before.
+
+What the hub has logged (docs/reliability.md, "Publish guarantees"): a `hub.replay` request is
+answered only after the hub has committed every event it read before it, and ZeroMQ keeps one
+connection's messages in order, so its reply confirms every event this peer sent before it on
+the same socket. `confirm()` is that round trip; `aclose()` does it (bounded by
+`flush_timeout`) before saying bye, and the housekeeping task does it about once a second
+while events flow. A socket closed on a reconnect (linger 0) discards what it still queued: the
+events sent on it since the last confirmation are counted in `counters["events_unconfirmed"]`
+(not resent: some may be in the log already, and the hub does not deduplicate), and the next
+`confirm()` raises `HubLost` naming how many. Events still held (never sent) survive a
+reconnect and go out on the new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -59,6 +71,10 @@ DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 HOLD_MAX = 1024  # published events held for the end of the loop iteration at most
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
+FLUSH_TIMEOUT = 10.0  # aclose() waits at most this long for the hub to confirm published events
+CONFIRM_EVERY = 1.0  # seconds between background confirmations while events flow
+# A replay that starts past any seq: the reply carries no events, only the log's head.
+_CONFIRM_BODY = p.encode(p.ReplayRequest(since=2**62, limit=1))
 
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
@@ -239,12 +255,14 @@ class Peer:
         role: str = "",
         curve: CurveClient | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
+        flush_timeout: float = FLUSH_TIMEOUT,
     ) -> None:
         self.hub = hub
         self.name = name
         self.role = role
         self.curve = curve
         self.connect_timeout = connect_timeout
+        self.flush_timeout = flush_timeout
         self.session = p.new_session()
         self.welcome: p.Welcome | None = None
         self.ctx = zmq.asyncio.Context()
@@ -255,6 +273,15 @@ class Peer:
         # `publish_raw`): always sent, in order, before anything else this peer sends.
         self._held: list[list[Any]] = []
         self._flush_scheduled = False
+        # Publish accounting: events handed to a socket, how many of those the hub confirmed
+        # (the rest of the current socket's are in flight), and how many unconfirmed ones a
+        # closed socket took with it (all; and, with the refused ones, as far as `confirm()` has
+        # reported them).
+        self._events_sent = 0
+        self._confirmed = 0
+        self._unconfirmed = 0
+        self._unconfirmed_reported = 0
+        self._confirming = False  # a background confirmation is in flight
         self._writable: list[asyncio.Future[None]] = []
         self._is_connected = False
         self._state_changed = anyio.Event()  # set (and replaced) on every connect/disconnect
@@ -353,6 +380,7 @@ class Peer:
         if self._closing:
             return
         self._closing = True
+        await self._flush_on_close()
         bye_sent = False
         if self._sock is not None and self._is_connected:
             try:
@@ -376,6 +404,19 @@ class Peer:
         self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
         self.ctx.term()
 
+    async def _flush_on_close(self) -> None:
+        """Wait, at most `flush_timeout`, until the hub confirms every event published so far:
+        closing the socket soon after would discard a backlog still queued in it. What stays
+        unconfirmed is counted when the socket closes."""
+        if not self._is_connected or (self._events_sent == self._confirmed and not self._held):
+            return  # nothing in flight: no round trip (most CLI commands publish nothing)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.flush_timeout):
+            try:
+                await self._confirm_sent()
+            except RequestError as exc:  # the hub went away: counted at the close below
+                log.warning("%s: published events not confirmed before closing: %s",
+                            self.name, exc)
+
     # --- connection ----------------------------------------------------------------------
 
     def _set_connected(self, value: bool) -> None:
@@ -391,10 +432,13 @@ class Peer:
         backoff = 0.05
         while not self._closing:
             self._lost = anyio.Event()
-            self._open_socket()
+            sock = self._open_socket()
             try:
-                self._send_now([_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
-                                p.encode(self._hello())])
+                # Straight to the socket: events held over from the last connection must
+                # follow the hello, not precede it.
+                with contextlib.suppress(zmq.Again):  # no hello: the silence ends this try
+                    _send_frames(sock, [_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
+                                        p.encode(self._hello())])
                 await self._lost.wait()
                 if self._is_connected:
                     backoff = 0.05
@@ -409,7 +453,7 @@ class Peer:
             await anyio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
-    def _open_socket(self) -> None:
+    def _open_socket(self) -> zmq.Socket[Any]:
         sock: zmq.Socket[Any] = zmq.Socket(self.ctx, zmq.DEALER)  # a plain socket; see docstring
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -423,13 +467,12 @@ class Peer:
         self._fdw = _FdWaiter(sock, self._drain)
         self._last_heard = time.monotonic()
         self._schedule_drain()
+        return sock
 
     def _close_socket(self, linger: int) -> None:
         sock, fdw = self._sock, self._fdw
         self._sock = self._fdw = None
-        if self._held:  # like messages still queued in the closed socket: lost
-            self.counters["held_lost"] = self.counters.get("held_lost", 0) + len(self._held)
-            self._held.clear()
+        self._count_unconfirmed()
         if fdw is not None:
             try:
                 fdw.loop.remove_reader(fdw.fd)
@@ -442,13 +485,30 @@ class Peer:
                 waiter.set_result(None)
         self._writable.clear()
 
+    def _count_unconfirmed(self) -> None:
+        """The socket is gone with whatever it still queued: count the events sent on it that
+        the hub never confirmed. On a reconnect, held events (never sent) wait for the next
+        connection; on close they are counted too."""
+        lost = self._events_sent - self._confirmed
+        self._confirmed = self._events_sent
+        if self._closing and self._held:
+            lost += len(self._held)
+            self._held.clear()
+        if not lost:
+            return
+        self._unconfirmed += lost
+        self.counters["events_unconfirmed"] = self._unconfirmed
+        log.warning("%s: %d published events were not confirmed by the hub at %s before the "
+                    "connection closed; they may be missing from its log", self.name, lost,
+                    self.hub)
+
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
                        role=self.role)
 
     async def _housekeeping(self) -> None:
         hb = [_SIG, p.encode(p.Header(kind=p.HEARTBEAT))]
-        next_beat = time.monotonic()
+        next_beat = next_confirm = time.monotonic()
         while True:
             await anyio.sleep(HOUSEKEEPING)
             now = time.monotonic()
@@ -469,12 +529,30 @@ class Peer:
                 continue
             if self._held and not self._flush_scheduled:
                 self._flush_soon()  # events held back by the HWM
+            if now >= next_confirm and self._should_confirm():
+                next_confirm = now + CONFIRM_EVERY
+                self._confirming = True
+                self._tg.start_soon(self._confirm_in_background)  # type: ignore[union-attr]
             if self._is_connected and now >= next_beat:
                 next_beat = now + interval
                 try:
                     self._send_now(hb)
                 except zmq.ZMQError:
                     pass
+
+    def _should_confirm(self) -> bool:
+        return (self._is_connected and not self._confirming and not self._closing
+                and self._events_sent > self._confirmed)
+
+    async def _confirm_in_background(self) -> None:
+        """Confirm what was sent so far, so that a lost connection counts only the events sent
+        since (about a second's worth), not every event it ever carried."""
+        try:
+            await self._confirm_sent()
+        except RequestError:
+            pass  # the connection was lost: closing it counted the unconfirmed events
+        finally:
+            self._confirming = False
 
     def _expire(self, now: float) -> None:
         """Fail calls past deadline + grace (the hub normally answers at the deadline itself).
@@ -646,8 +724,7 @@ class Peer:
         held = self._held
         sock = self._sock
         if sock is None:
-            held.clear()
-            return True
+            return False  # they wait for the next connection
         sent = 0
         try:
             for message in held:
@@ -655,10 +732,13 @@ class Peer:
                 sent += 1
         except zmq.Again:
             del held[:sent]
+            self._events_sent += sent
             return False
         except BaseException:
             del held[:sent]
+            self._events_sent += sent
             raise
+        self._events_sent += sent
         held.clear()
         if not self._drain_scheduled and _bget(sock, _EVENTS) & _POLLIN:
             self._schedule_drain()
@@ -828,12 +908,13 @@ class Peer:
     # --- events --------------------------------------------------------------------------
 
     async def publish(self, event: ev.Event, *, agent: str = "", run: str = "",
-                      experiment: str = "", parent: str = "") -> None:
+                      experiment: str = "", parent: str = "", confirm: bool = False) -> None:
+        """Send an event; with `confirm`, return once the hub has logged it (`confirm()`)."""
         await self.publish_raw(ev.event_type(event), ev.encode_event(event), agent=agent, run=run,
-                               experiment=experiment, parent=parent)
+                               experiment=experiment, parent=parent, confirm=confirm)
 
     async def publish_raw(self, type_: str, body: bytes, *, agent: str = "", run: str = "",
-                          experiment: str = "", parent: str = "") -> None:
+                          experiment: str = "", parent: str = "", confirm: bool = False) -> None:
         header = p.Header(kind=p.EVENT, id=f"{self.session}{next(self._ids):x}", type=type_,
                           agent=agent, run=run, experiment=experiment, parent=parent,
                           session=self.session)
@@ -843,9 +924,44 @@ class Peer:
                 await self._connection(float("inf"))
             if not self._send_now(message):
                 await self._send_blocked(message, float("inf"))
+            self._events_sent += 1
         self._sends += 1
-        if self._sends % YIELD_EVERY == 0:
+        if confirm:
+            await self.confirm()
+        elif self._sends % YIELD_EVERY == 0:
             await anyio.lowlevel.checkpoint()
+
+    async def confirm(self) -> int:
+        """Wait until the hub has logged every event this peer published before the call;
+        return the log's latest seq.
+
+        Raises `HubLost` when the connection is lost first, or when some events published since
+        the previous `confirm()` may be missing from the log: they went out on a connection that
+        closed before the hub confirmed them (`counters["events_unconfirmed"]`), or the hub
+        refused them (`counters["events_refused"]`; its answers precede the confirmation).
+        No timeout of its own: a dead hub is noticed within its liveness window; wrap the call
+        in `anyio.fail_after` for a tighter bound.
+        """
+        try:
+            head = await self._confirm_sent()
+        finally:
+            missing = self._unconfirmed + self.counters.get("events_refused", 0)
+            lost = missing - self._unconfirmed_reported
+            self._unconfirmed_reported = missing
+        if lost:
+            raise HubLost(f"{lost} events published since the last `confirm()` may be missing "
+                          f"from the log of the hub at {self.hub}: their connection closed "
+                          "before the hub confirmed them (counted in `events_unconfirmed`) or "
+                          "the hub refused them (`events_refused`)", p.HUB_LOST)
+        return head
+
+    async def _confirm_sent(self) -> int:
+        """One `hub.replay` round trip: its reply follows the events sent before it on the same
+        socket, logged. (Held events are sent before the request, so they count too.)"""
+        mark = self._events_sent + len(self._held)
+        reply = await self.request(p.HUB_REPLAY, _CONFIRM_BODY, timeout=None)
+        self._confirmed = max(self._confirmed, mark)
+        return p.decode(reply, p.ReplayBatch).head
 
     def subscribe(self, topics: list[str] | tuple[str, ...] = (), *, since: int | None = None,
                   fill_gaps: bool = True) -> Subscription:
