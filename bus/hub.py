@@ -104,13 +104,18 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     peer_request_bytes: int = 64 * MiB  # ...of them, from one requester
     queued_services: int = 1000  # distinct unserved service names with queued requests
     max_event_bytes: int = 1 * MiB  # a bigger event body is counted `oversize_events`, dropped
-    subscriber_bytes: int = 64 * MiB  # per subscriber: PUB SNDHWM = this // max_event_bytes
+    # Per subscriber: PUB SNDHWM = this // max_event_bytes. 0: SNDHWM = pub_hwm, no byte bound,
+    # because a message count low enough to bound big events drops bursts of small ones
+    # (docs/reliability.md, "Memory budgets"); set it where subscribers are not trusted.
+    subscriber_bytes: int = 0
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
     max_redispatch: int = 1  # times a call whose server was lost is re-dispatched
 
     def subscriber_hwm(self) -> int:
         """zmq counts a subscriber's queue in messages: this many of the largest events fit
         its byte budget (at most `pub_hwm`)."""
+        if not self.subscriber_bytes:
+            return self.pub_hwm
         return max(1, min(self.pub_hwm, self.subscriber_bytes // max(1, self.max_event_bytes)))
 
 
@@ -125,7 +130,7 @@ BUDGETS = ("request_bytes", "peer_request_bytes", "queued_services", "queue_limi
 def check_config(config: HubConfig) -> None:
     """Refuse a config that must not run: checked here, so every way of starting a hub does."""
     for name in BUDGETS:
-        least = 0 if name == "max_redispatch" else 1
+        least = 0 if name in ("max_redispatch", "subscriber_bytes") else 1
         if getattr(config, name) < least:
             raise HubConfigError(f"hub budget `{name}` is {getattr(config, name)}: it must be "
                                  f">= {least} (see docs/reliability.md, \"Memory budgets\")")
