@@ -49,8 +49,11 @@ def test_key_only_in_the_gateway_and_tools_cannot_read_it(tmp_path: Path) -> Non
             assert KEY.encode() in _environ(pids["gateway-1"])
             for name in ("hub", "tools-1", "coordinator-1"):
                 assert KEY.encode() not in _environ(pids[name]), f"{name} holds the key"
-            result = subprocess.run(busctl("run", "--hub", topo.endpoint, "steal the key"),
-                                    capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            try:
+                result = subprocess.run(busctl("run", "--hub", topo.endpoint, "steal the key"),
+                                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            except subprocess.TimeoutExpired as exc:
+                raise AssertionError(f"run hung: {exc.stdout!r}\n{proc.output()}") from None
             assert result.returncode == 0, result.stderr
             out = result.stdout
             assert "FOUND" in out and "nothing found" in out, out
