@@ -11,7 +11,10 @@ leaving a request cancels it at the hub, which tells the gateway (it closes the 
 the worker (the tool's cancellation signal fires).
 
 The gateway publishes the streamed deltas (`message_update`) itself under the request's agent,
-run and experiment, so `BusLlmClient` never calls `on_delta`.
+run and experiment, so `BusLlmClient` never calls `on_delta`. It also sends them to the requester
+as partial replies: `BusLlmClient` assembles them, so an aborted call (`abort` set) returns what
+streamed so far — text, thinking, tool calls, under the model in use — as the aborted message,
+and `context_window(model)` reports the window the gateway learned from the server.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import anyio
 import msgspec
 
 from agents.context import TOOL_OUTPUT_TOOL, ToolOutputStore
-from agents.loop import DeltaSink, ToolExecutor, UpdateSink
+from agents.gateway import LlmPartial
+from agents.loop import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
+from agents.providers.base import MessageBuilder
 from bus.client import Peer
 from bus.errors import (
     DeadlineExceeded,
@@ -48,7 +53,37 @@ SERVICE_WAIT = 3.0
 
 
 _encoder = msgspec.msgpack.Encoder()
-_reply_decoder = msgspec.msgpack.Decoder(AssistantMessage)
+_reply_decoder = msgspec.msgpack.Decoder(AssistantMessage | LlmPartial)
+
+
+class _Streamed:
+    """What the gateway streamed of one call so far (reset when it retries)."""
+
+    def __init__(self, model: str) -> None:
+        self.builder = MessageBuilder()
+        self.model, self.provider = model, ""
+
+    async def add(self, partial: LlmPartial) -> None:
+        if partial.reset:
+            self.builder = MessageBuilder()
+        self.model = partial.model or self.model
+        self.provider = partial.provider or self.provider
+        delta = partial.delta
+        if delta is None:
+            return
+        key = ("part", delta.index)
+        if delta.kind == "tool_call" and not self.builder.has(key):
+            await self.builder.start(key, "tool_call", delta.tool_call_id, delta.tool_name)
+        elif delta.kind == "tool_call":
+            self.builder.update_call(key, delta.tool_call_id, delta.tool_name)
+        await self.builder.append(key, delta.kind, delta.delta)
+
+    def aborted(self) -> AssistantMessage:
+        # Tool calls are kept: their arguments may be cut off, but the loop closes them with an
+        # "aborted" result, and the record shows what the model was about to do.
+        return AssistantMessage(content=self.builder.content(), stop_reason="aborted",
+                                usage=self.builder.usage, model=self.model,
+                                provider=self.provider, error=ABORTED_TEXT)
 
 
 def _gateway_error(exc: RequestError, hub: str, timeout: float | None) -> str:
@@ -84,8 +119,14 @@ class BusLlmClient:
         self.timeout = timeout
         self.service = service
         self.service_wait = service_wait
+        self.windows: dict[str, int] = {}  # model alias ("" = default) -> window the gateway reported
 
-    async def complete(self, request: LlmRequest, on_delta: DeltaSink | None = None) -> AssistantMessage:
+    def context_window(self, model: str) -> int:
+        """The context window of `model` as the gateway last reported it; 0 when not known yet."""
+        return self.windows.get(model, 0)
+
+    async def complete(self, request: LlmRequest, on_delta: DeltaSink | None = None, *,
+                       abort: anyio.Event | None = None) -> AssistantMessage:
         changes: dict[str, Any] = {}
         if not request.agent and self.agent:
             changes["agent"] = self.agent
@@ -93,20 +134,41 @@ class BusLlmClient:
             changes["experiment"] = self.experiment
         if changes:
             request = msgspec.structs.replace(request, **changes)
-        body_out = _encoder.encode(request)
+        streamed = _Streamed(request.model)
+        reply: AssistantMessage | None = None
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as scope:  # abort: leave the stream (the hub cancels the call)
+                if abort is not None:
+                    tg.start_soon(_cancel_when_set, abort, scope)
+                reply = await self._call_with_wait(request, _encoder.encode(request), streamed)
+            tg.cancel_scope.cancel()
+        return reply if reply is not None else streamed.aborted()
+
+    async def _call_with_wait(self, request: LlmRequest, body: bytes,
+                              streamed: _Streamed) -> AssistantMessage:
         try:
             try:
-                body = await self.peer.request(self.service, body_out, timeout=self.timeout)
+                return await self._call(request, body, streamed)
             except NoService:
                 if not await self._wait_for_service():
                     raise
-                body = await self.peer.request(self.service, body_out, timeout=self.timeout)
+                return await self._call(request, body, streamed)
         except RequestError as exc:
             return _error(request, _gateway_error(exc, self.peer.hub, self.timeout))
-        try:
-            return _reply_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _error(request, f"The LLM gateway sent an unreadable reply: {exc}")
+
+    async def _call(self, request: LlmRequest, body: bytes, streamed: _Streamed) -> AssistantMessage:
+        async with self.peer.stream(self.service, body, timeout=self.timeout) as replies:
+            async for item in replies:
+                try:
+                    decoded = _reply_decoder.decode(item)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    return _error(request, f"The LLM gateway sent an unreadable reply: {exc}")
+                if isinstance(decoded, AssistantMessage):
+                    return decoded
+                if decoded.context_window:
+                    self.windows[request.model] = decoded.context_window
+                await streamed.add(decoded)
+        return _error(request, "The LLM gateway ended the call without a reply")
 
 
     async def _wait_for_service(self) -> bool:
@@ -123,6 +185,11 @@ class BusLlmClient:
                     return True
                 delay = min(delay * 2, 0.5)
         return False
+
+
+async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 def _error(request: LlmRequest, text: str) -> AssistantMessage:

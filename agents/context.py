@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from bus.messages import (
     AssistantMessage,
     BranchSummaryMessage,
@@ -33,6 +35,13 @@ from bus.messages import (
 )
 
 DEFAULT_CONTEXT_WINDOW = 128_000
+#: Marker the gateway puts in the error of a reply the server refused because the prompt did not
+#: fit the model's window (HTTP 400): the loop then compacts at once and retries the call once.
+CONTEXT_EXCEEDED = "context_exceeded"
+
+
+def is_context_exceeded(message: AssistantMessage) -> bool:
+    return message.stop_reason == "error" and CONTEXT_EXCEEDED in (message.error or "")
 
 # --- usage --------------------------------------------------------------------------------
 
@@ -320,6 +329,25 @@ def messages_for_summary(messages: Sequence[Message], prompt: str) -> list[Messa
     return copy
 
 
+def estimate_tokens(message: Message) -> int:
+    """A rough size (4 bytes a token of the message's JSON), enough to keep a request under a window."""
+    return math.ceil(len(msgspec.json.encode(message)) / BYTES_PER_TOKEN)
+
+
+def fit_for_summary(view: list[Message], budget: int) -> list[Message]:
+    """Drop the oldest messages of a summary view (never the prompt, the last one) until its
+    estimate fits `budget` tokens: a history that overflowed the window must still be
+    summarisable. A cut never leaves tool results whose call was dropped at the front."""
+    sizes = [estimate_tokens(m) for m in view]
+    start, total = 0, sum(sizes)
+    while total > budget and start < len(view) - 1:
+        total -= sizes[start]
+        start += 1
+    while start < len(view) - 1 and isinstance(view[start], ToolResultMessage):
+        start += 1
+    return view[start:]
+
+
 def last_turns_start(messages: Sequence[Message], turns: int) -> int:
     """Index where the last `turns` loop turns begin.
 
@@ -400,6 +428,10 @@ def _close_calls(open_calls: list[tuple[str, str]]) -> list[LlmMessage]:
 
 
 __all__ = [
+    "CONTEXT_EXCEEDED",
+    "estimate_tokens",
+    "fit_for_summary",
+    "is_context_exceeded",
     "DEFAULT_CONTEXT_WINDOW",
     "CompactionConfig",
     "ToolOutputCache",

@@ -11,7 +11,13 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
 
     {"steps": [ STEP, ... ],   # consumed one per request, in order, whatever the endpoint
      "rules": [ RULE, ... ],   # used once the steps are spent: first match wins
-     "echo": true}             # no step, no rule: reply "echo: <last user text>"
+     "echo": true,             # no step, no rule: reply "echo: <last user text>"
+     "models": ["fake-model"], # GET /v1/models lists these (the request's `model` is ignored)
+     "context_window": 0,      # >0: /v1/models (meta.n_ctx) and /props (n_ctx) report it, and a
+                               # prompt estimated longer (JSON bytes / 4) gets llama.cpp's HTTP 400
+                               # `exceed_context_size_error` with `n_ctx`
+     "close_after_stream": false}  # true: like llama.cpp, the connection is dead after a stream
+                               # (without saying so): the next request on it gets no answer
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -138,6 +144,10 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     steps: list[Step] = msgspec.field(default_factory=list)
     rules: list[Rule] = msgspec.field(default_factory=list)
     echo: bool = True
+    # What real servers do (llama.cpp's quirks by default off, so old scripts behave the same):
+    models: list[str] = msgspec.field(default_factory=lambda: ["fake-model"])  # GET /v1/models
+    context_window: int = 0  # >0: reported by /v1/models and /props; longer prompts get HTTP 400
+    close_after_stream: bool = False  # drop the next request on a connection that streamed
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -603,19 +613,31 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # SSE chunks must go out now, not after a 40 ms ACK delay
     server: _Server
     _record: RecordedRequest | None = None
+    _dead = False  # set after a stream when the script says `close_after_stream`
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read srv.requests
         return
 
     def do_GET(self) -> None:
+        script = self.server.owner.script
+        window = script.context_window
         if self.path.rstrip("/") in ("/v1/models", "/models"):
-            self._send_json(200, {"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+            meta = {"n_ctx": window, "n_ctx_train": max(window, 32768)} if window else {}
+            data = [{"id": m, "object": "model", "owned_by": "fake-llm", **({"meta": meta} if meta else {})}
+                    for m in script.models]
+            self._send_json(200, {"object": "list", "data": data})
+        elif self.path.rstrip("/") == "/props" and window:
+            self._send_json(200, {"default_generation_settings": {"n_ctx": window}, "total_slots": 1})
         else:
             self._send_json(404, {"error": {"message": f"no route for GET {self.path}"}})
 
     def do_POST(self) -> None:
         api = _APIS.get(self.path.split("?")[0])
         body = self._read_body()
+        if self._dead:  # llama.cpp: the connection that streamed is closed, unannounced
+            self.server.owner._count_dropped()
+            self._drop()
+            return
         if api is None or not isinstance(body, dict):
             self._send_json(
                 404 if api is None else 400, error_body(api or "openai", 400, f"bad request to {self.path}")
@@ -649,12 +671,22 @@ class _Handler(BaseHTTPRequestHandler):
         self._pause(step.delay)
         stream = bool(body.get("stream"))
         model = str(body.get("model") or "fake-model")
+        window = self.server.owner.script.context_window
+        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1
+        if window and prompt > window:
+            message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
+                       "try increasing it")
+            error = {"code": 400, "message": message, "type": "exceed_context_size_error",
+                     "n_prompt_tokens": prompt, "n_ctx": window}
+            self._send_json(400, {"error": error})
+            return
         if step.fail is not None:
             self._fail(api, step.fail, stream, model, body)
         elif stream:
             reply = step.reply or Reply()
             events = (openai_events if api == "openai" else anthropic_events)(reply, model, body)
             self._stream(events, reply.chunk_delay)
+            self._dead = self.server.owner.script.close_after_stream
         else:
             reply = step.reply or Reply()
             self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
@@ -762,6 +794,7 @@ class FakeLLMServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.disconnects: list[float] = []  # time.monotonic() when a client closed mid-response
+        self.dropped = 0  # requests dropped unanswered on a connection dead after its stream
         self._cursor = 0
         self._lock = threading.Condition()
         self._stopping = threading.Event()
@@ -842,6 +875,10 @@ class FakeLLMServer:
         if self.script.rules or self.script.echo:
             return choose_step(self.script, read_conversation(api, body))
         return Step(fail=Fail(status=500, message="fake-llm script exhausted"))
+
+    def _count_dropped(self) -> None:
+        with self._lock:
+            self.dropped += 1
 
     def _begin(self, path: str, headers: dict[str, str], body: Any) -> RecordedRequest:
         record = RecordedRequest(path=path, headers=headers, body=body, started=time.monotonic())

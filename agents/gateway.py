@@ -8,6 +8,14 @@ of them) from every error; every log record of the process goes through the same
 the process makes itself non-dumpable on Linux, so other processes of the same user cannot read
 its environment or memory.
 A second service, `gateway.<name>`, answers with the engine's stats (queues, usage totals).
+
+The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
+its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
+after which no reply can be sent) still holds everything streamed so far and keeps it as the
+aborted message. A retry sends `reset` first: what came before is discarded.
+
+At start the gateway asks each server for what the configuration left out (model name, context
+window; see `LlmEngine.discover`) and exits with the reason when the choice is ambiguous.
 """
 
 from __future__ import annotations
@@ -17,11 +25,12 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import anyio
 import msgspec
 
-from agents.llm import NO_MODEL_ERROR, LlmEngine, ModelConfig, models_from_env
+from agents.llm import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
@@ -47,6 +56,16 @@ class GatewaySettings(msgspec.Struct):
     curve: CurveClient | None = None
 
 
+class LlmPartial(msgspec.Struct, omit_defaults=True, tag_field="role", tag="partial"):
+    """One partial reply of an `llm` request: a delta, or `reset` after a failed attempt."""
+
+    delta: AssistantDelta | None = None
+    reset: bool = False
+    model: str = ""
+    provider: str = ""
+    context_window: int = 0
+
+
 def stats_service(name: str) -> str:
     return f"gateway.{name}"
 
@@ -64,13 +83,19 @@ class Gateway:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
         abort = anyio.Event()
+        described = False
 
         async def on_delta(delta: AssistantDelta) -> None:
+            nonlocal described
             await self.peer.publish(ev.MessageUpdate(delta=delta), agent=request.agent,
                                     run=request.run_id, experiment=request.experiment)
+            partial = self._partial(request.model, delta=delta) if not described else LlmPartial(delta)
+            described = True
+            await req.partial(_encoder.encode(partial))
 
         async def on_retry(attempt: int, delay: float, status: int, error: str) -> None:
             config = self.engine.model_config(request.model)
+            await req.partial(_encoder.encode(LlmPartial(reset=True)))
             await self.peer.publish(
                 ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
                             provider=config.provider if config else ""),
@@ -78,6 +103,13 @@ class Gateway:
 
         message = await self.engine.complete(request, on_delta, on_retry, abort=abort)
         return _encoder.encode(message)
+
+    def _partial(self, alias: str, delta: AssistantDelta) -> LlmPartial:
+        config = self.engine.model_config(alias)
+        if config is None:
+            return LlmPartial(delta)
+        return LlmPartial(delta, model=config.model, provider=config.provider,
+                          context_window=config.context_window)
 
     async def handle_stats(self, req: IncomingRequest) -> bytes:
         return _encoder.encode(self.engine.stats())
@@ -92,11 +124,25 @@ async def run_gateway(settings: GatewaySettings,
                       *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered."""
     make_undumpable()  # first: the keys are in this process's environment already
-    async with build_engine(settings) as engine:
+    try:
+        engine = build_engine(settings)
+    except ModelSetupError as exc:
+        _exit_setup_error(exc)
+    async with engine:
         with log_redaction(lambda text: engine.redactor()(text)):
+            try:
+                await engine.discover()
+            except ModelSetupError as exc:
+                _exit_setup_error(exc)
             async with connect(settings.hub, name=settings.name, role="gateway",
                                curve=settings.curve) as peer:
                 await _serve(settings, engine, peer, task_status)
+
+
+def _exit_setup_error(exc: ModelSetupError) -> NoReturn:
+    """`busctl up` shows a gateway's stderr when it exits before its ready line."""
+    print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 async def _serve(settings: GatewaySettings, engine: LlmEngine, peer: Peer,
@@ -109,7 +155,9 @@ async def _serve(settings: GatewaySettings, engine: LlmEngine, peer: Peer,
         print(f"WARNING: {NO_MODEL_ERROR}", file=sys.stderr, flush=True)
     default = engine.model_config("")
     print(json.dumps({"ready": "gateway", "name": settings.name, "models": aliases,
-                      "default": default.alias if default else "", "pid": os.getpid()}),
+                      "default": default.alias if default else "", "pid": os.getpid(),
+                      "model": default.model if default else "",
+                      "context_window": default.context_window if default else 0}),
           flush=True)
     task_status.started()
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

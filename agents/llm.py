@@ -44,8 +44,10 @@ import anyio
 import httpx
 import msgspec
 
+from agents.context import CONTEXT_EXCEEDED
 from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
 from agents.providers.base import DeltaCallback
+from agents.providers.discovery import discover
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
 
@@ -60,6 +62,17 @@ DEFAULT_BASE_URLS: dict[str, str] = {
 }
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
+#: The window assumed when neither the configuration nor the server gives one.
+DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {"openai": 128_000, "anthropic": 200_000}
+DISCOVERY_RETRY = 5.0  # seconds between discovery attempts while a server is not answering
+# Phrases of the HTTP 400 a server answers when the prompt does not fit its window: llama.cpp
+# (`exceed_context_size_error`), OpenAI/vLLM (`context_length_exceeded`, "maximum context
+# length"), Anthropic ("prompt is too long"), Ollama/others ("context length", "context window").
+_CONTEXT_ERROR = re.compile(
+    r"exceed_context_size|context_length_exceeded|maximum context length|prompt is too long|"
+    r"exceeds the available context|context (length|window|size)",
+    re.IGNORECASE,
+)
 NO_MODEL_ERROR = (
     "no model is configured for the LLM gateway. Set `OPENAI_API_KEY` (optionally `OPENAI_BASE_URL` "
     "and `OPENAI_MODEL`; `OPENAI_BASE_URL` alone is enough for a local server such as Ollama or "
@@ -82,10 +95,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
 
     provider: ProviderName
     alias: str = ""
-    model: str
+    model: str = ""  # "": the one model the server lists (see `LlmEngine.discover`)
     base_url: str = ""
     api_key_env: str = ""
-    context_window: int = 128_000
+    context_window: int = 0  # 0: ask the server, else the provider's default
+    parallel_tool_calls: bool | None = True  # sent when tools are offered; None: not sent
     input_price: float | None = None
     output_price: float | None = None
     cache_read_price: float | None = None
@@ -94,6 +108,9 @@ class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     requests_per_minute: float | None = None
     connect_timeout: float = 10.0
     timeout: float = 120.0
+    # Where `model` and `context_window` came from (shown by `busctl status`); set by the engine.
+    model_from: str = ""
+    context_window_from: str = ""
 
     def endpoint(self) -> str:
         return self.base_url or DEFAULT_BASE_URLS[self.provider]
@@ -103,12 +120,16 @@ class ModelStats(msgspec.Struct, kw_only=True):
     alias: str
     provider: str
     model: str
+    model_from: str = ""
+    context_window: int = 0
+    context_window_from: str = ""
     in_flight: int = 0
     queued: int = 0
     max_in_flight: int = 0
     requests: int = 0
     attempts: int = 0
     retries: int = 0
+    resent: int = 0  # requests resent on a fresh connection after failing before any byte
     errors: int = 0
     aborted: int = 0
     usage: Usage = msgspec.field(default_factory=Usage)
@@ -122,15 +143,27 @@ class EngineStats(msgspec.Struct, kw_only=True):
     runs: dict[str, Usage]
 
 
+class ModelSetupError(Exception):
+    """The configuration cannot work as given (e.g. the server lists several models and none was
+    chosen); the text says which setting to change."""
+
+
 class _AttemptFailed(Exception):
     def __init__(
-        self, message: str, *, retryable: bool, status: int = 0, retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        retryable: bool,
+        status: int = 0,
+        retry_after: float | None = None,
+        server_window: int = 0,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.retryable = retryable
         self.status = status
         self.retry_after = retry_after
+        self.server_window = server_window  # n_ctx a context-exceeded error reported (llama.cpp)
 
     def redacted(self, redactor: Redactor) -> _AttemptFailed:
         """Redact the whole message, then cut it: a cut first could split a key past recognition."""
@@ -160,14 +193,30 @@ class _RateLimiter:
 
 class _ModelRuntime:
     def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        self.provider: Provider = PROVIDERS[config.provider](config.endpoint(), config.model)
+        self.stats = ModelStats(alias=config.alias, provider=config.provider, model=config.model)
+        self.configure(config)
         self.limiter = anyio.CapacityLimiter(max(1, config.max_concurrency))
         self.rate = _RateLimiter(config.requests_per_minute) if config.requests_per_minute else None
-        self.stats = ModelStats(alias=config.alias, provider=config.provider, model=config.model)
         self.timeout = httpx.Timeout(
             connect=config.connect_timeout, read=config.timeout, write=config.timeout, pool=config.timeout
         )
+        self.discovered = False
+        self.listed: list[str] = []  # the server's model list, for the "choose one" error
+        self.next_discovery = 0.0  # monotonic time before which a failed discovery is not retried
+        self.discovery_lock = anyio.Lock()
+
+    def configure(self, config: ModelConfig) -> None:
+        """Adopt `config` (discovery may fill in the model name and context window)."""
+        self.config = config
+        self.provider: Provider = PROVIDERS[config.provider](config.endpoint(), config.model)
+        self.provider.parallel_tool_calls = config.parallel_tool_calls
+        self.stats.model, self.stats.model_from = config.model, config.model_from
+        self.stats.context_window = config.context_window
+        self.stats.context_window_from = config.context_window_from
+
+    @property
+    def needs_discovery(self) -> bool:
+        return not self.discovered and (not self.config.model or not self.config.context_window)
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -281,6 +330,11 @@ class LlmEngine:
         runtime = self._resolve(alias)
         return None if isinstance(runtime, AssistantMessage) else runtime.config
 
+    def context_window(self, alias: str = "") -> int:
+        """The model's context window as configured or discovered (0: not known yet)."""
+        config = self.model_config(alias)
+        return config.context_window if config else 0
+
     # --- complete ---------------------------------------------------------------------
 
     async def complete(
@@ -295,11 +349,60 @@ class LlmEngine:
         runtime = self._resolve(request.model)
         if isinstance(runtime, AssistantMessage):
             return runtime
+        problem = await self._ensure_discovered(runtime)
+        if problem:
+            return _error_message(runtime.config.provider, "", problem)
         runtime.stats.requests += 1
         call = _Call()
-        message = await self._run_abortable(runtime, request, on_delta, on_retry, call, abort)
+        try:
+            message = await self._run_abortable(runtime, request, on_delta, on_retry, call, abort)
+        except anyio.get_cancelled_exc_class():
+            runtime.stats.aborted += 1  # a hub cancel (the requester aborted) cancels the handler
+            raise
         self._account(runtime, request, message)
         return message
+
+    # --- discovery -------------------------------------------------------------------------
+
+    async def discover(self) -> None:
+        """Ask each server for what the configuration left out: the model name (the one model
+        it lists) and the context window. Raises `ModelSetupError` when a server lists several
+        models and none was chosen. A server that does not answer yet is asked again at its
+        first request (every `DISCOVERY_RETRY` seconds until it answers)."""
+        for runtime in self._models.values():
+            problem = await self._ensure_discovered(runtime)
+            if problem:
+                raise ModelSetupError(problem)
+
+    async def _ensure_discovered(self, runtime: _ModelRuntime) -> str:
+        """"" when the model is usable, else the error text (several models, none chosen)."""
+        if runtime.needs_discovery:
+            async with runtime.discovery_lock:
+                if runtime.needs_discovery and anyio.current_time() >= runtime.next_discovery:
+                    await self._discover(runtime)
+        return _choose_model_error(runtime) if not runtime.config.model else ""
+
+    async def _discover(self, runtime: _ModelRuntime) -> None:
+        config = runtime.config
+        headers = _probe_headers(config, self._env)
+        found = await discover(self._client, config.provider, config.endpoint().rstrip("/"),
+                               config.model, headers)
+        changes: dict[str, Any] = {}
+        if not config.model and len(found.models) == 1:
+            changes.update(model=found.models[0], model_from="server /v1/models (the only model listed)")
+        runtime.listed = found.models
+        if not config.context_window and found.context_window:
+            changes.update(context_window=found.context_window[0], context_window_from=found.context_window[1])
+        elif not config.context_window and (found.reachable or not config.base_url):
+            changes.update(context_window=DEFAULT_CONTEXT_WINDOWS[config.provider],
+                           context_window_from="default (the server does not report it)")
+        runtime.discovered = found.reachable or not config.base_url
+        runtime.next_discovery = anyio.current_time() + DISCOVERY_RETRY
+        if changes:
+            runtime.configure(msgspec.structs.replace(config, **changes))
+            log.info("model `%s`: %s (%s), context window %d (%s)", config.alias, runtime.config.model,
+                     runtime.config.model_from, runtime.config.context_window,
+                     runtime.config.context_window_from)
 
     def _resolve(self, alias: str) -> _ModelRuntime | AssistantMessage:
         if not self._models:
@@ -387,6 +490,11 @@ class LlmEngine:
 
     def _failed(self, runtime: _ModelRuntime, failure: _AttemptFailed, attempts: int) -> AssistantMessage:
         runtime.stats.errors += 1
+        if failure.server_window and failure.server_window != runtime.config.context_window:
+            # The server knows its window better than any default: later runs compact in time.
+            runtime.configure(msgspec.structs.replace(
+                runtime.config, context_window=failure.server_window,
+                context_window_from="server (its context-exceeded error)"))
         config = runtime.config
         tries = f"after {attempts} attempt{'s' if attempts != 1 else ''}"
         text = f"{config.provider} (model `{config.alias}`): {failure.message} ({tries})"
@@ -436,7 +544,15 @@ class LlmEngine:
         req = self._client.build_request(
             "POST", http.url, headers=http.headers, content=content, timeout=runtime.timeout
         )
-        response = await self._client.send(req, stream=True)
+        try:
+            response = await self._client.send(req, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            # Nothing came back, so nothing was generated: typically a pooled connection the
+            # server closed after its last stream (llama.cpp). Resend at once on a fresh one,
+            # without counting an attempt.
+            log.debug("model `%s`: resending on a new connection (%s)", runtime.config.alias, exc)
+            runtime.stats.resent += 1
+            response = await self._client.send(req, stream=True)
         try:
             if not response.is_success:
                 raise await _status_failure(response, policy, redactor)
@@ -479,23 +595,42 @@ class LlmEngine:
 
 def models_from_env(env: Mapping[str, str]) -> list[ModelConfig]:
     """`openai` from `OPENAI_API_KEY`/`OPENAI_BASE_URL`/`OPENAI_MODEL`, `anthropic` from
-    `ANTHROPIC_API_KEY`/`ANTHROPIC_BASE_URL`/`ANTHROPIC_MODEL`. The first found is the default."""
+    `ANTHROPIC_API_KEY`/`ANTHROPIC_BASE_URL`/`ANTHROPIC_MODEL`. The first found is the default.
+
+    With a base URL and no `*_MODEL`, the model is left "" for `LlmEngine.discover` to fill in;
+    `OPENAI_CONTEXT_WINDOW`/`ANTHROPIC_CONTEXT_WINDOW` override the discovered window."""
     models: list[ModelConfig] = []
     for provider, default_model in (("openai", DEFAULT_OPENAI_MODEL), ("anthropic", DEFAULT_ANTHROPIC_MODEL)):
         prefix = provider.upper()
         key_env, base_url = f"{prefix}_API_KEY", env.get(f"{prefix}_BASE_URL", "")
         if not env.get(key_env) and not base_url:
             continue
+        model, model_from = env.get(f"{prefix}_MODEL", "").strip(), f"env {prefix}_MODEL"
+        if not model and not base_url:  # the provider's own API: its well-known default
+            model, model_from = default_model, "default"
+        window = _env_window(env, f"{prefix}_CONTEXT_WINDOW")
         models.append(
             ModelConfig(
                 alias=provider,
                 provider=provider,  # type: ignore[arg-type]
-                model=env.get(f"{prefix}_MODEL") or default_model,
+                model=model,
+                model_from=model_from if model else "",
                 base_url=base_url,
                 api_key_env=key_env if env.get(key_env) else "",
+                context_window=window,
+                context_window_from=f"env {prefix}_CONTEXT_WINDOW" if window else "",
             )
         )
     return models
+
+
+def _env_window(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ModelSetupError(f"`{name}` must be a positive number of tokens (e.g. 8192), got {raw!r}")
+    return int(raw)
 
 
 def backoff_delay(policy: RetryPolicy, attempt: int, retry_after: float | None) -> float:
@@ -536,12 +671,50 @@ async def _status_failure(
     body = await _read_limited(response)
     status = response.status_code
     retryable = status in policy.retry_statuses
+    text = provider_error_text(body, redactor)
+    window = 0
+    if status in (400, 413) and _CONTEXT_ERROR.search(text):
+        # The marker lets the loop compact and retry once instead of failing the run.
+        window = _reported_window(body)
+        text = f"{CONTEXT_EXCEEDED}: the conversation does not fit the model's context window: {text}"
     return _AttemptFailed(
-        f"HTTP {status} from {response.request.url}: {provider_error_text(body, redactor)}",
+        f"HTTP {status} from {response.request.url}: {text}",
         retryable=retryable,
         status=status,
         retry_after=retry_after_seconds(response.headers) if retryable else None,
+        server_window=window,
     )
+
+
+def _reported_window(body: bytes) -> int:
+    """`n_ctx` of llama.cpp's context-exceeded error body (0 when absent)."""
+    try:
+        error = msgspec.json.decode(body).get("error")
+        return max(0, int(error.get("n_ctx") or 0))
+    except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _choose_model_error(runtime: _ModelRuntime) -> str:
+    config = runtime.config
+    var = f"{config.provider.upper()}_MODEL"
+    where = f"[models.{config.alias}] model = \"...\" in the topology file, or `{var}=`"
+    if runtime.listed:
+        names = ", ".join(f"`{m}`" for m in runtime.listed[:20])
+        more = f" (and {len(runtime.listed) - 20} more)" if len(runtime.listed) > 20 else ""
+        return (f"model `{config.alias}`: the server at {config.endpoint()} serves several models "
+                f"({names}{more}) and none was chosen; set {where} to one of them")
+    return (f"model `{config.alias}`: no model name is configured and the server at "
+            f"{config.endpoint()} did not list its models (is it running?); set {where}")
+
+
+def _probe_headers(config: ModelConfig, env: Mapping[str, str]) -> dict[str, str]:
+    key = env.get(config.api_key_env, "").strip() if _ENV_NAME.match(config.api_key_env) else ""
+    if not key or not key.isascii() or not key.isprintable():
+        return {}  # a malformed key fails the first request with its own clear error
+    if config.provider == "anthropic":
+        return {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    return {"authorization": f"Bearer {key}"}
 
 
 def _check_content_type(response: httpx.Response) -> None:
@@ -644,7 +817,9 @@ async def _maybe_await(value: object) -> None:
 
 
 __all__ = [
+    "DEFAULT_CONTEXT_WINDOWS",
     "NO_MODEL_ERROR",
+    "ModelSetupError",
     "EngineStats",
     "LlmEngine",
     "ModelConfig",

@@ -22,6 +22,7 @@ Run stop reasons (AgentEnd.stop_reason): "stop" (model finished, or should_stop_
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -41,6 +42,9 @@ from agents.context import (
     compacted_history,
     compaction_prompt,
     default_convert_to_llm,
+    estimate_tokens,
+    fit_for_summary,
+    is_context_exceeded,
     messages_for_summary,
     parse_compaction,
     should_compact,
@@ -103,6 +107,9 @@ from bus.messages import (
 # --- exact strings ------------------------------------------------------------------------
 
 ABORTED_TEXT = "Operation aborted"
+#: After an abort, how long a model client that takes `abort=` may take to return its partial
+#: message before its call is cancelled outright.
+ABORT_GRACE = 2.0
 BLOCKED_TEXT = "Tool execution was blocked"
 DENIED_TEXT = "Permission request was denied. Turn stopped. Please send your next input to continue."
 TASK_COMPLETE_TEXT = "Task complete"
@@ -217,11 +224,30 @@ class AbortSignal:
     def __init__(self) -> None:
         self.aborted = False
         self._scopes: set[anyio.CancelScope] = set()
+        self._graceful: set[tuple[anyio.Event, anyio.CancelScope]] = set()
 
     def abort(self) -> None:
         self.aborted = True
         for scope in list(self._scopes):
             scope.cancel()
+        for event, scope in list(self._graceful):
+            event.set()
+            scope.deadline = min(scope.deadline, anyio.current_time() + ABORT_GRACE)
+
+    @contextmanager
+    def graceful(self) -> Iterator[anyio.Event]:
+        """Like `scope()`, but abort first sets the yielded event so the step can return what it
+        has (a model client's partial message); it is cancelled only after `ABORT_GRACE` s."""
+        event, scope = anyio.Event(), anyio.CancelScope()
+        entry = (event, scope)
+        self._graceful.add(entry)
+        if self.aborted:
+            self.abort()
+        try:
+            with scope:
+                yield event
+        finally:
+            self._graceful.discard(entry)
 
     @contextmanager
     def scope(self) -> Iterator[anyio.CancelScope]:
@@ -480,9 +506,22 @@ async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInf
     request = _request(run, llm_messages, [t.spec() for t in catalog], run.config.tool_choice)
     await run.emit(MessageStart(message=AssistantMessage(model=run.model)))
     reply = await _complete(run, request, _emit_delta(run))
+    if is_context_exceeded(reply) and await _maybe_compact(run, force=True):
+        # The server refused the prompt as too long: compacted now, the call is retried once.
+        llm_messages = await _convert(run, list(run.messages))
+        request = _request(run, llm_messages, request.tools, request.tool_choice)
+        reply = await _complete(run, request, _emit_delta(run))
     run.usage.add(reply)
     await _end_message(run, reply)
     return reply, catalog
+
+
+def _context_window(run: _Run) -> int:
+    """The window the model client reports (the gateway learns it from the server), else the
+    configured one."""
+    known = getattr(run.llm, "context_window", None)
+    window = known(run.model) if callable(known) else 0
+    return window or run.config.context_window or DEFAULT_CONTEXT_WINDOW
 
 
 def _emit_delta(run: _Run) -> DeltaSink:
@@ -533,8 +572,7 @@ async def _complete(run: _Run, request: LlmRequest, on_delta: DeltaSink | None) 
     reply: AssistantMessage | None = None
     if not run.signal.aborted:
         try:
-            with run.signal.scope():
-                reply = await run.llm.complete(request, sink)
+            reply = await _call_llm(run, request, sink)
         except Exception as exc:  # the LlmClient contract says it never raises; be safe anyway
             return _error_reply(request.model, _error_text(exc))
     if reply is None:  # the abort cancelled the call: keep what streamed so far
@@ -545,6 +583,25 @@ async def _complete(run: _Run, request: LlmRequest, on_delta: DeltaSink | None) 
     if not reply.model:
         reply.model = request.model
     return reply
+
+
+async def _call_llm(run: _Run, request: LlmRequest, sink: DeltaSink) -> AssistantMessage | None:
+    """The reply; None when the abort cancelled the call. A client whose `complete` takes `abort`
+    is told first and returns its partial message (it may know more than the text deltas)."""
+    if _takes_abort(run.llm):
+        with run.signal.graceful() as event:
+            return await run.llm.complete(request, sink, abort=event)  # type: ignore[call-arg]
+        return None
+    with run.signal.scope():
+        return await run.llm.complete(request, sink)
+    return None
+
+
+def _takes_abort(llm: LlmClient) -> bool:
+    try:
+        return "abort" in inspect.signature(llm.complete).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _error_text(exc: BaseException) -> str:
@@ -803,26 +860,37 @@ async def _close_unfinished(run: _Run, batch: _Batch) -> None:
 # --- compaction and max iterations ---------------------------------------------------------
 
 
-async def _maybe_compact(run: _Run) -> None:
-    """Fold history into a summary once the last reply used threshold * context_window tokens."""
+async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
+    """Fold history into a summary once the last reply used threshold * context_window tokens
+    (`force`: now, the server refused the prompt as too long). True when history was compacted."""
     config = run.config.compaction
     last = next((m for m in reversed(run.messages) if isinstance(m, AssistantMessage)), None)
-    if config is None or last is None:
-        return
-    if not should_compact(config, last.usage, run.config.context_window):
-        return
-    tokens = last.usage.total
+    if config is None or not config.enabled or (last is None and not force):
+        return False
+    window = _context_window(run)
+    if not force and not should_compact(config, last.usage if last else None, window):
+        return False
+    tokens = last.usage.total if last is not None and last.usage.total else _estimate(run.messages)
     await run.emit(CompactionStart(tokens=tokens))
-    summary = await _compaction_summary(run, config)
+    summary = await _compaction_summary(run, config, window)
     if summary:
         run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens)
     await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens))
+    return bool(summary)
 
 
-async def _compaction_summary(run: _Run, config: CompactionConfig) -> str:
-    """The summary text, or "" when the call fails (history then stays as it is)."""
-    view = messages_for_summary(run.messages, compaction_prompt(config))
+def _estimate(messages: list[Message]) -> int:
+    return sum(estimate_tokens(m) for m in messages)
+
+
+async def _compaction_summary(run: _Run, config: CompactionConfig, window: int) -> str:
+    """The summary text, or "" when the call fails (history then stays as it is).
+
+    The view is cut to half the window and the summary to an eighth: a history that already
+    overflowed must still be summarisable, and a long summary would refill the window."""
+    view = fit_for_summary(messages_for_summary(run.messages, compaction_prompt(config)), window // 2)
     request = _request(run, await _convert(run, view), [], "none", model=config.model)
+    request.max_tokens = min(request.max_tokens or window, max(256, window // 8))
     reply = await _complete(run, request, None)
     run.usage.add(reply)
     if reply.stop_reason in ("error", "aborted"):

@@ -76,6 +76,8 @@ class AnthropicProvider(Provider):
         if request.tools:
             body["tools"] = [convert_tool(t) for t in request.tools]
             body["tool_choice"] = convert_tool_choice(request.tool_choice)
+            if self.parallel_tool_calls is False and request.tool_choice != "none":
+                body["tool_choice"]["disable_parallel_tool_use"] = True  # Anthropic's default is on
         if request.temperature is not None:
             body["temperature"] = request.temperature
         if request.reasoning:

@@ -67,6 +67,8 @@ class Provider:
     def __init__(self, base_url: str, model: str) -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        # True: ask for several tool calls per turn (llama.cpp defaults to one); None: say nothing.
+        self.parallel_tool_calls: bool | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(base_url={self.base_url!r}, model={self.model!r})"

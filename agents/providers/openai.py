@@ -61,6 +61,8 @@ class OpenAIProvider(Provider):
         if request.tools:
             body["tools"] = [convert_tool(t) for t in request.tools]
             body["tool_choice"] = convert_tool_choice(request.tool_choice)
+            if self.parallel_tool_calls is not None:
+                body["parallel_tool_calls"] = self.parallel_tool_calls
         if request.max_tokens is not None:
             body["max_tokens"] = request.max_tokens
         if request.temperature is not None:
