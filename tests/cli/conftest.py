@@ -14,7 +14,8 @@ from tests.support import Proc, busctl, wait_for
 FIXTURES = Path(__file__).parent / "fixtures"
 
 # The scripted model for these tests: "count" calls the user's word_count tool, "slow" calls
-# slow_echo, anything else is echoed; after tool results it answers with them.
+# slow_echo, "explore" calls the built-in list_dir, anything else is echoed; after tool results it
+# answers with them.
 SCRIPT = {
     "rules": [
         {"contains": ["count"], "tool_result": False,
@@ -23,6 +24,8 @@ SCRIPT = {
         {"contains": ["slow"], "tool_result": False,
          "reply": {"text": "Waiting.", "tool_calls": [
              {"name": "slow_echo", "arguments": {"text": "late", "seconds": 30}}]}},
+        {"contains": ["explore"], "tool_result": False,
+         "reply": {"text": "Looking.", "tool_calls": [{"name": "list_dir", "arguments": {}}]}},
         {"contains": [], "tool_result": True, "reply": {"text": "Result: {tool_results}"}},
     ],
     "echo": True,

@@ -71,8 +71,10 @@ def test_a_killed_worker_is_restarted_and_calls_keep_working(up_default: Topolog
         return any(e.get("process") == "tools-1" for e in json_lines(out))
 
     wait_for(restarted, 20, "a process_restarted event for tools-1")
+    (topo.cwd / "seen-by-the-restarted-worker.txt").write_text("x")
     result = cli("run", "--hub", topo.endpoint, "explore the files")
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "seen-by-the-restarted-worker.txt" in result.stdout  # list_dir ran on the new worker
 
 
 def test_topology_with_two_gateways_three_worker_groups_three_agents(

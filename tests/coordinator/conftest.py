@@ -7,6 +7,7 @@ new session), so tests do not depend on each other's conversation.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from agents.fakellm import FakeLLMServer, load_script
@@ -109,19 +111,18 @@ class Stack:
         proc = self.procs.pop(name, None)
         return proc.stop() if proc is not None else None
 
-    def watch(self, run_id: str) -> list[dict[str, Any]]:
+    async def watch(self, run_id: str) -> list[dict[str, Any]]:
         """The run's events as `busctl watch --json --since 0 --no-follow` prints them."""
-        out = subprocess.run(
-            busctl("watch", "--hub", self.endpoint, "--json", "--since", "0", "--no-follow",
-                   "--run", run_id),
-            capture_output=True, text=True, timeout=20, check=True)
-        return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        return await self.watch_all("--since", "0", "--run", run_id)
 
-    def watch_all(self, *args: str) -> list[dict[str, Any]]:
-        """`busctl watch --json --no-follow ARGS...` (e.g. `--type topic_message --since N`)."""
-        out = subprocess.run(
-            busctl("watch", "--hub", self.endpoint, "--json", "--no-follow", *args),
-            capture_output=True, text=True, timeout=20, check=True)
+    async def watch_all(self, *args: str) -> list[dict[str, Any]]:
+        """`busctl watch --json --no-follow ARGS...` (e.g. `--type topic_message --since N`).
+
+        Runs in a thread: blocking the event loop would silence the test's own peers, and the hub
+        drops a peer that is silent for its liveness window."""
+        command = busctl("watch", "--hub", self.endpoint, "--json", "--no-follow", *args)
+        out = await anyio.to_thread.run_sync(functools.partial(
+            subprocess.run, command, capture_output=True, text=True, timeout=20, check=True))
         return [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
     def close(self) -> None:

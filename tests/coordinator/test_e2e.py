@@ -46,7 +46,7 @@ async def test_prompt_without_tools_event_order(stack: Stack) -> None:
     assert result.final_text == "Hello there, human friend."
     assert result.run_id == run_id and result.agent == "a"
 
-    events = stack.watch(run_id)
+    events = await stack.watch(run_id)
     assert collapse(types(events)) == [
         "agent_start", "turn_start", "message_start", "message_end", "message_start",
         "message_update+", "message_end", "turn_end", "agent_end",
@@ -75,7 +75,7 @@ async def test_tool_calls_then_next_turn(stack: Stack) -> None:
     ])
     run_id, result = await run_prompt(stack, "a", "echo twice", new_session=True)
     assert (result.stop_reason, result.final_text) == ("stop", "All echoed.")
-    events = stack.watch(run_id)
+    events = await stack.watch(run_id)
     names = collapse(types(events))
     assert names == [
         "agent_start", "turn_start", "message_start", "message_end",
@@ -113,7 +113,7 @@ async def test_parallel_slow_tools_end_in_completion_order(stack: Stack) -> None
     ])
     run_id, result = await run_prompt(stack, "a", "go slow", new_session=True)
     assert result.final_text == "done"
-    phase = tool_events(stack.watch(run_id))
+    phase = tool_events(await stack.watch(run_id))
     assert phase == [
         ("tool_execution_start", "call_0_slow"),
         ("tool_execution_start", "call_1_slow"),
@@ -134,7 +134,7 @@ async def test_sequential_agent_runs_one_call_at_a_time(stack: Stack) -> None:
     ])
     run_id, result = await run_prompt(stack, "s", "go in order", new_session=True)
     assert result.final_text == "done in order"
-    events = stack.watch(run_id)
+    events = await stack.watch(run_id)
     assert tool_events(events) == [
         ("tool_execution_start", "call_0_slow"), ("tool_execution_end", "call_0_slow"),
         ("message_start", "call_0_slow"), ("message_end", "call_0_slow"),
@@ -159,7 +159,7 @@ async def test_steering_during_a_tool_is_injected_next_turn(stack: Stack, tmp_pa
         gate.write_text("open")
         result = await run.result()
     assert result.final_text == "steered reply"
-    events = stack.watch(run.run_id)
+    events = await stack.watch(run.run_id)
     names = types(events)
     # nothing in the batch was skipped: both calls ended without error
     ends = [e for e in events if e["type"] == "tool_execution_end"]
@@ -183,7 +183,7 @@ async def test_done_tool_ends_the_run(stack: Stack) -> None:
     run_id, result = await run_prompt(stack, "a", "finish up", new_session=True)
     assert (result.stop_reason, result.final_text) == ("done", "The answer is 42.")
     assert len(stack.srv.requests) == 1
-    events = stack.watch(run_id)
+    events = await stack.watch(run_id)
     tool_msgs = [e["message"] for e in events if e["type"] == "message_end" and role(e) == "tool_result"]
     assert [m["content"][0]["text"] for m in tool_msgs] == ["Task complete"]
     assert types(events)[-2:] == ["turn_end", "agent_end"]
@@ -206,7 +206,7 @@ async def test_abort_mid_tool_cancels_it_on_the_worker(stack: Stack, tmp_path: P
         state = await bus.state("a")
         assert not state.is_running and state.pending_tool_calls == []
 
-        events = stack.watch(run.run_id)
+        events = await stack.watch(run.run_id)
         assert types(events)[-2:] == ["turn_end", "agent_end"]
         assert events[-1].get("stop_reason") == "aborted"
         end = next(e for e in events if e["type"] == "tool_execution_end")
@@ -240,7 +240,7 @@ async def test_hook_from_dotted_path_and_spec_experiment(stack: Stack) -> None:
     stack.script([calls(("echo", {"text": "HELLO"}), ("echo", {"text": "quiet"})), text("ok")])
     run_id, result = await run_prompt(stack, "h", "echo both", new_session=True)
     assert result.final_text == "ok"
-    events = stack.watch(run_id)
+    events = await stack.watch(run_id)
     ends = {e["tool_call_id"]: e for e in events if e["type"] == "tool_execution_end"}
     assert ends["call_0_echo"].get("is_error") is True
     assert ends["call_0_echo"]["result"]["content"][0]["text"] == "Blocked: 'HELLO' is shouting"

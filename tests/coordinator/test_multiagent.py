@@ -25,7 +25,7 @@ from bus.errors import RemoteError
 from bus.messages import UserMessage
 from bus.watch import replay
 from tests.coordinator.conftest import Stack, calls, start_stack, text
-from tests.support import wait_for
+from tests.support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -192,7 +192,7 @@ async def test_aborting_the_caller_aborts_the_callee(stack: Stack) -> None:
                            for e in seen)
 
             await wait_events(peer, since, helper_started)
-            wait_for(lambda: len(stack.srv.requests) == 2, 10, "the helper's model request")
+            await until(lambda: len(stack.srv.requests) == 2, 10, "the helper's model request")
             t0 = time.monotonic()
             await bus.abort("boss")
             result = await run.result()
@@ -303,7 +303,7 @@ async def test_topic_reaches_each_subscriber_exactly_once(stack: Stack) -> None:
                                        ("news", "BARRIER-7", "tester", "tester")]
     assert topic_events[0].header.experiment == "exp-topic"
     # and `busctl watch` shows it
-    shown = stack.watch_all("--type", "topic_message", "--since", str(since))
+    shown = await stack.watch_all("--type", "topic_message", "--since", str(since))
     assert [(e["topic"], e["text"], e["agent"]) for e in shown] == [
         ("news", "BREAKING-42", "tester"), ("news", "BARRIER-7", "tester")]
 
@@ -323,7 +323,7 @@ async def test_publish_tool_skips_the_sender_and_queues_for_a_busy_agent(stack: 
     async with client(stack) as peer, connect(stack.endpoint, name="test-pub") as bus:
         since = (await peer.status()).seq
         busy = await bus.prompt("t2", "think slowly", new_session=True)
-        wait_for(lambda: len(stack.srv.requests) == 1, 10, "t2's model request")
+        await until(lambda: len(stack.srv.requests) == 1, 10, "t2's model request")
         published = await bus.run("t1", "please publish", new_session=True)
         assert published.final_text == "published it"
         busy_result = await busy.result()

@@ -12,7 +12,7 @@ import pytest
 from agents.remote import connect
 from bus.errors import PeerLost
 from tests.coordinator.conftest import Stack, start_stack, text
-from tests.support import wait_for
+from tests.support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -34,7 +34,7 @@ async def test_sigkill_mid_conversation_then_restart_keeps_history(stack: Stack)
             first = await bus.run("p", "remember the word banana", new_session=True)
             assert first.final_text == "Noted: banana."
             run = await bus.prompt("p", "second question")
-            wait_for(lambda: len(stack.srv.requests) == 2, 10, "the second model request")
+            await until(lambda: len(stack.srv.requests) == 2, 10, "the second model request")
             stack.procs["coord-p"].signal(signal.SIGKILL)  # mid-run, no chance to clean up
             with pytest.raises(PeerLost):
                 await run.result()  # the hub noticed the coordinator is gone
@@ -60,7 +60,7 @@ async def test_sigterm_aborts_the_running_run_and_exits_cleanly(stack: Stack) ->
         stack.script([{"reply": {"text": "too late"}, "delay": 30}])
         async with connect(stack.endpoint, name="test-term") as bus:
             run = await bus.prompt("p", "take your time", new_session=True)
-            wait_for(lambda: len(stack.srv.requests) == 1, 10, "the model request")
+            await until(lambda: len(stack.srv.requests) == 1, 10, "the model request")
             proc.signal(signal.SIGTERM)
             with anyio.fail_after(5):
                 result = await run.result()
@@ -90,7 +90,7 @@ async def test_no_gateway_then_lost_gateway_error_runs_agent_stays_usable(tmp_pa
             assert (await bus.state("p")).error is None
 
             run = await bus.prompt("p", "slow one")
-            wait_for(lambda: len(stack.srv.requests) == 2, 10, "the slow model request")
+            await until(lambda: len(stack.srv.requests) == 2, 10, "the slow model request")
             stack.procs["gateway"].signal(signal.SIGKILL)
             with anyio.fail_after(10):
                 lost = await run.result()

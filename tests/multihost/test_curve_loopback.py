@@ -236,16 +236,17 @@ def test_busctl_keys_generate_permissions(tmp_path: Path) -> None:
 
 def test_ipc_endpoint_directory_and_socket_are_private(tmp_path: Path) -> None:
     run_dir = tmp_path / "run" / "bus"
-    old = os.umask(0)
+    original = os.umask(0)  # the loosest umask: the sockets must be private all the same
     try:
         hub = Hub(HubConfig(endpoint=f"ipc://{run_dir}/hub.sock"))
+        left_by_bind = os.umask(0)
     finally:
-        os.umask(old)
+        os.umask(original)
     try:
         assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
         for name in ("hub.sock", "hub.sock.events"):
             assert stat.S_IMODE((run_dir / name).stat().st_mode) & 0o077 == 0, name
-        assert os.umask(old) == old  # the bind left the process umask alone
+        assert left_by_bind == 0  # the bind restored the process umask it found
     finally:
         hub.close()
 
