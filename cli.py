@@ -21,7 +21,7 @@ import msgspec
 
 from bus import protocol as p
 from bus.client import DEFAULT_HUB, HUB_ENV, connect
-from bus.errors import BusError, HubUnreachable
+from bus.errors import AgentBusError, HubUnreachable
 from bus.security import CurveClient, CurveServer, is_loopback_endpoint
 
 T = TypeVar("T")
@@ -32,20 +32,61 @@ class HubUnreachableExit(click.ClickException):
 
 
 def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """Run a coroutine; map bus errors to CLI exits (the only place that does)."""
-    try:
-        return anyio.run(fn, *args)
-    except HubUnreachable as exc:
-        raise HubUnreachableExit(str(exc)) from None
-    except BusError as exc:
-        raise click.ClickException(str(exc)) from None
-    except BaseExceptionGroup as group:  # a bus error raised inside a task group
-        match, _ = group.split(BusError)
-        while isinstance(match, BaseExceptionGroup):
-            match = match.exceptions[0]
-        if match is None:
+    """Run a coroutine (errors are mapped to exits by `BusctlGroup`)."""
+    return anyio.run(fn, *args)
+
+
+class BusctlGroup(click.Group):
+    """The one place where errors become exits: an `AgentBusError` is one line on stderr (exit 2
+    when the hub cannot be reached, else 1), Ctrl-C exits 130, and anything unexpected is one
+    line naming the log that holds its traceback — never a bare traceback, never a guess."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
-        raise click.ClickException(str(match)) from None
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(130) from None
+        except BaseExceptionGroup as group:  # raised inside a task group
+            raise _exit_for(_first_leaf(group)) from None
+        except Exception as exc:
+            raise _exit_for(exc) from None
+
+
+def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The error a task group is reporting: its first agent-bus error, else its first leaf."""
+    match, _ = group.split(AgentBusError)
+    leaf: BaseException = match if match is not None else group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
+
+
+def _exit_for(exc: BaseException) -> click.exceptions.ClickException | click.exceptions.Exit:
+    if isinstance(exc, KeyboardInterrupt):
+        return click.exceptions.Exit(130)
+    if isinstance(exc, HubUnreachable):
+        return HubUnreachableExit(str(exc))
+    if isinstance(exc, AgentBusError):
+        return click.ClickException(str(exc))
+    return click.ClickException(f"unexpected {type(exc).__name__}: {exc} (a bug in busctl; "
+                                f"the traceback is in {_crash_log(exc)})")
+
+
+def _crash_log(exc: BaseException) -> str:
+    """Append the traceback of an unexpected error to a log file; return its path."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    path = Path(tempfile.gettempdir()) / "busctl-crash.log"
+    try:
+        with path.open("a") as log:
+            log.write(f"--- busctl {' '.join(sys.argv[1:])}\n{text}")
+    except OSError:
+        return "(no log: could not write one; run with -v)"
+    return str(path)
 
 
 def use_color(stream: Any = None) -> bool:
@@ -83,7 +124,8 @@ def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=BusctlGroup,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-v", "--verbose", is_flag=True, help="Log debug output to stderr.")
 @click.version_option(package_name="agent-bus", prog_name="busctl")
 def main(verbose: bool) -> None:

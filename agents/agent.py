@@ -33,6 +33,7 @@ from agents.loop import (
     UpdateSink,
     run_loop,
 )
+from bus.errors import AgentBusError
 from bus.events import AgentEnd, Event, MessageEnd, ToolExecutionEnd, ToolExecutionStart
 from bus.messages import (
     AssistantMessage,
@@ -58,7 +59,7 @@ OnMessageEnd = Callable[[Message], "Awaitable[None] | None"]
 PromptInput = str | Message | Sequence[Message]
 
 
-class AgentError(RuntimeError):
+class AgentError(AgentBusError, RuntimeError):
     """A caller used the Agent wrongly (prompt while running, continue with nothing to continue)."""
 
 

@@ -72,7 +72,7 @@ from agents.topology import HOOK_NAMES, AgentSpec
 from bus import events as ev
 from bus import protocol as p
 from bus.client import IncomingRequest, Peer, connect
-from bus.errors import RemoteError
+from bus.errors import ConfigError, RemoteError
 from bus.messages import Message
 from bus.paths import default_state_dir, ensure_state_dir
 from bus.security import CurveClient
@@ -86,7 +86,7 @@ BUSY = "agent_busy"
 INVALID = "invalid"
 
 
-class CoordinatorError(Exception):
+class CoordinatorError(ConfigError):
     """The coordinator cannot start (e.g. a hook that does not import); the message says why."""
 
 

@@ -44,6 +44,7 @@ import anyio
 import httpx
 import msgspec
 
+from bus.errors import ConfigError
 from agents.context import CONTEXT_EXCEEDED
 from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
 from agents.providers.base import DeltaCallback
@@ -143,7 +144,7 @@ class EngineStats(msgspec.Struct, kw_only=True):
     runs: dict[str, Usage]
 
 
-class ModelSetupError(Exception):
+class ModelSetupError(ConfigError):
     """The configuration cannot work as given (e.g. the server lists several models and none was
     chosen); the text says which setting to change."""
 

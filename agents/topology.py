@@ -15,12 +15,13 @@ from typing import Literal
 import msgspec
 
 from agents.llm import ModelConfig
+from bus.errors import ConfigError
 from bus.paths import default_state_dir, inside_state_dir, overlaps
 
 QueueMode = Literal["one-at-a-time", "all"]
 
 
-class TopologyError(Exception):
+class TopologyError(ConfigError):
     pass
 
 

@@ -1,4 +1,16 @@
-"""The bus's exception tree.
+"""agent-bus's one exception tree: every error we raise on purpose is an `AgentBusError`.
+
+    AgentBusError
+    ├── ConfigError          a topology, flag or setting that cannot work (names the key/flag)
+    │   ├── TopologyError      agents/topology.py
+    │   ├── HubConfigError     bus/hub.py (e.g. a non-loopback bind without CURVE)
+    │   ├── ModelSetupError    agents/llm.py (no model configured, unknown alias)
+    │   └── CoordinatorError   agents/coordinator.py (an agent's hook does not import, …)
+    ├── ChildFailed          bus/supervisor.py: a child of `busctl up` did not start
+    ├── ToolError            tools/_exceptions.py: a tool call failed (the model sees the message)
+    ├── AgentError           agents/agent.py: the agent loop was misused (e.g. already running)
+    ├── StreamError          agents/providers/base.py: a provider's stream broke
+    └── BusError             the bus itself, below:
 
     BusError
     ├── HubUnreachable      no welcome from the hub within the connect timeout
@@ -17,7 +29,15 @@ from __future__ import annotations
 from bus import protocol as p
 
 
-class BusError(Exception):
+class AgentBusError(Exception):
+    """The root: `busctl` turns any of these into one line on stderr and a non-zero exit."""
+
+
+class ConfigError(AgentBusError):
+    """Configuration that cannot work; the message names the key or flag and how to fix it."""
+
+
+class BusError(AgentBusError):
     pass
 
 

@@ -29,6 +29,7 @@ from zmq.backend import Socket as _BackendSocket
 
 from bus import events as ev
 from bus import protocol as p
+from bus.errors import ConfigError
 from bus.eventlog import EventLog, Row
 from bus.security import (CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id,
                           private_ipc)
@@ -119,7 +120,7 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
         return max(1, min(self.pub_hwm, self.subscriber_bytes // max(1, self.max_event_bytes)))
 
 
-class HubConfigError(ValueError):
+class HubConfigError(ConfigError, ValueError):
     """A hub configuration that must not run (e.g. an exposed bind without CURVE)."""
 
 

@@ -22,6 +22,8 @@ from typing import Any, TextIO
 import anyio
 import anyio.abc
 
+from bus.errors import AgentBusError
+
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)
 CRASH_LOOP_RESTARTS = 5  # restarts within CRASH_LOOP_WINDOW that make us give up
 CRASH_LOOP_WINDOW = 60.0
@@ -79,7 +81,7 @@ class Child:
         return self.process is not None and self.process.returncode is None
 
 
-class ChildFailed(Exception):
+class ChildFailed(AgentBusError):
     pass
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from pathlib import Path
 
 from tests.support import busctl, running
 
@@ -55,3 +56,26 @@ def test_watch_follows_live_events(hub: dict) -> None:
         assert status.returncode == 0, status.stderr
         line = watcher.wait_line(lambda s: '"peer_left"' in s and "busctl-status" in s, 10)
         assert json.loads(line)["type"] == "peer_left"
+
+
+def test_every_error_is_mapped_in_one_place_and_a_bug_names_its_traceback_log() -> None:
+    import click
+
+    from agents.topology import TopologyError
+    from bus.errors import AgentBusError, ConfigError, HubUnreachable
+    from cli import HubUnreachableExit, _exit_for
+    from tools import ToolError
+
+    assert issubclass(TopologyError, ConfigError) and issubclass(ToolError, AgentBusError)
+    assert isinstance(_exit_for(HubUnreachable("no hub at x")), HubUnreachableExit)
+    mapped = _exit_for(TopologyError("t.toml: hub.endpont: unknown key"))
+    assert isinstance(mapped, click.ClickException) and mapped.message == \
+        "t.toml: hub.endpont: unknown key"
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        bug = _exit_for(exc)
+    assert isinstance(bug, click.ClickException)
+    assert bug.message.startswith("unexpected ValueError: boom (a bug in busctl")
+    log = bug.message.split("the traceback is in ", 1)[1].rstrip(")")
+    assert "raise ValueError(\"boom\")" in Path(log).read_text()

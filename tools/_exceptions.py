@@ -13,8 +13,10 @@ are raised to the caller. `TaskComplete` (in `_results`) is a control-flow signa
 
 from __future__ import annotations
 
+from bus.errors import AgentBusError
 
-class ToolError(Exception):
+
+class ToolError(AgentBusError):
     """Root of the tool API's exceptions."""
 
 

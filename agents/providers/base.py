@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from bus.errors import AgentBusError
 from bus.messages import (
     AssistantContent,
     AssistantDelta,
@@ -34,7 +35,7 @@ from bus.messages import (
 DeltaCallback = Callable[[AssistantDelta], "Awaitable[None] | None"]
 
 
-class StreamError(Exception):
+class StreamError(AgentBusError):
     """The response stream broke: malformed SSE, an error event, or an end before completion."""
 
     def __init__(self, message: str, *, retryable: bool = True, status: int = 0) -> None:
