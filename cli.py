@@ -718,9 +718,12 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
 @click.option("--json", "as_json", is_flag=True, help="Print the run's events as JSON lines.")
 @click.option("--new-session", is_flag=True, help="Start a new conversation first.")
 @click.option("--experiment", default="", help="Tag the run's events with this experiment id.")
+@click.option("--max-turns", type=click.IntRange(min=1), default=None,
+              help="End the run after this many turns (stop reason max_iterations) "
+                   "[default: the agent's max_iterations].")
 @click.argument("prompt")
 def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, new_session: bool,
-            experiment: str, prompt: str) -> None:
+            experiment: str, max_turns: int | None, prompt: str) -> None:
     """Send PROMPT (or `-` for stdin) to an agent and stream the run; print the final text.
 
     \b
@@ -735,7 +738,7 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, new_
     if not text.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
     code = run_async(drive_run, hub, curve, agent, text, as_json, new_session, experiment,
-                     use_color())
+                     use_color(), max_turns or 0)
     sys.exit(code)
 
 

@@ -239,11 +239,15 @@ class Agent:
 
     # --- entry points ---------------------------------------------------------------------
 
-    async def prompt(self, value: PromptInput) -> LoopResult:
-        """Add the prompt message(s) and run until the agent stops."""
+    async def prompt(self, value: PromptInput, *, max_turns: int | None = None) -> LoopResult:
+        """Add the prompt message(s) and run until the agent stops.
+
+        `max_turns` bounds this run only (instead of `config.max_iterations`); the run then ends
+        with stop reason "max_iterations"."""
         messages = _to_messages(value)
         signal = self._begin(PROMPT_BUSY)
-        return await self._execute(signal, messages, skip_initial_steering=False)
+        return await self._execute(signal, messages, skip_initial_steering=False,
+                                   max_turns=max_turns)
 
     async def continue_(self) -> LoopResult:
         """Run again from the history as it is (e.g. after a tool result or a failed run).
@@ -306,10 +310,12 @@ class Agent:
         return self._signal
 
     async def _execute(
-        self, signal: AbortSignal, messages: list[Message], *, skip_initial_steering: bool
+        self, signal: AbortSignal, messages: list[Message], *, skip_initial_steering: bool,
+        max_turns: int | None = None,
     ) -> LoopResult:
         config = replace(
             self.config,
+            max_iterations=max_turns or self.config.max_iterations,
             model=self.state.model,
             system_prompt=self.state.system_prompt,
             get_steering_messages=self.steering.drain,

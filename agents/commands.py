@@ -28,6 +28,8 @@ class Prompt(_Command, tag="prompt"):
     #: prompt from a person or a script). The coordinator refuses the prompt when the agent is
     #: already in it (a call cycle) or when it is longer than the depth limit.
     call_chain: list[str] = msgspec.field(default_factory=list)
+    #: >0: at most this many turns for this run (instead of the agent's `max_iterations`).
+    max_turns: int = 0
 
 
 class Continue(_Command, tag="continue"):

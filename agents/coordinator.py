@@ -146,6 +146,7 @@ def loop_config(spec: AgentSpec, models: Sequence[ModelConfig] = ()) -> LoopConf
         agent=spec.name,
         tool_execution=spec.tool_execution,
         max_iterations=spec.max_iterations,
+        repeat_limit=spec.repeat_limit,
         require_done_tool=spec.require_done_tool,
         steering_mode=spec.steering_mode,
         follow_up_mode=spec.follow_up_mode,
@@ -363,7 +364,9 @@ class HostedAgent:
         if command.new_session:
             self.new_session()
         value: Any = list(command.messages) if command.messages else command.text
-        return await self._start_run(req, lambda: agent.prompt(value), command.experiment,
+        turns = command.max_turns if command.max_turns > 0 else None  # <= 0: the agent's own bound
+        return await self._start_run(req, lambda: agent.prompt(value, max_turns=turns),
+                                     command.experiment,
                                      command.parent_run_id, PROMPT_BUSY, command.call_chain)
 
     def new_session(self) -> str:

@@ -75,11 +75,12 @@ async def _abort_on_sigint(bus: AgentBus, agent: str, scope: anyio.CancelScope,
 
 
 async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, as_json: bool,
-                    new_session: bool, experiment: str, color: bool) -> int:
+                    new_session: bool, experiment: str, color: bool, max_turns: int = 0) -> int:
     out = sys.stdout
     view = RunView(out, as_json, color)
     async with connect(hub, name="busctl-run", curve=curve) as bus:
-        run = await bus.prompt(agent, text, experiment=experiment, new_session=new_session)
+        run = await bus.prompt(agent, text, experiment=experiment, new_session=new_session,
+                               max_turns=max_turns)
         result: cmd.RunResult | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(_abort_on_sigint, bus, agent, tg.cancel_scope, sys.stderr)

@@ -17,7 +17,8 @@ Event order of one run (see docs in the tests, tests/agents/test_loop.py):
     agent_end
 
 Run stop reasons (AgentEnd.stop_reason): "stop" (model finished, or should_stop_after_turn),
-"done" (a tool returned done), "denied" (BlockAndStop), "max_iterations", "error", "aborted".
+"done" (a tool returned done), "denied" (BlockAndStop), "max_iterations", "error" (also: the
+repeat guard saw the same call 2 * repeat_limit times in a row), "aborted".
 """
 
 from __future__ import annotations
@@ -117,6 +118,16 @@ TRUNCATED_CALL_TEXT = (
     'Tool call "{name}" was not executed: the response hit the output token limit, so its '
     "arguments may be truncated. Re-issue the tool call with complete arguments."
 )
+REPEAT_NOTE = (
+    "\n\n[Note: this is call {count} in a row of `{name}` with the same arguments; the result will "
+    "not change. Do something different, or answer with what you have. The run is stopped at "
+    "{stop} identical calls.]"
+)
+REPEAT_STOP_TEXT = (
+    "Stopped: the model called `{name}` with the same arguments {count} times in a row (the "
+    "repeat limit is {limit}: a note at {limit}, a stop at twice that). Set the agent's "
+    "`repeat_limit` higher, or 0 to turn the guard off."
+)
 MAX_ITERATIONS_PREFIX = "[Max Iterations Reached]\n\n"
 MAX_ITERATIONS_FALLBACK = "Summary unavailable due to an internal error."
 MAX_ITERATIONS_SUMMARY_PROMPT = (
@@ -180,6 +191,9 @@ class LoopConfig:
     agent: str = ""
     tool_execution: ToolExecutionMode = "parallel"
     max_iterations: int = 200
+    #: A weak model loops: the same tool with the same arguments this many times in a row gets a
+    #: note in its result; twice as many ends the run with stop reason "error". 0 = no guard.
+    repeat_limit: int = 3
     require_done_tool: bool = False
     tool_choice: ToolChoice = "auto"
     reasoning: str | None = None
@@ -303,6 +317,8 @@ class _Run:
     new_messages: list[Message] = field(default_factory=list)
     iterations: int = 0
     turn: int = 0
+    last_call: tuple[str, str] | None = None  # (tool, canonical arguments) of the previous call
+    repeats: int = 0  # how many calls in a row were `last_call`
 
     @property
     def last_text(self) -> str:
@@ -635,6 +651,7 @@ class _Call:
     result: ToolResult | None = None
     message: ToolResultMessage | None = None
     added: bool = False
+    repeats: int = 1  # this call is the n-th identical call in a row (the repeat guard)
 
 
 @dataclass
@@ -644,6 +661,7 @@ class _Batch:
     calls: list[_Call]
     denied: bool = False
     aborted: bool = False
+    looping: str = ""  # the repeat guard's stop message
 
     @property
     def results(self) -> list[ToolResultMessage]:
@@ -654,6 +672,8 @@ class _Batch:
             return _aborted_end()
         if self.denied:
             return _End(DENIED_TEXT, "denied")
+        if self.looping:
+            return _End(assistant.text.strip(), "error", self.looping)
         for c in self.calls:
             if c.result is not None and c.result.done:
                 return _End(c.result.done_message or assistant.text.strip(), "done")
@@ -672,6 +692,8 @@ async def _run_tool_batch(
 ) -> _Batch:
     """Run (or fail) every tool call of one reply; result messages end up in call order."""
     calls = [_Call(c, *_parse_args(c.arguments)) for c in assistant.tool_calls]
+    for c in calls:
+        c.repeats = _count_repeat(run, c)
     batch = _Batch(assistant, {t.name: t for t in catalog}, calls)
     if not calls:
         return batch
@@ -690,6 +712,33 @@ async def _run_tool_batch(
             await _add_message(run, c.message)
             c.added = True
     return batch
+
+
+def _count_repeat(run: _Run, c: _Call) -> int:
+    """How many calls in a row (this one included, across turns) had this tool and arguments."""
+    args = c.call.arguments if c.args_error is not None else json.dumps(c.args, sort_keys=True)
+    key = (c.call.name, args)
+    run.repeats = run.repeats + 1 if key == run.last_call else 1
+    run.last_call = key
+    return run.repeats
+
+
+def _repeat_guard(run: _Run, batch: _Batch, c: _Call) -> ToolResult | None:
+    """At twice the limit the call is not run and the batch ends the run (see `_Batch.end`)."""
+    limit = run.config.repeat_limit
+    if limit <= 0 or c.repeats < 2 * limit:
+        return None
+    batch.looping = REPEAT_STOP_TEXT.format(name=c.call.name, count=c.repeats, limit=limit)
+    return error_result(batch.looping)
+
+
+def _with_repeat_note(run: _Run, c: _Call, result: ToolResult) -> ToolResult:
+    """From the limit on, the result tells the model it is repeating itself (it may not know)."""
+    limit = run.config.repeat_limit
+    if limit <= 0 or c.repeats < limit:
+        return result
+    note = REPEAT_NOTE.format(count=c.repeats, name=c.call.name, stop=2 * limit)
+    return msgspec.structs.replace(result, content=[*result.content, TextPart(note)])
 
 
 def _is_sequential(run: _Run, batch: _Batch) -> bool:
@@ -748,6 +797,9 @@ async def _start_call(run: _Run, c: _Call) -> None:
 async def _preflight(run: _Run, batch: _Batch, c: _Call) -> tuple[ToolResult | None, bool]:
     """Checks before running: (immediate result or None to run it, stop the run after the turn)."""
     name = c.call.name
+    looping = _repeat_guard(run, batch, c)
+    if looping is not None:
+        return looping, False
     if name not in batch.known:
         return error_result(f"Error: Unknown tool '{name}'"), False
     if c.args_error is not None:
@@ -788,7 +840,7 @@ async def _execute(run: _Run, batch: _Batch, c: _Call) -> ToolResult:
         result = error_result(f"Error: {exc}")
     finally:
         settled = True
-    return await _after_tool_call(run, batch, c, result)
+    return _with_repeat_note(run, c, await _after_tool_call(run, batch, c, result))
 
 
 async def _after_tool_call(run: _Run, batch: _Batch, c: _Call, result: ToolResult) -> ToolResult:
@@ -926,6 +978,8 @@ __all__ = [
     "MAX_ITERATIONS_FALLBACK",
     "MAX_ITERATIONS_PREFIX",
     "MAX_ITERATIONS_SUMMARY_PROMPT",
+    "REPEAT_NOTE",
+    "REPEAT_STOP_TEXT",
     "TASK_COMPLETE_TEXT",
     "TRUNCATED_CALL_TEXT",
     "AbortSignal",

@@ -102,10 +102,16 @@ class AgentBus:
 
     async def prompt(self, agent: str, text: str = "", *, messages: Sequence[Any] = (),
                      experiment: str = "", new_session: bool = False,
-                     parent_run_id: str = "") -> Run:
-        """Start a run; returns once the agent has accepted it (its run id is known)."""
+                     parent_run_id: str = "", max_turns: int = 0) -> Run:
+        """Start a run; returns once the agent has accepted it (its run id is known).
+
+        `max_turns` > 0 bounds this run to that many turns (the agent's `max_iterations`
+        otherwise); past it the run ends with stop reason `max_iterations`."""
+        if max_turns < 0:
+            raise ValueError(f"max_turns must be 0 (the agent's own bound) or more, not {max_turns}")
         command = cmd.Prompt(text=text, messages=list(messages), experiment=experiment,
-                             new_session=new_session, parent_run_id=parent_run_id)
+                             new_session=new_session, parent_run_id=parent_run_id,
+                             max_turns=max_turns)
         return await self._start(agent, command)
 
     async def continue_(self, agent: str, *, experiment: str = "") -> Run:

@@ -68,6 +68,7 @@ class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     tools: list[str] = msgspec.field(default_factory=lambda: ["*"])
     tool_execution: Literal["parallel", "sequential"] = "parallel"
     max_iterations: int = 200
+    repeat_limit: int = 3  # same tool + same arguments N times in a row: a note; 2N: the run stops
     require_done_tool: bool = False
     hooks: dict[str, str] = msgspec.field(default_factory=dict)
     steering_mode: QueueMode = "one-at-a-time"
