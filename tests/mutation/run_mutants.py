@@ -1,0 +1,135 @@
+"""Hand-made mutation check: does the test suite notice when the core logic is wrong?
+
+Each mutant is one small, plausible bug in the agent loop or the hub's routing. For each, a copy of
+the tree gets that one change and the tests that cover the module run against the copy; a mutant
+the tests do not fail on "survives", and is printed. Not part of the normal test run (it takes a
+few minutes); run it when you change the loop or the routing:
+
+    python tests/mutation/run_mutants.py            # all mutants
+    python tests/mutation/run_mutants.py loop       # only those whose name contains "loop"
+
+Exit status: the number of surviving mutants (0 = every mutant was killed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOP_TESTS = ["tests/agents/test_loop.py", "tests/agents/test_agent.py",
+              "tests/agents/test_loop_context.py"]
+REGISTRY_TESTS = ["tests/bus/test_registry.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = [
+    Mutant("loop: max_iterations off by one", "agents/loop.py",
+           "if run.iterations >= run.config.max_iterations:",
+           "if run.iterations > run.config.max_iterations:", tuple(LOOP_TESTS)),
+    Mutant("loop: steering not polled between turns", "agents/loop.py",
+           "        pending = await _poll(run.config.get_steering_messages)\n    return None",
+           "        pending = []\n    return None", tuple(LOOP_TESTS)),
+    Mutant("loop: aborted reply reported as error", "agents/loop.py",
+           '    if assistant.stop_reason == "aborted":\n        return _End(assistant.text.strip(), "aborted"',
+           '    if assistant.stop_reason == "never":\n        return _End(assistant.text.strip(), "aborted"',
+           tuple(LOOP_TESTS)),
+    Mutant("loop: sequential mode ignored", "agents/loop.py",
+           '    if run.config.tool_execution == "sequential":\n        return True',
+           '    if run.config.tool_execution == "never":\n        return True', tuple(LOOP_TESTS)),
+    Mutant("loop: sequential batch goes on after done", "agents/loop.py",
+           "        if stop or result.done:\n            return  # later calls are not started",
+           "        if stop:\n            return  # later calls are not started", tuple(LOOP_TESTS)),
+    Mutant("loop: parallel batch ignores a block-and-stop", "agents/loop.py",
+           "        if stop:\n            batch.denied = True\n            break",
+           "        if stop:\n            batch.denied = True", tuple(LOOP_TESTS)),
+    Mutant("loop: tool calls do not keep the loop going", "agents/loop.py",
+           "        has_tool_calls = bool(info.message.tool_calls)",
+           "        has_tool_calls = False", tuple(LOOP_TESTS)),
+    Mutant("loop: turn counter not advanced", "agents/loop.py",
+           "    run.turn += 1\n", "    run.turn += 0\n", tuple(LOOP_TESTS)),
+    Mutant("loop: max_iterations ends without its summary", "agents/loop.py",
+           'return _End(f"{MAX_ITERATIONS_PREFIX}{summary}", "max_iterations")',
+           'return _End(f"{MAX_ITERATIONS_PREFIX}", "max_iterations")', tuple(LOOP_TESTS)),
+    Mutant("loop: no compaction between turns", "agents/loop.py",
+           "            await _maybe_compact(run)\n", "            pass\n", tuple(LOOP_TESTS)),
+    Mutant("agent: one-at-a-time queue drains everything", "agents/agent.py",
+           "        return [self._items.popleft()]",
+           "        items = list(self._items)\n        self._items.clear()\n        return items",
+           tuple(LOOP_TESTS)),
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", "build", ".pytest_cache"))
+
+
+def _run_tests(tree: Path, tests: tuple[str, ...]) -> bool:
+    """True when the tests pass on `tree` (the mutant survived)."""
+    existing = [t for t in tests if (tree / t).exists()]
+    if not existing:
+        return True
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                             *existing], cwd=tree, env=env, capture_output=True, text=True,
+                            timeout=900)
+    return result.returncode == 0
+
+
+def _uses_the_copy(tree: Path) -> bool:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, "-c", "import agents; print(agents.__file__)"],
+                         cwd=tree, env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().startswith(str(tree))
+
+
+def main(selector: str = "") -> int:
+    chosen = [m for m in MUTANTS if selector in m.name]
+    survivors: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        tree = Path(tmp) / "tree"
+        _copy_tree(tree)
+        if not _uses_the_copy(tree):
+            print("the copy's packages do not shadow the installed ones; cannot run", file=sys.stderr)
+            return 1
+        for tests in sorted({m.tests for m in chosen}):
+            if not _run_tests(tree, tests):  # a mutant is only killed if the baseline passes
+                print(f"the unmutated tree fails {' '.join(tests)}; fix that first", file=sys.stderr)
+                return 1
+        for mutant in chosen:
+            target = tree / mutant.path
+            original = target.read_text()
+            if original.count(mutant.old) != 1:
+                print(f"SKIP      {mutant.name}: the code it mutates has changed")
+                continue
+            target.write_text(original.replace(mutant.old, mutant.new))
+            started = time.monotonic()
+            try:
+                survived = _run_tests(tree, mutant.tests)
+            finally:
+                target.write_text(original)
+            verdict = "SURVIVED" if survived else "killed"
+            print(f"{verdict:<9} {mutant.name}  ({time.monotonic() - started:.0f}s)", flush=True)
+            if survived:
+                survivors.append(mutant.name)
+    print(f"{len(chosen) - len(survivors)} killed, {len(survivors)} survived")
+    return len(survivors)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))
