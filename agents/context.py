@@ -367,13 +367,26 @@ def last_turns_start(messages: Sequence[Message], turns: int) -> int:
 
 
 def compacted_history(
-    messages: Sequence[Message], summary: str, retain_last_turns: int, tokens_before: int = 0
+    messages: Sequence[Message], summary: str, retain_last_turns: int, tokens_before: int = 0,
+    budget: int = 0,
 ) -> list[Message]:
-    """[CompactionSummaryMessage(summary)] + the messages of the last `retain_last_turns` turns."""
-    start = last_turns_start(messages, retain_last_turns)
-    tail = [m for m in messages[start:] if not isinstance(m, CompactionSummaryMessage)]
+    """[CompactionSummaryMessage(summary)] + the messages of the last `retain_last_turns` turns.
+
+    With a `budget` (tokens, estimated), fewer turns are kept while the result is over it: a
+    history still at the threshold after compaction would be compacted again on the next call.
+    With no turn left to drop the result is returned as it is (the summary covers the rest)."""
     head: Message = CompactionSummaryMessage(summary=summary, tokens_before=tokens_before)
-    return [head, *tail]
+    for turns in range(retain_last_turns, -1, -1):
+        start = last_turns_start(messages, turns)
+        history = [head, *(m for m in messages[start:] if not isinstance(m, CompactionSummaryMessage))]
+        if not budget or history_tokens(history) < budget:
+            return history
+    return history
+
+
+def history_tokens(messages: Sequence[Message]) -> int:
+    """The estimated size of a history (see `estimate_tokens`)."""
+    return sum(estimate_tokens(m) for m in messages)
 
 
 # --- conversion at the LLM boundary -------------------------------------------------------
@@ -430,6 +443,7 @@ def _close_calls(open_calls: list[tuple[str, str]]) -> list[LlmMessage]:
 __all__ = [
     "CONTEXT_EXCEEDED",
     "estimate_tokens",
+    "history_tokens",
     "fit_for_summary",
     "is_context_exceeded",
     "DEFAULT_CONTEXT_WINDOW",

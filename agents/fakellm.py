@@ -678,6 +678,7 @@ class _Handler(BaseHTTPRequestHandler):
                        "try increasing it")
             error = {"code": 400, "message": message, "type": "exceed_context_size_error",
                      "n_prompt_tokens": prompt, "n_ctx": window}
+            self.server.owner._count_refusal()
             self._send_json(400, {"error": error})
             return
         if step.fail is not None:
@@ -795,6 +796,7 @@ class FakeLLMServer:
         self.max_in_flight = 0
         self.disconnects: list[float] = []  # time.monotonic() when a client closed mid-response
         self.dropped = 0  # requests dropped unanswered on a connection dead after its stream
+        self.context_refusals = 0  # HTTP 400 answers to prompts longer than `context_window`
         self._cursor = 0
         self._lock = threading.Condition()
         self._stopping = threading.Event()
@@ -879,6 +881,10 @@ class FakeLLMServer:
     def _count_dropped(self) -> None:
         with self._lock:
             self.dropped += 1
+
+    def _count_refusal(self) -> None:
+        with self._lock:
+            self.context_refusals += 1
 
     def _begin(self, path: str, headers: dict[str, str], body: Any) -> RecordedRequest:
         record = RecordedRequest(path=path, headers=headers, body=body, started=time.monotonic())

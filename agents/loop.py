@@ -8,12 +8,13 @@ and tests implement them in memory, so every behaviour below is testable by coll
 Event order of one run (see docs in the tests, tests/agents/test_loop.py):
 
     agent_start
-    turn_start, (message_start, message_end)* for injected messages,
+    turn_start, [compaction_start, compaction_complete] (before the turn's messages go in),
+    (message_start, message_end)* for injected messages,
     message_start(assistant) -- emitted *before* the model call, with an empty placeholder, so
         updates a remote client publishes elsewhere never precede it --
     message_update*, message_end(assistant),
     [tool_execution_start, tool_execution_update*, tool_execution_end, message_start/end]*,
-    turn_end, [compaction_start, compaction_complete], ...next turn...
+    turn_end, ...next turn...
     agent_end
 
 Run stop reasons (AgentEnd.stop_reason): "stop" (model finished, or should_stop_after_turn),
@@ -43,8 +44,8 @@ from agents.context import (
     compacted_history,
     compaction_prompt,
     default_convert_to_llm,
-    estimate_tokens,
     fit_for_summary,
+    history_tokens,
     is_context_exceeded,
     messages_for_summary,
     parse_compaction,
@@ -445,6 +446,8 @@ async def _run_turn(run: _Run, pending: list[Message]) -> tuple[TurnInfo | None,
     run.turn += 1
     run.iterations += 1
     await run.emit(TurnStart(turn=run.turn))
+    if not await _compact_before_call(run):
+        return None, _aborted_end()
     for message in pending:
         await _add_message(run, message)
     assistant, catalog = await _assistant_response(run)
@@ -475,11 +478,10 @@ async def _end_message(run: _Run, message: Message) -> None:
 
 
 async def _between_turns(run: _Run, info: TurnInfo) -> _End | None:
-    """Compaction, prepare_next_turn, should_stop_after_turn; abort cancels all three."""
+    """prepare_next_turn, should_stop_after_turn; abort cancels both."""
     stop = False
     with run.signal.scope():
         if not run.signal.aborted:
-            await _maybe_compact(run)
             await _prepare_next_turn(run, info)
             stop = await _should_stop(run, info)
     if run.signal.aborted:
@@ -912,6 +914,16 @@ async def _close_unfinished(run: _Run, batch: _Batch) -> None:
 # --- compaction and max iterations ---------------------------------------------------------
 
 
+async def _compact_before_call(run: _Run) -> bool:
+    """Compaction, at the start of a turn before its messages are injected: a run's last answer
+    is never held back by it (the next run's first turn compacts), and a new prompt is never
+    folded into the summary. False when the run was aborted meanwhile."""
+    with run.signal.scope():
+        if not run.signal.aborted:
+            await _maybe_compact(run)
+    return not run.signal.aborted
+
+
 async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
     """Fold history into a summary once the last reply used threshold * context_window tokens
     (`force`: now, the server refused the prompt as too long). True when history was compacted."""
@@ -920,19 +932,28 @@ async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
     if config is None or not config.enabled or (last is None and not force):
         return False
     window = _context_window(run)
-    if not force and not should_compact(config, last.usage if last else None, window):
+    if not force and not _over_threshold(run, config, last, window):
         return False
-    tokens = last.usage.total if last is not None and last.usage.total else _estimate(run.messages)
+    tokens = last.usage.total if last is not None and last.usage.total else history_tokens(run.messages)
     await run.emit(CompactionStart(tokens=tokens))
     summary = await _compaction_summary(run, config, window)
+    after = 0
     if summary:
-        run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens)
-    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens))
+        # under half the window, or the next call would compact again at once
+        run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens,
+                                            budget=window // 2)
+        after = history_tokens(run.messages)
+    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after))
     return bool(summary)
 
 
-def _estimate(messages: list[Message]) -> int:
-    return sum(estimate_tokens(m) for m in messages)
+def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage | None,
+                    window: int) -> bool:
+    """The last reply's usage says so, or the history's estimate does: tool results added since
+    that reply may already fill the window (the server would answer HTTP 400)."""
+    if should_compact(config, last.usage if last else None, window):
+        return True
+    return history_tokens(run.messages) >= window * config.threshold
 
 
 async def _compaction_summary(run: _Run, config: CompactionConfig, window: int) -> str:

@@ -15,6 +15,7 @@ from agents.context import (
     UsageTracker,
     compacted_history,
     default_convert_to_llm,
+    history_tokens,
     parse_compaction,
 )
 from agents.loop import LoopConfig, run_loop
@@ -165,9 +166,10 @@ async def test_compaction_replaces_history_when_threshold_reached() -> None:
     rec, messages = Recorder(), []  # type: ignore[var-annotated]
     with anyio.fail_after(5):
         await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
-    assert rec.types()[rec.types().index("turn_end") + 1 : rec.types().index("turn_end") + 3] == [
-        "compaction_start", "compaction_complete",
-    ]  # fmt: skip
+    second_turn = rec.types().index("turn_start", rec.types().index("turn_end"))
+    assert rec.types()[second_turn : second_turn + 4] == [
+        "turn_start", "compaction_start", "compaction_complete", "message_start",
+    ]  # fmt: skip: compaction comes before the next model call, not after the last one
     assert rec.of("compaction_start")[0].tokens == 850
     assert rec.of("compaction_complete")[0].compacted is True
     summary_request = llm.requests[1]
@@ -182,13 +184,29 @@ async def test_compaction_replaces_history_when_threshold_reached() -> None:
     assert isinstance(third[0], UserMessage) and "user asked; tool ran" in third[0].content[0].text  # type: ignore[union-attr]
 
 
-async def test_failed_compaction_leaves_history_unchanged() -> None:
-    llm = ScriptedLlm(reply("big", total=900), reply(stop="error"))
-    rec, messages = Recorder(), []  # type: ignore[var-annotated]
-    await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools(), rec)
-    assert rec.of("compaction_complete")[0].compacted is False
-    assert [type(m).__name__ for m in messages] == ["UserMessage", "AssistantMessage"]
-    assert rec.types()[-3:] == ["compaction_start", "compaction_complete", "agent_end"]
+async def test_a_full_history_is_compacted_by_the_next_run_not_after_the_answer() -> None:
+    llm = ScriptedLlm(reply("big", total=900), reply(stop="error"), reply("ok", total=10))
+    first, second, messages = Recorder(), Recorder(), []  # type: ignore[var-annotated]
+    with anyio.fail_after(5):
+        await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools(), first)
+        assert first.types()[-2:] == ["turn_end", "agent_end"]  # the answer is not held back
+        await run_loop([user_text("again")], messages, _compaction_config(), llm, FakeTools(), second)
+    assert second.types()[:4] == ["agent_start", "turn_start", "compaction_start", "compaction_complete"]
+    assert second.of("compaction_complete")[0].compacted is False  # the summary call failed
+    assert [type(m).__name__ for m in messages] == ["UserMessage", "AssistantMessage"] * 2
+    assert llm.requests[1].messages[-1].content[0].text.startswith("You are summarizing")  # type: ignore[union-attr]
+
+
+def test_compacted_history_keeps_fewer_turns_to_fit_half_the_window() -> None:
+    big = "x" * 4000  # ~1,000 estimated tokens
+    history: list[Message] = [
+        user_text("first"), reply("", call("a", "t")), tool_message("a", big), reply("mid"),
+        user_text("second"), reply("", call("b", "t")), tool_message("b", big),
+    ]  # fmt: skip
+    kept = compacted_history(history, "S", retain_last_turns=3, budget=1500)
+    assert kept[1:] == history[3:] and history_tokens(kept) < 1500  # two turns fit, three do not
+    assert len(compacted_history(history, "S", retain_last_turns=3, budget=500)) == 1  # summary only
+    assert compacted_history(history, "S", retain_last_turns=3)[1:] == history  # no budget
 
 
 async def test_no_compaction_below_threshold_or_when_disabled() -> None:

@@ -26,6 +26,7 @@ SCRIPT = {
          "reply": {"text": "Looking.", "tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}},
         # a long-winded answer: a few of these fill the 4,096-token window
         {"contains": ["essay"], "reply": {"text": "essay " + "blah " * 600}},
+        {"contains": ["summarizing the conversation"], "reply": {"text": "<summary>essays were written</summary>"}},
     ],
     "echo": True,
 }
@@ -85,3 +86,21 @@ def test_the_repeat_guard_tells_the_model_then_stops_the_run(topo: Topology) -> 
 def test_max_turns_is_checked_at_the_cli(topo: Topology) -> None:
     code, _ = run(topo, "--max-turns", "0", "hi")
     assert code == 2
+
+
+def test_a_conversation_that_outgrows_the_window_is_compacted_under_half_and_never_refused(
+        topo: Topology, llama_like: FakeLLMServer) -> None:
+    compactions: list[dict] = []
+    first = True
+    for i in range(8):
+        args = ["--new-session"] if first else []
+        first = False
+        code, events = run(topo, *args, f"write essay {i}")
+        assert code == 0 and end_of(events).get("stop_reason", "stop") == "stop", events[-1]
+        compactions += [e for e in events if e["type"] == "compaction_complete"]
+        # the answer is never held back by compaction: it comes at the start of a run, not its end
+        types = [e["type"] for e in events]
+        assert "compaction_start" not in types[types.index("turn_end"):]
+    assert compactions and all(c["compacted"] for c in compactions)
+    assert all(0 < c["tokens_after"] < 2048 for c in compactions), compactions
+    assert llama_like.context_refusals == 0
