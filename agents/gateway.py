@@ -12,7 +12,8 @@ A second service, `gateway.<name>`, answers with the engine's stats (queues, usa
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
 after which no reply can be sent) still holds everything streamed so far and keeps it as the
-aborted message. A retry sends `reset` first: what came before is discarded.
+aborted message. A retry sends `reset` first: what came before is discarded; the `llm_retry`
+event then says `discarded` when the failed attempt had streamed deltas, so watchers drop them.
 
 At start the gateway asks each server for what the configuration left out (model name, context
 window; see `LlmEngine.discover`) and exits with the reason when the choice is ambiguous.
@@ -84,9 +85,11 @@ class Gateway:
             raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
         abort = anyio.Event()
         described = False
+        streamed = False  # this attempt streamed something (a retry then discards it)
 
         async def on_delta(delta: AssistantDelta) -> None:
-            nonlocal described
+            nonlocal described, streamed
+            streamed = True
             await self.peer.publish(ev.MessageUpdate(delta=delta), agent=request.agent,
                                     run=request.run_id, experiment=request.experiment)
             partial = self._partial(request.model, delta=delta) if not described else LlmPartial(delta)
@@ -94,11 +97,13 @@ class Gateway:
             await req.partial(_encoder.encode(partial))
 
         async def on_retry(attempt: int, delay: float, status: int, error: str) -> None:
+            nonlocal streamed
             config = self.engine.model_config(request.model)
             await req.partial(_encoder.encode(LlmPartial(reset=True)))
+            discarded, streamed = streamed, False
             await self.peer.publish(
                 ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
-                            provider=config.provider if config else ""),
+                            provider=config.provider if config else "", discarded=discarded),
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
         message = await self.engine.complete(request, on_delta, on_retry, abort=abort)

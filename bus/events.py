@@ -91,6 +91,8 @@ class LlmRetry(_Event, tag="llm_retry"):
     status: int = 0
     error: str = ""
     provider: str = ""
+    #: The failed attempt had streamed `message_update`s: they are not part of the message.
+    discarded: bool = False
 
 
 class TopicMessage(_Event, tag="topic_message"):

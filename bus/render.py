@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import shutil
 from typing import Any, TextIO
 
 import msgspec
@@ -64,8 +65,9 @@ def summary(event: ev.Event) -> str:
             return f"turn {turn}"
         case ev.AgentEnd(final_text=text, stop_reason=reason, error=error):
             return f"[{reason}] {_clip(error or text)}"
-        case ev.LlmRetry(attempt=a, delay=d, status=s, error=e):
-            return f"attempt {a} failed ({s or e}); retrying in {d:.1f}s"
+        case ev.LlmRetry(attempt=a, delay=d, status=s, error=e, discarded=discarded):
+            dropped = "; its streamed text is discarded" if discarded else ""
+            return f"attempt {a} failed ({s or e}){dropped}; retrying in {d:.1f}s"
         case ev.Gap(first=first, last=last):
             return f"!! missed events {first}..{last}"
         case _:
@@ -105,6 +107,7 @@ class HumanPrinter:
         self.out = out
         self.color = color
         self._streaming: str | None = None  # run id whose delta line is open
+        self._shown = ""  # what the open delta line shows (plain text), to erase on a retry
 
     def _style(self, text: str, **kw: Any) -> str:
         if not self.color:
@@ -118,8 +121,20 @@ class HumanPrinter:
             self.out.write("\n")
             self._streaming = None
 
+    def _discard_stream(self) -> None:
+        """A retried attempt's text is not part of the answer: erase it on a terminal (else the
+        retry line, on a line of its own, says it is discarded)."""
+        if not _is_tty(self.out):
+            return self._close_stream()
+        cols = max(1, shutil.get_terminal_size().columns)
+        rows = sum(max(1, -(-len(line) // cols)) for line in self._shown.split("\n"))
+        self.out.write("\r\033[K" + "\033[1A\033[K" * (rows - 1))
+        self._streaming = None
+
     def print(self, header: Header, event: ev.Event) -> None:
         type_ = ev.event_type(event)
+        if isinstance(event, ev.LlmRetry) and event.discarded and self._streaming == header.run:
+            self._discard_stream()
         if isinstance(event, ev.MessageUpdate) and event.delta.kind == "tool_call":
             return  # argument fragments: the tool_execution_start line shows the whole call
         if isinstance(event, ev.MessageUpdate):
@@ -127,7 +142,9 @@ class HumanPrinter:
                 self._close_stream()
                 self.out.write(self._prefix(header, type_))
                 self._streaming = header.run
+                self._shown = self._prefix(header, type_, plain=True)
             text = event.delta.delta
+            self._shown += text
             self.out.write(self._style(text, dim=True) if event.delta.kind == "thinking" else text)
             self.out.flush()
             return
@@ -138,10 +155,19 @@ class HumanPrinter:
         self.out.write(line + "\n")
         self.out.flush()
 
-    def _prefix(self, header: Header, type_: str) -> str:
+    def _prefix(self, header: Header, type_: str, plain: bool = False) -> str:
         when = dt.datetime.fromtimestamp(header.ts).strftime("%H:%M:%S.%f")[:-3] if header.ts else "--:--:--"
         who = header.agent or header.peer or "-"
         if header.run:
             who += "/" + header.run[:8]
         seq = str(header.seq) if header.seq else "-"
+        if plain:
+            return f"{seq:>6} {when} {who} {type_} "
         return f"{seq:>6} {when} {self._style(who, fg='cyan')} {self._style(type_, bold=True)} "
+
+
+def _is_tty(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):  # a closed or file-like stream without a terminal
+        return False
