@@ -643,7 +643,7 @@ class Peer:
 
     def _on_unmatched(self, header: p.Header) -> None:
         """An answer to no pending call: late (stale), or the hub refusing one of our events."""
-        if header.code != p.LOG_UNAVAILABLE:
+        if header.code not in (p.LOG_UNAVAILABLE, p.BAD_EVENT):  # bad_event: docs/protocol.md §6
             self._count("stale_replies")
             return
         self._count("events_refused")

@@ -9,7 +9,6 @@ Nothing a peer sends can raise out of the loop: bad input is counted, logged and
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import math
@@ -19,7 +18,6 @@ import sqlite3
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -31,6 +29,8 @@ from bus import events as ev
 from bus import protocol as p
 from bus.errors import ConfigError
 from bus.eventlog import EventLog, Row
+from bus.registry import (Counters, Limits, PeerState, Registry, error_frames,
+                          no_service_text)
 from bus.security import (CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id,
                           private_ipc)
 
@@ -43,9 +43,6 @@ PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
 PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
 LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
-# Memory budgets (docs/reliability.md, "Memory budgets"). A held request costs its frames plus
-# about this much in Python objects (Pending, id, dict/set/heap/deque entries; measured ~850 B).
-REQUEST_OVERHEAD = 1024
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass's event batch is logged and published past this
 MiB = 1024 * 1024
 
@@ -64,6 +61,19 @@ _decode_header = msgspec.msgpack.Decoder(p.Header).decode
 _encode = msgspec.msgpack.Encoder().encode
 _time = time.time
 _TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
+
+# Bus events only the hub may publish: they state what the hub saw (peers, services, losses).
+# `process_restarted`/`process_gave_up` come from the supervisor (`busctl up`), a peer.
+HUB_EVENT_TYPES = ev.BUS_TYPES - {"process_restarted", "process_gave_up"}
+
+
+class _BodyType(msgspec.Struct):
+    """An event body read for its `type` alone (the other fields are skipped, not built)."""
+
+    type: str = ""
+
+
+_decode_body_type = msgspec.msgpack.Decoder(_BodyType).decode
 
 
 def _recv_frames(sock: zmq.Socket[Any], flags: int = _NOBLOCK) -> list[Any]:
@@ -164,59 +174,6 @@ def _bindable(endpoint: str) -> str:
     return endpoint
 
 
-@dataclass(slots=True, eq=False)  # identity: `in`/`remove` on queues must not compare fields
-class Pending:
-    id: str
-    requester: bytes
-    service: str
-    deadline: float  # monotonic; math.inf when none
-    header: bytes
-    body: list[bytes]
-    server: bytes | None = None
-    cancelled: bool = False  # left in its service's queue (removed lazily, see Service)
-    size: int = 0  # bytes charged to the request budgets while the hub holds it
-    lost: int = 0  # servers lost while serving it (see `max_redispatch`)
-
-
-@dataclass(slots=True)
-class Slot:
-    capacity: int
-    load: int = 0
-
-
-@dataclass(slots=True)
-class Service:
-    name: str
-    idempotent: bool = False
-    meta: dict[str, Any] = field(default_factory=dict)
-    slots: dict[bytes, Slot] = field(default_factory=dict)
-    # Cancelled requests stay in the deque (marked) until they reach its head or the deque is
-    # compacted, so a requester leaving with n queued requests costs O(n), not O(n x queue).
-    queue: deque[Pending] = field(default_factory=deque)
-    queued: int = 0  # live (not cancelled) requests in `queue`
-
-
-@dataclass(slots=True)
-class PeerState:
-    ident: bytes
-    id: str
-    hello: p.Hello
-    since: float
-    last_seen: float
-    services: set[str] = field(default_factory=set)
-    serving: dict[str, Pending] = field(default_factory=dict)
-    requested: set[str] = field(default_factory=set)
-    request_bytes: int = 0  # charged for its requests the hub holds (`peer_request_bytes`)
-    user_id: str = ""  # the CURVE key (ZAP User-Id) this peer authenticated with
-
-
-class Counters(dict[str, int]):
-    def bump(self, name: str, n: int = 1) -> int:
-        value = self.get(name, 0) + n
-        self[name] = value
-        return value
-
-
 class Hub:
     """Routes requests, tracks liveness, stamps/logs/publishes events. Call `run()` in a process."""
 
@@ -225,12 +182,17 @@ class Hub:
         self.config = config
         self.session = p.new_session()
         self.started = time.time()
-        self.peers: dict[bytes, PeerState] = {}
-        self.services: dict[str, Service] = {}
-        self.requests: dict[str, Pending] = {}
-        self.deadlines: list[tuple[float, str]] = []
         self.counters = Counters()
-        self.request_bytes = 0  # charged for all held requests (budget `request_bytes`)
+        # Routing state (services, slots, queues, deadlines, cancels) lives in the Registry,
+        # which has no sockets: it answers through `_send` and announces through `_emit`.
+        self.registry = Registry(
+            Limits(queue_limit=config.queue_limit, request_bytes=config.request_bytes,
+                   peer_request_bytes=config.peer_request_bytes,
+                   queued_services=config.queued_services,
+                   max_redispatch=config.max_redispatch),
+            self.counters, self._send, self._emit)
+        self.peers = self.registry.peers  # the same dicts, never rebound
+        self.services = self.registry.services
         self._batch_bytes = 0  # event bodies read this pass (flushed past EVENT_BATCH_BYTES)
         self._replay_peak = 0  # largest `hub.replay` batch sent, in bytes (shown in status)
         self._topics: list[bytes] = []  # the batch's topics, in step with _rows
@@ -333,7 +295,7 @@ class Hub:
                 if now >= self._log_retry_at:
                     self._refusing = False  # let the next batch try the log again
                     self._log_retry_at = math.inf
-                self._expire(now)
+                self.registry.expire(now)
                 self._expire_peers(now)
                 self._drop_revoked()
                 next_tick = now + TICK
@@ -496,15 +458,11 @@ class Hub:
         hello = p.decode(frames[3], p.Hello) if len(frames) > 3 else None
         if hello is None:
             return self._reject("malformed", ident, "hello without body")
-        if peer is not None:
-            self._drop_peer(peer, "said hello again (restarted)")
-        now = time.monotonic()
         user_id = self._user_id if self._auth is not None else ""
         if self._auth is not None and not user_id:
             return self._reject("malformed", ident, "hello without an authenticated key")
         peer_id = curve_peer_id(user_id, ident) if user_id else ident.hex()
-        peer = PeerState(ident, peer_id, hello, time.time(), now, user_id=user_id)
-        self.peers[ident] = peer
+        peer = self.registry.add_peer(ident, peer_id, hello, user_id)
         welcome = p.Welcome(
             peer=peer.id,
             hub_session=self.session,
@@ -515,128 +473,29 @@ class Hub:
         )
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.WELCOME, id=header.id)),
                     p.encode(welcome)])
-        self._emit(ev.PeerJoined(peer=peer.id, name=hello.name, host=hello.host, pid=hello.pid,
-                                 session=hello.session))
         return None
 
     def _on_register(self, ident: bytes, peer: PeerState, header: p.Header,
                      frames: list[bytes]) -> None:
-        reg = p.decode(frames[3], p.Register)
-        for spec in reg.services:
-            if not spec.name or spec.name.startswith("hub.") or spec.capacity < 1:
-                self._reject("bad_register", ident, f"service {spec.name!r} capacity {spec.capacity}")
-                continue
-            service = self.services.get(spec.name)
-            if service is None:
-                service = self.services[spec.name] = Service(spec.name)
-            service.idempotent = spec.idempotent
-            service.meta = spec.meta
-            service.slots[ident] = Slot(spec.capacity, service.slots.get(ident, Slot(0)).load)
-            peer.services.add(spec.name)
-            self._emit(ev.ServiceRegistered(service=spec.name, peer=peer.id, capacity=spec.capacity))
-            self._dispatch_queued(service)
+        self.registry.register(peer, p.decode(frames[3], p.Register), header.id)
 
     def _on_unregister(self, ident: bytes, peer: PeerState, header: p.Header,
                        frames: list[bytes]) -> None:
-        unreg = p.decode(frames[3], p.Unregister)
-        for name in unreg.services:
-            if name in peer.services:
-                self._remove_slot(peer, name, "unregistered")
+        self.registry.unregister(peer, p.decode(frames[3], p.Unregister).services)
 
     def _on_request(self, ident: bytes, peer: PeerState, header: p.Header,
                     frames: list[bytes]) -> None:
         self.counters.bump("requests")
-        if not header.id or header.id in self.requests:
-            self._reject("bad_request", ident, f"request id {header.id!r} missing or in use")
-            return
-        if header.service.startswith("hub."):
+        if self.registry.request(peer, header, frames):  # a `hub.` service: served here
             self._serve_builtin(ident, header, frames)
-            return
-        if header.deadline != header.deadline:  # NaN would sit in the deadline heap forever
-            self._reject("bad_request", ident, "deadline is NaN")
-            self._send_error(ident, header.id, p.BAD_REQUEST, "`deadline` is not a number")
-            return
-        deadline = math.inf
-        if header.deadline:
-            deadline = time.monotonic() + (header.deadline - time.time())
-        req = Pending(header.id, ident, header.service, deadline, frames[2], frames[3:],
-                      size=REQUEST_OVERHEAD + sum(map(len, frames)))
-        service = self._service_for(ident, req)
-        if service is None:
-            return
-        refusal = self._over_budget(peer, service, req)
-        if refusal:
-            self._send_error(ident, req.id, p.OVERLOADED, refusal)
-            return
-        self.requests[req.id] = req
-        peer.requested.add(req.id)
-        peer.request_bytes += req.size
-        self.request_bytes += req.size
-        if deadline != math.inf:
-            heapq.heappush(self.deadlines, (deadline, req.id))
-        if not self._try_dispatch(service, req):
-            self._enqueue(service, req)
-
-    def _service_for(self, ident: bytes, req: Pending) -> Service | None:
-        """The service to queue `req` on, or None after answering why it cannot be queued."""
-        service = self.services.get(req.service)
-        if service is not None and service.slots:
-            return service
-        if req.deadline == math.inf:  # nobody serves it and it would wait forever
-            self._send_error(ident, req.id, p.NO_SERVICE, self._no_service_text(req.service))
-            return None
-        if service is not None:
-            return service
-        limit = self.config.queued_services
-        # names are free: without this cap each new one gets its own `queue_limit`
-        if len(self.services) >= limit and self._unserved() >= limit:
-            self.counters.bump("overloaded_services")
-            self._send_error(ident, req.id, p.OVERLOADED,
-                             f"{limit} unserved service names already have queued requests "
-                             f"(hub budget `queued_services`); {self._no_service_text(req.service)}")
-            return None
-        service = self.services[req.service] = Service(req.service)
-        return service
-
-    def _unserved(self) -> int:
-        return sum(1 for s in self.services.values() if not s.slots)
-
-    def _over_budget(self, peer: PeerState, service: Service, req: Pending) -> str:
-        """Why holding `req` would break a budget (counted), or "" when it fits."""
-        cfg = self.config
-        if service.queued >= cfg.queue_limit:
-            counter = "overloaded_queue"
-            text = f"service `{service.name}` queue is full ({cfg.queue_limit}, `queue_limit`)"
-        elif peer.request_bytes + req.size > cfg.peer_request_bytes:
-            counter = "overloaded_peer_bytes"
-            text = (f"this peer's requests held by the hub would take {peer.request_bytes + req.size}"
-                    f" bytes, over the hub budget `peer_request_bytes` ({cfg.peer_request_bytes});"
-                    " wait for replies before sending more")
-        elif self.request_bytes + req.size > cfg.request_bytes:
-            counter = "overloaded_request_bytes"
-            text = (f"requests held by the hub would take {self.request_bytes + req.size} bytes, "
-                    f"over the hub budget `request_bytes` ({cfg.request_bytes}); retry later")
-        else:
-            return ""
-        self.counters.bump(counter)
-        return text
 
     def _on_reply(self, ident: bytes, peer: PeerState, header: p.Header,
                   frames: list[bytes]) -> None:
-        req = peer.serving.get(header.id)
-        if req is None:
-            self.counters.bump("stale_replies")
-            return
-        self._send([req.requester, p.SIGNATURE, *frames[2:]])
-        if header.kind != p.PARTIAL:
-            self._finish(req)
+        self.registry.answer(peer, header, frames)
 
     def _on_cancel(self, ident: bytes, peer: PeerState, header: p.Header,
                    frames: list[bytes]) -> None:
-        req = self.requests.get(header.id)
-        if req is None or req.requester != ident:
-            return
-        self._cancel(req, "cancelled by requester")
+        self.registry.cancel(ident, header.id)
 
     def _on_event(self, ident: bytes, peer: PeerState, header: p.Header,
                   frames: list[bytes]) -> None:
@@ -655,9 +514,33 @@ class Hub:
                                 f"`max_event_bytes` ({self.config.max_event_bytes})")
         if not isinstance(body, bytes):
             body = body.bytes
+        if self._refuse_event(ident, header, body):
+            return
         self._batch_bytes += len(body)
-        header.peer = peer.id
+        header.peer = peer.id  # the authenticated sender, whatever the header or body claim
         self._stamp(header, body)
+
+    def _refuse_event(self, ident: bytes, header: p.Header, body: bytes) -> bool:
+        """Only the hub speaks for the bus, and a publisher cannot lie about what it publishes:
+        a hub-only type, or a header `type` other than the body's, is refused (counted
+        `bad_events`, answered `bad_event` with the event's id) and neither logged nor published."""
+        type_ = header.type
+        if type_ in HUB_EVENT_TYPES:
+            why = f"`{type_[:64]}` is a bus event only the hub publishes"
+        else:
+            try:
+                body_type = _decode_body_type(body).type
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                body_type = None
+            if body_type == type_:
+                return False
+            why = (f"header `type` `{type_[:64]}` differs from the body's `type` "
+                   f"`{str(body_type)[:64]}`" if body_type is not None else
+                   f"`{type_[:64]}` body is not a MessagePack map with a string `type`")
+        self._reject("bad_events", ident, why)
+        self._send_error(ident, header.id, p.BAD_EVENT, f"event refused, neither logged nor "
+                         f"published: {why} (docs/protocol.md, section 6)")
+        return True
 
     def _on_heartbeat(self, ident: bytes, peer: PeerState, header: p.Header,
                       frames: list[bytes]) -> None:
@@ -687,115 +570,9 @@ class Hub:
         p.RECONNECT: _on_unexpected,
     }
 
-    # --- routing -------------------------------------------------------------------------
-
-    def _try_dispatch(self, service: Service, req: Pending) -> bool:
-        best: bytes | None = None
-        best_ratio = 2.0
-        for ident, slot in service.slots.items():
-            if slot.load >= slot.capacity:
-                continue
-            ratio = slot.load / slot.capacity
-            if ratio < best_ratio:
-                best, best_ratio = ident, ratio
-        if best is None:
-            return False
-        server = self.peers[best]
-        if not self._send([best, p.SIGNATURE, req.header, *req.body]):
-            return False
-        service.slots[best].load += 1
-        req.server = best
-        server.serving[req.id] = req
-        return True
-
-    def _dispatch_queued(self, service: Service) -> None:
-        queue = service.queue
-        while queue:
-            head = queue[0]
-            if head.cancelled:  # removed lazily (see `_unqueue`)
-                queue.popleft()
-                continue
-            if not self._try_dispatch(service, head):
-                return
-            queue.popleft()
-            service.queued -= 1
-
-    def _enqueue(self, service: Service, req: Pending, front: bool = False) -> None:
-        if front:
-            service.queue.appendleft(req)
-        else:
-            service.queue.append(req)
-        service.queued += 1
-
-    def _unqueue(self, req: Pending) -> None:
-        """Take a queued request out in O(1): it is marked and its body let go; the deque is
-        compacted once cancelled entries outnumber live ones (amortised O(1) per request)."""
-        req.cancelled = True
-        req.body = []
-        service = self.services.get(req.service)
-        if service is None:
-            return
-        service.queued -= 1
-        if not service.queued:
-            service.queue.clear()
-        elif len(service.queue) > 2 * service.queued + 64:
-            service.queue = deque(r for r in service.queue if not r.cancelled)
-
-    def _finish(self, req: Pending) -> None:
-        requester = self.peers.get(req.requester)
-        if self.requests.pop(req.id, None) is req:  # release its budget once
-            self.request_bytes -= req.size
-            if requester is not None:
-                requester.request_bytes -= req.size
-        if requester is not None:
-            requester.requested.discard(req.id)
-        if req.server is None:
-            return
-        server = self.peers.get(req.server)
-        if server is not None:
-            server.serving.pop(req.id, None)
-        service = self.services.get(req.service)
-        if service is None:
-            return
-        slot = service.slots.get(req.server)
-        if slot is not None and slot.load > 0:
-            slot.load -= 1
-        self._dispatch_queued(service)
-
-    def _cancel(self, req: Pending, why: str) -> None:
-        """Tell the server (if any) and forget the request; a late reply counts as stale."""
-        if req.server is not None:
-            self._send([req.server, p.SIGNATURE, p.encode(p.Header(kind=p.CANCEL, id=req.id))])
-        elif not req.cancelled:  # a live request without a server is in its service's queue
-            self._unqueue(req)
-        self._finish(req)
-
-    def _expire(self, now: float) -> None:
-        while self.deadlines and self.deadlines[0][0] <= now:
-            _, req_id = heapq.heappop(self.deadlines)
-            req = self.requests.get(req_id)
-            if req is None:
-                continue
-            self.counters.bump("expired_requests")
-            service = self.services.get(req.service)
-            if req.server is None and (service is None or not service.slots):
-                self._send_error(req.requester, req.id, p.NO_SERVICE,
-                                 self._no_service_text(req.service))
-            else:
-                where = "in the queue" if req.server is None else "while being served"
-                self._send_error(req.requester, req.id, p.DEADLINE,
-                                 f"request to `{req.service}` passed its deadline {where}")
-            self._cancel(req, "deadline")
-        self._prune_services()
-
-    def _prune_services(self) -> None:
-        empty = [n for n, s in self.services.items() if not s.slots and not s.queued]
-        for name in empty:
-            del self.services[name]
-
     @staticmethod
     def _no_service_text(service: str) -> str:
-        return f"no peer serves `{service}` (start one, e.g. `busctl worker`, or check the name)"
+        return no_service_text(service)
 
     # --- liveness ------------------------------------------------------------------------
 
@@ -838,7 +615,7 @@ class Hub:
             for ident in [i for i, (until, _) in self._departed.items() if until <= now]:
                 del self._departed[ident]
         expiry = self.config.heartbeat_interval * self.config.liveness
-        for peer in [p_ for p_ in self.peers.values() if now - p_.last_seen > expiry]:
+        for peer in self.registry.expired_peers(now, expiry):
             self.counters.bump("peers_expired")
             self._drop_peer(peer, f"missed {self.config.liveness} heartbeats")
 
@@ -890,59 +667,8 @@ class Hub:
             if message[:1] == b"\x01" and self._subscribed_at == math.inf:
                 self._subscribed_at = time.monotonic()
 
-    def _remove_slot(self, peer: PeerState, name: str, reason: str) -> None:
-        peer.services.discard(name)
-        service = self.services.get(name)
-        if service is not None:
-            service.slots.pop(peer.ident, None)
-        self._emit(ev.ServiceRemoved(service=name, peer=peer.id, reason=reason))
-
     def _drop_peer(self, peer: PeerState, reason: str) -> None:
-        self.peers.pop(peer.ident, None)
-        for name in list(peer.services):
-            self._remove_slot(peer, name, reason)
-        failed = redispatched = 0
-        for req in list(peer.serving.values()):
-            peer.serving.pop(req.id, None)
-            req.server = None
-            if self._redispatch(req):
-                redispatched += 1
-                continue
-            failed += 1
-            self._send_error(req.requester, req.id, p.PEER_LOST, self._lost_text(peer, req, reason))
-            self._finish(req)
-        for req_id in list(peer.requested):
-            req = self.requests.get(req_id)
-            if req is not None:
-                self._cancel(req, "requester lost")
-        self._emit(ev.PeerLeft(peer=peer.id, name=peer.hello.name, reason=reason))
-        if failed or redispatched:
-            self._emit(ev.WorkerLost(peer=peer.id, name=peer.hello.name, failed=failed,
-                                     redispatched=redispatched))
-        self._prune_services()
-
-    def _redispatch(self, req: Pending) -> bool:
-        """Serve an idempotent call again after its server was lost, unless it has already been
-        re-dispatched `max_redispatch` times: a call that takes down every peer it reaches (a
-        tool that hangs its worker) must not take down the next one, and the next."""
-        service = self.services.get(req.service)
-        if service is None or not service.idempotent or req.id not in self.requests:
-            return False
-        req.lost += 1
-        if req.lost > self.config.max_redispatch:
-            self.counters.bump("redispatch_refused")
-            return False
-        if not self._try_dispatch(service, req):
-            self._enqueue(service, req, front=True)
-        return True
-
-    def _lost_text(self, peer: PeerState, req: Pending, reason: str) -> str:
-        text = f"peer `{peer.hello.name}` ({peer.id}) serving `{req.service}` was lost: {reason}"
-        if req.lost <= self.config.max_redispatch:
-            return text
-        return (f"{text}; this call has now lost {req.lost} peers serving it and is not "
-                f"re-dispatched again (hub `max_redispatch` = {self.config.max_redispatch}): "
-                f"`{req.service}` may be what hangs or kills its servers")
+        self.registry.drop_peer(peer, reason)
 
     # --- sending -------------------------------------------------------------------------
 
@@ -960,8 +686,7 @@ class Hub:
         return True
 
     def _send_error(self, ident: bytes, req_id: str, code: str, text: str) -> None:
-        header = p.Header(kind=p.ERROR, id=req_id, code=code, error=text)
-        self._send([ident, p.SIGNATURE, p.encode(header)])
+        self._send(error_frames(ident, req_id, code, text))
 
     # --- events --------------------------------------------------------------------------
 
@@ -1160,9 +885,9 @@ class Hub:
         cfg = self.config
         peer_max = max((peer.request_bytes for peer in self.peers.values()), default=0)
         return {
-            "request_bytes": p.Budget(cfg.request_bytes, self.request_bytes),
+            "request_bytes": p.Budget(cfg.request_bytes, self.registry.request_bytes),
             "peer_request_bytes": p.Budget(cfg.peer_request_bytes, peer_max),
-            "queued_services": p.Budget(cfg.queued_services, self._unserved()),
+            "queued_services": p.Budget(cfg.queued_services, self.registry.unserved()),
             "max_event_bytes": p.Budget(cfg.max_event_bytes),
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),

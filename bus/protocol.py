@@ -50,6 +50,7 @@ HANDLER_ERROR: Final = "handler_error"
 HUB_LOST: Final = "hub_lost"
 LOG_UNAVAILABLE: Final = "log_unavailable"  # hub -> publisher: event refused, log not writable
 UNAUTHORIZED: Final = "unauthorized"  # hub -> peer: its CURVE key is no longer authorised
+BAD_EVENT: Final = "bad_event"  # hub -> publisher: event refused (a hub-only type, or a lying header)
 
 # Services the hub serves itself.
 HUB_STATUS: Final = "hub.status"
