@@ -507,6 +507,11 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     if problems:
         raise click.ClickException(f"{config_file or 'embedded default'}: {problems[0]}")
     _refuse_insecure_bind(resolve(topology, options))
+    from agents.launch import preflight
+
+    busy = preflight(resolve(topology, options))  # before any file of another topology is touched
+    if busy:
+        raise click.ClickException(busy)
     if detach:
         _detach(topology, options)
         return
@@ -544,8 +549,6 @@ def _detach(topology: Any, options: Any) -> None:
     state = state_dir(topo)
     (state / "logs").mkdir(parents=True, exist_ok=True)
     pid_path = pid_file(topo)
-    if pid_path.exists() and _pid_alive(int(pid_path.read_text().split()[0] or 0)):
-        raise click.ClickException(f"already up (pid file {pid_path}); `busctl down` first")
     ready = state / "up.ready"
     ready.unlink(missing_ok=True)
     argv = [a for a in sys.argv[1:] if a not in ("-d", "--detach")]
@@ -557,11 +560,22 @@ def _detach(topology: Any, options: Any) -> None:
     deadline = time.monotonic() + 60
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.terminate()  # the children die with it (see bus.procsec)
             pid_path.unlink(missing_ok=True)
-            raise click.ClickException(f"`busctl up` failed to start; see {state / 'logs' / 'up.log'}")
+            raise click.ClickException(f"`busctl up` failed to start{_last_lines(state / 'logs' / 'up.log')}"
+                                       f"\n(whole log: {state / 'logs' / 'up.log'})")
         time.sleep(0.05)
     click.echo(f"up in the background (pid {proc.pid}); logs in {state / 'logs'}; "
                "stop with `busctl down`")
+
+
+def _last_lines(path: Path, count: int = 5) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()[-count:]
+    except OSError:
+        return ""
+    return "".join(f"\n  {line}" for line in lines)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -576,58 +590,201 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def topology_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`-c FILE`: the topology given to `busctl up`, which names its state directory."""
+    return click.option("-c", "--config", "config_file", type=click.Path(dir_okay=False),
+                        default=None, help="The topology file given to `busctl up` (for its "
+                                           "state directory) [default: the embedded default].")(fn)
+
+
+def _state_of(config_file: str | None) -> Path:
+    from agents.launch import state_dir
+
+    return state_dir(_load_topology_or_exit(config_file))
+
+
 @main.command()
-@click.option("-c", "--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="The topology file given to `busctl up -d` (for its state directory).")
+@topology_option
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
-              help="Seconds to wait before killing.")
+              help="Seconds to wait for an orderly stop before killing what is left.")
 def down(config_file: str | None, timeout: float) -> None:
-    """Stop a topology started with `busctl up -d`.
+    """Stop the topology started from this directory (with `busctl up`, `-d` or not).
+
+    Asks the supervisor to stop everything in order; if it is gone (or too slow), stops each
+    process it started itself, SIGKILLs what is left after --timeout, and exits 1 naming any
+    process it could not stop.
 
     \b
     Example:
       busctl up -d && busctl run "hi" && busctl down
     """
-    import signal
-    import time
+    from agents.launch import stop_topology
 
-    from agents.launch import pid_file
-
-    path = pid_file(_load_topology_or_exit(config_file))
-    if not path.exists():
-        raise click.ClickException(f"nothing is up here (no pid file {path})")
-    pid = int(path.read_text().split()[0])
-    if _pid_alive(pid):
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _pid_alive(pid):
-            os.killpg(pid, signal.SIGKILL)
-    path.unlink(missing_ok=True)
-    click.echo(f"stopped (pid {pid})")
+    state = _state_of(config_file)
+    report, failed = stop_topology(state, timeout)
+    if failed:
+        raise click.ClickException(f"{report}; could not stop: {', '.join(failed)}")
+    click.echo(report)
 
 
 @main.command()
 @hub_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per peer per line.")
-def ps(hub: str, curve: CurveClient | None, as_json: bool) -> None:
-    """List the processes connected to the hub, with their services and load."""
+@topology_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per process per line.")
+def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bool) -> None:
+    """List the topology's processes: state, pid, uptime, restarts and last exit.
 
+    The processes come from the supervisor of the topology started from this directory; with
+    an explicit `--hub` (or none up here), from the peers connected to that hub.
+
+    \b
+    Examples:
+      busctl ps
+      busctl ps --hub tcp://10.0.0.5:7400 --json | jq .name
+    """
+    from click.core import ParameterSource
+
+    explicit = click.get_current_context().get_parameter_source("hub") != ParameterSource.DEFAULT
+    rows = None if explicit else _supervisor_table(_state_of(config_file))
+    if rows is None:
+        rows = _hub_table(hub, curve)
+    if not as_json:
+        _print_table(rows)
+        return
+    for row in rows:
+        click.echo(msgspec.json.encode(row).decode())
+
+
+def _supervisor_table(state: Path) -> list[dict[str, Any]] | None:
+    from agents.launch import ControlRequest, control, running_here
+    from bus.supervisor import ChildFailed
+
+    if running_here(state) is None:
+        return None
+    try:
+        reply = run_async(control, state, ControlRequest(op="ps"), 10.0)
+    except ChildFailed:
+        return None
+    return reply.processes
+
+
+def _hub_table(hub: str, curve: CurveClient | None) -> list[dict[str, Any]]:
     async def fetch() -> p.Status:
         async with connect(hub, name="busctl-ps", role="cli", curve=curve) as peer:
             return await peer.status()
 
-    st = run_async(fetch)
-    for peer in st.peers:
+    rows = []
+    for peer in sorted(run_async(fetch).peers, key=lambda peer: peer.name):
         if peer.role == "cli":
             continue
-        if as_json:
-            click.echo(msgspec.json.encode(peer).decode())
-            continue
         services = ", ".join(f"{s.name} {s.load}/{s.capacity}" for s in peer.services)
-        click.echo(f"{peer.name:<22} {peer.role or '-':<11} pid {peer.pid:<7} {peer.host:<12} "
-                   f"{services}")
+        rows.append({"name": peer.name, "role": peer.role or "-", "pid": peer.pid,
+                     "host": peer.host, "services": services})
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    """Aligned columns under an upper-case header; uptime in a human unit."""
+    if not rows:
+        click.echo("no processes")
+        return
+    columns = list(rows[0])
+    cells = [[_cell(key, row.get(key, "")) for key in columns] for row in rows]
+    widths = [max(len(key), *(len(c[i]) for c in cells)) for i, key in enumerate(columns)]
+    header = [key.replace("_", " ").upper() for key in columns]
+    for line in [header, *cells]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+
+
+def _cell(key: str, value: Any) -> str:
+    if key == "uptime":
+        seconds = int(value)
+        return "-" if not seconds else (f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"
+                                        if seconds < 7200 else f"{seconds // 3600}h")
+    return str(value)
+
+
+@main.command()
+@topology_option
+@click.argument("names", nargs=-1, required=True)
+def restart(config_file: str | None, names: tuple[str, ...]) -> None:
+    """Restart processes of the running topology by name (through its supervisor).
+
+    Each is stopped (SIGTERM, SIGKILL after a few seconds) and started again at once; the
+    command returns once it is ready again, and a `process_restarted` event is published.
+
+    \b
+    Example:
+      busctl restart tools-1 gateway-1
+    """
+    from agents.launch import ControlRequest
+
+    for name in names:
+        click.echo(_control(config_file, ControlRequest(op="restart", name=name)))
+
+
+@main.command()
+@topology_option
+@click.argument("targets", nargs=-1, required=True)
+def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
+    """Set the number of processes of worker groups at run time: GROUP=N (`workers`: the first).
+
+    \b
+    Examples:
+      busctl scale workers=3
+      busctl scale tools=2 search=0
+    """
+    from agents.launch import ControlRequest
+
+    for target in targets:
+        group, _, count = target.partition("=")
+        if not group or not count.isdigit():
+            raise click.BadParameter(f"{target!r} is not GROUP=N (e.g. workers=3)",
+                                     param_hint="TARGETS")
+        click.echo(_control(config_file, ControlRequest(op="scale", name=group, count=int(count))))
+
+
+def _control(config_file: str | None, request: Any) -> str:
+    from agents.launch import control
+
+    reply = run_async(control, _state_of(config_file), request)
+    if not reply.ok:
+        raise click.ClickException(reply.error)
+    return reply.message
+
+
+@main.command()
+@topology_option
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new output as it is written.")
+@click.option("--tail", type=click.IntRange(0), default=None,
+              help="Only the last N lines of each log first [default: all].")
+@click.argument("names", nargs=-1)
+def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[str, ...]) -> None:
+    """Print the output of the topology's processes (all, or NAMES), each line prefixed.
+
+    Read from the log files in the state directory: works while the topology runs and after it
+    stopped. `up` is the supervisor's own log of a `busctl up -d`.
+
+    \b
+    Examples:
+      busctl logs --tail 20
+      busctl logs -f gateway-1 tools-1
+    """
+    from bus.supervisor import LogTail
+
+    folder = _state_of(config_file) / "logs"
+    known = sorted(path.stem for path in folder.glob("*.log"))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise click.BadParameter(f"no log for {', '.join(unknown)} in {folder} (logs: "
+                                 f"{', '.join(known) or 'none yet'})", param_hint="NAMES")
+    tailer = LogTail(folder, set(names), use_color())
+    try:
+        tailer.print_existing(tail)
+        while follow:
+            tailer.follow_once()
+    except KeyboardInterrupt:
+        pass
 
 
 @main.group()

@@ -3,29 +3,52 @@
 Order: hub → (demo model server) → gateways, workers and coordinators in parallel → extra
 processes. Each child is a `busctl <piece>` process that prints a JSON ready line once it has
 registered with the hub. Stop order is the reverse, so agents finish before their tools and model
-go away and the hub is last.
+go away and the hub is last. SIGINT, SIGTERM and SIGHUP (a closed terminal) all stop in that order.
+
+Run files in the state directory: `up.pid` (the supervisor), `up.json` (every child's pid, see
+`bus.supervisor.RunFile`), `up.ready` (a detached `up` is ready) and `control.sock`. The control
+socket (a Unix socket, mode 0600, one JSON request line and one reply line) is how `busctl ps`,
+`restart` and `scale` reach the running supervisor; a stopped topology removes them all.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
+import anyio.abc
 import msgspec
 
 from agents.llm import ModelConfig
-from agents.topology import Topology
+from agents.topology import Topology, WorkerGroup
 from bus import events as ev
 from bus.client import Peer, connect
-from bus.paths import ensure_state_dir
+from bus.paths import ensure_state_dir, state_home
 from bus.security import CurveClient
-from bus.supervisor import Child, ChildSpec, Supervisor, python_argv
+from bus.supervisor import (
+    Child,
+    ChildFailed,
+    ChildRecord,
+    ChildSpec,
+    RunFile,
+    Supervisor,
+    python_argv,
+    read_run_file,
+    same_process,
+)
+
+log = logging.getLogger("agents.launch")
 
 DEMO_MODEL = "demo"
+RUN_FILES = ("up.pid", "up.json", "up.ready", "control.sock")
+MAX_CONTROL_LINE = 64 * 1024
 
 
 class UpOptions(msgspec.Struct):
@@ -112,15 +135,7 @@ def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
             "gateway", "--hub", endpoint, "--topology", "-", "--name", f"gateway-{i + 1}"),
             role="gateway", inherit_env=True, stdin_data=config))
     for group in topo.workers:
-        for i in range(group.count):
-            name = f"{group.name}-{i + 1}"
-            argv = python_argv("worker", "--hub", endpoint, "--concurrency", str(group.concurrency),
-                               "--workspace", group.workspace, "--name", name)
-            for module in group.tools:
-                argv += ["--tools", module]
-            if group.shell:
-                argv.append("--shell")
-            specs.append(ChildSpec(name, argv, role="worker", pass_env=group.pass_env))
+        specs += [worker_spec(group, i + 1, endpoint) for i in range(group.count)]
     count = topo.coordinators
     for i in range(count):
         mine = [a.name for a in topo.agents[i::count]] if count else []
@@ -134,6 +149,17 @@ def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
         specs.append(ChildSpec(f"coordinator-{i + 1}", argv, role="coordinator",
                                stdin_data=config))
     return specs
+
+
+def worker_spec(group: WorkerGroup, index: int, endpoint: str) -> ChildSpec:
+    name = f"{group.name}-{index}"
+    argv = python_argv("worker", "--hub", endpoint, "--concurrency", str(group.concurrency),
+                       "--workspace", group.workspace, "--name", name)
+    for module in group.tools:
+        argv += ["--tools", module]
+    if group.shell:
+        argv.append("--shell")
+    return ChildSpec(name, argv, role="worker", pass_env=group.pass_env)
 
 
 async def _start_all(sup: Supervisor, specs: list[ChildSpec]) -> None:
@@ -175,11 +201,22 @@ async def _live_tools(peer: Peer) -> list[str]:
 
 
 async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -> int:
-    """Run the topology until SIGINT/SIGTERM. Returns the exit code."""
+    """Run the topology until SIGINT/SIGTERM/SIGHUP. Returns the exit code."""
     topo = resolve(topology, options)
     state = ensure_state_dir(state_dir(topo))
     topo.hub.state_dir = str(state)  # children resolve nothing relative to their own cwd
-    async with Supervisor(state / "logs", out, color) as sup:
+    try:
+        async with Supervisor(state / "logs", out, color) as sup:
+            _claim_run_files(sup, state)
+            await _run(topo, options, sup, state, out)
+    finally:
+        remove_run_files(state, os.getpid())
+    return 0
+
+
+async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
+               out: TextIO) -> None:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
         endpoint, events = hub.ready["endpoint"], hub.ready["events"]
@@ -187,6 +224,8 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
         # (`--hub tcp://127.0.0.1:0` would otherwise pick new ports on every restart).
         topo.hub.endpoint, topo.hub.events = endpoint, events
         hub.spec.argv = hub_argv(topo)
+        sup.run_info.endpoint, sup.run_info.events = endpoint, events
+        sup.save_run_file()
         if options.demo:
             fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0"),
                                              role="fake-llm"))
@@ -198,15 +237,275 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
         (state / "topology.json").write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
         await _start_all(sup, child_specs(topo, endpoint))
         async with connect(endpoint, name="busctl-up", role="supervisor",
-                           curve=client_curve(topo)) as peer:
+                           curve=client_curve(topo)) as peer, anyio.create_task_group() as tg:
             sup.notify = await _publisher(peer)
+            await _serve_control(tg, sup, topo, state / "control.sock")
             for line in summary(topo, sup, endpoint, events, await _live_tools(peer)):
                 out.write(line + "\n")
             out.flush()
             _announce(options, endpoint, events)
-            await _wait_for_signal()
+            async for signum in signals:
+                out.write(f"got {signal.Signals(signum).name}\n")
+                break
+            tg.cancel_scope.cancel()
         await _stop(sup, out)
-    return 0
+
+
+# A closed terminal or a lost SSH session sends SIGHUP: it stops the topology like Ctrl-C.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _claim_run_files(sup: Supervisor, state: Path) -> None:
+    (state / "up.pid").write_text(f"{os.getpid()}\n")
+    sup.run_file = state / "up.json"
+    sup.run_info.control = str(state / "control.sock")
+    sup.save_run_file()
+
+
+def remove_run_files(state: Path, pid: int) -> None:
+    """Remove the run files of the supervisor `pid` (never those of a later `up`)."""
+    info = read_run_file(state / "up.json")
+    if info is not None and info.pid != pid:
+        return
+    for name in RUN_FILES:
+        (state / name).unlink(missing_ok=True)
+    (state / "up.tmp").unlink(missing_ok=True)
+
+
+# --- before anything starts: is this place free? -----------------------------------------------
+
+
+def running_here(state: Path) -> RunFile | None:
+    """The run file of a topology whose supervisor or children still run from `state`."""
+    info = read_run_file(state / "up.json")
+    if info is None:
+        return None
+    alive = same_process(ChildRecord(pid=info.pid, start_ticks=0)) or any(
+        same_process(c) for c in info.children.values())
+    return info if alive else None
+
+
+def preflight(topo: Topology) -> str:
+    """Why this topology cannot start here (empty when it can), checked before any file is
+    touched: one topology per state directory, and a free hub address."""
+    state = state_dir(topo)
+    other = running_here(state)
+    if other is not None:
+        return (f"a topology is already up from this directory (supervisor pid {other.pid}, hub "
+                f"{other.endpoint or '?'}, state {state}); stop it with `busctl down`, or give "
+                f"this one its own state directory (`hub.state_dir` in the topology)")
+    for address in (topo.hub.endpoint, topo.hub.events):
+        if address and not _tcp_free(address):
+            return (f"{address} is already in use{_owner(address)}; choose another address "
+                    f"with `--hub tcp://127.0.0.1:PORT` (or `--hub tcp://127.0.0.1:0` for any "
+                    f"free port)")
+    return ""
+
+
+def _tcp_free(address: str) -> bool:
+    """False when something listens on a tcp:// address (port 0 and ipc:// are always free)."""
+    if not address.startswith("tcp://"):
+        return True
+    host, _, port = address[6:].rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return True
+    host = host.strip("[]")
+    if host in ("*", ""):
+        host = "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR as ZeroMQ sets it: only a listener makes the bind fail, not TIME_WAIT
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def _owner(address: str) -> str:
+    """`, by the topology started from DIR (pid N)` when a run file on this machine says so."""
+    try:
+        run_files = list(state_home().glob("*/up.json"))
+    except OSError:
+        return ""
+    for path in run_files:
+        info = read_run_file(path)
+        if info is not None and address in (info.endpoint, info.events) and running_here(path.parent):
+            return f", by the topology started from {info.cwd} (supervisor pid {info.pid})"
+    return ""
+
+
+# --- busctl down ------------------------------------------------------------------------------
+
+
+def stop_topology(state: Path, timeout: float) -> tuple[str, list[str]]:
+    """Stop every process of the topology in `state`: the supervisor first (it stops its
+    children in order), then whatever it left (it may have been SIGKILLed), SIGKILL after
+    `timeout`. Returns what was done and the processes that could not be stopped."""
+    info = read_run_file(state / "up.json") or _legacy_run_file(state)
+    if info is None:
+        raise ChildFailed(f"nothing is up here (no run file in {state}); was it started from "
+                          f"another directory or with another `-c` file?")
+    supervisor = ChildRecord(pid=info.pid, start_ticks=0)
+    was_up = same_process(supervisor)
+    left = {name: rec for name, rec in info.children.items() if same_process(rec)}
+    deadline = time.monotonic() + timeout
+    if was_up:
+        _signal_group(info.pid, signal.SIGTERM, group=False)
+        _wait_gone([supervisor], deadline)
+    for record in left.values():  # a no-op for those the supervisor stopped
+        _signal_group(record.pid, signal.SIGTERM)
+    _wait_gone([supervisor, *left.values()], deadline)
+    for record in [supervisor, *left.values()]:
+        if same_process(record):
+            _signal_group(record.pid, signal.SIGKILL, group=record is not supervisor)
+    _wait_gone([supervisor, *left.values()], time.monotonic() + 2)
+    failed = [f"{name} (pid {rec.pid})" for name, rec in
+              [("supervisor", supervisor), *left.items()] if same_process(rec)]
+    if not failed:
+        remove_run_files(state, info.pid)
+    if was_up:
+        return f"stopped (supervisor pid {info.pid}, {len(info.children)} processes)", failed
+    if left:
+        return (f"the supervisor (pid {info.pid}) was already gone; stopped its "
+                f"{len(left)} leftover processes: {', '.join(left)}"), failed
+    return f"nothing was running (supervisor pid {info.pid} had exited); removed its run files", failed
+
+
+def _legacy_run_file(state: Path) -> RunFile | None:
+    """Only `up.pid` (a detached `up` that died before writing `up.json`)."""
+    try:
+        pid = int((state / "up.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return RunFile(pid=pid, cwd="")
+
+
+def _signal_group(pid: int, sig: int, group: bool = True) -> None:
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_gone(records: list[ChildRecord], deadline: float) -> None:
+    while any(same_process(r) for r in records) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+# --- the control socket: ps, restart, scale -----------------------------------------------------
+
+
+class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
+    op: str  # "ps" | "restart" | "scale"
+    name: str = ""  # restart: the child; scale: the worker group (`workers`: the first)
+    count: int = 0  # scale: processes wanted
+
+
+class ControlReply(msgspec.Struct):
+    ok: bool
+    error: str = ""
+    message: str = ""
+    processes: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+
+async def _serve_control(tg: anyio.abc.TaskGroup, sup: Supervisor, topo: Topology,
+                         path: Path) -> None:
+    """Listen on `path` (mode 0600: only this user may restart or scale the topology)."""
+    path.unlink(missing_ok=True)
+    old = os.umask(0o177)
+    try:
+        listener = await anyio.create_unix_listener(path)
+    except OSError as exc:  # e.g. a path longer than a socket address allows
+        log.warning("no control socket at %s (%s): restart and scale are unavailable", path, exc)
+        return
+    finally:
+        os.umask(old)
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            reply = await _answer(sup, topo, stream)
+            try:
+                await stream.send(msgspec.json.encode(reply) + b"\n")
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                pass  # the client went away; nothing to tell
+
+    tg.start_soon(listener.serve, handle)
+
+
+async def _answer(sup: Supervisor, topo: Topology, stream: anyio.abc.SocketStream) -> ControlReply:
+    """Read one request and carry it out; every failure becomes an error reply, never a crash."""
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    try:
+        with anyio.fail_after(5):
+            line = await BufferedByteReceiveStream(stream).receive_until(b"\n", MAX_CONTROL_LINE)
+        request = msgspec.json.decode(line, type=ControlRequest)
+    except (TimeoutError, anyio.IncompleteRead, anyio.DelimiterNotFound, anyio.EndOfStream,
+            msgspec.DecodeError, msgspec.ValidationError, OSError) as exc:
+        log.warning("control socket: bad request dropped: %s", exc)
+        return ControlReply(ok=False, error=f"bad request: {exc}")
+    try:
+        return await _carry_out(sup, topo, request)
+    except ChildFailed as exc:
+        return ControlReply(ok=False, error=str(exc))
+
+
+async def _carry_out(sup: Supervisor, topo: Topology, request: ControlRequest) -> ControlReply:
+    if request.op == "ps":
+        return ControlReply(ok=True, processes=sup.table())
+    if request.op == "restart":
+        if request.name not in sup.children:
+            return ControlReply(ok=False, error=f"no process `{request.name}` (processes: "
+                                                f"{', '.join(sup.children)})")
+        child = await sup.restart(request.name)
+        return ControlReply(ok=True, message=f"restarted {request.name} (pid {child.pid})")
+    if request.op == "scale":
+        return await _scale(sup, topo, request.name, request.count)
+    return ControlReply(ok=False, error=f"unknown op {request.op!r} (ops: ps, restart, scale)")
+
+
+async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> ControlReply:
+    groups = {g.name: g for g in topo.workers}
+    group = topo.workers[0] if name == "workers" and topo.workers else groups.get(name)
+    if group is None:
+        return ControlReply(ok=False, error=f"no worker group `{name}` (groups: "
+                                            f"{', '.join(['workers', *groups])})")
+    if not 0 <= count <= 64:
+        return ControlReply(ok=False, error=f"{name}={count}: give 0 to 64 processes")
+    mine = sorted((n for n, c in sup.children.items()
+                   if c.spec.role == "worker" and n.rpartition("-")[0] == group.name),
+                  key=lambda n: int(n.rpartition("-")[2]))
+    for extra in mine[count:][::-1]:  # the newest go first
+        await sup.remove(extra)
+    used = {int(n.rpartition("-")[2]) for n in mine[:count]}
+    free = (i for i in range(1, 10_000) if i not in used)
+    specs = [_with_curve(worker_spec(group, next(free), topo.hub.endpoint), topo)
+             for _ in range(count - len(mine))]
+    await _start_all(sup, specs)
+    group.count = count
+    return ControlReply(ok=True, message=f"{group.name}: {len(mine)} → {count} processes")
+
+
+async def control(state: Path, request: ControlRequest, timeout: float = 60.0) -> ControlReply:
+    """Send one request to the supervisor of the topology in `state`; raise ChildFailed when
+    none is listening."""
+    path = state / "control.sock"
+    try:
+        with anyio.fail_after(timeout):
+            async with await anyio.connect_unix(path) as stream:
+                await stream.send(msgspec.json.encode(request) + b"\n")
+                from anyio.streams.buffered import BufferedByteReceiveStream
+
+                line = await BufferedByteReceiveStream(stream).receive_until(b"\n", 1 << 24)
+    except (OSError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
+        raise ChildFailed(f"no topology is up from this directory (control socket {path}: "
+                          f"{getattr(exc, 'strerror', None) or exc}); start one with `busctl up`"
+                          ) from None
+    except TimeoutError:
+        raise ChildFailed(f"the supervisor did not answer within {timeout:g}s ({path})") from None
+    return msgspec.json.decode(line, type=ControlReply)
 
 
 STOP_RANK = {"process": 0, "coordinator": 1, "worker": 2, "gateway": 3, "fake-llm": 4, "hub": 5}
@@ -229,16 +528,10 @@ async def _stop(sup: Supervisor, out: TextIO) -> None:
     """Stop in order; further Ctrl-Cs during the stop are absorbed (it is bounded anyway)."""
     out.write("stopping…\n")
     out.flush()
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM):
+    with anyio.open_signal_receiver(*STOP_SIGNALS):
         await sup.stop_all(_stop_order(sup))
     out.write("stopped.\n")
     out.flush()
-
-
-async def _wait_for_signal() -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            return
 
 
 def pid_file(topo: Topology) -> Path:

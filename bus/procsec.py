@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import signal
 import sys
 
 log = logging.getLogger("bus.procsec")
@@ -99,4 +101,42 @@ def _holds_capabilities(libc: ctypes.CDLL) -> bool:
     return any(d.effective or d.permitted for d in data)
 
 
-__all__ = ["drop_root_powers", "make_undumpable"]
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send `sig` to this process when `parent_pid` (its parent) dies.
+
+    How a supervised child never outlives a supervisor that was SIGKILLed (no handler runs
+    then). The flag survives `execve`. False where unsupported. Exits at once when the parent is
+    already gone: it died before the flag was set, so no signal would ever come."""
+    libc = _libc()
+    if libc is None:
+        return False
+    if libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
+        log.debug("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        return False
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    return True
+
+
+def exec_with_parent_death(argv: list[str]) -> None:
+    """`python -m bus.procsec PARENT_PID CMD…`: die with PARENT_PID, then become CMD.
+
+    The supervisor starts every child through this, so the guard covers any command, busctl
+    pieces and a topology's own processes alike (anyio's `open_process` has no `preexec_fn`)."""
+    parent, *command = argv
+    die_with_parent(int(parent))
+    try:
+        os.execvp(command[0], command)
+    except OSError as exc:
+        sys.stderr.write(f"cannot run {command[0]!r}: {exc.strerror or exc}\n")
+        os._exit(127)
+
+
+__all__ = ["die_with_parent", "drop_root_powers", "exec_with_parent_death", "make_undumpable"]
+
+
+if __name__ == "__main__":
+    exec_with_parent_death(sys.argv[1:])

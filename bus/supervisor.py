@@ -4,6 +4,11 @@ Each child runs in its own process group (so a stop takes its grandchildren too)
 output to `<log_dir>/<name>.log` and, in the foreground, to the terminal prefixed by its name. A
 child announces readiness with one JSON line starting with `{"ready"` on stdout. A child that exits
 while the topology is up is restarted with exponential backoff; one that crash-loops is given up.
+
+Every child is started through `python -m bus.procsec SUPERVISOR_PID …`, which asks the kernel to
+SIGTERM it when the supervisor dies: a SIGKILLed supervisor leaves no orphan. The supervisor keeps
+a run file (`up.json`: its pid and each child's pid and start time) so `busctl down` can find and
+stop every process even when the supervisor itself is gone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, TextIO
 
 import anyio
 import anyio.abc
+import msgspec
 
 from bus.errors import AgentBusError
 
@@ -71,6 +77,11 @@ class Child:
     restart_times: list[float] = field(default_factory=list)
     gave_up: bool = False
     ready_event: anyio.Event = field(default_factory=anyio.Event)
+    started_at: float = 0.0  # wall clock of the current process's start
+    last_exit: int | None = None  # returncode of the previous process (negative: a signal)
+    restart_now: bool = False  # `busctl restart`: no backoff, not counted as a crash
+    removed: bool = False  # scaled down: stopped for good
+    supervised: bool = True  # False once its supervising task has given up or ended
 
     @property
     def pid(self) -> int | None:
@@ -85,6 +96,57 @@ class ChildFailed(AgentBusError):
     pass
 
 
+class ChildRecord(msgspec.Struct):
+    pid: int
+    start_ticks: int  # /proc start time: tells our process from a later one given the same pid
+
+
+class RunFile(msgspec.Struct):
+    """`<state>/up.json`: what `busctl down`, `ps`, `logs` and a second `up` know of a topology."""
+    pid: int
+    cwd: str
+    endpoint: str = ""
+    events: str = ""
+    control: str = ""  # the supervisor's control socket (restart, scale, ps)
+    children: dict[str, ChildRecord] = {}
+
+
+def start_ticks(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0 when unknown or gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    fields = stat[stat.rfind(b")") + 2:].split()  # the name may hold spaces and parentheses
+    return int(fields[19]) if len(fields) > 19 and fields[0] != b"Z" else 0
+
+
+def same_process(record: ChildRecord) -> bool:
+    """True while the recorded process still runs (not a zombie, not a reused pid)."""
+    ticks = start_ticks(record.pid)
+    return ticks != 0 and (record.start_ticks in (0, ticks))
+
+
+def read_run_file(path: Path) -> RunFile | None:
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=RunFile)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def signal_name(code: int | None) -> str:
+    """`exit 1`, `SIGKILL`, or `-` for a process that has not exited."""
+    if code is None:
+        return "-"
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit {code}"
+
+
 class Supervisor:
     def __init__(self, log_dir: Path, echo: TextIO | None, color: bool = False) -> None:
         self.log_dir = log_dir
@@ -94,6 +156,8 @@ class Supervisor:
         self.stopping = False
         self.notify: Notify | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self.run_file: Path | None = None
+        self.run_info = RunFile(pid=os.getpid(), cwd=os.getcwd())
         log_dir.mkdir(parents=True, exist_ok=True)
 
     async def __aenter__(self) -> Supervisor:
@@ -133,9 +197,22 @@ class Supervisor:
         return ("\n" + "\n".join(f"  {name} | {line}" for line in text)) if text else ""
 
     async def _supervise(self, child: Child) -> None:
+        try:
+            await self._supervise_loop(child)
+        finally:
+            child.supervised = False
+
+    async def _supervise_loop(self, child: Child) -> None:
         while not self.stopping:
             code = await self._run_once(child)
-            if self.stopping or not child.spec.restart:
+            child.last_exit = code
+            if self.stopping or child.removed:
+                return
+            if child.restart_now:  # asked for: at once, and not a crash
+                child.restart_now = False
+                self._again(child, code)
+                continue
+            if not child.spec.restart:
                 return
             now = time.monotonic()
             child.restart_times = [t for t in child.restart_times if now - t < CRASH_LOOP_WINDOW]
@@ -149,14 +226,18 @@ class Supervisor:
             delay = RESTART_BACKOFF[min(len(child.restart_times), len(RESTART_BACKOFF) - 1)]
             self._say(child.spec.name, f"exited with {code}; restarting in {delay:g}s")
             await anyio.sleep(delay)
-            if self.stopping:
+            if self.stopping or child.removed:
                 return
-            child.restarts += 1
             child.restart_times.append(time.monotonic())
-            child.ready_event = anyio.Event()
-            child.ready = None
-            if self.notify:
-                self._tg.start_soon(self._notify_when_ready, child, code)  # type: ignore[union-attr]
+            child.restart_now = False  # a restart asked for during the backoff is this one
+            self._again(child, code)
+
+    def _again(self, child: Child, code: int | None) -> None:
+        child.restarts += 1
+        child.ready_event = anyio.Event()
+        child.ready = None
+        if self.notify:
+            self._tg.start_soon(self._notify_when_ready, child, code)  # type: ignore[union-attr]
 
     async def _notify_when_ready(self, child: Child, code: int | None) -> None:
         with anyio.move_on_after(child.spec.ready_timeout):
@@ -169,15 +250,18 @@ class Supervisor:
         base = dict(os.environ) if spec.inherit_env else minimal_environ(spec.pass_env)
         env = {**base, "PYTHONUNBUFFERED": "1", **spec.env}
         log = self.log_path(spec.name).open("a", buffering=1)
+        guarded = [sys.executable, "-m", "bus.procsec", str(os.getpid()), *spec.argv]
         try:
             process = await anyio.open_process(
-                spec.argv, stdin=subprocess.PIPE if spec.stdin_data else subprocess.DEVNULL,
+                guarded, stdin=subprocess.PIPE if spec.stdin_data else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as exc:
             log.write(f"failed to start: {exc}\n")
             log.close()
             return None
         child.process = process
+        child.started_at = time.time()
+        self.save_run_file()
         try:
             async with process, anyio.create_task_group() as tg:
                 if process.stdin is not None:
@@ -236,6 +320,70 @@ class Supervisor:
         child = self.children[name]
         _killpg(child, sig)
 
+    async def restart(self, name: str) -> Child:
+        """Stop one child (SIGTERM, then SIGKILL) and start it again at once; wait for ready."""
+        child = self.children[name]
+        if not child.supervised:  # it had stopped for good (crash loop, or restart = false)
+            self.children.pop(name)
+            fresh = await self.start(child.spec)
+            fresh.restarts, fresh.last_exit = child.restarts + 1, child.last_exit
+            if self.notify:
+                await self.notify("restarted", fresh, child.last_exit)
+            return fresh
+        old = child.process
+        child.restart_now = True
+        await _terminate(child)
+        with anyio.move_on_after(child.spec.ready_timeout + 1):
+            while child.process is old or child.ready is None:
+                await anyio.sleep(0.05)  # the supervising task swaps the process in
+        if child.ready is None:
+            raise ChildFailed(f"`{name}` did not become ready again (log: {self.log_path(name)})")
+        return child
+
+    async def remove(self, name: str) -> None:
+        """Stop one child for good (scaling down) and forget it."""
+        child = self.children[name]
+        child.removed = True
+        await _terminate(child)
+        self.children.pop(name, None)
+        self.save_run_file()
+
+    def save_run_file(self) -> None:
+        """Rewrite `up.json` with every live child (atomically: readers never see half)."""
+        if self.run_file is None:
+            return
+        self.run_info.children = {
+            name: ChildRecord(pid=child.pid, start_ticks=start_ticks(child.pid))
+            for name, child in self.children.items() if child.pid is not None}
+        tmp = self.run_file.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.run_info))
+        tmp.replace(self.run_file)
+
+    def table(self) -> list[dict[str, Any]]:
+        """One row per child, in start order: what `busctl ps` prints."""
+        now = time.time()
+        rows = []
+        for name, child in self.children.items():
+            state = ("gave up" if child.gave_up else "ready" if child.alive and child.ready
+                     else "starting" if child.alive else "exited")
+            rows.append({"name": name, "role": child.spec.role, "pid": child.pid or 0,
+                         "state": state,
+                         "uptime": round(now - child.started_at, 1) if child.alive else 0.0,
+                         "restarts": child.restarts, "last_exit": signal_name(child.last_exit)})
+        return rows
+
+
+async def _terminate(child: Child) -> None:
+    if not child.alive:
+        return
+    _killpg(child, signal.SIGTERM)
+    with anyio.move_on_after(STOP_TIMEOUT):
+        await child.process.wait()  # type: ignore[union-attr]
+    if child.alive:
+        _killpg(child, signal.SIGKILL)
+        with anyio.move_on_after(2):
+            await child.process.wait()  # type: ignore[union-attr]
+
 
 async def _hand_over(stdin: anyio.abc.ByteSendStream, data: bytes) -> None:
     """Write a child's configuration to its stdin; a child that died first just does not get it."""
@@ -253,6 +401,64 @@ def _killpg(child: Child, sig: int) -> None:
         os.killpg(child.process.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+class LogTail:
+    """`busctl logs`: the children's log files, each line prefixed with the child's name; in
+    follow mode, new lines (and new logs, after a scale up) as they are written."""
+
+    POLL = 0.2  # seconds between looks at the files while following
+
+    def __init__(self, folder: Path, names: set[str], color: bool,
+                 out: TextIO | None = None) -> None:
+        self.folder = folder
+        self.names = names  # empty: every log
+        self.color = color
+        self.out = out or sys.stdout
+        self.offsets: dict[Path, int] = {}
+        self.partial: dict[Path, bytes] = {}
+
+    def _paths(self) -> list[Path]:
+        return sorted(p for p in self.folder.glob("*.log") if not self.names or p.stem in self.names)
+
+    def print_existing(self, tail: int | None) -> None:
+        for path in self._paths():
+            lines = self._read_new(path)
+            for line in lines[max(0, len(lines) - tail):] if tail is not None else lines:
+                self._say(path.stem, line)
+        self.out.flush()
+
+    def follow_once(self) -> None:
+        """Print what was appended since the last look, then wait a moment."""
+        for path in self._paths():
+            for line in self._read_new(path):
+                self._say(path.stem, line)
+        self.out.flush()
+        time.sleep(self.POLL)
+
+    def _read_new(self, path: Path) -> list[str]:
+        offset = self.offsets.get(path, 0)
+        try:
+            with path.open("rb") as f:
+                if f.seek(0, os.SEEK_END) < offset:  # truncated: start over
+                    offset = 0
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offsets[path] = offset + len(data)
+        *lines, rest = (self.partial.pop(path, b"") + data).split(b"\n")
+        if rest:
+            self.partial[path] = rest  # a line still being written
+        return [line.decode(errors="replace") for line in lines]
+
+    def _say(self, name: str, line: str) -> None:
+        prefix = f"{name:>12} | "
+        if self.color:
+            import click
+
+            prefix = click.style(prefix, fg="cyan")
+        self.out.write(prefix + line + "\n")
 
 
 def python_argv(*args: str) -> list[str]:
