@@ -147,6 +147,8 @@ def loop_config(spec: AgentSpec, models: Sequence[ModelConfig] = ()) -> LoopConf
         tool_execution=spec.tool_execution,
         max_iterations=spec.max_iterations,
         repeat_limit=spec.repeat_limit,
+        temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens,
+        seed=spec.seed, stop=tuple(spec.stop),
         require_done_tool=spec.require_done_tool,
         steering_mode=spec.steering_mode,
         follow_up_mode=spec.follow_up_mode,

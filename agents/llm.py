@@ -28,6 +28,7 @@ see `bus.redact`) before it is cut to length, so a server that echoes the key le
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import random
@@ -101,6 +102,12 @@ class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     api_key_env: str = ""
     context_window: int = 0  # 0: ask the server, else the provider's default
     parallel_tool_calls: bool | None = True  # sent when tools are offered; None: not sent
+    # Sampling defaults for requests that set none (an agent's own settings win).
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
     input_price: float | None = None
     output_price: float | None = None
     cache_read_price: float | None = None
@@ -506,7 +513,7 @@ class LlmEngine:
         self, runtime: _ModelRuntime, request: LlmRequest, on_delta: DeltaCallback | None, call: _Call
     ) -> AssistantMessage:
         key = self._api_key(runtime.config)
-        http = runtime.provider.build_request(request, key)
+        http = runtime.provider.build_request(with_sampling(request, runtime.config), key)
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
@@ -612,6 +619,7 @@ def models_from_env(env: Mapping[str, str]) -> list[ModelConfig]:
         window = _env_window(env, f"{prefix}_CONTEXT_WINDOW")
         models.append(
             ModelConfig(
+                **_env_sampling(env, prefix),
                 alias=provider,
                 provider=provider,  # type: ignore[arg-type]
                 model=model,
@@ -623,6 +631,53 @@ def models_from_env(env: Mapping[str, str]) -> list[ModelConfig]:
             )
         )
     return models
+
+
+def with_sampling(request: LlmRequest, config: ModelConfig) -> LlmRequest:
+    """`request` with the model's sampling defaults filled in where the request sets none."""
+    changes: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "max_tokens", "seed"):
+        if getattr(request, name) is None and getattr(config, name) is not None:
+            changes[name] = getattr(config, name)
+    if not request.stop and config.stop:
+        changes["stop"] = list(config.stop)
+    return msgspec.structs.replace(request, **changes) if changes else request
+
+
+_SAMPLING_ENV = {"TEMPERATURE": ("temperature", float), "TOP_P": ("top_p", float),
+                 "MAX_TOKENS": ("max_tokens", int), "SEED": ("seed", int)}
+
+
+def _env_sampling(env: Mapping[str, str], prefix: str) -> dict[str, Any]:
+    """`<PREFIX>_TEMPERATURE`, `_TOP_P`, `_MAX_TOKENS`, `_SEED` and `_STOP` (a JSON list of
+    strings, or one plain string)."""
+    found: dict[str, Any] = {}
+    for suffix, (field, kind) in _SAMPLING_ENV.items():
+        name, raw = f"{prefix}_{suffix}", env.get(f"{prefix}_{suffix}", "").strip()
+        if not raw:
+            continue
+        try:
+            found[field] = kind(raw)
+        except ValueError:
+            raise ModelSetupError(f"`{name}` must be {'a number' if kind is float else 'an integer'} "
+                                  f"(e.g. {'0.2' if kind is float else '42'}), got {raw!r}") from None
+    stop = env.get(f"{prefix}_STOP", "")
+    if stop.strip():
+        found["stop"] = _env_stop(f"{prefix}_STOP", stop)
+    return found
+
+
+def _env_stop(name: str, raw: str) -> list[str]:
+    if not raw.lstrip().startswith("["):
+        return [raw]
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ModelSetupError(f"`{name}` must be a JSON list of strings (e.g. [\"</end>\"]) or one "
+                              f"plain string, got {raw!r}")
+    return value
 
 
 def _env_window(env: Mapping[str, str], name: str) -> int:

@@ -200,6 +200,9 @@ class LoopConfig:
     reasoning: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # None/empty: the model's `[models.x]` defaults, then the server's
     llm_max_retries: int = 5
     llm_retry_base_delay: float = 1.0
     llm_retry_max_delay: float = 60.0
@@ -571,6 +574,9 @@ def _request(
         reasoning=run.reasoning,
         max_tokens=cfg.max_tokens,
         temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        seed=cfg.seed,
+        stop=list(cfg.stop),
         retry=cfg.retry_policy(),
         agent=cfg.agent,
         run_id=run.run_id,

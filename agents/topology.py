@@ -69,6 +69,12 @@ class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     tool_execution: Literal["parallel", "sequential"] = "parallel"
     max_iterations: int = 200
     repeat_limit: int = 3  # same tool + same arguments N times in a row: a note; 2N: the run stops
+    # Sampling for this agent's calls (unset: the model's `[models.x]` defaults, then the server's)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
     require_done_tool: bool = False
     hooks: dict[str, str] = msgspec.field(default_factory=dict)
     steering_mode: QueueMode = "one-at-a-time"

@@ -194,6 +194,10 @@ class LlmRequest(msgspec.Struct, omit_defaults=True):
     agent: str = ""
     run_id: str = ""
     experiment: str = ""
+    # More sampling (None/[]: the model's `[models.x]`/environment default, else the server's own).
+    top_p: float | None = None
+    seed: int | None = None  # sent where the provider takes one (OpenAI-compatible servers)
+    stop: list[str] = msgspec.field(default_factory=list)
 
 
 DeltaKind = Literal["text", "thinking", "tool_call"]

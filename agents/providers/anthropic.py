@@ -80,6 +80,11 @@ class AnthropicProvider(Provider):
                 body["tool_choice"]["disable_parallel_tool_use"] = True  # Anthropic's default is on
         if request.temperature is not None:
             body["temperature"] = request.temperature
+        if request.top_p is not None:
+            body["top_p"] = request.top_p
+        if request.stop:
+            body["stop_sequences"] = request.stop
+        # no `seed`: Anthropic's API has none (the request's seed is not sent)
         if request.reasoning:
             _add_thinking(body, request.reasoning)
         return body

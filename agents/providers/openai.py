@@ -67,6 +67,12 @@ class OpenAIProvider(Provider):
             body["max_tokens"] = request.max_tokens
         if request.temperature is not None:
             body["temperature"] = request.temperature
+        if request.top_p is not None:
+            body["top_p"] = request.top_p
+        if request.seed is not None:
+            body["seed"] = request.seed  # reproducible sampling (OpenAI, vLLM, llama.cpp, Ollama)
+        if request.stop:
+            body["stop"] = request.stop
         if request.reasoning:
             body["reasoning_effort"] = request.reasoning
         return body
