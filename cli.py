@@ -873,21 +873,26 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
 @hub_options
 @click.option("--agent", default="assistant", show_default=True, help="Agent to prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's events as JSON lines.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the answer (no trace on stderr).")
 @click.option("--new-session", is_flag=True, help="Start a new conversation first.")
 @click.option("--experiment", default="", help="Tag the run's events with this experiment id.")
 @click.option("--max-turns", type=click.IntRange(min=1), default=None,
               help="End the run after this many turns (stop reason max_iterations) "
                    "[default: the agent's max_iterations].")
 @click.argument("prompt")
-def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, new_session: bool,
-            experiment: str, max_turns: int | None, prompt: str) -> None:
-    """Send PROMPT (or `-` for stdin) to an agent and stream the run; print the final text.
+def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quiet: bool,
+            new_session: bool, experiment: str, max_turns: int | None, prompt: str) -> None:
+    """Send PROMPT (or `-` for stdin) to an agent; print its answer on stdout.
+
+    The trace (tool calls, thinking, retries) goes to stderr, so `busctl run "…" > answer.txt`
+    captures exactly the answer; `--json` prints every event of the run on stdout instead.
 
     \b
     Exit status: 0 on a normal stop, 1 on error, 130 when aborted (Ctrl-C aborts the run; a
     second Ctrl-C exits at once).
     Example:
       busctl run --agent assistant "summarise README.md"
+      busctl run -q "list the files" > files.txt
     """
     from agents.drive import drive_run
 
@@ -895,7 +900,7 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, new_
     if not text.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
     code = run_async(drive_run, hub, curve, agent, text, as_json, new_session, experiment,
-                     use_color(), max_turns or 0)
+                     use_color(), max_turns or 0, quiet)
     sys.exit(code)
 
 

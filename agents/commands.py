@@ -45,7 +45,7 @@ class FollowUp(_Command, tag="follow_up"):
 
 
 class Abort(_Command, tag="abort"):
-    pass
+    reason: str = ""  # why (`busctl abort AGENT TEXT`); new field with a default: old peers agree
 
 
 class Reset(_Command, tag="reset"):

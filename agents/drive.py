@@ -6,6 +6,7 @@ Exit codes of `busctl run`: 0 normal stop, 1 error, 130 aborted. The first SIGIN
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import TextIO
@@ -13,6 +14,7 @@ from typing import TextIO
 import anyio
 import anyio.abc
 import anyio.to_thread
+import click
 
 from agents import commands as cmd
 from agents.remote import AgentBus, Run, connect
@@ -32,12 +34,21 @@ def exit_code(result: cmd.RunResult) -> int:
 
 
 class RunView:
-    """Prints one run's events: human lines (text streamed as it arrives) or JSON lines."""
+    """Shows one run. `--json`: every event as a JSON line on stdout. Human: stdout gets the
+    answer and nothing else (streamed as it arrives when stdout is a terminal, else written once
+    at the end, so `busctl run "…" > answer.txt` captures exactly the final answer); the trace
+    (tool calls, thinking, retries, intermediate text) goes to stderr, or nowhere with `quiet`."""
 
-    def __init__(self, out: TextIO, as_json: bool, color: bool) -> None:
+    def __init__(self, out: TextIO, as_json: bool, color: bool, quiet: bool = False,
+                 err: TextIO | None = None) -> None:
         self.out = out
         self.as_json = as_json
-        self.printer = HumanPrinter(out, color)
+        err = err or sys.stderr
+        # colour where the trace is seen (stderr), whatever stdout is
+        self.trace = None if quiet or as_json else HumanPrinter(
+            err, _is_tty(err) and not os.environ.get("NO_COLOR"))
+        self.stream_answer = not as_json and _is_tty(out)
+        self._open = False  # an answer line is being streamed on stdout
 
     def show(self, envelope: ev.Event | object) -> None:
         header, event = envelope.header, envelope.event  # type: ignore[attr-defined]
@@ -45,9 +56,43 @@ class RunView:
             self.out.write(json_line(header, event) + "\n")
             self.out.flush()
             return
-        if isinstance(event, (ev.MessageStart, ev.MessageEnd, ev.TurnStart)):
-            return  # the human view shows text, tools and the end; watch shows everything
-        self.printer.print(header, event)
+        if isinstance(event, (ev.MessageStart, ev.MessageEnd, ev.TurnStart, ev.AgentEnd)):
+            return  # the human view shows text, tools and the answer; watch shows everything
+        if (self.stream_answer and isinstance(event, ev.MessageUpdate)
+                and event.delta.kind == "text"):
+            self.out.write(event.delta.delta)
+            self.out.flush()
+            self._open = True
+            return
+        if self.trace is not None:
+            self._close()
+            self.trace.print(header, event)
+
+    def _close(self) -> None:
+        if self._open:
+            self.out.write("\n")
+            self.out.flush()
+            self._open = False
+
+    def finish(self, result: cmd.RunResult) -> None:
+        """The answer (unless it was streamed) on stdout; an error, in red, on stderr."""
+        if self.as_json:
+            return
+        if self._open:
+            self._close()
+        elif result.final_text:
+            self.out.write(result.final_text + "\n")
+            self.out.flush()
+        if result.error and (self.trace is not None or not result.final_text):
+            line = f"{result.stop_reason}: {result.error}"
+            sys.stderr.write((click.style(line, fg="red") if _is_tty(sys.stderr) else line) + "\n")
+
+
+def _is_tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 async def _follow(run: Run, view: RunView) -> cmd.RunResult:
@@ -75,9 +120,10 @@ async def _abort_on_sigint(bus: AgentBus, agent: str, scope: anyio.CancelScope,
 
 
 async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, as_json: bool,
-                    new_session: bool, experiment: str, color: bool, max_turns: int = 0) -> int:
+                    new_session: bool, experiment: str, color: bool, max_turns: int = 0,
+                    quiet: bool = False) -> int:
     out = sys.stdout
-    view = RunView(out, as_json, color)
+    view = RunView(out, as_json, color, quiet)
     async with connect(hub, name="busctl-run", curve=curve) as bus:
         run = await bus.prompt(agent, text, experiment=experiment, new_session=new_session,
                                max_turns=max_turns)
@@ -88,8 +134,7 @@ async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, 
             tg.cancel_scope.cancel()
         if result is None:
             return EXIT_ABORTED
-        if not as_json:
-            out.write("\n" + (result.final_text or result.error or "") + "\n")
+        view.finish(result)
         return exit_code(result)
 
 
@@ -128,7 +173,8 @@ async def _chat_line(bus: AgentBus, agent: str, line: str, running: list[Run], v
 
         async def follow() -> None:
             result = await _follow(run, view)
-            view.out.write("\n" + (result.final_text or result.error or "") + "\n> ")
+            view.finish(result)
+            view.out.write("> ")
             view.out.flush()
             running.remove(run)
 

@@ -27,7 +27,8 @@ from tools.worker import ToolWorker, WorkerSettings
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
-from bus.errors import BusError
+from bus.errors import BusError, NoService
+from bus.protocol import Status
 from bus.security import CurveClient
 
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
@@ -97,6 +98,7 @@ class AgentBus:
         self.peer = peer
 
     async def _command(self, agent: str, command: cmd.Command, timeout: float = 10.0) -> bytes:
+        _require_agent(agent, await self.peer.status())
         return await self.peer.request(cmd.agent_service(agent), cmd.encode(command),
                                        timeout=timeout)
 
@@ -120,7 +122,9 @@ class AgentBus:
     async def _start(self, agent: str, command: cmd.Command) -> Run:
         stack = AsyncExitStack()
         try:
-            seq = (await self.peer.status()).seq
+            status = await self.peer.status()
+            _require_agent(agent, status)  # else the prompt would wait PROMPT_TIMEOUT for nobody
+            seq = status.seq
             subscription = await stack.enter_async_context(
                 self.peer.subscribe([f"agent/{agent}/"], since=seq))
             stream = await stack.enter_async_context(
@@ -190,8 +194,9 @@ class AgentBus:
     async def follow_up(self, agent: str, text: str) -> None:
         await self._command(agent, cmd.FollowUp(text=text))
 
-    async def abort(self, agent: str) -> None:
-        await self._command(agent, cmd.Abort())
+    async def abort(self, agent: str, reason: str = "") -> None:
+        """Abort the agent's current run; `reason` is logged by its coordinator."""
+        await self._command(agent, cmd.Abort(reason=reason))
 
     async def reset(self, agent: str) -> None:
         await self._command(agent, cmd.Reset())
@@ -203,6 +208,18 @@ class AgentBus:
     async def agents(self) -> list[str]:
         status = await self.peer.status()
         return sorted(s.name[6:] for s in status.services if s.name.startswith("agent."))
+
+
+def _require_agent(agent: str, status: Status) -> None:
+    """Fail at once, naming the agents that exist, when no live coordinator serves `agent`."""
+    services = {s.name for s in status.services}
+    if cmd.agent_service(agent) in services:
+        return
+    live = sorted(name[6:] for name in services if name.startswith("agent."))
+    raise NoService(f"no live coordinator serves agent `{agent}` (service "
+                    f"`{cmd.agent_service(agent)}`); live agents: {', '.join(live) or 'none'}. "
+                    f"Host it with an [[agents]] entry in the topology of `busctl up`, or "
+                    f"`busctl coordinator --topology FILE --agent {agent}`")
 
 
 async def topology_status(peer: Peer) -> dict[str, Any]:
@@ -254,8 +271,8 @@ class BlockingBus:
     def follow_up(self, agent: str, text: str) -> None:
         self._portal.call(self._bus.follow_up, agent, text)
 
-    def abort(self, agent: str) -> None:
-        self._portal.call(self._bus.abort, agent)
+    def abort(self, agent: str, reason: str = "") -> None:
+        self._portal.call(self._bus.abort, agent, reason)
 
     def publish(self, topic: str, text: str, **kwargs: Any) -> None:
         self._portal.call(lambda: self._bus.publish(topic, text, **kwargs))
