@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import random
 import socket
@@ -104,6 +106,8 @@ def _recv_frames(sock: zmq.Socket[Any]) -> list[bytes]:
         frames.append(frame.bytes)
     return frames
 _SIG = p.SIGNATURE
+_BYTES = (bytes, bytearray, memoryview)
+_SERVE_TASK = "bus.client: serve a request"  # a fixed name: anyio would derive one per spawn
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 
 
@@ -121,6 +125,12 @@ class IncomingRequest:
     body: bytes
     deadline: float  # unix time; 0 when none
     _peer: Peer
+    # Cancelled on a CANCEL from the hub (the requester, or the deadline). Made before the
+    # handler's task starts, so a CANCEL that arrives first still lands: the scope is entered
+    # already cancelled. A scope, not `Task.cancel()`: anyio re-delivers a scope's cancellation
+    # at every checkpoint until the scope exits, where a native cancel can be swallowed by an
+    # anyio scope the handler is in (the shell then keeps running and no reply goes out).
+    _scope: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
     _cancelled: anyio.Event | None = None
 
     @property
@@ -292,9 +302,8 @@ class Peer:
         self._ids = itertools.count(1)
         self._sends = 0
         self._services: dict[str, _Served] = {}
-        # Handlers run as plain asyncio tasks (an anyio task-group spawn costs several times
-        # more per request); they are cancelled and awaited in aclose().
-        self._serving: dict[str, tuple[IncomingRequest, asyncio.Task[None]]] = {}
+        # Requests being served, each by a task of `_tg` (cancelled with it in aclose()).
+        self._serving: dict[str, IncomingRequest] = {}
         self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tg: anyio.abc.TaskGroup | None = None
         self.counters: dict[str, int] = {}
@@ -392,15 +401,9 @@ class Peer:
         self._fail_pending(HubLost("peer closed", p.HUB_LOST))
         for sub in list(self._subs):
             sub._close()
-        if self._tg is not None:
+        if self._tg is not None:  # its handlers too: they end before the socket closes
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
-        tasks = [task for _, task in self._serving.values()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                await asyncio.gather(*tasks, return_exceptions=True)
         self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
         self.ctx.term()
 
@@ -630,10 +633,7 @@ class Peer:
         elif kind == p.REQUEST:
             self._start_serving(header, frames)
         elif kind == p.CANCEL:
-            entry = self._serving.get(header.id)
-            if entry is not None and not entry[0].cancelled.is_set():
-                entry[0].cancelled.set()
-                entry[1].cancel()
+            self._cancel_serving(header.id)
         elif kind == p.WELCOME:
             self._on_welcome(p.decode(frames[2], p.Welcome))
         elif kind == p.RECONNECT:
@@ -869,31 +869,49 @@ class Peer:
             return
         req = IncomingRequest(header.id, header.service, header,
                               frames[2] if len(frames) > 2 else b"", header.deadline, self)
-        task = asyncio.get_running_loop().create_task(self._serve_one(served.handler, req))
-        self._serving[req.id] = (req, task)
+        self._serving[req.id] = req
+        self._tg.start_soon(self._serve_one, served.handler, req, name=_SERVE_TASK)
+
+    def _cancel_serving(self, req_id: str) -> None:
+        """A CANCEL from the hub: stop that handler (its reply says `cancelled`)."""
+        req = self._serving.get(req_id)
+        if req is None or req.cancelled.is_set():
+            return
+        req.cancelled.set()
+        req._scope.cancel()
 
     async def _serve_one(self, handler: Handler, req: IncomingRequest) -> None:
-        reply: list[bytes]
+        """Run one handler in the peer's task group and send its one answer.
+
+        Never raises but for the cancellation of the whole group (closing): an exception here
+        would cancel every other task of the peer."""
         try:
+            reply = await self._answer(handler, req)
+            await self._send_reply(reply)
+        finally:
+            self._serving.pop(req.id, None)
+
+    async def _answer(self, handler: Handler, req: IncomingRequest) -> list[bytes]:
+        with req._scope:
             try:
                 body = await handler(req)
-                reply = [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
+                if not isinstance(body, _BYTES):  # sending it would raise in the reply path
+                    raise TypeError(f"the handler returned {type(body).__name__}, "
+                                    "expected bytes")
+                return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
             except RequestError as exc:
-                reply = [_SIG, _error_header(req.id, exc.code, str(exc))]
-            except asyncio.CancelledError:
-                if self._closing or not req.cancelled.is_set():
-                    raise
-                # Cancelled by the requester or the hub (deadline): the hub has already
-                # forgotten the request; this reply says why the handler stopped (the hub
-                # counts it as stale).
-                task = asyncio.current_task()
-                if task is not None:
-                    task.uncancel()
-                reply = [_SIG, _error_header(req.id, p.CANCELLED, "cancelled")]
+                return [_SIG, _error_header(req.id, exc.code, str(exc))]
             except Exception as exc:
                 log.exception("%s: handler for `%s` failed", self.name, req.service)
-                reply = [_SIG, _error_header(req.id, p.HANDLER_ERROR,
-                                             f"{type(exc).__name__}: {exc}")]
+                return [_SIG, _error_header(req.id, p.HANDLER_ERROR,
+                                            f"{type(exc).__name__}: {exc}")]
+        # Only reached when the request's own scope caught its cancellation (a CANCEL): this
+        # answer says why the handler stopped. (Closing cancels the task group instead, which
+        # this scope does not catch: no answer, the hub reports the peer gone.)
+        return [_SIG, _error_header(req.id, p.CANCELLED, "cancelled")]
+
+    async def _send_reply(self, reply: list[bytes]) -> None:
+        try:
             if self._sock is None:
                 self._count("reply_lost")
                 return
@@ -902,8 +920,6 @@ class Peer:
                     await self._send_blocked(reply, time.monotonic() + 5)
         except (HubLost, zmq.ZMQError):
             self._count("reply_lost")
-        finally:
-            self._serving.pop(req.id, None)
 
     # --- events --------------------------------------------------------------------------
 

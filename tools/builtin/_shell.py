@@ -78,15 +78,19 @@ async def run_shell(
             "with shell access enabled (allow_shell)"
         )
     output = _Output(MAX_OUTPUT_BYTES)
-    process = await anyio.open_process(
-        ["/bin/sh", "-c", command],
-        cwd=ctx.workspace,
-        env=_scrubbed_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # Shielded: the shell runs (and may start children) before `open_process` returns; a
+    # cancellation landing inside it would make asyncio kill the shell alone, leaving its
+    # children running. Delivered at the next checkpoint instead, the `finally` kills the group.
+    with anyio.CancelScope(shield=True):
+        process = await anyio.open_process(
+            ["/bin/sh", "-c", command],
+            cwd=ctx.workspace,
+            env=_scrubbed_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         timed_out = await _supervise(process, output, ctx, timeout)
     finally:
