@@ -98,3 +98,8 @@ class RetryLog:
 
     async def __call__(self, attempt: int, delay: float, status: int, error: str) -> None:
         self.calls.append((attempt, delay, status, error))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "real_llm: against a real local model server; set AGENT_BUS_REAL_LLM=<base URL>")

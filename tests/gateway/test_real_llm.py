@@ -1,0 +1,124 @@
+"""The key behaviours against a real local model (llama.cpp's server, e.g. the recipe in
+`../shared/local-llm/`): skipped unless AGENT_BUS_REAL_LLM names its OpenAI-compatible base URL.
+
+    AGENT_BUS_REAL_LLM=http://127.0.0.1:8081/v1 python -m pytest -m real_llm tests/gateway/test_real_llm.py
+
+Nothing here hands the model a window or a model name: both are discovered, as for a new user.
+A small model is weak, so prompts are direct and asserts check the product (events, stop reasons,
+history size), not the model's wording.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.cli.conftest import Topology, json_lines, pid_alive, start_up
+from tests.support import Proc, busctl
+
+URL = os.environ.get("AGENT_BUS_REAL_LLM", "")
+pytestmark = [pytest.mark.real_llm,
+              pytest.mark.skipif(not URL, reason="set AGENT_BUS_REAL_LLM to a running OpenAI-compatible "
+                                                 "server's base URL (see ../shared/local-llm/README.md)")]
+RUN_TIMEOUT = 300  # a 0.5B model on 2 cores: ~45 tokens/s, prefill ~160 tokens/s
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    cwd = tmp_path_factory.mktemp("real")
+    (cwd / "alpha.txt").write_text("The secret word is PINEAPPLE.\n")
+    (cwd / "beta.txt").write_text("The other word is MANGO.\n")
+    proc, ready = start_up(cwd, env={"OPENAI_BASE_URL": URL, "OPENAI_API_KEY": ""})
+    topology = Topology(proc, cwd, ready)
+    pids = topology.child_pids()
+    try:
+        yield topology
+    finally:
+        proc.stop(timeout=8)
+        for pid in pids.values():
+            if pid_alive(pid):
+                os.kill(pid, 9)
+
+
+def run(topo: Topology, *args: str) -> tuple[int, list[dict], float]:
+    started = time.monotonic()
+    done = subprocess.run(busctl("run", "--hub", topo.endpoint, "--json", *args), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT, cwd=topo.cwd, env=dict(os.environ))
+    took = time.monotonic() - started
+    print(f"run {args[-1][:40]!r}: {took:.1f}s")  # the figures of the report (pytest -s)
+    return done.returncode, json_lines(done.stdout), took
+
+
+def end_of(events: list[dict]) -> dict:
+    return next(e for e in events if e["type"] == "agent_end")
+
+
+def test_plain_answer(topo: Topology) -> None:
+    code, events, _ = run(topo, "--new-session", "Reply with one short sentence: what is 2 + 2?")
+    end = end_of(events)
+    assert code == 0 and end.get("stop_reason", "stop") == "stop" and end["final_text"].strip()
+
+
+def test_tool_using_run(topo: Topology) -> None:
+    code, events, _ = run(topo, "--new-session", "--max-turns", "4",
+                          "Use the read_file tool to read alpha.txt, then tell me the secret word.")
+    calls = [e["tool_name"] for e in events if e["type"] == "tool_execution_start"]
+    assert code == 0 and "read_file" in calls, calls
+
+
+@pytest.mark.xfail(strict=False, reason="measured: Qwen2.5-Coder-0.5B with the recipe's template makes one "
+                   "call per turn even with parallel_tool_calls: true; a stronger model should pass")
+def test_two_parallel_calls_in_one_turn(topo: Topology) -> None:
+    code, events, _ = run(topo, "--new-session", "--max-turns", "3",
+                          "Call read_file twice in one turn, in parallel: once with path alpha.txt and "
+                          "once with path beta.txt. Then say both words.")
+    turns = [e for e in events if e["type"] == "turn_end"]
+    assert code == 0 and any(len(t.get("tool_results", [])) >= 2 for t in turns), turns
+
+
+@pytest.mark.timeout(1200)
+def test_ten_runs_back_to_back(topo: Topology) -> None:
+    times = []
+    for i in range(10):
+        code, events, took = run(topo, *(["--new-session"] if i == 0 else []), f"Say the number {i}.")
+        assert code == 0 and end_of(events).get("stop_reason", "stop") == "stop", events[-1:]
+        times.append(took)
+    print("ten runs:", " ".join(f"{t:.1f}" for t in times))
+
+
+def test_abort_mid_answer_keeps_its_partial_text(topo: Topology) -> None:
+    args = busctl("run", "--hub", topo.endpoint, "--json", "--new-session",
+                  "Write a long story about a lighthouse keeper, at least 400 words.")
+    proc = Proc(args, cwd=topo.cwd)
+    try:
+        proc.wait_line(lambda s: '"message_update"' in s, RUN_TIMEOUT)
+        proc.wait_line(lambda s: '"message_update"' in s, 30)  # a few deltas in
+        proc.signal(signal.SIGINT)
+        assert proc.popen.wait(30) == 130
+        end = json.loads(proc.wait_line(lambda s: '"agent_end"' in s, 10))
+        message = json.loads(proc.wait_line(lambda s: '"message_end"' in s and '"aborted"' in s, 10))
+    finally:
+        proc.stop()
+    assert end["stop_reason"] == "aborted"
+    text = "".join(p.get("text", "") for p in message["message"]["content"])
+    assert text.strip() and message["message"]["model"] not in ("", "unknown")
+
+
+@pytest.mark.timeout(1800)
+def test_compaction_on_the_discovered_window_keeps_history_under_half(topo: Topology) -> None:
+    compactions: list[dict] = []
+    for i in range(12):
+        code, events, _ = run(topo, *(["--new-session"] if i == 0 else []),
+                              f"Write about 250 words on topic number {i}: the history of bread.")
+        assert code == 0 and end_of(events).get("stop_reason", "stop") == "stop", events[-1:]
+        compactions += [e for e in events if e["type"] == "compaction_complete"]
+        if compactions:
+            break
+    assert compactions, "12 runs never filled the 4,096-token window"
+    assert all(c["compacted"] and c["tokens_after"] < 2048 for c in compactions), compactions
