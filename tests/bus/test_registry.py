@@ -248,6 +248,22 @@ def test_cancel_in_flight_ends_with_one_cancelled(server_says: str) -> None:
     assert bus.counters.get("cancel_unanswered", 0) == (server_says == "nothing")
 
 
+def test_a_repeated_cancel_changes_nothing() -> None:
+    bus = Bus(cancel_grace=1.0)
+    server, client = bus.peer("server"), bus.peer("client")
+    bus.serve(server, "svc")
+    bus.request(client, "r1")
+    bus.wire.take()
+    bus.cancel(client, "r1")
+    bus.cancel(client, "r1")
+    assert [(h.kind, h.id) for h in bus.wire.take(server.ident)] == [(p.CANCEL, "r1")]
+    for now in (1.1, 2.2):
+        bus.clock.now = now
+        bus.reg.expire(now)
+    assert finals(bus.wire.take(client.ident)) == [(p.ERROR, "r1", p.CANCELLED)]
+    assert bus.counters.get("cancel_ignored", 0) == 1
+
+
 def test_cancel_then_server_lost_answers_cancelled_not_redispatched() -> None:
     bus = Bus()
     server, spare, client = bus.peer("server"), bus.peer("spare"), bus.peer("client")
@@ -333,7 +349,9 @@ def test_lost_server_fails_or_redispatches_and_lost_requester_cancels() -> None:
     bus.serve(s2, "idem", idempotent=True)
     bus.wire.take()
     bus.reg.drop_peer(s1, "missed 3 heartbeats")
-    assert finals(bus.wire.take(client.ident)) == [(p.ERROR, "p", p.PEER_LOST)]
+    (plain,) = bus.wire.take(client.ident)
+    assert (plain.kind, plain.id, plain.code) == (p.ERROR, "p", p.PEER_LOST)
+    assert "max_redispatch" not in plain.error  # its first loss: no limit was reached
     assert [(h.kind, h.id) for h in bus.wire.take(s2.ident)] == [(p.REQUEST, "i")]
     lost = [e for e in bus.wire.events if isinstance(e, ev.WorkerLost)]
     assert [(e.failed, e.redispatched) for e in lost] == [(1, 1)]
