@@ -61,6 +61,8 @@ from bus import events as ev
 from bus import protocol as p
 from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError, error_for
 from bus.security import CurveClient
+from bus.transport import (FastTransport, PortableTransport, Transport, recv_frames,
+                           transport_kind)
 
 log = logging.getLogger("bus.client")
 
@@ -90,21 +92,8 @@ _brecv = _BackendSocket.recv
 _bget = _BackendSocket.get
 
 
-def _send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
-    """Send one multipart message without blocking (zmq.Again, on the first frame, at the HWM)."""
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        _bsend(sock, frame, _MORE_NOBLOCK if i < last else _NOBLOCK)
-
-
-def _recv_frames(sock: zmq.Socket[Any]) -> list[bytes]:
-    """Receive one multipart message without blocking (zmq.Again when there is none)."""
-    frame = _brecv(sock, _NOBLOCK, False)
-    frames = [frame.bytes]
-    while frame.more:
-        frame = _brecv(sock, _NOBLOCK, False)
-        frames.append(frame.bytes)
-    return frames
+# The subscription's SUB socket still reads through these (bus/transport.py has the DEALER's).
+_recv_frames = recv_frames
 _SIG = p.SIGNATURE
 _BYTES = (bytes, bytearray, memoryview)
 _SERVE_TASK = "bus.client: serve a request"  # a fixed name: anyio would derive one per spawn
@@ -276,8 +265,8 @@ class Peer:
         self.session = p.new_session()
         self.welcome: p.Welcome | None = None
         self.ctx = zmq.asyncio.Context()
-        self._sock: zmq.Socket[Any] | None = None
-        self._fdw: _FdWaiter | None = None
+        self._sock: Transport | None = None  # the DEALER of the current connection
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
         # Published events held until the end of the current event-loop iteration (see
         # `publish_raw`): always sent, in order, before anything else this peer sends.
@@ -394,7 +383,7 @@ class Peer:
         if self._sock is not None and self._is_connected:
             try:
                 self._flush_held()
-                self._sock.send_multipart([_SIG, p.encode(p.Header(kind=p.BYE))], _NOBLOCK)
+                self._sock.send([_SIG, p.encode(p.Header(kind=p.BYE))])
                 bye_sent = True
             except zmq.ZMQError:
                 pass
@@ -440,7 +429,7 @@ class Peer:
                 # Straight to the socket: events held over from the last connection must
                 # follow the hello, not precede it.
                 with contextlib.suppress(zmq.Again):  # no hello: the silence ends this try
-                    _send_frames(sock, [_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
+                    sock.send([_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
                                         p.encode(self._hello())])
                 await self._lost.wait()
                 if self._is_connected:
@@ -456,8 +445,13 @@ class Peer:
             await anyio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 2.0)
 
-    def _open_socket(self) -> zmq.Socket[Any]:
-        sock: zmq.Socket[Any] = zmq.Socket(self.ctx, zmq.DEALER)  # a plain socket; see docstring
+    def _open_socket(self) -> Transport:
+        self._loop = loop = asyncio.get_running_loop()
+        portable = transport_kind(loop) == "portable"
+        # The fast transport needs a plain socket (see bus/transport.py); `self.ctx` makes
+        # zmq.asyncio ones.
+        sock: zmq.Socket[Any] = (self.ctx.socket(zmq.DEALER) if portable
+                                 else zmq.Socket(self.ctx, zmq.DEALER))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.setsockopt(zmq.RCVHWM, 100_000)
@@ -466,23 +460,22 @@ class Peer:
         if self.curve is not None:
             self.curve.apply(sock)
         sock.connect(self.hub)
-        self._sock = sock
-        self._fdw = _FdWaiter(sock, self._drain)
+        link: Transport
+        if portable:
+            link = PortableTransport(sock, self._drain)  # type: ignore[arg-type]
+            self._tg.start_soon(link.watch)  # type: ignore[union-attr]
+        else:
+            link = FastTransport(sock, self._drain)
+        self._sock = link
         self._last_heard = time.monotonic()
         self._schedule_drain()
-        return sock
+        return link
 
     def _close_socket(self, linger: int) -> None:
-        sock, fdw = self._sock, self._fdw
-        self._sock = self._fdw = None
+        link, self._sock = self._sock, None
         self._count_unconfirmed()
-        if fdw is not None:
-            try:
-                fdw.loop.remove_reader(fdw.fd)
-            except (ValueError, OSError, RuntimeError):
-                pass
-        if sock is not None and not sock.closed:
-            sock.close(linger=linger)
+        if link is not None:
+            link.close(linger)
         for waiter in self._writable:
             if not waiter.done():
                 waiter.set_result(None)
@@ -573,22 +566,22 @@ class Peer:
     # --- receiving -----------------------------------------------------------------------
 
     def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._fdw is not None:
+        if not self._drain_scheduled and self._loop is not None:
             self._drain_scheduled = True
-            self._fdw.loop.call_soon(self._drain)
+            self._loop.call_soon(self._drain)
 
     def _drain(self) -> None:
         """Handle every message ready on the DEALER (up to a batch), then wake blocked senders."""
         self._drain_scheduled = False
         sock = self._sock
-        if sock is None or sock.closed:
+        if sock is None:
             return
         dispatch = self._dispatch
         handled = 0
         try:
             while handled < DRAIN_BATCH:
                 try:
-                    frames = _recv_frames(sock)
+                    frames = sock.recv()
                 except zmq.Again:
                     break
                 handled += 1
@@ -607,7 +600,7 @@ class Peer:
                 self._last_heard = time.monotonic()
             if self._held and not self._flush_scheduled:
                 self._flush_held()
-            if self._writable and _bget(sock, _EVENTS) & _POLLOUT:
+            if self._writable and sock.writable():
                 for waiter in self._writable:
                     if not waiter.done():
                         waiter.set_result(None)
@@ -682,11 +675,11 @@ class Peer:
         if self._held and not self._flush_held():
             return False
         try:
-            _send_frames(sock, frames)
+            sock.send(frames)
         except zmq.Again:
             return False
         # The send may have consumed the fd's edge for input that arrived meanwhile.
-        if not self._drain_scheduled and _bget(sock, _EVENTS) & _POLLIN:
+        if not self._drain_scheduled and sock.input_waiting():
             self._schedule_drain()
         return True
 
@@ -706,9 +699,9 @@ class Peer:
         return False
 
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled and self._fdw is not None:
+        if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
-            self._fdw.loop.call_soon(self._flush_soon)
+            self._loop.call_soon(self._flush_soon)
 
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
@@ -728,7 +721,7 @@ class Peer:
         sent = 0
         try:
             for message in held:
-                _send_frames(sock, message)
+                sock.send(message)
                 sent += 1
         except zmq.Again:
             del held[:sent]
@@ -740,7 +733,7 @@ class Peer:
             raise
         self._events_sent += sent
         held.clear()
-        if not self._drain_scheduled and _bget(sock, _EVENTS) & _POLLIN:
+        if not self._drain_scheduled and sock.input_waiting():
             self._schedule_drain()
         return True
 

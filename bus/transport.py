@@ -1,0 +1,163 @@
+"""How the client drives its DEALER socket: a fast path where the event loop allows it, a portable
+one everywhere else.
+
+`FastTransport` (the default on Unix) uses a plain pyzmq socket through `zmq.backend.Socket` with
+int flags (pyzmq's enum handling costs ~3 us per message) and watches its notification fd with
+the asyncio loop's `add_reader`. The fd is edge-triggered: any send or `EVENTS` read may consume
+the edge, so the peer checks `input_waiting()` after sending and drains by itself.
+
+`PortableTransport` uses only public pyzmq API (`zmq.asyncio`, which also works on Windows'
+Proactor loop, where `add_reader` does not exist): a watcher task awaits `poll(POLLIN)` and calls
+the same `on_ready` callback. It is chosen automatically when the loop has no `add_reader`, and
+can be forced with `BUSCTL_TRANSPORT=portable` (the bus tests run both ways).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import zmq
+import zmq.asyncio
+from zmq.backend import Socket as _BackendSocket
+
+TRANSPORT_ENV = "BUSCTL_TRANSPORT"
+KINDS = ("fast", "portable")
+
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+_bsend = _BackendSocket.send
+_brecv = _BackendSocket.recv
+_bget = _BackendSocket.get
+
+
+def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
+    """Send one multipart message without blocking (zmq.Again, on the first frame, at the HWM)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        _bsend(sock, frame, _MORE_NOBLOCK if i < last else _NOBLOCK)
+
+
+def recv_frames(sock: zmq.Socket[Any]) -> list[bytes]:
+    """Receive one multipart message without blocking (zmq.Again when there is none)."""
+    frame = _brecv(sock, _NOBLOCK, False)
+    frames = [frame.bytes]
+    while frame.more:
+        frame = _brecv(sock, _NOBLOCK, False)
+        frames.append(frame.bytes)
+    return frames
+
+
+def transport_kind(loop: asyncio.AbstractEventLoop) -> str:
+    """`fast` or `portable`: $BUSCTL_TRANSPORT when set, else `fast` where `add_reader` works."""
+    forced = os.environ.get(TRANSPORT_ENV, "").strip().lower()
+    if forced:
+        if forced not in KINDS:
+            raise ValueError(f"{TRANSPORT_ENV}={forced!r} is not a transport; use one of "
+                             f"{', '.join(KINDS)} (or leave it unset to choose automatically)")
+        return forced
+    return "portable" if isinstance(loop, getattr(asyncio, "ProactorEventLoop", ())) else "fast"
+
+
+class Transport(abc.ABC):
+    """One connected DEALER. `send`/`recv` never block (zmq.Again); `on_ready` is called when
+    input may be waiting (the peer then drains with `recv` until zmq.Again)."""
+
+    sock: zmq.Socket[Any]
+
+    @abc.abstractmethod
+    def send(self, frames: list[Any]) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self) -> list[bytes]: ...
+
+    def input_waiting(self) -> bool:
+        """Whether a message is ready (a send may have consumed the readiness edge)."""
+        return bool(self.sock.get(zmq.EVENTS) & _POLLIN)
+
+    def writable(self) -> bool:
+        return bool(self.sock.get(zmq.EVENTS) & _POLLOUT)
+
+    @abc.abstractmethod
+    def close(self, linger: int) -> None: ...
+
+
+class FastTransport(Transport):
+    """A plain socket driven by backend calls; readiness from the loop's `add_reader`."""
+
+    def __init__(self, sock: zmq.Socket[Any], on_ready: Callable[[], None]) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.fd = sock.getsockopt(zmq.FD)
+        self._on_ready = on_ready
+        self.loop.add_reader(self.fd, self._fired)
+
+    def _fired(self) -> None:
+        if not self.sock.closed:
+            self._on_ready()
+
+    def send(self, frames: list[Any]) -> None:
+        send_frames(self.sock, frames)
+
+    def recv(self) -> list[bytes]:
+        return recv_frames(self.sock)
+
+    def input_waiting(self) -> bool:
+        return bool(_bget(self.sock, _EVENTS) & _POLLIN)
+
+    def writable(self) -> bool:
+        return bool(_bget(self.sock, _EVENTS) & _POLLOUT)
+
+    def close(self, linger: int) -> None:
+        try:
+            self.loop.remove_reader(self.fd)
+        except (ValueError, OSError, RuntimeError):
+            pass
+        if not self.sock.closed:
+            self.sock.close(linger=linger)
+
+
+class PortableTransport(Transport):
+    """A `zmq.asyncio` socket; a watcher task (started with `watch`) awaits readability."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, on_ready: Callable[[], None]) -> None:
+        self.sock = sock
+        # The async socket's own send/recv return futures; non-blocking calls go through a
+        # plain shadow of the same libzmq socket.
+        self._plain: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
+        self._on_ready = on_ready
+        self._scope = anyio.CancelScope()
+
+    async def watch(self) -> None:
+        """Call `on_ready` whenever input is waiting, until `close`."""
+        with self._scope:
+            while not self.sock.closed:
+                await self.sock.poll(flags=zmq.POLLIN)
+                if self.sock.closed:
+                    return
+                self._on_ready()
+                await anyio.lowlevel.checkpoint()  # the drain may leave messages for later
+
+    def send(self, frames: list[Any]) -> None:
+        self._plain.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def recv(self) -> list[bytes]:
+        return self._plain.recv_multipart(flags=zmq.NOBLOCK)
+
+    def input_waiting(self) -> bool:
+        return bool(self._plain.get(zmq.EVENTS) & _POLLIN)
+
+    def writable(self) -> bool:
+        return bool(self._plain.get(zmq.EVENTS) & _POLLOUT)
+
+    def close(self, linger: int) -> None:
+        self._scope.cancel()
+        if not self.sock.closed:
+            self.sock.close(linger=linger)

@@ -1,0 +1,41 @@
+"""The portable transport (bus/transport.py): a representative part of the bus tests, run again
+in a subprocess with `BUSCTL_TRANSPORT=portable`, so CI covers both transports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bus.transport import TRANSPORT_ENV, transport_kind
+from tests.support import ROOT
+
+SUBSET = ["tests/bus/test_requests.py", "tests/bus/test_oversize.py",
+          "tests/bus/test_publish_durability.py"]
+
+
+def test_bus_tests_pass_with_the_portable_transport() -> None:
+    env = {**os.environ, TRANSPORT_ENV: "portable"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-W", "error::ResourceWarning", *SUBSET],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "failed" not in out.stdout
+
+
+def test_the_transport_is_chosen_by_the_loop_or_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+        assert transport_kind(loop) == "fast"  # a selector loop has add_reader
+        monkeypatch.setenv(TRANSPORT_ENV, "portable")
+        assert transport_kind(loop) == "portable"
+        monkeypatch.setenv(TRANSPORT_ENV, "carrier-pigeon")
+        with pytest.raises(ValueError, match=r"BUSCTL_TRANSPORT='carrier-pigeon' is not a "
+                                             r"transport; use one of fast, portable"):
+            transport_kind(loop)
+    finally:
+        loop.close()
