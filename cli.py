@@ -161,6 +161,13 @@ def main(verbose: bool) -> None:
               show_default=True, help="Largest accepted event body (bounds subscriber queues).")
 @click.option("--max-redispatch", type=click.IntRange(0), default=1, show_default=True,
               help="Times an idempotent call whose server was lost is re-dispatched.")
+@click.option("--retain-days", type=click.FloatRange(0), default=7.0, show_default=True,
+              help="Prune logged events older than this many days (0: keep them).")
+@click.option("--retain-bytes", type=click.IntRange(0), default=0, show_default=True,
+              help="Prune the oldest logged events while the log holds more (0: no bound).")
+@click.option("--retain-deltas-until-end", is_flag=True,
+              help="Drop a run's streamed deltas (`message_update`) from the log once its "
+                   "`message_end` (which holds the whole message) is logged.")
 @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
               help="The hub's secret key file: turns on CURVE encryption.")
 @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
@@ -170,6 +177,7 @@ def main(verbose: bool) -> None:
 def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
         liveness: int,
         max_message_bytes: int, max_event_bytes: int, max_redispatch: int,
+        retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
         curve_secret: str | None, curve_authorized: str | None, insecure: bool) -> None:
     """Run the hub: request routing, liveness, and the event log and stream.
 
@@ -184,7 +192,8 @@ def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: f
                        state_dir=str(_state_dir(state_dir, "hub")),
                        heartbeat_interval=heartbeat_interval, liveness=liveness,
                        max_message_bytes=max_message_bytes, max_event_bytes=max_event_bytes,
-                       max_redispatch=max_redispatch,
+                       max_redispatch=max_redispatch, retain_days=retain_days,
+                       retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
                        curve=curve, insecure=insecure)
     logging.getLogger().setLevel(logging.INFO)
     try:

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgspec
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,11 +223,128 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
     return out
 
 
+def write_log(state: str, n: int) -> None:
+    """A log of `n` small events written straight into SQLite (as the hub would stamp them)."""
+    from bus import events as ev
+    from bus import protocol as p
+    from bus.eventlog import EventLog
+
+    log = EventLog(Path(state) / "events.db")
+    body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
+    encode = msgspec.msgpack.Encoder().encode
+    ts = time.time()
+    try:
+        for start in range(1, n + 1, 20_000):
+            rows = []
+            for seq in range(start, min(n, start + 19_999) + 1):
+                header = p.Header(kind=p.EVENT, id=f"e{seq}", type="topic_message", agent="a",
+                                  run="r", seq=seq, ts=ts)
+                rows.append((seq, ts, "topic_message", "a", "r", "", encode(header), body))
+            log.append(rows)
+    finally:
+        log.close()
+
+
+class _Cursor(msgspec.Struct):  # the part of a ReplayBatch the replayer reads
+    upto: int
+    head: int
+
+
+def _replayer(endpoint: str, report: "mp.Queue[tuple[int, float]]") -> None:
+    """Replay the whole log from 0 again and again; report each full pass (events, seconds)."""
+    import anyio
+
+    from bus import protocol as p
+    from bus.client import connect
+
+    async def main() -> None:
+        async with connect(endpoint, name="bench-replayer") as peer:
+            while True:
+                since, t0 = 0, time.perf_counter()
+                while True:
+                    reply = await peer.request(p.HUB_REPLAY, p.encode(p.ReplayRequest(
+                        since=since, limit=10_000)), timeout=60)
+                    batch = msgspec.msgpack.decode(reply, type=_Cursor)
+                    since = batch.upto
+                    if batch.upto >= batch.head:
+                        break
+                report.put((since, time.perf_counter() - t0))
+
+    anyio.run(main)
+
+
+def replay_figures(n_log: int, n_rtt: int) -> dict[str, float]:
+    """Request p99 with and without a concurrent full replay of an `n_log`-event log. The two
+    are measured alternately (the replayer is paused with SIGSTOP), so the machine's other load
+    falls on both alike."""
+    import signal
+
+    import anyio
+
+    from bus.client import connect
+
+    spawn = mp.get_context("spawn")
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as state:
+        write_log(state, n_log)
+        hub, info = start_hub(state)
+        procs: list = []
+        try:
+            endpoint = info["endpoint"]
+            ready = spawn.Queue()
+            procs.append(spawn.Process(target=_serving_peer, args=(endpoint, 64, ready), daemon=True))
+            procs[-1].start()
+            ready.get(timeout=20)
+            report = spawn.Queue()
+            replayer = spawn.Process(target=_replayer, args=(endpoint, report), daemon=True)
+            procs.append(replayer)
+
+            async def times(peer, n: int) -> list[float]:  # type: ignore[no-untyped-def]
+                out_times = []
+                for _ in range(n):
+                    t = time.perf_counter()
+                    await peer.request("echo", b"x" * 64)
+                    out_times.append(time.perf_counter() - t)
+                return out_times
+
+            async def measure() -> None:
+                async with connect(endpoint, name="bench-client") as peer:
+                    await times(peer, 500)  # warm up
+                    replayer.start()
+                    await anyio.sleep(1.0)  # let the replay get going
+                    idle: list[float] = []
+                    busy: list[float] = []
+                    for _ in range(5):
+                        os.kill(replayer.pid, signal.SIGSTOP)
+                        idle += await times(peer, n_rtt // 5)
+                        os.kill(replayer.pid, signal.SIGCONT)
+                        busy += await times(peer, n_rtt // 5)
+                    for name, values in (("idle", idle), ("busy", busy)):
+                        out[f"{name}_p99"] = pct(values, 0.99)
+                        out[f"{name}_p50"] = pct(values, 0.5)
+
+            anyio.run(measure)
+            out["replay_events"], out["replay_s"] = report.get(timeout=600)  # one full pass
+        finally:
+            for proc in procs:
+                if proc.pid is not None:
+                    proc.kill()
+                    proc.join()
+            hub.kill()
+            hub.wait()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replay-only", action="store_true",
+                        help="only the replay-beside-traffic figure")
     args = parser.parse_args()
     n = 2000 if args.quick else 10_000
+    if args.replay_only:
+        print_replay(args.quick)
+        return
     raw_p50, raw_p99 = raw_round_trip(n)
     print(f"raw blocking DEALER->ROUTER->DEALER round trip: p50 {raw_p50 * 1e6:.0f} us, "
           f"p99 {raw_p99 * 1e6:.0f} us", flush=True)
@@ -249,6 +367,16 @@ def main() -> None:
     print(f"hub events/s logged + published to a subscriber: {hub['events_per_s']:,.0f} "
           f"({hub['events_per_s'] / raw_ev:.2f}x raw PUB->SUB; target >= 100,000; "
           f"{hub['events_filled']:.0f} filled from the log)")
+    print_replay(args.quick)
+
+
+def print_replay(quick: bool) -> None:
+    r = replay_figures(n_log=100_000 if quick else 1_000_000, n_rtt=2000 if quick else 5000)
+    print(f"request p99 beside a full replay of a {r['replay_events']:,.0f}-event log "
+          f"(one pass {r['replay_s']:.1f} s, {r['replay_events'] / r['replay_s']:,.0f} events/s): "
+          f"{r['busy_p99'] * 1e6:.0f} us, without {r['idle_p99'] * 1e6:.0f} us "
+          f"({r['busy_p99'] / r['idle_p99']:.2f}x; target <= 1.5x); p50 {r['busy_p50'] * 1e6:.0f} "
+          f"vs {r['idle_p50'] * 1e6:.0f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ from zmq.backend import Socket as _BackendSocket
 
 from bus import events as ev
 from bus import protocol as p
-from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError, error_for
+from bus.errors import (DeadlineExceeded, HubLost, HubUnreachable, Overloaded, ProtocolError,
+                        RequestError, error_for)
 from bus.security import CurveClient
 from bus.transport import (FastTransport, PortableTransport, Transport, recv_frames,
                            transport_kind)
@@ -75,6 +76,7 @@ DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 HOLD_MAX = 1024  # published events held for the end of the loop iteration at most
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
+REPLAY_RETRY_FOR = 30.0  # a subscription asks `hub.replay` again this long (hub restarting)
 FLUSH_TIMEOUT = 10.0  # aclose() waits at most this long for the hub to confirm published events
 CONFIRM_EVERY = 1.0  # seconds between background confirmations while events flow
 # A replay that starts past any seq: the reply carries no events, only the log's head.
@@ -1060,32 +1062,63 @@ class Subscription:
                     self.peer.events_endpoint, interval * 3)
 
     async def _replay_until(self, until: int | None) -> None:
-        """Queue logged events with last_seq < seq (< until, when given) on the backlog."""
+        """Queue logged events with last_seq < seq (< until, when given) on the backlog.
+
+        Replay is finished only when a batch reaches the head it names (`upto >= head`) or
+        `until`: a batch may end early (`replay_bytes`) or hold no matching event at all, and
+        neither means "caught up". A range the log no longer holds is queued as a `Gap`."""
         cursor = max(self.last_seq, 0)
-        while True:
-            if until is not None and cursor >= until - 1:
+        stop = math.inf if until is None else until - 1  # the last seq wanted
+        while cursor < stop:
+            batch = await self._replay_batch(cursor)
+            if batch.gap is not None:
+                self._missed(batch.gap.first, min(batch.gap.last, stop), batch.gap.reason)
+            self._queue_replayed(batch.events, stop)
+            if batch.upto >= batch.head:
+                cursor = batch.head
                 break
-            request = p.ReplayRequest(since=cursor, topics=self.topics)
-            batch = p.decode(await self.peer.request(p.HUB_REPLAY, p.encode(request)),
-                             p.ReplayBatch)
-            for header_bytes, body in batch.events:
-                envelope = self._decode(header_bytes, body)
-                if envelope is None:
-                    continue
-                seq = envelope.header.seq
-                if until is not None and seq >= until:
-                    break
-                if seq > self.last_seq:
-                    self._backlog.append(envelope)
-                    self.last_seq = seq
-            if batch.upto <= cursor:  # nothing more in the log
-                break
+            if batch.upto <= cursor:  # a hub that does not move on would loop us forever
+                raise ProtocolError(f"`hub.replay` from {cursor} answered upto={batch.upto} "
+                                    f"< head={batch.head} without progress")
             cursor = batch.upto
-            if cursor >= batch.head:
-                break
         # Everything up to the cursor has been seen in the log (filtered ones are not ours).
-        limit = cursor if until is None else min(cursor, until - 1)
-        self.last_seq = max(self.last_seq, limit)
+        self.last_seq = max(self.last_seq, min(cursor, stop))
+        if until is not None and self.last_seq < stop:  # announced, yet not in the log
+            self._missed(self.last_seq + 1, until - 1, "not in the hub's event log")
+
+    async def _replay_batch(self, cursor: int) -> p.ReplayBatch:
+        """One `hub.replay` round trip. It is idempotent, so a hub that is restarting (the
+        peer is not welcomed yet) is asked again until REPLAY_RETRY_FOR has passed."""
+        body = p.encode(p.ReplayRequest(since=cursor, topics=self.topics))
+        give_up = time.monotonic() + REPLAY_RETRY_FOR
+        while True:
+            try:
+                return p.decode(await self.peer.request(p.HUB_REPLAY, body), p.ReplayBatch)
+            except (HubLost, Overloaded):
+                if time.monotonic() >= give_up:
+                    raise
+            await anyio.sleep(0.05)  # backoff while the peer reconnects / the reader drains
+
+    def _queue_replayed(self, events: list[tuple[bytes, bytes]], stop: float) -> None:
+        for header_bytes, body in events:
+            envelope = self._decode(header_bytes, body)
+            if envelope is None:
+                continue
+            seq = envelope.header.seq
+            if seq > stop:
+                return
+            if seq > self.last_seq:
+                self._backlog.append(envelope)
+                self.last_seq = seq
+
+    def _missed(self, first: int, last: float, reason: str) -> None:
+        """Queue a `Gap` for seqs the log no longer holds (never for what it can replay)."""
+        first = max(first, self.last_seq + 1)
+        if last < first:
+            return
+        gap = ev.Gap(first=first, last=int(last), reason=reason)
+        self._backlog.append(Envelope(p.Header(kind=p.EVENT, type="gap", seq=0), gap))
+        self.last_seq = int(last)
 
     def _decode(self, header_bytes: bytes, body: bytes) -> Envelope | None:
         try:
@@ -1170,9 +1203,7 @@ class Subscription:
             await self._replay_until(next_seq)
             self.filled += len(self._backlog) - before
             return
-        self._backlog.append(Envelope(p.Header(kind=p.EVENT, type="gap", seq=0),
-                                      ev.Gap(first=first, last=next_seq - 1)))
-        self.last_seq = next_seq - 1
+        self._missed(first, next_seq - 1, "")
 
 
 @asynccontextmanager

@@ -28,18 +28,47 @@ CREATE TABLE IF NOT EXISTS events (
     body BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_experiment ON events(experiment) WHERE experiment != '';
+CREATE INDEX IF NOT EXISTS events_deltas ON events(run) WHERE type = 'message_update';
+CREATE TABLE IF NOT EXISTS retention (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    pruned_upto INTEGER NOT NULL,
+    reason TEXT NOT NULL
+);
 """
+PRUNE_ROWS = 2000  # rows deleted per retention step: the routing loop's work stays bounded
+
+
+def connect_reader(uri: str) -> sqlite3.Connection:
+    """A read-only connection for another thread (the replay reader). In WAL mode it reads the
+    last committed state and never blocks the writer; an in-memory log is a shared-cache
+    database, read uncommitted so that the reader takes no table lock the writer would meet
+    (it only reads rows up to a head that is already committed)."""
+    db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+    if "mode=memory" in uri:
+        db.execute("PRAGMA read_uncommitted=1")
+    db.execute("PRAGMA busy_timeout=5000")
+    return db
+
+
+def read_meta(db: sqlite3.Connection) -> tuple[int, str]:
+    """(the highest seq retention removed, why): replay of (since, pruned_upto] is a gap."""
+    row = db.execute("SELECT pruned_upto, reason FROM retention WHERE id = 0").fetchone()
+    return (0, "") if row is None else (int(row[0]), str(row[1]))
 
 
 class EventLog:
     """Append and read stamped events. Not thread-safe: the hub loop owns it."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, name: str = "events") -> None:
         self.path = path
-        target = ":memory:" if path is None else str(path)
+        # The URI other threads open (`connect_reader`): in memory, a shared-cache database
+        # named after the hub session, so the replay reader sees the same rows.
+        self.uri = (f"file:bus-{name}?mode=memory&cache=shared" if path is None
+                    else path.resolve().as_uri())
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(target, isolation_level=None, check_same_thread=False)
+        self._db = sqlite3.connect(self.uri, uri=True, isolation_level=None,
+                                   check_same_thread=False)
         # Throughput (measured ~10% per row): 16 kB pages in a new log (a no-op on an existing
         # one), and a checkpoint (which fsyncs) every ~32 MB of WAL rather than every 1000 pages;
         # the WAL file is truncated back to 64 MB after a checkpoint if it grew past that.
@@ -79,6 +108,59 @@ class EventLog:
             (since, limit),
         )
         return cur.fetchall()
+
+    def prune_before(self, ts: float, reason: str) -> int:
+        """Delete up to PRUNE_ROWS of the oldest events stamped before `ts`; rows deleted."""
+        oldest = self._db.execute("SELECT ts FROM events ORDER BY seq LIMIT 1").fetchone()
+        if oldest is None or oldest[0] >= ts:  # the common case: one indexed row read
+            return 0
+        row = self._db.execute("SELECT MAX(seq) FROM (SELECT seq, ts FROM events ORDER BY seq "
+                               "LIMIT ?) WHERE ts < ?", (PRUNE_ROWS, ts)).fetchone()
+        return self._prune_upto(int(row[0] or 0), reason)
+
+    def prune_to_bytes(self, limit: int, reason: str) -> int:
+        """Delete up to PRUNE_ROWS of the oldest events while the log's pages in use (freed
+        pages are reused, so the file itself does not shrink) are over `limit` bytes."""
+        used = self._used_bytes()
+        if used <= limit:
+            return 0
+        rows = self._db.execute("SELECT seq, length(header) + length(body) FROM events "
+                                "ORDER BY seq LIMIT ?", (PRUNE_ROWS,)).fetchall()
+        upto, freed = 0, 0
+        for seq, size in rows:  # only what is needed: freeing in row bytes approximates pages
+            upto, freed = seq, freed + size
+            if used - freed <= limit:
+                break
+        return self._prune_upto(upto, reason)
+
+    def _used_bytes(self) -> int:
+        pages = self._db.execute("PRAGMA page_count").fetchone()[0]
+        free = self._db.execute("PRAGMA freelist_count").fetchone()[0]
+        return int((pages - free) * self._db.execute("PRAGMA page_size").fetchone()[0])
+
+    def _prune_upto(self, seq: int, reason: str) -> int:
+        """Delete events with seq <= `seq` and record the pruned range (one transaction)."""
+        if seq <= 0:
+            return 0
+        self._db.execute("BEGIN")
+        try:
+            deleted = self._db.execute("DELETE FROM events WHERE seq <= ?", (seq,)).rowcount
+            self._db.execute("INSERT INTO retention VALUES (0, ?, ?) ON CONFLICT(id) DO UPDATE "
+                             "SET pruned_upto = MAX(pruned_upto, excluded.pruned_upto), "
+                             "reason = excluded.reason", (seq, reason))
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+            raise
+        return int(deleted)
+
+    def drop_deltas(self, run: str) -> int:
+        """Delete the `message_update` events of `run` (its `message_end` holds the message)."""
+        cur = self._db.execute("DELETE FROM events WHERE run = ? AND type = 'message_update'",
+                               (run,))
+        return int(cur.rowcount)
 
     def close(self) -> None:
         self._db.close()

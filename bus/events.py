@@ -23,6 +23,7 @@ class _Event(msgspec.Struct, tag_field="type", omit_defaults=True):
 
 class AgentStart(_Event, tag="agent_start"):
     parent_run_id: str = ""
+    session: str = ""  # the conversation the run belongs to (`busctl run -c SESSION`)
 
 
 class TurnStart(_Event, tag="turn_start"):
@@ -82,6 +83,7 @@ class CompactionStart(_Event, tag="compaction_start"):
 class CompactionComplete(_Event, tag="compaction_complete"):
     compacted: bool = False
     tokens_before: int = 0
+    tokens_after: int = 0  # the history's estimated size after compaction (0: not compacted)
     tokens_after: int = 0  # the history's estimated size after compaction (0: not compacted)
 
 
@@ -150,10 +152,12 @@ class ProcessGaveUp(_Event, tag="process_gave_up"):
 
 
 class Gap(_Event, tag="gap"):
-    """Synthesised by a subscriber (never sent by the hub): seqs `first`..`last` were not seen."""
+    """Synthesised by a subscriber (never sent by the hub): seqs `first`..`last` were not seen.
+    `reason` says why (e.g. the retention that pruned them from the log); empty when unknown."""
 
     first: int
     last: int
+    reason: str = ""
 
 
 Event = Union[

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import signal
-import sqlite3
 import sys
 import time
 from collections import deque
@@ -28,7 +27,8 @@ from zmq.backend import Socket as _BackendSocket
 from bus import events as ev
 from bus import protocol as p
 from bus.errors import ConfigError
-from bus.eventlog import EventLog, Row
+from bus.eventlog import Row
+from bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
 from bus.registry import (Counters, Limits, PeerState, Registry, error_frames,
                           no_service_text)
 from bus.security import (CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id,
@@ -36,13 +36,11 @@ from bus.security import (CurveServer, curve_peer_id, is_loopback_endpoint, peer
 
 log = logging.getLogger("bus.hub")
 
-SUBSCRIBE_BEAT_GAP = 0.002  # seconds: new subscriptions are answered after this (coalesced)
 DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still runs under load
 TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
 PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
 PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
-LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass's event batch is logged and published past this
 MiB = 1024 * 1024
 
@@ -58,9 +56,6 @@ _COPY_THRESHOLD = 65536
 
 # Per-event hot path: the codec methods bound once (same output as `p.encode`/`p.decode_header`).
 _decode_header = msgspec.msgpack.Decoder(p.Header).decode
-_encode = msgspec.msgpack.Encoder().encode
-_time = time.time
-_TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
 
 # Bus events only the hub may publish: they state what the hub saw (peers, services, losses).
 # `process_restarted`/`process_gave_up` come from the supervisor (`busctl up`), a peer.
@@ -120,6 +115,10 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # (docs/reliability.md, "Memory budgets"); set it where subscribers are not trusted.
     subscriber_bytes: int = 0
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
+    # Event log retention (docs/reliability.md, "Event log retention"); 0 disables a bound.
+    retain_days: float = 7.0
+    retain_bytes: int = 0
+    retain_deltas_until_end: bool = False  # drop a run's message_update once message_end is logged
     max_redispatch: int = 1  # times a call whose server was lost is re-dispatched
 
     def subscriber_hwm(self) -> int:
@@ -194,19 +193,8 @@ class Hub:
         self.peers = self.registry.peers  # the same dicts, never rebound
         self.services = self.registry.services
         self._batch_bytes = 0  # event bodies read this pass (flushed past EVENT_BATCH_BYTES)
-        self._replay_peak = 0  # largest `hub.replay` batch sent, in bytes (shown in status)
-        self._topics: list[bytes] = []  # the batch's topics, in step with _rows
-        self._rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
-        self._topic_cache: dict[tuple[str, str, str], bytes] = {}
         self._stopping = False
-        # Event log not writable (disk full, I/O error): events are refused, not stamped, until
-        # a retry every LOG_RETRY seconds succeeds. `_log_error` says why (shown in status).
-        self._log_error = ""
-        self._refusing = False
-        self._log_retry_at = math.inf
         state = Path(config.state_dir) if config.state_dir else None
-        self.log = EventLog(state / "events.db" if state else None)
-        self.seq = self.log.last_seq()
         self.ctx = zmq.Context()
         self._auth = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
@@ -215,12 +203,16 @@ class Hub:
         # XPUB: subscriptions reach the hub, which answers each new one with an event-socket
         # heartbeat at once, so a subscriber knows within milliseconds that it is in place.
         self.pub = self.ctx.socket(zmq.XPUB)
-        self._subscribed_at = math.inf  # when a not-yet-answered subscription arrived
         self._configure_sockets()
         self.endpoint = self._bind(self.router, config.endpoint)
         self.events_endpoint = self._bind(
             self.pub, config.events or default_events_endpoint(config.endpoint)
         )
+        # stamp -> log -> publish, heartbeats on the XPUB, retention, and the replay reader
+        self.events = EventPipeline(
+            self.ctx, self.pub, state / "events.db" if state else None, self.session,
+            self.counters.bump, self._refuse_batch, config.replay_bytes,
+            Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end))
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
         # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
         # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send
@@ -265,13 +257,14 @@ class Hub:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self.pub, zmq.POLLIN)
+        poller.register(self.events.reader.sock, zmq.POLLIN)
         interval = self.config.heartbeat_interval
         next_beat = time.monotonic() + interval
         next_tick = time.monotonic() + TICK
         next_probe = math.inf
         while not self._stopping:
             now = time.monotonic()
-            next_sub_beat = self._subscribed_at + SUBSCRIBE_BEAT_GAP
+            next_sub_beat = self.events.subscribed_at + SUBSCRIBE_BEAT_GAP
             timeout = max(0.0, min(next_beat, next_tick, next_probe, next_sub_beat) - now)
             try:
                 ready = dict(poller.poll(timeout * 1000))
@@ -282,19 +275,19 @@ class Hub:
             if self.router in ready:
                 self._drain()
             if self.pub in ready:
-                self._drain_subscriptions()
+                self.events.drain_subscriptions()
+            if self.events.reader.sock in ready:
+                self._forward_replays()
             if self._monitor in ready and self._drain_monitor():
                 self._probe_until = time.monotonic() + PROBE_FOR
                 next_probe = min(next_probe, time.monotonic() + 0.001)
-            self._flush_events()
+            self.events.flush()
             now = time.monotonic()
             if now >= next_probe:
                 self._probe()
                 next_probe = now + PROBE_EVERY if now < self._probe_until else math.inf
             if now >= next_tick:
-                if now >= self._log_retry_at:
-                    self._refusing = False  # let the next batch try the log again
-                    self._log_retry_at = math.inf
+                self.events.tick(now)
                 self.registry.expire(now)
                 self._expire_peers(now)
                 self._drop_revoked()
@@ -302,9 +295,9 @@ class Hub:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + interval
-            elif now >= self._subscribed_at + SUBSCRIBE_BEAT_GAP:
-                self._publish_heartbeat()
-            self._flush_events()
+            elif now >= self.events.subscribed_at + SUBSCRIBE_BEAT_GAP:
+                self.events.publish_heartbeat()
+            self.events.flush()
 
     def stop(self) -> None:
         self._stopping = True
@@ -317,10 +310,10 @@ class Hub:
         self._monitor.close(0)
         self.router.close(0)
         self.pub.close(0)
+        self.events.close()  # joins the replay reader, whose socket must close before term()
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
-        self.log.close()
 
     def _recv_curve(self, flags: int) -> list[bytes]:
         """With CURVE: receive as frames to read the connection's ZAP User-Id (its key)."""
@@ -337,7 +330,7 @@ class Hub:
         for _ in range(DRAIN_LIMIT):
             if self._batch_bytes > EVENT_BATCH_BYTES:  # big events: bound the batch in bytes
                 self._batch_bytes = 0
-                self._flush_events()
+                self.events.flush()
             try:
                 frames = recv(arg)
             except zmq.Again:
@@ -502,7 +495,7 @@ class Hub:
         if len(frames) != 4 or not header.type:
             self._reject("malformed", ident, "event needs a type and exactly one body frame")
             return
-        if self._refusing:
+        if self.events.refusing:
             self.counters.bump("events_refused")
             self._send_error(ident, header.id, p.LOG_UNAVAILABLE, self._log_refusal())
             return
@@ -518,7 +511,7 @@ class Hub:
             return
         self._batch_bytes += len(body)
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
-        self._stamp(header, body)
+        self.events.stamp(header, body)
 
     def _refuse_event(self, ident: bytes, header: p.Header, body: bytes) -> bool:
         """Only the hub speaks for the bus, and a publisher cannot lie about what it publishes:
@@ -643,29 +636,7 @@ class Hub:
         self._expire_peers(now)
         for ident in list(self.peers):
             self._send([ident, p.SIGNATURE, self._hb_header])
-        self._publish_heartbeat()
-
-    def _publish_heartbeat(self) -> None:
-        # Everything stamped so far is published before the heartbeat that announces its seq,
-        # so a subscriber never takes an event still in the batch for a lost one.
-        self._flush_events()
-        self._subscribed_at = math.inf
-        hb = p.Header(kind=p.HEARTBEAT, seq=self.seq, ts=time.time())
-        try:
-            _send_frames(self.pub, [p.HEARTBEAT_TOPIC, p.SIGNATURE, p.encode(hb)])
-        except zmq.Again:
-            self.counters.bump("publish_dropped_hwm")
-
-    def _drain_subscriptions(self) -> None:
-        """Note new subscriptions (answered by a heartbeat, at most one per SUBSCRIBE_BEAT_GAP,
-        so a subscriber cannot make the hub flood the stream). Anything else is ignored."""
-        for _ in range(DRAIN_LIMIT):
-            try:
-                message = self.pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if message[:1] == b"\x01" and self._subscribed_at == math.inf:
-                self._subscribed_at = time.monotonic()
+        self.events.publish_heartbeat()
 
     def _drop_peer(self, peer: PeerState, reason: str) -> None:
         self.registry.drop_peer(peer, reason)
@@ -690,92 +661,12 @@ class Hub:
 
     # --- events --------------------------------------------------------------------------
 
-    def _stamp(self, header: p.Header, body: bytes) -> None:
-        """Stamp seq/ts and add the event to the pass's batch (counted in `events` at flush)."""
-        self.seq = seq = self.seq + 1
-        header.seq = seq
-        header.ts = ts = _time()
-        header_bytes = _encode(header)
-        type_, agent, run = header.type, header.agent, header.run
-        topic = self._topic_cache.get((type_, agent, run))
-        if topic is None:
-            topic = self._topic(type_, agent, run)
-        self._topics.append(topic)
-        self._rows.append((seq, ts, type_, agent, run, header.experiment, header_bytes, body))
-
-    def _topic(self, type_: str, agent: str, run: str) -> bytes:
-        cache = self._topic_cache
-        if len(cache) >= _TOPIC_CACHE_MAX:
-            cache.clear()
-        topic = cache[(type_, agent, run)] = p.event_topic(ev.event_family(type_), agent, run,
-                                                           type_)
-        return topic
+    @property
+    def seq(self) -> int:
+        return self.events.seq
 
     def _emit(self, event: ev.Event) -> None:
-        if self._refusing:  # the hub's own events are refused like anyone's (counted)
-            self.counters.bump("events_refused")
-            return
-        header = p.Header(kind=p.EVENT, id=p.new_id(), type=ev.event_type(event), peer="hub",
-                          session=self.session)
-        self._stamp(header, ev.encode_event(event))
-
-    def _flush_events(self) -> None:
-        rows = self._rows
-        if not rows:
-            return
-        topics = self._topics
-        self._rows = []
-        self._topics = []
-        if not self._append(rows):
-            return
-        self.counters.bump("events", len(rows))
-        pub = self.pub
-        sig = p.SIGNATURE
-        dropped = 0
-        for topic, row in zip(topics, rows):
-            body = row[7]
-            try:  # PUB never blocks: a subscriber at its HWM just misses the message
-                _bsend(pub, topic, _MORE_NOBLOCK)
-                _bsend(pub, sig, _MORE_NOBLOCK)
-                _bsend(pub, row[6], _MORE_NOBLOCK)
-                _bsend(pub, body, _NOBLOCK, len(body) < _COPY_THRESHOLD)
-            except zmq.Again:
-                dropped += 1
-        if dropped:
-            self.counters.bump("publish_dropped_hwm", dropped)
-
-    def _append(self, rows: list[Row]) -> bool:
-        """Log the batch (durable before anyone can see it); False when it was refused instead."""
-        try:
-            self.log.append(rows)
-        except sqlite3.Error as exc:
-            return self._append_failed(rows, exc)
-        if self._log_error:
-            log.warning("event log %s is writable again; logging and publishing events",
-                        self.log.path)
-            self._log_error = ""
-        return True
-
-    def _append_failed(self, rows: list[Row], exc: sqlite3.Error) -> bool:
-        """The batch is not in the log: give its seqs back (the log stays gap-free), refuse its
-        events with an error to each publisher, and refuse new ones until a retry succeeds."""
-        try:  # an error raised after COMMIT (a checkpoint) leaves the batch logged
-            if self.log.last_seq() >= rows[-1][0]:
-                return True
-        except sqlite3.Error:
-            pass  # unreadable too: the batch counts as not logged
-        self.seq = rows[0][0] - 1
-        self.counters.bump("log_write_errors")
-        self.counters.bump("events_refused", len(rows))
-        if not self._log_error:  # say it once per episode, not once per retry
-            log.error("event log %s cannot be written (%s); refusing events with `%s` until it "
-                      "can, retrying every %.0f s", self.log.path or ":memory:", exc,
-                      p.LOG_UNAVAILABLE, LOG_RETRY)
-        self._log_error = f"event log cannot be written: {exc}"
-        self._refusing = True
-        self._log_retry_at = time.monotonic() + LOG_RETRY
-        self._refuse_batch(rows)
-        return False
+        self.events.emit(event)
 
     def _refuse_batch(self, rows: list[Row]) -> None:
         idents = {peer.id: peer.ident for peer in self.peers.values()}
@@ -787,9 +678,7 @@ class Hub:
                 self._send_error(ident, header.id, p.LOG_UNAVAILABLE, text)
 
     def _log_refusal(self) -> str:
-        return (f"event refused, neither logged nor published: {self._log_error}; free space "
-                f"for the hub's `state_dir` ({self.config.state_dir or 'in memory'}); the hub "
-                f"retries every {LOG_RETRY:g} s and resumes logging by itself")
+        return self.events.refusal_text(self.config.state_dir)
 
     # --- built-in services ---------------------------------------------------------------
 
@@ -797,7 +686,6 @@ class Hub:
         if header.service == p.HUB_STATUS:
             body = p.encode(self.status())
         elif header.service == p.HUB_REPLAY:
-            self._flush_events()
             try:
                 request = (p.decode(frames[3], p.ReplayRequest) if len(frames) > 3
                            else p.ReplayRequest())
@@ -806,52 +694,29 @@ class Hub:
                 self._send_error(ident, header.id, p.BAD_REQUEST, f"bad ReplayRequest: {exc}")
                 return
             try:
-                body = p.encode(self.replay(request))
-            except sqlite3.Error as exc:  # answered: the requester must not wait its deadline
-                self._reject("replay_errors", ident, f"event log read failed: {exc}")
-                self._send_error(ident, header.id, p.HANDLER_ERROR,
-                                 f"`hub.replay` could not read the event log "
-                                 f"({self.log.path or ':memory:'}): {exc}")
+                reply = self.events.replay(ident, header.id, request)
+            except Overloaded as exc:
+                self.counters.bump("replay_overloaded")
+                self._send_error(ident, header.id, p.OVERLOADED, str(exc))
                 return
-            self._replay_peak = max(self._replay_peak, len(body))
+            if reply is None:
+                return  # the reader answers; `_forward_replays` sends it
+            body = reply
         else:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
             return
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)), body])
 
-    def replay(self, request: p.ReplayRequest) -> p.ReplayBatch:
-        """Logged events after `since`: at most `limit` rows read, and no more rows once
-        `replay_bytes` have been read (at least one): big events never build a huge batch on
-        the routing loop. The requester asks again from `upto`."""
-        limit = max(1, min(request.limit, 10_000))
-        upto = min(max(0, request.since), self.seq)
-        prefixes = [t.encode() for t in request.topics]
-        budget = self.config.replay_bytes
-        events: list[tuple[bytes, bytes]] = []
-        read = scanned = 0
-        chunk = 1  # rows per read: grows while they are small, shrinks when they are big
-        while scanned < limit and read < budget:
-            want = min(chunk, limit - scanned)
-            rows = self.log.read(upto, want)
-            for seq, header_bytes, body in rows:
-                upto = seq
-                scanned += 1
-                read += len(header_bytes) + len(body)
-                if not prefixes or self._matches(header_bytes, prefixes):
-                    events.append((header_bytes, body))
-                if read >= budget:
-                    break
-            if read < budget and len(rows) < want:  # all read up to the end of the log
-                upto = self.seq
-                break
-            chunk = max(1, min(1024, (budget - read) // max(1, read // scanned)))
-        return p.ReplayBatch(events=events, upto=upto, head=self.seq)
-
-    @staticmethod
-    def _matches(header_bytes: bytes, prefixes: list[bytes]) -> bool:
-        header = p.decode_header(header_bytes)
-        topic = p.event_topic(ev.event_family(header.type), header.agent, header.run, header.type)
-        return any(topic.startswith(prefix) for prefix in prefixes)
+    def _forward_replays(self) -> None:
+        """Send the reader's finished replays (a bounded number per pass)."""
+        for ident, req_id, code, body in self.events.reader.answers():
+            if code:
+                self.counters.bump("replay_errors")
+                self._send_error(ident, req_id.decode(), code.decode(), body.decode())
+                continue
+            self.events.replay_peak = max(self.events.replay_peak, len(body))
+            self._send([ident, p.SIGNATURE,
+                        p.encode(p.Header(kind=p.REPLY, id=req_id.decode())), body])
 
     def status(self) -> p.Status:
         peers = []
@@ -871,13 +736,13 @@ class Hub:
             for s in sorted(self.services.values(), key=lambda s: s.name)
         ]
         counters = dict(self.counters)
-        if self._rows:  # stamped this pass, not yet flushed
-            counters["events"] = counters.get("events", 0) + len(self._rows)
+        if self.events.rows:  # stamped this pass, not yet flushed
+            counters["events"] = counters.get("events", 0) + len(self.events.rows)
         if self._auth is not None:
             counters.update(self._auth.counters())  # auth_refused: refused CURVE handshakes
         return p.Status(self.session, self.endpoint, self.events_endpoint,
                         time.time() - self.started, self.seq, peers, services, counters,
-                        self.config.state_dir, self._log_error, self.budgets())
+                        self.config.state_dir, self.events.log_error, self.budgets())
 
     def budgets(self) -> dict[str, p.Budget]:
         """Each budget's limit and use. A subscriber's queue lives inside libzmq, which does not
@@ -891,7 +756,7 @@ class Hub:
             "max_event_bytes": p.Budget(cfg.max_event_bytes),
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
-            "replay_bytes": p.Budget(cfg.replay_bytes, self._replay_peak),
+            "replay_bytes": p.Budget(cfg.replay_bytes, self.events.replay_peak),
             "max_redispatch": p.Budget(cfg.max_redispatch),
         }
 

@@ -120,13 +120,24 @@ class ReplayRequest(msgspec.Struct, omit_defaults=True):
     topics: list[str] = msgspec.field(default_factory=list)
 
 
-class ReplayBatch(msgspec.Struct):
+class ReplayGap(msgspec.Struct):
+    """Seqs `first`..`last` are no longer in the log; `reason` names the retention setting."""
+
+    first: int
+    last: int
+    reason: str
+
+
+class ReplayBatch(msgspec.Struct, omit_defaults=True):
     """Reply to `hub.replay`: (header, body) pairs of logged events in (since, upto], and the log
-    head. Ask again from `upto` until `upto == head`."""
+    head. Replay is finished only when `upto == head`: a batch with few or no events is not the
+    end (it stops at `replay_bytes`, or its rows did not match the topics). `gap`: part of the
+    range was pruned by retention."""
 
     events: list[tuple[bytes, bytes]]
     upto: int
     head: int
+    gap: ReplayGap | None = None
 
 
 class ServiceLoad(msgspec.Struct, omit_defaults=True):

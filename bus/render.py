@@ -68,8 +68,13 @@ def summary(event: ev.Event) -> str:
         case ev.LlmRetry(attempt=a, delay=d, status=s, error=e, discarded=discarded):
             dropped = "; its streamed text is discarded" if discarded else ""
             return f"attempt {a} failed ({s or e}){dropped}; retrying in {d:.1f}s"
+        case ev.Gap(first=first, last=last, reason=reason) if reason:
+            # only what the log no longer holds is reported (the rest is filled from the log)
+            return (f"!! missed events {first}..{last}: {reason}; they cannot be recovered "
+                    f"from this hub (keep more with `busctl hub --retain-days/--retain-bytes`)")
         case ev.Gap(first=first, last=last):
-            return f"!! missed events {first}..{last}"
+            return (f"!! missed events {first}..{last}; recover them with "
+                    f"`busctl watch --no-follow --since {first - 1}`")
         case _:
             fields = msgspec.to_builtins(event)
             fields.pop("type", None)

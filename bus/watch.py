@@ -12,6 +12,7 @@ import msgspec
 from bus import events as ev
 from bus import protocol as p
 from bus.client import Envelope, Peer, connect
+from bus.errors import ProtocolError
 from bus.messages import AssistantMessage, Usage
 from bus.render import HumanPrinter, json_line, to_json_obj
 from bus.security import CurveClient
@@ -42,21 +43,31 @@ class WatchFilter:
 
 
 async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Envelope]:
-    """Logged events after `since` up to the head at the time of the first call, then stop."""
-    cursor, head = since, None
-    while head is None or cursor < head:
+    """Logged events after `since` up to the head at the time of the first call, then stop.
+
+    Finished only when a batch reaches its head (`upto >= head`): a short batch is not the end.
+    A range that retention pruned from the log is yielded as one `Gap` naming the retention."""
+    cursor, end = since, None
+    while end is None or cursor < end:
         request = p.ReplayRequest(since=cursor, topics=topics)
         batch = p.decode(await peer.request(p.HUB_REPLAY, p.encode(request)), p.ReplayBatch)
-        head = batch.head if head is None else head
+        end = batch.head if end is None else end
+        if batch.gap is not None and batch.gap.first <= end:
+            gap = ev.Gap(first=batch.gap.first, last=min(batch.gap.last, end),
+                         reason=batch.gap.reason)
+            yield Envelope(p.Header(kind=p.EVENT, type="gap"), gap)
         for header_bytes, body in batch.events:
             header = p.decode_header(header_bytes)
-            if header.seq > head:
+            if header.seq > end:
                 return
             event = ev.decode_event(body)
             if event is not None:
                 yield Envelope(header, event)
-        if batch.upto <= cursor:
+        if batch.upto >= batch.head:
             return
+        if batch.upto <= cursor:  # a hub that does not move on would loop us forever
+            raise ProtocolError(f"`hub.replay` from {cursor} answered upto={batch.upto} "
+                                f"< head={batch.head} without progress")
         cursor = batch.upto
 
 
@@ -81,7 +92,10 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
             async for envelope in replay(peer, since or 0, filt.topics()):
                 show(envelope)
             return
-        async with peer.subscribe(filt.topics(), since=since, fill_gaps=False) as sub:
+        # Everything, filtered here: a topic-filtered stream has holes in its seqs by design,
+        # so a lost message could not be told from a filtered one; on the full stream every
+        # jump in seq is a loss, and the subscription fills it from the log.
+        async with peer.subscribe([], since=since, fill_gaps=True) as sub:
             async for envelope in sub:
                 show(envelope)
 

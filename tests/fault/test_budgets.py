@@ -339,8 +339,12 @@ def test_replay_that_fails_on_a_database_error_is_answered(tmp_path: Path) -> No
     peer = RawPeer(ctx, hub.ready["endpoint"], "reader")  # type: ignore[attr-defined]
     try:
         peer.hello()
-        assert status(peer).seq > 0  # the hub has logged events (peer_joined)
+        assert status(peer).seq > 0  # the hub has stamped events (peer_joined)...
         db = sqlite3.connect(tmp_path / "hub" / "events.db")  # someone breaks the log
+        # ...and committed them: a replay from 0 must read the log (a replay from the head is
+        # answered without reading it)
+        wait_for(lambda: db.execute("SELECT COUNT(*) FROM events").fetchone()[0] > 0, 10,
+                 "the hub to commit its first event")
         db.execute("DROP TABLE events")
         db.commit()
         db.close()

@@ -1,0 +1,375 @@
+"""The hub's event pipeline: stamp -> log -> publish, heartbeats on the XPUB socket, retention,
+and `hub.replay` served by a reader thread with its own SQLite connection.
+
+The hub's routing loop only stamps, appends one transaction per pass and publishes; reading the
+log for a replay (up to `replay_bytes` of rows, decoding and filtering them, encoding the reply)
+happens in `ReplayReader`'s thread, so a `busctl watch --since 0` on a big log never stalls a
+request. The loop forwards at most `REPLIES_PER_PASS` finished replies per pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+import zmq
+from zmq.backend import Socket as _BackendSocket
+
+from bus import events as ev
+from bus import protocol as p
+from bus.eventlog import EventLog, Row, connect_reader, read_meta
+
+log = logging.getLogger("bus.hub")
+
+SUBSCRIBE_BEAT_GAP = 0.002  # seconds: new subscriptions are answered after this (coalesced)
+DRAIN_LIMIT = 4096  # subscription messages read per pass
+LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
+REPLAY_QUEUE = 256  # replays waiting for the reader; one more is answered `overloaded`
+REPLIES_PER_PASS = 16  # finished replays forwarded per loop pass (each <= replay_bytes + 1 event)
+REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
+_TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
+_COPY_THRESHOLD = 65536
+
+_bsend = _BackendSocket.send
+_NOBLOCK = int(zmq.NOBLOCK)
+_MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
+_encode = msgspec.msgpack.Encoder().encode
+_decode_header = msgspec.msgpack.Decoder(p.Header).decode
+_time = time.time
+
+Bump = Callable[..., int]  # Counters.bump(name, n=1)
+
+
+class Retention(msgspec.Struct, frozen=True):
+    """What the log keeps (docs/reliability.md, "Event log retention"). 0 disables a bound."""
+
+    days: float = 7.0
+    bytes: int = 0
+    deltas_until_end: bool = False  # drop a run's `message_update`s once its `message_end` is logged
+
+
+class _Job(msgspec.Struct, array_like=True):
+    """A replay handed to the reader: who asked, and the log head it may read up to."""
+
+    ident: bytes
+    req_id: str
+    head: int
+    request: p.ReplayRequest
+
+
+def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
+               budget: int) -> p.ReplayBatch:
+    """Logged events in (since, head] matching the topics, until `budget` bytes were read (at
+    least one row) or `limit` rows were scanned. `upto` is where to ask again; `upto == head`
+    means this reply reaches the head — a reply with fewer events says nothing by itself."""
+    since = min(max(0, request.since), head)
+    pruned_upto, reason = read_meta(db)
+    gap = None
+    if since < pruned_upto:  # retention removed (since, pruned_upto]: say so, never silently
+        gap = p.ReplayGap(first=since + 1, last=min(pruned_upto, head), reason=reason)
+        since = min(pruned_upto, head)
+    limit = max(1, min(request.limit, REPLAY_LIMIT))
+    prefixes = [t.encode() for t in request.topics]
+    cur = db.execute("SELECT seq, type, agent, run, header, body FROM events "
+                     "WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?", (since, head, limit))
+    events: list[tuple[bytes, bytes]] = []
+    upto, read, scanned = since, 0, 0
+    for seq, type_, agent, run, header, body in cur:
+        upto, scanned = seq, scanned + 1
+        read += len(header) + len(body)
+        if not prefixes or _matches(type_, agent, run, prefixes):
+            events.append((header, body))
+        if read >= budget:
+            break
+    else:
+        if scanned < limit:  # the cursor ran out: everything up to the head was read
+            upto = head
+    cur.close()
+    return p.ReplayBatch(events=events, upto=upto, head=head, gap=gap)
+
+
+def _matches(type_: str, agent: str, run: str, prefixes: list[bytes]) -> bool:
+    topic = p.event_topic(ev.event_family(type_), agent, run, type_)
+    return any(topic.startswith(prefix) for prefix in prefixes)
+
+
+class ReplayReader:
+    """A thread answering `hub.replay` from its own read connection to the log.
+
+    Jobs and answers travel over an inproc PAIR: the routing loop sends a `_Job` without
+    blocking and later forwards `[ident, req_id, code, body]` (code `b""` for a `ReplayBatch`)."""
+
+    def __init__(self, ctx: zmq.Context[Any], log_uri: str, budget: int) -> None:
+        self._uri = log_uri
+        self._budget = budget
+        address = f"inproc://bus-replay-{id(self):x}"
+        self.sock = ctx.socket(zmq.PAIR)  # the loop's end
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE * 2)
+        self.sock.bind(address)
+        self._their = ctx.socket(zmq.PAIR)
+        self._their.setsockopt(zmq.LINGER, 0)
+        self._their.connect(address)
+        self.pending = 0  # jobs sent and not answered yet
+        self._thread = threading.Thread(target=self._run, name="bus-replay", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: _Job) -> bool:
+        """Hand a job over; False when REPLAY_QUEUE replays are already waiting."""
+        if self.pending >= REPLAY_QUEUE:
+            return False
+        try:
+            self.sock.send(_encode(job), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self.pending += 1
+        return True
+
+    def answers(self) -> list[list[bytes]]:
+        """At most REPLIES_PER_PASS finished answers, without blocking."""
+        out = []
+        for _ in range(REPLIES_PER_PASS):
+            try:
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        self.pending -= len(out)
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.send(b"", zmq.NOBLOCK)  # the stop job
+        self._thread.join(5)
+        self.sock.close(0)
+
+    def _run(self) -> None:
+        sock = self._their
+        decode = msgspec.msgpack.Decoder(_Job).decode
+        db = connect_reader(self._uri)
+        try:
+            while True:
+                message = sock.recv()
+                if not message:
+                    return
+                job = decode(message)
+                sock.send_multipart([job.ident, job.req_id.encode(), *self._answer(db, job)])
+        finally:
+            db.close()
+            sock.close(0)
+
+    def _answer(self, db: sqlite3.Connection, job: _Job) -> list[bytes]:
+        try:
+            return [b"", _encode(read_batch(db, job.request, job.head, self._budget))]
+        except sqlite3.Error as exc:  # answered: the requester must not wait its deadline
+            log.warning("hub.replay: event log read failed: %s", exc)
+            return [p.HANDLER_ERROR.encode(), f"`hub.replay` could not read the event log "
+                    f"({self._uri}): {exc}".encode()]
+
+
+class EventPipeline:
+    """Stamp -> log -> publish. The routing loop calls `stamp`/`flush`; nothing here blocks.
+
+    `refuse(rows)` is called with a batch the log refused (disk full): the hub tells each
+    publisher `log_unavailable`."""
+
+    def __init__(self, ctx: zmq.Context[Any], pub: zmq.Socket[Any], path: Path | None,
+                 session: str, bump: Bump, refuse: Callable[[list[Row]], None],
+                 replay_bytes: int, retention: Retention) -> None:
+        self.pub = pub
+        self.session = session
+        self._bump = bump
+        self._refuse = refuse
+        self.replay_bytes = replay_bytes
+        self.replay_peak = 0  # largest `hub.replay` batch sent, in bytes (shown in status)
+        self.log = EventLog(path, session)
+        self.retention = retention
+        self.seq = self.log.last_seq()
+        self.rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
+        self._topics: list[bytes] = []  # the batch's topics, in step with rows
+        self._topic_cache: dict[tuple[str, str, str], bytes] = {}
+        self._ended_runs: set[str] = set()  # runs whose deltas can go (retention.deltas_until_end)
+        self.subscribed_at = math.inf  # when a not-yet-answered subscription arrived
+        # Event log not writable (disk full, I/O error): events are refused, not stamped, until
+        # a retry every LOG_RETRY seconds succeeds. `log_error` says why (shown in status).
+        self.log_error = ""
+        self.refusing = False
+        self._retry_at = math.inf
+        self.reader = ReplayReader(ctx, self.log.uri, replay_bytes)
+
+    def close(self) -> None:
+        self.reader.close()
+        self.log.close()
+
+    # --- stamp, log, publish ---------------------------------------------------------------
+
+    def stamp(self, header: p.Header, body: bytes) -> None:
+        """Stamp seq/ts and add the event to the pass's batch (counted in `events` at flush)."""
+        self.seq = seq = self.seq + 1
+        header.seq = seq
+        header.ts = ts = _time()
+        header_bytes = _encode(header)
+        type_, agent, run = header.type, header.agent, header.run
+        topic = self._topic_cache.get((type_, agent, run))
+        if topic is None:
+            topic = self._topic(type_, agent, run)
+        self._topics.append(topic)
+        self.rows.append((seq, ts, type_, agent, run, header.experiment, header_bytes, body))
+        if type_ == "message_end" and run and self.retention.deltas_until_end:
+            self._ended_runs.add(run)
+
+    def _topic(self, type_: str, agent: str, run: str) -> bytes:
+        cache = self._topic_cache
+        if len(cache) >= _TOPIC_CACHE_MAX:
+            cache.clear()
+        topic = cache[(type_, agent, run)] = p.event_topic(ev.event_family(type_), agent, run,
+                                                           type_)
+        return topic
+
+    def emit(self, event: ev.Event) -> None:
+        """The hub's own event (`peer: "hub"`); refused like anyone's while the log is down."""
+        if self.refusing:
+            self._bump("events_refused")
+            return
+        header = p.Header(kind=p.EVENT, id=p.new_id(), type=ev.event_type(event), peer="hub",
+                          session=self.session)
+        self.stamp(header, ev.encode_event(event))
+
+    def flush(self) -> None:
+        """Log the batch in one transaction, then publish it (never before it is durable)."""
+        rows = self.rows
+        if not rows:
+            return
+        topics = self._topics
+        self.rows = []
+        self._topics = []
+        if not self._append(rows):
+            return
+        self._bump("events", len(rows))
+        pub = self.pub
+        sig = p.SIGNATURE
+        dropped = 0
+        for topic, row in zip(topics, rows):
+            body = row[7]
+            try:  # PUB never blocks: a subscriber at its HWM just misses the message
+                _bsend(pub, topic, _MORE_NOBLOCK)
+                _bsend(pub, sig, _MORE_NOBLOCK)
+                _bsend(pub, row[6], _MORE_NOBLOCK)
+                _bsend(pub, body, _NOBLOCK, len(body) < _COPY_THRESHOLD)
+            except zmq.Again:
+                dropped += 1
+        if dropped:
+            self._bump("publish_dropped_hwm", dropped)
+
+    def _append(self, rows: list[Row]) -> bool:
+        """Log the batch (durable before anyone can see it); False when it was refused instead."""
+        try:
+            self.log.append(rows)
+        except sqlite3.Error as exc:
+            return self._append_failed(rows, exc)
+        if self.log_error:
+            log.warning("event log %s is writable again; logging and publishing events",
+                        self.log.path)
+            self.log_error = ""
+        return True
+
+    def _append_failed(self, rows: list[Row], exc: sqlite3.Error) -> bool:
+        """The batch is not in the log: give its seqs back (the log stays gap-free), refuse its
+        events with an error to each publisher, and refuse new ones until a retry succeeds."""
+        try:  # an error raised after COMMIT (a checkpoint) leaves the batch logged
+            if self.log.last_seq() >= rows[-1][0]:
+                return True
+        except sqlite3.Error:
+            pass  # unreadable too: the batch counts as not logged
+        self.seq = rows[0][0] - 1
+        self._bump("log_write_errors")
+        self._bump("events_refused", len(rows))
+        if not self.log_error:  # say it once per episode, not once per retry
+            log.error("event log %s cannot be written (%s); refusing events with `%s` until it "
+                      "can, retrying every %.0f s", self.log.path or ":memory:", exc,
+                      p.LOG_UNAVAILABLE, LOG_RETRY)
+        self.log_error = f"event log cannot be written: {exc}"
+        self.refusing = True
+        self._retry_at = time.monotonic() + LOG_RETRY
+        self._refuse(rows)
+        return False
+
+    def refusal_text(self, state_dir: str) -> str:
+        return (f"event refused, neither logged nor published: {self.log_error}; free space "
+                f"for the hub's `state_dir` ({state_dir or 'in memory'}); the hub "
+                f"retries every {LOG_RETRY:g} s and resumes logging by itself")
+
+    def tick(self, now: float) -> None:
+        """Periodic work: retry a failed log, prune what retention no longer keeps (bounded)."""
+        if now >= self._retry_at:
+            self.refusing = False  # let the next batch try the log again
+            self._retry_at = math.inf
+        if self.refusing:
+            return
+        try:
+            self._prune()
+        except sqlite3.Error as exc:  # pruning is housekeeping: retried next tick
+            self._bump("prune_errors")
+            log.warning("event log retention failed (retried): %s", exc)
+
+    def _prune(self) -> None:
+        ret = self.retention
+        if ret.days > 0:
+            self.log.prune_before(time.time() - ret.days * 86400,
+                                  f"retention: older than {ret.days:g} days (`--retain-days`)")
+        if ret.bytes > 0:
+            self.log.prune_to_bytes(ret.bytes,
+                                    f"retention: log over {ret.bytes} bytes (`--retain-bytes`)")
+        while self._ended_runs:
+            self.log.drop_deltas(self._ended_runs.pop())
+
+    # --- heartbeats and subscriptions --------------------------------------------------------
+
+    def publish_heartbeat(self) -> None:
+        # Everything stamped so far is published before the heartbeat that announces its seq,
+        # so a subscriber never takes an event still in the batch for a lost one.
+        self.flush()
+        self.subscribed_at = math.inf
+        hb = _encode(p.Header(kind=p.HEARTBEAT, seq=self.seq, ts=time.time()))
+        try:
+            _bsend(self.pub, p.HEARTBEAT_TOPIC, _MORE_NOBLOCK)
+            _bsend(self.pub, p.SIGNATURE, _MORE_NOBLOCK)
+            _bsend(self.pub, hb, _NOBLOCK)
+        except zmq.Again:
+            self._bump("publish_dropped_hwm")
+
+    def drain_subscriptions(self) -> None:
+        """Note new subscriptions (answered by a heartbeat, at most one per SUBSCRIBE_BEAT_GAP,
+        so a subscriber cannot make the hub flood the stream). Anything else is ignored."""
+        for _ in range(DRAIN_LIMIT):
+            try:
+                message = self.pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if message[:1] == b"\x01" and self.subscribed_at == math.inf:
+                self.subscribed_at = time.monotonic()
+
+    # --- replay ----------------------------------------------------------------------------
+
+    def replay(self, ident: bytes, req_id: str, request: p.ReplayRequest) -> bytes | None:
+        """Start a replay: the reply body at once when there is nothing to read (a client's
+        publish confirmation asks from past the head), else None and the reader answers later.
+        Raises `Overloaded` when REPLAY_QUEUE replays are waiting."""
+        self.flush()  # the reply follows every event the requester sent before it, logged
+        head = self.seq
+        if request.since >= head:
+            return _encode(p.ReplayBatch(events=[], upto=head, head=head))
+        if not self.reader.submit(_Job(ident, req_id, head, request)):
+            raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting for "
+                             f"the log reader; retry after one is answered")
+        return None
+
+
+class Overloaded(Exception):
+    """A replay could not be queued for the reader."""
