@@ -269,7 +269,7 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
             usage = model.get("usage", {})
             click.echo(f"gateway {name}: {alias} in flight {model.get('in_flight', 0)} queued "
                        f"{model.get('queued', 0)} requests {model.get('requests', 0)} tokens "
-                       f"{usage.get('total', 0)} cost {usage.get('cost', 0):.4f} "
+                       f"{usage.get('total', 0)} cost {_cost_text(model)} "
                        f"aborted {model.get('aborted', 0)}")
             # which model answers and how big its window is, and where each fact came from
             click.echo(f"  model {model.get('model') or '?'} ({model.get('model_from') or 'configured'}), "
@@ -284,6 +284,13 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
 
 @main.command()
 @hub_options
+def _cost_text(model: dict[str, Any]) -> str:
+    """A model's cost so far, or "no price known" (a 0 would pretend); `price` says why."""
+    if model.get("priced", True):
+        return f"${model.get('usage', {}).get('cost', 0):.4f}"
+    return f"unknown ({model.get('price') or 'no price known'})"
+
+
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--since", type=click.IntRange(0), default=None,
               help="Replay logged events after this seq first, then follow.")

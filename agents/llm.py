@@ -50,6 +50,7 @@ from agents.context import CONTEXT_EXCEEDED
 from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
 from agents.providers.base import DeltaCallback
 from agents.providers.discovery import discover
+from agents.providers.prices import ConfiguredPrices, Pricing, price_model
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
 
@@ -89,7 +90,8 @@ _KEY_SHAPES_ONLY = Redactor()
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
-    """One model the gateway can call. Prices are USD per million tokens (None: not costed).
+    """One model the gateway can call. Prices are USD per million tokens (None: from the price
+    table where one applies, see `agents.providers.prices`; a local server costs 0).
 
     `api_key_env` is the NAME of the environment variable holding the key ("" for servers that need
     none). `timeout` bounds the wait for the first byte and between streamed chunks. In a topology
@@ -134,6 +136,10 @@ class ModelStats(msgspec.Struct, kw_only=True):
     in_flight: int = 0
     queued: int = 0
     max_in_flight: int = 0
+    # Whether `usage.cost` means anything: False says "no price known" (not a cost of 0), and
+    # `price` says where the price came from or why there is none.
+    priced: bool = False
+    price: str = ""
     requests: int = 0
     attempts: int = 0
     retries: int = 0
@@ -221,6 +227,8 @@ class _ModelRuntime:
         self.stats.model, self.stats.model_from = config.model, config.model_from
         self.stats.context_window = config.context_window
         self.stats.context_window_from = config.context_window_from
+        self.pricing = _pricing(config)
+        self.stats.priced, self.stats.price = self.pricing.known, self.pricing.source
 
     @property
     def needs_discovery(self) -> bool:
@@ -246,14 +254,8 @@ class _ModelRuntime:
             self.limiter.release_on_behalf_of(token)
 
     def cost(self, usage: Usage) -> float:
-        c = self.config
-        if c.input_price is None and c.output_price is None:
-            return 0.0
-        input_price = c.input_price or 0.0
-        total = usage.input * input_price + usage.output * (c.output_price or 0.0)
-        total += usage.cache_read * (c.cache_read_price if c.cache_read_price is not None else input_price)
-        total += usage.cache_write * (c.cache_write_price if c.cache_write_price is not None else input_price)
-        return total / 1_000_000
+        """USD; 0.0 also when no price is known (`stats.priced` tells the two apart)."""
+        return self.pricing.cost(usage)
 
 
 class _Call:
@@ -599,6 +601,12 @@ class LlmEngine:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+def _pricing(config: ModelConfig) -> Pricing:
+    configured = ConfiguredPrices(config.input_price, config.output_price,
+                                  config.cache_read_price, config.cache_write_price)
+    return price_model(config.provider, config.model, base_url=config.base_url, configured=configured)
 
 
 def models_from_env(env: Mapping[str, str]) -> list[ModelConfig]:
