@@ -262,8 +262,13 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         click.echo(f"  {svc['name']:<28} peers {svc['peers']}  load {svc['load']}/{svc['capacity']}"
                    f"  queued {svc['queued']}")
     for name, agent in st["agents"].items():
-        state = "running " + agent.get("run_id", "") if agent.get("is_running") else "idle"
-        click.echo(f"agent {name:<22} {state}  messages {agent.get('message_count', 0)}")
+        click.echo(f"agent {name:<22} live {agent.get('live', 0)} (queued "
+                   f"{agent.get('queued', 0)})  idle {agent.get('idle', 0)}  stored "
+                   f"{agent.get('stored', 0)}  on {', '.join(agent.get('coordinators', []))}")
+        for info in agent.get("sessions", []):
+            if info.get("state") != "idle":
+                click.echo(f"  {info['state']:<8} run {info.get('run_id') or '-'}  session "
+                           f"{info['session']}  messages {info.get('message_count', 0)}")
     for name, stats in st["gateways"].items():
         for alias, model in stats.get("models", {}).items():
             usage = model.get("usage", {})
@@ -279,11 +284,6 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         click.echo("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
 
 
-# --- busctl watch -------------------------------------------------------------------------
-
-
-@main.command()
-@hub_options
 def _cost_text(model: dict[str, Any]) -> str:
     """A model's cost so far, or "no price known" (a 0 would pretend); `price` says why."""
     if model.get("priced", True):
@@ -291,6 +291,11 @@ def _cost_text(model: dict[str, Any]) -> str:
     return f"unknown ({model.get('price') or 'no price known'})"
 
 
+# --- busctl watch -------------------------------------------------------------------------
+
+
+@main.command()
+@hub_options
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @click.option("--since", type=click.IntRange(0), default=None,
               help="Replay logged events after this seq first, then follow.")
@@ -875,21 +880,32 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
 
 # --- busctl run / chat / steer / follow-up / abort ----------------------------------------
 
+LAST_SESSION = "\0last"  # `-c` without a value: the agent's last session
+
 
 @main.command("run")
 @hub_options
 @click.option("--agent", default="assistant", show_default=True, help="Agent to prompt.")
 @click.option("--json", "as_json", is_flag=True, help="Print the run's events as JSON lines.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the answer (no trace on stderr).")
-@click.option("--new-session", is_flag=True, help="Start a new conversation first.")
+@click.option("-c", "--continue", "cont", is_flag=False, flag_value=LAST_SESSION, default=None,
+              metavar="[SESSION]",
+              help="Continue the agent's last session, or SESSION (the id a run printed) "
+                   "[default: a fresh session].")
+@click.option("--new-session", is_flag=True, hidden=True,
+              help="A fresh session (the default now; kept for old scripts).")
 @click.option("--experiment", default="", help="Tag the run's events with this experiment id.")
 @click.option("--max-turns", type=click.IntRange(min=1), default=None,
               help="End the run after this many turns (stop reason max_iterations) "
                    "[default: the agent's max_iterations].")
-@click.argument("prompt")
+@click.argument("prompt", required=False)
 def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quiet: bool,
-            new_session: bool, experiment: str, max_turns: int | None, prompt: str) -> None:
+            cont: str | None, new_session: bool, experiment: str, max_turns: int | None,
+            prompt: str | None) -> None:
     """Send PROMPT (or `-` for stdin) to an agent; print its answer on stdout.
+
+    Each run starts a fresh session (conversation) and prints its id on stderr; `-c` continues
+    the agent's last session, `-c SESSION` a named one.
 
     The trace (tool calls, thinking, retries) goes to stderr, so `busctl run "…" > answer.txt`
     captures exactly the answer; `--json` prints every event of the run on stdout instead.
@@ -900,56 +916,74 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
     Example:
       busctl run --agent assistant "summarise README.md"
       busctl run -q "list the files" > files.txt
+      busctl run -c "and the tests?"              # continues the last session
+      busctl run -c coordinator-1.3f0c9a "again"  # continues that session
     """
     from agents.drive import drive_run
 
+    if prompt is None and cont not in (None, LAST_SESSION):
+        prompt, cont = cont, LAST_SESSION  # `-c "text"`: click took the prompt for SESSION
+    if prompt is None:
+        raise click.BadParameter("missing the prompt (or `-` to read it from stdin)",
+                                 param_hint="PROMPT")
     text = sys.stdin.read() if prompt == "-" else prompt
     if not text.strip():
         raise click.BadParameter("the prompt is empty", param_hint="PROMPT")
-    code = run_async(drive_run, hub, curve, agent, text, as_json, new_session, experiment,
-                     use_color(), max_turns or 0, quiet)
+    session = cont if cont not in (None, LAST_SESSION) else ""
+    code = run_async(drive_run, hub, curve, agent, text, as_json, False, experiment,
+                     use_color(), max_turns or 0, quiet, session or "",
+                     cont == LAST_SESSION)
     sys.exit(code)
 
 
 @main.command()
 @hub_options
 @click.option("--agent", default="assistant", show_default=True, help="Agent to talk to.")
-def chat(hub: str, curve: CurveClient | None, agent: str) -> None:
+@click.option("--session", default="", help="Continue this session [default: a fresh one].")
+def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     """An interactive session: each line is a prompt; while a run streams, a line steers it.
 
     \b
-    `/abort` aborts the current run, `/follow TEXT` queues a follow-up, `/reset` starts over,
+    Every prompt continues the chat's one session. `/abort` aborts the current run,
+    `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
     Ctrl-D quits.
     """
     from agents.drive import chat as run_chat
 
-    run_async(run_chat, hub, curve, agent, use_color())
+    run_async(run_chat, hub, curve, agent, use_color(), session)
 
 
 def _agent_verb(verb: str) -> Callable[..., None]:
     @hub_options
+    @click.option("--run", "run_id", default="", help="The run to address (id from `busctl "
+                  "status` or a run's events) [default: the agent's one live run].")
+    @click.option("--session", default="", help="The session whose live run to address.")
     @click.argument("agent")
     @click.argument("text", required=verb in ("steer", "follow_up"))
-    def command(hub: str, curve: CurveClient | None, agent: str, text: str | None = None) -> None:
+    def command(hub: str, curve: CurveClient | None, run_id: str, session: str, agent: str,
+                text: str | None = None) -> None:
         from agents.remote import connect as connect_agents
 
-        async def go() -> None:
+        async def go() -> str:
             async with connect_agents(hub, name=f"busctl-{verb}", curve=curve) as bus:
                 method = getattr(bus, verb)
-                await (method(agent, text) if text is not None else method(agent))
+                return await method(agent, text or "", run=run_id, session=session)
 
-        run_async(go)
-        click.echo(f"{verb.replace('_', '-')} sent to {agent}")
+        detail = run_async(go)
+        click.echo(f"{verb.replace('_', '-')} sent to {agent}: {detail}")
 
     return command
 
 
-main.command("steer", help="Queue a steering message for AGENT's current run (TEXT).")(
+_ADDRESS = ("\n\nWith several live runs of AGENT, name one with --run or --session (the error "
+            "lists them). A session without a run in progress is refused: continue it with "
+            "`busctl run -c SESSION TEXT`.")
+main.command("steer", help="Queue a steering message for AGENT's live run (TEXT)." + _ADDRESS)(
     _agent_verb("steer"))
-main.command("follow-up", help="Queue TEXT for AGENT to handle when it would otherwise stop.")(
-    _agent_verb("follow_up"))
-main.command("abort", help="Abort AGENT's current run (model call and tool calls).")(
-    _agent_verb("abort"))
+main.command("follow-up", help="Queue TEXT for AGENT's live run to handle when it would "
+             "otherwise stop." + _ADDRESS)(_agent_verb("follow_up"))
+main.command("abort", help="Abort AGENT's live run (model call and tool calls); TEXT, the "
+             "reason, is in its agent_end error." + _ADDRESS)(_agent_verb("abort"))
 
 
 if __name__ == "__main__":

@@ -2,33 +2,56 @@
 
     busctl coordinator --hub tcp://127.0.0.1:7400 --topology team.toml --state-dir .busctl/agents
 
-One `Agent` per `AgentSpec`, each wired to the bus: the model through `llm` (`BusLlmClient`),
-tools through `tool.<name>` services restricted to the spec's `tools` list, plus the built-in
-`tool_output` served locally (`AgentTools`). Conversations persist in `<state_dir>` (see
-`agents.persistence`); on start each agent loads its current session.
+Each `AgentSpec` is a `HostedAgent` serving any number of sessions (conversations); each
+`Session` is its own actor: an `Agent` (transcript, steering and follow-up queues, run state)
+wired to the bus — the model through `llm` (`BusLlmClient`), tools through `tool.<name>`
+services restricted to the spec's `tools` list, plus the built-in `tool_output` served locally
+(`AgentTools`). Runs of different sessions proceed concurrently, at most `max_concurrent_runs`
+of them per agent and coordinator; up to `max_queued_runs` more wait for a slot (their
+`RunStarted` comes when they start), beyond that a prompt is refused with code `agent_busy`
+naming both keys. Sessions persist in `<state_dir>` (see `agents.persistence`); an idle one is
+dropped from memory once `IDLE_SESSIONS_KEPT` more recent ones are idle, and loaded again from
+the store when continued.
+
+Routing: each coordinator serves `agent.<name>` (new sessions: the hub gives each to the least
+loaded coordinator) and `agent.<name>@<coordinator>`. A session id is `<coordinator>.<hex>`, so
+a client continuing it (`agents.remote`) sends to the affine service of the coordinator holding
+it. We chose affinity over a shared store: a session's in-memory actor (queues, live run) lives
+in one process, and coordinators on several machines need not share a disk. Coordinator names
+must be unique among live coordinators (`busctl up` names them `coordinator-N`).
 
 Commands (bodies in `agents.commands`):
-    prompt / continue   partial `RunStarted{run_id, agent}` as soon as the run exists, final
-                        `RunResult` when it ends. The run lives in a task group the coordinator
+    prompt / continue   partial `RunStarted{run_id, agent, session}` as soon as the run
+                        exists, final `RunResult` when it ends. `session` names the session
+                        (unknown: code `unknown_session`), `continue_session` the last one,
+                        neither a fresh one. The run lives in a task group the coordinator
                         owns (not in the request handler), so if the prompt request is cancelled
                         (requester gone, hub cancel), the run is aborted and still ends normally
-                        with `agent_end` / aborted. While a run is active: error reply with the
-                        Agent's own message (`Agent is already processing a prompt. ...`).
-    steer / follow_up   `CommandOk`, queued for the current or next run.
-    abort               `CommandOk` (detail "aborted" or "idle").
-    reset               `CommandOk`; refused while running with the Agent's message.
-    state               `AgentState`.
-Error replies use code `agent_busy` (a run is active), `bad_request` (undecodable body) or
-`invalid` (e.g. continue with nothing to continue from).
+                        with `agent_end` / aborted. A session with a run in progress refuses
+                        another (code `agent_busy`).
+    steer / follow_up   `CommandOk`, queued for the addressed run (`run` or `session`, else the
+                        agent's one live run). Refused with code `idle` when that session has
+                        no run (the text says how to continue the conversation), `ambiguous`
+                        when several runs are live and none is named (listing them), `no_run`
+                        for a run id that is not in progress here.
+    abort               `CommandOk` (detail "aborted run ..." or "idle"); `reason` is appended
+                        to the error of the run's `agent_end` and `RunResult`.
+    reset               `CommandOk`; clears the named (else last) session, refused while it runs.
+    state               `AgentState`: the focus session (the one live run, else the last
+                        session) plus every session in memory and the counts live/queued/idle/
+                        stored.
+Error replies use code `agent_busy`, `bad_request` (undecodable body) or `invalid` (e.g.
+continue with nothing to continue from), besides those above.
 
-Every event an agent emits is published, in emit order (each publish awaited), with
+Every event a session emits is published, in emit order (each publish awaited), with
 agent=<name>, run=<run_id>, experiment=<the prompt's experiment, else the spec's>, and
-parent=<the prompt's parent_run_id>. Many agents run concurrently; each runs one run at a time.
+parent=<the prompt's parent_run_id>; `agent_start` carries the session id.
 Multi-agent (see `agents.multiagent`): an agent listing `agents` is offered `ask_<agent>` tools
 that prompt those agents through the hub (a prompt's `call_chain` is checked here too: a cycle
 is refused with code `call_cycle`, a chain over the depth limit with `call_depth`); agents with
 topic subscriptions get `publish`, and a `TopicRouter` (started before the services register)
-delivers `topic_message` events to them: a new run when idle, else a queued follow-up/steer.
+delivers `topic_message` events to them: queued (follow-up/steer) on the agent's one live run,
+else a new run of its last session.
 Each `agent.<name>` registers with meta `description` = its system prompt's first line.
 
 On SIGINT/SIGTERM: abort running runs, give them up to `SHUTDOWN_GRACE` s to end, unregister,
@@ -43,7 +66,8 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +76,11 @@ import anyio.abc
 import msgspec
 
 from agents import commands as cmd
-from agents.agent import CONTINUE_BUSY, PROMPT_BUSY, Agent, AgentError
+from agents.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
 from agents.bus_adapters import AgentTools, BusLlmClient
 from agents.context import DEFAULT_CONTEXT_WINDOW
 from agents.llm import ModelConfig
-from agents.loop import LoopConfig, LoopResult, ToolExecutor
+from agents.loop import ABORTED_TEXT, LoopConfig, LoopResult, ToolExecutor
 from agents.multiagent import (
     PUBLISH_TOOL,
     AgentCalls,
@@ -80,10 +104,20 @@ from tools.executor import BusToolExecutor
 
 log = logging.getLogger("agents.coordinator")
 
-AGENT_CAPACITY = 64  # concurrent commands per agent: steer/abort/state are served while a run runs
+#: Requests an agent's service takes beyond its runs: steer/abort/state while runs run.
+COMMAND_CAPACITY = 64
+AGENT_CAPACITY = COMMAND_CAPACITY  # kept for importers; see `HostedAgent.capacity`
 SHUTDOWN_GRACE = 2.0
+#: Idle sessions kept in memory per agent (most recently used); the rest only in the store.
+IDLE_SESSIONS_KEPT = 32
+LIVE_LISTED = 10  # live runs named in an `ambiguous` / `no_run` error
 BUSY = "agent_busy"
 INVALID = "invalid"
+UNKNOWN_SESSION = "unknown_session"
+NO_RUN = "no_run"
+AMBIGUOUS = "ambiguous"
+IDLE = "idle"
+ABORTED = "aborted"
 
 
 class CoordinatorError(ConfigError):
@@ -165,151 +199,321 @@ class _Run:
     run_id: str = ""
     done: anyio.Event = field(default_factory=anyio.Event)
     result: LoopResult | None = None
+    queued: bool = True  # not started yet (e.g. waiting for a `max_concurrent_runs` slot)
+    wait: anyio.CancelScope = field(default_factory=anyio.CancelScope)  # abort cancels the wait
 
 
-class HostedAgent:
-    """An Agent plus its bus wiring, persistence and command handler."""
+class Session:
+    """One conversation of a hosted agent: its own Agent (transcript, steering and follow-up
+    queues, run state), recorder and call context. At most one run at a time."""
 
-    def __init__(self, spec: AgentSpec, config: LoopConfig, peer: Peer, executor: ToolExecutor,
-                 store: ConversationStore, runs: anyio.abc.TaskGroup) -> None:
-        self.spec = spec
-        self.name = spec.name
-        self.peer = peer
-        self.store = store
-        self.runs = runs
-        session, messages = store.load(spec.name)
-        self.recorder: ConversationRecorder = store.recorder(spec.name, session, messages)
-        self.output_store = store.output_store(spec.name)
-        self.llm = BusLlmClient(peer, agent=spec.name, experiment=spec.experiment)
+    def __init__(self, host: HostedAgent, session_id: str, messages: Sequence[Message]) -> None:
+        self.host = host
+        self.id = session_id
+        spec = host.spec
+        self.recorder: ConversationRecorder = host.store.recorder(spec.name, session_id, messages)
+        self.llm = BusLlmClient(host.peer, agent=spec.name, experiment=spec.experiment)
         self.call_context = CallContext(experiment=spec.experiment)
         local: list[Any] = []
         if spec.agents:
-            local.append(AgentCalls(peer, spec.name, spec.agents, lambda: self.call_context))
+            local.append(AgentCalls(host.peer, spec.name, spec.agents, lambda: self.call_context,
+                                    per_caller_session=spec.ask_sessions == "caller"))
         if spec.agents or spec.subscribe or PUBLISH_TOOL in spec.tools:
-            local.append(TopicPublisher(peer, spec.name, lambda: self.call_context))
-        self.tools = AgentTools(executor, spec.tools, self.output_store,
+            local.append(TopicPublisher(host.peer, spec.name, lambda: self.call_context))
+        self.tools = AgentTools(host.executor, spec.tools, host.output_store,
                                 experiment=spec.experiment, local=local)
-        self.agent = Agent(self.llm, self.tools, config, on_message_end=self._on_message_end,
-                           messages=messages, output_store=self.output_store)
+        self.agent = Agent(self.llm, self.tools, host.config, on_message_end=self._on_message_end,
+                           messages=messages, output_store=host.output_store)
         self.agent.subscribe(self._on_event)
         self.experiment = spec.experiment
         self.parent = ""
         self.current: _Run | None = None
         self._started: anyio.abc.TaskStatus[str] | None = None
-        self.publish_failures = 0
-        self._topic_queued = False  # a topic message was queued while a run was active
+        self.abort_reason = ""
+        self.topic_queued = False  # a topic message was queued while a run was active
+        self.last_used = anyio.current_time()
 
     @property
-    def service(self) -> str:
-        return cmd.agent_service(self.name)
+    def busy(self) -> bool:
+        """A run is in progress or claimed (waiting for a slot)."""
+        return self.current is not None or self.agent.is_running
+
+    @property
+    def run_id(self) -> str:
+        run = self.current
+        return run.run_id if run is not None and run.run_id else (
+            self.agent.run_id if self.agent.is_running else "")
+
+    def info(self) -> cmd.SessionInfo:
+        run = self.current
+        state = "idle" if not self.busy else ("queued" if run is not None and run.queued
+                                              else "running")
+        return cmd.SessionInfo(session=self.id, state=state, run_id=self.run_id,
+                               message_count=len(self.agent.state.messages))
 
     # --- events and persistence ----------------------------------------------------------
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         try:
             self.recorder.sync(self.agent.state.messages)
         except Exception:  # a full disk must not kill the run; the next sync retries
-            log.exception("%s: could not persist the conversation", self.name)
+            log.exception("%s: could not persist session %s", self.host.name, self.id)
 
     def _on_message_end(self, message: Message) -> None:
-        self._sync()
+        self.sync()
 
     async def _on_event(self, event: ev.Event) -> None:
         if isinstance(event, (ev.TurnStart, ev.CompactionComplete, ev.AgentEnd)):
-            self._sync()  # history may have been replaced (compaction, prepare_next_turn, trim)
+            self.sync()  # history may have been replaced (compaction, prepare_next_turn, trim)
         if isinstance(event, ev.AgentStart):
-            if self.parent:
-                event = ev.AgentStart(parent_run_id=self.parent)
+            event = ev.AgentStart(parent_run_id=self.parent, session=self.id)
             run = self.current
             if run is not None and not run.run_id and self._started is not None:
                 run.run_id = self.agent.run_id
                 self._started.started(run.run_id)
                 self._started = None
+        elif isinstance(event, ev.AgentEnd) and self.abort_reason and \
+                event.stop_reason == "aborted":
+            event = msgspec.structs.replace(event, error=self._aborted_text(event.error))
         try:
-            await self.peer.publish(event, agent=self.name, run=self.agent.run_id,
-                                    experiment=self.experiment, parent=self.parent)
+            await self.host.peer.publish(event, agent=self.host.name, run=self.agent.run_id,
+                                         experiment=self.experiment, parent=self.parent)
         except Exception as exc:  # never fail a run because an event could not be sent
-            self.publish_failures += 1
-            log.warning("%s: could not publish %s: %s", self.name, ev.event_type(event), exc)
+            self.host.publish_failures += 1
+            log.warning("%s: could not publish %s: %s", self.host.name, ev.event_type(event), exc)
+
+    def _aborted_text(self, error: str | None) -> str:
+        return f"{error or ABORTED_TEXT}: {self.abort_reason}"
+
+    def abort(self, reason: str = "") -> None:
+        if reason:
+            log.info("%s: aborting run %s of session %s: %s", self.host.name, self.run_id,
+                     self.id, reason)
+            self.abort_reason = reason
+        self.agent.abort()
+        run = self.current
+        if run is not None and run.queued:
+            run.wait.cancel()  # never started: it leaves the queue (see HostedAgent._start_run)
 
     # --- runs ----------------------------------------------------------------------------
 
-    async def _run(self, start: Callable[[], Any], run: _Run, background: bool = False,
-                   *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Body of a run task in the coordinator's task group.
+    async def run_body(self, start: Callable[[], Any], run: _Run, background: bool = False,
+                       *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
+                       ) -> None:
+        """Body of a run task in the coordinator's task group; holds one of the agent's run
+        slots (taken by `HostedAgent._admit`) until it ends.
 
         `task_status.started(run_id)` is called by the agent_start listener; an AgentError
-        raised before that (busy, nothing to continue) goes to the caller of `start()` (or is
+        raised before that (nothing to continue) goes to the caller of `start()` (or is
         logged, for a `background` run nobody waits for).
         """
         self._started = task_status
         try:
+            run.queued = False
             run.result = await start()
+            if run.result is not None and self.abort_reason and \
+                    run.result.stop_reason == "aborted":
+                run.result = replace(run.result, error=self._aborted_text(run.result.error))
         except Exception:
             if not run.run_id and not background:
                 raise
-            log.exception("%s: run %s broke", self.name, run.run_id)  # the loop should not raise
+            log.exception("%s: run %s broke", self.host.name, run.run_id)  # should not raise
         finally:
+            self.host.release(run)
             if self.current is run:
                 self.current = None
+            self.abort_reason = ""
+            self.last_used = anyio.current_time()
             run.done.set()
-            self._after_run()
+            self.host.after_run(self)
 
-    def _begin(self, experiment: str, parent: str, chain: Sequence[str]) -> _Run:
-        """Claim the agent for a new run (synchronously) and set the run's context."""
+    def begin(self, experiment: str, parent: str, chain: Sequence[str]) -> _Run:
+        """Claim the session for a new run (synchronously) and set the run's context."""
         run = _Run()
         self.current = run
-        self.experiment = experiment or self.spec.experiment
+        self.experiment = experiment or self.host.spec.experiment
         self.parent = parent
         self.llm.experiment = self.tools.experiment = self.experiment
-        self.call_context = CallContext(chain=list(chain), experiment=self.experiment)
+        self.call_context = CallContext(chain=list(chain), experiment=self.experiment,
+                                        callee_sessions=self.call_context.callee_sessions)
+        self.last_used = anyio.current_time()
         return run
 
-    def _start_background(self, start: Callable[[], Any], experiment: str) -> None:
-        """Start a run nobody waits for (a topic message, queued messages left over)."""
-        run = self._begin(experiment, "", ())
-        self.runs.start_soon(self._run, start, run, True)
 
-    def _after_run(self) -> None:
-        """Topic messages queued too late for the run that just ended: run them now."""
-        if not self._topic_queued or self.current is not None or self.agent.is_running:
+class HostedAgent:
+    """An agent definition plus its bus wiring, persistence, sessions and command handler.
+
+    Sessions are kept in memory while they run and, idle, up to `IDLE_SESSIONS_KEPT` most
+    recently used ones; the others live only in the conversation store and are loaded again
+    when continued (an idle stored session costs no coordinator memory)."""
+
+    def __init__(self, spec: AgentSpec, config: LoopConfig, peer: Peer, executor: ToolExecutor,
+                 store: ConversationStore, runs: anyio.abc.TaskGroup,
+                 coordinator: str = "coordinator") -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.config = config
+        self.peer = peer
+        self.executor = executor
+        self.store = store
+        self.runs = runs
+        self.coordinator = coordinator
+        self.output_store = store.output_store(spec.name)
+        self.sessions: dict[str, Session] = {}
+        self.slots = anyio.Semaphore(spec.max_concurrent_runs)
+        self.queued = 0  # runs waiting for a slot
+        self.publish_failures = 0
+
+    @property
+    def service(self) -> str:
+        return cmd.agent_service(self.name)
+
+    @property
+    def affine_service(self) -> str:
+        return cmd.session_service(self.name, self.coordinator)
+
+    # --- sessions ------------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        return f"{self.coordinator}.{uuid.uuid4().hex[:16]}"
+
+    def session(self, session_id: str, *, create: bool = False) -> Session | None:
+        """The session in memory, else loaded from the store, else (with `create`) new."""
+        found = self.sessions.get(session_id)
+        if found is not None:
+            return found
+        if self.store.has_session(self.name, session_id):
+            messages = self.store.messages(self.name, session_id)
+        elif create:
+            self.store.new_session(self.name, session_id)
+            messages = []
+        else:
+            return None
+        found = self.sessions[session_id] = Session(self, session_id, messages)
+        return found
+
+    def _prompt_session(self, session_id: str, continue_last: bool, create: bool) -> Session:
+        if session_id:
+            found = self.session(session_id, create=create)
+            if found is None:
+                raise RemoteError(
+                    f"agent `{self.name}` has no session `{session_id}` on coordinator "
+                    f"`{self.coordinator}` (stored: {self.store.count_sessions(self.name)}); "
+                    f"check the id `busctl run` printed, or omit it for a fresh session",
+                    UNKNOWN_SESSION)
+            return found
+        if continue_last:
+            return self._last()
+        return self.session(self._new_id(), create=True)  # type: ignore[return-value]
+
+    def live(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.busy]
+
+    def _evict(self) -> None:
+        """Forget the least recently used idle sessions beyond `IDLE_SESSIONS_KEEP`."""
+        idle = [s for s in self.sessions.values()
+                if not s.busy and not s.agent.has_queued_messages()]
+        if len(idle) <= IDLE_SESSIONS_KEPT:
             return
-        if not self.agent.has_queued_messages():
-            self._topic_queued = False
+        idle.sort(key=lambda s: s.last_used)
+        for old in idle[:len(idle) - IDLE_SESSIONS_KEPT]:
+            del self.sessions[old.id]
+
+    # --- run slots -----------------------------------------------------------------------
+
+    async def _admit(self, session: Session, run: _Run) -> None:
+        """Wait for one of the agent's `max_concurrent_runs` slots; refuse when
+        `max_queued_runs` prompts wait already (never drop one silently)."""
+        try:
+            self.slots.acquire_nowait()
+            return
+        except anyio.WouldBlock:
+            pass
+        if self.queued >= self.spec.max_queued_runs:
+            raise RemoteError(
+                f"agent `{self.name}` is at capacity: {self.spec.max_concurrent_runs} runs in "
+                f"progress and {self.queued} waiting on coordinator `{self.coordinator}` "
+                f"(raise `max_concurrent_runs` / `max_queued_runs` of [[agents]] "
+                f"`{self.name}`, or retry later)", BUSY)
+        self.queued += 1
+        try:
+            await self.slots.acquire()
+        finally:
+            self.queued -= 1
+
+    def release(self, run: _Run) -> None:
+        self.slots.release()
+
+    def after_run(self, session: Session) -> None:
+        """Topic messages queued too late for the run that just ended: run them now."""
+        self._evict()
+        if not session.topic_queued or session.busy:
+            return
+        session.topic_queued = False
+        if not session.agent.has_queued_messages():
             return
         log.info("%s: running topic messages queued after its last run", self.name)
-        self._start_background(self.agent.continue_, self.experiment)
+        self._start_background(session, session.agent.continue_, session.experiment)
+
+    def _start_background(self, session: Session, start: Callable[[], Any],
+                          experiment: str) -> None:
+        """Start a run nobody waits for (a topic message, queued messages left over)."""
+        run = session.begin(experiment, "", ())
+
+        async def body() -> None:
+            await self.slots.acquire()
+            await session.run_body(start, run, True)
+
+        self.runs.start_soon(body)
 
     def deliver_topic(self, message: ev.TopicMessage, mode: str, experiment: str) -> None:
-        """A topic message for this agent: a new run when idle, else queued per `mode`."""
+        """A topic message for this agent: queued per `mode` on its one live run, else a new
+        run of its last session (several live runs: the last session's, queued or new)."""
         text = topic_text(message)
-        if self.current is None and not self.agent.is_running:
-            self._start_background(lambda: self.agent.prompt(text), experiment)
+        live = self.live()
+        session = live[0] if len(live) == 1 else self._last()
+        if not session.busy:
+            self._start_background(session, lambda: session.agent.prompt(text), experiment)
             return
         if mode == "steer":
-            self.agent.steer(text)
+            session.agent.steer(text)
         else:
-            self.agent.follow_up(text)
-        self._topic_queued = True
+            session.agent.follow_up(text)
+        session.topic_queued = True
 
-    async def _start_run(self, req: IncomingRequest, start: Callable[[], Any], experiment: str,
-                         parent: str, busy_text: str, chain: Sequence[str] = ()) -> bytes:
-        if self.agent.is_running or self.current is not None:
-            raise RemoteError(busy_text, BUSY)
-        run = self._begin(experiment, parent, chain)
+    async def _start_run(self, req: IncomingRequest, session: Session, start: Callable[[], Any],
+                         experiment: str, parent: str, chain: Sequence[str] = ()) -> bytes:
+        if session.busy:
+            raise RemoteError(f"{PROMPT_BUSY} (session `{session.id}` of agent `{self.name}` "
+                              f"has run {session.run_id or '(starting)'} in progress)", BUSY)
+        run = session.begin(experiment, parent, chain)
         try:
-            run_id = await self.runs.start(self._run, start, run)
+            with run.wait:
+                await self._admit(session, run)
+        except BaseException:
+            session.current = None
+            raise
+        if run.wait.cancelled_caught:  # aborted while it waited for a slot: it never starts
+            session.current = None
+            reason, session.abort_reason = session.abort_reason, ""
+            raise RemoteError(f"the prompt to agent `{self.name}` (session `{session.id}`) was "
+                              f"aborted before it started: {reason or 'abort'}", ABORTED)
+        run.queued = False
+        self.store.touch(self.name, session.id)
+        try:
+            run_id = await self.runs.start(session.run_body, start, run)
         except AgentError as exc:
-            self.current = None
-            raise RemoteError(str(exc), BUSY if self.agent.is_running else INVALID) from None
+            session.current = None
+            raise RemoteError(str(exc), INVALID) from None
         try:
-            await req.partial(cmd.encode(cmd.RunStarted(run_id=run_id, agent=self.name)))
+            await req.partial(cmd.encode(cmd.RunStarted(run_id=run_id, agent=self.name,
+                                                        session=session.id)))
             await run.done.wait()
         finally:
             if not run.done.is_set():  # the request was cancelled: abort, let the run end
                 log.info("%s: prompt request %s cancelled; aborting run %s", self.name, req.id,
                          run_id)
-                self.agent.abort()
+                session.agent.abort()
         result = run.result
         if result is None:
             raise RemoteError(f"run {run_id} of agent {self.name!r} ended without a result",
@@ -317,7 +521,7 @@ class HostedAgent:
         return cmd.encode(cmd.RunResult(run_id=run_id, agent=self.name,
                                         final_text=result.final_text,
                                         stop_reason=result.stop_reason, error=result.error,
-                                        usage=result.usage))
+                                        usage=result.usage, session=session.id))
 
     # --- commands ------------------------------------------------------------------------
 
@@ -327,66 +531,140 @@ class HostedAgent:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed command for `{self.service}`: {exc}",
                               p.BAD_REQUEST) from None
-        agent = self.agent
         match command:
             case cmd.Prompt():
                 return await self._prompt(req, command)
             case cmd.Continue():
-                return await self._start_run(req, agent.continue_, command.experiment, "",
-                                             CONTINUE_BUSY)
-            case cmd.Steer(text=text):
-                agent.steer(text)
-                return cmd.encode(cmd.CommandOk(detail=f"queued ({len(agent.steering)} steering)"))
-            case cmd.FollowUp(text=text):
-                agent.follow_up(text)
-                return cmd.encode(cmd.CommandOk(detail=f"queued ({len(agent.follow_ups)} follow-up)"))
+                session = self._prompt_session(command.session, True, False)
+                return await self._start_run(req, session, session.agent.continue_,
+                                             command.experiment, "")
+            case cmd.Steer() | cmd.FollowUp():
+                return self._queue(command)
             case cmd.Abort():
-                running = agent.is_running
-                agent.abort()
-                return cmd.encode(cmd.CommandOk(detail="aborted" if running else "idle"))
+                return self._abort(command)
             case cmd.Reset():
-                try:
-                    agent.reset()
-                except AgentError as exc:
-                    raise RemoteError(str(exc), BUSY) from None
-                self._sync()
-                return cmd.encode(cmd.CommandOk(detail="reset"))
+                return self._reset(command)
             case cmd.GetState():
                 return cmd.encode(self.state())
         raise RemoteError(f"unknown command {type(command).__name__}", p.BAD_REQUEST)
 
     async def _prompt(self, req: IncomingRequest, command: cmd.Prompt) -> bytes:
-        agent = self.agent
         if command.call_chain:  # asked by another agent (agent as a tool)
             problem = call_problem(command.call_chain, self.name)
             if problem is not None:
                 raise RemoteError(problem[1], problem[0])
-        if agent.is_running or self.current is not None:
-            raise RemoteError(PROMPT_BUSY, BUSY)
-        if command.new_session:
-            self.new_session()
+        session = self._prompt_session(command.session, command.continue_session,
+                                       command.new_session)
+        if command.new_session and command.session and not session.busy:
+            session.agent.reset()  # an explicit fresh start of a named session
+            session.sync()
         value: Any = list(command.messages) if command.messages else command.text
         turns = command.max_turns if command.max_turns > 0 else None  # <= 0: the agent's own bound
-        return await self._start_run(req, lambda: agent.prompt(value, max_turns=turns),
-                                     command.experiment,
-                                     command.parent_run_id, PROMPT_BUSY, command.call_chain)
+        agent = session.agent
+        return await self._start_run(req, session, lambda: agent.prompt(value, max_turns=turns),
+                                     command.experiment, command.parent_run_id,
+                                     command.call_chain)
+
+    def _target(self, run_id: str, session_id: str) -> Session | None:
+        """The session a steer/follow-up/abort addresses; None: nothing live to act on.
+        Several live runs and no id: refused, listing them."""
+        if run_id:
+            for s in self.live():
+                if s.run_id == run_id:
+                    return s
+            raise RemoteError(f"agent `{self.name}` has no run `{run_id}` in progress on "
+                              f"coordinator `{self.coordinator}`; {self._live_text()}", NO_RUN)
+        if session_id:
+            return self.session(session_id)
+        live = self.live()
+        if len(live) > 1:
+            raise RemoteError(f"agent `{self.name}` has {len(live)} runs in progress; name one "
+                              f"with --run RUN or --session SESSION: {self._live_text()}",
+                              AMBIGUOUS)
+        return live[0] if live else None
+
+    def _live_text(self) -> str:
+        live = self.live()
+        if not live:
+            return "none is in progress"
+        shown = ", ".join(f"run {s.run_id or '(queued)'} (session {s.id})"
+                          for s in live[:LIVE_LISTED])
+        more = f" and {len(live) - LIVE_LISTED} more" if len(live) > LIVE_LISTED else ""
+        return f"in progress: {shown}{more}"
+
+    def _queue(self, command: cmd.Steer | cmd.FollowUp) -> bytes:
+        session = self._target(command.run, command.session)
+        if session is None or not session.busy:
+            # Queued on an idle session it would leak into the next, unrelated run.
+            which = f"session `{session.id}`" if session is not None else f"agent `{self.name}`"
+            last = session.id if session is not None else (self.store.last_session(self.name)
+                                                           or "SESSION")
+            raise RemoteError(f"{which} has no run in progress, so there is nothing to "
+                              f"{'steer' if isinstance(command, cmd.Steer) else 'follow up'}; "
+                              f"to continue the conversation: busctl run --agent {self.name} "
+                              f"-c {last} \"TEXT\"", IDLE)
+        if isinstance(command, cmd.Steer):
+            session.agent.steer(command.text)
+            n, kind = len(session.agent.steering), "steering"
+        else:
+            session.agent.follow_up(command.text)
+            n, kind = len(session.agent.follow_ups), "follow-up"
+        return cmd.encode(cmd.CommandOk(detail=f"queued ({n} {kind}) for run "
+                                               f"{session.run_id or '(queued)'} of session "
+                                               f"{session.id}"))
+
+    def _abort(self, command: cmd.Abort) -> bytes:
+        session = self._target(command.run, command.session)
+        if session is None or not session.busy:
+            return cmd.encode(cmd.CommandOk(detail="idle"))
+        session.abort(command.reason)
+        return cmd.encode(cmd.CommandOk(detail=f"aborted run {session.run_id or '(queued)'} "
+                                               f"of session {session.id}"))
+
+    def _reset(self, command: cmd.Reset) -> bytes:
+        session_id = command.session or self.store.last_session(self.name)
+        session = self.session(session_id) if session_id else None
+        if session is None:
+            return cmd.encode(cmd.CommandOk(detail="reset (nothing stored)"))
+        if session.busy:
+            raise RemoteError(f"{RESET_BUSY} (session `{session.id}` has run "
+                              f"{session.run_id or '(queued)'} in progress)", BUSY)
+        session.agent.reset()
+        session.sync()
+        return cmd.encode(cmd.CommandOk(detail=f"reset session {session.id}"))
+
+    def _last(self) -> Session:
+        """The agent's last session (a fresh one when it has none)."""
+        last = self.store.last_session(self.name) or self._new_id()
+        return self.session(last, create=True)  # type: ignore[return-value]
 
     def new_session(self) -> str:
-        """Start a fresh conversation (refused while running)."""
-        self.agent.reset()
-        session = self.store.new_session(self.name)
-        self.recorder.switch(session)
+        """Start a fresh conversation and make it the agent's last one."""
+        session = self._new_id()
+        self.session(session, create=True)
         return session
 
     def state(self) -> cmd.AgentState:
-        s = self.agent.state
-        return cmd.AgentState(
-            name=self.name, model=s.model, is_running=s.is_running, run_id=s.run_id,
-            message_count=len(s.messages), pending_tool_calls=sorted(s.pending_tool_calls),
-            error=s.error, queued_steering=len(self.agent.steering),
-            queued_follow_up=len(self.agent.follow_ups), usage=dict(s.usage),
-            session=self.recorder.session,
-        )
+        live = self.live()
+        last = self.store.last_session(self.name)
+        focus = live[0] if len(live) == 1 else (self.session(last) if last else None)
+        infos = sorted((s.info() for s in self.sessions.values()),
+                       key=lambda i: (i.state == "idle", i.session))
+        base = cmd.AgentState(name=self.name, model=self.spec.model, is_running=bool(live),
+                              coordinator=self.coordinator, sessions=infos[:cmd.SESSIONS_LISTED],
+                              live=len(live), queued=self.queued,
+                              idle=len(self.sessions) - len(live),
+                              stored=self.store.count_sessions(self.name),
+                              max_concurrent_runs=self.spec.max_concurrent_runs)
+        if focus is None:
+            return base
+        s = focus.agent.state
+        return msgspec.structs.replace(
+            base, run_id=focus.run_id, message_count=len(s.messages),
+            pending_tool_calls=sorted(s.pending_tool_calls), error=s.error,
+            queued_steering=len(focus.agent.steering),
+            queued_follow_up=len(focus.agent.follow_ups), usage=dict(s.usage),
+            session=focus.id, is_running=bool(live))
 
 
 # --- the coordinator -----------------------------------------------------------------------
@@ -402,32 +680,44 @@ class Coordinator:
         self.peer = peer
         self.executor = executor or BusToolExecutor(peer)
         self.agents = {spec.name: HostedAgent(spec, configs[spec.name], peer, self.executor,
-                                              store, runs)
+                                              store, runs, settings.name)
                        for spec in settings.agents}
         self.topics = TopicRouter(peer, [(h, h.spec.subscribe) for h in self.agents.values()])
 
     async def register(self) -> None:
+        """Serve `agent.<name>` (new sessions: the hub spreads them over the coordinators by
+        load) and `agent.<name>@<coordinator>` (the sessions this one holds)."""
+        status = await self.peer.status()
+        taken = {s.name for s in status.services if s.peers > 0}
         for hosted in self.agents.values():
-            await self.peer.serve(hosted.service, hosted.handle, capacity=AGENT_CAPACITY,
-                                  meta={"agent": hosted.name, "model": hosted.spec.model,
-                                        "coordinator": self.settings.name,
-                                        "description": first_line(hosted.spec.system_prompt)})
+            if hosted.affine_service in taken:
+                log.warning("%s: another live coordinator is named %r; continuing a session "
+                            "may reach the wrong one (give each a distinct --name)",
+                            hosted.name, self.settings.name)
+            spec = hosted.spec
+            capacity = spec.max_concurrent_runs + spec.max_queued_runs + COMMAND_CAPACITY
+            meta = {"agent": hosted.name, "model": spec.model,
+                    "coordinator": self.settings.name,
+                    "description": first_line(spec.system_prompt)}
+            for service in (hosted.service, hosted.affine_service):
+                await self.peer.serve(service, hosted.handle, capacity=capacity, meta=meta)
         await self.peer.status()  # same connection, in order: the registrations are in place
 
     async def shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Abort running runs, give them `grace` s to end, unregister."""
-        running = [h for h in self.agents.values() if h.agent.is_running]
-        for hosted in running:
-            hosted.agent.abort()
+        running = [s for h in self.agents.values() for s in h.live()]
+        for session in running:
+            session.abort("the coordinator is shutting down")
         with anyio.move_on_after(grace):
-            for hosted in running:
-                await hosted.agent.wait_for_idle()
+            for session in running:
+                await session.agent.wait_for_idle()
         if running:
             await anyio.sleep(0.05)  # let the handlers send their RunResult replies
         with anyio.move_on_after(1):
             for hosted in self.agents.values():
                 try:
                     await self.peer.unserve(hosted.service)
+                    await self.peer.unserve(hosted.affine_service)
                 except Exception:
                     break
 
@@ -490,10 +780,12 @@ class _no_signals:
 
 __all__ = [
     "AGENT_CAPACITY",
+    "IDLE_SESSIONS_KEPT",
     "Coordinator",
     "CoordinatorError",
     "CoordinatorSettings",
     "HostedAgent",
+    "Session",
     "build_configs",
     "loop_config",
     "resolve_hook",

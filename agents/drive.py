@@ -19,6 +19,7 @@ import click
 from agents import commands as cmd
 from agents.remote import AgentBus, Run, connect
 from bus import events as ev
+from bus.errors import BusError
 from bus.render import HumanPrinter, json_line
 from bus.security import CurveClient
 
@@ -105,7 +106,7 @@ async def _follow(run: Run, view: RunView) -> cmd.RunResult:
     return await run.result()
 
 
-async def _abort_on_sigint(bus: AgentBus, agent: str, scope: anyio.CancelScope,
+async def _abort_on_sigint(bus: AgentBus, run: Run, scope: anyio.CancelScope,
                            err: TextIO) -> None:
     with anyio.open_signal_receiver(signal.SIGINT) as signals:
         count = 0
@@ -113,7 +114,7 @@ async def _abort_on_sigint(bus: AgentBus, agent: str, scope: anyio.CancelScope,
             count += 1
             if count == 1:
                 err.write("\naborting the run (Ctrl-C again to quit at once)…\n")
-                await bus.abort(agent)
+                await bus.abort(run.agent, "Ctrl-C", run=run.run_id, session=run.session)
             else:
                 scope.cancel()
                 return
@@ -121,15 +122,23 @@ async def _abort_on_sigint(bus: AgentBus, agent: str, scope: anyio.CancelScope,
 
 async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, as_json: bool,
                     new_session: bool, experiment: str, color: bool, max_turns: int = 0,
-                    quiet: bool = False) -> int:
+                    quiet: bool = False, session: str = "", continue_session: bool = False
+                    ) -> int:
+    """One run in a fresh session, or in `session` / the agent's last one (`continue_session`);
+    the session id goes to stderr (unless `quiet`) so the conversation can be continued."""
     out = sys.stdout
     view = RunView(out, as_json, color, quiet)
     async with connect(hub, name="busctl-run", curve=curve) as bus:
         run = await bus.prompt(agent, text, experiment=experiment, new_session=new_session,
-                               max_turns=max_turns)
+                               max_turns=max_turns, session=session,
+                               continue_session=continue_session)
+        if not quiet:
+            sys.stderr.write(f"session {run.session} (continue it: busctl run --agent {agent} "
+                             f"-c {run.session} \"…\")\n")
+            sys.stderr.flush()
         result: cmd.RunResult | None = None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_abort_on_sigint, bus, agent, tg.cancel_scope, sys.stderr)
+            tg.start_soon(_abort_on_sigint, bus, run, tg.cancel_scope, sys.stderr)
             result = await _follow(run, view)
             tg.cancel_scope.cancel()
         if result is None:
@@ -138,44 +147,73 @@ async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, 
         return exit_code(result)
 
 
-async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool) -> None:
-    """Read lines from stdin: a prompt when idle, steering while a run streams."""
+class ChatState:
+    """One chat: its session (kept for every prompt, "" until the first one) and live run."""
+
+    def __init__(self, agent: str, session: str = "") -> None:
+        self.agent = agent
+        self.session = session
+        self.running: list[Run] = []
+
+
+async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool,
+               session: str = "") -> None:
+    """Read lines from stdin: a prompt when idle, steering while a run streams. Every prompt
+    continues the chat's one session (a fresh one, or `session`); `/reset` starts another."""
     out = sys.stdout
     view = RunView(out, False, color)
+    state = ChatState(agent, session)
     async with connect(hub, name="busctl-chat", curve=curve) as bus, \
             anyio.create_task_group() as tg:
-        running: list[Run] = []
         out.write(f"chatting with `{agent}` — /abort, /follow TEXT, /reset, Ctrl-D to quit\n> ")
         out.flush()
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
             if not line:
                 break
-            await _chat_line(bus, agent, line.strip(), running, view, tg)
+            try:
+                note = await _chat_line(bus, line.strip(), state, view, tg)
+            except BusError as exc:  # a refused command must not end the chat
+                note = f"{type(exc).__name__}: {exc}"
+            if note:
+                sys.stderr.write(note + "\n")
+                sys.stderr.flush()
         # End of input: let a run in progress finish (Ctrl-C still aborts it) before leaving.
 
 
-async def _chat_line(bus: AgentBus, agent: str, line: str, running: list[Run], view: RunView,
-                     tg: anyio.abc.TaskGroup) -> None:
+async def _chat_line(bus: AgentBus, line: str, state: ChatState, view: RunView,
+                     tg: anyio.abc.TaskGroup) -> str:
+    """Act on one line; returns a note for the user ("" when none)."""
     if not line:
-        return
+        return ""
+    run = state.running[0] if state.running else None
+    ids = {"run": run.run_id, "session": run.session} if run is not None else {}
     if line == "/abort":
-        await bus.abort(agent)
-    elif line == "/reset":
-        await bus.reset(agent)
-    elif line.startswith("/follow "):
-        await bus.follow_up(agent, line[8:])
-    elif running:
-        await bus.steer(agent, line)
-    else:
-        run = await bus.prompt(agent, line)
-        running.append(run)
+        return "aborting…" if run is not None and await bus.abort(state.agent, "chat", **ids) \
+            else "no run in progress: nothing to abort"
+    if line == "/reset":
+        if run is not None:
+            return "cannot /reset while a run is in progress: /abort it first (the chat stays open)"
+        state.session = ""
+        return "a new conversation starts with your next prompt"
+    if line.startswith("/follow "):
+        if run is None:
+            return "no run in progress: type the text as a prompt instead"
+        return await bus.follow_up(state.agent, line[8:], **ids)
+    if run is not None:
+        return await bus.steer(state.agent, line, **ids)
+    run = await bus.prompt(state.agent, line, session=state.session)
+    state.session = run.session
+    state.running.append(run)
 
-        async def follow() -> None:
+    async def follow() -> None:
+        try:
             result = await _follow(run, view)
             view.finish(result)
-            view.out.write("> ")
-            view.out.flush()
-            running.remove(run)
+        finally:
+            state.running.remove(run)
+        view.out.write("> ")
+        view.out.flush()
 
-        tg.start_soon(follow)
+    tg.start_soon(follow)
+    return ""

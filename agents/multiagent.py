@@ -4,7 +4,7 @@
 per listed agent, named `ask_<agent>` (characters other than letters, digits, `_` and `-` become
 `_`, so `ask_web_search` for an agent `web.search`), with the arguments
 
-    {"prompt": "...", "new_session": false}     # new_session optional: a fresh conversation
+    {"prompt": "..."}      # plus "new_session": false|true with `ask_sessions = "caller"`
 
 and a description made of the callee's first system-prompt line (from its service metadata on
 the hub) when it is live. A call sends a `Prompt` to `agent.<name>` through the hub (even when the
@@ -21,9 +21,13 @@ the call could not be made. `details` holds `{"agent", "run_id", "stop_reason"}`
     before anything is sent, with an error result naming the chain; the callee's coordinator
     checks the same again (code `call_cycle`). The chain is longer than `MAX_CALL_DEPTH` (4)
     agents -> refused with a text naming the limit (code `call_depth`).
-  - A busy callee outside the chain (another caller is using it) is retried until it is free,
-    for up to `BUSY_WAIT` seconds, then the call fails with the callee's busy message. A callee
-    no coordinator serves is waited for `SERVICE_WAIT` s (it may be starting).
+  - Sessions: each call opens a fresh session of the callee (its runs proceed concurrently
+    with other callers'), unless the caller's spec says `ask_sessions = "caller"`: then each
+    calling session keeps one callee session (its id from the first call's result), continued
+    by its later calls (`new_session: true` starts another); it is held in memory with the
+    calling session. A callee at capacity (`max_concurrent_runs` and `max_queued_runs` full)
+    is retried for up to `BUSY_WAIT` seconds, then the call fails with the callee's busy
+    message. A callee no coordinator serves is waited for `SERVICE_WAIT` s (it may be starting).
 
 **Topics.** `publish(topic, text)` is a built-in tool offered to every agent that subscribes to
 a topic or lists `agents`, and to any agent naming `publish` in its `tools`; `publish_topic()` is
@@ -148,6 +152,9 @@ class CallContext:
 
     chain: list[str] = field(default_factory=list)
     experiment: str = ""
+    #: callee -> its session this calling session talks to (`ask_sessions = "caller"`); kept
+    #: across the calling session's runs.
+    callee_sessions: dict[str, str] = field(default_factory=dict)
 
 
 class AgentCalls:
@@ -155,8 +162,10 @@ class AgentCalls:
 
     def __init__(self, peer: Peer, owner: str, agents: Sequence[str],
                  context: Callable[[], CallContext], *, max_depth: int = MAX_CALL_DEPTH,
-                 busy_wait: float = BUSY_WAIT, service_wait: float = SERVICE_WAIT) -> None:
+                 busy_wait: float = BUSY_WAIT, service_wait: float = SERVICE_WAIT,
+                 per_caller_session: bool = False) -> None:
         self.peer = peer
+        self.per_caller_session = per_caller_session
         self.owner = owner
         self.context = context
         self.max_depth = max_depth
@@ -185,15 +194,18 @@ class AgentCalls:
             return  # descriptions are a nicety; offer the tools anyway
         self._fetched = now
         for service in status.services:
-            if service.name.startswith("agent.") and service.peers > 0:
+            agent = cmd.agent_of_service(service.name)
+            if agent and service.peers > 0:
                 desc = service.meta.get("description") if isinstance(service.meta, dict) else None
                 if isinstance(desc, str):
-                    self._descriptions[service.name[6:]] = desc
+                    self._descriptions[agent] = desc
 
     def _info(self, tool: str, agent: str) -> ToolInfo:
         role = self._descriptions.get(agent, "")
+        memory = ("and remembers your earlier asks" if self.per_caller_session
+                  else "and starts afresh each time: give it everything it needs")
         description = (f"Ask the agent '{agent}' to do something and wait for its final answer "
-                       f"(it works with its own tools and memory of earlier asks).")
+                       f"(it works with its own tools {memory}).")
         if role:
             description += f" Its role: {role}"
         return ToolInfo(name=tool, description=description, parameters={
@@ -201,8 +213,9 @@ class AgentCalls:
             "properties": {
                 "prompt": {"type": "string",
                            "description": f"The complete request for '{agent}'."},
-                "new_session": {"type": "boolean",
-                                "description": "Start it on a fresh conversation first."},
+                **({"new_session": {"type": "boolean",
+                                    "description": "Start it on a fresh conversation first."}}
+                   if self.per_caller_session else {}),
             },
             "required": ["prompt"],
         })
@@ -225,13 +238,21 @@ class AgentCalls:
         problem = call_problem(chain, callee, self.max_depth)
         if problem is not None:
             return error_result(f"Error: {problem[1]}")
+        session = ""
+        if self.per_caller_session and not new_session:
+            session = context.callee_sessions.get(callee, "")
         command = cmd.Prompt(text=prompt, experiment=context.experiment,
-                             parent_run_id=request.run_id, new_session=new_session,
-                             call_chain=chain)
-        return await self._call(callee, cmd.encode(command), request.run_id)
+                             parent_run_id=request.run_id, session=session, call_chain=chain)
+        result = await self._call(callee, cmd.encode(command), request.run_id, session)
+        if self.per_caller_session and isinstance(result.details, dict) and \
+                result.details.get("session"):
+            context.callee_sessions[callee] = result.details["session"]
+        return result
 
-    async def _call(self, callee: str, body: bytes, parent: str) -> ToolResult:
-        service = cmd.agent_service(callee)
+    async def _call(self, callee: str, body: bytes, parent: str, session: str = "") -> ToolResult:
+        coordinator = cmd.session_coordinator(session)
+        service = (cmd.session_service(callee, coordinator) if coordinator
+                   else cmd.agent_service(callee))
         busy_until = anyio.current_time() + self.busy_wait
         service_until = anyio.current_time() + self.service_wait
         delay = 0.02
@@ -270,7 +291,7 @@ class AgentCalls:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return error_result(f"Error: agent '{callee}' sent an unreadable result: {exc}")
         details = {"agent": callee, "run_id": result.run_id or run_id,
-                   "stop_reason": result.stop_reason}
+                   "stop_reason": result.stop_reason, "session": result.session}
         if result.stop_reason in ("error", "aborted"):
             why = result.error or result.final_text or result.stop_reason
             text = f"Error: agent '{callee}' run {result.run_id} ended {result.stop_reason}: {why}"

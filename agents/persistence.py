@@ -6,6 +6,10 @@ coordinator's state directory, so an agent continues the same conversation after
     recorder = store.recorder("assistant", session)   # keeps the store in step with a history
     recorder.sync(agent.state.messages)               # append what is new / rewrite when replaced
     store.new_session("assistant")                    # a fresh conversation (the old one is kept)
+    store.touch("assistant", session)                 # the one `continue` without an id resumes
+
+An agent has any number of sessions (one per conversation, see `agents.coordinator`); the
+"current" one is the session it used last.
 
 Messages are stored one row each as msgpack, in history order. `ConversationRecorder.sync` is
 called as each message ends (the Agent's `on_message_end`) and at turn and run boundaries: when
@@ -89,15 +93,37 @@ class ConversationStore:
                               (agent,)).fetchone()
         return row[0] if row else self.new_session(agent)
 
-    def new_session(self, agent: str) -> str:
-        """Start a fresh, empty session and make it current (earlier ones stay stored)."""
-        session = uuid.uuid4().hex
+    def new_session(self, agent: str, session: str = "") -> str:
+        """Start a fresh, empty session (id `session`, else a uuid4 hex) and make it current
+        (earlier ones stay stored)."""
+        session = session or uuid.uuid4().hex
         with self._tx():
             self.db.execute("INSERT INTO sessions (agent, session, created) VALUES (?, ?, ?)",
                             (agent, session, time.time()))
             self.db.execute("INSERT OR REPLACE INTO current_session (agent, session) VALUES (?, ?)",
                             (agent, session))
         return session
+
+    def last_session(self, agent: str) -> str:
+        """The session the agent used last ("" when it has none); unlike `current_session`
+        this creates nothing."""
+        row = self.db.execute("SELECT session FROM current_session WHERE agent = ?",
+                              (agent,)).fetchone()
+        return row[0] if row else ""
+
+    def touch(self, agent: str, session: str) -> None:
+        """Make `session` the agent's last one (what `continue` without an id continues)."""
+        with self._tx():
+            self.db.execute("INSERT OR REPLACE INTO current_session (agent, session) VALUES (?, ?)",
+                            (agent, session))
+
+    def has_session(self, agent: str, session: str) -> bool:
+        return self.db.execute("SELECT 1 FROM sessions WHERE agent = ? AND session = ?",
+                               (agent, session)).fetchone() is not None
+
+    def count_sessions(self, agent: str) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM sessions WHERE agent = ?",
+                               (agent,)).fetchone()[0]
 
     def sessions(self, agent: str) -> list[str]:
         rows = self.db.execute("SELECT session FROM sessions WHERE agent = ? ORDER BY created",

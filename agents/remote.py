@@ -8,6 +8,14 @@
 
 Events of a run are read from the hub's log and live stream from the moment before the prompt
 was sent, so none is missed however fast the agent is.
+
+Sessions: `prompt()` starts a fresh session (conversation) of the agent unless it is given
+`session=ID` (continue that one) or `continue_session=True` (the agent's last one); the run's
+`session` says which, so it can be continued. A session id names the coordinator holding it,
+and the prompt goes to that coordinator's `agent.<name>@<coordinator>` service. `steer`,
+`follow_up` and `abort` take `run=` or `session=`; without either they act on the agent's one
+live run (found on whichever coordinator holds it) and fail with code `ambiguous`, listing the
+live runs, when there are several.
 """
 
 from __future__ import annotations
@@ -27,10 +35,11 @@ from tools.worker import ToolWorker, WorkerSettings
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
-from bus.errors import BusError, NoService
+from bus.errors import BusError, NoService, RemoteError
 from bus.protocol import Status
 from bus.security import CurveClient
 
+NO_RUN, AMBIGUOUS = "no_run", "ambiguous"  # the coordinator's error codes (agents.coordinator)
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
 
 
@@ -42,6 +51,7 @@ class Run:
         self.bus = bus
         self.agent = agent
         self.run_id = ""
+        self.session = ""
         self._subscription = subscription
         self._replies = replies
         self._stack = exit_stack
@@ -53,6 +63,7 @@ class Run:
         first = await self._replies.__anext__()
         started = msgspec.msgpack.decode(first, type=cmd.RunStarted)
         self.run_id = started.run_id
+        self.session = started.session
 
     async def events(self) -> AsyncIterator[Envelope]:
         """This run's events, in seq order, ending with its `agent_end`."""
@@ -84,8 +95,8 @@ class Run:
             self._final = body
         return self._final
 
-    async def abort(self) -> None:
-        await self.bus.abort(self.agent)
+    async def abort(self, reason: str = "") -> None:
+        await self.bus.abort(self.agent, reason, run=self.run_id, session=self.session)
 
     async def close(self) -> None:
         await self._stack.aclose()
@@ -97,39 +108,97 @@ class AgentBus:
     def __init__(self, peer: Peer) -> None:
         self.peer = peer
 
-    async def _command(self, agent: str, command: cmd.Command, timeout: float = 10.0) -> bytes:
-        _require_agent(agent, await self.peer.status())
-        return await self.peer.request(cmd.agent_service(agent), cmd.encode(command),
-                                       timeout=timeout)
+    async def _service(self, agent: str, session: str = "") -> str:
+        """The service to send a command about `session` (or a new one) to."""
+        status = await self.peer.status()
+        _require_agent(agent, status)
+        coordinator = cmd.session_coordinator(session)
+        if not coordinator:
+            return cmd.agent_service(agent)
+        service = cmd.session_service(agent, coordinator)
+        if service not in _affine(agent, status):
+            live = sorted(s.rpartition("@")[2] for s in _affine(agent, status))
+            raise NoService(f"session `{session}` of agent `{agent}` is held by coordinator "
+                            f"`{coordinator}`, which is not live (live coordinators of "
+                            f"`{agent}`: {', '.join(live) or 'none'}); restart it to continue "
+                            f"the session, or start a fresh one")
+        return service
+
+    async def _command(self, agent: str, command: cmd.Command, *, session: str = "",
+                       run: str = "", timeout: float = 10.0) -> bytes:
+        """Send `command` to the coordinator holding `session`, else the one holding `run`
+        (or the agent's one live run, when neither is named)."""
+        service = await self._service(agent, session)
+        if session:
+            return await self.peer.request(service, cmd.encode(command), timeout=timeout)
+        affine = sorted(_affine(agent, await self.peer.status()))
+        if len(affine) <= 1:
+            return await self.peer.request(service, cmd.encode(command), timeout=timeout)
+        return await self._command_live(agent, command, affine, run, timeout)
+
+    async def _command_live(self, agent: str, command: cmd.Command, services: list[str],
+                            run: str, timeout: float) -> bytes:
+        """Several coordinators serve `agent`: send to the one holding the live run."""
+        states = [await self._state_of(service) for service in services]
+        if run:
+            error: RemoteError | None = None
+            for service in services:  # the coordinator that has the run accepts
+                try:
+                    return await self.peer.request(service, cmd.encode(command), timeout=timeout)
+                except RemoteError as exc:
+                    if exc.code != NO_RUN:
+                        raise
+                    error = exc
+            assert error is not None
+            raise error
+        holding = [(svc, st) for svc, st in zip(services, states, strict=True) if st.live]
+        if sum(st.live for _, st in holding) > 1:
+            listed = ", ".join(f"run {i.run_id or '(queued)'} (session {i.session})"
+                               for _, st in holding for i in st.sessions if i.state != "idle")
+            raise RemoteError(f"agent `{agent}` has {sum(st.live for _, st in holding)} runs in "
+                              f"progress; name one with --run RUN or --session SESSION: "
+                              f"in progress: {listed}", AMBIGUOUS)
+        service = holding[0][0] if holding else cmd.agent_service(agent)
+        return await self.peer.request(service, cmd.encode(command), timeout=timeout)
+
+    async def _state_of(self, service: str) -> cmd.AgentState:
+        body = await self.peer.request(service, cmd.encode(cmd.GetState()), timeout=5)
+        return msgspec.msgpack.decode(body, type=cmd.AgentState)
 
     async def prompt(self, agent: str, text: str = "", *, messages: Sequence[Any] = (),
-                     experiment: str = "", new_session: bool = False,
-                     parent_run_id: str = "", max_turns: int = 0) -> Run:
+                     experiment: str = "", session: str = "", continue_session: bool = False,
+                     new_session: bool = False, parent_run_id: str = "",
+                     max_turns: int = 0) -> Run:
         """Start a run; returns once the agent has accepted it (its run id is known).
 
-        `max_turns` > 0 bounds this run to that many turns (the agent's `max_iterations`
-        otherwise); past it the run ends with stop reason `max_iterations`."""
+        A fresh session unless `session` (continue it) or `continue_session` (the agent's last
+        session) is given; `run.session` is the id. `new_session` with `session` starts that
+        session over. `max_turns` > 0 bounds this run to that many turns (the agent's
+        `max_iterations` otherwise); past it the run ends with stop reason `max_iterations`."""
         if max_turns < 0:
             raise ValueError(f"max_turns must be 0 (the agent's own bound) or more, not {max_turns}")
         command = cmd.Prompt(text=text, messages=list(messages), experiment=experiment,
+                             session=session, continue_session=continue_session,
                              new_session=new_session, parent_run_id=parent_run_id,
                              max_turns=max_turns)
-        return await self._start(agent, command)
+        return await self._start(agent, command, session)
 
-    async def continue_(self, agent: str, *, experiment: str = "") -> Run:
-        return await self._start(agent, cmd.Continue(experiment=experiment))
+    async def continue_(self, agent: str, *, experiment: str = "", session: str = "") -> Run:
+        """Run `session` (else the agent's last one) again from its history as it is."""
+        return await self._start(agent, cmd.Continue(experiment=experiment, session=session),
+                                 session)
 
-    async def _start(self, agent: str, command: cmd.Command) -> Run:
+    async def _start(self, agent: str, command: cmd.Command, session: str = "") -> Run:
         stack = AsyncExitStack()
         try:
-            status = await self.peer.status()
-            _require_agent(agent, status)  # else the prompt would wait PROMPT_TIMEOUT for nobody
-            seq = status.seq
+            # fails at once for an agent nobody serves: else the prompt would wait
+            # PROMPT_TIMEOUT for nobody
+            service = await self._service(agent, session)
+            seq = (await self.peer.status()).seq
             subscription = await stack.enter_async_context(
                 self.peer.subscribe([f"agent/{agent}/"], since=seq))
             stream = await stack.enter_async_context(
-                self.peer.stream(cmd.agent_service(agent), cmd.encode(command),
-                                 timeout=PROMPT_TIMEOUT))
+                self.peer.stream(service, cmd.encode(command), timeout=PROMPT_TIMEOUT))
             run = Run(self, agent, subscription, stream, stack)
             await run._started()
         except BaseException:
@@ -142,24 +211,33 @@ class AgentBus:
         run = await self.prompt(agent, text, **kwargs)
         return await run.result()
 
-    async def run_many(self, prompts: Sequence[tuple[str, str]], *, concurrency: int = 4,
-                       experiment: str = "") -> list[cmd.RunResult]:
-        """Run (agent, text) prompts with at most `concurrency` at once; results in input order.
+    async def run_many(self, prompts: Sequence[tuple[str, str] | tuple[str, str, str]], *,
+                       concurrency: int = 4, experiment: str = "") -> list[cmd.RunResult]:
+        """Run (agent, text) or (agent, text, session) prompts with at most `concurrency` at
+        once; results in input order (`result.session` says which session each ran in).
 
-        Each agent runs one run at a time, so prompts for the same agent are queued per agent
-        (a busy agent refuses a second prompt); the limit applies across agents.
+        Each prompt without a session runs in a fresh session of its agent, so prompts to one
+        agent run concurrently and independently (up to the agent's `max_concurrent_runs`).
+        Two prompts naming the same session run one after the other.
         """
         limiter = anyio.CapacityLimiter(max(1, concurrency))
-        locks: dict[str, anyio.Lock] = {agent: anyio.Lock() for agent, _ in prompts}
+        locks: dict[str, anyio.Lock] = {}
         results: list[cmd.RunResult | None] = [None] * len(prompts)
 
-        async def one(index: int, agent: str, text: str) -> None:
-            async with locks[agent], limiter:
-                results[index] = await self.run(agent, text, experiment=experiment)
+        async def one(index: int, agent: str, text: str, session: str) -> None:
+            lock = locks.setdefault(f"{agent}/{session}", anyio.Lock()) if session else None
+            async with limiter:
+                if lock is None:
+                    results[index] = await self.run(agent, text, experiment=experiment)
+                    return
+                async with lock:
+                    results[index] = await self.run(agent, text, experiment=experiment,
+                                                    session=session)
 
         async with anyio.create_task_group() as tg:
-            for index, (agent, text) in enumerate(prompts):
-                tg.start_soon(one, index, agent, text)
+            for index, item in enumerate(prompts):
+                agent, text, session = (*item, "")[:3]
+                tg.start_soon(one, index, agent, text, session)
         return [r for r in results if r is not None]
 
     async def publish(self, topic: str, text: str, *, sender: str = "script",
@@ -188,26 +266,38 @@ class AgentBus:
             with anyio.CancelScope(shield=True):
                 await worker.leave()
 
-    async def steer(self, agent: str, text: str) -> None:
-        await self._command(agent, cmd.Steer(text=text))
+    async def steer(self, agent: str, text: str, *, run: str = "", session: str = "") -> str:
+        """Queue `text` for the next turn of a live run (the agent's one live run, unless `run`
+        or `session` names it); refused when it is idle. Returns the coordinator's detail."""
+        return await self._ok(agent, cmd.Steer(text=text, run=run, session=session), session,
+                              run)
 
-    async def follow_up(self, agent: str, text: str) -> None:
-        await self._command(agent, cmd.FollowUp(text=text))
+    async def follow_up(self, agent: str, text: str, *, run: str = "",
+                        session: str = "") -> str:
+        return await self._ok(agent, cmd.FollowUp(text=text, run=run, session=session),
+                              session, run)
 
-    async def abort(self, agent: str, reason: str = "") -> None:
-        """Abort the agent's current run; `reason` is logged by its coordinator."""
-        await self._command(agent, cmd.Abort(reason=reason))
+    async def abort(self, agent: str, reason: str = "", *, run: str = "",
+                    session: str = "") -> str:
+        """Abort a live run; `reason` ends up in its `agent_end` error."""
+        return await self._ok(agent, cmd.Abort(reason=reason, run=run, session=session),
+                              session, run)
 
-    async def reset(self, agent: str) -> None:
-        await self._command(agent, cmd.Reset())
+    async def reset(self, agent: str, *, session: str = "") -> str:
+        return await self._ok(agent, cmd.Reset(session=session), session, "")
 
-    async def state(self, agent: str) -> cmd.AgentState:
-        return msgspec.msgpack.decode(await self._command(agent, cmd.GetState()),
-                                      type=cmd.AgentState)
+    async def _ok(self, agent: str, command: cmd.Command, session: str, run: str) -> str:
+        body = await self._command(agent, command, session=session, run=run)
+        return msgspec.msgpack.decode(body, type=cmd.CommandOk).detail
+
+    async def state(self, agent: str, *, session: str = "") -> cmd.AgentState:
+        """The agent's state on one coordinator (the one holding `session`, if given)."""
+        return await self._state_of(await self._service(agent, session))
 
     async def agents(self) -> list[str]:
         status = await self.peer.status()
-        return sorted(s.name[6:] for s in status.services if s.name.startswith("agent."))
+        return sorted(a for a in map(cmd.agent_of_service, (s.name for s in status.services))
+                      if a)
 
 
 def _require_agent(agent: str, status: Status) -> None:
@@ -215,15 +305,25 @@ def _require_agent(agent: str, status: Status) -> None:
     services = {s.name for s in status.services}
     if cmd.agent_service(agent) in services:
         return
-    live = sorted(name[6:] for name in services if name.startswith("agent."))
+    live = sorted(a for a in map(cmd.agent_of_service, services) if a)
     raise NoService(f"no live coordinator serves agent `{agent}` (service "
                     f"`{cmd.agent_service(agent)}`); live agents: {', '.join(live) or 'none'}. "
                     f"Host it with an [[agents]] entry in the topology of `busctl up`, or "
                     f"`busctl coordinator --topology FILE --agent {agent}`")
 
 
+def _affine(agent: str, status: Status) -> set[str]:
+    """The live `agent.<agent>@<coordinator>` services: one per coordinator serving it."""
+    prefix = f"agent.{agent}@"
+    return {s.name for s in status.services if s.name.startswith(prefix) and s.peers > 0}
+
+
 async def topology_status(peer: Peer) -> dict[str, Any]:
-    """The hub's status plus each gateway's queues and usage and each agent's state."""
+    """The hub's status plus each gateway's queues and usage and each agent's state.
+
+    `agents[<name>]` is the state of the agent on its first coordinator, with `sessions`,
+    `live`, `queued`, `idle` and `stored` summed over all coordinators serving it, and
+    `coordinators` naming them."""
     status = await peer.status()
     report: dict[str, Any] = msgspec.to_builtins(status)
     report["gateways"] = {}
@@ -233,12 +333,28 @@ async def topology_status(peer: Peer) -> dict[str, Any]:
             if service.name.startswith("gateway."):
                 body = await peer.request(service.name, b"", timeout=3)
                 report["gateways"][service.name[8:]] = msgspec.msgpack.decode(body)
-            elif service.name.startswith("agent."):
+            elif service.name.startswith("agent.") and "@" in service.name and service.peers:
                 body = await peer.request(service.name, cmd.encode(cmd.GetState()), timeout=3)
-                report["agents"][service.name[6:]] = msgspec.msgpack.decode(body)
+                _merge_agent(report["agents"], msgspec.msgpack.decode(body))
         except BusError as exc:
             report.setdefault("errors", []).append(f"{service.name}: {exc}")
     return report
+
+
+def _merge_agent(agents: dict[str, Any], state: dict[str, Any]) -> None:
+    coordinator = state.get("coordinator", "")
+    for info in state.get("sessions", []):
+        info["coordinator"] = coordinator
+    merged = agents.get(state["name"])
+    if merged is None:
+        state["coordinators"] = [coordinator]
+        agents[state["name"]] = state
+        return
+    merged["coordinators"].append(coordinator)
+    merged["sessions"] = merged.get("sessions", []) + state.get("sessions", [])
+    for key in ("live", "queued", "idle", "stored"):
+        merged[key] = merged.get(key, 0) + state.get(key, 0)
+    merged["is_running"] = merged.get("is_running", False) or state.get("is_running", False)
 
 
 @asynccontextmanager
@@ -265,20 +381,20 @@ class BlockingBus:
     def run_many(self, prompts: Sequence[tuple[str, str]], **kwargs: Any) -> list[cmd.RunResult]:
         return self._portal.call(lambda: self._bus.run_many(prompts, **kwargs))
 
-    def steer(self, agent: str, text: str) -> None:
-        self._portal.call(self._bus.steer, agent, text)
+    def steer(self, agent: str, text: str, **ids: str) -> str:
+        return self._portal.call(lambda: self._bus.steer(agent, text, **ids))
 
-    def follow_up(self, agent: str, text: str) -> None:
-        self._portal.call(self._bus.follow_up, agent, text)
+    def follow_up(self, agent: str, text: str, **ids: str) -> str:
+        return self._portal.call(lambda: self._bus.follow_up(agent, text, **ids))
 
-    def abort(self, agent: str, reason: str = "") -> None:
-        self._portal.call(self._bus.abort, agent, reason)
+    def abort(self, agent: str, reason: str = "", **ids: str) -> str:
+        return self._portal.call(lambda: self._bus.abort(agent, reason, **ids))
 
     def publish(self, topic: str, text: str, **kwargs: Any) -> None:
         self._portal.call(lambda: self._bus.publish(topic, text, **kwargs))
 
-    def state(self, agent: str) -> cmd.AgentState:
-        return self._portal.call(self._bus.state, agent)
+    def state(self, agent: str, **ids: str) -> cmd.AgentState:
+        return self._portal.call(lambda: self._bus.state(agent, **ids))
 
     def agents(self) -> list[str]:
         return self._portal.call(self._bus.agents)

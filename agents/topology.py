@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -82,6 +82,14 @@ class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     agents: list[str] = msgspec.field(default_factory=list)  # other agents offered as tools
     subscribe: list[TopicSubscription] = msgspec.field(default_factory=list)
     experiment: str = ""
+    # Sessions: runs of different sessions of this agent proceed at once, up to
+    # `max_concurrent_runs` per coordinator; up to `max_queued_runs` more wait for a slot, and
+    # beyond that a prompt is refused (code `agent_busy`, naming these keys).
+    max_concurrent_runs: Annotated[int, msgspec.Meta(ge=1)] = 64
+    max_queued_runs: Annotated[int, msgspec.Meta(ge=0)] = 256
+    # `ask_<this agent's callees>`: a fresh callee session per call ("call"), or one callee
+    # session per calling session, continued by its later calls ("caller").
+    ask_sessions: Literal["call", "caller"] = "call"
 
 
 class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -221,13 +221,15 @@ async def test_busy_state_and_reset(stack: Stack, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     stack.script([calls(("gate", {"path": str(gate)})), text("gated")])
     async with connect(stack.endpoint, name="test-busy") as bus:
-        run = await bus.prompt("a", "hold", new_session=True)
+        run = await bus.prompt("a", "hold")
+        # one run per session: a second prompt to the same session is refused, not queued
         with pytest.raises(RemoteError) as busy:
-            await bus.prompt("a", "second prompt")
-        assert str(busy.value) == PROMPT_BUSY
+            await bus.prompt("a", "second prompt", session=run.session)
+        assert str(busy.value).startswith(PROMPT_BUSY) and busy.value.code == "agent_busy"
+        assert run.session in str(busy.value)
         with pytest.raises(RemoteError) as refused:
-            await bus.reset("a")
-        assert str(refused.value) == RESET_BUSY
+            await bus.reset("a", session=run.session)
+        assert str(refused.value).startswith(RESET_BUSY)
         gate.write_text("open")
         assert (await run.result()).final_text == "gated"
         state = await bus.state("a")

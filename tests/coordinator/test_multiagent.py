@@ -148,7 +148,9 @@ async def test_agent_as_tool_end_to_end(stack: Stack) -> None:
     assert end.tool_name == "ask_helper" and not end.is_error
     assert end.result.content[0].text == "Bananas are yellow."  # type: ignore[union-attr]
     helper_run = end.result.details["run_id"]
-    assert end.result.details == {"agent": "helper", "run_id": helper_run, "stop_reason": "stop"}
+    details = dict(end.result.details)  # type: ignore[union-attr]
+    assert details.pop("session").startswith("coord2.")  # a fresh session of the callee's host
+    assert details == {"agent": "helper", "run_id": helper_run, "stop_reason": "stop"}
 
     helper = [e for e in events if e.header.run == helper_run]
     assert helper and all(e.header.agent == "helper" for e in helper)
