@@ -24,7 +24,6 @@ class _Event(msgspec.Struct, tag_field="type", omit_defaults=True):
 class AgentStart(_Event, tag="agent_start"):
     parent_run_id: str = ""
     session: str = ""  # the conversation the run belongs to (`busctl run -c SESSION`)
-    session: str = ""  # the conversation the run belongs to (`busctl run -c SESSION`)
 
 
 class TurnStart(_Event, tag="turn_start"):
