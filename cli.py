@@ -492,10 +492,14 @@ _register_fake_llm()
               help="Number of processes in the first worker group.")
 @click.option("--demo", is_flag=True,
               help="Point the gateway at the bundled scripted model (no key, no network).")
+@click.option("--model-file", type=click.Path(dir_okay=False), default=None,
+              help="A GGUF model file the gateway serves itself with llama.cpp (model alias "
+                   "`local`, the default; needs `pip install 'agent-bus[local]'`).")
 @click.option("-d", "--detach", is_flag=True, help="Run in the background; stop with `busctl down`.")
 @click.option("--ready-file", default="", hidden=True)
 def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ...],
-       workers: int | None, demo: bool, detach: bool, ready_file: str) -> None:
+       workers: int | None, demo: bool, model_file: str | None, detach: bool,
+       ready_file: str) -> None:
     """Start a whole topology — hub, gateways, workers, coordinators — and supervise it.
 
     \b
@@ -503,6 +507,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up --demo                 # everything, on a scripted model: no key needed
       busctl up -c team.toml -d        # a topology file, in the background
       busctl up --tools ./my_tools.py --workers 4
+      busctl up --model-file ./qwen2.5-0.5b-instruct-q4_k_m.gguf   # a local model, no server
     Ctrl-C stops everything in order.
     """
     from agents.launch import UpOptions, up as run_up
@@ -510,8 +515,10 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
 
     make_undumpable()  # the keys are in this process's environment: no same-user process reads it
     topology = _load_topology_or_exit(config_file)
+    if demo and model_file:
+        raise click.UsageError("--demo and --model-file each choose the model; give one")
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
-                        detach_ready_file=ready_file)
+                        detach_ready_file=ready_file, model_file=model_file or "")
     from agents.launch import resolve
     from agents.topology import check_topology
 

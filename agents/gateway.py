@@ -32,6 +32,7 @@ import anyio
 import msgspec
 
 from agents.llm import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
+from agents.providers.llamacpp import LocalModelError, hosted_models
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
@@ -120,19 +121,31 @@ class Gateway:
         return _encoder.encode(self.engine.stats())
 
 
-def build_engine(settings: GatewaySettings) -> LlmEngine:
-    models = settings.models or models_from_env(os.environ)
+def build_engine(settings: GatewaySettings, models: list[ModelConfig] | None = None) -> LlmEngine:
+    models = models if models is not None else settings.models or models_from_env(os.environ)
     return LlmEngine(models, default=settings.default_model or None)
 
 
 async def run_gateway(settings: GatewaySettings,
                       *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered."""
+    """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered.
+
+    `provider = "llamacpp"` models are served by llama.cpp inside this process, started before
+    the ready line and stopped after the last request (see `agents.providers.llamacpp`)."""
     make_undumpable()  # first: the keys are in this process's environment already
     try:
-        engine = build_engine(settings)
+        models = settings.models or models_from_env(os.environ)
     except ModelSetupError as exc:
         _exit_setup_error(exc)
+    try:
+        async with hosted_models(models) as served:
+            await _run_engine(settings, build_engine(settings, served), task_status)
+    except LocalModelError as exc:
+        _exit_setup_error(exc)
+
+
+async def _run_engine(settings: GatewaySettings, engine: LlmEngine,
+                      task_status: anyio.abc.TaskStatus[None]) -> None:
     async with engine:
         with log_redaction(lambda text: engine.redactor()(text)):
             try:
@@ -144,7 +157,7 @@ async def run_gateway(settings: GatewaySettings,
                 await _serve(settings, engine, peer, task_status)
 
 
-def _exit_setup_error(exc: ModelSetupError) -> NoReturn:
+def _exit_setup_error(exc: ModelSetupError | LocalModelError) -> NoReturn:
     """`busctl up` shows a gateway's stderr when it exits before its ready line."""
     print(f"ERROR: {exc}", file=sys.stderr, flush=True)
     raise SystemExit(2)

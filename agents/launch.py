@@ -57,6 +57,11 @@ class UpOptions(msgspec.Struct):
     workers: int | None = None
     hub: str | None = None
     detach_ready_file: str = ""  # where a detached `up` reports readiness
+    model_file: str = ""  # a GGUF file: the default model, served by the gateway (llama.cpp)
+
+
+LOCAL_MODEL = "local"  # the alias `--model-file` gives its model
+LOCAL_MODEL_READY_TIMEOUT = 300.0  # seconds: a gateway hosting a model loads it before its ready line
 
 
 def resolve(topology: Topology, options: UpOptions) -> Topology:
@@ -68,6 +73,11 @@ def resolve(topology: Topology, options: UpOptions) -> Topology:
         topo.workers[0].tools = [*topo.workers[0].tools, *options.extra_tools]
     if options.workers is not None and topo.workers:
         topo.workers[0].count = options.workers
+    if options.model_file:
+        # Added, not replacing: agents that name another `[models.x]` keep it.
+        topo.models[LOCAL_MODEL] = ModelConfig(
+            provider="llamacpp", gguf=str(Path(options.model_file).expanduser().resolve()))
+        topo.gateways.default_model = LOCAL_MODEL
     return topo
 
 
@@ -133,7 +143,8 @@ def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     for i in range(topo.gateways.count):
         specs.append(ChildSpec(f"gateway-{i + 1}", python_argv(
             "gateway", "--hub", endpoint, "--topology", "-", "--name", f"gateway-{i + 1}"),
-            role="gateway", inherit_env=True, stdin_data=config))
+            role="gateway", inherit_env=True, stdin_data=config,
+            ready_timeout=_gateway_ready_timeout(topo)))
     for group in topo.workers:
         specs += [worker_spec(group, i + 1, endpoint) for i in range(group.count)]
     count = topo.coordinators
@@ -149,6 +160,11 @@ def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
         specs.append(ChildSpec(f"coordinator-{i + 1}", argv, role="coordinator",
                                stdin_data=config))
     return specs
+
+
+def _gateway_ready_timeout(topo: Topology) -> float:
+    hosts_a_model = any(m.provider == "llamacpp" for m in topo.models.values())
+    return LOCAL_MODEL_READY_TIMEOUT if hosts_a_model else ChildSpec.ready_timeout
 
 
 def worker_spec(group: WorkerGroup, index: int, endpoint: str) -> ChildSpec:

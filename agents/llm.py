@@ -50,13 +50,14 @@ from agents.context import CONTEXT_EXCEEDED
 from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
 from agents.providers.base import DeltaCallback
 from agents.providers.discovery import discover
+from agents.providers.llamacpp import DEFAULT_N_CTX
 from agents.providers.prices import ConfiguredPrices, Pricing, price_model
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
 
 log = logging.getLogger("agents.llm")
 
-ProviderName = Literal["openai", "anthropic"]
+ProviderName = Literal["openai", "anthropic", "llamacpp"]  # llamacpp: hosted, OpenAI-compatible
 RetryCallback = Callable[[int, float, int, str], "Awaitable[None] | None"]
 
 DEFAULT_BASE_URLS: dict[str, str] = {
@@ -66,7 +67,8 @@ DEFAULT_BASE_URLS: dict[str, str] = {
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
 #: The window assumed when neither the configuration nor the server gives one.
-DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {"openai": 128_000, "anthropic": 200_000}
+DEFAULT_CONTEXT_WINDOWS: dict[str, int] = {"openai": 128_000, "anthropic": 200_000,
+                                           "llamacpp": DEFAULT_N_CTX}
 DISCOVERY_RETRY = 5.0  # seconds between discovery attempts while a server is not answering
 # Phrases of the HTTP 400 a server answers when the prompt does not fit its window: llama.cpp
 # (`exceed_context_size_error`), OpenAI/vLLM (`context_length_exceeded`, "maximum context
@@ -114,6 +116,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     output_price: float | None = None
     cache_read_price: float | None = None
     cache_write_price: float | None = None
+    # provider = "llamacpp": the gateway serves this GGUF file itself with llama.cpp's server
+    # (see `agents.providers.llamacpp`); `n_ctx` is its window (0: `context_window`, else 4,096),
+    # `threads` its CPU threads (0: llama.cpp's choice), `chat_template_file` a Jinja template
+    # that replaces the GGUF's own (some models need one for tool calls).
+    gguf: str = ""
+    n_ctx: int = 0
+    threads: int = 0
+    chat_template_file: str = ""
     max_concurrency: int = 8
     requests_per_minute: float | None = None
     connect_timeout: float = 10.0
@@ -123,7 +133,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     context_window_from: str = ""
 
     def endpoint(self) -> str:
-        return self.base_url or DEFAULT_BASE_URLS[self.provider]
+        return self.base_url or DEFAULT_BASE_URLS.get(self.provider, "")
 
 
 class ModelStats(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from agents.llm import ModelConfig
+from agents.providers.llamacpp import local_model_problems
 from bus.errors import ConfigError
 from bus.paths import default_state_dir, inside_state_dir, overlaps
 
@@ -181,6 +182,8 @@ def check_topology(topology: Topology) -> list[str]:
     if topology.gateways.default_model and topology.gateways.default_model not in aliases:
         problems.append(f"gateways.default_model: unknown model alias "
                         f"{topology.gateways.default_model!r} (defined: {_names(aliases)})")
+    for alias, model in topology.models.items():
+        problems += local_model_problems(alias, model)
     names = [a.name for a in topology.agents]
     for i, agent in enumerate(topology.agents):
         where = f"agents[{i}]"
@@ -260,7 +263,10 @@ heartbeat_interval = 1.0            # seconds
 liveness = 3                        # missed beats before a peer is dead
 
 # [models.local]                    # a model alias the agents refer to
-# provider = "openai"               # "openai" (any chat-completions server) or "anthropic"
+# provider = "openai"               # "openai" (any chat-completions server), "anthropic", or
+                                    # "llamacpp" (gguf = "model.gguf": served by the gateway
+                                    # itself, needs agent-bus[local]; n_ctx, threads,
+                                    # chat_template_file)
 # base_url = "http://127.0.0.1:8080/v1"
 # model = "qwen2.5-7b-instruct"
 # api_key_env = "OPENAI_API_KEY"    # the NAME of the variable, never the key

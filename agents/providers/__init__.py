@@ -12,7 +12,10 @@ from agents.providers.base import (
 )
 from agents.providers.openai import OpenAIProvider
 
-PROVIDERS: dict[str, type[Provider]] = {"anthropic": AnthropicProvider, "openai": OpenAIProvider}
+# "llamacpp" is llama.cpp's server hosted by the gateway (agents.providers.llamacpp): it speaks
+# the OpenAI API.
+PROVIDERS: dict[str, type[Provider]] = {
+    "anthropic": AnthropicProvider, "llamacpp": OpenAIProvider, "openai": OpenAIProvider}
 
 __all__ = [
     "PROVIDERS",
