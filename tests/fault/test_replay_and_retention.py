@@ -17,7 +17,7 @@ import zmq
 
 from bus import events as ev
 from bus import protocol as p
-from tests.bus.helpers import free_port, serving_peers
+from tests.bus.helpers import serving_peers
 from tests.fault.test_budgets import event_body, start_hub, status
 from tests.fault.test_eventlog_durability import PUBLISHER, log_seqs
 from tests.fault.test_fuzz import RawPeer
@@ -61,13 +61,29 @@ def publish(peer: RawPeer, n: int, type_: str = "topic_message", size: int = 100
 
 
 def retention_row(state: Path) -> tuple[int, str] | None:
-    db = sqlite3.connect(state / "events.db")
+    return snapshot(state)[0]
+
+
+def snapshot(state: Path) -> tuple[tuple[int, str] | None, list[int]]:
+    """(what retention pruned, the seqs in the log), read in one transaction: consistent even
+    while the hub goes on pruning."""
+    db = sqlite3.connect(state / "events.db", isolation_level=None)
     try:
-        return db.execute("SELECT pruned_upto, reason FROM retention").fetchone()
-    except sqlite3.OperationalError:
-        return None
+        db.execute("BEGIN")
+        row = db.execute("SELECT pruned_upto, reason FROM retention").fetchone()
+        return row, [r[0] for r in db.execute("SELECT seq FROM events ORDER BY seq")]
     finally:
         db.close()
+
+
+def started_hub(state: Path, *flags: str) -> tuple[Proc, str]:
+    """A `busctl hub` on a free port (chosen by the hub) and its endpoint."""
+    hub = hub_on(state, "tcp://127.0.0.1:0", *flags)
+    try:
+        return hub, hub.wait_ready()["endpoint"]
+    except BaseException:
+        hub.stop()
+        raise
 
 
 # --- contract 5: replay beside routing -------------------------------------------------------
@@ -123,7 +139,7 @@ def test_request_is_answered_while_replays_are_being_served(tmp_path: Path) -> N
 
 def test_watch_after_hub_sigkill_and_restart_shows_every_logged_event_once(tmp_path: Path) -> None:
     state = tmp_path / "hub"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    endpoint = f"ipc://{tmp_path}/hub.sock"  # the restarted hub binds the same address
     procs: list[Proc] = []
     try:
         hub = hub_on(state, endpoint)
@@ -135,15 +151,20 @@ def test_watch_after_hub_sigkill_and_restart_shows_every_logged_event_once(tmp_p
         procs.append(publisher)
         publisher.wait_ready()
         wait_for(lambda: len(json_lines(watcher)) >= 3000, 60, "the watcher to follow the stream")
+        # The watcher is frozen through the restart (a laptop asleep): the new hub logs and
+        # publishes events before the watcher's sockets reconnect, so it sees a jump in seq.
+        watcher.signal(signal.SIGSTOP)
         hub.signal(signal.SIGKILL)  # mid-stream: some events are logged but never published
         hub.stop()
         publisher.stop()
         hub = hub_on(state, endpoint)
         procs.append(hub)
         hub.wait_ready()
-        after = Proc(py(PUBLISHER, endpoint, "2000"))
-        procs.append(after)
-        after.wait_line(lambda s: s.startswith('{"done"'), 60)
+        for count in ("2000", "1000"):  # while the watcher is frozen, then after it woke
+            after = Proc(py(PUBLISHER, endpoint, count))
+            procs.append(after)
+            after.wait_line(lambda s: s.startswith('{"done"'), 60)
+            watcher.signal(signal.SIGCONT)
         head = log_seqs(state)[-1]
         wait_for(lambda: (event_seqs(json_lines(watcher)) or [0])[-1] >= head, 60,
                  "the watcher to reach the head of the log")
@@ -171,22 +192,21 @@ def watch_log(endpoint: str, *flags: str) -> list[dict[str, Any]]:
 
 def test_log_past_retain_bytes_is_pruned_and_watch_shows_a_gap_naming_it(tmp_path: Path) -> None:
     state = tmp_path / "hub"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    hub = hub_on(state, endpoint, "--retain-bytes", str(1024 * 1024))
+    hub, endpoint = started_hub(state, "--retain-bytes", str(1024 * 1024))
     ctx = zmq.Context()
     peer = RawPeer(ctx, endpoint, "publisher")
     follower: Proc | None = None
     try:
-        hub.wait_ready()
         peer.hello()
         publish(peer, 400, size=16 * 1024)  # ~6.5 MiB into a log kept under 1 MiB
         head = status(peer).seq
-        wait_for(lambda: (retention_row(state) or (0, ""))[0] > 0, 20, "retention to prune")
-        wait_for(lambda: db_bytes(state) <= 2 * 1024 * 1024, 20, "the log to shrink")
-        pruned_upto, reason = retention_row(state)  # type: ignore[misc]
+        wait_for(lambda: snapshot(state)[1][-1:] == [head], 20, "every event to be logged")
+        wait_for(lambda: db_bytes(state) <= 1024 * 1024, 20, "retention to shrink the log")
+        row, kept = snapshot(state)
+        assert row is not None, "pruned, yet no record of it"
+        pruned_upto, reason = row
         assert "--retain-bytes" in reason
-        kept = log_seqs(state)
-        assert kept and kept[0] == pruned_upto + 1 and kept[-1] == head
+        assert kept[0] == pruned_upto + 1 and kept[-1] == head
 
         lines = watch_log(endpoint)  # retention may have pruned a little more meanwhile
         gap = lines[0]
@@ -221,12 +241,10 @@ def db_bytes(state: Path) -> int:
 
 def test_events_older_than_retain_days_are_pruned(tmp_path: Path) -> None:
     state = tmp_path / "hub"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    hub = hub_on(state, endpoint, "--retain-days", "0.00002")  # ~1.7 s
+    hub, endpoint = started_hub(state, "--retain-days", "0.000035")  # ~3 s
     ctx = zmq.Context()
     peer = RawPeer(ctx, endpoint, "publisher")
     try:
-        hub.wait_ready()
         peer.hello()
         publish(peer, 50)
         old_head = status(peer).seq
@@ -234,7 +252,8 @@ def test_events_older_than_retain_days_are_pruned(tmp_path: Path) -> None:
                  "the old events to be pruned")
         publish(peer, 5, start=50)
         new_head = status(peer).seq
-        assert log_seqs(state)[-1] == new_head  # fresh events are kept
+        wait_for(lambda: snapshot(state)[1][-1:] == [new_head], 2,  # logged, and not pruned
+                 "the fresh events to be logged")
         lines = watch_log(endpoint)
         first = gaps(lines)[0]
         assert lines[0] == first and first["first"] == 1 and first["last"] >= old_head
@@ -250,12 +269,10 @@ def test_events_older_than_retain_days_are_pruned(tmp_path: Path) -> None:
 
 def test_a_runs_deltas_are_dropped_once_its_message_end_is_logged(tmp_path: Path) -> None:
     state = tmp_path / "hub"
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    hub = hub_on(state, endpoint, "--retain-deltas-until-end")
+    hub, endpoint = started_hub(state, "--retain-deltas-until-end")
     ctx = zmq.Context()
     peer = RawPeer(ctx, endpoint, "agent")
     try:
-        hub.wait_ready()
         peer.hello()
         publish(peer, 30, "message_update", run="r1")
         publish(peer, 10, "message_update", run="r2")  # still streaming: kept
