@@ -171,6 +171,10 @@ class ReplayReader:
             log.warning("hub.replay: event log read failed: %s", exc)
             return [p.HANDLER_ERROR.encode(), f"`hub.replay` could not read the event log "
                     f"({self._uri}): {exc}".encode()]
+        except Exception:  # a bug: the reader must live on and every replay be answered
+            log.exception("hub.replay: reader failed on %r", job.request)
+            return [p.HANDLER_ERROR.encode(), b"`hub.replay` failed inside the hub (a bug; "
+                    b"see the hub's log)"]
 
 
 class EventPipeline:
