@@ -41,6 +41,7 @@ TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
 PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
 PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
+REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a reset
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass's event batch is logged and published past this
 MiB = 1024 * 1024
 
@@ -199,6 +200,7 @@ class Hub:
         self._auth = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
         self._keys_generation = 0  # the authenticator's key set last checked (see _drop_revoked)
+        self._known_keys: frozenset[bytes] = frozenset()  # the keys of that set
         self.router = self.ctx.socket(zmq.ROUTER)
         # XPUB: subscriptions reach the hub, which answers each new one with an event-socket
         # heartbeat at once, so a subscriber knows within milliseconds that it is in place.
@@ -232,6 +234,7 @@ class Hub:
         cfg = self.config
         if cfg.curve is not None:
             self._auth = cfg.curve.start_authenticator(self.ctx)
+            self._known_keys = self._auth.keys
             cfg.curve.apply(self.router)
             cfg.curve.apply(self.pub)
         for sock in (self.router, self.pub):
@@ -620,6 +623,10 @@ class Hub:
         if auth is None or auth.generation == self._keys_generation:
             return
         self._keys_generation = auth.generation
+        keys = auth.keys
+        removed, self._known_keys = self._known_keys - keys, keys
+        if removed:
+            self._reconnect_subscribers()
         for ident in [i for i, (_, peer) in self._departed.items()
                       if not auth.is_authorized(peer.user_id)]:
             del self._departed[ident]
@@ -631,6 +638,25 @@ class Hub:
         if revoked:
             log.warning("dropped %d peer(s) whose CURVE key was revoked: %s", len(revoked),
                         ", ".join(f"{peer.hello.name} ({peer.id})" for peer in revoked))
+
+    def _reconnect_subscribers(self) -> None:
+        """A key was revoked: close every event-stream connection (ZeroMQ cannot close one
+        subscriber), by unbinding the event socket and binding it again. Subscribers reconnect at
+        once and fill the moment's gap from the log; the revoked key's handshake is refused (ZAP).
+        The unbind completes in ZeroMQ's I/O thread, so the bind is retried briefly."""
+        endpoint = self.events_endpoint
+        self.pub.unbind(endpoint)
+        deadline = time.monotonic() + REBIND_TIMEOUT
+        while True:
+            try:
+                self._bind(self.pub, endpoint)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.005)
+        self.counters.bump("subscribers_reset")
+        log.warning("a CURVE key was revoked: event-stream connections reset on %s", endpoint)
 
     def _beat(self, now: float) -> None:
         self._expire_peers(now)

@@ -18,6 +18,7 @@ import anyio
 import pytest
 import zmq
 
+from bus import events as ev
 from bus import protocol as p
 from bus.client import Peer, connect
 from bus.security import CurveClient
@@ -167,3 +168,69 @@ async def _peer_gone(peer: Peer, peer_id: str) -> bool:
 
 async def _refused_past(peer: Peer, n: int) -> bool:
     return (await peer.status()).counters["auth_refused"] > n
+
+
+async def test_revoked_key_loses_the_event_stream_and_others_miss_nothing(
+        keys: Keys, revocable: CurveClient, tmp_path: Path, procs: list[Proc]) -> None:
+    """A subscriber holding the revoked key stops receiving events; ZeroMQ cannot close one
+    subscriber, so the hub resets every event connection, and the others lose nothing."""
+    hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
+                      "--heartbeat-interval", str(HB), *keys.hub_args()))
+    procs.append(hub)
+    ready = hub.wait_ready()
+    ctx = zmq.Context()
+    spy = ctx.socket(zmq.SUB)
+    spy.linger = 0
+    revocable.apply(spy)
+    spy.setsockopt(zmq.SUBSCRIBE, b"")
+    spy.connect(ready["events"])
+    try:
+        async with connect(ready["endpoint"], name="driver", curve=keys.client("driver")) as driver, \
+                driver.subscribe([], since=0) as events:
+            async def publish(text: str) -> None:
+                await driver.publish(ev.TopicMessage(topic="t", text=text), agent="a",
+                                     confirm=True)
+
+            await until(lambda: _spy_hears(spy, publish), 10, "the spy to receive events")
+            before = (await driver.status()).counters.get("subscribers_reset", 0)
+            (keys.authorized / "revoked.key").unlink()
+            await until(lambda: _resets_past(driver, before), 5, "the event connections reset")
+            _drain(spy)
+            for i in range(20):
+                await publish(f"after-{i}")
+            texts: list[str] = []
+            seqs: list[int] = []
+            with anyio.fail_after(10):
+                async for envelope in events:
+                    seqs.append(envelope.header.seq)
+                    if isinstance(envelope.event, ev.TopicMessage):
+                        texts.append(envelope.event.text)
+                        if texts[-1] == "after-19":
+                            break
+            after = [t for t in texts if t.startswith("after-")]
+            assert after == [f"after-{i}" for i in range(20)]  # no hole, no duplicate
+            assert seqs == sorted(set(seqs))  # every event once, in order
+            # the revoked key's reconnect is refused: nothing published after the reset reaches it
+            assert not any(b"after-" in frame for frame in _drain(spy, wait=HB))
+    finally:
+        spy.close(0)
+        ctx.term()
+
+
+async def _spy_hears(spy: zmq.Socket[Any], publish: Any) -> bool:
+    await publish("probe")
+    return any(b"probe" in frame for frame in _drain(spy, wait=0.2))
+
+
+def _drain(spy: zmq.Socket[Any], wait: float = 0.0) -> list[bytes]:
+    """Every frame the spy has received (waiting up to `wait` seconds for the first)."""
+    frames: list[bytes] = []
+    if wait and not spy.poll(int(wait * 1000)):
+        return frames
+    while spy.poll(0):
+        frames.extend(spy.recv_multipart())
+    return frames
+
+
+async def _resets_past(peer: Peer, n: int) -> bool:
+    return (await peer.status()).counters.get("subscribers_reset", 0) > n
