@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+import anyio
 import msgspec
 
 from bus import events as ev
 from bus import protocol as p
-from bus.client import Envelope, Peer, connect
-from bus.errors import ProtocolError
+from bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
+from bus.errors import Overloaded, ProtocolError
 from bus.messages import AssistantMessage, Usage
 from bus.render import HumanPrinter, json_line, to_json_obj
 from bus.security import CurveClient
@@ -42,6 +44,19 @@ class WatchFilter:
         return not (self.experiments and header.experiment not in self.experiments)
 
 
+async def _replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
+    """One `hub.replay`; asked again while the hub's reader is full (`overloaded`, up to
+    REPLAY_RETRY_FOR seconds): replay is idempotent."""
+    give_up = time.monotonic() + REPLAY_RETRY_FOR
+    while True:
+        try:
+            return p.decode(await peer.request(p.HUB_REPLAY, p.encode(request)), p.ReplayBatch)
+        except Overloaded:
+            if time.monotonic() >= give_up:
+                raise
+        await anyio.sleep(0.05)
+
+
 async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Envelope]:
     """Logged events after `since` up to the head at the time of the first call, then stop.
 
@@ -49,8 +64,7 @@ async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Env
     A range that retention pruned from the log is yielded as one `Gap` naming the retention."""
     cursor, end = since, None
     while end is None or cursor < end:
-        request = p.ReplayRequest(since=cursor, topics=topics)
-        batch = p.decode(await peer.request(p.HUB_REPLAY, p.encode(request)), p.ReplayBatch)
+        batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=topics))
         end = batch.head if end is None else end
         if batch.gap is not None and batch.gap.first <= end:
             gap = ev.Gap(first=batch.gap.first, last=min(batch.gap.last, end),
