@@ -91,10 +91,8 @@ def test_max_turns_is_checked_at_the_cli(topo: Topology) -> None:
 def test_a_conversation_that_outgrows_the_window_is_compacted_under_half_and_never_refused(
         topo: Topology, llama_like: FakeLLMServer) -> None:
     compactions: list[dict] = []
-    first = True
     for i in range(8):
-        args = ["--new-session"] if first else []
-        first = False
+        args = [] if i == 0 else ["--continue"]  # one conversation: each run continues the last
         code, events = run(topo, *args, f"write essay {i}")
         assert code == 0 and end_of(events).get("stop_reason", "stop") == "stop", events[-1]
         compactions += [e for e in events if e["type"] == "compaction_complete"]
