@@ -332,6 +332,57 @@ def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None,
         pass
 
 
+# --- busctl otel --------------------------------------------------------------------------
+
+
+@main.command()
+@hub_options
+@click.option("--endpoint", default=None,
+              help="OTLP/HTTP traces URL [default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, "
+                   "else $OTEL_EXPORTER_OTLP_ENDPOINT + /v1/traces, "
+                   "else http://localhost:4318/v1/traces].")
+@click.option("--header", "header_items", multiple=True, metavar="K=V",
+              help="An HTTP header for the collector (repeatable), e.g. 'Authorization=Bearer X'.")
+@click.option("--capture-content", is_flag=True,
+              help="Also export prompts, replies, tool arguments and results "
+                   "(off: they may be private).")
+@click.option("--state-file", type=click.Path(dir_okay=False), default=None,
+              help="Where the resume seq is kept [default: <state home>/otel/<hub hash>.json].")
+@click.option("--since", type=click.IntRange(0), default=None,
+              help="Start after this seq instead of the state file's resume point.")
+@click.option("--max-spans", type=click.IntRange(1), default=10_000, show_default=True,
+              help="Spans buffered while the collector is down; "
+                   "older traces are dropped (counted).")
+def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items: tuple[str, ...],
+         capture_content: bool, state_file: str | None, since: int | None, max_spans: int) -> None:
+    """Export runs as OpenTelemetry GenAI spans over OTLP/HTTP (needs the `otel` extra).
+
+    \b
+    Examples:
+      busctl otel                                   # to a collector on localhost:4318
+      busctl otel --endpoint https://otel.example/v1/traces --header 'x-api-key=KEY'
+    """
+    import hashlib
+
+    try:
+        from bus import otel as bus_otel
+    except ImportError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        headers = bus_otel.parse_headers(header_items)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--header") from None
+    if not headers and os.environ.get("OTEL_EXPORTER_OTLP_HEADERS"):
+        headers = bus_otel.parse_headers(os.environ["OTEL_EXPORTER_OTLP_HEADERS"].split(","))
+    if state_file is None:
+        from bus.paths import ensure_state_dir, state_home
+
+        digest = hashlib.sha256(hub.encode()).hexdigest()[:12]
+        state_file = str(ensure_state_dir(state_home() / "otel") / f"{digest}.json")
+    run_async(bus_otel.export_otel, hub, curve, endpoint or bus_otel.default_endpoint(), headers,
+              capture_content, Path(state_file), since, max_spans)
+
+
 # --- busctl worker ------------------------------------------------------------------------
 
 

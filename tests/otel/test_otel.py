@@ -1,0 +1,196 @@
+"""`busctl otel` against a real OTLP/HTTP receiver (issue 19, acceptance 3 and 4).
+
+Real processes: hub, gateway (against the in-test fake model), a tool worker, one coordinator
+hosting `boss` (who fans out two parallel `echo` calls and asks `helper`) and `helper`; `busctl
+otel` as a child process exporting to `Receiver`, which decodes with opentelemetry-proto.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agents.remote import connect
+from tests.coordinator.conftest import Stack, calls, start_stack, text
+from tests.otel.receiver import Receiver, Span
+from tests.support import Proc, busctl, until
+
+pytestmark = pytest.mark.anyio
+
+AGENTS = """
+[[agents]]
+name = "boss"
+model = "x"
+tools = ["echo"]
+agents = ["helper"]
+
+[[agents]]
+name = "helper"
+model = "x"
+tools = []
+"""
+
+SCRIPT = [
+    calls(("echo", {"text": "a"}), ("echo", {"text": "b"}),
+          ("ask_helper", {"prompt": "What colour is a banana?"})),    # boss: three calls at once
+    text("Bananas are yellow."),                                      # helper
+    text("Done: a, b, yellow."),                                      # boss
+]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("otel"), coordinator=("boss", "helper"), agents=AGENTS)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver().start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def start_otel(stack: Stack, receiver: Receiver, state: Path, *extra: str) -> Proc:
+    proc = Proc(busctl("otel", "--hub", stack.endpoint, "--endpoint", receiver.url,
+                       "--state-file", str(state), "--header", "x-team=bus", *extra))
+    stack.procs[f"otel-{len(stack.procs)}"] = proc  # stopped with the stack if a test fails
+    proc.wait_ready()
+    return proc
+
+
+async def scripted_run(stack: Stack, experiment: str) -> tuple[str, str, float]:
+    stack.script(SCRIPT)
+    t0 = time.monotonic()
+    async with connect(stack.endpoint, name="test-otel") as bus:
+        run = await bus.prompt("boss", "use your tools and ask the helper", experiment=experiment)
+        result = await run.result()
+    assert result.final_text == "Done: a, b, yellow."
+    return run.run_id, run.session, time.monotonic() - t0
+
+
+def of_run(spans: list[Span], run_id: str) -> list[Span]:
+    """The trace whose root is `run_id`'s invoke_agent span."""
+    roots = [s for s in spans if s.attrs.get("agent_bus.run.id") == run_id]
+    return [s for s in spans if roots and s.trace_id == roots[0].trace_id]
+
+
+def one(spans: list[Span], name: str, **attrs: object) -> Span:
+    found = [s for s in spans if s.name == name
+             and all(s.attrs.get(k) == v for k, v in attrs.items())]
+    assert len(found) == 1, (name, attrs, [(s.name, s.attrs) for s in spans])
+    return found[0]
+
+
+async def test_a_run_with_a_sub_agent_is_one_trace(stack: Stack, receiver: Receiver,
+                                                   tmp_path: Path) -> None:
+    otel = start_otel(stack, receiver, tmp_path / "otel.json")
+    run_id, session, _ = await scripted_run(stack, "exp-otel")
+    spans = await until(lambda: len(of_run(receiver.snapshot(), run_id)) >= 8, 15, "the trace")
+    otel.stop()
+    spans = of_run(receiver.snapshot(), run_id)
+
+    assert len({s.trace_id for s in spans}) == 1 and len(spans) == 8, [s.name for s in spans]
+    boss = one(spans, "invoke_agent boss")
+    assert boss.parent_id == ""  # the root of the trace
+    assert boss.attrs["gen_ai.operation.name"] == "invoke_agent"
+    assert boss.attrs["gen_ai.agent.name"] == "boss"
+    assert boss.attrs["gen_ai.conversation.id"] == session
+    assert boss.attrs["agent_bus.stop_reason"] == "stop"
+    chats = [s for s in spans if s.name == "chat m" and s.parent_id == boss.span_id]
+    assert len(chats) == 2
+    for chat in chats:
+        assert chat.attrs["gen_ai.operation.name"] == "chat"
+        assert chat.attrs["gen_ai.request.model"] == "m"  # the provider's id of model "x"
+        assert chat.attrs["agent_bus.model.alias"] == "x"
+        assert chat.attrs["gen_ai.response.finish_reasons"] in (["stop"], ["tool_use"])
+        assert chat.attrs["gen_ai.usage.input_tokens"] > 0
+        assert chat.attrs["gen_ai.usage.output_tokens"] > 0
+        assert boss.start <= chat.start <= chat.end <= boss.end
+    echoes = [s for s in spans if s.name == "execute_tool echo"]
+    assert len(echoes) == 2 and {s.parent_id for s in echoes} == {boss.span_id}
+    assert {s.attrs["gen_ai.tool.call.id"] for s in echoes} == {"call_0_echo", "call_1_echo"}
+    ask = one(spans, "execute_tool ask_helper", **{"gen_ai.tool.name": "ask_helper"})
+    assert ask.parent_id == boss.span_id and ask.attrs["gen_ai.tool.call.id"] == "call_2_ask_helper"
+    # the sub-agent's run is a child of the tool call that asked it, inside its time
+    helper = one(spans, "invoke_agent helper")
+    assert helper.parent_id == ask.span_id
+    assert ask.start <= helper.start <= helper.end <= ask.end
+    helper_chat = one(spans, "chat m", **{"gen_ai.response.finish_reasons": ["stop"],
+                                          "gen_ai.conversation.id": helper.attrs[
+                                              "gen_ai.conversation.id"]})
+    assert helper_chat.parent_id == helper.span_id
+    assert all(s.attrs["agent_bus.experiment.id"] == "exp-otel" for s in spans)
+    # no content unless --capture-content; the --header reached the collector
+    assert not any(k.startswith(("gen_ai.input", "gen_ai.output", "gen_ai.tool.call.arg"))
+                   for s in spans for k in s.attrs)
+    assert receiver.last_headers.get("x-team") == "bus"
+
+
+async def test_capture_content(stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
+    otel = start_otel(stack, receiver, tmp_path / "otel.json", "--capture-content")
+    run_id, _, _ = await scripted_run(stack, "exp-content")
+    await until(lambda: len(of_run(receiver.snapshot(), run_id)) >= 8, 15, "the trace")
+    otel.stop()
+    spans = of_run(receiver.snapshot(), run_id)
+    boss = one(spans, "invoke_agent boss")
+    assert json.loads(boss.attrs["gen_ai.input.messages"])[0]["parts"][0]["content"] == \
+        "use your tools and ask the helper"
+    assert "Done: a, b, yellow." in boss.attrs["gen_ai.output.messages"]
+    ask = one(spans, "execute_tool ask_helper")
+    assert json.loads(ask.attrs["gen_ai.tool.call.arguments"]) == {
+        "prompt": "What colour is a banana?"}
+    assert ask.attrs["gen_ai.tool.call.result"] == "Bananas are yellow."
+
+
+async def test_collector_down_then_back_and_resume_after_restart(
+        stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
+    state = tmp_path / "otel.json"
+    otel = start_otel(stack, receiver, state)
+    _, _, baseline = await scripted_run(stack, "exp-down")  # collector up: the baseline
+    receiver.stop()
+    down_run, _, down_time = await scripted_run(stack, "exp-down")
+    # the bus did not wait for the collector (the exporter retries in its own thread)
+    assert down_time < baseline * 3 + 1.0, (down_time, baseline)
+    assert not of_run(receiver.snapshot(), down_run)
+    receiver.start()  # the same port: the collector is back
+    await until(lambda: len(of_run(receiver.snapshot(), down_run)) == 8, 20,
+                "the buffered trace after the collector came back")
+
+    # a restart resumes after the last exported seq: nothing twice, nothing missed
+    otel.stop()
+    saved = json.loads(state.read_text())
+    assert saved["seq"] > 0 and saved["dropped_spans"] == 0
+    missed_run, _, _ = await scripted_run(stack, "exp-down")  # while the exporter is stopped
+    before = len(receiver.snapshot())
+    start_otel(stack, receiver, state)
+    await until(lambda: len(of_run(receiver.snapshot(), missed_run)) == 8, 15,
+                "the run that happened while the exporter was stopped")
+    new = receiver.snapshot()[before:]
+    resent = {s.attrs.get("agent_bus.run.id") for s in new if s.name == "invoke_agent boss"}
+    assert resent == {missed_run}
+
+
+def test_bad_header_is_named(stack: Stack, tmp_path: Path) -> None:
+    proc = Proc(busctl("otel", "--hub", stack.endpoint, "--header", "no-equals-sign",
+                       "--state-file", str(tmp_path / "s.json")))
+    try:
+        assert proc.popen.wait(15) == 2
+        proc.wait_line(lambda line: "KEY=VALUE" in line)
+        assert "--header" in proc.output()
+    finally:
+        proc.stop()
