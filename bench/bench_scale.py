@@ -1,0 +1,399 @@
+"""N concurrent sessions of one agent through the whole process topology.
+
+    python bench/bench_scale.py [--sessions 1,10,100,1000] [--no-pure]
+
+Each session is one run of TURNS tool turns (default 3), each turn a model reply asking for CALLS
+(default 4) parallel `work` calls that sleep TOOL_MS (default 20 ms), then the final answer.
+The scripted model (agents/fakellm.py, its own process) waits MODEL_MS (default 100 ms) before
+every reply. Processes as in bench_loop.py: hub (event log on disk), gateway, 4 tool workers,
+coordinator, all started fresh for each N, plus one client here sending N `prompt`s at once,
+each to a fresh session.
+
+The issue's ideal is TURNS x (MODEL_MS + TOOL_MS) = 360 ms whatever N is; the loop also needs
+the final-answer reply, which costs one more MODEL_MS, so the ideal of this script is 460 ms.
+Both ratios are printed.
+
+Per N: wall time (first prompt sent -> last result in), turns/s (model replies), events/s the
+hub logged during the window, p50/p99 tool-call latency (hub timestamps of each call's
+`tool_execution_start` -> `tool_execution_end` in the event log), RSS of each process after the
+runs, coordinator RSS per session (growth over its RSS before the prompts, divided by N: the
+sessions are idle and stored by then, only IDLE_SESSIONS_KEPT of them stay in memory), and a
+loss check: every prompt got a result and every run has exactly one `agent_end` in the log.
+
+`--pure` (default on): the same runs with `asyncio.gather` over the pure loop in this process
+(in-memory model sleeping MODEL_MS, in-process tool): the no-bus limit. Not run by pytest;
+every process is stopped at the end, even on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agents import commands as cmd  # noqa: E402
+from agents.loop import LoopConfig, run_loop  # noqa: E402
+from bench.baseline import pct  # noqa: E402
+from bench import bench_loop  # noqa: E402
+from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
+from bus.client import connect  # noqa: E402
+from bus.messages import (  # noqa: E402
+    AssistantMessage,
+    LlmRequest,
+    TextPart,
+    ToolCall,
+    Usage,
+    user_text,
+)
+
+WORKERS = 4
+
+TOOLS_PY = '''
+import anyio
+from tools import tool
+
+@tool
+async def work(text: str) -> str:
+    """Sleep TOOL_MS, then return the text."""
+    await anyio.sleep({tool_s})
+    return text
+'''
+
+
+def script(turns: int, calls: int, model_s: float) -> dict[str, Any]:
+    """Rules, not steps: concurrent sessions reach the model in any order, so each reply is
+    chosen by what the session's trailing tool results say (turn k's calls return `stepk`)."""
+
+    def calls_for(k: int) -> dict[str, Any]:
+        return {"tool_calls": [{"name": "work", "arguments": {"text": f"step{k}"}}
+                               for _ in range(calls)], "usage": {"input": 10, "output": 5}}
+
+    rules: list[dict[str, Any]] = [{"tool_result": False, "delay": model_s, "reply": calls_for(1)}]
+    for k in range(1, turns):
+        rules.append({"tool_result": True, "results_contain": [f"step{k}"], "delay": model_s,
+                      "reply": calls_for(k + 1)})
+    rules.append({"tool_result": True, "results_contain": [f"step{turns}"], "delay": model_s,
+                  "reply": {"text": "All done.", "usage": {"input": 10, "output": 2}}})
+    return {"rules": rules}
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat utime, stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def topology_toml(base_url: str, n: int) -> str:
+    return f"""
+[models.x]
+provider = "openai"
+base_url = "{base_url}"
+model = "m"
+max_concurrency = {max(8, n)}
+timeout = 600
+
+[[agents]]
+name = "bench"
+model = "x"
+tools = ["work"]
+max_concurrent_runs = {max(1, n)}
+max_queued_runs = {max(1, n)}
+"""
+
+
+class Topology:
+    """hub + fake model + gateway + workers + coordinator, in processes, for one N."""
+
+    def __init__(self, tmp: Path, n: int, args: argparse.Namespace) -> None:
+        self.tmp, self.n, self.args = tmp, n, args
+        self.procs: dict[str, Proc] = {}
+
+    def start(self) -> str:
+        tmp, args = self.tmp, self.args
+        tools_py = tmp / "scale_tools.py"
+        tools_py.write_text(TOOLS_PY.format(tool_s=args.tool_ms / 1000))
+        script_file = tmp / "script.json"
+        script_file.write_text(json.dumps(script(args.turns, args.calls, args.model_ms / 1000)))
+        port = free_port()
+        # TCP_NODELAY: without it Nagle + delayed ACK stall each SSE stream ~40 ms (bench_loop).
+        code = ("import sys, agents.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
+                "f._Server.request_queue_size = 4096; sys.exit(f.main(sys.argv[1:]))")
+        fake = self.procs["fake-llm"] = Proc([sys.executable, "-c", code, "--script",
+                                              str(script_file), "--port", str(port)])
+        fake.ready()
+        topo = tmp / "topology.toml"
+        topo.write_text(topology_toml(f"http://127.0.0.1:{port}/v1", self.n))
+        hub = self.procs["hub"] = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0",
+                                              "--state-dir", str(tmp / "hub")))
+        endpoint = str(hub.ready()["endpoint"])
+        self.procs["gateway"] = Proc(busctl("gateway", "--hub", endpoint, "--topology", str(topo)))
+        for i in range(WORKERS):
+            self.procs[f"worker-{i}"] = Proc(busctl(
+                "worker", "--hub", endpoint, "--tools", str(tools_py), "--name", f"worker-{i}",
+                "--concurrency", str(max(8, self.n * args.calls))))
+        self.procs["coordinator"] = Proc(busctl("coordinator", "--hub", endpoint, "--topology",
+                                                str(topo), "--state-dir", str(tmp / "agents")))
+        for name, proc in self.procs.items():
+            if name not in ("fake-llm", "hub"):
+                proc.ready()
+        return endpoint
+
+    def rss(self) -> dict[str, int]:
+        return {name: rss_kb(proc.popen.pid) for name, proc in self.procs.items()}
+
+    def cpu(self) -> dict[str, float]:
+        return {name: cpu_s(proc.popen.pid) for name, proc in self.procs.items()}
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+
+
+async def prompt_all(endpoint: str, n: int) -> tuple[float, float, list[cmd.RunResult], int]:
+    """N prompts at once, each to a fresh session: (wall start, wall end, results, failures)."""
+    results: list[cmd.RunResult] = []
+    failures = 0
+    async with connect(endpoint, name="bench-scale") as peer:
+
+        async def one() -> None:
+            nonlocal failures
+            body = cmd.encode(cmd.Prompt(text="go", new_session=True))
+            last = b""
+            try:
+                async with peer.stream(cmd.agent_service("bench"), body, timeout=600) as replies:
+                    async for last in replies:
+                        pass
+                results.append(msgspec.msgpack.decode(last, type=cmd.RunResult))
+            except Exception as exc:  # counted: a lost prompt is what this bench checks
+                failures += 1
+                if failures <= 3:
+                    print(f"    prompt failed: {exc}", file=sys.stderr)
+
+        started_ts = time.time()
+        async with anyio.create_task_group() as tg:
+            for _ in range(n):
+                tg.start_soon(one)
+        ended_ts = time.time()
+    return started_ts, ended_ts, results, failures
+
+
+def read_log(db_path: Path, since: float, until: float) -> dict[str, Any]:
+    """From the hub's event log: events in the window, tool-call latencies, agent_end per run."""
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT ts, type, run, body FROM events WHERE ts >= ? AND ts <= ? "
+                          "ORDER BY seq", (since, until + 1.0)).fetchall()
+    finally:
+        db.close()
+    in_window = sum(1 for ts, *_ in rows if ts <= until)
+    starts: dict[tuple[str, str], float] = {}
+    latencies: list[float] = []
+    ends: dict[str, int] = {}
+    last: dict[str, tuple[str, float]] = {}  # run -> its previous event (type, ts)
+    gaps: dict[str, list[float]] = {}  # "a -> b" -> the times from a run's a to its next b
+    for ts, kind, run, body in rows:
+        if run and kind != "message_update":
+            prev = last.get(run)
+            if prev is not None:
+                gaps.setdefault(f"{prev[0]} -> {kind}", []).append(ts - prev[1])
+            last[run] = (kind, ts)
+        if kind == "tool_execution_start":
+            starts[(run, msgspec.msgpack.decode(body)["tool_call_id"])] = ts
+        elif kind == "tool_execution_end":
+            began = starts.pop((run, msgspec.msgpack.decode(body)["tool_call_id"]), None)
+            if began is not None:
+                latencies.append(ts - began)
+        elif kind == "agent_end":
+            ends[run] = ends.get(run, 0) + 1
+    return {"events": in_window, "latencies": latencies, "ends": ends,
+            "unmatched_starts": len(starts), "gaps": gaps}
+
+
+def wait_logged(db_path: Path, runs: set[str], deadline_s: float = 10.0) -> None:
+    """The hub commits a batch before publishing it; wait (with a deadline) until every run's
+    agent_end is in the log, so a slow commit is not reported as a loss."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        try:
+            seen = {r for (r,) in db.execute("SELECT run FROM events WHERE type = 'agent_end'")}
+        finally:
+            db.close()
+        if runs <= seen:
+            return
+        time.sleep(0.05)
+
+
+def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmpdir:
+        topo = Topology(Path(tmpdir), n, args)
+        try:
+            endpoint = topo.start()
+            anyio.run(prompt_all, endpoint, 1)  # warm-up: imports, connections, the store
+            before, cpu_before = topo.rss(), topo.cpu()
+            since, until, results, failures = anyio.run(prompt_all, endpoint, n)
+            cpu = {k: v - cpu_before[k] for k, v in topo.cpu().items()}
+            db_path = Path(tmpdir) / "hub" / "events.db"
+            wait_logged(db_path, {r.run_id for r in results})
+            after = topo.rss()
+            log = read_log(db_path, since, until)
+            # A second wave of N fresh sessions: the first wave's N are idle and stored now, and
+            # the memory its peak freed is reused, so this wave's growth is what N more idle
+            # stored sessions cost (the first wave's growth also holds the allocator's peak).
+            second = after["coordinator"]
+            if n <= args.second_wave_max:
+                _, _, more, more_failures = anyio.run(prompt_all, endpoint, n)
+                failures += more_failures
+                wait_logged(db_path, {r.run_id for r in more})
+                second = topo.rss()["coordinator"]
+        finally:
+            topo.stop()
+    runs = {r.run_id for r in results}
+    ends = log["ends"]
+    lost = (failures + sum(1 for r in runs if ends.get(r, 0) != 1)
+            + sum(1 for r in results if r.final_text != "All done."))
+    return {"n": n, "wall": until - since, "results": len(results), "failures": failures,
+            "lost": lost, "events": log["events"], "latencies": log["latencies"],
+            "before": before, "after": after, "gaps": log["gaps"], "cpu": cpu,
+            "second_wave_kb": second - after["coordinator"], "extra_ends": sum(ends.values()) - len(ends)}
+
+
+# --- the no-bus limit: asyncio.gather over the pure loop -------------------------------------
+
+
+class SleepyLlm:
+    """The script's replies from memory after MODEL_MS, keyed on the trailing tool results
+    (as the fake server's rules are)."""
+
+    def __init__(self, turns: int, calls: int, model_s: float) -> None:
+        self.turns, self.calls, self.model_s = turns, calls, model_s
+        self.ids = 0
+
+    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+        await anyio.sleep(self.model_s)
+        done = sum(1 for m in request.messages if isinstance(m, AssistantMessage))
+        usage = Usage(input=10, output=5, total=15)
+        if done >= self.turns:
+            return AssistantMessage(content=[TextPart("All done.")], stop_reason="stop",
+                                    usage=usage, model="m")
+        content: list[Any] = []
+        for _ in range(self.calls):
+            self.ids += 1
+            content.append(ToolCall(id=f"c{self.ids}", name="work",
+                                    arguments=json.dumps({"text": f"step{done + 1}"})))
+        return AssistantMessage(content=content, stop_reason="tool_use", usage=usage, model="m")
+
+
+async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools) -> float:
+    llm = SleepyLlm(args.turns, args.calls, args.model_ms / 1000)
+
+    async def emit(event: Any) -> None:
+        return None
+
+    async def one() -> None:
+        result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
+                                llm, tools, emit)
+        assert result.final_text == "All done.", result.final_text
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(n)))
+    return time.perf_counter() - started
+
+
+def report(r: dict[str, Any], args: argparse.Namespace) -> None:
+    ms = 1000.0
+    n, wall = r["n"], r["wall"]
+    ideal_issue = args.turns * (args.model_ms + args.tool_ms) / ms
+    ideal = ideal_issue + args.model_ms / ms
+    turns = n * (args.turns + 1)
+    lat = r["latencies"]
+    p50 = pct(lat, 0.5) * ms if lat else float("nan")
+    p99 = pct(lat, 0.99) * ms if lat else float("nan")
+    after, before = r["after"], r["before"]
+    coord_growth = after["coordinator"] - before["coordinator"]
+    print(f"N={n:5d}  wall {wall * ms:8.0f} ms  ({wall / ideal:.2f}x ideal {ideal * ms:.0f} ms; "
+          f"{wall / ideal_issue:.2f}x the issue's {ideal_issue * ms:.0f} ms)")
+    print(f"         {turns / wall:8.0f} turns/s  {r['events'] / wall:8.0f} events/s via hub "
+          f"({r['events']} events)  tool call p50 {p50:.1f} ms  p99 {p99:.1f} ms "
+          f"({len(lat)} calls)")
+    print("         RSS MB after: " + "  ".join(
+        f"{k} {v / 1024:.0f}" for k, v in after.items() if not k.startswith("worker"))
+          + f"  workers {sum(v for k, v in after.items() if k.startswith('worker')) / 1024:.0f}"
+          + f" (4 together)")
+    wave = (f"; second wave of {n} more: {r['second_wave_kb'] / max(1, n):.1f} kB per session"
+            if n <= args.second_wave_max else "")
+    print(f"         coordinator growth {coord_growth / 1024:.1f} MB = "
+          f"{coord_growth / max(1, n):.1f} kB per session incl. the runs' peak{wave}")
+    print(f"         CPU s during the window ({wall:.1f} s wall, 2 cores): " + "  ".join(
+        f"{k} {v:.1f}" for k, v in r["cpu"].items() if not k.startswith("worker"))
+          + f"  workers {sum(v for k, v in r['cpu'].items() if k.startswith('worker')):.1f}")
+    print(f"         results {r['results']}/{n}, prompt failures {r['failures']}, "
+          f"runs without exactly one agent_end or wrong answer: {r['lost']}, "
+          f"duplicate agent_ends {r['extra_ends']}  -> "
+          + ("nothing lost" if r["lost"] == 0 and r["results"] == n else "LOST"))
+    # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
+    # (deltas left out), summed per kind of step; the largest few.
+    spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)
+    print("         per run, largest steps (total ms per run, mean ms per step): " + "; ".join(
+        f"{k} {tot * ms:.0f} ({mean * ms:.1f})" for tot, k, mean in spent[:4]))
+    sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sessions", default="1,10,100,1000",
+                    help="comma-separated N values (default: 1,10,100,1000)")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--model-ms", type=float, default=100.0)
+    ap.add_argument("--tool-ms", type=float, default=20.0)
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="run the coordinator and gateway under cProfile, dumping into DIR")
+    ap.add_argument("--second-wave-max", type=int, default=100, metavar="N",
+                    help="run a second wave (idle stored session memory) for N up to this")
+    ap.add_argument("--pure", type=int, default=100, metavar="N",
+                    help="sessions for the asyncio.gather pure-loop limit (0: skip; default 100)")
+    args = ap.parse_args()
+    bench_loop.PROFILE_DIR = args.profile  # read by `busctl()`
+    try:
+        ns = [int(x) for x in args.sessions.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--sessions: expected comma-separated integers like 1,10,100, got "
+                 f"{args.sessions!r}")
+    print(f"{args.turns} tool turns x {args.calls} parallel {args.tool_ms:g} ms calls + final "
+          f"answer per session; model {args.model_ms:g} ms per reply; {WORKERS} workers")
+    for n in ns:
+        report(run_topology(n, args), args)
+    if args.pure > 0:
+        with tempfile.TemporaryDirectory(prefix="bench-scale-pure-") as tmpdir:
+            tools_py = Path(tmpdir) / "scale_tools_pure.py"
+            tools_py.write_text(TOOLS_PY.format(tool_s=args.tool_ms / 1000))
+            tools = LocalTools(str(tools_py))
+            wall = asyncio.run(pure_gather(args.pure, args, tools))
+        ideal = (args.turns * (args.model_ms + args.tool_ms) + args.model_ms) / 1000
+        print(f"pure loop, asyncio.gather, N={args.pure}: wall {wall * 1000:.0f} ms "
+              f"({wall / ideal:.2f}x ideal), {args.pure * (args.turns + 1) / wall:.0f} turns/s")
+
+
+if __name__ == "__main__":
+    main()
