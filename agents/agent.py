@@ -269,6 +269,17 @@ class Agent:
             return await self._execute(self._begin(CONTINUE_BUSY), follow_ups, skip_initial_steering=False)
         raise AgentError(CONTINUE_FROM_ASSISTANT)
 
+    async def resume(self, run_id: str, pending: Sequence[Message], *, start_turn: int = 0,
+                     max_turns: int | None = None) -> LoopResult:
+        """Go on with run `run_id` after a restart (durable runs, `agents.coordinator`): the
+        history is as persisted, `pending` (e.g. tool results recovered from the journal) is
+        added first, turns are numbered on from `start_turn`. The caller checks that the history
+        can continue (it does not end with a final assistant reply)."""
+        signal = self._begin(CONTINUE_BUSY)
+        self.state.run_id = run_id
+        return await self._execute(signal, list(pending), skip_initial_steering=True,
+                                   max_turns=max_turns, start_turn=start_turn)
+
     async def run(self, value: PromptInput) -> str:
         """Prompt and return the final text (check `state.error` for failures)."""
         return (await self.prompt(value)).final_text
@@ -311,7 +322,7 @@ class Agent:
 
     async def _execute(
         self, signal: AbortSignal, messages: list[Message], *, skip_initial_steering: bool,
-        max_turns: int | None = None,
+        max_turns: int | None = None, start_turn: int = 0,
     ) -> LoopResult:
         config = replace(
             self.config,
@@ -333,6 +344,7 @@ class Agent:
                 output_cache=self._cache,
                 run_id=self.state.run_id,
                 skip_initial_steering=skip_initial_steering,
+                start_turn=start_turn,
             )
             self.last_result = result
             return result

@@ -54,8 +54,16 @@ delivers `topic_message` events to them: queued (follow-up/steer) on the agent's
 else a new run of its last session.
 Each `agent.<name>` registers with meta `description` = its system prompt's first line.
 
+Durable runs: each session journals its run in the store before publishing the matching event
+(the run at agent_start, turns, tool calls begun and their results; `Session._journal`). A
+coordinator starting under a name the journal knows resumes that name's live runs
+(`Coordinator.resume_runs`, `agents.durable`): `run_resumed` in place of the second agent_start,
+completed calls not repeated, the call in flight issued again (a non-idempotent tool that may have
+run gets an error result instead), one agent_end. Nobody waits for a resumed run's RunResult: its
+requester follows its events (`agents.remote`).
+
 On SIGINT/SIGTERM: abort running runs, give them up to `SHUTDOWN_GRACE` s to end, unregister,
-close.
+close (an aborted run is ended, not resumed).
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ import anyio.abc
 import msgspec
 
 from agents import commands as cmd
+from agents import durable
 from agents.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
 from agents.bus_adapters import AgentTools, BusLlmClient
 from agents.context import DEFAULT_CONTEXT_WINDOW
@@ -91,7 +100,7 @@ from agents.multiagent import (
     first_line,
     topic_text,
 )
-from agents.persistence import ConversationRecorder, ConversationStore
+from agents.persistence import ConversationRecorder, ConversationStore, JournaledRun
 from agents.topology import HOOK_NAMES, AgentSpec
 from bus import events as ev
 from bus import protocol as p
@@ -231,6 +240,8 @@ class Session:
         self._started: anyio.abc.TaskStatus[str] | None = None
         self.abort_reason = ""
         self.topic_queued = False  # a topic message was queued while a run was active
+        self.max_turns = 0  # the live run's own bound (0: the agent's), journaled
+        self.resuming = False  # the next agent_start is a resumed run's: `run_resumed` replaces it
         self.last_used = anyio.current_time()
 
     @property
@@ -266,6 +277,9 @@ class Session:
         if isinstance(event, (ev.TurnStart, ev.CompactionComplete, ev.AgentEnd)):
             self.sync()  # history may have been replaced (compaction, prepare_next_turn, trim)
         if isinstance(event, ev.AgentStart):
+            if self.resuming:  # `run_resumed` was published in its place (resume_run)
+                self.resuming = False
+                return
             event = ev.AgentStart(parent_run_id=self.parent, session=self.id)
             run = self.current
             if run is not None and not run.run_id and self._started is not None:
@@ -275,12 +289,67 @@ class Session:
         elif isinstance(event, ev.AgentEnd) and self.abort_reason and \
                 event.stop_reason == "aborted":
             event = msgspec.structs.replace(event, error=self._aborted_text(event.error))
+        self._journal(event)  # before publishing: what was published is known to be journaled
+        await self._publish(event)
+        if isinstance(event, ev.AgentEnd):
+            self._journal_write(self.host.store.run_end, self.agent.run_id)
+
+    async def _publish(self, event: ev.Event) -> None:
         try:
             await self.host.peer.publish(event, agent=self.host.name, run=self.agent.run_id,
                                          experiment=self.experiment, parent=self.parent)
         except Exception as exc:  # never fail a run because an event could not be sent
             self.host.publish_failures += 1
             log.warning("%s: could not publish %s: %s", self.host.name, ev.event_type(event), exc)
+
+    # --- the run journal (durable runs, `agents.durable`) --------------------------------
+
+    def _journal(self, event: ev.Event) -> None:
+        store, run_id = self.host.store, self.agent.run_id
+        match event:
+            case ev.AgentStart():
+                self._journal_write(store.run_begin, JournaledRun(
+                    run_id=run_id, agent=self.host.name, session=self.id,
+                    coordinator=self.host.coordinator, experiment=self.experiment,
+                    parent=self.parent, max_turns=self.max_turns))
+            case ev.TurnStart():
+                self._journal_write(store.run_turn, run_id, event.turn)
+            case ev.ToolExecutionStart():
+                self._journal_write(store.call_begin, run_id, event.tool_call_id,
+                                    event.tool_name)
+            case ev.ToolExecutionEnd():
+                self._journal_write(store.call_end, run_id, event.tool_call_id,
+                                    event.tool_name, event.result)
+
+    def _journal_write(self, write: Callable[..., None], *args: Any) -> None:
+        try:
+            write(*args)
+        except Exception:  # a full disk must not kill the run; it only loses durability
+            log.exception("%s: could not journal run %s", self.host.name, self.agent.run_id)
+
+    async def resume_run(self, journaled: JournaledRun) -> LoopResult:
+        """Go on with a run the previous coordinator process left live: `run_resumed`, the
+        unanswered tool calls recovered (`agents.durable`), then the loop from the history."""
+        agent = self.agent
+        agent.state.run_id = journaled.run_id
+        messages = agent.state.messages
+        calls = durable.unanswered(messages)
+        catalog = await self.tools.catalog() if calls else []
+        todo = durable.plan(calls, self.host.store.run_calls(journaled.run_id), catalog)
+        end = None if calls else durable.final_end(messages)
+        log.info("%s: resuming run %s of session %s at turn %d (%d tool calls recovered)",
+                 self.host.name, journaled.run_id, self.id, journaled.turn, len(calls))
+        await self._publish(ev.RunResumed(session=self.id, parent_run_id=self.parent,
+                                          turn=journaled.turn, reissued=todo.rerun,
+                                          failed=todo.failed, model=end is None))
+        if end is not None:  # the final reply was stored; only its agent_end was lost
+            await self._on_event(end)
+            return LoopResult(end.final_text, end.stop_reason, end.error, {}, [])
+        results = await durable.recover(calls, todo, self.host.name, journaled.run_id,
+                                        self.tools.execute, self._on_event)
+        self.resuming = True
+        return await agent.resume(journaled.run_id, results, start_turn=journaled.turn,
+                                  max_turns=journaled.max_turns or None)
 
     def _aborted_text(self, error: str | None) -> str:
         return f"{error or ABORTED_TEXT}: {self.abort_reason}"
@@ -319,6 +388,8 @@ class Session:
                 raise
             log.exception("%s: run %s broke", self.host.name, run.run_id)  # should not raise
         finally:
+            if run.run_id:  # ended (or broke): nothing to resume
+                self._journal_write(self.host.store.run_end, run.run_id)
             self.host.release(run)
             if self.current is run:
                 self.current = None
@@ -466,6 +537,25 @@ class HostedAgent:
 
         self.runs.start_soon(body)
 
+    def resume(self, journaled: JournaledRun) -> None:
+        """Go on with a run this coordinator had live when it stopped (see `agents.durable`);
+        nobody waits for it here: its requester follows its events."""
+        session = self.session(journaled.session)
+        if session is None:
+            log.warning("%s: run %s cannot resume: session %s is not stored", self.name,
+                        journaled.run_id, journaled.session)
+            self.store.run_end(journaled.run_id)
+            return
+        run = session.begin(journaled.experiment, journaled.parent, ())
+        run.run_id = journaled.run_id
+        session.max_turns = journaled.max_turns
+
+        async def body() -> None:
+            await self.slots.acquire()
+            await session.run_body(lambda: session.resume_run(journaled), run, True)
+
+        self.runs.start_soon(body)
+
     def deliver_topic(self, message: ev.TopicMessage, mode: str, experiment: str) -> None:
         """A topic message for this agent: queued per `mode` on its one live run, else a new
         run of its last session (several live runs: the last session's, queued or new)."""
@@ -561,6 +651,7 @@ class HostedAgent:
         value: Any = list(command.messages) if command.messages else command.text
         turns = command.max_turns if command.max_turns > 0 else None  # <= 0: the agent's own bound
         agent = session.agent
+        session.max_turns = max(0, command.max_turns)
         return await self._start_run(req, session, lambda: agent.prompt(value, max_turns=turns),
                                      command.experiment, command.parent_run_id,
                                      command.call_chain)
@@ -703,6 +794,21 @@ class Coordinator:
                 await self.peer.serve(service, hosted.handle, capacity=capacity, meta=meta)
         await self.peer.status()  # same connection, in order: the registrations are in place
 
+    def resume_runs(self, store: ConversationStore) -> int:
+        """Resume every run the journal says this coordinator (by name) left live."""
+        resumed = 0
+        for journaled in store.live_runs(self.settings.name):
+            hosted = self.agents.get(journaled.agent)
+            if hosted is None:
+                log.warning("%s: run %s of agent %s cannot resume: the agent is not hosted "
+                            "here any more", self.settings.name, journaled.run_id,
+                            journaled.agent)
+                store.run_end(journaled.run_id)
+                continue
+            hosted.resume(journaled)
+            resumed += 1
+        return resumed
+
     async def shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
         """Abort running runs, give them `grace` s to end, unregister."""
         running = [s for h in self.agents.values() for s in h.live()]
@@ -753,7 +859,8 @@ async def run_coordinator(
                     if coordinator.topics.active:  # in place before anyone can prompt us
                         await runs.start(coordinator.topics.run)
                     await coordinator.register()
-                    ready = {"ready": "coordinator", "name": settings.name,
+                    resumed = coordinator.resume_runs(store)
+                    ready = {"ready": "coordinator", "name": settings.name, "resumed": resumed,
                              "agents": list(coordinator.agents), "pid": os.getpid(),
                              "peer": peer.peer_id}
                     print(json.dumps(ready), flush=True)

@@ -347,13 +347,15 @@ async def run_loop(
     output_cache: ToolOutputCache | None = None,
     run_id: str = "",
     skip_initial_steering: bool = False,
+    start_turn: int = 0,
 ) -> LoopResult:
     """Run the agent until it stops; `messages` is the history, extended (and compacted) in place.
 
     `prompts` are injected in the first turn (none: continue from the history as it is). Never
     raises for model, tool or hook failures: those end the run with stop_reason "error" and the
     full closing events. Only cancellation of the caller's own scope propagates; use `signal`
-    to abort with closing events.
+    to abort with closing events. `start_turn`: turns this run already had (a run resumed after
+    a crash numbers its turns on, and `max_iterations` counts them).
     """
     run = _Run(
         config=config,
@@ -366,6 +368,8 @@ async def run_loop(
         run_id=run_id,
         model=config.model,
         reasoning=config.reasoning,
+        iterations=start_turn,
+        turn=start_turn,
     )
     await emit(AgentStart())
     try:

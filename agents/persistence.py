@@ -20,6 +20,11 @@ one well under a millisecond. Several coordinators may share one state directory
 
 Full texts of cut or trimmed tool outputs (`ToolOutputStore`) are stored too, so `tool_output`
 refs in a restored conversation stay readable.
+
+The run journal (durable runs, see `agents.coordinator`): a row per live run (`runs`: session,
+coordinator, experiment, parent, last turn begun) and per tool call begun (`run_calls`: its result
+once it ended), written before the matching event is published and deleted when the run ends.
+The model replies a run completed are its session's messages, stored as each one ends.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pathlib import Path
 import msgspec
 
 from agents.context import ToolOutputStore
-from bus.messages import Message
+from bus.messages import Message, ToolResultMessage
 
 DB_NAME = "conversations.sqlite"
 
@@ -56,6 +61,24 @@ CREATE TABLE IF NOT EXISTS messages (
     body    BLOB NOT NULL,
     PRIMARY KEY (agent, session, idx)
 );
+CREATE TABLE IF NOT EXISTS runs (
+    run_id      TEXT PRIMARY KEY,
+    agent       TEXT NOT NULL,
+    session     TEXT NOT NULL,
+    coordinator TEXT NOT NULL,
+    experiment  TEXT NOT NULL,
+    parent      TEXT NOT NULL,
+    turn        INTEGER NOT NULL,
+    max_turns   INTEGER NOT NULL,
+    started     REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_calls (
+    run_id  TEXT NOT NULL,
+    call_id TEXT NOT NULL,
+    tool    TEXT NOT NULL,
+    result  BLOB,
+    PRIMARY KEY (run_id, call_id)
+);
 CREATE TABLE IF NOT EXISTS tool_outputs (
     agent   TEXT NOT NULL,
     ref     TEXT NOT NULL,
@@ -66,6 +89,27 @@ CREATE TABLE IF NOT EXISTS tool_outputs (
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+
+
+class JournaledRun(msgspec.Struct):
+    """A run that was live when its coordinator last wrote the journal."""
+
+    run_id: str
+    agent: str
+    session: str
+    coordinator: str
+    experiment: str = ""
+    parent: str = ""
+    turn: int = 0  # the last turn begun
+    max_turns: int = 0  # 0: the agent's own bound
+
+
+class JournaledCall(msgspec.Struct):
+    """A tool call a journaled run began; `result` None: it had not ended (may have run)."""
+
+    call_id: str
+    tool: str
+    result: ToolResultMessage | None = None
 
 
 class ConversationStore:
@@ -169,6 +213,51 @@ class ConversationStore:
     def recorder(self, agent: str, session: str, persisted: Sequence[Message] = ()) -> ConversationRecorder:
         return ConversationRecorder(self, agent, session, persisted)
 
+    # --- run journal ---------------------------------------------------------------------
+
+    def run_begin(self, run: JournaledRun) -> None:
+        with self._tx():
+            self.db.execute(
+                "INSERT OR REPLACE INTO runs (run_id, agent, session, coordinator, experiment, "
+                "parent, turn, max_turns, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (run.run_id, run.agent, run.session, run.coordinator, run.experiment, run.parent,
+                 run.turn, run.max_turns, time.time()))
+
+    def run_turn(self, run_id: str, turn: int) -> None:
+        with self._tx():
+            self.db.execute("UPDATE runs SET turn = ? WHERE run_id = ?", (turn, run_id))
+
+    def call_begin(self, run_id: str, call_id: str, tool: str) -> None:
+        with self._tx():
+            self.db.execute("INSERT OR IGNORE INTO run_calls (run_id, call_id, tool) "
+                            "VALUES (?, ?, ?)", (run_id, call_id, tool))
+
+    def call_end(self, run_id: str, call_id: str, tool: str, result: ToolResultMessage) -> None:
+        with self._tx():
+            self.db.execute("INSERT OR REPLACE INTO run_calls (run_id, call_id, tool, result) "
+                            "VALUES (?, ?, ?, ?)", (run_id, call_id, tool, _encoder.encode(result)))
+
+    def run_end(self, run_id: str) -> None:
+        with self._tx():
+            self.db.execute("DELETE FROM run_calls WHERE run_id = ?", (run_id,))
+            self.db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
+
+    def live_runs(self, coordinator: str) -> list[JournaledRun]:
+        """The runs `coordinator` had in progress when it stopped without ending them."""
+        rows = self.db.execute(
+            "SELECT run_id, agent, session, coordinator, experiment, parent, turn, max_turns "
+            "FROM runs WHERE coordinator = ? ORDER BY started", (coordinator,)).fetchall()
+        return [JournaledRun(*row) for row in rows]
+
+    def run_calls(self, run_id: str) -> dict[str, JournaledCall]:
+        rows = self.db.execute("SELECT call_id, tool, result FROM run_calls WHERE run_id = ?",
+                               (run_id,)).fetchall()
+        out: dict[str, JournaledCall] = {}
+        for call_id, tool, body in rows:
+            result = _result(body) if body is not None else None
+            out[call_id] = JournaledCall(call_id, tool, result)
+        return out
+
     # --- tool outputs --------------------------------------------------------------------
 
     def put_output(self, agent: str, ref: str, text: str) -> None:
@@ -188,6 +277,15 @@ class ConversationStore:
 
     def _tx(self) -> _Transaction:
         return _Transaction(self.db)
+
+
+def _result(body: bytes) -> ToolResultMessage | None:
+    """A journaled tool result; one that no longer decodes counts as not ended."""
+    try:
+        message = _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return message if isinstance(message, ToolResultMessage) else None
 
 
 class _Transaction:
@@ -253,4 +351,5 @@ class PersistentOutputStore(ToolOutputStore):
         return text if text is not None else self._store.get_output(self._agent, ref)
 
 
-__all__ = ["DB_NAME", "ConversationRecorder", "ConversationStore", "PersistentOutputStore"]
+__all__ = ["DB_NAME", "ConversationRecorder", "ConversationStore", "JournaledCall", "JournaledRun",
+           "PersistentOutputStore"]

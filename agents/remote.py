@@ -16,6 +16,12 @@ and the prompt goes to that coordinator's `agent.<name>@<coordinator>` service. 
 `follow_up` and `abort` take `run=` or `session=`; without either they act on the agent's one
 live run (found on whichever coordinator holds it) and fail with code `ambiguous`, listing the
 live runs, when there are several.
+
+Durable runs: when the coordinator running a run dies, the prompt request fails `PeerLost`, but
+the run is journaled and a restarted coordinator of the same name resumes it (`run_resumed`).
+A `Run` then keeps following: it waits up to `resume_wait` seconds (`connect(resume_wait=...)`)
+for the run's `run_resumed` (or `agent_end`), reads on to `agent_end` and builds the result from
+it; with no sign of the run in time (nobody restarted the coordinator) it raises the `PeerLost`.
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ from tools.worker import ToolWorker, WorkerSettings
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
-from bus.errors import BusError, NoService, RemoteError
+from bus.errors import BusError, NoService, PeerLost, RemoteError
 from bus.protocol import Status
 from bus.security import CurveClient
 
 NO_RUN, AMBIGUOUS = "no_run", "ambiguous"  # the coordinator's error codes (agents.coordinator)
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
+#: Seconds a requester waits for a run to resume after its coordinator died (busctl up restarts
+#: a crashed process within RESTART_BACKOFF, up to 8 s, and it starts in a second or two).
+RESUME_WAIT = 30.0
 
 
 class Run:
@@ -58,6 +67,10 @@ class Run:
         self._result: cmd.RunResult | None = None
         self._final: bytes | None = None
         self._ended = False
+        self._end: ev.AgentEnd | None = None  # the run's agent_end, once read
+        self._alive = anyio.Event()  # run_resumed or agent_end seen: the run outlived a crash
+        self._done = anyio.Event()  # agent_end seen
+        self._reading = False  # `events()` is being iterated (the one reader)
 
     async def _started(self) -> None:
         first = await self._replies.__anext__()
@@ -69,13 +82,22 @@ class Run:
         """This run's events, in seq order, ending with its `agent_end`."""
         if self._ended:
             return
-        async for envelope in self._subscription:
-            if envelope.header.run != self.run_id:
-                continue
-            yield envelope
-            if isinstance(envelope.event, ev.AgentEnd):
-                self._ended = True
-                return
+        self._reading = True
+        try:
+            async for envelope in self._subscription:
+                if envelope.header.run != self.run_id:
+                    continue
+                if isinstance(envelope.event, (ev.RunResumed, ev.AgentEnd)):
+                    self._alive.set()
+                if isinstance(envelope.event, ev.AgentEnd):
+                    self._end = envelope.event
+                    self._ended = True
+                    self._done.set()
+                yield envelope
+                if self._ended:
+                    return
+        finally:
+            self._reading = False
 
     async def result(self) -> cmd.RunResult:
         """Wait for the run to end; the final text, stop reason, usage and error."""
@@ -90,10 +112,37 @@ class Run:
         coordinator died: then no `agent_end` will ever come)."""
         if self._final is None:
             body = b""
-            async for body in self._replies:
-                pass
+            try:
+                async for body in self._replies:
+                    pass
+            except PeerLost as exc:
+                if not self.run_id or self.bus.resume_wait <= 0:
+                    raise
+                body = await self._resumed_result(exc)
             self._final = body
         return self._final
+
+    async def _resumed_result(self, lost: PeerLost) -> bytes:
+        """The coordinator died mid-run: wait for the run to resume (re-raising `lost` when it
+        shows no sign within `resume_wait`), then for its agent_end."""
+        async with anyio.create_task_group() as tg:
+            if not self._reading:  # else the task iterating `events()` sees them for us
+                tg.start_soon(self._drain)
+            with anyio.move_on_after(self.bus.resume_wait):
+                await self._alive.wait()
+            if self._alive.is_set():
+                await self._done.wait()
+            tg.cancel_scope.cancel()
+        end = self._end
+        if end is None:
+            raise lost
+        return cmd.encode(cmd.RunResult(run_id=self.run_id, agent=self.agent,
+                                        final_text=end.final_text, stop_reason=end.stop_reason,
+                                        error=end.error, usage=end.usage, session=self.session))
+
+    async def _drain(self) -> None:
+        async for _ in self.events():
+            pass
 
     async def abort(self, reason: str = "") -> None:
         await self.bus.abort(self.agent, reason, run=self.run_id, session=self.session)
@@ -105,8 +154,9 @@ class Run:
 class AgentBus:
     """A peer with agent verbs. Use `connect()`."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: Peer, resume_wait: float = RESUME_WAIT) -> None:
         self.peer = peer
+        self.resume_wait = resume_wait  # see the module doc (durable runs); 0: fail at once
 
     async def _service(self, agent: str, session: str = "") -> str:
         """The service to send a command about `session` (or a new one) to."""
@@ -359,9 +409,12 @@ def _merge_agent(agents: dict[str, Any], state: dict[str, Any]) -> None:
 
 @asynccontextmanager
 async def connect(hub: str | None = None, *, name: str = "agents-client",
-                  curve: CurveClient | None = None) -> AsyncIterator[AgentBus]:
+                  curve: CurveClient | None = None,
+                  resume_wait: float = RESUME_WAIT) -> AsyncIterator[AgentBus]:
+    """`resume_wait`: seconds a run's follower waits for the run to resume after its
+    coordinator died (0: fail with PeerLost at once)."""
     async with connect_peer(hub, name=name, role="client", curve=curve) as peer:
-        yield AgentBus(peer)
+        yield AgentBus(peer, resume_wait)
 
 
 class BlockingBus:

@@ -76,6 +76,20 @@ class AgentEnd(_Event, tag="agent_end"):
     message_count: int = 0
 
 
+class RunResumed(_Event, tag="run_resumed"):
+    """A run goes on after its coordinator restarted (durable runs, docs/reliability.md):
+    events before it were published by the previous process; `turn` is the last turn begun,
+    `reissued` the tool call ids run again (idempotent) and `failed` those given an error
+    result because they may have run; `model` is true when the model call is issued again."""
+
+    session: str = ""
+    parent_run_id: str = ""
+    turn: int = 0
+    reissued: list[str] = msgspec.field(default_factory=list)
+    failed: list[str] = msgspec.field(default_factory=list)
+    model: bool = False
+
+
 class CompactionStart(_Event, tag="compaction_start"):
     tokens: int = 0
 
@@ -171,6 +185,7 @@ Event = Union[
     ToolExecutionEnd,
     TurnEnd,
     AgentEnd,
+    RunResumed,
     CompactionStart,
     CompactionComplete,
     LlmRetry,
@@ -218,11 +233,14 @@ def event_type(event: Event) -> str:
     return type(event).__struct_config__.tag  # type: ignore[return-value]
 
 
+_AGENT_EXTRA = frozenset({"compaction_start", "compaction_complete", "llm_retry", "run_resumed"})
+
+
 def event_family(type_: str) -> str:
     """The first segment of an event's topic: `agent`, `bus` or `ext` (anything else)."""
     if type_ in BUS_TYPES:
         return "bus"
-    if type_ in LIFECYCLE_TYPES or type_ in {"compaction_start", "compaction_complete", "llm_retry"}:
+    if type_ in LIFECYCLE_TYPES or type_ in _AGENT_EXTRA:
         return "agent"
     return "ext"
 

@@ -10,7 +10,6 @@ import anyio
 import pytest
 
 from agents.remote import connect
-from bus.errors import PeerLost
 from tests.coordinator.conftest import Stack, start_stack, text
 from tests.support import until
 
@@ -26,31 +25,38 @@ def user_texts(body: dict[str, Any]) -> list[str]:
     return out
 
 
-async def test_sigkill_mid_conversation_then_restart_keeps_history(stack: Stack) -> None:
+async def test_sigkill_mid_run_then_restart_resumes_the_run_and_keeps_history(
+        stack: Stack) -> None:
     stack.coordinator("p", name="coord-p", state="p-state")
     try:
         stack.script([text("Noted: banana."), {"reply": {"text": "never sent"}, "delay": 30}])
-        async with connect(stack.endpoint, name="test-restart") as bus:
+        async with connect(stack.endpoint, name="test-restart", resume_wait=30) as bus:
             first = await bus.run("p", "remember the word banana", new_session=True)
             assert first.final_text == "Noted: banana."
             run = await bus.prompt("p", "second question", session=first.session)
             await until(lambda: len(stack.srv.requests) == 2, 10, "the second model request")
             stack.procs["coord-p"].signal(signal.SIGKILL)  # mid-run, no chance to clean up
-            with pytest.raises(PeerLost):
-                await run.result()  # the hub noticed the coordinator is gone
-        stack.stop("coord-p")
+            stack.stop("coord-p")
+            # the same name and state: the journaled run resumes and its follower gets the end
+            stack.script([text("Resumed: the word is banana.")])
+            stack.coordinator("p", name="coord-p", state="p-state")
+            with anyio.fail_after(30):
+                resumed = await run.result()
+        assert resumed.run_id == run.run_id
+        assert resumed.final_text == "Resumed: the word is banana."
+        assert user_texts(stack.srv.requests[0].body) == [
+            "remember the word banana", "Noted: banana.", "second question"]
 
-        # the same name: its sessions' ids name it, so continuing one reaches it again
-        stack.coordinator("p", name="coord-p", state="p-state")
         stack.script([text("The word was banana.")])
         async with connect(stack.endpoint, name="test-restart-2") as bus:
             state = await bus.state("p")
-            assert state.message_count == 3  # user, assistant, and the second user prompt
+            assert state.message_count == 4  # the two exchanges
             assert state.session == first.session
             again = await bus.run("p", "what was the word?", session=first.session)
         assert again.final_text == "The word was banana."
         assert user_texts(stack.srv.requests[0].body) == [
-            "remember the word banana", "Noted: banana.", "second question", "what was the word?"]
+            "remember the word banana", "Noted: banana.", "second question",
+            "Resumed: the word is banana.", "what was the word?"]
     finally:
         stack.stop("coord-p")
 

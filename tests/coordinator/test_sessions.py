@@ -177,7 +177,8 @@ async def test_two_coordinators_share_sessions_and_fail_only_their_own_runs(
         stack.coordinator("c", "w", name="co1", state="s1")
         stack.coordinator("c", "w", name="co2", state="s2")
         script(stack, tmp_path / "gate", delay=0.3)
-        async with connect(stack.endpoint, name="t-two") as bus:
+        # resume_wait=0: co1 is not restarted here, so its run cannot resume (tests/durable)
+        async with connect(stack.endpoint, name="t-two", resume_wait=0) as bus:
             results = await bus.run_many([("c", f"q{i}") for i in range(20)], concurrency=20)
             holders = [r.session.partition(".")[0] for r in results]
             assert sorted(set(holders)) == ["co1", "co2"], holders

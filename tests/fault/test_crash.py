@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -42,7 +43,7 @@ RUN_BOUND = 45.0  # `busctl run` must return within this, whatever was killed
 OUTCOME = {
     "tools-1": (0, "stop"),  # the lost calls come back (re-dispatched or as tool errors); run ends
     "gateway-1": (1, "error"),  # the streaming `llm` request fails peer_lost: the run ends in error
-    "coordinator-1": (1, None),  # the `agent.assistant` request fails peer_lost at once
+    "coordinator-1": (0, "stop"),  # the run is journaled: the restarted coordinator resumes it
     "hub": (1, None),  # the requester's pending call fails hub_lost; the run goes on elsewhere
 }
 
@@ -120,9 +121,11 @@ def test_sigkill_mid_run_recovers(stack: tuple[Topology, FakeLLMServer], victim:
     assert WHOLE <= services(endpoint)["services"]
     first = cli(endpoint, "run", "remember the word banana")
     assert first.returncode == 0, first.stdout + first.stderr
+    # every `busctl run` starts a fresh session unless continued: the next ones continue this one
+    session = re.search(r"^session (\S+)", first.stderr, re.MULTILINE).group(1)  # type: ignore[union-attr]
     pid = topo.child_pids()[victim]
 
-    run = Proc(busctl("run", "--hub", endpoint, "--json", "now do the work"))
+    run = Proc(busctl("run", "--hub", endpoint, "--json", "-c", session, "now do the work"))
     try:
         # the kill lands mid-run: model streaming (gateway) or tools in flight (the rest)
         marker = '"message_update"' if victim == "gateway-1" else '"tool_execution_start"'
@@ -157,7 +160,7 @@ def test_sigkill_mid_run_recovers(stack: tuple[Topology, FakeLLMServer], victim:
     wait_for(lambda: not services(endpoint).get("busy", {"?"}), RUN_BOUND, "the agent to be idle")
 
     srv_requests_before = len(srv.requests)
-    after = cli(endpoint, "run", "now do the work again")
+    after = cli(endpoint, "run", "-c", session, "now do the work again")
     assert after.returncode == 0, after.stdout + after.stderr
     assert "Finished:" in after.stdout and "nap:a" in after.stdout, after.stdout
     # the conversation survived: the next model request carries what was acknowledged before
