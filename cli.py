@@ -383,6 +383,35 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
               capture_content, Path(state_file), since, max_spans)
 
 
+# --- busctl ui ----------------------------------------------------------------------------
+
+
+@main.command()
+@hub_options
+@click.option("--port", type=click.IntRange(0, 65535), default=7480, show_default=True,
+              help="Loopback port of the page (0: any free port; the URL is printed).")
+@click.option("--since", type=click.IntRange(0), default=0, show_default=True,
+              help="Show events after this seq (0: everything the hub's log holds).")
+def ui(hub: str, curve: CurveClient | None, port: int, since: int) -> None:
+    """A live web view of the bus on http://127.0.0.1:PORT/ (loopback only).
+
+    \b
+    Examples:
+      busctl ui                # then open http://127.0.0.1:7480/
+      busctl ui --port 0       # any free port; the first line names the URL
+    """
+    from bus.ui import serve_ui
+
+    try:
+        run_async(serve_ui, hub, curve, port, since)
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        raise click.BadParameter(f"cannot listen on 127.0.0.1:{port}: {exc.strerror} "
+                                 f"(choose another --port, or 0 for any free one)",
+                                 param_hint="--port") from None
+
+
 # --- busctl worker ------------------------------------------------------------------------
 
 

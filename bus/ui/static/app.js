@@ -1,0 +1,230 @@
+// agent-bus live view: plain JavaScript, no dependencies. Events arrive as Server-Sent Events
+// (`/events`, id = the event's seq), are folded into `state`, and the page is redrawn at most
+// every REDRAW_MS, so a fast stream costs one redraw per interval, not one per event.
+"use strict";
+
+const REDRAW_MS = 200;
+const MAX_DETAILED_RUNS = 300; // older finished runs keep their lane but drop bars and transcript
+
+const state = {
+  lastSeq: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
+  order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, selected: null,
+};
+
+function text(content) {
+  return (content || []).filter((p) => p.type === "text").map((p) => p.text).join("");
+}
+
+function run(ev) {
+  let r = state.runs.get(ev.run_id);
+  if (!r) {
+    r = { id: ev.run_id, agent: ev.agent, parent: ev.parent || "", start: ev.ts, end: null,
+          stop: "", experiment: ev.experiment || "", session: "", chats: [], tools: new Map(),
+          transcript: [], children: [], detailed: true };
+    state.runs.set(r.id, r);
+    state.order.push(r.id);
+    const parent = state.runs.get(r.parent);
+    if (parent) parent.children.push(r.id);
+  }
+  return r;
+}
+
+const handlers = {
+  peer_joined(ev) { state.peers.set(ev.peer, ev.name || ev.peer); },
+  peer_left(ev) { state.peers.delete(ev.peer); },
+  service_registered(ev) { state.services.set(ev.service + "@" + ev.peer, ev); },
+  service_removed(ev) { state.services.delete(ev.service + "@" + ev.peer); },
+  agent_start(ev) {
+    const r = run(ev);
+    r.start = ev.ts; r.session = ev.session || "";
+    state.totals.runs += 1;
+    const a = state.agents.get(ev.agent) || { runs: 0, live: 0, sessions: new Set() };
+    a.runs += 1; a.live += 1; if (r.session) a.sessions.add(r.session);
+    state.agents.set(ev.agent, a);
+  },
+  message_start(ev) {
+    const r = run(ev);
+    if (ev.message.role === "assistant") {
+      r.chats.push({ start: ev.ts, end: null, model: ev.message.model || "", text: "" });
+    } else if (ev.message.role !== "tool_result") { // results are shown from tool_execution_end
+      r.transcript.push({ role: ev.message.role, text: text(ev.message.content) });
+    }
+  },
+  message_update(ev) {
+    const chat = run(ev).chats.at(-1);
+    if (chat && chat.end === null && ev.delta && ev.delta.kind === "text") chat.text += ev.delta.delta;
+  },
+  message_end(ev) {
+    const r = run(ev);
+    const m = ev.message;
+    if (m.role !== "assistant") return;
+    const chat = r.chats.findLast((c) => c.end === null);
+    if (chat) { chat.end = ev.ts; chat.error = !!m.error; }
+    const calls = (m.content || []).filter((p) => p.type === "tool_call");
+    const u = m.usage || {};
+    r.transcript.push({ role: "assistant", text: text(m.content), calls, usage: u, model: m.model });
+    state.totals.input += u.input || 0;
+    state.totals.output += u.output || 0;
+    state.totals.cost += u.cost || 0;
+  },
+  tool_execution_start(ev) {
+    run(ev).tools.set(ev.tool_call_id, { name: ev.tool_name, start: ev.ts, end: null, error: false });
+  },
+  tool_execution_end(ev) {
+    const r = run(ev);
+    const t = r.tools.get(ev.tool_call_id);
+    if (t) { t.end = ev.ts; t.error = ev.is_error; }
+    r.transcript.push({ role: "tool", name: ev.tool_name, error: ev.is_error,
+                        text: text(ev.result && ev.result.content) });
+  },
+  agent_end(ev) {
+    const r = run(ev);
+    r.end = ev.ts; r.stop = ev.stop_reason || "stop";
+    state.totals.stops[r.stop] = (state.totals.stops[r.stop] || 0) + 1;
+    const a = state.agents.get(ev.agent);
+    if (a) a.live = Math.max(0, a.live - 1);
+    collapseOld();
+  },
+};
+
+function collapseOld() {
+  const finished = state.order.filter((id) => {
+    const r = state.runs.get(id);
+    return r.end !== null && r.detailed;
+  });
+  for (const id of finished.slice(0, Math.max(0, finished.length - MAX_DETAILED_RUNS))) {
+    const r = state.runs.get(id);
+    r.detailed = false; r.chats = []; r.tools = new Map(); r.transcript = [];
+  }
+}
+
+function el(tag, attrs, ...kids) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") node.className = v; else node.setAttribute(k, v);
+  }
+  for (const kid of kids) node.append(kid);
+  return node;
+}
+
+function bar(kind, item, t0, span, label, row) {
+  const end = item.end === null ? Date.now() / 1000 : item.end;
+  const left = ((item.start - t0) / span) * 100;
+  const width = Math.max(((end - item.start) / span) * 100, 0.2);
+  const cls = `bar ${kind}${item.error ? " error" : ""}${item.end === null ? " open" : ""}`;
+  const node = el("div", { class: cls, title: `${label} ${(end - item.start).toFixed(3)} s`,
+                           "data-row": String(row), "data-start": String(item.start),
+                           "data-end": String(end) }, label);
+  node.style.left = left + "%"; node.style.width = width + "%";
+  return node;
+}
+
+function toolRows(tools) {
+  // Parallel calls overlap in time: each goes on the first row free at its start.
+  const rows = [];
+  for (const [id, t] of [...tools.entries()].sort((a, b) => a[1].start - b[1].start)) {
+    const end = t.end === null ? Infinity : t.end;
+    let row = rows.findIndex((r) => r.free <= t.start);
+    if (row < 0) { row = rows.length; rows.push({ free: end, items: [] }); }
+    rows[row].free = end;
+    rows[row].items.push([id, t]);
+  }
+  return rows;
+}
+
+function lane(r, t0, span) {
+  const title = el("div", { class: "lane-title" }, `${r.agent} · ${r.id.slice(0, 8)}`,
+                   el("span", { class: "stop" }, r.end === null ? "running" : r.stop));
+  const node = el("div", { class: "lane" + (state.selected === r.id ? " selected" : ""),
+                           "data-run": r.id, "data-agent": r.agent, "data-parent": r.parent }, title);
+  const chats = el("div", { class: "track chats" });
+  r.chats.forEach((c) => chats.append(bar("chat", c, t0, span, c.model || "model", 0)));
+  node.append(chats);
+  toolRows(r.tools).forEach((row, i) => {
+    const track = el("div", { class: "track tools" });
+    for (const [id, t] of row.items) {
+      const b = bar("tool", t, t0, span, t.name, i);
+      b.setAttribute("data-tool", t.name); b.setAttribute("data-call", id);
+      track.append(b);
+    }
+    node.append(track);
+  });
+  const kids = el("div", { class: "children" });
+  r.children.forEach((id) => kids.append(lane(state.runs.get(id), t0, span)));
+  node.append(kids);
+  node.addEventListener("click", (e) => { e.stopPropagation(); state.selected = r.id; redraw(); });
+  return node;
+}
+
+function renderTimeline() {
+  const roots = state.order.map((id) => state.runs.get(id))
+    .filter((r) => !r.parent || !state.runs.has(r.parent));
+  const starts = roots.map((r) => r.start);
+  const t0 = Math.min(...starts, Date.now() / 1000);
+  const t1 = Math.max(...[...state.runs.values()].map((r) => r.end || Date.now() / 1000), t0 + 1e-3);
+  const box = document.getElementById("timeline");
+  box.replaceChildren(...roots.map((r) => lane(r, t0, t1 - t0)));
+}
+
+function renderList(id, items) {
+  document.getElementById(id).replaceChildren(...items.map((t) => el("li", {}, t)));
+}
+
+function renderTranscript() {
+  const r = state.runs.get(state.selected);
+  const body = document.getElementById("transcript-body");
+  if (!r) return;
+  const head = el("div", { class: "msg" }, `${r.agent} run ${r.id} · session ${r.session} · `
+                  + `experiment ${r.experiment || "-"} · ${r.stop || "running"}`);
+  const msgs = r.transcript.map((m) => {
+    const parts = [el("span", { class: "role" }, m.role + (m.name ? ` ${m.name}` : "") + ": "),
+                   m.text || ""];
+    for (const c of m.calls || []) parts.push(`\n→ ${c.name}(${c.arguments})`);
+    if (m.usage) parts.push(`\n[${m.model} in ${m.usage.input || 0} out ${m.usage.output || 0}`
+                            + ` $${(m.usage.cost || 0).toFixed(4)}]`);
+    return el("div", { class: "msg", "data-role": m.role }, ...parts);
+  });
+  body.replaceChildren(head, ...msgs);
+}
+
+function renderTotals() {
+  const t = state.totals;
+  const rows = [["runs", t.runs], ["input", t.input], ["output", t.output],
+                ["cost", "$" + t.cost.toFixed(4)],
+                ...Object.entries(t.stops).map(([k, v]) => ["stop:" + k, v])];
+  document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) =>
+    el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)))));
+}
+
+let pending = false;
+function redraw() {
+  pending = false;
+  renderTimeline();
+  renderTranscript();
+  renderTotals();
+  renderList("peers", [...state.peers.values()]);
+  renderList("services", [...state.services.values()].map((s) => `${s.service} ×${s.capacity || 1}`));
+  renderList("agents", [...state.agents.entries()].map(([n, a]) =>
+    `${n}: ${a.live} live, ${a.runs} runs, ${a.sessions.size} sessions`));
+  document.getElementById("seq").textContent = `seq ${state.lastSeq}`;
+}
+
+function schedule() {
+  if (!pending) { pending = true; setTimeout(redraw, REDRAW_MS); }
+}
+
+function connect() {
+  const source = new EventSource("/events");
+  source.onopen = () => { document.getElementById("status").textContent = "live"; };
+  source.onerror = () => { document.getElementById("status").textContent = "reconnecting…"; };
+  source.onmessage = (msg) => {
+    const ev = JSON.parse(msg.data);
+    if (ev.seq <= state.lastSeq) return; // a replayed duplicate after a reconnect
+    state.lastSeq = ev.seq;
+    const handle = handlers[ev.type];
+    if (handle) handle(ev);
+    schedule();
+  };
+}
+
+connect();

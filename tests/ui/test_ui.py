@@ -1,0 +1,201 @@
+"""`busctl ui` (issue 19, acceptance 1 and the replay half of 2): the page, its event stream, and
+the page in a real headless Chromium (the distribution's package; `.ci/run` installs it).
+
+Real processes: hub, gateway (in-test fake model), tool worker, coordinator with `boss` (two
+parallel `echo` calls and an `ask_helper` call) and `helper`; `busctl ui --port 0`.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agents.remote import connect
+from tests.coordinator.conftest import Stack, calls, start_stack, text
+from tests.support import Proc, busctl, until
+from tests.ui.browser import Browser, find_chromium
+
+pytestmark = pytest.mark.anyio
+
+AGENTS = """
+[[agents]]
+name = "boss"
+model = "x"
+tools = ["slow"]
+agents = ["helper"]
+
+[[agents]]
+name = "helper"
+model = "x"
+tools = []
+"""
+
+# Two `slow` calls of 0.3 s each, started together: their bars must overlap in time.
+SCRIPT = [
+    calls(("slow", {"label": "a", "seconds": 0.3}), ("slow", {"label": "b", "seconds": 0.3}),
+          ("ask_helper", {"prompt": "What colour is a banana?"})),
+    text("Bananas are yellow."),
+    text("Done: a, b, yellow."),
+]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(tmp_path_factory.mktemp("ui"), coordinator=("boss", "helper"), agents=AGENTS)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+async def scripted_run(stack: Stack) -> str:
+    stack.script(SCRIPT)
+    async with connect(stack.endpoint, name="test-ui") as bus:
+        run = await bus.prompt("boss", "use your tools and ask the helper", experiment="exp-ui")
+        result = await run.result()
+    assert result.final_text == "Done: a, b, yellow."
+    return run.run_id
+
+
+def start_ui(stack: Stack) -> str:
+    proc = Proc(busctl("ui", "--hub", stack.endpoint, "--port", "0"))
+    stack.procs[f"ui-{len(stack.procs)}"] = proc  # stopped with the stack
+    return str(proc.wait_ready()["url"])
+
+
+def read_events(url: str, until_type: str, run_id: str,
+                last_id: str = "") -> list[tuple[int, dict[str, Any]]]:
+    """SSE messages from the page's `/events` until `until_type` of `run_id` (socket timeout 15 s:
+    a stalled stream fails the test)."""
+    request = urllib.request.Request(url + "events", headers={"Last-Event-ID": last_id}
+                                     if last_id else {})
+    out: list[tuple[int, dict[str, Any]]] = []
+    with urllib.request.urlopen(request, timeout=15) as stream:
+        event_id = 0
+        for raw in stream:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("id: "):
+                event_id = int(line[4:])
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                out.append((event_id, event))
+                if event["type"] == until_type and event["run_id"] == run_id:
+                    return out
+    raise AssertionError("the event stream ended")
+
+
+async def test_page_and_stream_replay_then_live_without_holes(stack: Stack) -> None:
+    before = await scripted_run(stack)         # happened before the page's server started
+    url = start_ui(stack)
+    page = urllib.request.urlopen(url, timeout=5).read().decode()
+    assert '<script src="/app.js"></script>' in page and "http" not in page.split("<body>")[1]
+    assert "EventSource" in urllib.request.urlopen(url + "app.js", timeout=5).read().decode()
+
+    replayed = read_events(url, "agent_end", before)
+    after = await scripted_run(stack)          # live
+    events = read_events(url, "agent_end", after)
+    seqs = [s for s, _ in events]
+    assert seqs == sorted(set(seqs)) and all(s == e["seq"] for s, e in events)
+    assert seqs == list(range(seqs[0], seqs[-1] + 1))  # no hole (the page gets the full stream)
+    assert seqs[:len(replayed)] == [s for s, _ in replayed]
+    # a page reconnecting with Last-Event-ID continues after it, with no duplicate
+    middle = seqs[len(seqs) // 2]
+    resumed = read_events(url, "agent_end", after, last_id=str(middle))
+    assert [s for s, _ in resumed] == [s for s in seqs if s > middle]
+
+
+class Dom(HTMLParser):
+    """The elements of a DOM dump with their attributes, classes and nesting depth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[dict[str, str]] = []
+        self.stack: list[dict[str, str]] = []
+        self.text: dict[int, str] = {}
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        node = {k: v or "" for k, v in attrs}
+        node["tag"] = tag
+        node["_parents"] = ",".join(n.get("data-run", "") for n in self.stack if n.get("data-run"))
+        self.nodes.append(node)
+        if tag not in ("meta", "link", "br", "img", "input"):
+            self.stack.append(node)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def handle_data(self, data: str) -> None:
+        if self.stack:
+            self.stack[-1]["_text"] = self.stack[-1].get("_text", "") + data
+
+
+def chromium() -> str:
+    path = find_chromium()
+    if path is None:
+        pytest.skip("no chromium: `.ci/run` installs it (apt-get install -y chromium)")
+    return path
+
+
+async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
+    binary = chromium()
+    url = start_ui(stack)
+    run_id = await scripted_run(stack)
+    read_events(url, "agent_end", run_id)  # the server has the whole run
+    browser = Browser(binary, tmp_path / "profile")
+    try:
+        browser.open(url)
+        # drawn: the boss's lane with the helper's lane nested in it, and the run's end counted
+        ready = (f'!!document.querySelector(\'.lane[data-run="{run_id}"] .children '
+                 f'.lane[data-agent="helper"]\') && document.querySelector(\'.lane[data-run='
+                 f'"{run_id}"] .stop\').textContent === "stop"')
+        await until(lambda: browser.evaluate(ready), 20, "the run drawn in the page")
+        browser.evaluate(f'document.querySelector(\'.lane[data-run="{run_id}"]\').click()')
+        await until(lambda: browser.evaluate(
+            "document.querySelectorAll('#transcript-body .msg[data-role]').length >= 5"), 10,
+            "the transcript of the clicked run")
+        dump = browser.evaluate("document.documentElement.outerHTML")
+        browser.screenshot(tmp_path / "ui.png")
+    finally:
+        browser.close()
+    (tmp_path / "dom.html").write_text(dump)
+    assert (tmp_path / "ui.png").stat().st_size > 1000
+
+    dom = Dom()
+    dom.feed(dump)
+    lanes = {n["data-run"]: n for n in dom.nodes if "lane" in n.get("class", "").split()}
+    boss = lanes[run_id]
+    assert boss["data-agent"] == "boss" and boss["_parents"] == ""
+    helper = [n for n in lanes.values()
+              if n["data-agent"] == "helper" and n["data-parent"] == run_id]
+    assert len(helper) == 1 and helper[0]["_parents"] == run_id  # nested inside boss's lane
+    bars = [n for n in dom.nodes if n.get("data-call") and n["_parents"] == run_id]
+    slow = [n for n in bars if n["data-tool"] == "slow"]
+    assert len(slow) == 2 and {n["data-row"] for n in slow} == {"0", "1"}  # side by side
+    (a0, a1), (b0, b1) = [(float(n["data-start"]), float(n["data-end"])) for n in slow]
+    assert a0 < b1 and b0 < a1  # they ran at the same time
+    assert [n["data-tool"] for n in bars if n["data-tool"] != "slow"] == ["ask_helper"]
+    chats = [n for n in dom.nodes if "chat" in n.get("class", "").split()
+             and n["_parents"] == run_id]
+    assert len(chats) == 2
+    helper_chats = [n for n in dom.nodes if "chat" in n.get("class", "").split()
+                    and n["_parents"] == f"{run_id},{helper[0]['data-run']}"]
+    assert len(helper_chats) == 1
+    # totals: every run the hub logged so far in this module, their tokens, the stop reasons
+    totals = {n["data-key"]: dom.nodes[i + 2].get("_text", "")  # tr > th, td
+              for i, n in enumerate(dom.nodes) if n["tag"] == "tr" and n.get("data-key")}
+    assert int(totals["runs"]) >= 2 and int(totals["input"]) > 0 and int(totals["output"]) > 0
+    assert totals["stop:stop"] == totals["runs"]
+    roles = [n["data-role"] for n in dom.nodes if n.get("data-role")]
+    assert roles == ["user", "assistant", "tool", "tool", "tool", "assistant"]
