@@ -43,7 +43,8 @@ PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer rou
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
 REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a reset
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass's event batch is logged and published past this
-MiB = 1024 * 1024
+KiB = 1024
+MiB = 1024 * KiB
 
 # pyzmq's `send_multipart` costs ~3 us per message in Python-level flag (enum) handling; the
 # backend's `send` with plain int flags costs ~0.2 us per frame. Received frames are copied into
@@ -111,10 +112,11 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     peer_request_bytes: int = 64 * MiB  # ...of them, from one requester
     queued_services: int = 1000  # distinct unserved service names with queued requests
     max_event_bytes: int = 1 * MiB  # a bigger event body is counted `oversize_events`, dropped
-    # Per subscriber: PUB SNDHWM = this // max_event_bytes. 0: SNDHWM = pub_hwm, no byte bound,
-    # because a message count low enough to bound big events drops bursts of small ones
-    # (docs/reliability.md, "Memory budgets"); set it where subscribers are not trusted.
-    subscriber_bytes: int = 0
+    # A bigger body goes out on the live stream as a stub (an empty body frame; subscribers read
+    # the event from the log), so every published message is small and a message count bounds
+    # bytes: per subscriber, PUB SNDHWM = subscriber_bytes // publish_inline_bytes (8,192).
+    publish_inline_bytes: int = 8 * KiB
+    subscriber_bytes: int = 64 * MiB  # 0: SNDHWM = pub_hwm, no byte bound
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
     # Event log retention (docs/reliability.md, "Event log retention"); 0 disables a bound.
     retain_days: float = 7.0
@@ -127,7 +129,7 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
         its byte budget (at most `pub_hwm`)."""
         if not self.subscriber_bytes:
             return self.pub_hwm
-        return max(1, min(self.pub_hwm, self.subscriber_bytes // max(1, self.max_event_bytes)))
+        return max(1, min(self.pub_hwm, self.subscriber_bytes // self.publish_inline_bytes))
 
 
 class HubConfigError(ConfigError, ValueError):
@@ -135,7 +137,8 @@ class HubConfigError(ConfigError, ValueError):
 
 
 BUDGETS = ("request_bytes", "peer_request_bytes", "queued_services", "queue_limit",
-           "max_event_bytes", "subscriber_bytes", "replay_bytes", "max_redispatch")
+           "max_event_bytes", "publish_inline_bytes", "subscriber_bytes", "replay_bytes",
+           "max_redispatch")
 
 
 def check_config(config: HubConfig) -> None:
@@ -214,6 +217,7 @@ class Hub:
         self.events = EventPipeline(
             self.ctx, self.pub, state / "events.db" if state else None, self.session,
             self.counters.bump, self._refuse_batch, config.replay_bytes,
+            config.publish_inline_bytes,
             Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end))
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
         # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
@@ -780,6 +784,7 @@ class Hub:
             "peer_request_bytes": p.Budget(cfg.peer_request_bytes, peer_max),
             "queued_services": p.Budget(cfg.queued_services, self.registry.unserved()),
             "max_event_bytes": p.Budget(cfg.max_event_bytes),
+            "publish_inline_bytes": p.Budget(cfg.publish_inline_bytes),
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
             "replay_bytes": p.Budget(cfg.replay_bytes, self.events.replay_peak),

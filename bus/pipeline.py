@@ -185,8 +185,9 @@ class EventPipeline:
 
     def __init__(self, ctx: zmq.Context[Any], pub: zmq.Socket[Any], path: Path | None,
                  session: str, bump: Bump, refuse: Callable[[list[Row]], None],
-                 replay_bytes: int, retention: Retention) -> None:
+                 replay_bytes: int, inline_bytes: int, retention: Retention) -> None:
         self.pub = pub
+        self.inline_bytes = inline_bytes  # larger bodies are published as stubs (see flush)
         self.session = session
         self._bump = bump
         self._refuse = refuse
@@ -258,9 +259,13 @@ class EventPipeline:
         self._bump("events", len(rows))
         pub = self.pub
         sig = p.SIGNATURE
-        dropped = 0
+        inline = self.inline_bytes
+        dropped = stubs = 0
         for topic, row in zip(topics, rows):
             body = row[7]
+            if len(body) > inline:  # a stub: subscribers read the body from the log
+                body = b""
+                stubs += 1
             try:  # PUB never blocks: a subscriber at its HWM just misses the message
                 _bsend(pub, topic, _MORE_NOBLOCK)
                 _bsend(pub, sig, _MORE_NOBLOCK)
@@ -270,6 +275,8 @@ class EventPipeline:
                 dropped += 1
         if dropped:
             self._bump("publish_dropped_hwm", dropped)
+        if stubs:
+            self._bump("published_stubs", stubs)
 
     def _append(self, rows: list[Row]) -> bool:
         """Log the batch (durable before anyone can see it); False when it was refused instead."""

@@ -11,7 +11,8 @@ It shows what a subscriber in any language has to do (see docs/protocol.md):
    `agent/assistant/`; empty = everything). The hub's idle heartbeat has topic `hb`.
 3. Each event arrives as [topic, b"AGB/1", header, body]: the header is a MessagePack map with
    `seq` (global, strictly increasing), `ts`, `type`, `agent`, `run`, `peer`...; the body is a
-   MessagePack map tagged by `type`.
+   MessagePack map tagged by `type`, or empty for an event too large for the live stream (a stub:
+   the body is in the hub's log, printed here as "omitted": true).
 
 Prints one JSON line per event: {"seq", "ts", "type", "agent", "run", "payload"}. With
 `--count N` it exits after N events. After its first message from the hub (the subscription is
@@ -111,11 +112,15 @@ def main() -> None:
                 continue
             try:
                 header = header_decoder.decode(frames[2])
-                payload: Any = body_decoder.decode(frames[3])
+                # an empty body is a stub: too large for the live stream, the event is in the
+                # hub's log (read it with `hub.replay` since seq - 1; docs/protocol.md, "Stubs")
+                payload: Any = body_decoder.decode(frames[3]) if frames[3] else None
             except msgspec.DecodeError:
                 continue
             line = {"seq": header.seq, "ts": header.ts, "type": header.type,
                     "agent": header.agent, "run": header.run, "payload": payload}
+            if payload is None:
+                line["omitted"] = True
             out.write(encoder.encode(line) + b"\n")
             out.flush()
             seen += 1
