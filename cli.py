@@ -965,6 +965,68 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
     click.echo(msgspec.json.encode(totals).decode(), err=True)
 
 
+# --- busctl replay / diff (agents.replay) --------------------------------------------------
+
+
+@main.command()
+@hub_options
+@click.option("--experiment", required=True, help="The recorded experiment to replay.")
+@click.option("--as", "target", default="", metavar="E2",
+              help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
+def replay(hub: str, curve: CurveClient | None, experiment: str, target: str) -> None:
+    """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
+    log (no model is called); report "identical" or the first divergence (exit 1).
+
+    \b
+    Tools run live. Compare the two afterwards with `busctl diff EXPERIMENT E2`.
+    Example:
+      busctl replay --experiment debate-3 --as debate-3-again
+    """
+    import uuid
+
+    from agents.remote import connect as connect_agents
+    from agents.replay import replay_experiment
+
+    target = target or f"{experiment}.replay-{uuid.uuid4().hex[:6]}"
+
+    async def go() -> object:
+        async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
+            return await replay_experiment(bus, experiment, target)
+
+    try:
+        divergence = run_async(go)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if divergence is not None:
+        raise click.ClickException(f"{experiment} replayed as {target}: {divergence}")
+    click.echo(f"{experiment} replayed as {target}: identical")
+
+
+@main.command("diff")
+@hub_options
+@click.argument("first")
+@click.argument("second")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (for notebooks).")
+def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: str,
+                     as_json: bool) -> None:
+    """Compare experiments FIRST and SECOND run by run (in start order) and in total: final
+    texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown."""
+    from agents.replay import diff, diff_text, load_experiment
+    from bus.client import connect as connect_peer
+
+    async def go() -> dict[str, Any]:
+        async with connect_peer(hub, name="busctl-diff", role="cli", curve=curve) as peer:
+            a, b = await load_experiment(peer, first), await load_experiment(peer, second)
+        for name, runs in ((first, a), (second, b)):
+            if not runs:
+                raise click.UsageError(f"experiment `{name}` has no runs in the hub's log")
+        return diff(a, b)
+
+    result = run_async(go)
+    click.echo(msgspec.json.encode(result).decode() if as_json
+               else diff_text(result, first, second))
+
+
 # --- busctl run / chat / steer / follow-up / abort ----------------------------------------
 
 LAST_SESSION = "\0last"  # `-c` without a value: the agent's last session

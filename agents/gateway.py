@@ -8,6 +8,9 @@ of them) from every error; every log record of the process goes through the same
 the process makes itself non-dumpable on Linux, so other processes of the same user cannot read
 its environment or memory.
 A second service, `gateway.<name>`, answers with the engine's stats (queues, usage totals).
+Replay mode (`agents.replay`, `busctl replay`): `llm.replay` loads the recorded replies of an
+experiment for another one; that one's `llm` requests are then answered from them, matched by
+`request_key` in order, and never reach a model (no match: an error reply naming the key).
 
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
@@ -26,6 +29,7 @@ import logging
 import os
 import signal
 import sys
+from collections import deque
 from typing import NoReturn
 
 import anyio
@@ -33,10 +37,11 @@ import msgspec
 
 from agents.llm import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
 from agents.providers.llamacpp import LocalModelError, hosted_models
+from agents.replay import REPLAY_SERVICE, ReplayLoad, ReplayLoaded, request_key
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
-from bus.messages import AssistantDelta, LlmRequest
+from bus.messages import AssistantDelta, AssistantMessage, LlmRequest
 from bus.procsec import make_undumpable
 from bus.redact import log_redaction
 from bus.security import CurveClient
@@ -44,10 +49,12 @@ from bus.security import CurveClient
 log = logging.getLogger("agents.gateway")
 
 LLM_SERVICE = "llm"
+REPLAYS_KEPT = 16  # experiments in replay mode held at once
 LLM_CAPACITY = 256  # requests taken at once; the engine's per-model limits queue the rest
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(LlmRequest)
+_replay_decoder = msgspec.msgpack.Decoder(ReplayLoad)
 
 
 class GatewaySettings(msgspec.Struct):
@@ -78,12 +85,18 @@ class Gateway:
     def __init__(self, peer: Peer, engine: LlmEngine) -> None:
         self.peer = peer
         self.engine = engine
+        #: experiment -> request key -> recorded replies not served yet (replay mode)
+        self.replays: dict[str, dict[str, deque[AssistantMessage]]] = {}
+        self.replayed = 0
 
     async def handle(self, req: IncomingRequest) -> bytes:
         try:
             request = _request_decoder.decode(req.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
+        book = self.replays.get(request.experiment)
+        if book is not None:
+            return _encoder.encode(self._replayed(request, book))
         abort = anyio.Event()
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
@@ -116,6 +129,33 @@ class Gateway:
             return LlmPartial(delta)
         return LlmPartial(delta, model=config.model, provider=config.provider,
                           context_window=config.context_window)
+
+    def _replayed(self, request: LlmRequest,
+                  book: dict[str, deque[AssistantMessage]]) -> AssistantMessage:
+        key = request_key(request.agent, request.messages)
+        replies = book.get(key)
+        if not replies:
+            return AssistantMessage(stop_reason="error", error=(
+                f"replay of experiment `{request.experiment}`: no recorded reply left for this "
+                f"request of agent `{request.agent}` (key {key}); the run diverged from the log"))
+        self.replayed += 1
+        return replies.popleft()
+
+    async def handle_replay(self, req: IncomingRequest) -> bytes:
+        try:
+            load = _replay_decoder.decode(req.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise RemoteError(f"malformed `{REPLAY_SERVICE}` request: {exc}",
+                              "bad_request") from None
+        book: dict[str, deque[AssistantMessage]] = {}
+        for entry in load.entries:
+            book.setdefault(entry.key, deque()).append(entry.reply)
+        self.replays[load.experiment] = book
+        while len(self.replays) > REPLAYS_KEPT:  # the oldest replay goes (dicts keep order)
+            del self.replays[next(iter(self.replays))]
+        log.info("replaying experiment %s as %s: %d recorded replies", load.source,
+                 load.experiment, len(load.entries))
+        return _encoder.encode(ReplayLoaded(load.experiment, len(load.entries)))
 
     async def handle_stats(self, req: IncomingRequest) -> bytes:
         return _encoder.encode(self.engine.stats())
@@ -168,6 +208,7 @@ async def _serve(settings: GatewaySettings, engine: LlmEngine, peer: Peer,
     gateway = Gateway(peer, engine)
     await peer.serve(LLM_SERVICE, gateway.handle, capacity=LLM_CAPACITY)
     await peer.serve(stats_service(settings.name), gateway.handle_stats, capacity=8)
+    await peer.serve(REPLAY_SERVICE, gateway.handle_replay, capacity=4)
     aliases = [m.alias for m in engine.models]
     if not aliases:
         print(f"WARNING: {NO_MODEL_ERROR}", file=sys.stderr, flush=True)

@@ -1,0 +1,341 @@
+"""Replay and compare experiments from the hub's event log (`busctl replay`, `busctl diff`).
+
+    busctl replay --experiment E --as E2     # re-run every top-level run of E as E2
+    busctl diff E E2 [--json]                # per run and in total: what differs
+
+Replay: the runs of E are read from the log (`load_experiment`); every model reply of E is sent
+to the gateway (`REPLAY_SERVICE`, `ReplayLoad`) keyed by `request_key`: the agent and the
+messages after the request's last assistant message (the prompt, or the tool results the reply
+answers), hashed. The gateway then answers each `llm` request of experiment E2 with the next
+recorded reply of the same key, in order, and never calls the model (no match: an error reply,
+so the run diverges visibly). E's top-level runs (no parent; `ask_<agent>` runs are made again by
+their callers) are prompted again, one after another, in fresh sessions, with the same text.
+Tools run live (their results are compared, so a tool that answers differently is a
+divergence). Then E and E2 are compared event by event (`compare`): the same events except ids,
+seq, timestamps, durations and streamed deltas, or the first divergence.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from agents.remote import AgentBus
+from bus import events as ev
+from bus.client import Peer
+from bus.messages import AssistantMessage, Message, TextPart, Usage
+from bus.watch import replay as logged
+
+REPLAY_SERVICE = "llm.replay"
+#: Event fields that differ between two executions of the same experiment by nature.
+VOLATILE = frozenset({"timestamp", "duration", "parent_run_id", "session", "run_id"})
+SKIPPED = frozenset({"message_update", "llm_retry", "run_resumed", "tool_execution_update"})
+
+
+class ReplayEntry(msgspec.Struct, array_like=True):
+    key: str
+    reply: AssistantMessage
+
+
+class ReplayLoad(msgspec.Struct):
+    """Body of a `llm.replay` request: answer experiment `experiment`'s model requests with
+    these recorded replies (of experiment `source`)."""
+
+    experiment: str
+    source: str
+    entries: list[ReplayEntry]
+
+
+class ReplayLoaded(msgspec.Struct):
+    experiment: str
+    replies: int
+
+
+def request_key(agent: str, messages: Sequence[Message]) -> str:
+    """What a model request is matched by: its agent and the messages after its last assistant
+    message (role, tool name, text), hashed."""
+    tail: list[list[str]] = []
+    for message in reversed(messages):
+        if isinstance(message, AssistantMessage):
+            break
+        tail.append([type(message).__struct_config__.tag or "",  # type: ignore[list-item]
+                     getattr(message, "tool_name", ""), message_text(message)])
+    body = json.dumps([agent, tail[::-1]], separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def message_text(message: Message) -> str:
+    """The text parts of any message, joined (images and tool calls left out)."""
+    content = getattr(message, "content", "")
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content if isinstance(part, TextPart))
+
+
+# --- an experiment as logged ---------------------------------------------------------------
+
+
+@dataclass
+class RecordedRun:
+    run_id: str
+    agent: str
+    parent: str = ""
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # (type, body)
+    messages: list[Message] = field(default_factory=list)  # message_end, in order
+    end: ev.AgentEnd | None = None
+    first_ts: float = 0.0
+    last_ts: float = 0.0
+
+    @property
+    def prompt(self) -> str:
+        for message in self.messages:
+            if not isinstance(message, AssistantMessage):
+                return message_text(message)
+        return ""
+
+    @property
+    def replies(self) -> list[AssistantMessage]:
+        return [m for m in self.messages if isinstance(m, AssistantMessage)]
+
+    @property
+    def turns(self) -> int:
+        return sum(1 for t, _ in self.events if t == "turn_start")
+
+    @property
+    def tool_calls(self) -> list[str]:
+        return [f"{c.name}({c.arguments})" for m in self.replies for c in m.tool_calls]
+
+    @property
+    def usage(self) -> Usage:
+        total = Usage()
+        for m in self.replies:
+            total = total + m.usage
+        return total
+
+
+async def load_experiment(peer: Peer, experiment: str) -> list[RecordedRun]:
+    """The runs of `experiment` in the order they started, from the hub's log."""
+    runs: dict[str, RecordedRun] = {}
+    async for envelope in logged(peer, 0, []):
+        header, event = envelope.header, envelope.event
+        if header.experiment != experiment or not header.run:
+            continue
+        run = runs.get(header.run)
+        if run is None:
+            run = runs[header.run] = RecordedRun(header.run, header.agent, header.parent,
+                                                 first_ts=header.ts)
+        run.last_ts = header.ts
+        _add(run, event)
+    return list(runs.values())
+
+
+def _add(run: RecordedRun, event: ev.Event) -> None:
+    kind = ev.event_type(event)
+    if isinstance(event, ev.MessageEnd):
+        run.messages.append(event.message)
+    elif isinstance(event, ev.AgentEnd):
+        run.end = event
+    if kind not in SKIPPED:
+        run.events.append((kind, _normal(msgspec.to_builtins(event))))
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items() if k not in VOLATILE}
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    return value
+
+
+def book(runs: Sequence[RecordedRun]) -> list[ReplayEntry]:
+    """Every model reply of `runs`, keyed by the request it answered."""
+    entries: list[ReplayEntry] = []
+    for run in runs:
+        for i, message in enumerate(run.messages):
+            if isinstance(message, AssistantMessage):
+                entries.append(ReplayEntry(request_key(run.agent, run.messages[:i]), message))
+    return entries
+
+
+# --- replay --------------------------------------------------------------------------------
+
+
+@dataclass
+class Divergence:
+    run: int  # index of the run (in start order)
+    agent: str
+    turn: int
+    event: int  # index of the event in the run (streamed deltas not counted)
+    type: str
+    detail: str
+
+    def __str__(self) -> str:
+        return (f"diverged at run {self.run + 1} (agent `{self.agent}`), turn {self.turn}, event "
+                f"{self.event + 1} ({self.type}): {self.detail}")
+
+
+async def replay_experiment(bus: AgentBus, source: str, target: str) -> Divergence | None:
+    """Replay `source` as `target` (see the module doc); the first divergence, or None."""
+    runs = await load_experiment(bus.peer, source)
+    if not runs:
+        raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
+                         f"with `busctl export --experiment {source}`)")
+    if await load_experiment(bus.peer, target):
+        raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
+                         f"with --as")
+    load = ReplayLoad(experiment=target, source=source, entries=book(runs))
+    await bus.peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
+    for run in runs:
+        if run.parent:
+            continue  # made again by the caller's ask_<agent> call
+        started = await bus.prompt(run.agent, run.prompt, experiment=target)
+        async for _ in started.events():
+            pass  # to its agent_end: then it is in the log
+        await started.result()
+    return compare(runs, await load_experiment(bus.peer, target))
+
+
+def compare(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> Divergence | None:
+    """The first difference between two executions, run by run in start order."""
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        found = _compare_run(index, x, y)
+        if found is not None:
+            return found
+    if len(a) != len(b):
+        n = min(len(a), len(b))
+        agent = (a[n] if len(a) > n else b[n]).agent
+        return Divergence(n, agent, 0, 0, "agent_start",
+                          f"{len(a)} runs in the first, {len(b)} in the second")
+    return None
+
+
+def _compare_run(index: int, x: RecordedRun, y: RecordedRun) -> Divergence | None:
+    turn = 0
+    for n, ((tx, bx), (ty, by)) in enumerate(zip(x.events, y.events, strict=False)):
+        if tx == "turn_start":
+            turn = bx.get("turn", turn)
+        if (x.agent, tx, bx) != (y.agent, ty, by):
+            return Divergence(index, x.agent, turn, n, tx, _what(x.agent, tx, bx, y.agent, ty, by))
+    if len(x.events) != len(y.events):
+        n = min(len(x.events), len(y.events))
+        return Divergence(index, x.agent, turn, n, "agent_end",
+                          f"{len(x.events)} events in the first, {len(y.events)} in the second")
+    return None
+
+
+def _what(ax: str, tx: str, bx: dict[str, Any], ay: str, ty: str, by: dict[str, Any]) -> str:
+    if ax != ay:
+        return f"agent `{ax}` != `{ay}`"
+    if tx != ty:
+        return f"event {tx} != {ty}"
+    return _first_difference(bx, by, "$") or "differs"
+
+
+def _first_difference(x: Any, y: Any, path: str) -> str:
+    """Where two event bodies first differ (`$.path: first != second`), "" when equal."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        for key in sorted(set(x) | set(y)):
+            found = _first_difference(x.get(key), y.get(key), f"{path}.{key}")
+            if found:
+                return found
+        return ""
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        for i, (a, b) in enumerate(zip(x, y, strict=True)):
+            found = _first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return ""
+    if x == y:
+        return ""
+    return f"{path}: {json.dumps(x)[:200]} != {json.dumps(y)[:200]}"
+
+
+# --- diff ----------------------------------------------------------------------------------
+
+
+def run_summary(run: RecordedRun) -> dict[str, Any]:
+    usage = run.usage
+    end = run.end
+    return {"run_id": run.run_id, "agent": run.agent, "parent": run.parent,
+            "final_text": end.final_text if end else "",
+            "stop_reason": end.stop_reason if end else "(no agent_end)",
+            "tool_calls": run.tool_calls, "turns": run.turns,
+            "tokens": {"input": usage.input, "output": usage.output, "total": usage.total},
+            "cost": usage.cost, "wall_time": round(run.last_ts - run.first_ts, 3)}
+
+
+COMPARED = ("agent", "final_text", "stop_reason", "tool_calls", "turns", "tokens", "cost")
+
+
+def diff(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> dict[str, Any]:
+    """Per run (in start order) and in total: each side's summary and the compared fields
+    that differ (ids and wall time are shown, never a difference)."""
+    runs = []
+    for index in range(max(len(a), len(b))):
+        x = run_summary(a[index]) if index < len(a) else None
+        y = run_summary(b[index]) if index < len(b) else None
+        differs = [k for k in COMPARED if x is None or y is None or x[k] != y[k]]
+        runs.append({"run": index + 1, "a": x, "b": y, "differs": differs})
+    totals = {side: _totals(runs_) for side, runs_ in (("a", a), ("b", b))}
+    return {"runs": runs, "totals": totals,
+            "identical": not any(r["differs"] for r in runs)}
+
+
+def _totals(runs: Sequence[RecordedRun]) -> dict[str, Any]:
+    usage = Usage()
+    for run in runs:
+        usage = usage + run.usage
+    return {"runs": len(runs), "turns": sum(r.turns for r in runs),
+            "tool_calls": sum(len(r.tool_calls) for r in runs),
+            "tokens": usage.total, "cost": usage.cost,
+            "wall_time": round(sum(r.last_ts - r.first_ts for r in runs), 3)}
+
+
+def diff_text(result: dict[str, Any], a: str, b: str) -> str:
+    """`busctl diff` for people: the differing fields of each run (final texts as a unified
+    diff), then the totals side by side."""
+    lines: list[str] = []
+    for run in result["runs"]:
+        x, y = run["a"] or {}, run["b"] or {}
+        name = x.get("agent") or y.get("agent")
+        if not run["differs"]:
+            lines.append(f"run {run['run']} ({name}): same")
+            continue
+        lines.append(f"run {run['run']} ({name}): differs in {', '.join(run['differs'])}")
+        for key in run["differs"]:
+            if key == "final_text":
+                lines.extend(difflib.unified_diff(
+                    str(x.get(key, "")).splitlines(), str(y.get(key, "")).splitlines(),
+                    fromfile=f"{a} final_text", tofile=f"{b} final_text", lineterm=""))
+            else:
+                lines.append(f"  {key}: {json.dumps(x.get(key))} -> {json.dumps(y.get(key))}")
+    for side, name in (("a", a), ("b", b)):
+        t = result["totals"][side]
+        lines.append(f"total {name}: {t['runs']} runs, {t['turns']} turns, {t['tool_calls']} "
+                     f"tool calls, {t['tokens']} tokens, cost {t['cost']:g}, "
+                     f"wall {t['wall_time']:g}s")
+    lines.append("identical (but ids and timing)" if result["identical"] else "different")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "REPLAY_SERVICE",
+    "Divergence",
+    "RecordedRun",
+    "ReplayEntry",
+    "ReplayLoad",
+    "ReplayLoaded",
+    "book",
+    "compare",
+    "diff",
+    "diff_text",
+    "load_experiment",
+    "replay_experiment",
+    "request_key",
+]
