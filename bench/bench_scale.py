@@ -50,6 +50,7 @@ from bench.baseline import pct  # noqa: E402
 from bench import bench_loop  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
 from bus.client import connect  # noqa: E402
+from bus.errors import AgentBusError  # noqa: E402
 from bus.messages import (  # noqa: E402
     AssistantMessage,
     LlmRequest,
@@ -184,7 +185,7 @@ async def prompt_all(endpoint: str, n: int) -> tuple[float, float, list[cmd.RunR
                     async for last in replies:
                         pass
                 results.append(msgspec.msgpack.decode(last, type=cmd.RunResult))
-            except Exception as exc:  # counted: a lost prompt is what this bench checks
+            except (AgentBusError, msgspec.DecodeError) as exc:  # counted: the loss check
                 failures += 1
                 if failures <= 3:
                     print(f"    prompt failed: {exc}", file=sys.stderr)
@@ -320,6 +321,52 @@ async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools) -> fl
     return time.perf_counter() - started
 
 
+# --- the gateway's HTTP client alone -----------------------------------------------------------
+
+
+def cpu_self() -> float:
+    return cpu_s(os.getpid())
+
+
+async def http_probe(base_url: str, n: int, waves: int = 3) -> float:
+    """N concurrent streamed completions with one shared httpx.AsyncClient (as the gateway's
+    LlmEngine holds one), the replies' SSE read line by line: CPU ms of this process per call."""
+    import httpx
+
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "go"}],
+            "tools": [{"type": "function", "function": {"name": "work", "parameters": {
+                "type": "object", "properties": {"text": {"type": "string"}}}}}]}
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=600) as client:
+
+        async def one() -> None:
+            async with client.stream("POST", f"{base_url}/chat/completions", json=body) as reply:
+                async for _ in reply.aiter_lines():
+                    pass
+
+        await asyncio.gather(*(one() for _ in range(4)))  # warm-up: connections, imports
+        started = cpu_self()
+        for _ in range(waves):
+            await asyncio.gather(*(one() for _ in range(n)))
+        return (cpu_self() - started) / (waves * n) * 1000
+
+
+def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="bench-scale-http-") as tmpdir:
+        script_file = Path(tmpdir) / "script.json"
+        script_file.write_text(json.dumps(script(1, args.calls, args.model_ms / 1000)))
+        code = ("import sys, agents.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
+                "f._Server.request_queue_size = 4096; sys.exit(f.main(sys.argv[1:]))")
+        port = free_port()
+        fake = Proc([sys.executable, "-c", code, "--script", str(script_file), "--port", str(port)])
+        try:
+            fake.ready()
+            for n in ns:
+                ms = asyncio.run(http_probe(f"http://127.0.0.1:{port}/v1", n))
+                print(f"httpx alone, N={n} concurrent streamed replies: {ms:.2f} ms CPU per call")
+        finally:
+            fake.stop()
+
+
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     ms = 1000.0
     n, wall = r["n"], r["wall"]
@@ -339,7 +386,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     print("         RSS MB after: " + "  ".join(
         f"{k} {v / 1024:.0f}" for k, v in after.items() if not k.startswith("worker"))
           + f"  workers {sum(v for k, v in after.items() if k.startswith('worker')) / 1024:.0f}"
-          + f" (4 together)")
+          + " (4 together)")
     wave = (f"; second wave of {n} more: {r['second_wave_kb'] / max(1, n):.1f} kB per session"
             if n <= args.second_wave_max else "")
     print(f"         coordinator growth {coord_growth / 1024:.1f} MB = "
@@ -371,6 +418,8 @@ def main() -> None:
                     help="run the coordinator and gateway under cProfile, dumping into DIR")
     ap.add_argument("--second-wave-max", type=int, default=100, metavar="N",
                     help="run a second wave (idle stored session memory) for N up to this")
+    ap.add_argument("--http-probe", action="store_true",
+                    help="also time a bare httpx.AsyncClient (the gateway's HTTP client) at each N")
     ap.add_argument("--pure", type=int, default=100, metavar="N",
                     help="sessions for the asyncio.gather pure-loop limit (0: skip; default 100)")
     args = ap.parse_args()
@@ -384,6 +433,8 @@ def main() -> None:
           f"answer per session; model {args.model_ms:g} ms per reply; {WORKERS} workers")
     for n in ns:
         report(run_topology(n, args), args)
+    if args.http_probe:
+        run_http_probe(ns, args)
     if args.pure > 0:
         with tempfile.TemporaryDirectory(prefix="bench-scale-pure-") as tmpdir:
             tools_py = Path(tmpdir) / "scale_tools_pure.py"
