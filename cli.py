@@ -417,15 +417,23 @@ def ui(hub: str, curve: CurveClient | None, port: int, since: int) -> None:
 
 @main.command()
 @hub_options
-@click.option("--tools", "tool_modules", multiple=True, default=("tools.builtin",),
-              show_default=True, help="Dotted module or .py file with @tool functions (repeatable).")
+@click.option("--tools", "tool_modules", multiple=True,
+              help="Dotted module or .py file with @tool functions (repeatable) "
+                   "[default: tools.builtin, unless --mcp is given].")
+@click.option("--mcp", "mcp_commands", multiple=True, metavar='"COMMAND ARGS"',
+              help="An MCP server to start (stdio) whose tools this worker serves (repeatable; "
+                   "needs the `mcp` extra).")
+@click.option("--mcp-prefix", default="", help="Prefix for the --mcp servers' tool names.")
+@click.option("--mcp-servers", "mcp_json", type=click.File("rb"), default=None, hidden=True,
+              help="JSON list of MCP server specs (`-`: stdin; how `busctl up` passes them).")
 @click.option("--concurrency", type=click.IntRange(1), default=8, show_default=True,
               help="Calls this worker runs at once.")
 @click.option("--workspace", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Root the file tools are confined to (and where run_shell runs).")
 @click.option("--name", default="", help="Peer name shown in `busctl status` [default: worker-PID].")
 @click.option("--shell", "allow_shell", is_flag=True, help="Enable the run_shell tool.")
-def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...], concurrency: int,
+def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
+           mcp_commands: tuple[str, ...], mcp_prefix: str, mcp_json: Any, concurrency: int,
            workspace: str, name: str, allow_shell: bool) -> None:
     """Attach a tool worker: serve each tool as service `tool.<name>` until SIGINT/SIGTERM.
 
@@ -433,21 +441,60 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...], c
     Examples:
       busctl worker --tools mypkg.tools --concurrency 4
       busctl worker --hub tcp://10.0.0.5:7400 --tools ./my_tools.py --workspace /data
+      busctl worker --mcp "python -m mcp_server_time" --mcp "uvx mcp-server-git"
     """
     from bus.procsec import drop_root_powers
     from tools import ToolLoadError
     from tools.worker import WorkerSettings, run_worker
 
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
-    settings = WorkerSettings(hub=hub, tool_modules=list(tool_modules), concurrency=concurrency,
+    servers = _mcp_specs(mcp_commands, mcp_prefix) + _mcp_json_specs(mcp_json)
+    if servers:
+        _require_mcp_sdk("--mcp")
+    modules = list(tool_modules) or ([] if servers else ["tools.builtin"])
+    settings = WorkerSettings(hub=hub, tool_modules=modules, concurrency=concurrency,
                               workspace=workspace, name=name or f"worker-{os.getpid()}",
-                              allow_shell=allow_shell, curve=curve)
+                              allow_shell=allow_shell, curve=curve, mcp=servers)
     try:
         run_async(run_worker, settings)
     except ToolLoadError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+def _mcp_specs(commands: tuple[str, ...], prefix: str) -> list[Any]:
+    """`--mcp` values as server specs; a usage error naming the flag when one is not usable."""
+    if not commands:
+        return []
+    from tools.mcp import parse_mcp_command
+
+    specs = []
+    for text in commands:
+        try:
+            specs.append(msgspec.structs.replace(parse_mcp_command(text), prefix=prefix))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--mcp") from None
+    return specs
+
+
+def _require_mcp_sdk(flag: str) -> None:
+    try:
+        import mcp  # noqa: F401 - only to say which extra is missing
+    except ImportError:
+        raise click.UsageError(f"{flag} needs the MCP SDK: pip install 'agent-bus[mcp]'") from None
+
+
+def _mcp_json_specs(source: Any) -> list[Any]:
+    if source is None:
+        return []
+    from tools.mcp import McpServerSpec
+
+    try:
+        return msgspec.json.decode(source.read(), type=list[McpServerSpec])
+    except msgspec.DecodeError as exc:
+        raise click.BadParameter(f"not a JSON list of MCP servers: {exc}",
+                                 param_hint="--mcp-servers") from None
 
 
 # --- busctl gateway / coordinator / fake-llm --------------------------------------------
@@ -973,24 +1020,15 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
 @click.option("--experiment", required=True, help="The recorded experiment to replay.")
 @click.option("--as", "target", default="", metavar="E2",
               help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
-@click.option("--live-from", type=click.IntRange(min=1), default=None, metavar="TURN",
-              help="Fork: replay each run's first TURN turns, then call the live model.")
-@click.option("--model", default="", metavar="ALIAS",
-              help="With --live-from: the model alias (of the gateway) for the live turns.")
-def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
-           live_from: int | None, model: str) -> None:
+def replay(hub: str, curve: CurveClient | None, experiment: str, target: str) -> None:
     """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
     log (no model is called); report "identical" or the first divergence (exit 1).
 
     \b
     Tools run live. Compare the two afterwards with `busctl diff EXPERIMENT E2`.
-    Examples:
+    Example:
       busctl replay --experiment debate-3 --as debate-3-again
-      busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
     """
-    if model and live_from is None:
-        raise click.UsageError("--model applies to the live turns of a fork: give --live-from "
-                               "TURN too")
     import uuid
 
     from agents.remote import connect as connect_agents
@@ -1000,8 +1038,7 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
-            return await replay_experiment(bus, experiment, target, live_from=live_from or 0,
-                                           model=model)
+            return await replay_experiment(bus, experiment, target)
 
     try:
         divergence = run_async(go)

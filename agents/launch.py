@@ -175,7 +175,11 @@ def worker_spec(group: WorkerGroup, index: int, endpoint: str) -> ChildSpec:
         argv += ["--tools", module]
     if group.shell:
         argv.append("--shell")
-    return ChildSpec(name, argv, role="worker", pass_env=group.pass_env)
+    if not group.mcp:
+        return ChildSpec(name, argv, role="worker", pass_env=group.pass_env)
+    # on stdin, not argv: an MCP server's `env` may hold secrets that `ps` would show
+    return ChildSpec(name, [*argv, "--mcp-servers", "-"], role="worker", pass_env=group.pass_env,
+                     stdin_data=msgspec.json.encode(group.mcp))
 
 
 async def _start_all(sup: Supervisor, specs: list[ChildSpec]) -> None:

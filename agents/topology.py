@@ -18,6 +18,7 @@ from agents.llm import ModelConfig
 from agents.providers.llamacpp import local_model_problems
 from bus.errors import ConfigError
 from bus.paths import default_state_dir, inside_state_dir, overlaps
+from tools.mcp import McpServerSpec
 
 QueueMode = Literal["one-at-a-time", "all"]
 
@@ -55,6 +56,10 @@ class WorkerGroup(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # Names of variables passed from `busctl up`'s environment; a worker gets a minimal
     # environment otherwise (no provider keys: only the gateway holds those).
     pass_env: list[str] = msgspec.field(default_factory=list)
+    # MCP servers whose tools the group's workers serve ([[workers.mcp]]: name, command, args,
+    # env, cwd, prefix, allow, deny); handed to each worker on stdin, so `env` secrets stay
+    # out of argv and logs.
+    mcp: list[McpServerSpec] = msgspec.field(default_factory=list)
 
 
 class TopicSubscription(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):

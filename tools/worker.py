@@ -38,7 +38,7 @@ from bus import protocol as p
 from bus.client import Handler, IncomingRequest, Peer, connect
 from bus.errors import HubLost, RequestError
 from bus.events import ToolExecutionUpdate
-from bus.messages import ToolCallRequest, ToolResult
+from bus.messages import ToolCallRequest, ToolInfo, ToolResult
 from bus.paths import inside_state_dir
 from bus.security import CurveClient
 from tools._exceptions import ToolLoadError
@@ -46,6 +46,7 @@ from tools._loader import load_tools
 from tools._runner import CANCEL_GRACE, run_tool
 from tools._schema import check_provider_schema
 from tools._tool import Tool
+from tools.mcp import McpServerSpec, serve_mcp_servers
 
 log = logging.getLogger("tools.worker")
 
@@ -70,6 +71,8 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     allow_shell: bool = False
     curve: CurveClient | None = None
     shutdown_grace: float = SHUTDOWN_GRACE
+    # MCP servers whose tools this worker also serves (tools/mcp.py); `--mcp` / `--mcp-url`.
+    mcp: list[McpServerSpec] = msgspec.field(default_factory=list)
 
 
 # --- reply codec (shared with tools.executor) ----------------------------------------------
@@ -94,13 +97,14 @@ def decode_reply(body: bytes) -> ToolResult | Progress:
 # --- loading -------------------------------------------------------------------------------
 
 
-def load_worker_tools(modules: list[str]) -> list[Tool]:
+def load_worker_tools(modules: list[str], *, allow_none: bool = False) -> list[Tool]:
     """Load every module's tools; refuse duplicate names and schemas providers would reject.
 
+    `allow_none`: no modules is fine (a worker that serves only MCP servers' tools).
     Raises ToolLoadError naming the module (import failure, no tools) or the tool (schema, clash).
     """
-    if not modules:
-        raise ToolLoadError("No tool modules given: pass at least one `--tools MODULE`")
+    if not modules and not allow_none:
+        raise ToolLoadError("No tool modules given: pass at least one `--tools MODULE` or `--mcp`")
     found: dict[str, tuple[Tool, str]] = {}
     for module in modules:
         for t in load_tools(module):
@@ -140,6 +144,8 @@ class ToolWorker:
         self._slots = anyio.Semaphore(settings.concurrency)
         self._threads = anyio.CapacityLimiter(settings.concurrency)
         self._inflight: dict[str, anyio.CancelScope] = {}
+        # tool name -> (who serves it, its ToolInfo): @tools and MCP servers' tools alike.
+        self.served: dict[str, tuple[str, ToolInfo]] = {}
         self._idle = anyio.Event()
         self._idle.set()
 
@@ -151,10 +157,34 @@ class ToolWorker:
         """Register `tool.<name>` for every tool; returns once the hub has them."""
         self.peer = peer
         for t in self.tools.values():
-            await peer.serve(service_name(t.name), self._handler(t),
-                             capacity=self.settings.concurrency, idempotent=t.idempotent,
-                             meta=msgspec.to_builtins(t.info))
+            await self.register(t.info, self._handler(t), owner="@tool", idempotent=t.idempotent)
         await peer.status()  # same connection, in order: the registrations are in place
+
+    async def register(self, info: ToolInfo, handler: Handler, *, owner: str,
+                       idempotent: bool = False) -> str | None:
+        """Serve `tool.<info.name>`; None when done, else why it was refused (a clash).
+
+        `owner` names where the tool comes from (`@tool`, `MCP server `git``) for that message.
+        The same owner re-registering a tool (MCP `list_changed`) replaces it.
+        """
+        assert self.peer is not None, "register() before attach()"
+        held = self.served.get(info.name)
+        if held is not None and held[0] != owner and held[1].parameters != info.parameters:
+            return (f"tool `{info.name}` of {owner} clashes with `{info.name}` of {held[0]} "
+                    f"(different schema); give one a prefix (`--mcp-prefix` / `prefix`)")
+        await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
+                              idempotent=idempotent, meta=msgspec.to_builtins(info))
+        self.served[info.name] = (owner, info)
+        return None
+
+    async def unregister(self, name: str, *, owner: str) -> None:
+        """Stop serving `tool.<name>` if `owner` serves it (calls then get `no_service`)."""
+        held = self.served.get(name)
+        if held is None or held[0] != owner or self.peer is None:
+            return
+        del self.served[name]
+        with contextlib.suppress(HubLost, zmq.ZMQError):
+            await self.peer.unserve(service_name(name))
 
     async def leave(self, grace: float | None = None) -> None:
         """Unregister, give in-flight calls `grace` s, cancel the rest, wait for their replies."""
@@ -177,8 +207,9 @@ class ToolWorker:
             return
         with anyio.move_on_after(1):
             try:
-                for t in self.tools.values():
-                    await peer.unserve(service_name(t.name))
+                for name in list(self.served):
+                    await peer.unserve(service_name(name))
+                    del self.served[name]
             except (HubLost, zmq.ZMQError):
                 return
         await self._flush()  # no new call is routed here once this returns
@@ -200,7 +231,19 @@ class ToolWorker:
         return handle
 
     async def _call(self, t: Tool, req: IncomingRequest) -> bytes:
-        call = _decode_call(t, req.body)
+        call = decode_call(t.name, req.body)
+
+        async def run() -> ToolResult:
+            return await run_tool(
+                t, call, workspace=self.workspace, allow_shell=self.settings.allow_shell,
+                on_progress=self.progress_sink(t.name, call, req), limiter=self._threads,
+            )
+
+        return p.encode(await self.guarded(t.name, req, run))
+
+    async def guarded(self, name: str, req: IncomingRequest,
+                      run: Callable[[], Awaitable[ToolResult]]) -> ToolResult:
+        """Run one call within the worker's concurrency, tracked so that `leave()` can wait."""
         scope = anyio.CancelScope()
         self._inflight[req.id] = scope
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
@@ -211,30 +254,26 @@ class ToolWorker:
                 except anyio.WouldBlock:
                     await self._slots.acquire()
                 try:
-                    result = await run_tool(
-                        t, call, workspace=self.workspace, allow_shell=self.settings.allow_shell,
-                        on_progress=self._progress_sink(t, call, req), limiter=self._threads,
-                    )
+                    return await run()
                 finally:
                     self._slots.release()
-                return p.encode(result)
         finally:
             del self._inflight[req.id]
             if not self._inflight:
                 self._idle.set()
         # only reached when `leave()` cancelled the call
         raise RequestError(
-            f"worker `{self.settings.name}` shut down while running `{t.name}`", p.PEER_LOST
+            f"worker `{self.settings.name}` shut down while running `{name}`", p.PEER_LOST
         )
 
-    def _progress_sink(
-        self, t: Tool, call: ToolCallRequest, req: IncomingRequest
+    def progress_sink(
+        self, tool_name: str, call: ToolCallRequest, req: IncomingRequest
     ) -> Callable[[ToolResult], Awaitable[None]]:
         async def on_progress(partial: ToolResult) -> None:
             peer = self.peer
             if peer is None:
                 return
-            update = ToolExecutionUpdate(tool_call_id=call.call_id, tool_name=t.name,
+            update = ToolExecutionUpdate(tool_call_id=call.call_id, tool_name=tool_name,
                                          partial=partial)
             try:
                 await req.partial(encode_progress(partial))
@@ -246,12 +285,13 @@ class ToolWorker:
         return on_progress
 
 
-def _decode_call(t: Tool, body: bytes) -> ToolCallRequest:
+def decode_call(name: str, body: bytes) -> ToolCallRequest:
+    """The `ToolCallRequest` of a call to `tool.<name>`; a `bad_request` error otherwise."""
     try:
         return _call_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise RequestError(
-            f"Malformed request to `{service_name(t.name)}`: expected a msgpack ToolCallRequest "
+            f"Malformed request to `{service_name(name)}`: expected a msgpack ToolCallRequest "
             f"({exc})", p.BAD_REQUEST,
         ) from None
 
@@ -271,7 +311,7 @@ async def run_worker(
     has a tool whose schema is not provider-safe; HubUnreachable when the hub does not answer.
     `stop` replaces the signal handlers (for running a worker inside another program).
     """
-    tools = load_worker_tools(list(settings.tool_modules))
+    tools = load_worker_tools(list(settings.tool_modules), allow_none=bool(settings.mcp))
     if not Path(settings.workspace).is_dir():
         raise ToolLoadError(f"Workspace `{settings.workspace}` is not a directory")
     state = inside_state_dir(Path(settings.workspace).resolve())
@@ -284,13 +324,16 @@ async def run_worker(
     # Listen before the ready line: a signal right after it must still mean "leave cleanly".
     with (anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None
           else contextlib.nullcontext()) as signals:
-        async with connect(settings.hub, name=name, role="worker", curve=settings.curve) as peer:
+        async with (connect(settings.hub, name=name, role="worker", curve=settings.curve) as peer,
+                    anyio.create_task_group() as servers):
             await worker.attach(peer)
-            ready = {"ready": "worker", "name": name, "tools": list(worker.tools),
+            await serve_mcp_servers(settings.mcp, worker, servers)
+            await peer.status()  # the MCP tools' registrations are in place too
+            ready = {"ready": "worker", "name": name, "tools": list(worker.served),
                      "pid": os.getpid(), "peer": peer.peer_id,
                      "concurrency": settings.concurrency}
             print(json.dumps(ready), flush=True)
-            log.info("%s serving %s on %s", name, ", ".join(worker.tools), settings.hub)
+            log.info("%s serving %s on %s", name, ", ".join(worker.served), settings.hub)
             task_status.started(ready)
             if stop is not None:
                 await stop.wait()
@@ -300,3 +343,4 @@ async def run_worker(
                     break
             log.info("%s leaving (%d in flight)", name, worker.inflight)
             await worker.leave()
+            servers.cancel_scope.cancel()  # stops the MCP servers (their calls ended in leave())

@@ -1,0 +1,425 @@
+"""MCP servers' tools on the bus: a tool worker owns MCP client sessions and serves their tools.
+
+    busctl worker --mcp "python -m mcp_server_time" --mcp "npx @modelcontextprotocol/server-git"
+
+One `McpBridge` per server (optional extra `mcp`: the official SDK does the JSON-RPC):
+
+    connect (stdio: spawn the server) -> initialize -> tools/list -> register `tool.<name>` each
+      -> serve calls (one session, many concurrent calls; the worker's concurrency applies)
+      -> `notifications/tools/list_changed`: list again, register/unregister the difference
+    server gone -> unregister its tools (callers get `no_service`), restart with backoff
+
+A call maps to `tools/call`; progress notifications become `tool_execution_update` events; a bus
+cancel (or the hub's deadline) cancels the handler, the SDK sends `notifications/cancelled` for
+that request and the call is answered `cancelled` at once. Results map to `ToolResult` (see
+`to_tool_result`). Input schemas are made provider-safe as `@tool` schemas are (tools/_schema.py);
+a tool whose schema cannot be (a recursive `$ref`) is left out with a warning.
+Secrets passed in `env` never appear in logs, events or status (only the command is logged).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import json
+import logging
+import os
+import shlex
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
+
+import anyio
+import anyio.abc
+import msgspec
+
+from bus import protocol as p
+from bus.client import Handler, IncomingRequest
+from bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult, error_result
+from tools._exceptions import ToolDefinitionError
+from tools._schema import _inline, _normalize, check_provider_schema
+
+if TYPE_CHECKING:
+    from mcp import ClientSession
+    from mcp import types as mt
+
+log = logging.getLogger("tools.mcp")
+
+#: Restart delays of a server that exited: doubles from the first to the last, reset after a
+#: server stayed up for `STABLE_AFTER` seconds.
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 30.0
+#: How long the worker waits for a server's first connection before printing its ready line.
+FIRST_CONNECT_WAIT = 30.0
+
+
+class McpServerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """One MCP server of a worker: a command (stdio) to start, its tools' prefix and filters."""
+
+    name: str = ""  # in logs and error messages; default: derived from the command
+    command: str = ""
+    args: list[str] = msgspec.field(default_factory=list)
+    env: dict[str, str] = msgspec.field(default_factory=dict)  # secrets: never logged
+    cwd: str | None = None
+    prefix: str = ""  # prepended to every tool name (avoids clashes)
+    allow: list[str] = msgspec.field(default_factory=list)  # only these tools (empty: all)
+    deny: list[str] = msgspec.field(default_factory=list)  # never these tools
+
+    def label(self) -> str:
+        return self.name or _derive_name(self.command, self.args)
+
+    def wants(self, tool: str) -> bool:
+        return (not self.allow or tool in self.allow) and tool not in self.deny
+
+
+def parse_mcp_command(text: str) -> McpServerSpec:
+    """`--mcp "COMMAND ARGS…"` (shell quoting) as a spec; ValueError naming the flag if empty."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as exc:
+        raise ValueError(f"--mcp {text!r}: {exc}; quote it like a shell command line") from None
+    if not argv:
+        raise ValueError('--mcp needs a command, e.g. --mcp "python -m mcp_server_time"')
+    return McpServerSpec(command=argv[0], args=argv[1:])
+
+
+def _derive_name(command: str, args: list[str]) -> str:
+    """`python -m mcp_server_time` -> `mcp_server_time`; `/usr/bin/srv --x` -> `srv`."""
+    if "-m" in args[:-1]:
+        return args[args.index("-m") + 1]
+    return Path(command).name or "mcp"
+
+
+# --- schemas and results -------------------------------------------------------------------
+
+
+def provider_safe(schema: dict[str, Any] | None, tool_name: str) -> dict[str, Any]:
+    """An MCP input schema flattened like `@tool` schemas: `$ref`s inlined, no `$defs`/titles,
+    objects closed. Raises ToolDefinitionError when it cannot be (recursive or dangling `$ref`)."""
+    raw = copy.deepcopy(schema) if isinstance(schema, dict) else {}
+    defs = {**raw.pop("definitions", {}), **raw.pop("$defs", {})}
+    raw.pop("$schema", None)
+    try:
+        flat: dict[str, Any] = _inline(raw, defs, stack=(), tool_name=tool_name)
+    except KeyError as exc:
+        raise ToolDefinitionError(f"tool `{tool_name}`: `$ref` to {exc} which the schema does "
+                                  f"not define") from None
+    flat.setdefault("type", "object")
+    flat.setdefault("properties", {})
+    _normalize(flat)
+    problems = check_provider_schema(flat)
+    if problems:
+        raise ToolDefinitionError(f"tool `{tool_name}`: " + "; ".join(problems))
+    return flat
+
+
+def to_tool_result(result: mt.CallToolResult) -> ToolResult:
+    """MCP content -> bus parts: text as text, images as image parts, audio and blobs named by
+    type and size (the bus has no part for them), embedded text resources as text; the
+    `structuredContent` goes to `details` (and is the text when there is no content)."""
+    parts: list[TextPart | ImagePart] = [_part(block) for block in result.content]
+    structured = result.structured_content
+    if not parts and structured is not None:
+        parts = [TextPart(json.dumps(structured))]
+    return ToolResult(content=parts or [TextPart("")], is_error=bool(result.is_error),
+                      details=structured)
+
+
+def _part(block: Any) -> TextPart | ImagePart:
+    kind = getattr(block, "type", "")
+    if kind == "text":
+        return TextPart(block.text)
+    if kind == "image":
+        try:
+            return ImagePart(base64.b64decode(block.data), mime_type=block.mime_type)
+        except ValueError:
+            return TextPart(f"[image {block.mime_type}: undecodable base64]")
+    if kind == "audio":
+        return TextPart(f"[audio {block.mime_type}, {len(block.data) * 3 // 4} bytes]")
+    if kind == "resource":
+        res = block.resource
+        text = getattr(res, "text", None)
+        if text is not None:
+            return TextPart(text)
+        return TextPart(f"[resource {res.uri} ({res.mime_type or 'binary'}), "
+                        f"{len(getattr(res, 'blob', '')) * 3 // 4} bytes]")
+    if kind == "resource_link":
+        return TextPart(f"[resource {block.uri}]")
+    return TextPart(f"[unsupported MCP content `{kind}`]")
+
+
+def _progress_part(progress: float, total: float | None, message: str | None) -> ToolResult:
+    done = f"{progress:g}/{total:g}" if total else f"{progress:g}"
+    return ToolResult(content=[TextPart(f"{message} ({done})" if message else done)],
+                      details={"progress": progress, "total": total})
+
+
+# --- the bridge ------------------------------------------------------------------------------
+
+
+class ToolHost(Protocol):
+    """What a bridge needs of its worker (tools/worker.py `ToolWorker`)."""
+
+    async def register(self, info: ToolInfo, handler: Handler, *, owner: str,
+                       idempotent: bool = False) -> str | None: ...
+
+    async def unregister(self, name: str, *, owner: str) -> None: ...
+
+    async def guarded(self, name: str, req: IncomingRequest,
+                      run: Callable[[], Awaitable[ToolResult]]) -> ToolResult: ...
+
+    def progress_sink(self, tool_name: str, call: ToolCallRequest,
+                      req: IncomingRequest) -> Callable[[ToolResult], Awaitable[None]]: ...
+
+
+class McpBridge:
+    """One MCP server's session, kept alive, and its tools served through the host worker."""
+
+    def __init__(self, spec: McpServerSpec, host: ToolHost) -> None:
+        self.spec = spec
+        self.host = host
+        self.label = spec.label()
+        self.owner = f"MCP server `{self.label}`"
+        self.session: ClientSession | None = None
+        self.tools: dict[str, str] = {}  # bus name -> MCP name
+        self.restarts = 0
+        self._changed = anyio.Event()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Connect, serve, and reconnect with backoff forever (until cancelled).
+
+        `task_status.started()` after the first attempt, successful or not."""
+        delay = BACKOFF_FIRST
+        started = False
+
+        def ready() -> None:
+            nonlocal started
+            if not started:
+                started = True
+                task_status.started()
+
+        while True:
+            t0 = anyio.current_time()
+            try:
+                await self._session_once(ready)
+                log.warning("%s exited; restarting in %.1fs", self.owner, delay)
+            except Exception as exc:  # noqa: BLE001 - any failure of the server: restart it
+                log.warning("%s failed: %s; restarting in %.1fs", self.owner, _reason(exc), delay)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._unregister_all()
+                self.session = None
+            ready()  # the first attempt failed: the worker starts without these tools
+            delay = BACKOFF_FIRST if anyio.current_time() - t0 > STABLE_AFTER else delay
+            await anyio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+            self.restarts += 1
+
+    async def _session_once(self, ready: Callable[[], None]) -> None:
+        """Start the server, register its tools, serve until its stdout closes."""
+        from mcp import ClientSession, StdioServerParameters, stdio_client
+
+        params = StdioServerParameters(command=self.spec.command, args=self.spec.args,
+                                       env=self.spec.env or None, cwd=self.spec.cwd)
+        gone = anyio.Event()
+        async with contextlib.AsyncExitStack() as stack:
+            errlog = await stack.enter_async_context(_stderr_to_log(self.label))
+            read, write = await stack.enter_async_context(stdio_client(params, errlog=errlog))
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)  # however we leave: stop the forwarder
+            inbox_send, inbox = anyio.create_memory_object_stream[Any](0)
+            tg.start_soon(_forward_until_closed, read, inbox_send, gone)
+            session = await stack.enter_async_context(
+                ClientSession(inbox, write, message_handler=self._on_message))
+            await session.initialize()
+            self.session = session
+            await self._sync_tools()
+            log.info("%s: serving %s", self.owner, ", ".join(self.tools) or "no tools")
+            ready()
+            tg.start_soon(self._watch_list_changed)
+            await gone.wait()
+            tg.cancel_scope.cancel()
+
+    async def _on_message(self, message: Any) -> None:
+        from mcp import types as mt
+
+        if isinstance(message, mt.ToolListChangedNotification):
+            self._changed.set()
+        elif isinstance(message, Exception):
+            log.warning("%s sent something unreadable: %s", self.owner, message)
+
+    async def _watch_list_changed(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed = anyio.Event()
+            try:
+                await self._sync_tools()
+            except Exception as exc:  # noqa: BLE001 - keep the old list; the next change retries
+                log.warning("%s: re-reading tools failed: %s", self.owner, _reason(exc))
+
+    async def _sync_tools(self) -> None:
+        """tools/list (all pages); register new or changed tools, unregister vanished ones."""
+        assert self.session is not None
+        listed = await _list_all_tools(self.session)
+        wanted = {info.name: (info, tool.name) for tool in listed
+                  if (info := self._info(tool)) is not None}
+        for name in [n for n in self.tools if n not in wanted]:
+            await self.host.unregister(name, owner=self.owner)
+            del self.tools[name]
+        for name, (info, mcp_name) in wanted.items():
+            refused = await self.host.register(info, self._handler(name), owner=self.owner)
+            if refused:
+                log.warning("%s", refused)
+                continue
+            self.tools[name] = mcp_name
+
+    def _info(self, tool: mt.Tool) -> ToolInfo | None:
+        if not self.spec.wants(tool.name):
+            return None
+        name = self.spec.prefix + tool.name
+        try:
+            schema = provider_safe(tool.input_schema, name)
+        except ToolDefinitionError as exc:
+            log.warning("%s: left out %s", self.owner, exc)
+            return None
+        return ToolInfo(name=name, description=tool.description or tool.title or "",
+                        parameters=schema)
+
+    def _handler(self, bus_name: str) -> Handler:
+        async def handle(req: IncomingRequest) -> bytes:
+            from tools.worker import decode_call
+
+            call = decode_call(bus_name, req.body)
+            return p.encode(await self.host.guarded(bus_name, req,
+                                                    lambda: self._call(bus_name, call, req)))
+
+        return handle
+
+    async def _call(self, bus_name: str, call: ToolCallRequest, req: IncomingRequest
+                    ) -> ToolResult:
+        """`tools/call` on the live session; every failure is an error result naming both."""
+        from mcp import MCPError
+
+        session = self.session
+        mcp_name = self.tools.get(bus_name)
+        if session is None or mcp_name is None:
+            return error_result(f"{self.owner} is restarting; `{bus_name}` is not available now")
+        try:
+            args = json.loads(call.arguments or "{}")
+        except ValueError as exc:
+            return error_result(f"Error: arguments of `{bus_name}` are not JSON ({exc})")
+        if not isinstance(args, dict):
+            return error_result(f"Error: arguments of `{bus_name}` must be a JSON object")
+        sink = self.host.progress_sink(bus_name, call, req)
+
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            await sink(_progress_part(progress, total, message))
+
+        try:
+            result = await session.call_tool(mcp_name, args, progress_callback=on_progress)
+        except MCPError as exc:
+            return error_result(f"Error: {self.owner}, tool `{mcp_name}`: {exc}")
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            return error_result(f"Error: {self.owner} exited during `{mcp_name}`")
+        return to_tool_result(result)
+
+    async def _unregister_all(self) -> None:
+        for name in list(self.tools):
+            await self.host.unregister(name, owner=self.owner)
+        self.tools.clear()
+
+
+async def _list_all_tools(session: ClientSession) -> list[mt.Tool]:
+    from mcp import types as mt
+
+    tools: list[mt.Tool] = []
+    cursor: str | None = None
+    for _ in range(100):  # a server that pages forever is cut off
+        result = await session.list_tools(
+            params=mt.PaginatedRequestParams(cursor=cursor) if cursor else None)
+        tools += result.tools
+        cursor = result.next_cursor
+        if not cursor:
+            break
+    return tools
+
+
+async def _forward_until_closed(source: Any, sink: Any, gone: anyio.Event) -> None:
+    """Pass the transport's messages to the session; its end (server exited) sets `gone`."""
+    try:
+        async with sink:
+            async for message in source:
+                await sink.send(message)
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass
+    finally:
+        gone.set()
+
+
+@contextlib.asynccontextmanager
+async def _stderr_to_log(label: str) -> AsyncIterator[TextIO]:
+    """A pipe for the server's stderr; each line goes to the worker's log named `[label]`."""
+    rfd, wfd = os.pipe()
+    os.set_blocking(rfd, False)
+    writer = os.fdopen(wfd, "w")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_log_lines, rfd, label)
+            try:
+                yield writer
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        writer.close()
+        os.close(rfd)
+
+
+async def _log_lines(fd: int, label: str) -> None:
+    server_log = logging.getLogger(f"tools.mcp.{label}")
+    pending = b""
+    while True:
+        await anyio.wait_readable(fd)
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            # WARNING: the worker's default level; a server's stderr is its only diagnostics
+            server_log.warning("[%s] %s", label, line.decode(errors="replace").rstrip())
+        pending = pending[-65536:]  # a server that never ends a line cannot grow this forever
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_reason(e) for e in exc.exceptions)
+    if isinstance(exc, FileNotFoundError):
+        return f"command not found ({exc.filename}); check the `--mcp` command"
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- the worker's part -----------------------------------------------------------------------
+
+
+async def serve_mcp_servers(specs: list[McpServerSpec], host: ToolHost, tg: anyio.abc.TaskGroup
+                            ) -> list[McpBridge]:
+    """Start a bridge per server in `tg`; returns once each made its first attempt (bounded)."""
+    bridges = [McpBridge(spec, host) for spec in specs]
+    with anyio.move_on_after(FIRST_CONNECT_WAIT):
+        async with anyio.create_task_group() as starting:
+            for bridge in bridges:
+                starting.start_soon(_start, tg, bridge)
+    return bridges
+
+
+async def _start(tg: anyio.abc.TaskGroup, bridge: McpBridge) -> None:
+    await tg.start(bridge.run)
+
+
+__all__ = ["McpBridge", "McpServerSpec", "parse_mcp_command", "provider_safe",
+           "serve_mcp_servers", "to_tool_result"]
