@@ -328,26 +328,34 @@ def cpu_self() -> float:
     return cpu_s(os.getpid())
 
 
-async def http_probe(base_url: str, n: int, waves: int = 3) -> float:
-    """N concurrent streamed completions with one shared httpx.AsyncClient (as the gateway's
+async def http_probe(base_url: str, n: int, clients: int, waves: int = 3) -> float:
+    """N concurrent streamed completions spread over CLIENTS httpx.AsyncClients (the gateway's
     LlmEngine holds one), the replies' SSE read line by line: CPU ms of this process per call."""
     import httpx
 
     body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "go"}],
             "tools": [{"type": "function", "function": {"name": "work", "parameters": {
                 "type": "object", "properties": {"text": {"type": "string"}}}}}]}
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=600) as client:
+    pool = [httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=600)
+            for _ in range(clients)]
+    sent = 0
 
-        async def one() -> None:
-            async with client.stream("POST", f"{base_url}/chat/completions", json=body) as reply:
-                async for _ in reply.aiter_lines():
-                    pass
+    async def one() -> None:
+        nonlocal sent
+        client, sent = pool[sent % clients], sent + 1
+        async with client.stream("POST", f"{base_url}/chat/completions", json=body) as reply:
+            async for _ in reply.aiter_lines():
+                pass
 
-        await asyncio.gather(*(one() for _ in range(4)))  # warm-up: connections, imports
+    try:
+        await asyncio.gather(*(one() for _ in range(4 * clients)))  # warm-up: connections
         started = cpu_self()
         for _ in range(waves):
             await asyncio.gather(*(one() for _ in range(n)))
         return (cpu_self() - started) / (waves * n) * 1000
+    finally:
+        for client in pool:
+            await client.aclose()
 
 
 def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
@@ -361,8 +369,10 @@ def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
         try:
             fake.ready()
             for n in ns:
-                ms = asyncio.run(http_probe(f"http://127.0.0.1:{port}/v1", n))
-                print(f"httpx alone, N={n} concurrent streamed replies: {ms:.2f} ms CPU per call")
+                per = {k: asyncio.run(http_probe(f"http://127.0.0.1:{port}/v1", n, k))
+                       for k in (1, 8)}
+                print(f"httpx alone, N={n} concurrent streamed replies: {per[1]:.2f} ms CPU per "
+                      f"call with one AsyncClient, {per[8]:.2f} ms spread over 8")
         finally:
             fake.stop()
 
@@ -419,7 +429,7 @@ def main() -> None:
     ap.add_argument("--second-wave-max", type=int, default=100, metavar="N",
                     help="run a second wave (idle stored session memory) for N up to this")
     ap.add_argument("--http-probe", action="store_true",
-                    help="also time a bare httpx.AsyncClient (the gateway's HTTP client) at each N")
+                    help="also time bare httpx.AsyncClients (the gateway's HTTP client) at each N")
     ap.add_argument("--pure", type=int, default=100, metavar="N",
                     help="sessions for the asyncio.gather pure-loop limit (0: skip; default 100)")
     args = ap.parse_args()
