@@ -1020,15 +1020,24 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
 @click.option("--experiment", required=True, help="The recorded experiment to replay.")
 @click.option("--as", "target", default="", metavar="E2",
               help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
-def replay(hub: str, curve: CurveClient | None, experiment: str, target: str) -> None:
+@click.option("--live-from", type=click.IntRange(min=1), default=None, metavar="TURN",
+              help="Fork: replay each run's first TURN turns, then call the live model.")
+@click.option("--model", default="", metavar="ALIAS",
+              help="With --live-from: the model alias (of the gateway) for the live turns.")
+def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
+           live_from: int | None, model: str) -> None:
     """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
     log (no model is called); report "identical" or the first divergence (exit 1).
 
     \b
     Tools run live. Compare the two afterwards with `busctl diff EXPERIMENT E2`.
-    Example:
+    Examples:
       busctl replay --experiment debate-3 --as debate-3-again
+      busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
     """
+    if model and live_from is None:
+        raise click.UsageError("--model applies to the live turns of a fork: give --live-from "
+                               "TURN too")
     import uuid
 
     from agents.remote import connect as connect_agents
@@ -1038,7 +1047,8 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str) ->
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
-            return await replay_experiment(bus, experiment, target)
+            return await replay_experiment(bus, experiment, target, live_from=live_from or 0,
+                                           model=model)
 
     try:
         divergence = run_async(go)

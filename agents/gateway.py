@@ -75,6 +75,22 @@ class LlmPartial(msgspec.Struct, omit_defaults=True, tag_field="role", tag="part
     context_window: int = 0
 
 
+class _Replay:
+    """One experiment in replay mode: recorded replies by request key, and for a fork the
+    number of each run's model calls served from them before the live model takes over."""
+
+    def __init__(self, live_after: int, model: str) -> None:
+        self.book: dict[str, deque[AssistantMessage]] = {}
+        self.live_after = live_after
+        self.model = model
+        self.calls: dict[str, int] = {}  # run id -> model requests seen
+
+    def live(self, run_id: str) -> bool:
+        """Count this request of `run_id`; true when it goes to the live model."""
+        n = self.calls[run_id] = self.calls.get(run_id, 0) + 1
+        return 0 < self.live_after < n
+
+
 def stats_service(name: str) -> str:
     return f"gateway.{name}"
 
@@ -85,8 +101,7 @@ class Gateway:
     def __init__(self, peer: Peer, engine: LlmEngine) -> None:
         self.peer = peer
         self.engine = engine
-        #: experiment -> request key -> recorded replies not served yet (replay mode)
-        self.replays: dict[str, dict[str, deque[AssistantMessage]]] = {}
+        self.replays: dict[str, _Replay] = {}  # by experiment (replay mode)
         self.replayed = 0
 
     async def handle(self, req: IncomingRequest) -> bytes:
@@ -94,9 +109,12 @@ class Gateway:
             request = _request_decoder.decode(req.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
-        book = self.replays.get(request.experiment)
-        if book is not None:
-            return _encoder.encode(self._replayed(request, book))
+        replay = self.replays.get(request.experiment)
+        if replay is not None:
+            if not replay.live(request.run_id):
+                return _encoder.encode(self._replayed(request, replay.book))
+            if replay.model:  # a fork to another model
+                request = msgspec.structs.replace(request, model=replay.model)
         abort = anyio.Event()
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
@@ -147,10 +165,9 @@ class Gateway:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed `{REPLAY_SERVICE}` request: {exc}",
                               "bad_request") from None
-        book: dict[str, deque[AssistantMessage]] = {}
+        replay = self.replays[load.experiment] = _Replay(load.live_after, load.model)
         for entry in load.entries:
-            book.setdefault(entry.key, deque()).append(entry.reply)
-        self.replays[load.experiment] = book
+            replay.book.setdefault(entry.key, deque()).append(entry.reply)
         while len(self.replays) > REPLAYS_KEPT:  # the oldest replay goes (dicts keep order)
             del self.replays[next(iter(self.replays))]
         log.info("replaying experiment %s as %s: %d recorded replies", load.source,

@@ -1,6 +1,7 @@
 """Replay and compare experiments from the hub's event log (`busctl replay`, `busctl diff`).
 
     busctl replay --experiment E --as E2     # re-run every top-level run of E as E2
+    busctl replay --experiment E --live-from 2 --model B   # fork: turns 1-2 as logged, then B
     busctl diff E E2 [--json]                # per run and in total: what differs
 
 Replay: the runs of E are read from the log (`load_experiment`); every model reply of E is sent
@@ -10,7 +11,8 @@ answers), hashed. The gateway then answers each `llm` request of experiment E2 w
 recorded reply of the same key, in order, and never calls the model (no match: an error reply,
 so the run diverges visibly). E's top-level runs (no parent; `ask_<agent>` runs are made again by
 their callers) are prompted again, one after another, in fresh sessions, with the same text.
-Tools run live (their results are compared, so a tool that answers differently is a
+A fork (`live_from` N) replays each run's first N model calls and sends the later ones to the
+live model (`model`: another alias). Tools run live (their results are compared, so a tool that answers differently is a
 divergence). Then E and E2 are compared event by event (`compare`): the same events except ids,
 seq, timestamps, durations and streamed deltas, or the first divergence.
 """
@@ -50,6 +52,8 @@ class ReplayLoad(msgspec.Struct):
     experiment: str
     source: str
     entries: list[ReplayEntry]
+    live_after: int = 0  # > 0: a run's model requests after this many go to a live model
+    model: str = ""  # the model alias live requests use ("": the request's own)
 
 
 class ReplayLoaded(msgspec.Struct):
@@ -180,8 +184,12 @@ class Divergence:
                 f"{self.event + 1} ({self.type}): {self.detail}")
 
 
-async def replay_experiment(bus: AgentBus, source: str, target: str) -> Divergence | None:
-    """Replay `source` as `target` (see the module doc); the first divergence, or None."""
+async def replay_experiment(bus: AgentBus, source: str, target: str, *, live_from: int = 0,
+                            model: str = "") -> Divergence | None:
+    """Replay `source` as `target` (see the module doc); the first divergence, or None.
+
+    A fork: `live_from` = N > 0 replays each run's first N model calls (its first N turns) and
+    sends the later ones to the live model (`model`, an alias of the gateway, if given)."""
     runs = await load_experiment(bus.peer, source)
     if not runs:
         raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
@@ -189,7 +197,8 @@ async def replay_experiment(bus: AgentBus, source: str, target: str) -> Divergen
     if await load_experiment(bus.peer, target):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
-    load = ReplayLoad(experiment=target, source=source, entries=book(runs))
+    load = ReplayLoad(experiment=target, source=source, entries=book(runs),
+                      live_after=live_from, model=model)
     await bus.peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
     for run in runs:
         if run.parent:

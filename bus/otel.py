@@ -356,13 +356,17 @@ class Delivery:
             return
         self.queue.append((list(spans), mark))
         self.buffered += len(spans)
+        self._bound()
+        self.wake.set()
+
+    def _bound(self) -> None:
+        """Drop the oldest waiting traces past `max_spans` (a batch in flight is not waiting)."""
         while self.buffered > self.max_spans and len(self.queue) > 1:
             dropped, _ = self.queue.popleft()
             self.buffered -= len(dropped)
             self.state.dropped_spans += len(dropped)
             log.warning("otel: buffer full (%d spans); dropped a trace of %d spans",
                         self.max_spans, len(dropped))
-        self.wake.set()
 
     async def run(self, interval: float = 0.5) -> None:
         backoff = interval
@@ -380,22 +384,21 @@ class Delivery:
         if not self.queue:
             self._commit(self.safe_seq())
             return True
-        batch: list[ReadableSpan] = []
-        count = 0
-        for spans, _ in self.queue:
-            if batch and len(batch) + len(spans) > self.batch_spans:
-                break
-            batch.extend(spans)
-            count += 1
+        # Taken out of the queue while in flight: `put` may drop waiting traces meanwhile.
+        items = [self.queue.popleft()]
+        while self.queue and sum(len(s) for s, _ in items) + len(self.queue[0][0]) \
+                <= self.batch_spans:
+            items.append(self.queue.popleft())
+        batch = [span for spans, _ in items for span in spans]
         result = await anyio.to_thread.run_sync(self.exporter.export, batch)
         if result is not SpanExportResult.SUCCESS:
             self.failures += 1
+            self.queue.extendleft(reversed(items))
+            self._bound()
             return False
-        mark = 0
-        for _ in range(count):
-            spans, mark = self.queue.popleft()
-            self.buffered -= len(spans)
+        self.buffered -= len(batch)
         self.state.exported_spans += len(batch)
+        mark = items[-1][1]
         self._commit(mark if self.queue else max(mark, self.safe_seq()))
         if self.queue:
             self.wake.set()

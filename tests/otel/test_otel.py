@@ -8,6 +8,7 @@ otel` as a child process exporting to `Receiver`, which decodes with opentelemet
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -194,3 +195,28 @@ def test_bad_header_is_named(stack: Stack, tmp_path: Path) -> None:
         assert "--header" in proc.output()
     finally:
         proc.stop()
+
+
+async def test_past_the_bound_the_oldest_trace_is_dropped_and_counted(
+        stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
+    state = tmp_path / "otel.json"
+    since = json.loads(busctl_status(stack))["seq"]
+    otel = start_otel(stack, receiver, state, "--max-spans", "10", "--since", str(since))
+    receiver.stop()
+    # Room for one 8-span trace. The first may be in flight (the exporter retrying) when the
+    # collector returns, so it may arrive; the second waits behind it and is dropped when the
+    # third arrives; the third is delivered.
+    runs = [(await scripted_run(stack, "exp-bound"))[0] for _ in range(3)]
+    receiver.start()
+    await until(lambda: len(of_run(receiver.snapshot(), runs[2])) == 8, 20, "the newest trace")
+    otel.stop()
+    assert not of_run(receiver.snapshot(), runs[1])
+    saved = json.loads(state.read_text())
+    assert saved["dropped_spans"] in (8, 16) and saved["dropped_spans"] + \
+        saved["exported_spans"] == 24  # every span delivered or counted
+    assert f"dropped {saved['dropped_spans']}" in otel.output()
+
+
+def busctl_status(stack: Stack) -> str:
+    return subprocess.run(busctl("status", "--hub", stack.endpoint, "--json"), capture_output=True,
+                          text=True, timeout=20, check=True).stdout

@@ -18,7 +18,7 @@ import pytest
 
 from agents.remote import connect
 from tests.coordinator.conftest import Stack, calls, start_stack, text
-from tests.support import Proc, busctl, until
+from tests.support import Proc, busctl, py, until
 from tests.ui.browser import Browser, find_chromium
 
 pytestmark = pytest.mark.anyio
@@ -199,3 +199,59 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
     assert totals["stop:stop"] == totals["runs"]
     roles = [n["data-role"] for n in dom.nodes if n.get("data-role")]
     assert roles == ["user", "assistant", "tool", "tool", "tool", "assistant"]
+
+
+PUBLISHER = str(Path(__file__).resolve().parents[1] / "fault" / "publisher_proc.py")
+
+
+def sse_seqs(url: str, messages: int, timeout: float = 30.0) -> list[int]:
+    """SSE ids of the page's stream until `messages` topic messages were among them (socket
+    timeout: a stall fails the test)."""
+    seqs: list[int] = []
+    seen = 0
+    with urllib.request.urlopen(url + "events", timeout=timeout) as stream:
+        for raw in stream:
+            line = raw.decode()
+            if line.startswith("id: "):
+                seqs.append(int(line[4:]))
+            elif line.startswith("data: ") and json.loads(line[6:])["type"] == "topic_message":
+                seen += 1
+                if seen == messages:
+                    return seqs
+    raise AssertionError(f"the stream ended after {seen} topic messages")
+
+
+def test_stream_across_a_hub_restart_has_no_hole_and_no_duplicate(tmp_path: Path) -> None:
+    """Acceptance 2 (the stream the page reads): events before the page, during, and after a
+    hub restart, each exactly once, in seq order."""
+    endpoint = f"ipc://{tmp_path}/hub.sock"  # the restarted hub binds the same address
+    state = tmp_path / "hub"
+    procs: list[Proc] = []
+
+    def start(args: list[str]) -> Proc:
+        procs.append(Proc(args))
+        return procs[-1]
+
+    def hub() -> Proc:
+        proc = start(busctl("hub", "--hub", endpoint, "--state-dir", str(state),
+                            "--heartbeat-interval", "0.2"))
+        proc.wait_ready()
+        return proc
+
+    def publish(count: int) -> None:
+        start(py(PUBLISHER, endpoint, str(count))).wait_line(
+            lambda s: s.startswith('{"done"'), 60)
+
+    try:
+        first = hub()
+        publish(400)                                   # before the page's server
+        url = str(start(busctl("ui", "--hub", endpoint, "--port", "0")).wait_ready()["url"])
+        publish(400)                                   # live
+        first.stop()
+        hub()                                          # the same log, the same address
+        publish(400)                                   # after the restart
+        seqs = sse_seqs(url, 1200)  # every message published, before, during and after
+        assert seqs == list(range(1, len(seqs) + 1))  # from the log's start, no hole, no repeat
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
