@@ -124,6 +124,26 @@ def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """One `--NAME` option per hub memory budget (bus.hub.BUDGETS), passed on as `budgets`."""
+    from bus.hub import BUDGETS, HubConfig
+
+    defaults = HubConfig()
+    names = list(BUDGETS)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        budgets = {name: kwargs.pop(name) for name in names}
+        return fn(*args, budgets=budgets, **kwargs)
+
+    for name in reversed(names):
+        wrapper = click.option(f"--{name.replace('_', '-')}", name, type=click.IntRange(0),
+                               default=getattr(defaults, name), show_default=True,
+                               help="Memory budget (docs/reliability.md, \"Memory budgets\")."
+                               )(wrapper)
+    return wrapper
+
+
 @click.group(cls=BusctlGroup,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-v", "--verbose", is_flag=True, help="Log debug output to stderr.")
@@ -157,10 +177,7 @@ def main(verbose: bool) -> None:
               help="Missed heartbeats before a peer is declared dead.")
 @click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 1024 * 1024,
               show_default=True, help="Largest accepted message; larger ones are dropped.")
-@click.option("--max-event-bytes", type=click.IntRange(1024), default=1024 * 1024,
-              show_default=True, help="Largest accepted event body (bounds subscriber queues).")
-@click.option("--max-redispatch", type=click.IntRange(0), default=1, show_default=True,
-              help="Times an idempotent call whose server was lost is re-dispatched.")
+@budget_options
 @click.option("--retain-days", type=click.FloatRange(0), default=7.0, show_default=True,
               help="Prune logged events older than this many days (0: keep them).")
 @click.option("--retain-bytes", type=click.IntRange(0), default=0, show_default=True,
@@ -174,11 +191,14 @@ def main(verbose: bool) -> None:
               help="Directory of authorised client public keys (reloaded on change).")
 @click.option("--insecure", is_flag=True,
               help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
+                                               case_sensitive=False),
+              default="info", show_default=True, help="What the hub logs to stderr.")
 def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
-        liveness: int,
-        max_message_bytes: int, max_event_bytes: int, max_redispatch: int,
+        liveness: int, max_message_bytes: int, budgets: dict[str, int],
         retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
-        curve_secret: str | None, curve_authorized: str | None, insecure: bool) -> None:
+        curve_secret: str | None, curve_authorized: str | None, insecure: bool,
+        log_level: str) -> None:
     """Run the hub: request routing, liveness, and the event log and stream.
 
     \b
@@ -191,11 +211,10 @@ def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: f
     config = HubConfig(endpoint=endpoint, events=events,
                        state_dir=str(_state_dir(state_dir, "hub")),
                        heartbeat_interval=heartbeat_interval, liveness=liveness,
-                       max_message_bytes=max_message_bytes, max_event_bytes=max_event_bytes,
-                       max_redispatch=max_redispatch, retain_days=retain_days,
+                       max_message_bytes=max_message_bytes, retain_days=retain_days,
                        retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
-                       curve=curve, insecure=insecure)
-    logging.getLogger().setLevel(logging.INFO)
+                       curve=curve, insecure=insecure, **budgets)
+    logging.getLogger().setLevel(log_level.upper())
     try:
         serve(config)
     except Exception as exc:  # a bind failure is the usual cause; say which address

@@ -121,8 +121,8 @@ def _publisher(endpoint: str, n: int, start: "mp.Event") -> None:
 
 
 def start_hub(state: str) -> tuple[subprocess.Popen[str], dict]:
-    proc = subprocess.Popen([sys.executable, "-m", "bus.hub", "tcp://127.0.0.1:0", state],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    argv = [sys.executable, "-m", "cli", "hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", state]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
     return proc, info

@@ -58,7 +58,8 @@ class Topology:
 
     def __init__(self, state: str) -> None:
         self.procs: list[subprocess.Popen[str]] = []
-        hub = self._spawn([sys.executable, "-m", "bus.hub", "tcp://127.0.0.1:0", state])
+        hub = self._spawn([sys.executable, "-m", "cli", "hub", "--hub", "tcp://127.0.0.1:0",
+                           "--state-dir", state])
         self.endpoint = json.loads(self._ready(hub))["endpoint"]
 
     def _spawn(self, args: list[str]) -> subprocess.Popen[str]:

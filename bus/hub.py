@@ -808,38 +808,3 @@ def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
         hub.run()
     finally:
         hub.close()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m bus.hub [ENDPOINT] [STATE_DIR] [--max-message-bytes N] ...`"""
-    import argparse
-
-    defaults = HubConfig()
-    parser = argparse.ArgumentParser(prog="python -m bus.hub", description=main.__doc__)
-    parser.add_argument("endpoint", nargs="?", default=defaults.endpoint)
-    parser.add_argument("state_dir", nargs="?", default="")
-    parser.add_argument("--events", default="", help="event (PUB) endpoint; default port + 1")
-    parser.add_argument("--max-message-bytes", type=int, default=defaults.max_message_bytes)
-    parser.add_argument("--heartbeat-interval", type=float, default=defaults.heartbeat_interval)
-    parser.add_argument("--liveness", type=int, default=defaults.liveness)
-    for name in BUDGETS:
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name),
-                            help="see docs/reliability.md, \"Memory budgets\"")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback bind without CURVE")
-    parser.add_argument("--log-level", default="INFO")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    config = HubConfig(endpoint=args.endpoint, state_dir=args.state_dir, events=args.events,
-                       max_message_bytes=args.max_message_bytes,
-                       heartbeat_interval=args.heartbeat_interval, liveness=args.liveness,
-                       insecure=args.insecure, **{n: getattr(args, n) for n in BUDGETS})
-    try:
-        check_config(config)
-    except HubConfigError as exc:
-        parser.error(str(exc))  # one line, exit 2
-    serve(config)
-
-
-if __name__ == "__main__":
-    main()

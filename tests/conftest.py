@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Proc, py
+from tests.support import Proc, busctl
 
 # Default state directories (bus.paths) go to a throwaway folder, not the user's home; every
 # process a test starts inherits this.
@@ -40,7 +40,7 @@ def anyio_backend() -> str:
 @pytest.fixture
 def hub(tmp_path: Path) -> Iterator[dict]:
     """A real hub process on a free loopback port; yields its ready line (endpoint, events, pid)."""
-    proc = Proc(py("-m", "bus.hub", "tcp://127.0.0.1:0", str(tmp_path / "state")))
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state")))
     try:
         info = proc.wait_ready()
         info["proc"] = proc

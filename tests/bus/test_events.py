@@ -17,7 +17,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.client import connect
 from tests.bus.helpers import eventually, serving_peers
-from tests.support import ROOT, py, running
+from tests.support import ROOT, busctl, py, running
 
 pytestmark = pytest.mark.anyio
 
@@ -68,7 +68,7 @@ async def test_ten_thousand_events_in_order_live_and_replayed(hub: dict) -> None
 
 async def test_hub_survives_five_thousand_bad_messages(tmp_path: Path) -> None:
     limit = 4096
-    with running(py("-m", "bus.hub", "tcp://127.0.0.1:0", str(tmp_path / "state"),
+    with running(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
                     "--max-message-bytes", str(limit), "--log-level", "ERROR")) as hub:
         info = hub.wait_ready()
         endpoint = info["endpoint"]

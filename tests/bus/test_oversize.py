@@ -10,13 +10,13 @@ import pytest
 
 from bus.client import connect
 from bus.errors import RemoteError
-from tests.support import Proc, py
+from tests.support import Proc, busctl
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_oversized_request_gets_a_prompt_error(tmp_path: Path) -> None:
-    proc = Proc(py("-m", "bus.hub", "tcp://127.0.0.1:0", str(tmp_path / "hub"),
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
                    "--max-message-bytes", "4096"))
     try:
         ready = proc.wait_ready()

@@ -16,7 +16,7 @@ from bus import events as ev
 from bus.client import Peer, connect
 from bus.errors import HubLost
 from tests.bus.helpers import free_port
-from tests.support import Proc, py, running, until
+from tests.support import Proc, busctl, py, running, until
 
 PUBLISHER = str(Path(__file__).with_name("publish_proc.py"))
 
@@ -88,7 +88,7 @@ async def test_confirm_raises_when_the_hub_is_gone(hub: dict) -> None:
 
 
 def start_hub(port: int, state: Path) -> Proc:
-    proc = Proc(py("-m", "bus.hub", f"tcp://127.0.0.1:{port}", str(state)))
+    proc = Proc(busctl("hub", "--hub", f"tcp://127.0.0.1:{port}", "--state-dir", str(state)))
     proc.wait_ready()
     return proc
 

@@ -12,7 +12,7 @@ import pytest
 from bus import errors
 from bus.client import connect
 from tests.bus.helpers import eventually, free_port, serving_peers, started_line
-from tests.support import Proc, py
+from tests.support import Proc, busctl
 
 pytestmark = pytest.mark.anyio
 
@@ -134,7 +134,7 @@ def _first_started(procs) -> int:  # type: ignore[no-untyped-def]
 
 async def test_hub_restart_on_same_endpoint_peers_reregister(tmp_path) -> None:  # type: ignore[no-untyped-def]
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    hub_args = py("-m", "bus.hub", endpoint, str(tmp_path / "state"))
+    hub_args = busctl("hub", "--hub", endpoint, "--state-dir", str(tmp_path / "state"))
     hub = Proc(hub_args)
     try:
         hub.wait_ready()

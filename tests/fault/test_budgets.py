@@ -16,9 +16,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # the replayer process: make `bus` and `tests` importable
@@ -40,7 +38,7 @@ FREEZE_TOOLS = str(FIXTURES / "freeze_tools.py")
 
 def start_hub(tmp_path: Path, *flags: str) -> Proc:
     """A hub whose raw test peers (which send no heartbeats) stay known for 100 s."""
-    proc = Proc(py("-m", "bus.hub", "tcp://127.0.0.1:0", str(tmp_path / "hub"),
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
                    "--liveness", "100", *flags))
     try:
         proc.ready = proc.wait_ready()  # type: ignore[attr-defined]
@@ -407,13 +405,12 @@ def test_every_way_of_starting_a_hub_refuses_an_exposed_bind_without_curve() -> 
         Hub(HubConfig(endpoint="tcp://127.0.0.1:0", events="tcp://0.0.0.0:0"))
     with pytest.raises(HubConfigError, match="hub budget `replay_bytes` is 0"):
         Hub(HubConfig(endpoint="tcp://127.0.0.1:0", replay_bytes=0))
-    proc = Proc(py("-m", "bus.hub", "tcp://0.0.0.0:0"))
+    proc = Proc(busctl("hub", "--hub", "tcp://0.0.0.0:0"))
     try:
         assert proc.popen.wait(10) == 2
+        wait_for(lambda: "Error:" in proc.output(), 5, "the error line")
         out = proc.output()
-        wait_for(lambda: "error:" in proc.output(), 5, "the error line")
-        out = proc.output()
-        assert "refusing to bind `endpoint` tcp://0.0.0.0:0 without CURVE" in out, out
+        assert "refusing to bind" in out and "tcp://0.0.0.0:0" in out and "CURVE" in out, out
         assert "Traceback" not in out, out
     finally:
         proc.stop()

@@ -38,7 +38,7 @@ if __name__ == "__main__":  # the helper peer process: make `bus` and `tests` im
     sys.path.insert(0, str(ROOT))
 
 from bus import protocol as p  # noqa: E402
-from tests.support import until  # noqa: E402
+from tests.support import busctl, until  # noqa: E402
 
 if __name__ != "__main__":
     from hypothesis import HealthCheck, Phase, given, settings
@@ -186,7 +186,7 @@ if __name__ != "__main__":
 @pytest.fixture(scope="module")
 def fuzz_hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     state = tmp_path_factory.mktemp("fuzzhub")
-    proc = Proc(py("-m", "bus.hub", "tcp://127.0.0.1:0", str(state), "--max-message-bytes",
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(state), "--max-message-bytes",
                    str(LIMIT), "--log-level", "CRITICAL"))
     try:
         info = proc.wait_ready()
@@ -680,7 +680,9 @@ if __name__ != "__main__":
             optional={"topic": st.one_of(st.just("news"), hostile), "text": hostile,
                       "sender": hostile, "turn": hostile}).map(_pack)))
 
-OK_CODES = {p.BAD_REQUEST, p.HANDLER_ERROR, "agent_busy", "invalid", "call_cycle", "call_depth"}
+# the coordinator refuses a nonsense command with one of these (agents/coordinator.py)
+OK_CODES = {p.BAD_REQUEST, p.HANDLER_ERROR, "agent_busy", "invalid", "call_cycle", "call_depth",
+            "idle", "ambiguous", "unknown_session", "no_run", "aborted"}
 
 
 def test_services_survive_hostile_request_and_event_bodies(tmp_path: Path) -> None:
