@@ -266,13 +266,9 @@ def _anthropic_conversation(messages: list[dict[str, Any]]) -> Conversation:
     return conv
 
 
-def choose_reply(script: Script, conv: Conversation) -> Reply:
-    """The first matching rule's reply (filled in and fitted to the offered tools), else an echo."""
-    return choose_step(script, conv).reply or Reply()
-
-
 def choose_step(script: Script, conv: Conversation) -> Step:
-    """`choose_reply` as a step, carrying the matching rule's delay."""
+    """The first matching rule's reply (filled in and fitted to the offered tools) with its
+    delay, else an echo."""
     for rule in script.rules:
         if _matches(rule, conv):
             reply = _fill(rule.reply, conv)

@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -557,10 +556,3 @@ async def _stop(sup: Supervisor, out: TextIO) -> None:
 def pid_file(topo: Topology) -> Path:
     return state_dir(topo) / "up.pid"
 
-
-def write_pid_file(topo: Topology) -> None:
-    pid_file(topo).write_text(f"{os.getpid()}\n")
-
-
-def python_executable() -> str:
-    return sys.executable

@@ -8,7 +8,6 @@ normative description; keep the two in step.
 
 from __future__ import annotations
 
-import os
 import socket
 import uuid
 from typing import Any, Final
@@ -224,10 +223,6 @@ def new_session() -> str:
 
 def hostname() -> str:
     return socket.gethostname()
-
-
-def this_pid() -> int:
-    return os.getpid()
 
 
 def event_topic(family: str, agent: str, run: str, type_: str) -> bytes:
