@@ -167,6 +167,15 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
             "the transcript of the clicked run")
         dump = browser.evaluate("document.documentElement.outerHTML")
         browser.screenshot(tmp_path / "ui.png")
+        # the agent filter hides every lane of other agents, and clearing it brings them back
+        lanes = "document.querySelectorAll('#timeline .lane').length"
+        assert browser.evaluate(lanes) >= 2
+        set_filter = ("(v) => { const i = document.getElementById('filter-agent'); i.value = v; "
+                      "i.dispatchEvent(new Event('input')); }")
+        browser.evaluate(f"({set_filter})('nobody')")
+        assert browser.evaluate(lanes) == 0
+        browser.evaluate(f"({set_filter})('')")
+        assert browser.evaluate(lanes) >= 2
     finally:
         browser.close()
     (tmp_path / "dom.html").write_text(dump)
@@ -197,6 +206,9 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
               for i, n in enumerate(dom.nodes) if n["tag"] == "tr" and n.get("data-key")}
     assert int(totals["runs"]) >= 2 and int(totals["input"]) > 0 and int(totals["output"]) > 0
     assert totals["stop:stop"] == totals["runs"]
+    assert totals["exp:exp-ui"].startswith(f"{totals['runs']} runs, ")
+    # the model's streamed text is visible in its bar
+    assert any("Done: a, b, yellow." in n.get("_text", "") for n in chats)
     roles = [n["data-role"] for n in dom.nodes if n.get("data-role")]
     assert roles == ["user", "assistant", "tool", "tool", "tool", "assistant"]
 

@@ -8,7 +8,8 @@ const MAX_DETAILED_RUNS = 300; // older finished runs keep their lane but drop b
 
 const state = {
   lastSeq: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
-  order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, selected: null,
+  order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, experiments: new Map(),
+  selected: null, filter: { agent: "", experiment: "", run: "" },
 };
 
 function text(content) {
@@ -29,6 +30,14 @@ function run(ev) {
   return r;
 }
 
+function experiment(name) {
+  const key = name || "(none)";
+  if (!state.experiments.has(key)) {
+    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0 });
+  }
+  return state.experiments.get(key);
+}
+
 const handlers = {
   peer_joined(ev) { state.peers.set(ev.peer, ev.name || ev.peer); },
   peer_left(ev) { state.peers.delete(ev.peer); },
@@ -38,6 +47,7 @@ const handlers = {
     const r = run(ev);
     r.start = ev.ts; r.session = ev.session || "";
     state.totals.runs += 1;
+    experiment(r.experiment).runs += 1;
     const a = state.agents.get(ev.agent) || { runs: 0, live: 0, sessions: new Set() };
     a.runs += 1; a.live += 1; if (r.session) a.sessions.add(r.session);
     state.agents.set(ev.agent, a);
@@ -63,9 +73,13 @@ const handlers = {
     const calls = (m.content || []).filter((p) => p.type === "tool_call");
     const u = m.usage || {};
     r.transcript.push({ role: "assistant", text: text(m.content), calls, usage: u, model: m.model });
-    state.totals.input += u.input || 0;
-    state.totals.output += u.output || 0;
-    state.totals.cost += u.cost || 0;
+    for (const t of [state.totals, experiment(r.experiment)]) {
+      t.input += u.input || 0; t.output += u.output || 0; t.cost += u.cost || 0;
+    }
+  },
+  llm_retry(ev) {
+    const chat = run(ev).chats.at(-1);
+    if (chat && chat.end === null) { chat.retries = (chat.retries || 0) + 1; chat.text = ""; }
   },
   tool_execution_start(ev) {
     run(ev).tools.set(ev.tool_call_id, { name: ev.tool_name, start: ev.ts, end: null, error: false });
@@ -138,7 +152,14 @@ function lane(r, t0, span) {
   const node = el("div", { class: "lane" + (state.selected === r.id ? " selected" : ""),
                            "data-run": r.id, "data-agent": r.agent, "data-parent": r.parent }, title);
   const chats = el("div", { class: "track chats" });
-  r.chats.forEach((c) => chats.append(bar("chat", c, t0, span, c.model || "model", 0)));
+  r.chats.forEach((c) => {
+    // the text streams into the bar as it arrives; retries of the call are marked ↻N
+    const label = (c.retries ? `↻${c.retries} ` : "") + (c.model || "model")
+      + (c.text ? ": " + c.text.slice(-60) : "");
+    const b = bar("chat" + (c.retries ? " retry" : ""), c, t0, span, label, 0);
+    if (c.retries) b.setAttribute("data-retries", String(c.retries));
+    chats.append(b);
+  });
   node.append(chats);
   toolRows(r.tools).forEach((row, i) => {
     const track = el("div", { class: "track tools" });
@@ -156,9 +177,15 @@ function lane(r, t0, span) {
   return node;
 }
 
+function shown(r) {
+  const f = state.filter;
+  return (!f.agent || r.agent.includes(f.agent)) && (!f.run || r.id.startsWith(f.run))
+    && (!f.experiment || r.experiment.includes(f.experiment));
+}
+
 function renderTimeline() {
   const roots = state.order.map((id) => state.runs.get(id))
-    .filter((r) => !r.parent || !state.runs.has(r.parent));
+    .filter((r) => (!r.parent || !state.runs.has(r.parent)) && shown(r));
   const starts = roots.map((r) => r.start);
   const t0 = Math.min(...starts, Date.now() / 1000);
   const t1 = Math.max(...[...state.runs.values()].map((r) => r.end || Date.now() / 1000), t0 + 1e-3);
@@ -191,7 +218,9 @@ function renderTotals() {
   const t = state.totals;
   const rows = [["runs", t.runs], ["input", t.input], ["output", t.output],
                 ["cost", "$" + t.cost.toFixed(4)],
-                ...Object.entries(t.stops).map(([k, v]) => ["stop:" + k, v])];
+                ...Object.entries(t.stops).map(([k, v]) => ["stop:" + k, v]),
+                ...[...state.experiments.entries()].map(([k, e]) => ["exp:" + k,
+                  `${e.runs} runs, ${e.input}/${e.output} tok, $${e.cost.toFixed(4)}`])];
   document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) =>
     el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)))));
 }
@@ -227,4 +256,10 @@ function connect() {
   };
 }
 
+for (const key of Object.keys(state.filter)) {
+  document.getElementById("filter-" + key).addEventListener("input", (e) => {
+    state.filter[key] = e.target.value.trim();
+    redraw();
+  });
+}
 connect();
