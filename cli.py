@@ -516,6 +516,36 @@ def _mcp_json_specs(source: Any) -> list[Any]:
                                  param_hint="--mcp-servers") from None
 
 
+# --- busctl mcp -------------------------------------------------------------------------
+
+
+@main.group("mcp")
+def mcp_group() -> None:
+    """The bus as an MCP server (for Claude Desktop/Code, Cursor, VS Code, other agents)."""
+
+
+@mcp_group.command("serve")
+@hub_options
+@click.option("--agent", "agents", multiple=True,
+              help="Expose only this agent as `ask_<agent>` (repeatable) [default: every live one].")
+@click.option("--tools", "with_tools", is_flag=True, help="Also expose every live bus tool.")
+def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
+              with_tools: bool) -> None:
+    """Serve MCP over stdin/stdout: each agent is a tool `ask_<agent>` (prompt, session).
+
+    \b
+    An MCP client's configuration that launches it:
+      {"mcpServers": {"bus": {"command": "busctl", "args": ["mcp", "serve"]}}}
+    """
+    _require_mcp_sdk("busctl mcp serve")
+    from agents.mcp_server import serve_stdio
+
+    try:
+        run_async(serve_stdio, hub, curve, list(agents), with_tools)
+    except KeyboardInterrupt:
+        pass
+
+
 # --- busctl gateway / coordinator / fake-llm --------------------------------------------
 
 

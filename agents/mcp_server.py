@@ -1,0 +1,175 @@
+"""`busctl mcp serve`: the bus's agents (and, with `--tools`, its tools) as an MCP server.
+
+    {"mcpServers": {"bus": {"command": "busctl", "args": ["mcp", "serve"]}}}
+
+An MCP client (Claude Desktop/Code, Cursor, VS Code, another agent) launches it over stdio. Each
+live agent (or each `--agent`) is a tool `ask_<agent>` taking `prompt` and an optional `session`
+(continue that conversation; the result's `structuredContent.session` names the one used). A
+call runs the agent and returns the run's final text; the run's events stream as MCP progress
+notifications (when the client asked for progress); a client-side cancel
+(`notifications/cancelled`) aborts the run. With `--tools`, every live bus tool is exposed as
+itself and called through the hub like an agent's tool call. The tool list is read from the hub
+at every `tools/list`, so agents that come and go are seen. The official SDK (extra `mcp`) speaks
+the protocol; nothing here writes JSON-RPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import anyio
+import msgspec
+
+from agents.remote import AgentBus, Run
+from bus import events as ev
+from bus.client import Envelope
+from bus.messages import ImagePart, ToolCallRequest, ToolResult
+from tools.executor import BusToolExecutor
+
+log = logging.getLogger("agents.mcp_server")
+
+ASK = "ask_"
+#: How long aborting a cancelled run may take before the handler gives up waiting.
+ABORT_WAIT = 5.0
+_PROMPT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "prompt": {"type": "string", "description": "What to ask the agent."},
+        "session": {"type": "string",
+                    "description": "A session id from an earlier answer, to continue that "
+                                   "conversation (default: a new session)."},
+    },
+    "required": ["prompt"],
+    "additionalProperties": False,
+}
+
+
+class BusMcpServer:
+    """The MCP handlers over one bus connection. `agents`: only these (default: every live one)."""
+
+    def __init__(self, bus: AgentBus, agents: list[str], with_tools: bool) -> None:
+        self.bus = bus
+        self.only = set(agents)
+        self.with_tools = with_tools
+        self.tools = BusToolExecutor(bus.peer)
+
+    async def live_agents(self) -> list[str]:
+        live = await self.bus.agents()
+        return [a for a in live if not self.only or a in self.only]
+
+    async def list_tools(self, ctx: Any, params: Any) -> Any:
+        from mcp import types as mt
+
+        tools = [mt.Tool(name=ASK + agent, description=f"Ask the agent `{agent}` on the bus; "
+                         "returns its final answer.", input_schema=_PROMPT_SCHEMA)
+                 for agent in await self.live_agents()]
+        if self.with_tools:
+            tools += [mt.Tool(name=info.name, description=info.description,
+                              input_schema=info.parameters or {"type": "object"})
+                      for info in await self.tools.catalog()]
+        return mt.ListToolsResult(tools=tools)
+
+    async def call_tool(self, ctx: Any, params: Any) -> Any:
+        name: str = params.name
+        args: dict[str, Any] = params.arguments or {}
+        if name.startswith(ASK) and name[len(ASK):] in await self.live_agents():
+            return await self._ask(ctx, name[len(ASK):], args)
+        if self.with_tools:
+            return await self._bus_tool(name, args)
+        return _error(f"unknown tool `{name}`; live: "
+                      + ", ".join(ASK + a for a in await self.live_agents()))
+
+    async def _ask(self, ctx: Any, agent: str, args: dict[str, Any]) -> Any:
+        from mcp import types as mt
+
+        prompt, session = args.get("prompt"), args.get("session") or ""
+        if not isinstance(prompt, str) or not isinstance(session, str):
+            return _error("`prompt` (and `session`, when given) must be strings")
+        run = await self.bus.prompt(agent, prompt, session=session)
+        try:
+            end = await self._follow(ctx, run)
+        except BaseException:
+            with anyio.move_on_after(ABORT_WAIT, shield=True):
+                await _abort(run, "cancelled by the MCP client")
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await run.close()
+        failed = end.stop_reason in ("error", "aborted")
+        text = end.final_text or (end.error or end.stop_reason if failed else "")
+        return mt.CallToolResult(
+            content=[mt.TextContent(type="text", text=text)], is_error=failed,
+            structured_content={"session": run.session, "run_id": run.run_id,
+                                "stop_reason": end.stop_reason})
+
+    async def _follow(self, ctx: Any, run: Run) -> ev.AgentEnd:
+        """Each event of the run as a progress notification; returns its `agent_end`."""
+        count = 0
+        async for envelope in run.events():
+            count += 1
+            await ctx.session.report_progress(count, None, _describe(envelope))
+            if isinstance(envelope.event, ev.AgentEnd):
+                return envelope.event
+        raise RuntimeError(f"the run {run.run_id} of `{run.agent}` ended without agent_end")
+
+    async def _bus_tool(self, name: str, args: dict[str, Any]) -> Any:
+        request = ToolCallRequest(call_id=f"mcp-{uuid.uuid4().hex[:12]}", name=name,
+                                  arguments=msgspec.json.encode(args).decode())
+        return _to_mcp(await self.tools.execute(request))
+
+
+async def _abort(run: Run, reason: str) -> None:
+    try:
+        await run.abort(reason)
+    except Exception as exc:  # noqa: BLE001 - the run may have ended meanwhile: nothing to abort
+        log.info("abort of %s: %s", run.run_id, exc)
+
+
+def _describe(envelope: Envelope) -> str:
+    """One line per event: its type, and the tool name or text where there is one."""
+    event = envelope.event
+    kind = envelope.header.type
+    name = getattr(event, "tool_name", "")
+    if name:
+        return f"{kind}: {name}"
+    if isinstance(event, ev.AgentEnd):
+        return f"{kind}: {event.stop_reason}"
+    return kind
+
+
+def _to_mcp(result: ToolResult) -> Any:
+    import base64
+
+    from mcp import types as mt
+
+    content: list[Any] = []
+    for part in result.content:
+        if isinstance(part, ImagePart):
+            content.append(mt.ImageContent(type="image", mime_type=part.mime_type,
+                                           data=base64.b64encode(part.data).decode()))
+        else:
+            content.append(mt.TextContent(type="text", text=part.text))
+    return mt.CallToolResult(content=content, is_error=result.is_error)
+
+
+def _error(text: str) -> Any:
+    from mcp import types as mt
+
+    return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)], is_error=True)
+
+
+async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool) -> None:
+    """Serve MCP on stdin/stdout until the client closes them."""
+    from mcp.server.lowlevel import Server
+    from mcp.server.stdio import stdio_server
+
+    from agents.remote import connect
+
+    async with connect(hub, name="mcp-serve", curve=curve) as bus:
+        handlers = BusMcpServer(bus, agents, with_tools)
+        server: Server[Any] = Server("agent-bus", on_list_tools=handlers.list_tools,
+                                     on_call_tool=handlers.call_tool)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())

@@ -1,0 +1,100 @@
+"""`busctl mcp serve`, driven by the MCP SDK's own client over stdio against a running
+`busctl up` topology whose model is the scripted fake LLM."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+
+from agents.fakellm import FakeLLMServer
+from bus import events as ev
+from bus.client import connect
+from tests.cli.conftest import Topology, start_up
+from tests.support import ROOT
+
+pytestmark = pytest.mark.anyio
+
+# "slow" streams its long answer in 4-character chunks every 100 ms (about 10 s): a run to
+# cancel mid-way; anything else is echoed.
+SCRIPT = {"rules": [{"contains": ["slow"], "tool_result": False,
+                     "reply": {"text": "tick " * 80, "chunk_size": 4, "chunk_delay": 0.1}}],
+          "echo": True}
+
+
+@pytest.fixture
+def topology(tmp_path: Path) -> Iterator[Topology]:
+    with FakeLLMServer(SCRIPT) as llm:
+        proc, ready = start_up(tmp_path, env={"OPENAI_BASE_URL": llm.base_url,
+                                              "OPENAI_API_KEY": ""})
+        try:
+            yield Topology(proc, tmp_path, ready)
+        finally:
+            proc.stop(timeout=8)
+
+
+def serve_params(endpoint: str, *extra: str) -> StdioServerParameters:
+    return StdioServerParameters(command=sys.executable,
+                                 args=[str(ROOT / "cli.py"), "mcp", "serve", "--hub", endpoint,
+                                       *extra])
+
+
+async def test_sdk_client_lists_asks_and_continues_an_agent(topology: Topology) -> None:
+    async with stdio_client(serve_params(topology.endpoint)) as (r, w), \
+            ClientSession(r, w) as client:
+        await client.initialize()
+        listed = {t.name: t for t in (await client.list_tools()).tools}
+        assert "ask_assistant" in listed
+        assert listed["ask_assistant"].input_schema["required"] == ["prompt"]
+        progress: list[str] = []
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            progress.append(message or "")
+
+        with anyio.fail_after(30):
+            result = await client.call_tool("ask_assistant", {"prompt": "hello there"},
+                                            progress_callback=on_progress)
+        assert not result.is_error and result.content[0].text == "echo: hello there"
+        assert progress[0] == "agent_start" and progress[-1] == "agent_end: stop", progress
+        session = result.structured_content["session"]
+        with anyio.fail_after(30):
+            again = await client.call_tool("ask_assistant",
+                                           {"prompt": "and again", "session": session})
+        assert again.structured_content["session"] == session
+        assert again.content[0].text == "echo: and again"
+        unknown = await client.call_tool("ask_nobody", {"prompt": "hi"})
+        assert unknown.is_error and "ask_assistant" in unknown.content[0].text
+
+
+async def test_client_cancel_aborts_the_run(topology: Topology) -> None:
+    async with connect(topology.endpoint, name="watcher") as peer, \
+            peer.subscribe(["agent/assistant/"]) as events, \
+            stdio_client(serve_params(topology.endpoint, "--agent", "assistant")) as (r, w), \
+            ClientSession(r, w) as client:
+        await client.initialize()
+        first = anyio.Event()
+
+        async def on_progress(done: float, total: float | None, message: str | None) -> None:
+            first.set()
+
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: client.call_tool("ask_assistant", {"prompt": "slow"},
+                                                       progress_callback=on_progress))
+                with anyio.fail_after(30):
+                    await first.wait()
+                scope.cancel()
+        t0 = anyio.current_time()
+        end: Any = None
+        with anyio.fail_after(15):
+            async for envelope in events:
+                if isinstance(envelope.event, ev.AgentEnd):
+                    end = envelope.event
+                    break
+        assert end.stop_reason == "aborted", end
+        assert anyio.current_time() - t0 < 8  # not the ~10 s the answer takes to stream
