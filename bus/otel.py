@@ -120,6 +120,7 @@ class TraceBuilder:
         self.runs: dict[str, Run] = {}
         self.last_seq = 0
         self.evicted_runs = 0
+        self.bad_events = 0
 
     def safe_seq(self) -> int:
         """Every event up to this seq is in an exported trace or in none (resume point)."""
@@ -412,6 +413,17 @@ class Delivery:
             save_state(self.state_file, self.state)
 
 
+def _spans_of(builder: TraceBuilder, header: p.Header, event: ev.Event) -> list[ReadableSpan]:
+    """The builder's answer to one event; an event it cannot use is counted, logged and skipped
+    (one odd event from some peer must not end the export of everyone's traces)."""
+    try:
+        return builder.add(header, event)
+    except Exception:  # noqa: BLE001 - logged with its traceback, then the stream goes on
+        builder.bad_events += 1
+        log.exception("otel: skipped event seq %d (%s)", header.seq, header.type)
+        return []
+
+
 async def _stop_on_signal(scope: anyio.CancelScope) -> None:
     """SIGTERM (a supervisor, `busctl down`) ends the stream cleanly: the buffer is flushed and
     the resume point saved, instead of the process dying mid-export."""
@@ -464,11 +476,12 @@ async def export_otel(hub: str, curve: CurveClient | None, endpoint: str,
                 print(json.dumps({"ready": "otel", "endpoint": endpoint, "since": start}),
                       flush=True)
                 async for envelope in sub:
-                    spans = builder.add(envelope.header, envelope.event)
-                    delivery.put(spans, builder.safe_seq())
+                    delivery.put(_spans_of(builder, envelope.header, envelope.event),
+                                 builder.safe_seq())
     finally:
         with anyio.move_on_after(timeout, shield=True):
             await delivery.flush_once()
         exporter.shutdown()
         print(f"otel: exported {state.exported_spans} spans, dropped {state.dropped_spans}, "
-              f"{delivery.buffered} unsent, resume at seq {state.seq}", file=sys.stderr)
+              f"{delivery.buffered} unsent, resume at seq {state.seq}; runs evicted unfinished "
+              f"{builder.evicted_runs}, events skipped {builder.bad_events}", file=sys.stderr)

@@ -4,7 +4,8 @@
 "use strict";
 
 const REDRAW_MS = 200;
-const MAX_DETAILED_RUNS = 300; // older finished runs keep their lane but drop bars and transcript
+const MAX_DETAILED_RUNS = 300;
+const MAX_LANES = 100; // older finished runs keep their lane but drop bars and transcript
 
 const state = {
   lastSeq: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
@@ -186,11 +187,17 @@ function shown(r) {
 function renderTimeline() {
   const roots = state.order.map((id) => state.runs.get(id))
     .filter((r) => (!r.parent || !state.runs.has(r.parent)) && shown(r));
-  const starts = roots.map((r) => r.start);
+  const starts = roots.slice(-MAX_LANES).map((r) => r.start);
   const t0 = Math.min(...starts, Date.now() / 1000);
-  const t1 = Math.max(...[...state.runs.values()].map((r) => r.end || Date.now() / 1000), t0 + 1e-3);
+  let t1 = t0 + 1e-3; // a loop, not Math.max(...all): the spread of a huge array overflows
+  for (const r of state.runs.values()) t1 = Math.max(t1, r.end || Date.now() / 1000);
+  // Only the newest MAX_LANES top-level runs are drawn: a redraw stays cheap however long the
+  // page is open; the totals still count every run.
+  const hidden = Math.max(0, roots.length - MAX_LANES);
   const box = document.getElementById("timeline");
-  box.replaceChildren(...roots.map((r) => lane(r, t0, t1 - t0)));
+  const lanes = roots.slice(hidden).map((r) => lane(r, t0, t1 - t0));
+  if (hidden) lanes.unshift(el("div", { class: "older" }, `${hidden} older runs not drawn`));
+  box.replaceChildren(...lanes);
 }
 
 function renderList(id, items) {
