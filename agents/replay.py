@@ -28,12 +28,11 @@ import json
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agents.loop import ToolExecutor, UpdateSink
-from agents.remote import AgentBus
 from bus import events as ev
 from bus.client import Peer
 from bus.messages import (
@@ -48,6 +47,9 @@ from bus.messages import (
     error_result,
 )
 from bus.watch import replay as logged
+
+if TYPE_CHECKING:  # agents.remote imports this module (`connect(replay_from=...)`)
+    from agents.remote import AgentBus
 
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.
@@ -307,29 +309,39 @@ class Divergence:
                 f"{self.event + 1} ({self.type}): {self.detail}")
 
 
+async def prepare(peer: Peer, source: str, target: str, *, live_from: int = 0,
+                  model: str = "", live_tools: bool = False) -> list[RecordedRun]:
+    """Put experiment `target` in replay of `source`: its model replies to the gateway and,
+    unless `live_tools`, its tool results to every coordinator. Returns `source`'s runs."""
+    runs = await load_experiment(peer, source)
+    if not runs:
+        raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
+                         f"with `busctl export --experiment {source}`)")
+    load = ReplayLoad(experiment=target, source=source, entries=book(runs),
+                      live_after=live_from, model=model)
+    await peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
+    if live_tools:
+        return runs
+    entries = tool_book(runs)
+    names = sorted({e.result.tool_name for e in entries})
+    tools = msgspec.msgpack.encode(ToolBook(target, source, entries, names))
+    status = await peer.status()
+    for service in sorted({s.name for s in status.services if s.name.startswith("replay@")}):
+        await peer.request(service, tools, timeout=10)
+    return runs
+
+
 async def replay_experiment(bus: AgentBus, source: str, target: str, *, live_from: int = 0,
                             model: str = "", live_tools: bool = False) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
     A fork: `live_from` = N > 0 replays each run's first N model calls (its first N turns) and
     sends the later ones to the live model (`model`, an alias of the gateway, if given)."""
-    runs = await load_experiment(bus.peer, source)
-    if not runs:
-        raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
-                         f"with `busctl export --experiment {source}`)")
     if await load_experiment(bus.peer, target):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
-    load = ReplayLoad(experiment=target, source=source, entries=book(runs),
-                      live_after=live_from, model=model)
-    await bus.peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
-    if not live_tools:
-        entries = tool_book(runs)
-        names = sorted({e.result.tool_name for e in entries})
-        tools = msgspec.msgpack.encode(ToolBook(target, source, entries, names))
-        status = await bus.peer.status()
-        for service in sorted({s.name for s in status.services if s.name.startswith("replay@")}):
-            await bus.peer.request(service, tools, timeout=10)
+    runs = await prepare(bus.peer, source, target, live_from=live_from, model=model,
+                         live_tools=live_tools)
     for run in runs:
         if run.parent:
             continue  # made again by the caller's ask_<agent> call
@@ -481,6 +493,7 @@ __all__ = [
     "diff_text",
     "load_experiment",
     "load_tool_book",
+    "prepare",
     "replay_experiment",
     "replay_service",
     "request_key",

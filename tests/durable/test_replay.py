@@ -121,3 +121,14 @@ async def test_diff_names_what_differs(stack: Stack) -> None:
     assert out.stdout.rstrip().endswith("different")
     missing = await anyio.to_thread.run_sync(cli, stack, "diff", "first", "nope")
     assert missing.returncode == 2 and "`nope` has no runs" in missing.stderr
+
+
+async def test_a_script_runs_against_a_recorded_experiment(stack: Stack) -> None:
+    await run_experiment(stack, "recorded", "Lead says:")
+    asked = len(stack.srv.requests)
+    async with connect(stack.endpoint, name="test-replay-lib", replay_from="recorded") as bus:
+        with pytest.raises(ValueError, match="give each prompt an `experiment=`"):
+            await bus.run("lead", "question 1")
+        result = await bus.run("lead", "question 1", experiment="scripted")
+    assert result.final_text == "Lead says: - Helper echoed: - help with question 1"
+    assert len(stack.srv.requests) == asked  # answered from the log
