@@ -398,9 +398,6 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
 
         digest = hashlib.sha256(hub.encode()).hexdigest()[:12]
         state_file = str(ensure_state_dir(state_home() / "otel") / f"{digest}.json")
-    if not Path(state_file).parent.is_dir():
-        raise click.BadParameter(f"{state_file}: its folder does not exist (create it, or give "
-                                 f"another file)", param_hint="--state-file")
     run_async(bus_otel.export_otel, hub, curve, endpoint or bus_otel.default_endpoint(), headers,
               capture_content, Path(state_file), since, max_spans)
 
@@ -1076,17 +1073,13 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
               help="Fork: replay each run's first TURN turns, then call the live model.")
 @click.option("--model", default="", metavar="ALIAS",
               help="With --live-from: the model alias (of the gateway) for the live turns.")
-@click.option("--live-tools", is_flag=True,
-              help="Run the tools again [default: their results come from the log].")
 def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
-           live_from: int | None, model: str, live_tools: bool) -> None:
+           live_from: int | None, model: str) -> None:
     """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
-    log (no model is called) and each tool result too (unless --live-tools; `ask_<agent>`
-    calls always run: the callee's run is replayed); report "identical" or the first
-    divergence (exit 1).
+    log (no model is called); report "identical" or the first divergence (exit 1).
 
     \b
-    Compare the two afterwards with `busctl diff EXPERIMENT E2`.
+    Tools run live. Compare the two afterwards with `busctl diff EXPERIMENT E2`.
     Examples:
       busctl replay --experiment debate-3 --as debate-3-again
       busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
@@ -1104,7 +1097,7 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
             return await replay_experiment(bus, experiment, target, live_from=live_from or 0,
-                                           model=model, live_tools=live_tools)
+                                           model=model)
 
     try:
         divergence = run_async(go)
