@@ -137,17 +137,22 @@ def _part(block: Any) -> TextPart | ImagePart:
         except ValueError:
             return TextPart(f"[image {block.mime_type}: undecodable base64]")
     if kind == "audio":
-        return TextPart(f"[audio {block.mime_type}, {len(block.data) * 3 // 4} bytes]")
+        return TextPart(f"[audio {block.mime_type}, {_b64_size(block.data)} bytes]")
     if kind == "resource":
         res = block.resource
         text = getattr(res, "text", None)
         if text is not None:
             return TextPart(text)
         return TextPart(f"[resource {res.uri} ({res.mime_type or 'binary'}), "
-                        f"{len(getattr(res, 'blob', '')) * 3 // 4} bytes]")
+                        f"{_b64_size(getattr(res, 'blob', ''))} bytes]")
     if kind == "resource_link":
         return TextPart(f"[resource {block.uri}]")
     return TextPart(f"[unsupported MCP content `{kind}`]")
+
+
+def _b64_size(data: str) -> int:
+    """Bytes a base64 text decodes to (without decoding what the bus cannot carry anyway)."""
+    return len(data) * 3 // 4 - data[-2:].count("=")
 
 
 def _progress_part(progress: float, total: float | None, message: str | None) -> ToolResult:

@@ -172,10 +172,27 @@ class ToolWorker:
         if held is not None and held[0] != owner and held[1].parameters != info.parameters:
             return (f"tool `{info.name}` of {owner} clashes with `{info.name}` of {held[0]} "
                     f"(different schema); give one a prefix (`--mcp-prefix` / `prefix`)")
+        if held is None and owner != "@tool":  # @tools: a rolling upgrade may change a schema
+            clash = await self._live_clash(info)
+            if clash:
+                return (f"tool `{info.name}` of {owner} clashes with the live `{info.name}` of "
+                        f"{clash} (different schema); give one a prefix (`--mcp-prefix` / "
+                        f"`prefix`)")
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
                               idempotent=idempotent, meta=msgspec.to_builtins(info))
         self.served[info.name] = (owner, info)
         return None
+
+    async def _live_clash(self, info: ToolInfo) -> str:
+        """The peers already serving `tool.<name>` with another schema ("" when none)."""
+        assert self.peer is not None
+        status = await self.peer.status()
+        service = service_name(info.name)
+        if not any(s.name == service and s.meta.get("parameters", info.parameters)
+                   != info.parameters for s in status.services):
+            return ""
+        return ", ".join(f"`{x.name}`" for x in status.peers
+                         if any(load.name == service for load in x.services)) or "another peer"
 
     async def unregister(self, name: str, *, owner: str) -> None:
         """Stop serving `tool.<name>` if `owner` serves it (calls then get `no_service`)."""

@@ -164,3 +164,16 @@ async def test_a_crashed_server_is_restarted_and_works_again(hub: dict) -> None:
         assert second != first
         await until(lambda: "crashing on demand" in w.output(), 5, "the server's stderr logged")
         assert "[tests.mcp.fixtures.demo_server] demo server crashing on demand" in w.output()
+
+
+async def test_a_clash_with_another_workers_tool_is_refused_naming_both(hub: dict) -> None:
+    endpoint = hub["endpoint"]
+    async with mcp_worker(endpoint, "--name", "clocks", "--tools",
+                          "tests.mcp.fixtures.clash_tools"), \
+            mcp_worker(endpoint, "--mcp", f"{sys.executable} -m mcp_server_time") as w:
+        assert w.ready["tools"] == ["convert_time"]
+        assert ("tool `get_current_time` of MCP server `mcp_server_time` clashes with the live "
+                "`get_current_time` of `clocks`") in w.output()
+        async with executor(endpoint) as tools:
+            assert (await tools.execute(call("get_current_time", city="Oslo"))).text == \
+                "noon in Oslo"
