@@ -82,11 +82,17 @@ def read_events(url: str, until_type: str, run_id: str,
                                      if last_id else {})
     out: list[tuple[int, dict[str, Any]]] = []
     with urllib.request.urlopen(request, timeout=15) as stream:
-        event_id = 0
+        event_id, name = 0, ""
         for raw in stream:
             line = raw.decode().rstrip("\n")
             if line.startswith("id: "):
                 event_id = int(line[4:])
+            elif line.startswith("event: "):
+                name = line[7:]  # `status`: the hub's polled load, not a logged event
+            elif not line:
+                name = ""
+            elif line.startswith("data: ") and name:
+                assert name == "status" and "services" in json.loads(line[6:])
             elif line.startswith("data: "):
                 event = json.loads(line[6:])
                 out.append((event_id, event))
@@ -151,11 +157,12 @@ def chromium() -> str:
 async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
     binary = chromium()
     url = start_ui(stack)
-    run_id = await scripted_run(stack)
-    read_events(url, "agent_end", run_id)  # the server has the whole run
     browser = Browser(binary, tmp_path / "profile")
     try:
-        browser.open(url)
+        browser.open(url)  # open before the run: the page draws it live
+        await until(lambda: browser.evaluate("document.getElementById('status').textContent")
+                    == "live", 10, "the page's event stream")
+        run_id = await scripted_run(stack)
         # drawn: the boss's lane with the helper's lane nested in it, and the run's end counted
         ready = (f'!!document.querySelector(\'.lane[data-run="{run_id}"] .children '
                  f'.lane[data-agent="helper"]\') && document.querySelector(\'.lane[data-run='
@@ -165,6 +172,9 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
         await until(lambda: browser.evaluate(
             "document.querySelectorAll('#transcript-body .msg[data-role]').length >= 5"), 10,
             "the transcript of the clicked run")
+        await until(lambda: browser.evaluate(  # the hub's status is polled once a second
+            "[...document.querySelectorAll('#services li')].some((li) => "
+            "li.textContent.startsWith('tool.slow: 0/8 busy'))"), 10, "the services' load")
         dump = browser.evaluate("document.documentElement.outerHTML")
         browser.screenshot(tmp_path / "ui.png")
         # the agent filter hides every lane of other agents, and clearing it brings them back
@@ -206,6 +216,9 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
               for i, n in enumerate(dom.nodes) if n["tag"] == "tr" and n.get("data-key")}
     assert int(totals["runs"]) >= 2 and int(totals["input"]) > 0 and int(totals["output"]) > 0
     assert totals["stop:stop"] == totals["runs"]
+    # the hub's polled status: services with their load and capacity
+    items = [n.get("_text", "") for n in dom.nodes if n["tag"] == "li"]
+    assert any(i.startswith("tool.slow: 0/8 busy, 0 queued") for i in items), items
     assert totals["exp:exp-ui"].startswith(f"{totals['runs']} runs, ")
     # the model's streamed text is visible in its bar
     assert any("Done: a, b, yellow." in n.get("_text", "") for n in chats)
@@ -226,7 +239,7 @@ def sse_seqs(url: str, messages: int, timeout: float = 30.0) -> list[int]:
             line = raw.decode()
             if line.startswith("id: "):
                 seqs.append(int(line[4:]))
-            elif line.startswith("data: ") and json.loads(line[6:])["type"] == "topic_message":
+            elif line.startswith("data: ") and json.loads(line[6:]).get("type") == "topic_message":
                 seen += 1
                 if seen == messages:
                     return seqs
