@@ -398,6 +398,9 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
 
         digest = hashlib.sha256(hub.encode()).hexdigest()[:12]
         state_file = str(ensure_state_dir(state_home() / "otel") / f"{digest}.json")
+    if not Path(state_file).parent.is_dir():
+        raise click.BadParameter(f"{state_file}: its folder does not exist (create it, or give "
+                                 f"another file)", param_hint="--state-file")
     run_async(bus_otel.export_otel, hub, curve, endpoint or bus_otel.default_endpoint(), headers,
               capture_content, Path(state_file), since, max_spans)
 

@@ -37,7 +37,7 @@ import msgspec
 
 from bus import events as ev
 from bus import protocol as p
-from bus.client import connect
+from bus.client import Peer, connect
 from bus.messages import AssistantMessage, ToolCall, UserMessage
 from bus.security import CurveClient
 
@@ -330,9 +330,15 @@ def load_state(path: Path) -> OtelState:
 
 
 def save_state(path: Path, state: OtelState) -> None:
+    """Best effort: an unwritable state file (disk full) is logged, and the export goes on
+    (a restart then resends from the older resume point, with the same ids)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(msgspec.json.encode(state))
-    os.replace(tmp, path)  # atomic: a crash mid-write keeps the previous resume point
+    try:
+        tmp.write_bytes(msgspec.json.encode(state))
+        os.replace(tmp, path)  # atomic: a crash mid-write keeps the previous resume point
+    except OSError as exc:
+        log.warning("otel: cannot save the resume point to %s: %s (check --state-file)",
+                    path, exc)
 
 
 class Delivery:
@@ -465,23 +471,28 @@ async def export_otel(hub: str, curve: CurveClient | None, endpoint: str,
     builder.last_seq = start
     exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
     delivery = Delivery(exporter, state, state_file, builder.safe_seq, max_spans)
-    try:
-        async with connect(hub, name="busctl-otel", role="watcher", curve=curve) as peer, \
-                anyio.create_task_group() as tg:
-            tg.start_soon(delivery.run)
-            tg.start_soon(_stop_on_signal, tg.cancel_scope)
-            # The full stream (no topic filter) so every jump in seq is a loss the
-            # subscription fills from the log, exactly as `busctl watch` does.
-            async with peer.subscribe([], since=start, fill_gaps=True) as sub:
-                print(json.dumps({"ready": "otel", "endpoint": endpoint, "since": start}),
-                      flush=True)
-                async for envelope in sub:
-                    delivery.put(_spans_of(builder, envelope.header, envelope.event),
-                                 builder.safe_seq())
-    finally:
-        with anyio.move_on_after(timeout, shield=True):
-            await delivery.flush_once()
-        exporter.shutdown()
-        print(f"otel: exported {state.exported_spans} spans, dropped {state.dropped_spans}, "
-              f"{delivery.buffered} unsent, resume at seq {state.seq}; runs evicted unfinished "
-              f"{builder.evicted_runs}, events skipped {builder.bad_events}", file=sys.stderr)
+    async with connect(hub, name="busctl-otel", role="watcher", curve=curve) as peer:
+        try:
+            await _follow(peer, builder, delivery, endpoint, start)
+        finally:
+            with anyio.move_on_after(timeout, shield=True):
+                await delivery.flush_once()
+            exporter.shutdown()
+            print(f"otel: exported {state.exported_spans} spans, dropped {state.dropped_spans}, "
+                  f"{delivery.buffered} unsent, resume at seq {state.seq}; runs evicted "
+                  f"unfinished {builder.evicted_runs}, events skipped {builder.bad_events}",
+                  file=sys.stderr)
+
+
+async def _follow(peer: Peer, builder: TraceBuilder, delivery: Delivery, endpoint: str,
+                  start: int) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(delivery.run)
+        tg.start_soon(_stop_on_signal, tg.cancel_scope)
+        # The full stream (no topic filter) so every jump in seq is a loss the
+        # subscription fills from the log, exactly as `busctl watch` does.
+        async with peer.subscribe([], since=start, fill_gaps=True) as sub:
+            print(json.dumps({"ready": "otel", "endpoint": endpoint, "since": start}), flush=True)
+            async for envelope in sub:
+                delivery.put(_spans_of(builder, envelope.header, envelope.event),
+                             builder.safe_seq())

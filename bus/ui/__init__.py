@@ -20,8 +20,10 @@ from importlib import resources
 from typing import Any
 
 import anyio
+import msgspec
 
-from bus.client import connect
+from bus.client import Peer, connect
+from bus.errors import AgentBusError
 from bus.render import json_line
 from bus.security import CurveClient
 
@@ -46,6 +48,14 @@ class EventStore:
         self.lines: list[str] = []
         self.cond = threading.Condition()
         self.closed = False
+        self.status = ""       # the hub's latest status (load, queues) as JSON
+        self.status_version = 0
+
+    def set_status(self, text: str) -> None:
+        with self.cond:
+            if text != self.status:
+                self.status, self.status_version = text, self.status_version + 1
+                self.cond.notify_all()
 
     def add(self, seq: int, line: str) -> None:
         with self.cond:
@@ -56,10 +66,13 @@ class EventStore:
                 del self.seqs[:cut], self.lines[:cut]
             self.cond.notify_all()
 
-    def after(self, seq: int, timeout: float, most: int = 5000) -> list[tuple[int, str]]:
-        """Up to `most` events with a seq above `seq`, waiting up to `timeout` for the first."""
+    def after(self, seq: int, timeout: float, most: int = 5000,
+              status_version: int | None = None) -> list[tuple[int, str]]:
+        """Up to `most` events with a seq above `seq`, waiting up to `timeout` for the first (or
+        for a status newer than `status_version`)."""
         with self.cond:
-            if not self._newer(seq) and not self.closed:
+            same_status = status_version is None or status_version == self.status_version
+            if not self._newer(seq) and not self.closed and same_status:
                 self.cond.wait(timeout)
             start = bisect.bisect_right(self.seqs, seq)
             end = min(start + most, len(self.seqs))
@@ -118,10 +131,17 @@ def _handler(store: EventStore) -> type[BaseHTTPRequestHandler]:
             self.send_header("Cache-Control", "no-store")
             self.end_headers()
             seq = self._since()
+            version = -1
             try:
                 while not store.closed:
-                    batch = store.after(seq, HEARTBEAT)
-                    chunk = "".join(f"id: {s}\ndata: {line}\n\n" for s, line in batch) or ": hb\n\n"
+                    batch = store.after(seq, HEARTBEAT, status_version=version)
+                    chunk = "".join(f"id: {s}\ndata: {line}\n\n" for s, line in batch)
+                    if version != store.status_version:
+                        # `event: status` has no id: it is a snapshot, not part of the stream
+                        version = store.status_version
+                        if store.status:
+                            chunk += f"event: status\ndata: {store.status}\n\n"
+                    chunk = chunk or ": hb\n\n"
                     self.wfile.write(chunk.encode())
                     self.wfile.flush()
                     seq = batch[-1][0] if batch else seq
@@ -134,6 +154,18 @@ def _handler(store: EventStore) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+async def _poll_status(peer: Peer, store: EventStore, interval: float = 1.0) -> None:
+    """Load and queues are not events: the hub's status, polled, goes to the pages as a snapshot."""
+    while True:
+        try:
+            status = await peer.status()
+            store.set_status(msgspec.json.encode({"peers": status.peers,
+                                                  "services": status.services}).decode())
+        except AgentBusError as exc:  # a hub restarting: the next poll will do
+            log.info("ui: hub status unavailable: %s", exc)
+        await anyio.sleep(interval)
+
+
 async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 0) -> None:
     store = EventStore()
     server = ThreadingHTTPServer(("127.0.0.1", port), _handler(store))
@@ -142,7 +174,9 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}/"
     try:
-        async with connect(hub, name="busctl-ui", role="watcher", curve=curve) as peer:
+        async with connect(hub, name="busctl-ui", role="watcher", curve=curve) as peer, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(_poll_status, peer, store)
             async with peer.subscribe([], since=since, fill_gaps=True) as sub:
                 print(json.dumps({"ready": "ui", "url": url}), flush=True)
                 last = since
@@ -152,6 +186,7 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
                         continue
                     last = envelope.header.seq
                     store.add(last, json_line(envelope.header, envelope.event))
+            tg.cancel_scope.cancel()
     finally:
         store.close()
         await anyio.to_thread.run_sync(server.shutdown)

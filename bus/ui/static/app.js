@@ -10,7 +10,7 @@ const MAX_LANES = 100; // older finished runs keep their lane but drop bars and 
 const state = {
   lastSeq: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
   order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, experiments: new Map(),
-  selected: null, filter: { agent: "", experiment: "", run: "" },
+  status: null, selected: null, filter: { agent: "", experiment: "", run: "" },
 };
 
 function text(content) {
@@ -238,8 +238,14 @@ function redraw() {
   renderTimeline();
   renderTranscript();
   renderTotals();
-  renderList("peers", [...state.peers.values()]);
-  renderList("services", [...state.services.values()].map((s) => `${s.service} ×${s.capacity || 1}`));
+  if (state.status) { // the hub's polled status: load and queues per service, peers by role
+    renderList("services", state.status.services.map((s) =>
+      `${s.name}: ${s.load || 0}/${s.capacity} busy, ${s.queued || 0} queued, ${s.peers} peers`));
+    renderList("peers", state.status.peers.map((p) => `${p.name} (${p.role || "peer"})`));
+  } else {
+    renderList("peers", [...state.peers.values()]);
+    renderList("services", [...state.services.values()].map((s) => `${s.service} ×${s.capacity || 1}`));
+  }
   renderList("agents", [...state.agents.entries()].map(([n, a]) =>
     `${n}: ${a.live} live, ${a.runs} runs, ${a.sessions.size} sessions`));
   document.getElementById("seq").textContent = `seq ${state.lastSeq}`;
@@ -253,6 +259,7 @@ function connect() {
   const source = new EventSource("/events");
   source.onopen = () => { document.getElementById("status").textContent = "live"; };
   source.onerror = () => { document.getElementById("status").textContent = "reconnecting…"; };
+  source.addEventListener("status", (msg) => { state.status = JSON.parse(msg.data); schedule(); });
   source.onmessage = (msg) => {
     const ev = JSON.parse(msg.data);
     if (ev.seq <= state.lastSeq) return; // a replayed duplicate after a reconnect
