@@ -445,7 +445,11 @@ def ui(hub: str, curve: CurveClient | None, port: int, since: int) -> None:
 @click.option("--mcp", "mcp_commands", multiple=True, metavar='"COMMAND ARGS"',
               help="An MCP server to start (stdio) whose tools this worker serves (repeatable; "
                    "needs the `mcp` extra).")
-@click.option("--mcp-prefix", default="", help="Prefix for the --mcp servers' tool names.")
+@click.option("--mcp-url", "mcp_urls", multiple=True, metavar="URL",
+              help="An MCP server over streamable HTTP whose tools this worker serves (repeatable).")
+@click.option("--mcp-header", "mcp_headers", multiple=True, metavar="K=V",
+              help="An HTTP header for the --mcp-url servers (repeatable; e.g. Authorization=...).")
+@click.option("--mcp-prefix", default="", help="Prefix for the --mcp/--mcp-url servers' tool names.")
 @click.option("--mcp-servers", "mcp_json", type=click.File("rb"), default=None, hidden=True,
               help="JSON list of MCP server specs (`-`: stdin; how `busctl up` passes them).")
 @click.option("--concurrency", type=click.IntRange(1), default=8, show_default=True,
@@ -455,7 +459,8 @@ def ui(hub: str, curve: CurveClient | None, port: int, since: int) -> None:
 @click.option("--name", default="", help="Peer name shown in `busctl status` [default: worker-PID].")
 @click.option("--shell", "allow_shell", is_flag=True, help="Enable the run_shell tool.")
 def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
-           mcp_commands: tuple[str, ...], mcp_prefix: str, mcp_json: Any, concurrency: int,
+           mcp_commands: tuple[str, ...], mcp_urls: tuple[str, ...], mcp_headers: tuple[str, ...],
+           mcp_prefix: str, mcp_json: Any, concurrency: int,
            workspace: str, name: str, allow_shell: bool) -> None:
     """Attach a tool worker: serve each tool as service `tool.<name>` until SIGINT/SIGTERM.
 
@@ -470,7 +475,8 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
     from tools.worker import WorkerSettings, run_worker
 
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
-    servers = _mcp_specs(mcp_commands, mcp_prefix) + _mcp_json_specs(mcp_json)
+    servers = (_mcp_specs(mcp_commands, mcp_prefix) + _mcp_url_specs(mcp_urls, mcp_headers, mcp_prefix)
+               + _mcp_json_specs(mcp_json))
     if servers:
         _require_mcp_sdk("--mcp")
     modules = list(tool_modules) or ([] if servers else ["tools.builtin"])
@@ -498,6 +504,23 @@ def _mcp_specs(commands: tuple[str, ...], prefix: str) -> list[Any]:
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--mcp") from None
     return specs
+
+
+def _mcp_url_specs(urls: tuple[str, ...], headers: tuple[str, ...], prefix: str) -> list[Any]:
+    """`--mcp-url` values (with every `--mcp-header K=V`) as server specs."""
+    from tools.mcp import McpServerSpec
+
+    pairs = {}
+    for item in headers:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise click.BadParameter(f"expected K=V, got {item.split('=')[0]!r}…",
+                                     param_hint="--mcp-header")  # never echo a secret value
+        pairs[key.strip()] = value
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise click.BadParameter(f"{url!r} is not an http(s) URL", param_hint="--mcp-url")
+    return [McpServerSpec(url=url, headers=pairs, prefix=prefix) for url in urls]
 
 
 def _require_mcp_sdk(flag: str) -> None:

@@ -36,7 +36,14 @@ import msgspec
 
 from bus import protocol as p
 from bus.client import Handler, IncomingRequest
-from bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult, error_result
+from bus.messages import (
+    ImagePart,
+    TextPart,
+    ToolCallRequest,
+    ToolInfo,
+    ToolResult,
+    error_result,
+)
 from tools._exceptions import ToolDefinitionError
 from tools._schema import _inline, _normalize, check_provider_schema
 
@@ -53,6 +60,8 @@ BACKOFF_MAX = 30.0
 STABLE_AFTER = 30.0
 #: How long the worker waits for a server's first connection before printing its ready line.
 FIRST_CONNECT_WAIT = 30.0
+#: How long a call waits for a re-initialized HTTP session before it fails.
+RENEW_WAIT = 10.0
 
 
 class McpServerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -63,12 +72,14 @@ class McpServerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, om
     args: list[str] = msgspec.field(default_factory=list)
     env: dict[str, str] = msgspec.field(default_factory=dict)  # secrets: never logged
     cwd: str | None = None
+    url: str = ""  # streamable HTTP instead of a command
+    headers: dict[str, str] = msgspec.field(default_factory=dict)  # secrets: never logged
     prefix: str = ""  # prepended to every tool name (avoids clashes)
     allow: list[str] = msgspec.field(default_factory=list)  # only these tools (empty: all)
     deny: list[str] = msgspec.field(default_factory=list)  # never these tools
 
     def label(self) -> str:
-        return self.name or _derive_name(self.command, self.args)
+        return self.name or self.url or _derive_name(self.command, self.args)
 
     def wants(self, tool: str) -> bool:
         return (not self.allow or tool in self.allow) and tool not in self.deny
@@ -191,6 +202,9 @@ class McpBridge:
         self.tools: dict[str, str] = {}  # bus name -> MCP name
         self.restarts = 0
         self._changed = anyio.Event()
+        self._gone = anyio.Event()  # set: end the current session (reconnect)
+        self._connected = anyio.Event()  # set while a session serves
+        self._renewing = False  # the session ends because it expired: reconnect at once
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -218,6 +232,9 @@ class McpBridge:
                     await self._unregister_all()
                 self.session = None
             ready()  # the first attempt failed: the worker starts without these tools
+            if self._renewing:  # not a failure: the server restarted and forgot us
+                self._renewing = False
+                continue
             delay = BACKOFF_FIRST if anyio.current_time() - t0 > STABLE_AFTER else delay
             await anyio.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
@@ -225,14 +242,11 @@ class McpBridge:
 
     async def _session_once(self, ready: Callable[[], None]) -> None:
         """Start the server, register its tools, serve until its stdout closes."""
-        from mcp import ClientSession, StdioServerParameters, stdio_client
+        from mcp import ClientSession
 
-        params = StdioServerParameters(command=self.spec.command, args=self.spec.args,
-                                       env=self.spec.env or None, cwd=self.spec.cwd)
-        gone = anyio.Event()
+        gone = self._gone = anyio.Event()
         async with contextlib.AsyncExitStack() as stack:
-            errlog = await stack.enter_async_context(_stderr_to_log(self.label))
-            read, write = await stack.enter_async_context(stdio_client(params, errlog=errlog))
+            read, write = await self._transport(stack)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)  # however we leave: stop the forwarder
             inbox_send, inbox = anyio.create_memory_object_stream[Any](0)
@@ -245,8 +259,44 @@ class McpBridge:
             log.info("%s: serving %s", self.owner, ", ".join(self.tools) or "no tools")
             ready()
             tg.start_soon(self._watch_list_changed)
+            self._connected.set()
             await gone.wait()
+            self._connected = anyio.Event()
             tg.cancel_scope.cancel()
+
+    async def _transport(self, stack: contextlib.AsyncExitStack) -> tuple[Any, Any]:
+        """The server's message streams: a spawned process (stdio) or streamable HTTP."""
+        from mcp import StdioServerParameters, stdio_client
+
+        if self.spec.url:
+            from mcp.client.streamable_http import streamable_http_client
+            from mcp.shared._httpx_utils import create_mcp_http_client
+
+            client = await stack.enter_async_context(
+                create_mcp_http_client(headers=self.spec.headers or None))
+            streams = await stack.enter_async_context(
+                streamable_http_client(self.spec.url, http_client=client))
+            return streams[0], streams[1]
+        params = StdioServerParameters(command=self.spec.command, args=self.spec.args,
+                                       env=self.spec.env or None, cwd=self.spec.cwd)
+        errlog = await stack.enter_async_context(_stderr_to_log(self.label))
+        streams = await stack.enter_async_context(stdio_client(params, errlog=errlog))
+        return streams[0], streams[1]
+
+    async def _renew(self, session: ClientSession) -> ClientSession | None:
+        """An HTTP server forgot our session (it restarted): reconnect now, and return the new
+        session once it is up (None if it is not within `RENEW_WAIT`)."""
+        if self.session is session:
+            log.warning("%s: session expired; re-initializing", self.owner)
+            self._renewing = True
+            self._gone.set()
+        with anyio.move_on_after(RENEW_WAIT):
+            while self.session is None or self.session is session:
+                await self._connected.wait()
+                if self.session is session:
+                    await anyio.sleep(0.05)  # the old session is still being torn down
+            return self.session
+        return None
 
     async def _on_message(self, message: Any) -> None:
         from mcp import types as mt
@@ -324,7 +374,13 @@ class McpBridge:
             await sink(_progress_part(progress, total, message))
 
         try:
-            result = await session.call_tool(mcp_name, args, progress_callback=on_progress)
+            try:
+                result = await session.call_tool(mcp_name, args, progress_callback=on_progress)
+            except MCPError as exc:
+                renewed = await self._renew(session) if _expired(exc, self.spec) else None
+                if renewed is None:
+                    raise
+                result = await renewed.call_tool(mcp_name, args, progress_callback=on_progress)
         except MCPError as exc:
             return error_result(f"Error: {self.owner}, tool `{mcp_name}`: {exc}")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -335,6 +391,13 @@ class McpBridge:
         for name in list(self.tools):
             await self.host.unregister(name, owner=self.owner)
         self.tools.clear()
+
+
+def _expired(exc: Exception, spec: McpServerSpec) -> bool:
+    """An HTTP 404 on a session we had: the server no longer knows it. The SDK says "Session
+    terminated"; servers that send a JSON-RPC error body say e.g. "Session not found"."""
+    text = str(exc).lower()
+    return bool(spec.url) and "session" in text and ("terminated" in text or "not found" in text)
 
 
 async def _list_all_tools(session: ClientSession) -> list[mt.Tool]:

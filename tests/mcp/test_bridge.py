@@ -45,8 +45,8 @@ async def test_time_server_tools_are_live_and_answer(hub: dict) -> None:
         assert answer["timezone"] == "UTC" and answer["datetime"][:4].isdigit()
 
 
-async def test_git_server_status_and_log_with_ref_free_schemas(hub: dict, tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
+def make_repo(repo: Path) -> Path:
+    """A git repository with one commit (`a.txt`) and one untracked file (`b.txt`)."""
     repo.mkdir()
     git = ["git", "-C", str(repo), "-c", "user.name=T", "-c", "user.email=t@example.com"]
     subprocess.run([*git, "init", "-q"], check=True)
@@ -54,6 +54,11 @@ async def test_git_server_status_and_log_with_ref_free_schemas(hub: dict, tmp_pa
     subprocess.run([*git, "add", "a.txt"], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "first commit"], check=True)
     (repo / "b.txt").write_text("untracked\n")
+    return repo
+
+
+async def test_git_server_status_and_log_with_ref_free_schemas(hub: dict, tmp_path: Path) -> None:
+    repo = make_repo(tmp_path / "repo")
     endpoint = hub["endpoint"]
     command = f"{sys.executable} -m mcp_server_git --repository {repo}"
     async with mcp_worker(endpoint, "--mcp", command) as w:
@@ -105,8 +110,7 @@ async def test_progress_results_and_errors_of_an_sdk_server(hub: dict, tmp_path:
 async def test_abort_mid_call_cancels_at_the_server_and_answers_at_once(
         hub: dict, tmp_path: Path) -> None:
     endpoint = hub["endpoint"]
-    async with mcp_worker(endpoint, "--mcp", f"{DEMO} {tmp_path}") as w, \
-            executor(endpoint) as tools:
+    async with mcp_worker(endpoint, "--mcp", f"{DEMO} {tmp_path}"), executor(endpoint) as tools:
         t0 = time.monotonic()
         baseline = await tools.execute(call("slow", seconds=0.05, tag="base"))
         quick = time.monotonic() - t0
@@ -177,3 +181,42 @@ async def test_a_clash_with_another_workers_tool_is_refused_naming_both(hub: dic
         async with executor(endpoint) as tools:
             assert (await tools.execute(call("get_current_time", city="Oslo"))).text == \
                 "noon in Oslo"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_http_server_restart_is_survived_transparently(hub: dict) -> None:
+    from tests.support import Proc
+
+    endpoint, port = hub["endpoint"], _free_port()
+    server_args = [sys.executable, "-m", "tests.mcp.fixtures.demo_server", "--http", str(port)]
+    server = Proc(server_args)
+    try:
+        await until(lambda: _listening(port), 20, "the demo HTTP server")
+        async with mcp_worker(endpoint, "--mcp-url", f"http://127.0.0.1:{port}/mcp",
+                              "--mcp-header", "X-Token=hunter2") as w, \
+                executor(endpoint) as tools:
+            assert "whoami" in w.ready["tools"]
+            first = (await tools.execute(call("whoami"))).text
+            assert first == str(server.pid), first
+            server.stop()
+            server = Proc(server_args)  # same URL, new process: our session id is unknown to it
+            await until(lambda: _listening(port), 20, "the restarted demo HTTP server")
+            again = await tools.execute(call("whoami"))
+            assert again.text == str(server.pid), again.text  # no error seen by the caller
+            assert "hunter2" not in w.output()
+    finally:
+        server.stop()
