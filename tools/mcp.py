@@ -78,6 +78,12 @@ class McpServerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, om
     allow: list[str] = msgspec.field(default_factory=list)  # only these tools (empty: all)
     deny: list[str] = msgspec.field(default_factory=list)  # never these tools
 
+    def __post_init__(self) -> None:
+        # msgspec reports a ValueError here as a validation error at this spec's path
+        if bool(self.command) == bool(self.url):
+            raise ValueError("an MCP server needs `command` (stdio) or `url` (streamable HTTP), "
+                             "exactly one")
+
     def label(self) -> str:
         return self.name or self.url or _derive_name(self.command, self.args)
 

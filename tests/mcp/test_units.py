@@ -74,3 +74,15 @@ def test_mcp_flag_parsing_names_the_flag() -> None:
     for bad in ("", "python 'unclosed"):
         with pytest.raises(ValueError, match="--mcp"):
             parse_mcp_command(bad)
+
+
+def test_a_topology_mcp_server_needs_a_command_or_a_url() -> None:
+    from agents.topology import TopologyError, parse_topology
+
+    base = '[[agents]]\nname = "a"\n[[workers]]\nname = "m"\ntools = []\n[[workers.mcp]]\n'
+    topo = parse_topology((base + 'url = "http://127.0.0.1:9/mcp"\nprefix = "x_"\n').encode(),
+                          "t.toml", as_json=False)
+    assert topo.workers[0].mcp[0].url == "http://127.0.0.1:9/mcp"
+    for bad in ('args = ["a"]\n', 'command = "srv"\nurl = "http://h/mcp"\n'):
+        with pytest.raises(TopologyError, match=r"workers\[0\]\.mcp\[0\].*`command`.*`url`"):
+            parse_topology((base + bad).encode(), "t.toml", as_json=False)
