@@ -506,6 +506,16 @@ def _mcp_specs(commands: tuple[str, ...], prefix: str) -> list[Any]:
     return specs
 
 
+def _loopback_addr(addr: str) -> tuple[str, int]:
+    """`--http HOST:PORT` on a loopback host: the MCP endpoint has no keys or TLS of its own."""
+    host, _, port = addr.rpartition(":")
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]") or not port.isdigit():
+        raise click.BadParameter(f"expected a loopback HOST:PORT such as 127.0.0.1:8765, got "
+                                 f"{addr!r} (this endpoint has no authentication: loopback only)",
+                                 param_hint="--http")
+    return host.strip("[]"), int(port)
+
+
 def _mcp_url_specs(urls: tuple[str, ...], headers: tuple[str, ...], prefix: str) -> list[Any]:
     """`--mcp-url` values (with every `--mcp-header K=V`) as server specs."""
     from tools.mcp import McpServerSpec
@@ -555,8 +565,10 @@ def mcp_group() -> None:
 @click.option("--agent", "agents", multiple=True,
               help="Expose only this agent as `ask_<agent>` (repeatable) [default: every live one].")
 @click.option("--tools", "with_tools", is_flag=True, help="Also expose every live bus tool.")
+@click.option("--http", "http_addr", default="", metavar="HOST:PORT",
+              help="Serve streamable HTTP at http://HOST:PORT/mcp instead of stdio (loopback only).")
 def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
-              with_tools: bool) -> None:
+              with_tools: bool, http_addr: str) -> None:
     """Serve MCP over stdin/stdout: each agent is a tool `ask_<agent>` (prompt, session).
 
     \b
@@ -564,10 +576,14 @@ def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
       {"mcpServers": {"bus": {"command": "busctl", "args": ["mcp", "serve"]}}}
     """
     _require_mcp_sdk("busctl mcp serve")
-    from agents.mcp_server import serve_stdio
+    from agents.mcp_server import serve_http, serve_stdio
 
     try:
-        run_async(serve_stdio, hub, curve, list(agents), with_tools)
+        if http_addr:
+            host, port = _loopback_addr(http_addr)
+            run_async(serve_http, hub, curve, list(agents), with_tools, host, port)
+        else:
+            run_async(serve_stdio, hub, curve, list(agents), with_tools)
     except KeyboardInterrupt:
         pass
 

@@ -173,3 +173,28 @@ async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool)
                                      on_call_tool=handlers.call_tool)
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
+
+
+async def serve_http(hub: str, curve: Any, agents: list[str], with_tools: bool, host: str,
+                     port: int) -> None:
+    """Serve MCP over streamable HTTP at `http://host:port/mcp` until interrupted; prints a
+    JSON ready line on stdout once listening."""
+    import json
+
+    import uvicorn
+    from mcp.server.lowlevel import Server
+
+    from agents.remote import connect
+
+    async with connect(hub, name="mcp-serve", curve=curve) as bus:
+        handlers = BusMcpServer(bus, agents, with_tools)
+        server: Server[Any] = Server("agent-bus", on_list_tools=handlers.list_tools,
+                                     on_call_tool=handlers.call_tool)
+        app = server.streamable_http_app(host=host)
+        web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                            lifespan="on"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(web.serve)
+            while not web.started:  # uvicorn has no readiness callback; bounded by its startup
+                await anyio.sleep(0.02)
+            print(json.dumps({"ready": "mcp", "url": f"http://{host}:{port}/mcp"}), flush=True)

@@ -98,3 +98,30 @@ async def test_client_cancel_aborts_the_run(topology: Topology) -> None:
                     break
         assert end.stop_reason == "aborted", end
         assert anyio.current_time() - t0 < 8  # not the ~10 s the answer takes to stream
+
+
+async def test_sdk_client_over_streamable_http(topology: Topology) -> None:
+    from mcp.client.streamable_http import streamable_http_client
+
+    from tests.mcp.test_bridge import _free_port
+    from tests.support import Proc, busctl
+
+    port = _free_port()
+    server = Proc(busctl("mcp", "serve", "--hub", topology.endpoint, "--http",
+                         f"127.0.0.1:{port}"))
+    try:
+        ready = await anyio.to_thread.run_sync(server.wait_ready, 20.0)
+        async with streamable_http_client(ready["url"]) as (r, w), ClientSession(r, w) as client:
+            await client.initialize()
+            assert "ask_assistant" in {t.name for t in (await client.list_tools()).tools}
+            with anyio.fail_after(30):
+                result = await client.call_tool("ask_assistant", {"prompt": "over http"})
+            assert result.content[0].text == "echo: over http"
+    finally:
+        server.stop()
+    refused = Proc(busctl("mcp", "serve", "--hub", topology.endpoint, "--http", "0.0.0.0:1"))
+    try:
+        code = await anyio.to_thread.run_sync(refused.popen.wait, 20)
+        assert code == 2 and "loopback only" in refused.output(), refused.output()
+    finally:
+        refused.stop()
