@@ -101,6 +101,7 @@ from agents.multiagent import (
     topic_text,
 )
 from agents.persistence import ConversationRecorder, ConversationStore, JournaledRun
+from agents.replay import LoggedTools, RecordedTools, load_tool_book, replay_service
 from agents.topology import HOOK_NAMES, AgentSpec
 from bus import events as ev
 from bus import protocol as p
@@ -231,7 +232,9 @@ class Session:
             local.append(TopicPublisher(host.peer, spec.name, lambda: self.call_context))
         self.tools = AgentTools(host.executor, spec.tools, host.output_store,
                                 experiment=spec.experiment, local=local)
-        self.agent = Agent(self.llm, self.tools, host.config, on_message_end=self._on_message_end,
+        # an experiment in replay (`busctl replay`) gets its tool results from the log
+        executor = RecordedTools(self.tools, host.tool_books, spec.name, lambda: self.experiment)
+        self.agent = Agent(self.llm, executor, host.config, on_message_end=self._on_message_end,
                            messages=messages, output_store=host.output_store)
         self.agent.subscribe(self._on_event)
         self.experiment = spec.experiment
@@ -434,6 +437,8 @@ class HostedAgent:
         self.slots = anyio.Semaphore(spec.max_concurrent_runs)
         self.queued = 0  # runs waiting for a slot
         self.publish_failures = 0
+        #: experiment -> logged tool results (`agents.replay`); shared by the coordinator's agents
+        self.tool_books: dict[str, LoggedTools] = {}
 
     @property
     def service(self) -> str:
@@ -774,6 +779,18 @@ class Coordinator:
                                               store, runs, settings.name)
                        for spec in settings.agents}
         self.topics = TopicRouter(peer, [(h, h.spec.subscribe) for h in self.agents.values()])
+        self.tool_books: dict[str, LoggedTools] = {}
+        for hosted in self.agents.values():
+            hosted.tool_books = self.tool_books
+
+    async def handle_replay(self, req: IncomingRequest) -> bytes:
+        """`replay@<coordinator>`: a `ToolBook` for an experiment about to be replayed."""
+        try:
+            count = load_tool_book(self.tool_books, req.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise RemoteError(f"malformed `{replay_service(self.settings.name)}` request: "
+                              f"{exc}", p.BAD_REQUEST) from None
+        return cmd.encode(cmd.CommandOk(detail=f"{count} logged tool results"))
 
     async def register(self) -> None:
         """Serve `agent.<name>` (new sessions: the hub spreads them over the coordinators by
@@ -792,6 +809,7 @@ class Coordinator:
                     "description": first_line(spec.system_prompt)}
             for service in (hosted.service, hosted.affine_service):
                 await self.peer.serve(service, hosted.handle, capacity=capacity, meta=meta)
+        await self.peer.serve(replay_service(self.settings.name), self.handle_replay, capacity=4)
         await self.peer.status()  # same connection, in order: the registrations are in place
 
     def resume_runs(self, store: ConversationStore) -> int:

@@ -35,6 +35,7 @@ import anyio.from_thread
 import msgspec
 
 from agents import commands as cmd
+from agents import replay
 from agents.multiagent import publish_topic
 from tools import Tool, tool
 from tools.worker import ToolWorker, WorkerSettings
@@ -154,9 +155,12 @@ class Run:
 class AgentBus:
     """A peer with agent verbs. Use `connect()`."""
 
-    def __init__(self, peer: Peer, resume_wait: float = RESUME_WAIT) -> None:
+    def __init__(self, peer: Peer, resume_wait: float = RESUME_WAIT,
+                 replay_from: str = "") -> None:
         self.peer = peer
         self.resume_wait = resume_wait  # see the module doc (durable runs); 0: fail at once
+        self.replay_from = replay_from  # see `connect`
+        self._replaying: set[str] = set()  # experiments put in replay of `replay_from`
 
     async def _service(self, agent: str, session: str = "") -> str:
         """The service to send a command about `session` (or a new one) to."""
@@ -238,7 +242,19 @@ class AgentBus:
         return await self._start(agent, cmd.Continue(experiment=experiment, session=session),
                                  session)
 
+    async def _replay(self, experiment: str) -> None:
+        """With `replay_from`: put `experiment` in replay of it (once)."""
+        if not self.replay_from or experiment in self._replaying:
+            return
+        if not experiment:
+            raise ValueError(f"this client replays experiment `{self.replay_from}`: give each "
+                             f"prompt an `experiment=` (the new experiment's id)")
+        await replay.prepare(self.peer, self.replay_from, experiment)
+        self._replaying.add(experiment)
+
     async def _start(self, agent: str, command: cmd.Command, session: str = "") -> Run:
+        if isinstance(command, (cmd.Prompt, cmd.Continue)):
+            await self._replay(command.experiment)
         stack = AsyncExitStack()
         try:
             # fails at once for an agent nobody serves: else the prompt would wait
@@ -409,12 +425,14 @@ def _merge_agent(agents: dict[str, Any], state: dict[str, Any]) -> None:
 
 @asynccontextmanager
 async def connect(hub: str | None = None, *, name: str = "agents-client",
-                  curve: CurveClient | None = None,
-                  resume_wait: float = RESUME_WAIT) -> AsyncIterator[AgentBus]:
+                  curve: CurveClient | None = None, resume_wait: float = RESUME_WAIT,
+                  replay_from: str = "") -> AsyncIterator[AgentBus]:
     """`resume_wait`: seconds a run's follower waits for the run to resume after its
-    coordinator died (0: fail with PeerLost at once)."""
+    coordinator died (0: fail with PeerLost at once). `replay_from="E"`: every prompt's
+    experiment (required) is answered from E's log, model replies and tool results
+    (`agents.replay`): run a script against a recorded experiment without calling a model."""
     async with connect_peer(hub, name=name, role="client", curve=curve) as peer:
-        yield AgentBus(peer, resume_wait)
+        yield AgentBus(peer, resume_wait, replay_from)
 
 
 class BlockingBus:

@@ -12,8 +12,11 @@ recorded reply of the same key, in order, and never calls the model (no match: a
 so the run diverges visibly). E's top-level runs (no parent; `ask_<agent>` runs are made again by
 their callers) are prompted again, one after another, in fresh sessions, with the same text.
 A fork (`live_from` N) replays each run's first N model calls and sends the later ones to the
-live model (`model`: another alias). Tools run live (their results are compared, so a tool that answers differently is a
-divergence). Then E and E2 are compared event by event (`compare`): the same events except ids,
+live model (`model`: another alias). Tool results come from the log too (`ToolBook`, sent to
+every coordinator's `replay@<coordinator>` service; `RecordedTools` serves them by agent, tool
+and arguments, in order), except `ask_<agent>` (the callee run is replayed itself), `publish` and
+`tool_output`; with `live_tools` every tool runs again and a tool that answers differently is a
+divergence. Then E and E2 are compared event by event (`compare`): the same events except ids,
 seq, timestamps, durations and streamed deltas, or the first divergence.
 """
 
@@ -22,17 +25,31 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from agents.remote import AgentBus
+from agents.loop import ToolExecutor, UpdateSink
 from bus import events as ev
 from bus.client import Peer
-from bus.messages import AssistantMessage, Message, TextPart, Usage
+from bus.messages import (
+    AssistantMessage,
+    Message,
+    TextPart,
+    ToolCallRequest,
+    ToolInfo,
+    ToolResult,
+    ToolResultMessage,
+    Usage,
+    error_result,
+)
 from bus.watch import replay as logged
+
+if TYPE_CHECKING:  # agents.remote imports this module (`connect(replay_from=...)`)
+    from agents.remote import AgentBus
 
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.
@@ -59,6 +76,100 @@ class ReplayLoad(msgspec.Struct):
 class ReplayLoaded(msgspec.Struct):
     experiment: str
     replies: int
+
+
+class ToolEntry(msgspec.Struct, array_like=True):
+    key: str
+    result: ToolResultMessage
+
+
+class ToolBook(msgspec.Struct):
+    """Body of a `replay@<coordinator>` request: serve experiment `experiment`'s tool calls
+    with these recorded results (of experiment `source`)."""
+
+    experiment: str
+    source: str
+    entries: list[ToolEntry]
+    tools: list[str] = msgspec.field(default_factory=list)  # their names
+
+
+class LoggedTools:
+    """One experiment's logged tool results by call key, in order, and the tools' names (they
+    are offered to the model even when no worker serves them any more)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.results: dict[str, deque[ToolResultMessage]] = {}
+        self.names = list(names)
+
+
+#: Tools that always run: asking an agent replays the callee's run itself; the others are local.
+LIVE_TOOLS = frozenset({"publish", "tool_output"})
+TOOL_BOOKS_KEPT = 16
+
+
+def replay_service(coordinator: str) -> str:
+    return f"replay@{coordinator}"
+
+
+def always_live(tool: str) -> bool:
+    return tool.startswith("ask_") or tool in LIVE_TOOLS
+
+
+def tool_key(agent: str, tool: str, arguments: str) -> str:
+    """A tool call as matched on replay: agent, tool and its arguments (canonical JSON)."""
+    try:
+        args = json.dumps(json.loads(arguments or "{}"), sort_keys=True, separators=(",", ":"))
+    except json.JSONDecodeError:
+        args = arguments
+    return hashlib.sha256(json.dumps([agent, tool, args]).encode()).hexdigest()[:32]
+
+
+class RecordedTools:
+    """A `ToolExecutor` that answers the calls of an experiment in replay with their logged
+    results (`books`: experiment -> key -> results in order) and passes everything else on."""
+
+    def __init__(self, inner: ToolExecutor, books: dict[str, LoggedTools], agent: str,
+                 experiment: Callable[[], str]) -> None:
+        self.inner = inner
+        self.books = books
+        self.agent = agent
+        self.experiment = experiment
+
+    async def catalog(self) -> list[ToolInfo]:
+        tools = await self.inner.catalog()
+        book = self.books.get(self.experiment())
+        if book is None:
+            return tools
+        live = {t.name for t in tools}
+        return tools + [ToolInfo(name=n, description="(results from the log)")
+                        for n in book.names if n not in live]
+
+    async def execute(self, request: ToolCallRequest,
+                      on_update: UpdateSink | None = None) -> ToolResult:
+        experiment = request.experiment or self.experiment()
+        book = self.books.get(experiment)
+        if book is None or always_live(request.name):
+            return await self.inner.execute(request, on_update)
+        results = book.results.get(tool_key(self.agent, request.name, request.arguments))
+        if not results:
+            return error_result(f"Error: replay of experiment `{experiment}`: no logged result "
+                                f"left for this call of `{request.name}`; the run diverged "
+                                f"from the log")
+        logged_result = results.popleft()
+        return ToolResult(content=list(logged_result.content), is_error=logged_result.is_error,
+                          details=logged_result.details)
+
+
+def load_tool_book(books: dict[str, LoggedTools], body: bytes) -> int:
+    """Store a `ToolBook` request body in `books` (the oldest goes beyond TOOL_BOOKS_KEPT);
+    returns the number of results. Raises msgspec errors for a malformed body."""
+    book = msgspec.msgpack.decode(body, type=ToolBook)
+    served = books[book.experiment] = LoggedTools(book.tools)
+    for entry in book.entries:
+        served.results.setdefault(entry.key, deque()).append(entry.result)
+    while len(books) > TOOL_BOOKS_KEPT:
+        del books[next(iter(books))]
+    return len(book.entries)
 
 
 def request_key(agent: str, messages: Sequence[Message]) -> str:
@@ -157,6 +268,20 @@ def _normal(value: Any) -> Any:
     return value
 
 
+def tool_book(runs: Sequence[RecordedRun]) -> list[ToolEntry]:
+    """Every logged tool result of `runs` but the always-live tools', keyed by its call."""
+    entries: list[ToolEntry] = []
+    for run in runs:
+        calls = {c.id: c for m in run.replies for c in m.tool_calls}
+        for message in run.messages:
+            call = calls.get(getattr(message, "tool_call_id", ""))
+            if isinstance(message, ToolResultMessage) and call is not None and \
+                    not always_live(call.name):
+                entries.append(ToolEntry(tool_key(run.agent, call.name, call.arguments),
+                                         message))
+    return entries
+
+
 def book(runs: Sequence[RecordedRun]) -> list[ReplayEntry]:
     """Every model reply of `runs`, keyed by the request it answered."""
     entries: list[ReplayEntry] = []
@@ -184,22 +309,39 @@ class Divergence:
                 f"{self.event + 1} ({self.type}): {self.detail}")
 
 
+async def prepare(peer: Peer, source: str, target: str, *, live_from: int = 0,
+                  model: str = "", live_tools: bool = False) -> list[RecordedRun]:
+    """Put experiment `target` in replay of `source`: its model replies to the gateway and,
+    unless `live_tools`, its tool results to every coordinator. Returns `source`'s runs."""
+    runs = await load_experiment(peer, source)
+    if not runs:
+        raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
+                         f"with `busctl export --experiment {source}`)")
+    load = ReplayLoad(experiment=target, source=source, entries=book(runs),
+                      live_after=live_from, model=model)
+    await peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
+    if live_tools:
+        return runs
+    entries = tool_book(runs)
+    names = sorted({e.result.tool_name for e in entries})
+    tools = msgspec.msgpack.encode(ToolBook(target, source, entries, names))
+    status = await peer.status()
+    for service in sorted({s.name for s in status.services if s.name.startswith("replay@")}):
+        await peer.request(service, tools, timeout=10)
+    return runs
+
+
 async def replay_experiment(bus: AgentBus, source: str, target: str, *, live_from: int = 0,
-                            model: str = "") -> Divergence | None:
+                            model: str = "", live_tools: bool = False) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
     A fork: `live_from` = N > 0 replays each run's first N model calls (its first N turns) and
     sends the later ones to the live model (`model`, an alias of the gateway, if given)."""
-    runs = await load_experiment(bus.peer, source)
-    if not runs:
-        raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
-                         f"with `busctl export --experiment {source}`)")
     if await load_experiment(bus.peer, target):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
-    load = ReplayLoad(experiment=target, source=source, entries=book(runs),
-                      live_after=live_from, model=model)
-    await bus.peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
+    runs = await prepare(bus.peer, source, target, live_from=live_from, model=model,
+                         live_tools=live_tools)
     for run in runs:
         if run.parent:
             continue  # made again by the caller's ask_<agent> call
@@ -336,15 +478,25 @@ def diff_text(result: dict[str, Any], a: str, b: str) -> str:
 __all__ = [
     "REPLAY_SERVICE",
     "Divergence",
+    "LoggedTools",
     "RecordedRun",
+    "RecordedTools",
     "ReplayEntry",
     "ReplayLoad",
     "ReplayLoaded",
+    "ToolBook",
+    "ToolEntry",
+    "always_live",
     "book",
     "compare",
     "diff",
     "diff_text",
     "load_experiment",
+    "load_tool_book",
+    "prepare",
     "replay_experiment",
+    "replay_service",
     "request_key",
+    "tool_book",
+    "tool_key",
 ]

@@ -1,7 +1,8 @@
 """Issue 18, replay and compare (acceptance 2): a 5-run, 2-agent experiment (the lead asks the
 helper through `ask_helper`) is replayed with `busctl replay`: no request reaches the model
-server, the report says identical and `busctl diff` finds no difference; an experiment run
-with another script differs, and `busctl diff` names how."""
+server, no tool runs (the tool worker is stopped: results come from the log), the report says
+identical and `busctl diff` finds no difference; with `--live-tools` the missing worker makes it
+diverge; an experiment run with another script differs, and `busctl diff` names how."""
 
 from __future__ import annotations
 
@@ -77,10 +78,14 @@ async def test_replay_serves_the_log_and_is_identical(stack: Stack) -> None:
     await run_experiment(stack, "exp", "Lead says:")
     asked = len(stack.srv.requests)
     assert asked == 20  # 5 runs x (2 lead + 2 helper) model calls
+    stack.stop("worker")  # the tools cannot run again: their results must come from the log
 
     out = await anyio.to_thread.run_sync(cli, stack, "replay", "--experiment", "exp",
                                          "--as", "exp2")
-    assert out.returncode == 0, out.stdout + out.stderr
+    if out.returncode != 0:
+        log = await anyio.to_thread.run_sync(cli, stack, "export", "--experiment", "exp2")
+        ends = [line for line in log.stdout.splitlines() if "tool_execution_end" in line]
+        pytest.fail(out.stderr + "\n".join(ends)[-3000:])
     assert "exp replayed as exp2: identical" in out.stdout
     assert len(stack.srv.requests) == asked  # every reply came from the log
 
@@ -97,6 +102,13 @@ async def test_replay_serves_the_log_and_is_identical(stack: Stack) -> None:
                                            "--as", "exp2")
     assert again.returncode == 2 and "already has runs" in again.stderr, again.stderr
 
+    live = await anyio.to_thread.run_sync(cli, stack, "replay", "--experiment", "exp",
+                                          "--as", "exp3", "--live-tools")
+    assert live.returncode == 1, live.stdout + live.stderr
+    assert "diverged at run 1 (agent `lead`)" in live.stderr, live.stderr
+    assert "(tool_execution_end): $.is_error: null != true" in live.stderr, live.stderr
+    assert len(stack.srv.requests) == asked  # the divergent replies are replay errors, not calls
+
 
 async def test_diff_names_what_differs(stack: Stack) -> None:
     await run_experiment(stack, "first", "Lead says:")
@@ -109,3 +121,14 @@ async def test_diff_names_what_differs(stack: Stack) -> None:
     assert out.stdout.rstrip().endswith("different")
     missing = await anyio.to_thread.run_sync(cli, stack, "diff", "first", "nope")
     assert missing.returncode == 2 and "`nope` has no runs" in missing.stderr
+
+
+async def test_a_script_runs_against_a_recorded_experiment(stack: Stack) -> None:
+    await run_experiment(stack, "recorded", "Lead says:")
+    asked = len(stack.srv.requests)
+    async with connect(stack.endpoint, name="test-replay-lib", replay_from="recorded") as bus:
+        with pytest.raises(ValueError, match="give each prompt an `experiment=`"):
+            await bus.run("lead", "question 1")
+        result = await bus.run("lead", "question 1", experiment="scripted")
+    assert result.final_text == "Lead says: - Helper echoed: - help with question 1"
+    assert len(stack.srv.requests) == asked  # answered from the log
