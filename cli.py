@@ -1115,13 +1115,17 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
               help="Fork: replay each run's first TURN turns, then call the live model.")
 @click.option("--model", default="", metavar="ALIAS",
               help="With --live-from: the model alias (of the gateway) for the live turns.")
+@click.option("--live-tools", is_flag=True,
+              help="Run the tools again [default: their results come from the log].")
 def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
-           live_from: int | None, model: str) -> None:
+           live_from: int | None, model: str, live_tools: bool) -> None:
     """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
-    log (no model is called); report "identical" or the first divergence (exit 1).
+    log (no model is called) and each tool result too (unless --live-tools; `ask_<agent>`
+    calls always run: the callee's run is replayed); report "identical" or the first
+    divergence (exit 1).
 
     \b
-    Tools run live. Compare the two afterwards with `busctl diff EXPERIMENT E2`.
+    Compare the two afterwards with `busctl diff EXPERIMENT E2`.
     Examples:
       busctl replay --experiment debate-3 --as debate-3-again
       busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
@@ -1139,7 +1143,7 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
             return await replay_experiment(bus, experiment, target, live_from=live_from or 0,
-                                           model=model)
+                                           model=model, live_tools=live_tools)
 
     try:
         divergence = run_async(go)
