@@ -8,9 +8,10 @@ measurement is repeated until the slow watcher has fallen past the hub's PUB hig
 (a burst of 20,000 events when they connect puts both past it at once).
 
 Baseline: 4,000 requests before the watchers connect and 4,000 after they are gone, pooled.
-Holds: p99 with the slow watchers <= max(1.2 x baseline p99, baseline p99 + 1 ms) -- the 1 ms
-absolute floor absorbs scheduling noise on a small (2-core) CI machine where five processes share
-the CPUs; the hub's VmRSS growth is bounded by its per-subscriber queue (PUB SNDHWM, 100,000
+Holds: p99 with the slow watchers <= max(1.5 x baseline p99, baseline p99 + 3 ms) in the
+normal run, where five processes share a small (2-core) machine that may be busy with more (a
+stalled hub would take seconds, far past it); the tight bound, max(1.2 x, + 1 ms), with
+`-m slow` / AGENT_BUS_SLOW=1 on a quiet machine; the hub's VmRSS growth is bounded by its per-subscriber queue (PUB SNDHWM, 100,000
 messages); the slow watcher gets a `Gap` event and, replaying with `since=`, receives every
 missed event (contiguous seqs, none missing).
 
@@ -145,11 +146,16 @@ if __name__ != "__main__":
               f"({len(with_slow)} requests); hub VmRSS {rss_before} -> {rss_after} kB; "
               f"hub seq {status.seq}; "
               f"slow watcher: {report}")
-        assert p99_slow <= max(p99_base * 1.2, p99_base + 0.001)
+        ratio, floor = (1.2, 0.001) if _slow_selected() else (1.5, 0.003)
+        assert p99_slow <= max(p99_base * ratio, p99_base + floor), (p99_base, p99_slow)
         # two subscribers at the PUB high-water mark: bounded by their queues
         assert rss_after - rss_before < 50_000  # kB
         assert report["ok"], report
         assert report["replayed"] == report["last"] - report["first"] + 1 > 0
+
+
+def _slow_selected() -> bool:
+    return os.environ.get("AGENT_BUS_SLOW") == "1"
 
 
 # --- helper processes ------------------------------------------------------------------------
