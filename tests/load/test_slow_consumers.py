@@ -11,8 +11,8 @@ Baseline: 4,000 requests before the watchers connect and 4,000 after they are go
 Holds: p99 with the slow watchers <= max(1.5 x baseline p99, baseline p99 + 3 ms) in the
 normal run, where five processes share a small (2-core) machine that may be busy with more (a
 stalled hub would take seconds, far past it); the tight bound, max(1.2 x, + 1 ms), with
-`-m slow` / AGENT_BUS_SLOW=1 on a quiet machine; the hub's VmRSS growth is bounded by its per-subscriber queue (PUB SNDHWM, 100,000
-messages); the slow watcher gets a `Gap` event and, replaying with `since=`, receives every
+AGENT_BUS_SLOW=1 on a quiet machine; the hub's VmRSS growth is bounded by its per-subscriber
+queue (PUB SNDHWM, `subscriber_bytes // publish_inline_bytes` messages); the slow watcher gets a `Gap` event and, replaying with `since=`, receives every
 missed event (contiguous seqs, none missing).
 
 Run as a script it is one of the helper processes: `publish ENDPOINT RATE` or
