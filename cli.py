@@ -601,7 +601,7 @@ def _state_dir(given: str | None, part: str) -> Path:
         return ensure_state_dir(default_state_dir()) / part
     except OSError as exc:
         raise click.BadParameter(f"cannot use {given or default_state_dir()!s} as the state "
-                                 f"directory: {exc.strerror or exc}", param_hint="--state-dir")
+                                 f"directory: {exc.strerror or exc}", param_hint="--state-dir") from None
 
 
 def _load_topology_or_exit(path: str | None) -> Any:
@@ -728,7 +728,8 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up --model-file ./qwen2.5-0.5b-instruct-q4_k_m.gguf   # a local model, no server
     Ctrl-C stops everything in order.
     """
-    from agents.launch import UpOptions, up as run_up
+    from agents.launch import UpOptions
+    from agents.launch import up as run_up
     from bus.procsec import make_undumpable
 
     make_undumpable()  # the keys are in this process's environment: no same-user process reads it
@@ -930,7 +931,7 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
     widths = [max(len(key), *(len(c[i]) for c in cells)) for i, key in enumerate(columns)]
     header = [key.replace("_", " ").upper() for key in columns]
     for line in [header, *cells]:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+        click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
 
 
 def _cell(key: str, value: Any) -> str:

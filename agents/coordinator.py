@@ -73,10 +73,9 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable, Sequence
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import anyio

@@ -45,13 +45,13 @@ import anyio
 import httpx
 import msgspec
 
-from bus.errors import ConfigError
 from agents.context import CONTEXT_EXCEEDED
 from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
 from agents.providers.base import DeltaCallback
 from agents.providers.discovery import discover
 from agents.providers.llamacpp import DEFAULT_N_CTX
 from agents.providers.prices import ConfiguredPrices, Pricing, price_model
+from bus.errors import ConfigError
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
 
@@ -456,7 +456,8 @@ class LlmEngine:
             changes.update(model=found.models[0], model_from="server /v1/models (the only model listed)")
         runtime.listed = found.models
         if not config.context_window and found.context_window:
-            changes.update(context_window=found.context_window[0], context_window_from=found.context_window[1])
+            window, source = found.context_window
+            changes.update(context_window=window, context_window_from=source)
         elif not config.context_window and (found.reachable or not config.base_url):
             changes.update(context_window=DEFAULT_CONTEXT_WINDOWS[config.provider],
                            context_window_from="default (the server does not report it)")

@@ -37,14 +37,14 @@ import msgspec
 from agents import commands as cmd
 from agents import replay
 from agents.multiagent import publish_topic
-from tools import Tool, tool
-from tools.worker import ToolWorker, WorkerSettings
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
 from bus.errors import BusError, NoService, PeerLost, RemoteError
 from bus.protocol import Status
 from bus.security import CurveClient
+from tools import Tool, tool
+from tools.worker import ToolWorker, WorkerSettings
 
 NO_RUN, AMBIGUOUS = "no_run", "ambiguous"  # the coordinator's error codes (agents.coordinator)
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
@@ -114,7 +114,7 @@ class Run:
         if self._final is None:
             body = b""
             try:
-                async for body in self._replies:
+                async for body in self._replies:  # noqa: B007 - the final reply is the last one
                     pass
             except PeerLost as exc:
                 if not self.run_id or self.bus.resume_wait <= 0:

@@ -38,7 +38,7 @@ def _raw_publisher(endpoint: str, n: int) -> None:
         if os.path.exists(endpoint.replace("tcp://127.0.0.1:", "/tmp/rawpub.")):
             break
     header, body = b"h" * 60, b"b" * 80
-    for i in range(n):
+    for _ in range(n):
         pub.send_multipart([b"agent/a/r/message_update", b"AGB/1", header, body])
     pub.send_multipart([b"end", b"", b"", b""])
     time.sleep(1)
@@ -84,7 +84,7 @@ def raw_pubsub(n: int) -> float:
 # --- through the hub ---------------------------------------------------------------------------
 
 
-def _serving_peer(endpoint: str, capacity: int, ready: "mp.Queue[int]") -> None:
+def _serving_peer(endpoint: str, capacity: int, ready: mp.Queue[int]) -> None:
     import anyio
 
     from bus.client import connect
@@ -102,7 +102,7 @@ def _serving_peer(endpoint: str, capacity: int, ready: "mp.Queue[int]") -> None:
     anyio.run(main)
 
 
-def _publisher(endpoint: str, n: int, start: "mp.Event") -> None:
+def _publisher(endpoint: str, n: int, start: mp.Event) -> None:
     import anyio
 
     from bus.client import connect
@@ -250,7 +250,7 @@ class _Cursor(msgspec.Struct):  # the part of a ReplayBatch the replayer reads
     head: int
 
 
-def _replayer(endpoint: str, report: "mp.Queue[tuple[int, float]]") -> None:
+def _replayer(endpoint: str, report: mp.Queue[tuple[int, float]]) -> None:
     """Replay the whole log from 0 again and again; report each full pass (events, seconds)."""
     import anyio
 

@@ -257,7 +257,7 @@ async def topology_run(endpoint: str, agent: str) -> tuple[float, cmd.RunResult]
         started = time.perf_counter()
         async with peer.stream(cmd.agent_service(agent), body, timeout=600) as replies:
             last = b""
-            async for last in replies:
+            async for last in replies:  # noqa: B007 - the final reply is the last one
                 pass
         elapsed = time.perf_counter() - started
     return elapsed, msgspec.msgpack.decode(last, type=cmd.RunResult)

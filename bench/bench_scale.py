@@ -46,8 +46,8 @@ sys.path.insert(0, str(ROOT))
 
 from agents import commands as cmd  # noqa: E402
 from agents.loop import LoopConfig, run_loop  # noqa: E402
-from bench.baseline import pct  # noqa: E402
 from bench import bench_loop  # noqa: E402
+from bench.baseline import pct  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
 from bus.client import connect  # noqa: E402
 from bus.errors import AgentBusError  # noqa: E402
@@ -182,7 +182,7 @@ async def prompt_all(endpoint: str, n: int) -> tuple[float, float, list[cmd.RunR
             last = b""
             try:
                 async with peer.stream(cmd.agent_service("bench"), body, timeout=600) as replies:
-                    async for last in replies:
+                    async for last in replies:  # noqa: B007 - the final reply is the last one
                         pass
                 results.append(msgspec.msgpack.decode(last, type=cmd.RunResult))
             except (AgentBusError, msgspec.DecodeError) as exc:  # counted: the loss check

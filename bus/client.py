@@ -59,11 +59,17 @@ from zmq.backend import Socket as _BackendSocket
 
 from bus import events as ev
 from bus import protocol as p
-from bus.errors import (DeadlineExceeded, HubLost, HubUnreachable, Overloaded, ProtocolError,
-                        RequestError, error_for)
+from bus.errors import (
+    DeadlineExceeded,
+    HubLost,
+    HubUnreachable,
+    Overloaded,
+    ProtocolError,
+    RequestError,
+    error_for,
+)
 from bus.security import CurveClient
-from bus.transport import (FastTransport, PortableTransport, Transport, recv_frames,
-                           transport_kind)
+from bus.transport import FastTransport, PortableTransport, Transport, recv_frames, transport_kind
 
 log = logging.getLogger("bus.client")
 

@@ -14,11 +14,10 @@ import logging
 import math
 import os
 import signal
-import sys
 import time
-from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 import zmq
@@ -29,10 +28,8 @@ from bus import protocol as p
 from bus.errors import ConfigError
 from bus.eventlog import Row
 from bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
-from bus.registry import (Counters, Limits, PeerState, Registry, error_frames,
-                          no_service_text)
-from bus.security import (CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id,
-                          private_ipc)
+from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
+from bus.security import CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id, private_ipc
 
 log = logging.getLogger("bus.hub")
 

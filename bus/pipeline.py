@@ -15,8 +15,9 @@ import math
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
@@ -261,7 +262,7 @@ class EventPipeline:
         sig = p.SIGNATURE
         inline = self.inline_bytes
         dropped = stubs = 0
-        for topic, row in zip(topics, rows):
+        for topic, row in zip(topics, rows, strict=True):
             body = row[7]
             if len(body) > inline:  # a stub: subscribers read the body from the log
                 body = b""

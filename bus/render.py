@@ -90,7 +90,8 @@ def _message_summary(message: Any) -> str:
         text = _clip(message.error or message.text)
         return f"assistant [{message.stop_reason}] {text}" + (f" → calls {calls}" if calls else "")
     if isinstance(message, ToolResultMessage):
-        return f"tool_result {message.tool_name}{' (error)' if message.is_error else ''}: {_clip(message.text)}"
+        error = " (error)" if message.is_error else ""
+        return f"tool_result {message.tool_name}{error}: {_clip(message.text)}"
     return f"{getattr(message, 'role', type(message).__name__)}"
 
 

@@ -74,7 +74,7 @@ class CurveServer(msgspec.Struct, forbid_unknown_fields=True):
         sock.zap_domain = ZAP_DOMAIN.encode()
         sock.curve_server = True
 
-    def start_authenticator(self, ctx: zmq.Context[Any]) -> "KeyDirAuthenticator":
+    def start_authenticator(self, ctx: zmq.Context[Any]) -> KeyDirAuthenticator:
         """Start the ZAP handler for `ctx`; must run before any CURVE socket binds."""
         if not Path(self.authorized_dir).is_dir():
             raise ValueError(f"authorised keys directory {self.authorized_dir} does not exist "

@@ -11,7 +11,16 @@ import pytest
 from agents.agent import Agent, AgentError
 from agents.loop import LoopConfig, LoopResult
 from bus.events import Event, event_type
-from bus.messages import AssistantDelta, AssistantMessage, LlmRequest, Message, TextPart, ToolResultMessage, UserMessage, user_text
+from bus.messages import (
+    AssistantDelta,
+    AssistantMessage,
+    LlmRequest,
+    Message,
+    TextPart,
+    ToolResultMessage,
+    UserMessage,
+    user_text,
+)
 from tests.agents.conftest import FakeTools, Recorder, ScriptedLlm, call, reply
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-
 FIXTURES = Path(__file__).parent / "fixtures"
 FAULT_TOOLS = str(FIXTURES / "fault_tools.py")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.fault.conftest import FAULT_TOOLS
 from tests.support import busctl
 
 

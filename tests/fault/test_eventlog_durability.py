@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from bus.client import connect
-from tests.support import Proc, busctl, py, wait_for, ROOT
+from tests.support import ROOT, Proc, busctl, py, wait_for
 
 PUBLISHER = str(ROOT / "tests" / "fault" / "publisher_proc.py")
 

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

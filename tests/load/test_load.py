@@ -112,7 +112,7 @@ async def run_load(tmp: Path, n_agents: int, turns: int, n_workers: int, budget:
                 body = cmd.encode(cmd.Prompt(text=f"go {name}", new_session=True))
                 last = b""
                 async with peer.stream(cmd.agent_service(name), body, timeout=budget) as replies:
-                    async for last in replies:
+                    async for last in replies:  # noqa: B007 - the final reply is the last one
                         pass
                 results[name] = msgspec.msgpack.decode(last, type=cmd.RunResult)
 

@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio

@@ -139,6 +139,6 @@ async def test_a_call_refused_by_a_leaving_worker_is_sent_again(hub: dict) -> No
 
         await leaving.serve("tool.add", refuse, capacity=100, meta=msgspec.to_builtins(add.info))
         await leaving.status()  # registered first: the hub picks it first
-        async with workers(hub["endpoint"]) as [w], executor(hub["endpoint"]) as tools:
+        async with workers(hub["endpoint"]) as [_], executor(hub["endpoint"]) as tools:
             result = await tools.execute(call("add", a=20, b=22))
             assert (result.text, len(refused)) == ("42", 1)

@@ -5,7 +5,7 @@ import json
 import textwrap
 import threading
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import anyio
 import msgspec
@@ -45,7 +45,7 @@ class Point(msgspec.Struct):
 class Shape(msgspec.Struct):
     name: str
     corners: list[Point]
-    center: Optional[Point] = None
+    center: Point | None = None
 
 
 @tool
@@ -54,7 +54,7 @@ def draw(
     color: Color,
     mode: Literal["fill", "stroke"] = "fill",
     width: Annotated[float, msgspec.Meta(gt=0, le=10)] = 1.0,
-    label: Optional[str] = None,
+    label: str | None = None,
     tags: list[str] = [],
 ) -> str:
     """Draw a shape on the canvas.
@@ -303,7 +303,7 @@ async def test_return_values_map_to_results(value: Any, expected: ToolResult) ->
 
 async def test_task_complete_and_exceptions() -> None:
     @tool
-    def finish(message: Optional[str] = None) -> None:
+    def finish(message: str | None = None) -> None:
         raise TaskComplete(message)
 
     @tool

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 _TRAMPOLINE = ("import os, sys; r, w = os.dup(int(sys.argv[1])), os.dup(int(sys.argv[2])); "
                "os.dup2(r, 3); os.dup2(w, 4); os.set_inheritable(3, True); "
                "os.set_inheritable(4, True); os.execv(sys.argv[3], sys.argv[3:])")
