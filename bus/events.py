@@ -98,7 +98,6 @@ class CompactionComplete(_Event, tag="compaction_complete"):
     compacted: bool = False
     tokens_before: int = 0
     tokens_after: int = 0  # the history's estimated size after compaction (0: not compacted)
-    tokens_after: int = 0  # the history's estimated size after compaction (0: not compacted)
 
 
 class LlmRetry(_Event, tag="llm_retry"):

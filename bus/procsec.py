@@ -35,7 +35,7 @@ def make_undumpable() -> bool:
     if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
         log.debug("prctl(PR_SET_DUMPABLE, 0) failed: errno %d", ctypes.get_errno())
         return False
-    return libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 0
+    return bool(libc.prctl(_PR_GET_DUMPABLE, 0, 0, 0, 0) == 0)
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -221,9 +221,9 @@ class Registry:
             self._error(req, p.PEER_LOST, self._lost_text(peer, req, reason))
             self._finish(req)
         for req_id in list(peer.requested):
-            req = self.requests.get((peer.ident, req_id))
-            if req is not None:
-                self._withdraw(req)
+            made = self.requests.get((peer.ident, req_id))
+            if made is not None:
+                self._withdraw(made)
         self.emit(ev.PeerLeft(peer=peer.id, name=peer.hello.name, reason=reason))
         if failed or redispatched:
             self.emit(ev.WorkerLost(peer=peer.id, name=peer.hello.name, failed=failed,
