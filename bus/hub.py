@@ -736,14 +736,15 @@ class Hub:
 
     def _forward_replays(self) -> None:
         """Send the reader's finished replays (a bounded number per pass)."""
-        for ident, req_id, code, body in self.events.reader.answers():
-            if code:
+        for ident, req_id, code, body in self.events.reader.answers():  # zmq.Frames: no copies
+            if code.bytes:
                 self.counters.bump("replay_errors")
-                self._send_error(ident, req_id.decode(), code.decode(), body.decode())
+                self._send_error(ident.bytes, req_id.bytes.decode(), code.bytes.decode(),
+                                 body.bytes.decode())
                 continue
             self.events.replay_peak = max(self.events.replay_peak, len(body))
-            self._send([ident, p.SIGNATURE,
-                        p.encode(p.Header(kind=p.REPLY, id=req_id.decode())), body])
+            self._send([ident.bytes, p.SIGNATURE,
+                        p.encode(p.Header(kind=p.REPLY, id=req_id.bytes.decode())), body])
 
     def status(self) -> p.Status:
         peers = []

@@ -133,12 +133,12 @@ class ReplayReader:
         self.pending += 1
         return True
 
-    def answers(self) -> list[list[bytes]]:
+    def answers(self) -> list[list[zmq.Frame]]:
         """At most REPLIES_PER_PASS finished answers, without blocking."""
         out = []
         for _ in range(REPLIES_PER_PASS):
             try:
-                out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 break
         self.pending -= len(out)
@@ -160,7 +160,10 @@ class ReplayReader:
                 if not message:
                     return
                 job = decode(message)
-                sock.send_multipart([job.ident, job.req_id.encode(), *self._answer(db, job)])
+                # copy=False: the batch (up to replay_bytes and one event past it) is handed to
+                # the routing loop without a copy made while holding the GIL it needs
+                sock.send_multipart([job.ident, job.req_id.encode(), *self._answer(db, job)],
+                                    copy=False)
         finally:
             db.close()
             sock.close(0)
