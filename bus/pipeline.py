@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -34,6 +35,7 @@ DRAIN_LIMIT = 4096  # subscription messages read per pass
 LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
 REPLAY_QUEUE = 256  # replays waiting for the reader; one more is answered `overloaded`
 REPLIES_PER_PASS = 16  # finished replays forwarded per loop pass (each <= replay_bytes + 1 event)
+READER_NICE = 10  # the replay reader thread runs at this nice value (Linux), below the loop
 REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
 _TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
 _COPY_THRESHOLD = 65536
@@ -151,6 +153,10 @@ class ReplayReader:
         self.sock.close(0)
 
     def _run(self) -> None:
+        # Below the routing loop on the CPU (Linux: a thread has its own nice value): a big
+        # replay takes the cores the requests do not need.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
         sock = self._their
         decode = msgspec.msgpack.Decoder(_Job).decode
         db = connect_reader(self._uri)
