@@ -17,7 +17,7 @@ from agents.llm import LlmEngine, ModelSetupError, models_from_env
 from bus.client import connect
 from bus.messages import LlmRequest, user_text
 from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request
-from tests.support import Proc, busctl
+from tests.support import Proc, busctl, until
 
 pytestmark = pytest.mark.anyio
 
@@ -170,12 +170,11 @@ async def test_an_aborted_call_keeps_its_text_model_and_the_gateway_counts_it(
         assert reply.stop_reason == "aborted" and reply.text.startswith("word ")
         assert len(reply.text) < len("word " * 400) and reply.model == "qwen-local"
         assert llm.context_window("") == 4096
-        stats = None
-        with anyio.fail_after(10):
-            while stats is None or stats["models"]["openai"]["aborted"] < 1:
-                stats = msgspec.msgpack.decode(await peer.request("gateway.gw-env", b""))
-                await anyio.sleep(0.05)
-        assert stats["models"]["openai"]["aborted"] == 1
+        async def aborts() -> int:
+            stats = msgspec.msgpack.decode(await peer.request("gateway.gw-env", b""))
+            return int(stats["models"]["openai"]["aborted"])
+
+        assert await until(aborts, 10, "the gateway to count the abort") == 1
 
 
 def test_fake_llm_cli_serves_models_and_props(tmp_path: Path) -> None:
