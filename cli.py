@@ -259,7 +259,7 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
       busctl status --json | jq '.services[].name'
     """
 
-    from agents.remote import topology_status
+    from agents.client.remote import topology_status
 
     async def fetch() -> dict[str, Any]:
         async with connect(hub, name="busctl-status", role="cli", curve=curve) as peer:
@@ -576,7 +576,7 @@ def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
       {"mcpServers": {"bus": {"command": "busctl", "args": ["mcp", "serve"]}}}
     """
     _require_mcp_sdk("busctl mcp serve")
-    from agents.mcp_server import serve_http, serve_stdio
+    from agents.client.mcp_server import serve_http, serve_stdio
 
     try:
         if http_addr:
@@ -607,7 +607,7 @@ def _state_dir(given: str | None, part: str) -> Path:
 def _load_topology_or_exit(path: str | None) -> Any:
     """The topology from `path`, from stdin as JSON (`-`, how `busctl up` hands it to its
     children), or the embedded default."""
-    from agents.topology import TopologyError, default_topology, load_topology, parse_topology
+    from agents.launch.topology import TopologyError, default_topology, load_topology, parse_topology
 
     if path is None:
         return default_topology()
@@ -635,7 +635,7 @@ def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name
     Example:
       OPENAI_BASE_URL=http://127.0.0.1:8080/v1 busctl gateway
     """
-    from agents.gateway import GatewaySettings, run_gateway
+    from agents.gateway.process import GatewaySettings, run_gateway
 
     topology = _load_topology_or_exit(topology_file)
     settings = GatewaySettings(hub=hub, models=topology.model_configs(),
@@ -666,7 +666,7 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
     Example:
       busctl coordinator --topology team.toml --agent researcher --agent writer
     """
-    from agents.coordinator import CoordinatorError, CoordinatorSettings, run_coordinator
+    from agents.coordinator.process import CoordinatorError, CoordinatorSettings, run_coordinator
 
     topology = _load_topology_or_exit(topology_file)
     known = {a.name for a in topology.agents}
@@ -688,7 +688,7 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
 
 
 def _register_fake_llm() -> None:
-    from agents.fakellm import fake_llm_command
+    from agents.gateway.fakellm import fake_llm_command
 
     main.add_command(fake_llm_command, "fake-llm")
 
@@ -728,8 +728,8 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up --model-file ./qwen2.5-0.5b-instruct-q4_k_m.gguf   # a local model, no server
     Ctrl-C stops everything in order.
     """
-    from agents.launch import UpOptions
-    from agents.launch import up as run_up
+    from agents.launch.up import UpOptions
+    from agents.launch.up import up as run_up
     from bus.procsec import make_undumpable
 
     make_undumpable()  # the keys are in this process's environment: no same-user process reads it
@@ -738,14 +738,14 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
         raise click.UsageError("--demo and --model-file each choose the model; give one")
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
                         detach_ready_file=ready_file, model_file=model_file or "")
-    from agents.launch import resolve
-    from agents.topology import check_topology
+    from agents.launch.topology import check_topology
+    from agents.launch.up import resolve
 
     problems = check_topology(resolve(topology, options))
     if problems:
         raise click.ClickException(f"{config_file or 'embedded default'}: {problems[0]}")
     _refuse_insecure_bind(resolve(topology, options))
-    from agents.launch import preflight
+    from agents.launch.up import preflight
 
     busy = preflight(resolve(topology, options))  # before any file of another topology is touched
     if busy:
@@ -753,7 +753,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     if detach:
         _detach(topology, options)
         return
-    from bus.supervisor import ChildFailed
+    from agents.launch.supervisor import ChildFailed
 
     try:
         code = anyio.run(run_up, topology, options, sys.stdout, use_color())
@@ -781,7 +781,7 @@ def _detach(topology: Any, options: Any) -> None:
     import subprocess
     import time
 
-    from agents.launch import pid_file, resolve, state_dir
+    from agents.launch.up import pid_file, resolve, state_dir
 
     topo = resolve(topology, options)
     state = state_dir(topo)
@@ -836,7 +836,7 @@ def topology_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _state_of(config_file: str | None) -> Path:
-    from agents.launch import state_dir
+    from agents.launch.up import state_dir
 
     return state_dir(_load_topology_or_exit(config_file))
 
@@ -856,7 +856,7 @@ def down(config_file: str | None, timeout: float) -> None:
     Example:
       busctl up -d && busctl run "hi" && busctl down
     """
-    from agents.launch import stop_topology
+    from agents.launch.up import stop_topology
 
     state = _state_of(config_file)
     report, failed = stop_topology(state, timeout)
@@ -894,8 +894,8 @@ def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bo
 
 
 def _supervisor_table(state: Path) -> list[dict[str, Any]] | None:
-    from agents.launch import ControlRequest, control, running_here
-    from bus.supervisor import ChildFailed
+    from agents.launch.supervisor import ChildFailed
+    from agents.launch.up import ControlRequest, control, running_here
 
     if running_here(state) is None:
         return None
@@ -955,7 +955,7 @@ def restart(config_file: str | None, names: tuple[str, ...]) -> None:
     Example:
       busctl restart tools-1 gateway-1
     """
-    from agents.launch import ControlRequest
+    from agents.launch.up import ControlRequest
 
     for name in names:
         click.echo(_control(config_file, ControlRequest(op="restart", name=name)))
@@ -972,7 +972,7 @@ def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
       busctl scale workers=3
       busctl scale tools=2 search=0
     """
-    from agents.launch import ControlRequest
+    from agents.launch.up import ControlRequest
 
     for target in targets:
         group, _, count = target.partition("=")
@@ -983,7 +983,7 @@ def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
 
 
 def _control(config_file: str | None, request: Any) -> str:
-    from agents.launch import control
+    from agents.launch.up import control
 
     reply = run_async(control, _state_of(config_file), request)
     if not reply.ok:
@@ -1008,7 +1008,7 @@ def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[s
       busctl logs --tail 20
       busctl logs -f gateway-1 tools-1
     """
-    from bus.supervisor import LogTail
+    from agents.launch.supervisor import LogTail
 
     folder = _state_of(config_file) / "logs"
     known = sorted(path.stem for path in folder.glob("*.log"))
@@ -1041,7 +1041,7 @@ def config_check(file: str) -> None:
 @config.command("show")
 def config_show() -> None:
     """Print the embedded default topology, commented."""
-    from agents.topology import EXAMPLE
+    from agents.launch.topology import EXAMPLE
 
     click.echo(EXAMPLE, nl=False)
 
@@ -1136,7 +1136,7 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
                                "TURN too")
     import uuid
 
-    from agents.remote import connect as connect_agents
+    from agents.client.remote import connect as connect_agents
     from agents.replay import replay_experiment
 
     target = target or f"{experiment}.replay-{uuid.uuid4().hex[:6]}"
@@ -1221,7 +1221,7 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
       busctl run -c "and the tests?"              # continues the last session
       busctl run -c coordinator-1.3f0c9a "again"  # continues that session
     """
-    from agents.drive import drive_run
+    from agents.client.drive import drive_run
 
     if prompt is None and cont not in (None, LAST_SESSION):
         prompt, cont = cont, LAST_SESSION  # `-c "text"`: click took the prompt for SESSION
@@ -1250,7 +1250,7 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
     Ctrl-D quits.
     """
-    from agents.drive import chat as run_chat
+    from agents.client.drive import chat as run_chat
 
     run_async(run_chat, hub, curve, agent, use_color(), session)
 
@@ -1264,7 +1264,7 @@ def _agent_verb(verb: str) -> Callable[..., None]:
     @click.argument("text", required=verb in ("steer", "follow_up"))
     def command(hub: str, curve: CurveClient | None, run_id: str, session: str, agent: str,
                 text: str | None = None) -> None:
-        from agents.remote import connect as connect_agents
+        from agents.client.remote import connect as connect_agents
 
         async def go() -> str:
             async with connect_agents(hub, name=f"busctl-{verb}", curve=curve) as bus:

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agents.agent import Agent, AgentError
-from agents.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn
-from agents.loop import LlmClient, LoopConfig, ToolExecutor, run_loop
+from agents.loop.agent import Agent, AgentError
+from agents.loop.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn
+from agents.loop.run import LlmClient, LoopConfig, ToolExecutor, run_loop
 
 if TYPE_CHECKING:
-    from agents.remote import AgentBus, BlockingBus, Run, connect, connect_blocking
+    from agents.client.remote import AgentBus, BlockingBus, Run, connect, connect_blocking
 
-# The client API needs the transport (pyzmq); the loop must not. Importing `agents.loop` runs this
+# The client API needs the transport (pyzmq); the loop must not. Importing `agents.loop.run` runs this
 # file first, so the client names are imported on first use instead of here.
 _CLIENT_NAMES = frozenset({"AgentBus", "BlockingBus", "Run", "connect", "connect_blocking"})
 
 
 def __getattr__(name: str) -> Any:
     if name in _CLIENT_NAMES:
-        from agents import remote
+        from agents.client import remote
 
         return getattr(remote, name)
     raise AttributeError(f"module 'agents' has no attribute {name!r}")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from agents.loop import ToolExecutor, UpdateSink
+from agents.loop.run import ToolExecutor, UpdateSink
 from bus import events as ev
 from bus.client import Peer
 from bus.messages import (
@@ -48,8 +48,8 @@ from bus.messages import (
 )
 from bus.watch import replay as logged
 
-if TYPE_CHECKING:  # agents.remote imports this module (`connect(replay_from=...)`)
-    from agents.remote import AgentBus
+if TYPE_CHECKING:  # agents.client.remote imports this module (`connect(replay_from=...)`)
+    from agents.client.remote import AgentBus
 
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.

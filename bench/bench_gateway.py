@@ -22,8 +22,8 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.fakellm import FakeLLMServer  # noqa: E402
-from agents.llm import LlmEngine, ModelConfig  # noqa: E402
+from agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
+from agents.gateway.fakellm import FakeLLMServer  # noqa: E402
 from bench.baseline import pct  # noqa: E402
 from bus import events as ev  # noqa: E402
 from bus.client import connect  # noqa: E402

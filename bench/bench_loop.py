@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents import commands as cmd  # noqa: E402
-from agents.loop import LoopConfig, run_loop  # noqa: E402
+from agents.loop.run import LoopConfig, run_loop  # noqa: E402
 from bus.client import connect  # noqa: E402
 from bus.messages import (  # noqa: E402
     AssistantMessage,
@@ -193,8 +193,8 @@ class Timed:
 
 
 async def bus_loop(endpoint: str, runs: int) -> list[tuple[float, float, float]]:
-    from agents.bus_adapters import AgentTools, BusLlmClient
-    from agents.context import ToolOutputStore
+    from agents.coordinator.bus_adapters import AgentTools, BusLlmClient
+    from agents.loop.context import ToolOutputStore
     from tools.executor import BusToolExecutor
 
     out = []
@@ -270,7 +270,7 @@ def start_fake(steps: list[dict[str, Any]], tmp: Path, name: str) -> tuple[Proc,
     # The fake writes each SSE event with its own small send; without TCP_NODELAY, Nagle's
     # algorithm and the client's delayed ACK stall the stream ~40 ms per response, which would
     # swamp everything measured here. (Recommended fix upstream: `disable_nagle_algorithm`.)
-    code = ("import sys, agents.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
+    code = ("import sys, agents.gateway.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
             "sys.exit(f.main(sys.argv[1:]))")
     proc = Proc([sys.executable, "-c", code, "--script", str(script), "--port", str(port)])
     assert proc.popen.stdout is not None
@@ -310,7 +310,7 @@ def main() -> None:
             # B
             fake, base_url = start_fake(steps * runs, tmp, "fake-b")
             procs.append(fake)
-            from agents.llm import LlmEngine, ModelConfig
+            from agents.gateway.engine import LlmEngine, ModelConfig
 
             async def engine_runs() -> list[float]:
                 model = ModelConfig(alias="x", provider="openai", model="m", base_url=base_url)

@@ -4,7 +4,7 @@
 
 Each session is one run of TURNS tool turns (default 3), each turn a model reply asking for CALLS
 (default 4) parallel `work` calls that sleep TOOL_MS (default 20 ms), then the final answer.
-The scripted model (agents/fakellm.py, its own process) waits MODEL_MS (default 100 ms) before
+The scripted model (agents/gateway/fakellm.py, its own process) waits MODEL_MS (default 100 ms) before
 every reply. Processes as in bench_loop.py: hub (event log on disk), gateway, 4 tool workers,
 coordinator, all started fresh for each N, plus one client here sending N `prompt`s at once,
 each to a fresh session.
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agents import commands as cmd  # noqa: E402
-from agents.loop import LoopConfig, run_loop  # noqa: E402
+from agents.loop.run import LoopConfig, run_loop  # noqa: E402
 from bench import bench_loop  # noqa: E402
 from bench.baseline import pct  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
@@ -137,7 +137,7 @@ class Topology:
         script_file.write_text(json.dumps(script(args.turns, args.calls, args.model_ms / 1000)))
         port = free_port()
         # TCP_NODELAY: without it Nagle + delayed ACK stall each SSE stream ~40 ms (bench_loop).
-        code = ("import sys, agents.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
+        code = ("import sys, agents.gateway.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
                 "f._Server.request_queue_size = 4096; sys.exit(f.main(sys.argv[1:]))")
         fake = self.procs["fake-llm"] = Proc([sys.executable, "-c", code, "--script",
                                               str(script_file), "--port", str(port)])
@@ -362,7 +362,7 @@ def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-scale-http-") as tmpdir:
         script_file = Path(tmpdir) / "script.json"
         script_file.write_text(json.dumps(script(1, args.calls, args.model_ms / 1000)))
-        code = ("import sys, agents.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
+        code = ("import sys, agents.gateway.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
                 "f._Server.request_queue_size = 4096; sys.exit(f.main(sys.argv[1:]))")
         port = free_port()
         fake = Proc([sys.executable, "-c", code, "--script", str(script_file), "--port", str(port)])

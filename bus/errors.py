@@ -2,14 +2,14 @@
 
     AgentBusError
     ├── ConfigError          a topology, flag or setting that cannot work (names the key/flag)
-    │   ├── TopologyError      agents/topology.py
+    │   ├── TopologyError      agents/launch/topology.py
     │   ├── HubConfigError     bus/hub.py (e.g. a non-loopback bind without CURVE)
-    │   ├── ModelSetupError    agents/llm.py (no model configured, unknown alias)
-    │   └── CoordinatorError   agents/coordinator.py (an agent's hook does not import, …)
-    ├── ChildFailed          bus/supervisor.py: a child of `busctl up` did not start
+    │   ├── ModelSetupError    agents/gateway/engine.py (no model configured, unknown alias)
+    │   └── CoordinatorError   agents/coordinator/process.py (an agent's hook does not import, …)
+    ├── ChildFailed          agents/launch/supervisor.py: a child of `busctl up` did not start
     ├── ToolError            tools/_exceptions.py: a tool call failed (the model sees the message)
-    ├── AgentError           agents/agent.py: the agent loop was misused (e.g. already running)
-    ├── StreamError          agents/providers/base.py: a provider's stream broke
+    ├── AgentError           agents/loop/agent.py: the agent loop was misused (e.g. already running)
+    ├── StreamError          agents/gateway/providers/base.py: a provider's stream broke
     └── BusError             the bus itself, below:
 
     BusError

@@ -61,7 +61,7 @@ def test_watch_follows_live_events(hub: dict) -> None:
 def test_every_error_is_mapped_in_one_place_and_a_bug_names_its_traceback_log() -> None:
     import click
 
-    from agents.topology import TopologyError
+    from agents.launch.topology import TopologyError
     from bus.errors import AgentBusError, ConfigError, HubUnreachable
     from cli import HubUnreachableExit, _exit_for
     from tools import ToolError

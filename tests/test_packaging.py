@@ -45,7 +45,7 @@ def test_plain_install_into_a_fresh_venv(tmp_path: Path) -> None:
     assert help_.returncode == 0, help_.stderr
     assert {"up", "run", "watch", "worker", "hub", "status", "down"} <= _commands(help_.stdout)
     # The installed package (not this checkout) carries the demo model's script.
-    probe = "import agents.fakellm as f, agents; print(len(f.demo_script().rules), agents.__file__)"
+    probe = "import agents.gateway.fakellm as f, agents; print(len(f.demo_script().rules), agents.__file__)"
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=30,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from agents.hooks import call_hook
+from agents.loop.hooks import call_hook
 from bus.events import Event, event_type
 from bus.messages import (
     AssistantDelta,

@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.agent import Agent, AgentError
-from agents.loop import LoopConfig, LoopResult
+from agents.loop.agent import Agent, AgentError
+from agents.loop.run import LoopConfig, LoopResult
 from bus.events import Event, event_type
 from bus.messages import (
     AssistantDelta,

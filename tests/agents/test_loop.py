@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn, ToolCallContext
-from agents.loop import (
+from agents.loop.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn, ToolCallContext
+from agents.loop.run import (
     DENIED_TEXT,
     MAX_ITERATIONS_SUMMARY_PROMPT,
     TRUNCATED_CALL_TEXT,

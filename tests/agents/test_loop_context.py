@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.context import (
+from agents.loop.context import (
     CompactionConfig,
     ToolOutputCache,
     ToolOutputConfig,
@@ -18,7 +18,7 @@ from agents.context import (
     history_tokens,
     parse_compaction,
 )
-from agents.loop import LoopConfig, run_loop
+from agents.loop.run import LoopConfig, run_loop
 from bus.messages import (
     AssistantMessage,
     CompactionSummaryMessage,

@@ -7,8 +7,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.agent import Agent
-from agents.loop import REPEAT_STOP_TEXT, LoopConfig, LoopResult, run_loop
+from agents.loop.agent import Agent
+from agents.loop.run import REPEAT_STOP_TEXT, LoopConfig, LoopResult, run_loop
 from bus.messages import ToolResultMessage, user_text
 from tests.agents.conftest import FakeTools, Recorder, ScriptedLlm, call, reply
 

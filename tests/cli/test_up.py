@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from bus.paths import default_state_dir
 from tests.cli.conftest import FIXTURES, Topology, json_lines, pid_alive, start_up
 from tests.support import busctl, running, wait_for

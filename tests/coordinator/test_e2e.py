@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from agents.agent import PROMPT_BUSY, RESET_BUSY
-from agents.loop import ABORTED_TEXT
-from agents.remote import connect
+from agents.client.remote import connect
+from agents.loop.agent import PROMPT_BUSY, RESET_BUSY
+from agents.loop.run import ABORTED_TEXT
 from bus.errors import RemoteError
 from tests.coordinator.conftest import Stack, calls, collapse, role, text, types
 from tests.support import until

@@ -15,9 +15,9 @@ import anyio
 import pytest
 
 from agents import commands as cmd
-from agents.fakellm import load_script
-from agents.multiagent import CALL_CYCLE, CALL_DEPTH, call_problem, publish_topic
-from agents.remote import connect
+from agents.client.remote import connect
+from agents.coordinator.multiagent import CALL_CYCLE, CALL_DEPTH, call_problem, publish_topic
+from agents.gateway.fakellm import load_script
 from bus import events as ev
 from bus.client import Envelope, Peer
 from bus.client import connect as connect_peer

@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.fakellm import load_script
-from agents.remote import connect
+from agents.client.remote import connect
+from agents.gateway.fakellm import load_script
 from bus.errors import PeerLost, RemoteError
 from tests.coordinator.conftest import Stack, start_stack
 from tests.support import busctl, until

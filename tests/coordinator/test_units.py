@@ -7,18 +7,18 @@ from typing import Any
 
 import pytest
 
-from agents.bus_adapters import AgentTools
-from agents.context import ToolOutputStore
-from agents.coordinator import (
+from agents.coordinator.bus_adapters import AgentTools
+from agents.coordinator.persistence import ConversationStore
+from agents.coordinator.process import (
     CoordinatorError,
     CoordinatorSettings,
     build_configs,
     loop_config,
     resolve_hook,
 )
-from agents.llm import ModelConfig
-from agents.persistence import ConversationStore
-from agents.topology import AgentSpec
+from agents.gateway.engine import ModelConfig
+from agents.launch.topology import AgentSpec
+from agents.loop.context import ToolOutputStore
 from bus.messages import (
     AssistantMessage,
     TextPart,

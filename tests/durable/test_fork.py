@@ -12,8 +12,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agents.fakellm import FakeLLMServer
-from agents.remote import connect
+from agents.client.remote import connect
+from agents.gateway.fakellm import FakeLLMServer
 from tests.coordinator.conftest import Stack, start_stack
 from tests.support import busctl
 

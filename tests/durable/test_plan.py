@@ -1,4 +1,4 @@
-"""`agents.durable`: what a resumed run does with the calls of its last reply (pure functions;
+"""`agents.coordinator.durable`: what a resumed run does with the calls of its last reply (pure functions;
 the real-process acceptance tests are in test_resume.py)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from agents.durable import MAY_HAVE_RUN, final_end, plan, recover, unanswered
-from agents.persistence import JournaledCall
+from agents.coordinator.durable import MAY_HAVE_RUN, final_end, plan, recover, unanswered
+from agents.coordinator.persistence import JournaledCall
 from bus import events as ev
 from bus.messages import (
     AssistantMessage,

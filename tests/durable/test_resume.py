@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from agents.durable import MAY_HAVE_RUN
-from agents.fakellm import FakeLLMServer
+from agents.coordinator.durable import MAY_HAVE_RUN
+from agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.support import Proc, busctl
 

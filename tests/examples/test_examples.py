@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import start_up
 from tests.examples.helpers import corpus_word_count, stop_up
 from tests.support import ROOT, Proc, busctl

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 
 SCRIPT = {
     "rules": [

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from agents import connect, connect_blocking
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from bus import events as ev
 from tests.cli.conftest import start_up
 from tests.examples.helpers import stop_up

@@ -680,7 +680,7 @@ if __name__ != "__main__":
             optional={"topic": st.one_of(st.just("news"), hostile), "text": hostile,
                       "sender": hostile, "turn": hostile}).map(_pack)))
 
-# the coordinator refuses a nonsense command with one of these (agents/coordinator.py)
+# the coordinator refuses a nonsense command with one of these (agents/coordinator/process.py)
 OK_CODES = {p.BAD_REQUEST, p.HANDLER_ERROR, "agent_busy", "invalid", "call_cycle", "call_depth",
             "idle", "ambiguous", "unknown_session", "no_run", "aborted"}
 
@@ -739,7 +739,7 @@ def test_services_survive_hostile_request_and_event_bodies(tmp_path: Path) -> No
                     "model": "x"})
                 reply = msgspec.msgpack.decode(await peer.request("llm", llm, timeout=10))
                 assert "hello" in json.dumps(reply)
-                from agents.remote import connect as connect_agents
+                from agents.client.remote import connect as connect_agents
             async with connect_agents(stack.endpoint, name="checker") as bus:
                 async def idle() -> bool:  # a fuzzed run may still be ending
                     return not (await bus.state("fz")).is_running

@@ -1,4 +1,4 @@
-"""Shared fixtures for the LLM gateway tests: real HTTP against `agents.fakellm` servers."""
+"""Shared fixtures for the LLM gateway tests: real HTTP against `agents.gateway.fakellm` servers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from agents.fakellm import FakeLLMServer, ScriptLike
-from agents.llm import LlmEngine, ModelConfig
+from agents.gateway.engine import LlmEngine, ModelConfig
+from agents.gateway.fakellm import FakeLLMServer, ScriptLike
 from bus.messages import AssistantDelta, LlmRequest, RetryPolicy, ToolSpec, user_text
 
 FAKE_KEY = "sk-FAKE-7f3a9c1e-do-not-leak-0x5EC12E7"

@@ -1,4 +1,4 @@
-"""The gateway spreads concurrent model streams over a few httpx clients (agents/llm.py
+"""The gateway spreads concurrent model streams over a few httpx clients (agents/gateway/engine.py
 `_ClientPool`): one client's cost per call grows with the calls in flight on it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from agents.llm import _ClientPool
+from agents.gateway.engine import _ClientPool
 
 pytestmark = pytest.mark.anyio
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents.fakellm import FakeLLMServer, ScriptLike, demo_script, load_script
+from agents.gateway.fakellm import FakeLLMServer, ScriptLike, demo_script, load_script
 from bus.messages import AssistantMessage, LlmRequest, ToolResultMessage, tool_result_text, user_text
 from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request
 
@@ -106,7 +106,7 @@ def test_toml_and_json_script_files(tmp_path: Path) -> None:
 
 def test_cli_serves_the_demo(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agents.fakellm", "--port", "0"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "agents.gateway.fakellm", "--port", "0"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None

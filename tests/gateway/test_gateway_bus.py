@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import pytest
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from bus import events as ev
 from bus.client import connect
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, ToolSpec, user_text

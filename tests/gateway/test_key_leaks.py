@@ -25,9 +25,9 @@ import httpx
 import msgspec
 import pytest
 
-from agents.fakellm import FakeLLMServer
-from agents.llm import LlmEngine, ModelConfig
-from agents.remote import connect as connect_agents
+from agents.client.remote import connect as connect_agents
+from agents.gateway.engine import LlmEngine, ModelConfig
+from agents.gateway.fakellm import FakeLLMServer
 from bus.client import connect
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text
 from bus.redact import FRAGMENT, MARK, Redactor, clip, log_redaction

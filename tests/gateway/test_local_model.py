@@ -15,10 +15,10 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from agents.launch import LOCAL_MODEL_READY_TIMEOUT, UpOptions, child_specs, resolve
-from agents.llm import ModelConfig
-from agents.providers.llamacpp import LocalModelError, hosted_models, local_model_problems
-from agents.topology import Topology, TopologyError, check_topology, parse_topology
+from agents.gateway.engine import ModelConfig
+from agents.gateway.providers.llamacpp import LocalModelError, hosted_models, local_model_problems
+from agents.launch.topology import Topology, TopologyError, check_topology, parse_topology
+from agents.launch.up import LOCAL_MODEL_READY_TIMEOUT, UpOptions, child_specs, resolve
 from cli import main
 from tests.support import busctl
 
@@ -54,8 +54,8 @@ def test_without_llama_cpp_installed_the_problem_says_how_to_install(tmp_path: P
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     code = ("import sys; sys.modules['xllamacpp'] = None\n"  # as if the extra were missing
-            "from agents.llm import ModelConfig\n"
-            "from agents.providers.llamacpp import local_model_problems\n"
+            "from agents.gateway.engine import ModelConfig\n"
+            "from agents.gateway.providers.llamacpp import local_model_problems\n"
             f"print(local_model_problems('m', ModelConfig(provider='llamacpp', gguf={str(gguf)!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout

@@ -11,8 +11,8 @@ import anyio
 import msgspec
 import pytest
 
-from agents.fakellm import FakeLLMServer, ScriptLike
-from agents.llm import LlmEngine, ModelConfig
+from agents.gateway.engine import LlmEngine, ModelConfig
+from agents.gateway.fakellm import FakeLLMServer, ScriptLike
 from bus.messages import AssistantDelta, RetryPolicy, TextPart, ThinkingPart, ToolCall
 from tests.gateway.conftest import FAKE_KEY, TOOLS, DeltaLog, RetryLog, engine_for, request
 

@@ -9,8 +9,8 @@ import httpx
 import msgspec
 import pytest
 
-from agents.llm import ModelConfig, backoff_delay, provider_error_text, retry_after_seconds
-from agents.providers import AnthropicProvider, OpenAIProvider, flatten_schema
+from agents.gateway.engine import ModelConfig, backoff_delay, provider_error_text, retry_after_seconds
+from agents.gateway.providers import AnthropicProvider, OpenAIProvider, flatten_schema
 from bus.messages import (
     AssistantMessage,
     ImagePart,

@@ -11,9 +11,9 @@ import anyio
 import msgspec
 import pytest
 
-from agents.bus_adapters import BusLlmClient
-from agents.fakellm import FakeLLMServer, ScriptLike
-from agents.llm import LlmEngine, ModelSetupError, models_from_env
+from agents.coordinator.bus_adapters import BusLlmClient
+from agents.gateway.engine import LlmEngine, ModelSetupError, models_from_env
+from agents.gateway.fakellm import FakeLLMServer, ScriptLike
 from bus.client import connect
 from bus.messages import LlmRequest, user_text
 from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request

@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import pytest
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from bus import events as ev
 from bus.client import Envelope, connect
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text

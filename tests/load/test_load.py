@@ -30,7 +30,7 @@ import msgspec
 import pytest
 
 from agents import commands as cmd
-from agents.fakellm import load_script
+from agents.gateway.fakellm import load_script
 from bus import events as ev
 from bus import protocol as p
 from bus.client import connect

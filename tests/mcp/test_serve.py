@@ -12,7 +12,7 @@ import anyio
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from bus import events as ev
 from bus.client import connect
 from tests.cli.conftest import Topology, start_up

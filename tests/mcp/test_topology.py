@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import start_up
 from tests.support import busctl
 

@@ -77,7 +77,7 @@ def test_mcp_flag_parsing_names_the_flag() -> None:
 
 
 def test_a_topology_mcp_server_needs_a_command_or_a_url() -> None:
-    from agents.topology import TopologyError, parse_topology
+    from agents.launch.topology import TopologyError, parse_topology
 
     base = '[[agents]]\nname = "a"\n[[workers]]\nname = "m"\ntools = []\n[[workers.mcp]]\n'
     topo = parse_topology((base + 'url = "http://127.0.0.1:9/mcp"\nprefix = "x_"\n').encode(),

@@ -22,8 +22,8 @@ import anyio
 import msgspec
 import pytest
 
-from agents.fakellm import FakeLLMServer, load_script
-from agents.remote import connect as connect_agents
+from agents.client.remote import connect as connect_agents
+from agents.gateway.fakellm import FakeLLMServer, load_script
 from bus import events as ev
 from bus.client import connect
 from bus.errors import PeerLost

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.remote import connect
+from agents.client.remote import connect
 from tests.coordinator.conftest import Stack, calls, start_stack, text
 from tests.otel.receiver import Receiver, Span
 from tests.support import Proc, busctl, until

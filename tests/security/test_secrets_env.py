@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.support import busctl
 

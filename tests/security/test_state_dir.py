@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agents.fakellm import FakeLLMServer
+from agents.gateway.fakellm import FakeLLMServer
 from bus.paths import STATE_MARKER, default_state_dir, ensure_state_dir
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.support import busctl, wait_for

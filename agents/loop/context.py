@@ -1,6 +1,6 @@
 """Context management for the loop: usage tracking, the tool-output cache and compaction helpers.
 
-These are pure, in-memory pieces; the loop (`agents.loop`) decides when to use them. They exist
+These are pure, in-memory pieces; the loop (`agents.loop.run`) decides when to use them. They exist
 so a long run keeps fitting the model's context window without losing anything for good: large
 tool outputs are cut but stay retrievable by ref, and old history is folded into a summary.
 """

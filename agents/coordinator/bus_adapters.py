@@ -25,10 +25,10 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
-from agents.context import TOOL_OUTPUT_TOOL, ToolOutputStore
-from agents.gateway import LlmPartial
-from agents.loop import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
-from agents.providers.base import MessageBuilder
+from agents.gateway.process import LlmPartial
+from agents.gateway.providers.base import MessageBuilder
+from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore
+from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
 from bus.client import Peer
 from bus.errors import (
     DeadlineExceeded,
@@ -197,7 +197,7 @@ def _error(request: LlmRequest, text: str) -> AssistantMessage:
 
 
 class LocalTools(Protocol):
-    """Tools served inside the coordinator (e.g. `ask_<agent>`, `publish`; see agents.multiagent)."""
+    """Tools served inside the coordinator (e.g. `ask_<agent>`, `publish`; see `multiagent`)."""
 
     def handles(self, name: str) -> bool: ...
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from agents.providers.base import (
+from agents.gateway.providers.base import (
     MessageBuilder,
     Provider,
     ProviderRequest,

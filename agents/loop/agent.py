@@ -21,9 +21,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from agents.context import ToolOutputCache, ToolOutputStore, UsageTracker
-from agents.hooks import call_hook
-from agents.loop import (
+from agents.loop.context import ToolOutputCache, ToolOutputStore, UsageTracker
+from agents.loop.hooks import call_hook
+from agents.loop.run import (
     AbortSignal,
     LlmClient,
     LoopConfig,
@@ -271,7 +271,7 @@ class Agent:
 
     async def resume(self, run_id: str, pending: Sequence[Message], *, start_turn: int = 0,
                      max_turns: int | None = None) -> LoopResult:
-        """Go on with run `run_id` after a restart (durable runs, `agents.coordinator`): the
+        """Go on with run `run_id` after a restart (durable runs, `agents.coordinator.process`): the
         history is as persisted, `pending` (e.g. tool results recovered from the journal) is
         added first, turns are numbered on from `start_turn`. The caller checks that the history
         can continue (it does not end with a final assistant reply)."""

@@ -3,7 +3,7 @@
 A provider is two methods (see `Provider`): `build_request` (pure: request in, URL + headers +
 JSON body out) and `parse_stream` (SSE events in, `AssistantDelta`s out through a callback, the
 finished `AssistantMessage` returned). Everything about HTTP itself (retries, limits, timeouts,
-cancellation, usage accounting) lives in `agents.llm`; providers never touch the network.
+cancellation, usage accounting) lives in `agents.gateway.engine`; providers never touch the network.
 
 Stream failures are raised as `StreamError` (with `retryable`), never returned as a message: a
 partial stream must not pass for a complete one. Their text quotes the offending data uncut: the

@@ -9,13 +9,13 @@ services restricted to the spec's `tools` list, plus the built-in `tool_output` 
 (`AgentTools`). Runs of different sessions proceed concurrently, at most `max_concurrent_runs`
 of them per agent and coordinator; up to `max_queued_runs` more wait for a slot (their
 `RunStarted` comes when they start), beyond that a prompt is refused with code `agent_busy`
-naming both keys. Sessions persist in `<state_dir>` (see `agents.persistence`); an idle one is
+naming both keys. Sessions persist in `<state_dir>` (see `agents.coordinator.persistence`); an idle one is
 dropped from memory once `IDLE_SESSIONS_KEPT` more recent ones are idle, and loaded again from
 the store when continued.
 
 Routing: each coordinator serves `agent.<name>` (new sessions: the hub gives each to the least
 loaded coordinator) and `agent.<name>@<coordinator>`. A session id is `<coordinator>.<hex>`, so
-a client continuing it (`agents.remote`) sends to the affine service of the coordinator holding
+a client continuing it (`agents.client.remote`) sends to the affine service of the coordinator holding
 it. We chose affinity over a shared store: a session's in-memory actor (queues, live run) lives
 in one process, and coordinators on several machines need not share a disk. Coordinator names
 must be unique among live coordinators (`busctl up` names them `coordinator-N`).
@@ -46,7 +46,7 @@ continue with nothing to continue from), besides those above.
 Every event a session emits is published, in emit order (each publish awaited), with
 agent=<name>, run=<run_id>, experiment=<the prompt's experiment, else the spec's>, and
 parent=<the prompt's parent_run_id>; `agent_start` carries the session id.
-Multi-agent (see `agents.multiagent`): an agent listing `agents` is offered `ask_<agent>` tools
+Multi-agent (see `agents.coordinator.multiagent`): an agent listing `agents` is offered `ask_<agent>` tools
 that prompt those agents through the hub (a prompt's `call_chain` is checked here too: a cycle
 is refused with code `call_cycle`, a chain over the depth limit with `call_depth`); agents with
 topic subscriptions get `publish`, and a `TopicRouter` (started before the services register)
@@ -57,10 +57,10 @@ Each `agent.<name>` registers with meta `description` = its system prompt's firs
 Durable runs: each session journals its run in the store before publishing the matching event
 (the run at agent_start, turns, tool calls begun and their results; `Session._journal`). A
 coordinator starting under a name the journal knows resumes that name's live runs
-(`Coordinator.resume_runs`, `agents.durable`): `run_resumed` in place of the second agent_start,
+(`Coordinator.resume_runs`, `agents.coordinator.durable`): `run_resumed` in place of the second agent_start,
 completed calls not repeated, the call in flight issued again (a non-idempotent tool that may have
 run gets an error result instead), one agent_end. Nobody waits for a resumed run's RunResult: its
-requester follows its events (`agents.remote`).
+requester follows its events (`agents.client.remote`).
 
 On SIGINT/SIGTERM: abort running runs, give them up to `SHUTDOWN_GRACE` s to end, unregister,
 close (an aborted run is ended, not resumed).
@@ -83,13 +83,9 @@ import anyio.abc
 import msgspec
 
 from agents import commands as cmd
-from agents import durable
-from agents.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
-from agents.bus_adapters import AgentTools, BusLlmClient
-from agents.context import DEFAULT_CONTEXT_WINDOW
-from agents.llm import ModelConfig
-from agents.loop import ABORTED_TEXT, LoopConfig, LoopResult, ToolExecutor
-from agents.multiagent import (
+from agents.coordinator import durable
+from agents.coordinator.bus_adapters import AgentTools, BusLlmClient
+from agents.coordinator.multiagent import (
     PUBLISH_TOOL,
     AgentCalls,
     CallContext,
@@ -99,9 +95,13 @@ from agents.multiagent import (
     first_line,
     topic_text,
 )
-from agents.persistence import ConversationRecorder, ConversationStore, JournaledRun
+from agents.coordinator.persistence import ConversationRecorder, ConversationStore, JournaledRun
+from agents.gateway.engine import ModelConfig
+from agents.launch.topology import HOOK_NAMES, AgentSpec
+from agents.loop.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
+from agents.loop.context import DEFAULT_CONTEXT_WINDOW
+from agents.loop.run import ABORTED_TEXT, LoopConfig, LoopResult, ToolExecutor
 from agents.replay import LoggedTools, RecordedTools, load_tool_book, replay_service
-from agents.topology import HOOK_NAMES, AgentSpec
 from bus import events as ev
 from bus import protocol as p
 from bus.client import IncomingRequest, Peer, connect
@@ -111,7 +111,7 @@ from bus.paths import default_state_dir, ensure_state_dir
 from bus.security import CurveClient
 from tools.executor import BusToolExecutor
 
-log = logging.getLogger("agents.coordinator")
+log = logging.getLogger("agents.coordinator.process")
 
 #: Requests an agent's service takes beyond its runs: steer/abort/state while runs run.
 COMMAND_CAPACITY = 64
@@ -304,7 +304,7 @@ class Session:
             self.host.publish_failures += 1
             log.warning("%s: could not publish %s: %s", self.host.name, ev.event_type(event), exc)
 
-    # --- the run journal (durable runs, `agents.durable`) --------------------------------
+    # --- the run journal (durable runs, `agents.coordinator.durable`) --------------------------------
 
     def _journal(self, event: ev.Event) -> None:
         store, run_id = self.host.store, self.agent.run_id
@@ -331,7 +331,7 @@ class Session:
 
     async def resume_run(self, journaled: JournaledRun) -> LoopResult:
         """Go on with a run the previous coordinator process left live: `run_resumed`, the
-        unanswered tool calls recovered (`agents.durable`), then the loop from the history."""
+        unanswered tool calls recovered (`agents.coordinator.durable`), then the loop from the history."""
         agent = self.agent
         agent.state.run_id = journaled.run_id
         messages = agent.state.messages
@@ -542,7 +542,7 @@ class HostedAgent:
         self.runs.start_soon(body)
 
     def resume(self, journaled: JournaledRun) -> None:
-        """Go on with a run this coordinator had live when it stopped (see `agents.durable`);
+        """Go on with a run this coordinator had live when it stopped (see `agents.coordinator.durable`);
         nobody waits for it here: its requester follows its events."""
         session = self.session(journaled.session)
         if session is None:

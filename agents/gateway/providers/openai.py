@@ -6,7 +6,7 @@ import base64
 from collections.abc import AsyncIterator
 from typing import Any
 
-from agents.providers.base import (
+from agents.gateway.providers.base import (
     MessageBuilder,
     Provider,
     ProviderRequest,

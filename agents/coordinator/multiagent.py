@@ -66,9 +66,9 @@ from bus.errors import NoService, RemoteError, RequestError
 from bus.messages import TextPart, ToolCallRequest, ToolInfo, ToolResult, error_result
 
 if TYPE_CHECKING:
-    from agents.topology import TopicSubscription
+    from agents.launch.topology import TopicSubscription
 
-log = logging.getLogger("agents.multiagent")
+log = logging.getLogger("agents.coordinator.multiagent")
 
 AGENT_TOOL_PREFIX = "ask_"
 PUBLISH_TOOL = "publish"

@@ -17,7 +17,7 @@ import anyio.to_thread
 import click
 
 from agents import commands as cmd
-from agents.remote import AgentBus, Run, connect
+from agents.client.remote import AgentBus, Run, connect
 from bus import events as ev
 from bus.errors import BusError
 from bus.render import HumanPrinter, json_line

@@ -53,7 +53,7 @@ tool calls' arguments; tool calls the request does not offer are dropped (so dem
 `DEMO_SCRIPT` (from `agents/demo/fakellm_demo.json`) makes an agent call `list_dir`, `read_file`
 and `search_files` in parallel, then summarise the results.
 
-CLI: `python -m agents.fakellm --script FILE --port N` (default script: the demo).
+CLI: `python -m agents.gateway.fakellm --script FILE --port N` (default script: the demo).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def _load_file(path: Path) -> Script:
     return msgspec.convert(data, Script)
 
 
-DEMO_SCRIPT_PATH = Path(__file__).parent / "demo" / "fakellm_demo.json"
+DEMO_SCRIPT_PATH = Path(__file__).parent.parent / "demo" / "fakellm_demo.json"
 
 
 def demo_script() -> Script:
@@ -933,7 +933,7 @@ def fake_llm_command(script_path: str | None, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fake_llm_command.main(args=argv, prog_name="python -m agents.fakellm", standalone_mode=True)
+    fake_llm_command.main(args=argv, prog_name="python -m agents.gateway.fakellm", standalone_mode=True)
     return 0
 
 

@@ -36,7 +36,7 @@ import msgspec
 
 from agents import commands as cmd
 from agents import replay
-from agents.multiagent import publish_topic
+from agents.coordinator.multiagent import publish_topic
 from bus import events as ev
 from bus.client import Envelope, Peer, Subscription
 from bus.client import connect as connect_peer
@@ -46,7 +46,7 @@ from bus.security import CurveClient
 from tools import Tool, tool
 from tools.worker import ToolWorker, WorkerSettings
 
-NO_RUN, AMBIGUOUS = "no_run", "ambiguous"  # the coordinator's error codes (agents.coordinator)
+NO_RUN, AMBIGUOUS = "no_run", "ambiguous"  # the coordinator's error codes (agents.coordinator.process)
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it
 #: Seconds a requester waits for a run to resume after its coordinator died (busctl up restarts
 #: a crashed process within RESTART_BACKOFF, up to 8 s, and it starts in a second or two).

@@ -45,17 +45,24 @@ import anyio
 import httpx
 import msgspec
 
-from agents.context import CONTEXT_EXCEEDED
-from agents.providers import PROVIDERS, MessageBuilder, Provider, ProviderRequest, StreamError, iter_sse
-from agents.providers.base import DeltaCallback
-from agents.providers.discovery import discover
-from agents.providers.llamacpp import DEFAULT_N_CTX
-from agents.providers.prices import ConfiguredPrices, Pricing, price_model
+from agents.gateway.providers import (
+    PROVIDERS,
+    MessageBuilder,
+    Provider,
+    ProviderRequest,
+    StreamError,
+    iter_sse,
+)
+from agents.gateway.providers.base import DeltaCallback
+from agents.gateway.providers.discovery import discover
+from agents.gateway.providers.llamacpp import DEFAULT_N_CTX
+from agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
+from agents.loop.context import CONTEXT_EXCEEDED
 from bus.errors import ConfigError
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
 
-log = logging.getLogger("agents.llm")
+log = logging.getLogger("agents.gateway.engine")
 
 ProviderName = Literal["openai", "anthropic", "llamacpp"]  # llamacpp: hosted, OpenAI-compatible
 RetryCallback = Callable[[int, float, int, str], "Awaitable[None] | None"]
@@ -93,7 +100,7 @@ _KEY_SHAPES_ONLY = Redactor()
 
 class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """One model the gateway can call. Prices are USD per million tokens (None: from the price
-    table where one applies, see `agents.providers.prices`; a local server costs 0).
+    table where one applies, see `agents.gateway.providers.prices`; a local server costs 0).
 
     `api_key_env` is the NAME of the environment variable holding the key ("" for servers that need
     none). `timeout` bounds the wait for the first byte and between streamed chunks. In a topology
@@ -117,7 +124,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unkno
     cache_read_price: float | None = None
     cache_write_price: float | None = None
     # provider = "llamacpp": the gateway serves this GGUF file itself with llama.cpp's server
-    # (see `agents.providers.llamacpp`); `n_ctx` is its window (0: `context_window`, else 4,096),
+    # (see `agents.gateway.providers.llamacpp`); `n_ctx` is its window (0: `context_window`, else 4,096),
     # `threads` its CPU threads (0: llama.cpp's choice), `chat_template_file` a Jinja template
     # that replaces the GGUF's own (some models need one for tool calls).
     gguf: str = ""

@@ -8,7 +8,7 @@ coordinator's state directory, so an agent continues the same conversation after
     store.new_session("assistant")                    # a fresh conversation (the old one is kept)
     store.touch("assistant", session)                 # the one `continue` without an id resumes
 
-An agent has any number of sessions (one per conversation, see `agents.coordinator`); the
+An agent has any number of sessions (one per conversation, see `agents.coordinator.process`); the
 "current" one is the session it used last.
 
 Messages are stored one row each as msgpack, in history order. `ConversationRecorder.sync` is
@@ -21,7 +21,7 @@ one well under a millisecond. Several coordinators may share one state directory
 Full texts of cut or trimmed tool outputs (`ToolOutputStore`) are stored too, so `tool_output`
 refs in a restored conversation stay readable.
 
-The run journal (durable runs, see `agents.coordinator`): a row per live run (`runs`: session,
+The run journal (durable runs, see `agents.coordinator.process`): a row per live run (`runs`: session,
 coordinator, experiment, parent, last turn begun) and per tool call begun (`run_calls`: its result
 once it ended), written before the matching event is published and deleted when the run ends.
 The model replies a run completed are its session's messages, stored as each one ends.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import msgspec
 
-from agents.context import ToolOutputStore
+from agents.loop.context import ToolOutputStore
 from bus.messages import Message, ToolResultMessage
 
 DB_NAME = "conversations.sqlite"

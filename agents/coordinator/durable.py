@@ -1,6 +1,6 @@
 """Durable runs: what a run that was live when its coordinator died needs to go on.
 
-The coordinator journals each run (`agents.persistence`: the run, its last turn, every tool call
+The coordinator journals each run (`agents.coordinator.persistence`: the run, its last turn, every tool call
 begun and its result once ended) before publishing the matching event; the model replies it
 completed are the session's stored messages. After a restart, `recover` looks at the stored
 history: the tool calls of the last assistant reply that have no result message yet get
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.persistence import JournaledCall
+from agents.coordinator.persistence import JournaledCall
 from bus import events as ev
 from bus.messages import (
     AssistantMessage,

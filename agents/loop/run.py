@@ -34,7 +34,7 @@ from typing import Any, Literal, Protocol
 import anyio
 import msgspec
 
-from agents.context import (
+from agents.loop.context import (
     DEFAULT_CONTEXT_WINDOW,
     CompactionConfig,
     ToolOutputCache,
@@ -51,7 +51,7 @@ from agents.context import (
     parse_compaction,
     should_compact,
 )
-from agents.hooks import (
+from agents.loop.hooks import (
     KEEP,
     AfterToolCall,
     AfterToolResult,
@@ -185,7 +185,7 @@ class ToolExecutor(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class LoopConfig:
-    """Everything a run needs besides the injected model, tools and sink. Hooks: see agents.hooks."""
+    """Everything a run needs besides the injected model, tools and sink. Hooks: see agents.loop.hooks."""
 
     model: str = ""
     system_prompt: str = ""

@@ -1,7 +1,7 @@
 """LLM provider adapters: build a provider's HTTP request, parse its SSE stream."""
 
-from agents.providers.anthropic import AnthropicProvider
-from agents.providers.base import (
+from agents.gateway.providers.anthropic import AnthropicProvider
+from agents.gateway.providers.base import (
     MessageBuilder,
     Provider,
     ProviderRequest,
@@ -10,9 +10,9 @@ from agents.providers.base import (
     flatten_schema,
     iter_sse,
 )
-from agents.providers.openai import OpenAIProvider
+from agents.gateway.providers.openai import OpenAIProvider
 
-# "llamacpp" is llama.cpp's server hosted by the gateway (agents.providers.llamacpp): it speaks
+# "llamacpp" is llama.cpp's server hosted by the gateway (agents.gateway.providers.llamacpp): it speaks
 # the OpenAI API.
 PROVIDERS: dict[str, type[Provider]] = {
     "anthropic": AnthropicProvider, "llamacpp": OpenAIProvider, "openai": OpenAIProvider}

@@ -28,9 +28,9 @@ import msgspec
 from bus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from agents.llm import ModelConfig
+    from agents.gateway.engine import ModelConfig
 
-log = logging.getLogger("agents.providers.llamacpp")
+log = logging.getLogger("agents.gateway.providers.llamacpp")
 
 PROVIDER = "llamacpp"
 DEFAULT_N_CTX = 4096  # tokens: a window small machines can hold (the GGUF's own may be 128k)

@@ -35,8 +35,8 @@ from typing import NoReturn
 import anyio
 import msgspec
 
-from agents.llm import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
-from agents.providers.llamacpp import LocalModelError, hosted_models
+from agents.gateway.engine import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
+from agents.gateway.providers.llamacpp import LocalModelError, hosted_models
 from agents.replay import REPLAY_SERVICE, ReplayLoad, ReplayLoaded, request_key
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
@@ -46,7 +46,7 @@ from bus.procsec import make_undumpable
 from bus.redact import log_redaction
 from bus.security import CurveClient
 
-log = logging.getLogger("agents.gateway")
+log = logging.getLogger("agents.gateway.process")
 
 LLM_SERVICE = "llm"
 REPLAYS_KEPT = 16  # experiments in replay mode held at once
@@ -188,7 +188,7 @@ async def run_gateway(settings: GatewaySettings,
     """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered.
 
     `provider = "llamacpp"` models are served by llama.cpp inside this process, started before
-    the ready line and stopped after the last request (see `agents.providers.llamacpp`)."""
+    the ready line and stopped after the last request (see `agents.gateway.providers.llamacpp`)."""
     make_undumpable()  # first: the keys are in this process's environment already
     try:
         models = settings.models or models_from_env(os.environ)

@@ -22,13 +22,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from agents.remote import AgentBus, Run
+from agents.client.remote import AgentBus, Run
 from bus import events as ev
 from bus.client import Envelope
 from bus.messages import ImagePart, ToolCallRequest, ToolResult
 from tools.executor import BusToolExecutor
 
-log = logging.getLogger("agents.mcp_server")
+log = logging.getLogger("agents.client.mcp_server")
 
 ASK = "ask_"
 #: How long aborting a cancelled run may take before the handler gives up waiting.
@@ -165,7 +165,7 @@ async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool)
     from mcp.server.lowlevel import Server
     from mcp.server.stdio import stdio_server
 
-    from agents.remote import connect
+    from agents.client.remote import connect
 
     async with connect(hub, name="mcp-serve", curve=curve) as bus:
         handlers = BusMcpServer(bus, agents, with_tools)
@@ -184,7 +184,7 @@ async def serve_http(hub: str, curve: Any, agents: list[str], with_tools: bool, 
     import uvicorn
     from mcp.server.lowlevel import Server
 
-    from agents.remote import connect
+    from agents.client.remote import connect
 
     async with connect(hub, name="mcp-serve", curve=curve) as bus:
         handlers = BusMcpServer(bus, agents, with_tools)

@@ -148,7 +148,7 @@ ConvertToLlm: TypeAlias = Callable[
 
 Maps agent messages (including compaction summaries, branch summaries and custom messages) to
 the user/assistant/tool_result messages a model understands. The default turns the custom kinds
-into user messages (see `agents.context.default_convert_to_llm`). An exception ends the run with
+into user messages (see `agents.loop.context.default_convert_to_llm`). An exception ends the run with
 stop_reason "error".
 """
 

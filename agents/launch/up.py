@@ -6,7 +6,7 @@ registered with the hub. Stop order is the reverse, so agents finish before thei
 go away and the hub is last. SIGINT, SIGTERM and SIGHUP (a closed terminal) all stop in that order.
 
 Run files in the state directory: `up.pid` (the supervisor), `up.json` (every child's pid, see
-`bus.supervisor.RunFile`), `up.ready` (a detached `up` is ready) and `control.sock`. The control
+`agents.launch.supervisor.RunFile`), `up.ready` (a detached `up` is ready) and `control.sock`. The control
 socket (a Unix socket, mode 0600, one JSON request line and one reply line) is how `busctl ps`,
 `restart` and `scale` reach the running supervisor; a stopped topology removes them all.
 """
@@ -25,13 +25,8 @@ import anyio
 import anyio.abc
 import msgspec
 
-from agents.llm import ModelConfig
-from agents.topology import Topology, WorkerGroup
-from bus import events as ev
-from bus.client import Peer, connect
-from bus.paths import ensure_state_dir, state_home
-from bus.security import CurveClient
-from bus.supervisor import (
+from agents.gateway.engine import ModelConfig
+from agents.launch.supervisor import (
     Child,
     ChildFailed,
     ChildRecord,
@@ -42,8 +37,13 @@ from bus.supervisor import (
     read_run_file,
     same_process,
 )
+from agents.launch.topology import Topology, WorkerGroup
+from bus import events as ev
+from bus.client import Peer, connect
+from bus.paths import ensure_state_dir, state_home
+from bus.security import CurveClient
 
-log = logging.getLogger("agents.launch")
+log = logging.getLogger("agents.launch.up")
 
 DEMO_MODEL = "demo"
 RUN_FILES = ("up.pid", "up.json", "up.ready", "control.sock")

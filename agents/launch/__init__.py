@@ -1,0 +1,1 @@
+"""Launching: the topology file (`topology`), `busctl up`/`down` (`up`), child supervision (`supervisor`)."""

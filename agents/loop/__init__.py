@@ -1,0 +1,55 @@
+"""The agent loop, pure: the turn engine (`run`), its hooks, context management and the `Agent` actor.
+
+Nothing here imports a transport: the model, the tools and the event sink are injected, so the loop runs
+in-process, in tests, or inside the coordinator unchanged (`tests/agents/test_loop_is_pure.py`).
+"""
+
+from __future__ import annotations
+
+from agents.loop.run import (
+    ABORTED_TEXT,
+    BLOCKED_TEXT,
+    DENIED_TEXT,
+    MAX_ITERATIONS_FALLBACK,
+    MAX_ITERATIONS_PREFIX,
+    MAX_ITERATIONS_SUMMARY_PROMPT,
+    REPEAT_NOTE,
+    REPEAT_STOP_TEXT,
+    TASK_COMPLETE_TEXT,
+    TRUNCATED_CALL_TEXT,
+    AbortSignal,
+    DeltaSink,
+    Emit,
+    LlmClient,
+    LoopConfig,
+    LoopResult,
+    QueueMode,
+    ToolExecutionMode,
+    ToolExecutor,
+    UpdateSink,
+    run_loop,
+)
+
+__all__ = [
+    "ABORTED_TEXT",
+    "BLOCKED_TEXT",
+    "DENIED_TEXT",
+    "MAX_ITERATIONS_FALLBACK",
+    "MAX_ITERATIONS_PREFIX",
+    "MAX_ITERATIONS_SUMMARY_PROMPT",
+    "REPEAT_NOTE",
+    "REPEAT_STOP_TEXT",
+    "TASK_COMPLETE_TEXT",
+    "TRUNCATED_CALL_TEXT",
+    "AbortSignal",
+    "DeltaSink",
+    "Emit",
+    "LlmClient",
+    "LoopConfig",
+    "LoopResult",
+    "QueueMode",
+    "ToolExecutionMode",
+    "ToolExecutor",
+    "UpdateSink",
+    "run_loop",
+]
