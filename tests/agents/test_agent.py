@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from contextlib import aclosing
 from typing import Any
 
@@ -18,10 +19,12 @@ from bus.messages import (
     Message,
     TextPart,
     ToolResultMessage,
+    Usage,
     UserMessage,
     user_text,
 )
 from tests.agents.conftest import FakeTools, Recorder, ScriptedLlm, call, reply
+from tests.support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -62,24 +65,30 @@ def texts(messages: list[Message]) -> list[str]:
 async def test_run_returns_final_text_and_tracks_state() -> None:
     persisted: list[str] = []
     agent = Agent(
-        ScriptedLlm(reply("", call("c1", "echo")), reply("hello"), reply("again")),
+        ScriptedLlm(reply("", call("c1", "echo"), total=5), reply("hello", total=7),
+                    reply("again", total=11)),
         FakeTools({"echo": lambda a, u: "x"}),
         LoopConfig(model="m1"),
         on_message_end=lambda m: persisted.append(type(m).__name__),
     )
     seen_pending: list[set[str]] = []
     agent.subscribe(lambda e: seen_pending.append(set(agent.state.pending_tool_calls)) if event_type(e) == "tool_execution_start" else None)
+    run_ids_at_start: list[str] = []
+    agent.subscribe(lambda e: run_ids_at_start.append(agent.run_id) if event_type(e) == "agent_start" else None)
     with anyio.fail_after(5):
         assert await agent.run("hi") == "hello"
     assert persisted == ["UserMessage", "AssistantMessage", "ToolResultMessage", "AssistantMessage"]
     assert len(agent.state.messages) == 4 and not agent.is_running
     assert seen_pending == [{"c1"}] and agent.state.pending_tool_calls == set()
-    assert len(agent.run_id) == 32 and int(agent.run_id, 16) >= 0
+    # a fresh uuid4 per run, already set when the run's first event is emitted
+    assert uuid.UUID(hex=agent.run_id).version == 4 and run_ids_at_start == [agent.run_id]
     assert [t.name for t in agent.state.tools] == ["echo"]
-    assert agent.state.usage == {"m": agent.state.usage["m"]}
+    # usage is summed per model over both model calls of the run (5 + 7)
+    assert agent.state.usage == {"m": Usage(total=12)}
     first = agent.run_id
     assert await agent.run("more") == "again"
-    assert agent.run_id != first
+    assert agent.run_id != first and run_ids_at_start == [first, agent.run_id]
+    assert agent.state.usage == {"m": Usage(total=23)}  # runs accumulate until reset
 
 
 async def test_subscribe_awaits_listeners_in_order_and_unsubscribes() -> None:
@@ -173,11 +182,15 @@ async def test_abort_mid_tools_synthesizes_results_and_ends_aborted(mode: str) -
         async with anyio.create_task_group() as tg:
             tg.start_soon(agent.prompt, "hi")
             await entered.wait()
+            if mode == "parallel":  # c3 runs beside the hanging c2: let it finish first
+                await until(lambda: len(rec.of("tool_execution_end")) == 2, 5, "c1 and c3 to end")
             agent.abort()
     ends = {e.tool_call_id: (e.result.text, e.is_error) for e in rec.of("tool_execution_end")}
     assert ends["c1"] == ("ok", False)
     assert ends["c2"] == ("Operation aborted", True)
-    assert ends["c3"][0] in ("ok", "Operation aborted")
+    # sequential: c3 waits behind c2 and never runs; parallel: it ran to its end beside c2
+    assert ends["c3"] == (("ok", False) if mode == "parallel" else ("Operation aborted", True))
+    assert tools.executed == (["c1", "c2", "c3"] if mode == "parallel" else ["c1", "c2"])
     starts = [e.tool_call_id for e in rec.of("tool_execution_start")]
     assert sorted(starts) == ["c1", "c2", "c3"] and len(rec.of("tool_execution_end")) == 3
     results = [m.tool_call_id for m in agent.state.messages if isinstance(m, ToolResultMessage)]

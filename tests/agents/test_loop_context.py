@@ -214,3 +214,19 @@ async def test_no_compaction_below_threshold_or_when_disabled() -> None:
         rec = Recorder()
         await run_loop([user_text("hi")], [], config, ScriptedLlm(reply("ok", total=total)), FakeTools(), rec)
         assert "compaction_start" not in rec.types()
+
+
+@pytest.mark.parametrize(("total", "compacts"), [(800, True), (799, False)])
+async def test_compaction_starts_at_exactly_the_threshold(total: int, compacts: bool) -> None:
+    """threshold=0.8 of a 1000-token window: a reply of exactly 800 tokens compacts before the
+    next model call, one token fewer does not."""
+    llm = ScriptedLlm(reply("", call("c1", "echo"), total=total), reply("<summary>s</summary>"),
+                      reply("after", total=10))
+    if not compacts:
+        llm.script.pop(1)  # no summary call
+    rec = Recorder()
+    with anyio.fail_after(5):
+        await run_loop([user_text("hi")], [], _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
+    starts = rec.of("compaction_start")
+    assert [s.tokens for s in starts] == ([total] if compacts else [])
+    assert len(llm.requests) == (3 if compacts else 2) and not llm.script
