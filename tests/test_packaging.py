@@ -1,14 +1,21 @@
-"""A new user's install: `pip install .` into a fresh venv gives a working `busctl`."""
+"""A new user's install: `pip install .` into a fresh venv gives a working `busctl`, with no package
+index (the wheel is built here, the dependencies come from the test environment)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
-from tests.support import ROOT
+from tests.support import ROOT, running
+
+# The fresh venv's commands see only what it installed (and the .pth of test dependencies), not a
+# PYTHONPATH that could point at this checkout.
+VENV_ENV = {**os.environ, "PYTHONPATH": ""}
 
 
 def _commands(help_text: str) -> set[str]:
@@ -37,17 +44,37 @@ def test_plain_install_into_a_fresh_venv(tmp_path: Path) -> None:
     deps = [p for p in sys.path if p.endswith("site-packages")]
     Path(purelib, "test-deps.pth").write_text("\n".join(deps) + "\n")
     install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                              str(wheel)], capture_output=True, text=True, timeout=300)
+                              str(wheel)], capture_output=True, text=True, timeout=300, env=VENV_ENV)
     assert install.returncode == 0, install.stderr[-2000:]
     busctl = env_dir / "bin" / "busctl"
     help_ = subprocess.run([str(busctl), "--help"], capture_output=True, text=True, timeout=30,
-                           cwd=tmp_path)
+                           cwd=tmp_path, env=VENV_ENV)
     assert help_.returncode == 0, help_.stderr
     assert {"up", "run", "watch", "worker", "hub", "status", "down"} <= _commands(help_.stdout)
+    version = subprocess.run([str(busctl), "--version"], capture_output=True, text=True,
+                             timeout=30, cwd=tmp_path, env=VENV_ENV)
+    expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert version.stdout.split() == ["busctl,", "version", expected], version.stdout
     # The installed package (not this checkout) carries the demo model's script.
-    probe = "import agents.gateway.fakellm as f, agents; print(len(f.demo_script().rules), agents.__file__)"
+    probe = "import agents, bus, tools; print(agents.__file__, bus.__file__, tools.__file__)"
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=30,
-                         cwd=tmp_path)
+                         cwd=tmp_path, env=VENV_ENV)
     assert out.returncode == 0, out.stderr
-    count, location = out.stdout.split()
-    assert int(count) >= 2 and str(env_dir) in location
+    assert all(path.startswith(purelib) for path in out.stdout.split()), out.stdout
+    _demo_runs(env_dir / "bin", tmp_path / "project")
+
+
+def _demo_runs(bin_dir: Path, project: Path) -> None:
+    """The README's first command, from the installed package: `busctl up --demo` gets ready and
+    a run in the project folder lists it with the demo model's parallel tool calls."""
+    project.mkdir()
+    (project / "README.md").write_text("# a user's project\nTODO: something\n")
+    (project / "only-here.txt").write_text("x")
+    with running([str(bin_dir / "busctl"), "up", "--demo", "--hub", "tcp://127.0.0.1:0"],
+                 cwd=project, env=VENV_ENV) as up:
+        ready = up.wait_ready(timeout=60)
+        run = subprocess.run([str(bin_dir / "busctl"), "run", "--hub", ready["endpoint"],
+                              "what is in this folder?"], capture_output=True, text=True,
+                             timeout=60, cwd=project, env=VENV_ENV)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "only-here.txt" in run.stdout and "Summary:" in run.stdout, run.stdout
