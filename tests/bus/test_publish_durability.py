@@ -15,8 +15,8 @@ import pytest
 from bus import events as ev
 from bus.client import Peer, connect
 from bus.errors import HubLost
-from tests.bus.helpers import free_port
-from tests.support import Proc, busctl, py, running, until
+from tests.bus.helpers import kill_hub, restartable_ports, start_hub
+from tests.support import Proc, py, running, until
 
 PUBLISHER = str(Path(__file__).with_name("publish_proc.py"))
 
@@ -87,18 +87,12 @@ async def test_confirm_raises_when_the_hub_is_gone(hub: dict) -> None:
         assert peer.counters["events_unconfirmed"] == 20
 
 
-def start_hub(port: int, state: Path) -> Proc:
-    proc = Proc(busctl("hub", "--hub", f"tcp://127.0.0.1:{port}", "--state-dir", str(state)))
-    proc.wait_ready()
-    return proc
-
-
 @pytest.mark.anyio
 async def test_events_on_a_connection_lost_to_a_hub_restart_are_counted(tmp_path: Path) -> None:
     """The reconnect closes the old socket (linger 0), discarding what it still queued: those
     events are counted, the next confirm() says so, and later events are confirmed as usual."""
-    port, state = free_port(), tmp_path / "state"
-    first = start_hub(port, state)
+    (port, events), state = restartable_ports(2), tmp_path / "state"
+    first = start_hub(port, events, state)
     second: Proc | None = None
     try:
         async with connect(f"tcp://127.0.0.1:{port}", name="survivor") as peer:
@@ -106,11 +100,10 @@ async def test_events_on_a_connection_lost_to_a_hub_restart_are_counted(tmp_path
                 await peer.publish(ev.TopicMessage(topic=str(i), text=""), run="restart")
             await peer.confirm()
             old_session = peer.welcome.hub_session if peer.welcome else ""
-            first.signal(signal.SIGKILL)
-            first.popen.wait(5)
+            kill_hub(first, port, events)
             for i in range(30):
                 await peer.publish(ev.TopicMessage(topic=f"gone{i}", text=""), run="restart")
-            second = start_hub(port, state)
+            second = start_hub(port, events, state)
             await until(lambda: peer.welcome and peer.welcome.hub_session != old_session, 15,
                         "the peer to say hello to the restarted hub")
             assert peer.counters["events_unconfirmed"] == 30

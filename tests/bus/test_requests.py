@@ -11,8 +11,7 @@ import pytest
 
 from bus import errors
 from bus.client import connect
-from tests.bus.helpers import eventually, free_port, serving_peers, started_line
-from tests.support import Proc, busctl
+from tests.bus.helpers import eventually, kill_hub, restartable_ports, serving_peers, start_hub, started_line
 
 pytestmark = pytest.mark.anyio
 
@@ -133,11 +132,10 @@ def _first_started(procs) -> int:  # type: ignore[no-untyped-def]
 
 
 async def test_hub_restart_on_same_endpoint_peers_reregister(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    hub_args = busctl("hub", "--hub", endpoint, "--state-dir", str(tmp_path / "state"))
-    hub = Proc(hub_args)
+    (port, events), state = restartable_ports(2), tmp_path / "state"
+    endpoint = f"tcp://127.0.0.1:{port}"
+    hub = start_hub(port, events, state)
     try:
-        hub.wait_ready()
         with serving_peers(endpoint, 1):
             async with connect(endpoint, name="requester") as peer:
                 assert json.loads(await peer.request("echo", b"{}"))["served"] == 1
@@ -152,11 +150,9 @@ async def test_hub_restart_on_same_endpoint_peers_reregister(tmp_path) -> None: 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(in_flight)
                     await eventually(lambda: _serving(peer, "slow"), 5, "slow to be in flight")
-                    hub.signal(signal.SIGKILL)
-                    hub.popen.wait(5)
+                    kill_hub(hub, port, events)
                     hub.stop()
-                    hub = Proc(hub_args)
-                    hub.wait_ready()
+                    hub = start_hub(port, events, state)
                 # the request in flight during the outage failed with HubLost
                 assert len(pending) == 1 and isinstance(pending[0], errors.HubLost), pending
 
