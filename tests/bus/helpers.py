@@ -8,11 +8,8 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import anyio
 
 from bus.backoff import Backoff
 from tests.support import Proc, busctl, py, wait_for
@@ -104,21 +101,6 @@ def kill_hub(proc: Proc, port: int, events: int, timeout: float = 10.0) -> None:
     proc.popen.wait(timeout)
     wait_for(lambda: port_bindable(port) and port_bindable(events), timeout,
              f"ports {port} and {events} of the killed hub to be released")
-
-
-async def eventually(predicate: Callable[[], Awaitable[Any]], timeout: float,
-                     what: str) -> Any:
-    """Poll an async condition until truthy; fail with `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        await anyio.sleep(delay)  # a poll interval inside a deadline, not a wait
-        delay = min(delay * 2, 0.2)
 
 
 def started_line(proc: Proc, timeout: float = 10) -> dict:

@@ -16,8 +16,8 @@ import zmq
 from bus import events as ev
 from bus import protocol as p
 from bus.client import connect
-from tests.bus.helpers import eventually, serving_peers
-from tests.support import ROOT, busctl, py, running
+from tests.bus.helpers import serving_peers
+from tests.support import ROOT, busctl, py, running, tight_timing, until
 
 pytestmark = pytest.mark.anyio
 
@@ -111,7 +111,7 @@ async def test_hub_survives_five_thousand_bad_messages(tmp_path: Path) -> None:
                                ("malformed", "wrong_version", "unknown_kind", "oversize"))
                     return counters if done >= 5000 else None
 
-                counters = await eventually(counted, 20, "the hub to count 5000 bad messages")
+                counters = await until(counted, 20, "the hub to count 5000 bad messages")
                 assert counters["malformed"] == 2000  # random frames + truncated headers
                 assert counters["wrong_version"] == 1000
                 assert counters["unknown_kind"] == 1000
@@ -175,12 +175,17 @@ async def test_stalled_subscriber_does_not_slow_requests(hub: dict) -> None:
             finally:
                 stalled.close()
                 ctx.term()
+            # a second baseline once it is gone: the larger of the two is the baseline, so the
+            # machine getting busier during the test does not count against the stalled one
+            after = await p50_while_publishing()
             status = await peer.status()
-        print(f"p50 without {baseline * 1e6:.0f} us, with a stalled subscriber "
-              f"{with_stalled * 1e6:.0f} us; hub RSS {rss_before} -> {rss_after} kB")
-        assert with_stalled < baseline * 2 + 0.002
+        print(f"p50 without {baseline * 1e6:.0f} us (after: {after * 1e6:.0f} us), with a stalled "
+              f"subscriber {with_stalled * 1e6:.0f} us; hub RSS {rss_before} -> {rss_after} kB")
+        # a hub blocked by the stalled subscriber would take seconds per request, far past it
+        ratio, floor = (1.5, 0.001) if tight_timing() else (2.0, 0.002)
+        assert with_stalled < max(baseline, after) * ratio + floor, (baseline, after, with_stalled)
         assert rss_after - rss_before < 100_000  # kB
-        assert status.seq >= 2 * n_events
+        assert status.seq >= 3 * n_events
 
 
 async def test_raw_subscriber_example_decodes_events(hub: dict) -> None:
