@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import uuid
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -206,10 +206,16 @@ def decode_header(data: bytes | memoryview) -> Header:
     return _header_decoder.decode(data)
 
 
-def decode(data: bytes | memoryview, type_: type[Any]) -> Any:
-    decoder = _decoders.get(type_)
+_T = TypeVar("_T")
+
+
+def decode(data: bytes | memoryview, type_: type[_T]) -> _T:
+    """`data` as a `type_`; raises msgspec.ValidationError/DecodeError when it is not one."""
+    # The cache holds a Decoder[type_] under each type_, which a dict's type cannot say.
+    decoder: msgspec.msgpack.Decoder[_T] | None = _decoders.get(type_)
     if decoder is None:
-        decoder = _decoders[type_] = msgspec.msgpack.Decoder(type_)
+        decoder = msgspec.msgpack.Decoder(type_)
+        _decoders[type_] = decoder
     return decoder.decode(data)
 
 

@@ -103,9 +103,11 @@ class CurveClient(msgspec.Struct, forbid_unknown_fields=True):
 def peer_user_id(frame: zmq.Frame) -> str:
     """The ZAP User-Id of the connection a frame (received with copy=False) came on, or ""."""
     try:
-        return frame.get("User-Id") or ""
+        user_id = frame.get("User-Id")
     except (zmq.ZMQError, KeyError, AttributeError):
         return ""
+    # Frame.get answers ints for the integer properties (e.g. "more"); "User-Id" is always text.
+    return user_id if isinstance(user_id, str) else ""
 
 
 def curve_peer_id(user_id: str, routing_id: bytes) -> str:

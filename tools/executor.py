@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -172,7 +172,7 @@ class BusToolExecutor:
         requests: Sequence[ToolCallRequest],
         mode: BatchMode = "parallel",
         on_update: Callable[[int, Any], Awaitable[None]] | None = None,
-    ) -> AsyncIterator[tuple[int, ToolResult]]:
+    ) -> AsyncGenerator[tuple[int, ToolResult], None]:
         """Yield `(index, result)` as calls complete: all started at once ("parallel", in call
         order) or one after the other ("sequential").
 

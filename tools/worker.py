@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -339,8 +339,7 @@ async def run_worker(
     settings = msgspec.structs.replace(settings, name=name)
     worker = ToolWorker(settings, tools)
     # Listen before the ready line: a signal right after it must still mean "leave cleanly".
-    with (anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None
-          else contextlib.nullcontext()) as signals:
+    with _stop_waiter(name, stop) as wait_for_stop:
         async with (connect(settings.hub, name=name, role="worker", curve=settings.curve) as peer,
                     anyio.create_task_group() as servers):
             await worker.attach(peer)
@@ -352,12 +351,23 @@ async def run_worker(
             print(json.dumps(ready), flush=True)
             log.info("%s serving %s on %s", name, ", ".join(worker.served), settings.hub)
             task_status.started(ready)
-            if stop is not None:
-                await stop.wait()
-            else:
-                async for signum in signals:
-                    log.info("%s: got signal %d", name, signum)
-                    break
+            await wait_for_stop()
             log.info("%s leaving (%d in flight)", name, worker.inflight)
             await worker.leave()
             servers.cancel_scope.cancel()  # stops the MCP servers (their calls ended in leave())
+
+
+@contextlib.contextmanager
+def _stop_waiter(name: str, stop: anyio.Event | None) -> Iterator[Callable[[], Awaitable[None]]]:
+    """A wait for `stop`; without one, for the first SIGINT/SIGTERM (listened for from here on)."""
+    if stop is not None:
+        yield stop.wait
+        return
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+
+        async def first_signal() -> None:
+            async for signum in signals:
+                log.info("%s: got signal %d", name, signum)
+                return
+
+        yield first_signal

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, NamedTuple, TextIO
 
 import msgspec
-import re2  # type: ignore[import-untyped]  # no stubs; used through `_grep.Matcher`
+import re2  # no stubs (pyproject's [tool.mypy] overrides); used through `_grep.Matcher`
 
 from bus.messages import ImagePart
 from tools._context import ToolContext

@@ -19,7 +19,7 @@ import re
 import select
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,7 +40,7 @@ class Matcher(Protocol):
 
 
 def matches(files: Iterable[tuple[str, Path]], matcher: Matcher, stop: Callable[[], bool]
-            ) -> Iterator[str]:
+            ) -> Generator[str, None, None]:
     """Yield `rel:line: text` for every matching line of `files` (pairs of the name to show and
     the path, already confined to the workspace by the caller), until done or `stop()` is true.
 
@@ -78,7 +78,7 @@ def _searchable_text(file: Path) -> str | None:
 
 def matches_in_child(
     pattern: str, files: Iterable[tuple[str, Path]], stop: Callable[[], bool], cpu_seconds: float
-) -> Iterator[str]:
+) -> Generator[str, None, None]:
     """`matches` with Python's `re`, run in a child process that is killed when `stop()` is true
     or the caller stops iterating. Raises RuntimeError if the child fails."""
     listed = [(rel, str(file)) for rel, file in files]  # the child reads them all, then writes

@@ -1,0 +1,30 @@
+"""Types are part of the test run, so CI fails on them: `mypy` strict ([tool.mypy] in pyproject.toml)
+on bus/, tools/ and the agent loop (mypy comes with the test extra). By hand:
+
+    mypy bus tools agents/loop
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import ROOT
+
+CHECKED = ["bus", "tools", "agents/loop"]
+# Files with type errors left while their owners restructure them (issue 13): their errors are
+# shown, not failed on. Take a file out of this set once `mypy bus tools agents/loop` is clean on it.
+NOT_YET_CLEAN = {"bus/client.py", "bus/transport.py", "bus/hub.py", "bus/pipeline.py", "bus/otel.py"}
+
+
+def test_mypy_finds_nothing(tmp_path: Path) -> None:
+    # A cache of its own: parallel runs sharing the checkout's .mypy_cache could read half-written files.
+    result = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache"),
+                             "--no-error-summary", "--no-pretty", *CHECKED],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert result.returncode in (0, 1), result.stdout[-4000:] + result.stderr[-2000:]  # 2: mypy failed
+    unexpected = [line for line in errors if line.split(":", 1)[0] not in NOT_YET_CLEAN]
+    assert not unexpected, "\n".join(unexpected)
+    print("\n".join(errors))  # the known ones, for `pytest -s`
