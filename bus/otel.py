@@ -20,7 +20,6 @@ Needs the optional extra `otel` (`pip install 'agent-bus[otel]'`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,8 @@ from bus import protocol as p
 from bus.client import Peer, connect
 from bus.messages import AssistantMessage, ToolCall, UserMessage
 from bus.security import CurveClient
+from bus.tracecontext import span_id, trace_id
+from bus.ui import Drops, count_gap, serve_drops
 
 try:  # the optional extra `otel`; the error below says how to install it
     from opentelemetry.sdk.resources import Resource
@@ -59,12 +60,9 @@ MAX_OPEN_RUNS = 10_000   # runs that never end (a crashed coordinator) must not 
 SCOPE = InstrumentationScope("agent-bus", "0.1.0")
 
 
-def _span_id(*parts: str) -> int:
-    return int.from_bytes(hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()) or 1
-
-
-def _trace_id(run: str) -> int:
-    return int.from_bytes(hashlib.blake2b(run.encode(), digest_size=16).digest()) or 1
+# Shared with the gateway's `traceparent` (bus.tracecontext): a provider's spans join our trace.
+_span_id = span_id
+_trace_id = trace_id
 
 
 def _ns(ts: float) -> int:
@@ -492,7 +490,14 @@ async def _follow(peer: Peer, builder: TraceBuilder, delivery: Delivery, endpoin
         # The full stream (no topic filter) so every jump in seq is a loss the
         # subscription fills from the log, exactly as `busctl watch` does.
         async with peer.subscribe([], since=start, fill_gaps=True) as sub:
+            drops = Drops(f"otel-{os.getpid()}", "otel")
+            await serve_drops(peer, drops, sub, lambda: {
+                "dropped_spans": delivery.state.dropped_spans,
+                "exported_spans": delivery.state.exported_spans,
+                "buffered_spans": delivery.buffered, "export_failures": delivery.failures})
             print(json.dumps({"ready": "otel", "endpoint": endpoint, "since": start}), flush=True)
             async for envelope in sub:
+                count_gap(drops, envelope.event)
+                drops.seq = max(drops.seq, envelope.header.seq)
                 delivery.put(_spans_of(builder, envelope.header, envelope.event),
                              builder.safe_seq())

@@ -61,6 +61,7 @@ from agents.loop.context import CONTEXT_EXCEEDED
 from bus.errors import ConfigError
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
+from bus.tracecontext import traceparent
 
 log = logging.getLogger("agents.gateway.engine")
 
@@ -578,6 +579,9 @@ class LlmEngine:
     ) -> AssistantMessage:
         key = self._api_key(runtime.config)
         http = runtime.provider.build_request(with_sampling(request, runtime.config), key)
+        if request.run_id:
+            # W3C trace context: a provider that traces joins the run's trace (see bus.tracecontext)
+            http.headers.setdefault("traceparent", traceparent(request.run_id))
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1

@@ -106,6 +106,30 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     restart: bool = True
 
 
+class UiSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`[ui]`: `busctl up` starts `busctl ui` as a supervised child (its ready line names the URL).
+    Off loopback the page needs a token: $BUSCTL_UI_TOKEN of `busctl up`, else one generated."""
+
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 7480  # 0: any free port
+    bind: str = "127.0.0.1"
+
+
+class OtelSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`[otel]`: `busctl up` starts `busctl otel` as a supervised child. Collector headers (they
+    hold keys) come from $OTEL_EXPORTER_OTLP_HEADERS of `busctl up`, never from this file."""
+
+    endpoint: str = ""  # OTLP/HTTP base URL (`/v1/traces` is added) or the traces URL itself;
+    # "": $OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else http://localhost:4318
+    capture_content: bool = False
+    max_spans: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+
+
+def otel_traces_url(endpoint: str) -> str:
+    """`http://host:4318` -> `http://host:4318/v1/traces` (the OTLP base URL convention)."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+
+
 class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     hub: HubSection = msgspec.field(default_factory=HubSection)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)  # alias -> model
@@ -114,6 +138,30 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     coordinators: int = 1
     agents: list[AgentSpec] = msgspec.field(default_factory=lambda: [AgentSpec("assistant")])
     processes: list[ProcessSpec] = msgspec.field(default_factory=list)
+    ui: UiSection | None = None
+    otel: OtelSection | None = None
+
+    def all_processes(self) -> list[ProcessSpec]:
+        """`processes` plus the `[ui]` and `[otel]` children (busctl commands like any other)."""
+        extra: list[ProcessSpec] = []
+        curve = {"BUSCTL_CURVE_SERVER_KEY": self.hub.curve_server_key,
+                 "BUSCTL_CURVE_KEY": self.hub.curve_client_key} if self.hub.curve_secret else {}
+        if self.ui is not None:
+            extra.append(ProcessSpec("ui", ["busctl", "ui", "--port", str(self.ui.port),
+                                            "--bind", self.ui.bind],
+                                     env=curve, pass_env=["BUSCTL_UI_TOKEN"]))
+        if self.otel is not None:
+            otel = self.otel
+            argv = ["busctl", "otel", "--state-file", str(self.state_path() / "otel.json"),
+                    "--max-spans", str(otel.max_spans)]
+            if otel.endpoint:
+                argv += ["--endpoint", otel_traces_url(otel.endpoint)]
+            if otel.capture_content:
+                argv.append("--capture-content")
+            extra.append(ProcessSpec("otel", argv, env=curve, pass_env=[
+                "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_HEADERS"]))
+        return [*self.processes, *extra]
 
     def model_configs(self) -> list[ModelConfig]:
         return [msgspec.structs.replace(entry, alias=alias) for alias, entry in self.models.items()]
@@ -222,6 +270,23 @@ def check_topology(topology: Topology) -> list[str]:
     if topology.gateways.count < 0 or topology.coordinators < 0:
         problems.append("gateways.count / coordinators: must be >= 0")
     problems += _state_dir_problems(topology)
+    problems += _watcher_problems(topology)
+    return problems
+
+
+def _watcher_problems(topology: Topology) -> list[str]:
+    problems: list[str] = []
+    if topology.ui is not None and not topology.ui.bind.strip():
+        problems.append("ui.bind: give an address to listen on (e.g. \"127.0.0.1\")")
+    if topology.otel is not None and topology.otel.endpoint and \
+            not re.match(r"https?://[^/\s]+", topology.otel.endpoint):
+        problems.append(f"otel.endpoint: {topology.otel.endpoint!r} is not an http(s) URL "
+                        "(e.g. \"http://127.0.0.1:4318\")")
+    names = [p.name for p in topology.processes]
+    for section in ("ui", "otel"):
+        if getattr(topology, section) is not None and section in names:
+            problems.append(f"processes: a process is named {section!r}, as the [{section}] "
+                            "section's child is; rename it")
     return problems
 
 
@@ -295,4 +360,14 @@ name = "assistant"
 tools = ["*"]                       # every live tool
 tool_execution = "parallel"
 max_iterations = 200
+
+# [ui]                              # `busctl up` also serves the live web view (busctl ui)
+# port = 7480                       # 0: any free port; the URL is in its ready line
+# bind = "127.0.0.1"                # another address needs a token: $BUSCTL_UI_TOKEN, else one
+                                    # is generated and printed once
+
+# [otel]                            # `busctl up` also exports OpenTelemetry traces (busctl otel)
+# endpoint = "http://127.0.0.1:4318"  # OTLP/HTTP; headers from $OTEL_EXPORTER_OTLP_HEADERS
+# capture_content = false           # prompts, replies, tool arguments and results too
+# max_spans = 10000                 # buffered while the collector is down
 """

@@ -1,4 +1,4 @@
-"""`busctl ui`: a live web view of the bus, served on a loopback port with the standard library.
+"""`busctl ui`: a live web view of the bus, served on a local port with the standard library.
 
 One process: the bus subscription (replay from seq 0, then live — the same no-hole stream as
 `busctl watch`) runs on the anyio loop and appends each event, as its `--json` line, to a bounded
@@ -7,14 +7,27 @@ no build step) and streams the store to each open page as Server-Sent Events. Th
 event's seq, so a page that reconnects (`Last-Event-ID`) continues where it stopped, with no
 duplicate. The standard library, not an ASGI server: a page per person needs a thread each, and
 no optional extra is needed to see a run.
+
+Access: on a loopback address the page needs nothing. On any other address (`--bind 0.0.0.0`) every
+request needs the token: `?token=T` once (answered with a cookie and a redirect that takes the
+token out of the address bar), then the cookie; or `Authorization: Bearer T`. Anything else: 401.
+
+Drops: the subscription's counts (events the live stream lost and the log filled in, gaps the
+log no longer had) are served as `subscriber.ui-<pid>`, which `busctl status` reads.
 """
 
 from __future__ import annotations
 
 import bisect
+import hmac
+import ipaddress
 import json
 import logging
+import os
+import secrets
 import threading
+from collections.abc import Callable
+from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -22,7 +35,8 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus.client import Peer, connect
+from bus import events as ev
+from bus.client import IncomingRequest, Peer, Subscription, connect
 from bus.errors import AgentBusError
 from bus.render import json_line
 from bus.security import CurveClient
@@ -31,6 +45,7 @@ log = logging.getLogger("busctl.ui")
 
 MAX_EVENTS = 100_000   # kept for pages that open later; older ones are only in the hub's log
 HEARTBEAT = 10.0       # an SSE comment this often: a closed tab is noticed, proxies keep it open
+COOKIE = "busctl_ui_token"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/app.css": ("app.css", "text/css; charset=utf-8")}
@@ -87,18 +102,58 @@ class EventStore:
             self.cond.notify_all()
 
 
-def _handler(store: EventStore) -> type[BaseHTTPRequestHandler]:
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _query(path: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in path.partition("?")[2].split("&"):
+        key, _, value = item.partition("=")
+        out.setdefault(key, value)
+    return out
+
+
+def _handler(store: EventStore, token: str = "") -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
+            if token and not self._authorised(path):
+                return
             if path == "/events":
                 self._events()
             elif path in STATIC:
                 self._static(*STATIC[path])
             else:
                 self._send(404, b"not found: the page is at /", "text/plain")
+
+        def _authorised(self, path: str) -> bool:
+            """True with the token (cookie, bearer); `?token=` sets the cookie and redirects."""
+            given = _query(self.path).get("token", "")
+            if given and hmac.compare_digest(given, token):
+                self.send_response(303)
+                self.send_header("Location", path)
+                self.send_header("Set-Cookie", f"{COOKIE}={token}; Path=/; HttpOnly; "
+                                               "SameSite=Strict")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return False
+            cookies = SimpleCookie(self.headers.get("Cookie", ""))
+            held = cookies[COOKIE].value if COOKIE in cookies else ""
+            bearer = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if any(v and hmac.compare_digest(v, token) for v in (held, bearer)):
+                return True
+            log.info("ui: refused a request without the token for %s", path)
+            self._send(401, b"401: this page needs its token: open the URL busctl ui printed "
+                            b"(with ?token=...), or send Authorization: Bearer TOKEN", "text/plain")
+            return False
 
         def _send(self, code: int, body: bytes, ctype: str) -> None:
             self.send_response(code)
@@ -113,12 +168,7 @@ def _handler(store: EventStore) -> type[BaseHTTPRequestHandler]:
             self._send(200, body, ctype)
 
         def _since(self) -> int:
-            last = self.headers.get("Last-Event-ID", "")
-            query = self.path.partition("?")[2]
-            for item in query.split("&"):
-                key, _, value = item.partition("=")
-                if key == "since" and not last:
-                    last = value
+            last = self.headers.get("Last-Event-ID", "") or _query(self.path).get("since", "")
             try:
                 return int(last) if last else -1
             except ValueError:  # a hand-written URL: everything, rather than an error page
@@ -166,28 +216,78 @@ async def _poll_status(peer: Peer, store: EventStore, interval: float = 1.0) -> 
         await anyio.sleep(interval)
 
 
-async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 0) -> None:
+class Drops(msgspec.Struct):
+    """A subscriber's losses, as `subscriber.<name>` answers them (`busctl status` shows them)."""
+
+    name: str
+    kind: str
+    seq: int = 0
+    refilled: int = 0   # events the live stream dropped (the hub's queue for us was full), read
+    # from the log instead: nothing lost, but we fell behind
+    gaps: int = 0       # ranges the log no longer held (retention): lost for good
+    lost: int = 0       # events in those ranges
+    extra: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+async def serve_drops(peer: Peer, drops: Drops, sub: Subscription,
+                      extra: Callable[[], dict[str, int]] | None = None) -> None:
+    """Register `subscriber.<name>`, answering with the subscription's current counts."""
+
+    async def answer(req: IncomingRequest) -> bytes:
+        drops.refilled = sub.filled
+        if extra is not None:
+            drops.extra = extra()
+        return msgspec.msgpack.encode(drops)
+
+    await peer.serve(f"subscriber.{drops.name}", answer, capacity=4)
+
+
+def resolve_token(host: str, token: str) -> tuple[str, bool]:
+    """The token the page needs ("" on loopback unless one is given), and whether we made it."""
+    if token or is_loopback(host):
+        return token, False
+    return secrets.token_urlsafe(24), True
+
+
+async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 0,
+                   host: str = "127.0.0.1", token: str = "") -> None:
+    token, made = resolve_token(host, token)
     store = EventStore()
-    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(store))
+    server = ThreadingHTTPServer((host, port), _handler(store, token))
     server.daemon_threads = True  # an open page must not keep the process alive
     thread = threading.Thread(target=server.serve_forever, name="ui-http", daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{shown}:{server.server_address[1]}/"
+    ready: dict[str, object] = {"ready": "ui", "url": url, "bind": host}
+    if token:
+        # printed once, here: it is in no file; `?token=` puts it in a cookie and leaves the URL
+        ready["url"] = f"{url}?token={token}" if made else url
+        ready["token"] = "generated" if made else "given"
+    drops = Drops(f"ui-{os.getpid()}", "ui")
     try:
         async with connect(hub, name="busctl-ui", role="watcher", curve=curve) as peer, \
                 anyio.create_task_group() as tg:
             tg.start_soon(_poll_status, peer, store)
             async with peer.subscribe([], since=since, fill_gaps=True) as sub:
-                print(json.dumps({"ready": "ui", "url": url}), flush=True)
+                await serve_drops(peer, drops, sub)
+                print(json.dumps(ready), flush=True)
                 last = since
                 async for envelope in sub:
                     # A `Gap` (a range retention pruned) has no seq of its own: not an SSE id.
                     if envelope.header.seq <= last:
+                        count_gap(drops, envelope.event)
                         continue
-                    last = envelope.header.seq
+                    last = drops.seq = envelope.header.seq
                     store.add(last, json_line(envelope.header, envelope.event))
             tg.cancel_scope.cancel()
     finally:
         store.close()
         await anyio.to_thread.run_sync(server.shutdown)
         server.server_close()
+
+
+def count_gap(drops: Drops, event: ev.Event) -> None:
+    if isinstance(event, ev.Gap):
+        drops.gaps += 1
+        drops.lost += event.last - event.first + 1

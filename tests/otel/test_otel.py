@@ -8,6 +8,7 @@ otel` as a child process exporting to `Receiver`, which decodes with opentelemet
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from agents.client.remote import connect
+from agents.gateway.fakellm import RecordedRequest
+from bus.tracecontext import parse_traceparent, trace_id
 from tests.coordinator.conftest import Stack, calls, start_stack, text
 from tests.otel.receiver import Receiver, Span
 from tests.support import Proc, busctl, until
@@ -220,3 +223,39 @@ async def test_past_the_bound_the_oldest_trace_is_dropped_and_counted(
 def busctl_status(stack: Stack) -> str:
     return subprocess.run(busctl("status", "--hub", stack.endpoint, "--json"), capture_output=True,
                           text=True, timeout=20, check=True).stdout
+
+
+def _traceparent(request: RecordedRequest) -> str:
+    return {k.lower(): v for k, v in request.headers.items()}.get("traceparent", "")
+
+
+def _asks(request: RecordedRequest, text: str) -> bool:
+    return text in json.dumps(request.body)
+
+
+async def test_model_requests_carry_a_traceparent_in_the_exported_trace(
+        stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
+    """The gateway's HTTP requests to the model (the fake server, over real HTTP) carry a W3C
+    `traceparent` whose trace id is the one `busctl otel` exported for the run, and whose parent
+    is the run's `invoke_agent` span: a provider that traces its side joins our trace."""
+    otel = start_otel(stack, receiver, tmp_path / "otel.json")
+    run_id, _, _ = await scripted_run(stack, "exp-traceparent")
+    await until(lambda: len(of_run(receiver.snapshot(), run_id)) >= 8, 15, "the trace")
+    otel.stop()
+    spans = of_run(receiver.snapshot(), run_id)
+    boss, helper = one(spans, "invoke_agent boss"), one(spans, "invoke_agent helper")
+    requests = list(stack.srv.requests)  # this run's only: `script` cleared the log
+    assert len(requests) == 3
+    for request in requests:
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", _traceparent(request)), \
+            _traceparent(request)
+    boss_calls = [r for r in requests if _asks(r, "use your tools and ask the helper")]
+    assert len(boss_calls) == 2
+    for request in boss_calls:
+        assert parse_traceparent(_traceparent(request)) == (boss.trace_id, boss.span_id)
+    # The sub-agent's call hangs under its own run's span. Its trace id is derived from its
+    # own run id: the gateway sees one run id per request, not the tree's root (see
+    # docs/architecture.md, "OpenTelemetry export").
+    (helper_call,) = [r for r in requests if r not in boss_calls]
+    trace, parent = parse_traceparent(_traceparent(helper_call)) or ("", "")
+    assert parent == helper.span_id and trace == f"{trace_id(helper.attrs['agent_bus.run.id']):032x}"

@@ -6,9 +6,13 @@
 const REDRAW_MS = 200;
 const MAX_DETAILED_RUNS = 300;
 const MAX_LANES = 100; // older finished runs keep their lane but drop bars and transcript
+// Past this many runs the oldest finished top-level runs (with their sub-agent runs) are
+// forgotten: the totals keep counting them, so a page left open for hours stays the same size.
+const MAX_KEPT_RUNS = 1000;
+const MAX_SESSIONS = 5000; // per agent; past it the set restarts (the count goes on)
 
 const state = {
-  lastSeq: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
+  lastSeq: 0, lastTs: 0, shownSeq: 0, shownTs: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
   order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, experiments: new Map(),
   status: null, selected: null, filter: { agent: "", experiment: "", run: "" },
 };
@@ -49,8 +53,12 @@ const handlers = {
     r.start = ev.ts; r.session = ev.session || "";
     state.totals.runs += 1;
     experiment(r.experiment).runs += 1;
-    const a = state.agents.get(ev.agent) || { runs: 0, live: 0, sessions: new Set() };
-    a.runs += 1; a.live += 1; if (r.session) a.sessions.add(r.session);
+    const a = state.agents.get(ev.agent) || { runs: 0, live: 0, sessions: new Set(), nsessions: 0 };
+    a.runs += 1; a.live += 1;
+    if (r.session && !a.sessions.has(r.session)) {
+      a.nsessions += 1; a.sessions.add(r.session);
+      if (a.sessions.size > MAX_SESSIONS) a.sessions.clear();
+    }
     state.agents.set(ev.agent, a);
   },
   message_start(ev) {
@@ -111,6 +119,26 @@ function collapseOld() {
     const r = state.runs.get(id);
     r.detailed = false; r.chats = []; r.tools = new Map(); r.transcript = [];
   }
+  if (state.order.length > MAX_KEPT_RUNS * 1.25) forgetOld();
+}
+
+function forgetOld() {
+  // Whole trees only, oldest first, and only finished ones: a live run is never forgotten.
+  const gone = new Set();
+  const drop = (id) => {
+    const r = state.runs.get(id);
+    if (!r || gone.has(id)) return;
+    gone.add(id);
+    r.children.forEach(drop);
+  };
+  for (const id of state.order) {
+    if (state.order.length - gone.size <= MAX_KEPT_RUNS) break;
+    const r = state.runs.get(id);
+    if (r.end !== null && (!r.parent || !state.runs.has(r.parent))) drop(id);
+  }
+  for (const id of gone) state.runs.delete(id);
+  state.order = state.order.filter((id) => !gone.has(id));
+  state.forgotten = (state.forgotten || 0) + gone.size;
 }
 
 function el(tag, attrs, ...kids) {
@@ -247,8 +275,9 @@ function redraw() {
     renderList("services", [...state.services.values()].map((s) => `${s.service} ×${s.capacity || 1}`));
   }
   renderList("agents", [...state.agents.entries()].map(([n, a]) =>
-    `${n}: ${a.live} live, ${a.runs} runs, ${a.sessions.size} sessions`));
+    `${n}: ${a.live} live, ${a.runs} runs, ${a.nsessions} sessions`));
   document.getElementById("seq").textContent = `seq ${state.lastSeq}`;
+  state.shownSeq = state.lastSeq; state.shownTs = state.lastTs; // what the page shows now
 }
 
 function schedule() {
@@ -263,7 +292,7 @@ function connect() {
   source.onmessage = (msg) => {
     const ev = JSON.parse(msg.data);
     if (ev.seq <= state.lastSeq) return; // a replayed duplicate after a reconnect
-    state.lastSeq = ev.seq;
+    state.lastSeq = ev.seq; state.lastTs = ev.ts;
     const handle = handlers[ev.type];
     if (handle) handle(ev);
     schedule();

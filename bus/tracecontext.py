@@ -1,0 +1,37 @@
+"""W3C trace context (`traceparent`) for the bus's runs, with the standard library only.
+
+`busctl otel` derives every trace and span id from run ids (so a trace exported twice has the same
+ids); the gateway derives the `traceparent` it sends to the model provider from the same run id
+with the same functions, so a provider that traces its side puts its spans in our trace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def span_id(*parts: str) -> int:
+    """A span id from its identifying parts (never 0, which W3C calls invalid)."""
+    return int.from_bytes(hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()) or 1
+
+
+def trace_id(run: str) -> int:
+    """The trace id of the run tree whose top-level run is `run`."""
+    return int.from_bytes(hashlib.blake2b(run.encode(), digest_size=16).digest()) or 1
+
+
+def traceparent(run: str) -> str:
+    """`00-<trace>-<span>-01` for a call made inside `run`: its parent is the run's
+    `invoke_agent` span (sampled: we export every run)."""
+    return f"00-{trace_id(run):032x}-{span_id(run):016x}-01"
+
+
+def parse_traceparent(value: str) -> tuple[str, str] | None:
+    """(trace id, parent span id) in hex, or None when `value` is not a valid version-00 header."""
+    match = TRACEPARENT.fullmatch(value.strip())
+    if match is None or set(match.group(1)) == {"0"} or set(match.group(2)) == {"0"}:
+        return None
+    return match.group(1), match.group(2)
