@@ -11,8 +11,13 @@ answers), hashed. The gateway then answers each `llm` request of experiment E2 w
 recorded reply of the same key, in order, and never calls the model (no match: an error reply,
 so the run diverges visibly). E's top-level runs (no parent; `ask_<agent>` runs are made again by
 their callers) are prompted again, one after another, in fresh sessions, with the same text.
-A fork (`live_from` N) replays each run's first N model calls and sends the later ones to the
-live model (`model`: another alias). Tool results come from the log too (`ToolBook`, sent to
+A fork (`Fork`) replays part of each run and sends the rest to the live model: with `live_from`
+N each run's first N model calls are replayed; with `live_from_seq` S the calls whose logged reply
+has seq < S are (each run goes live at its first call answered at or after S, and stays live).
+The live calls can change: `model` (another alias) and, per agent, the `[[agents]]` keys a model
+request carries (`LiveOverrides`: system prompt, sampling), which the gateway puts in each live
+request; `max_turns` (or `max_iterations`) bounds the runs the replay prompts.
+Tool results come from the log too (`ToolBook`, sent to
 every coordinator's `replay@<coordinator>` service; `RecordedTools` serves them by agent, tool
 and arguments, in order), except `ask_<agent>` (the callee run is replayed itself), `publish` and
 `tool_output`; with `live_tools` every tool runs again and a tool that answers differently is a
@@ -26,17 +31,20 @@ import difflib
 import hashlib
 import json
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
+from agents.launch.topology import AgentSpec
 from agents.loop.run import ToolExecutor, UpdateSink
 from bus import events as ev
 from bus.client import Peer
+from bus.errors import ConfigError, RemoteError
 from bus.messages import (
     AssistantMessage,
+    LlmRequest,
     Message,
     TextPart,
     ToolCallRequest,
@@ -60,6 +68,25 @@ SKIPPED = frozenset({"message_update", "llm_retry", "run_resumed", "tool_executi
 class ReplayEntry(msgspec.Struct, array_like=True):
     key: str
     reply: AssistantMessage
+    live: bool = False  # a fork at a seq: the request this answered goes to the live model
+
+
+class LiveOverrides(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """What a fork changes in one agent's live model requests (None: unchanged). The fields
+    are the `[[agents]]` keys an `llm` request carries; the bounds are the providers'."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    system_prompt: str | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+
+    def apply(self, request: LlmRequest) -> LlmRequest:
+        changes = {name: value for name in self.__struct_fields__
+                   if (value := getattr(self, name)) is not None}
+        return msgspec.structs.replace(request, **changes)
 
 
 class ReplayLoad(msgspec.Struct):
@@ -71,6 +98,8 @@ class ReplayLoad(msgspec.Struct):
     entries: list[ReplayEntry]
     live_after: int = 0  # > 0: a run's model requests after this many go to a live model
     model: str = ""  # the model alias live requests use ("": the request's own)
+    #: by agent: what its live requests change (a fork's `--set`, `--system-prompt-file`)
+    overrides: dict[str, LiveOverrides] = msgspec.field(default_factory=dict)
 
 
 class ReplayLoaded(msgspec.Struct):
@@ -206,6 +235,9 @@ class RecordedRun:
     end: ev.AgentEnd | None = None
     first_ts: float = 0.0
     last_ts: float = 0.0
+    reply_seqs: list[int] = field(default_factory=list)  # each model reply's message_end seq
+    first_seq: int = 0
+    last_seq: int = 0
 
     @property
     def prompt(self) -> str:
@@ -244,8 +276,10 @@ async def load_experiment(peer: Peer, experiment: str) -> list[RecordedRun]:
         run = runs.get(header.run)
         if run is None:
             run = runs[header.run] = RecordedRun(header.run, header.agent, header.parent,
-                                                 first_ts=header.ts)
-        run.last_ts = header.ts
+                                                 first_ts=header.ts, first_seq=header.seq)
+        run.last_ts, run.last_seq = header.ts, header.seq
+        if isinstance(event, ev.MessageEnd) and isinstance(event.message, AssistantMessage):
+            run.reply_seqs.append(header.seq)
         _add(run, event)
     return list(runs.values())
 
@@ -282,14 +316,175 @@ def tool_book(runs: Sequence[RecordedRun]) -> list[ToolEntry]:
     return entries
 
 
-def book(runs: Sequence[RecordedRun]) -> list[ReplayEntry]:
-    """Every model reply of `runs`, keyed by the request it answered."""
+def book(runs: Sequence[RecordedRun], live_from_seq: int = 0) -> list[ReplayEntry]:
+    """Every model reply of `runs`, keyed by the request it answered; with `live_from_seq`
+    those logged at or after that seq are marked live (their request goes to the model)."""
     entries: list[ReplayEntry] = []
     for run in runs:
+        seqs = iter(run.reply_seqs)
         for i, message in enumerate(run.messages):
             if isinstance(message, AssistantMessage):
-                entries.append(ReplayEntry(request_key(run.agent, run.messages[:i]), message))
+                live = 0 < live_from_seq <= next(seqs, 0)
+                entries.append(ReplayEntry(request_key(run.agent, run.messages[:i]), message,
+                                           live))
     return entries
+
+
+# --- a fork: where the live part starts and what it changes -------------------------------
+
+#: `[[agents]]` keys a fork can change: those an `llm` request carries (the gateway puts them in
+#: the agent's live requests) and the run's turn bound (`max_turns`, as `busctl run` has it).
+REQUEST_KEYS = tuple(LiveOverrides.__struct_fields__)
+TURN_KEYS = ("max_iterations", "max_turns")
+SETTABLE = (*REQUEST_KEYS, *TURN_KEYS)
+EXAMPLES = {"model": "b", "system_prompt": "'Be brief.'", "temperature": "0.2", "top_p": "0.9",
+            "max_tokens": "1024", "seed": "7", "stop": "END (or a JSON list)",
+            "max_iterations": "3", "max_turns": "3"}
+KINDS = {"temperature": "a number", "top_p": "a number", "max_tokens": "a whole number",
+         "seed": "a whole number", "stop": "a string or a JSON list of strings"}
+TurnBound = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ForkError(ConfigError, ValueError):
+    """A fork option that cannot apply (unknown agent or key, bad value): says which and how
+    to fix it, before anything of the replay runs."""
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Where a replay goes live and what its live part changes (`busctl replay` options).
+
+    `live_from` N: each run's first N model calls are replayed; `live_from_seq` S: the calls
+    whose logged reply has seq >= S go live (a run stays live from its first one). `model`: the
+    alias of every live call. `system_prompt`: the prompted agents' (those of the experiment's
+    top-level runs) for their live calls. `settings`: `"agent.key"` -> value (a string is
+    converted), a key of `SETTABLE`."""
+
+    live_from: int = 0
+    live_from_seq: int = 0
+    model: str = ""
+    system_prompt: str | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def forks(self) -> bool:
+        return bool(self.live_from or self.live_from_seq)
+
+
+@dataclass
+class ForkPlan:
+    """A `Fork` checked against the experiment: per agent, what its live calls change and the
+    turn bound of its prompted runs."""
+
+    overrides: dict[str, LiveOverrides] = field(default_factory=dict)
+    max_turns: dict[str, int] = field(default_factory=dict)
+
+
+def parse_setting(text: str) -> tuple[str, str]:
+    """`AGENT.KEY=VALUE` (as `--set` takes it) -> ("AGENT.KEY", "VALUE")."""
+    name, eq, value = text.partition("=")
+    agent, dot, key = name.strip().rpartition(".")
+    if not eq or not dot or not agent or not key:
+        raise ForkError(f"--set {text}: expected AGENT.KEY=VALUE, e.g. "
+                        f"--set assistant.temperature=0.2")
+    return f"{agent}.{key}", value
+
+
+def plan_fork(fork: Fork, runs: Sequence[RecordedRun], source: str) -> ForkPlan:
+    """Check `fork` against experiment `source`'s `runs`; raises ForkError naming the option."""
+    if not fork.forks:
+        if fork.model or fork.system_prompt is not None or fork.settings:
+            raise ForkError("--model, --system-prompt-file and --set change the live part of a "
+                            "fork: give --live-from TURN or --live-from-seq SEQ too")
+        return ForkPlan()
+    if fork.live_from and fork.live_from_seq:
+        raise ForkError("--live-from and --live-from-seq both say where the fork starts: give one")
+    if fork.live_from_seq:
+        _check_seq(fork.live_from_seq, runs, source)
+    agents = {r.agent for r in runs}
+    prompted = sorted({r.agent for r in runs if not r.parent})
+    values: dict[str, dict[str, Any]] = {}
+    for name, value in fork.settings.items():
+        agent, key = _setting_name(name, value, agents, source)
+        values.setdefault(agent, {})[key] = value
+    if fork.system_prompt is not None:
+        for agent in prompted:
+            if "system_prompt" in values.get(agent, {}):
+                raise ForkError(f"--system-prompt-file and --set {agent}.system_prompt both give "
+                                f"`{agent}`'s system prompt: give one")
+            values.setdefault(agent, {})["system_prompt"] = fork.system_prompt
+    plan = ForkPlan()
+    for agent, settings in values.items():
+        _plan_agent(plan, agent, settings, prompted)
+    return plan
+
+
+def _check_seq(seq: int, runs: Sequence[RecordedRun], source: str) -> None:
+    first, last = min(r.first_seq for r in runs), max(r.last_seq for r in runs)
+    if not first <= seq <= last:
+        raise ForkError(f"--live-from-seq {seq}: experiment `{source}`'s events are seqs "
+                        f"{first}-{last}; give one of them (`busctl watch --experiment "
+                        f"{source} --no-follow` shows each event's seq)")
+
+
+def _setting_name(name: str, value: Any, agents: set[str], source: str) -> tuple[str, str]:
+    agent, _, key = name.rpartition(".")
+    shown = f"--set {name}={value}"
+    if agent not in agents:
+        raise ForkError(f"{shown}: experiment `{source}` has no runs of agent `{agent}` (its "
+                        f"agents: {', '.join(sorted(agents))})")
+    if key not in SETTABLE:
+        what = ("cannot change in a fork (a run's tools and loop settings are fixed when it "
+                "starts)" if key in AgentSpec.__struct_fields__ else "is not an [[agents]] key")
+        raise ForkError(f"{shown}: `{key}` {what}; a fork can set: {', '.join(SETTABLE)}")
+    return agent, key
+
+
+def _plan_agent(plan: ForkPlan, agent: str, settings: dict[str, Any],
+                prompted: Sequence[str]) -> None:
+    request = {k: _typed_stop(v) if k == "stop" else v for k, v in settings.items()
+               if k in REQUEST_KEYS}
+    try:
+        plan.overrides[agent] = msgspec.convert(request, LiveOverrides, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ForkError(_bad_value(agent, settings, str(exc))) from None
+    for key in TURN_KEYS:
+        if key not in settings:
+            continue
+        if agent not in prompted:
+            raise ForkError(f"--set {agent}.{key}: the runs of `{agent}` are started by "
+                            f"`ask_{agent}` calls, which a fork does not bound; set it for an "
+                            f"agent the experiment prompts ({', '.join(prompted)})")
+        try:
+            plan.max_turns[agent] = msgspec.convert(settings[key], TurnBound, strict=False)
+        except msgspec.ValidationError:
+            raise ForkError(f"--set {agent}.{key}={settings[key]}: expected a whole number of "
+                            f"turns, at least 1, e.g. --set {agent}.{key}=3") from None
+
+
+def _typed_stop(value: Any) -> Any:
+    if isinstance(value, str):  # `--set a.stop=END`, or a JSON list
+        try:
+            return json.loads(value) if value.lstrip().startswith("[") else [value]
+        except json.JSONDecodeError:
+            return value  # reported by the conversion
+    return value
+
+
+def _bad_value(agent: str, settings: dict[str, Any], error: str) -> str:
+    """msgspec says `Expected `float | null`, got `str` - at `$.temperature``: name the
+    --set that gave it."""
+    key = error.rpartition("$.")[2].split("[")[0].rstrip("`") if "$." in error else ""
+    if key not in settings:
+        return f"--set {agent}.*: {error}"
+    reason = error.partition(" - at ")[0]
+    if "got `" in reason:  # a type error: msgspec's type names mean little on a command line
+        reason = f"expected {KINDS.get(key, 'a string')}"
+    else:
+        reason = reason.replace("Expected `float`", "expected a number").replace(
+            "Expected `int`", "expected a whole number").replace("Expected `str`", "expected")
+    return (f"--set {agent}.{key}={settings[key]}: {reason}; e.g. --set "
+            f"{agent}.{key}={EXAMPLES[key]}")
 
 
 # --- replay --------------------------------------------------------------------------------
@@ -309,43 +504,51 @@ class Divergence:
                 f"{self.event + 1} ({self.type}): {self.detail}")
 
 
-async def prepare(peer: Peer, source: str, target: str, *, live_from: int = 0,
-                  model: str = "", live_tools: bool = False) -> list[RecordedRun]:
+async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = None,
+                  live_tools: bool = False) -> tuple[list[RecordedRun], ForkPlan]:
     """Put experiment `target` in replay of `source`: its model replies to the gateway and,
-    unless `live_tools`, its tool results to every coordinator. Returns `source`'s runs."""
+    unless `live_tools`, its tool results to every coordinator. Returns `source`'s runs and
+    the checked `fork` (a ForkError, before anything is sent, when it cannot apply)."""
+    fork = fork or Fork()
     runs = await load_experiment(peer, source)
     if not runs:
         raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
                          f"with `busctl export --experiment {source}`)")
-    load = ReplayLoad(experiment=target, source=source, entries=book(runs),
-                      live_after=live_from, model=model)
-    await peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
+    plan = plan_fork(fork, runs, source)
+    load = ReplayLoad(experiment=target, source=source,
+                      entries=book(runs, fork.live_from_seq), live_after=fork.live_from,
+                      model=fork.model, overrides=plan.overrides)
+    try:
+        await peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
+    except RemoteError as exc:
+        if exc.code != "invalid":
+            raise
+        raise ForkError(f"--model / --set AGENT.model: {exc.message}") from None
     if live_tools:
-        return runs
+        return runs, plan
     entries = tool_book(runs)
     names = sorted({e.result.tool_name for e in entries})
     tools = msgspec.msgpack.encode(ToolBook(target, source, entries, names))
     status = await peer.status()
     for service in sorted({s.name for s in status.services if s.name.startswith("replay@")}):
         await peer.request(service, tools, timeout=10)
-    return runs
+    return runs, plan
 
 
-async def replay_experiment(bus: AgentBus, source: str, target: str, *, live_from: int = 0,
-                            model: str = "", live_tools: bool = False) -> Divergence | None:
+async def replay_experiment(bus: AgentBus, source: str, target: str, *, fork: Fork | None = None,
+                            live_tools: bool = False) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
-    A fork: `live_from` = N > 0 replays each run's first N model calls (its first N turns) and
-    sends the later ones to the live model (`model`, an alias of the gateway, if given)."""
+    A `fork` replays part of each run and calls the live model for the rest (see `Fork`)."""
     if await load_experiment(bus.peer, target):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
-    runs = await prepare(bus.peer, source, target, live_from=live_from, model=model,
-                         live_tools=live_tools)
+    runs, plan = await prepare(bus.peer, source, target, fork=fork, live_tools=live_tools)
     for run in runs:
         if run.parent:
             continue  # made again by the caller's ask_<agent> call
-        started = await bus.prompt(run.agent, run.prompt, experiment=target)
+        started = await bus.prompt(run.agent, run.prompt, experiment=target,
+                                   max_turns=plan.max_turns.get(run.agent, 0))
         async for _ in started.events():
             pass  # to its agent_end: then it is in the log
         await started.result()
@@ -478,6 +681,10 @@ def diff_text(result: dict[str, Any], a: str, b: str) -> str:
 __all__ = [
     "REPLAY_SERVICE",
     "Divergence",
+    "Fork",
+    "ForkError",
+    "ForkPlan",
+    "LiveOverrides",
     "LoggedTools",
     "RecordedRun",
     "RecordedTools",
@@ -493,6 +700,8 @@ __all__ = [
     "diff_text",
     "load_experiment",
     "load_tool_book",
+    "parse_setting",
+    "plan_fork",
     "prepare",
     "replay_experiment",
     "replay_service",

@@ -156,11 +156,13 @@ class AgentBus:
     """A peer with agent verbs. Use `connect()`."""
 
     def __init__(self, peer: Peer, resume_wait: float = RESUME_WAIT,
-                 replay_from: str = "") -> None:
+                 replay_from: str = "", fork: replay.Fork | None = None) -> None:
         self.peer = peer
         self.resume_wait = resume_wait  # see the module doc (durable runs); 0: fail at once
         self.replay_from = replay_from  # see `connect`
+        self.fork = fork
         self._replaying: set[str] = set()  # experiments put in replay of `replay_from`
+        self._fork_turns: dict[str, int] = {}  # agent -> the fork's `max_turns` for its runs
 
     async def _service(self, agent: str, session: str = "") -> str:
         """The service to send a command about `session` (or a new one) to."""
@@ -249,12 +251,16 @@ class AgentBus:
         if not experiment:
             raise ValueError(f"this client replays experiment `{self.replay_from}`: give each "
                              f"prompt an `experiment=` (the new experiment's id)")
-        await replay.prepare(self.peer, self.replay_from, experiment)
+        _, plan = await replay.prepare(self.peer, self.replay_from, experiment, fork=self.fork)
+        self._fork_turns = plan.max_turns
         self._replaying.add(experiment)
 
     async def _start(self, agent: str, command: cmd.Command, session: str = "") -> Run:
         if isinstance(command, (cmd.Prompt, cmd.Continue)):
             await self._replay(command.experiment)
+        if isinstance(command, cmd.Prompt) and not command.max_turns and self.replay_from:
+            command = msgspec.structs.replace(command,
+                                              max_turns=self._fork_turns.get(agent, 0))
         stack = AsyncExitStack()
         try:
             # fails at once for an agent nobody serves: else the prompt would wait
@@ -426,13 +432,17 @@ def _merge_agent(agents: dict[str, Any], state: dict[str, Any]) -> None:
 @asynccontextmanager
 async def connect(hub: str | None = None, *, name: str = "agents-client",
                   curve: CurveClient | None = None, resume_wait: float = RESUME_WAIT,
-                  replay_from: str = "") -> AsyncIterator[AgentBus]:
+                  replay_from: str = "", fork: replay.Fork | None = None
+                  ) -> AsyncIterator[AgentBus]:
     """`resume_wait`: seconds a run's follower waits for the run to resume after its
     coordinator died (0: fail with PeerLost at once). `replay_from="E"`: every prompt's
     experiment (required) is answered from E's log, model replies and tool results
-    (`agents.replay`): run a script against a recorded experiment without calling a model."""
+    (`agents.replay`): run a script against a recorded experiment without calling a model.
+    With `fork` (`agents.replay.Fork`, as `busctl replay`'s options) part of each run is
+    replayed and the rest calls the live model, changed as the fork says; a fork that cannot
+    apply raises `ForkError` at the first prompt, before anything runs."""
     async with connect_peer(hub, name=name, role="client", curve=curve) as peer:
-        yield AgentBus(peer, resume_wait, replay_from)
+        yield AgentBus(peer, resume_wait, replay_from, fork)
 
 
 class BlockingBus:

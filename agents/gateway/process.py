@@ -10,7 +10,9 @@ its environment or memory.
 A second service, `gateway.<name>`, answers with the engine's stats (queues, usage totals).
 Replay mode (`agents.replay`, `busctl replay`): `llm.replay` loads the recorded replies of an
 experiment for another one; that one's `llm` requests are then answered from them, matched by
-`request_key` in order, and never reach a model (no match: an error reply naming the key).
+`request_key` in order, and never reach a model (no match: an error reply naming the key). A
+fork's live requests (`_Replay.live`) go to the model, changed as the replay says (another
+model alias; per agent a system prompt, sampling: `LiveOverrides`).
 
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
@@ -37,7 +39,7 @@ import msgspec
 
 from agents.gateway.engine import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
 from agents.gateway.providers.llamacpp import LocalModelError, hosted_models
-from agents.replay import REPLAY_SERVICE, ReplayLoad, ReplayLoaded, request_key
+from agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded, request_key
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
@@ -50,6 +52,7 @@ log = logging.getLogger("agents.gateway.process")
 
 LLM_SERVICE = "llm"
 REPLAYS_KEPT = 16  # experiments in replay mode held at once
+INVALID = "invalid"  # error code: a replay that cannot apply (e.g. an unknown model alias)
 LLM_CAPACITY = 256  # requests taken at once; the engine's per-model limits queue the rest
 
 _encoder = msgspec.msgpack.Encoder()
@@ -76,19 +79,37 @@ class LlmPartial(msgspec.Struct, omit_defaults=True, tag_field="role", tag="part
 
 
 class _Replay:
-    """One experiment in replay mode: recorded replies by request key, and for a fork the
-    number of each run's model calls served from them before the live model takes over."""
+    """One experiment in replay mode: recorded replies by request key, and for a fork where
+    each run goes live (after `live_after` model calls, or at a reply the log marks live) and
+    what its live requests change (`model`, `overrides` by agent)."""
 
-    def __init__(self, live_after: int, model: str) -> None:
-        self.book: dict[str, deque[AssistantMessage]] = {}
-        self.live_after = live_after
-        self.model = model
+    def __init__(self, load: ReplayLoad) -> None:
+        self.book: dict[str, deque[ReplayEntry]] = {}
+        for entry in load.entries:
+            self.book.setdefault(entry.key, deque()).append(entry)
+        self.live_after = load.live_after
+        self.model = load.model
+        self.overrides = load.overrides
         self.calls: dict[str, int] = {}  # run id -> model requests seen
+        self.live_runs: set[str] = set()  # runs past their fork point (`live` entries)
 
-    def live(self, run_id: str) -> bool:
+    def live(self, run_id: str, key: str) -> bool:
         """Count this request of `run_id`; true when it goes to the live model."""
         n = self.calls[run_id] = self.calls.get(run_id, 0) + 1
-        return 0 < self.live_after < n
+        if run_id in self.live_runs or 0 < self.live_after < n:
+            return True
+        entries = self.book.get(key)
+        if entries and entries[0].live:  # the fork point: this call and the run's later ones
+            entries.popleft()
+            self.live_runs.add(run_id)
+            return True
+        return False
+
+    def live_request(self, request: LlmRequest) -> LlmRequest:
+        if self.model:  # a fork to another model
+            request = msgspec.structs.replace(request, model=self.model)
+        overrides = self.overrides.get(request.agent)
+        return overrides.apply(request) if overrides is not None else request
 
 
 def stats_service(name: str) -> str:
@@ -111,10 +132,10 @@ class Gateway:
             raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
         replay = self.replays.get(request.experiment)
         if replay is not None:
-            if not replay.live(request.run_id):
-                return _encoder.encode(self._replayed(request, replay.book))
-            if replay.model:  # a fork to another model
-                request = msgspec.structs.replace(request, model=replay.model)
+            key = request_key(request.agent, request.messages)
+            if not replay.live(request.run_id, key):
+                return _encoder.encode(self._replayed(request, key, replay.book))
+            request = replay.live_request(request)
         abort = anyio.Event()
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
@@ -148,16 +169,15 @@ class Gateway:
         return LlmPartial(delta, model=config.model, provider=config.provider,
                           context_window=config.context_window)
 
-    def _replayed(self, request: LlmRequest,
-                  book: dict[str, deque[AssistantMessage]]) -> AssistantMessage:
-        key = request_key(request.agent, request.messages)
+    def _replayed(self, request: LlmRequest, key: str,
+                  book: dict[str, deque[ReplayEntry]]) -> AssistantMessage:
         replies = book.get(key)
         if not replies:
             return AssistantMessage(stop_reason="error", error=(
                 f"replay of experiment `{request.experiment}`: no recorded reply left for this "
                 f"request of agent `{request.agent}` (key {key}); the run diverged from the log"))
         self.replayed += 1
-        return replies.popleft()
+        return replies.popleft().reply
 
     async def handle_replay(self, req: IncomingRequest) -> bytes:
         try:
@@ -165,9 +185,13 @@ class Gateway:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed `{REPLAY_SERVICE}` request: {exc}",
                               "bad_request") from None
-        replay = self.replays[load.experiment] = _Replay(load.live_after, load.model)
-        for entry in load.entries:
-            replay.book.setdefault(entry.key, deque()).append(entry.reply)
+        unknown = sorted({alias for alias in (load.model, *(o.model or "" for o in
+                                                           load.overrides.values()))
+                          if alias and self.engine.model_config(alias) is None})
+        if unknown:  # refused before the replay starts, not at its first live call
+            raise RemoteError(f"model alias {', '.join(unknown)} is not one of this gateway's "
+                              f"({', '.join(m.alias for m in self.engine.models)})", INVALID)
+        self.replays[load.experiment] = _Replay(load)
         while len(self.replays) > REPLAYS_KEPT:  # the oldest replay goes (dicts keep order)
             del self.replays[next(iter(self.replays))]
         log.info("replaying experiment %s as %s: %d recorded replies", load.source,
