@@ -65,7 +65,7 @@ async def soak(tmp_path: Path, seconds: float) -> dict[str, Any]:
             sample = json.loads(browser.evaluate(SAMPLE))
             sample["t"] = time.monotonic() - t0
             samples.append(sample)
-            if seconds >= 20 and len(samples) % 5 == 0:
+            if seconds >= 20 and len(samples) % 3 == 0:
                 heaps.append((sample["t"], heap(browser)))
         assert pub.popen.wait(10) == 0, pub.output()
         done = json.loads(pub.wait_line(lambda s: s.startswith('{"done"')))["done"]
@@ -92,8 +92,13 @@ def check(result: dict[str, Any]) -> None:
     assert result["done"] >= RATE * result["seconds"] * 0.8  # the load was really there
     loaded = [s for s in samples[2:] if s["ts"]]  # after the first redraws
     lags = [s["now"] - s["ts"] for s in loaded]
-    bound = 1.0 if tight_timing() else 2.5
+    # A page that cannot keep up falls further behind every second (at 1,000 events/s, tens of
+    # seconds by the end); one that keeps up stays within the redraw interval plus the stream's
+    # latency, which on a busy 2-core machine (load 14 seen) reaches ~2.3 s. Quiet machine: 1 s.
+    bound = 1.0 if tight_timing() else 5.0
     assert loaded and max(lags) < bound, lags  # the newest event shown is recent
+    third = max(1, len(lags) // 3)
+    assert sorted(lags[-third:])[third // 2] <= sorted(lags[:third])[third // 2] + bound / 2, lags
     assert result["catch_up"] < bound, result["catch_up"]
     assert max(s["dom"] for s in samples) < MAX_DOM, [s["dom"] for s in samples]
     assert max(s["runs"] for s in samples) <= MAX_RUNS, [s["runs"] for s in samples]
@@ -111,6 +116,7 @@ async def test_the_page_keeps_up_for_30_seconds_and_memory_is_bounded(tmp_path: 
     result = await soak(tmp_path, 30.0)
     check(result)
     heaps = result["heaps"]
-    # the run store fills within ~10 s (1,000 runs of 12 events); after that the heap stays flat
-    settled = [h for t, h in heaps if t >= 12]
+    # the run store fills within ~10 s (1,000 runs of 12 events at 1,000 events/s, five open at
+    # a time: ~1,000 runs by 8 s); after that the heap after a collection stays flat
+    settled = [h for t, h in heaps if t >= 8]
     assert len(settled) >= 2 and settled[-1] < settled[0] * 1.5 + 5_000_000, heaps
