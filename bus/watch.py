@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-import anyio
 import msgspec
 
 from bus import events as ev
 from bus import protocol as p
+from bus.backoff import Backoff, retry
 from bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
 from bus.errors import Overloaded, ProtocolError
 from bus.messages import AssistantMessage, Usage
@@ -44,17 +44,20 @@ class WatchFilter:
         return not (self.experiments and header.experiment not in self.experiments)
 
 
+#: Asks again of a `hub.replay` the hub's reader was too full for: every 0.05 s.
+REPLAY_AGAIN = Backoff(first=0.05, factor=1.0, cap=0.05, jitter=0.0)
+
+
 async def _replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
     """One `hub.replay`; asked again while the hub's reader is full (`overloaded`, up to
     REPLAY_RETRY_FOR seconds): replay is idempotent."""
-    give_up = time.monotonic() + REPLAY_RETRY_FOR
-    while True:
-        try:
-            return p.decode(await peer.request(p.HUB_REPLAY, p.encode(request)), p.ReplayBatch)
-        except Overloaded:
-            if time.monotonic() >= give_up:
-                raise
-        await anyio.sleep(0.05)
+    body = p.encode(request)
+
+    async def ask() -> p.ReplayBatch:
+        return p.decode(await peer.request(p.HUB_REPLAY, body), p.ReplayBatch)
+
+    return await retry(ask, retry_on=(Overloaded,), policy=REPLAY_AGAIN,
+                       deadline=time.monotonic() + REPLAY_RETRY_FOR)
 
 
 async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Envelope]:

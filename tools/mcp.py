@@ -35,6 +35,7 @@ import anyio.abc
 import msgspec
 
 from bus import protocol as p
+from bus.backoff import Backoff
 from bus.client import Handler, IncomingRequest
 from bus.messages import (
     ImagePart,
@@ -53,10 +54,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tools.mcp")
 
-#: Restart delays of a server that exited: doubles from the first to the last, reset after a
-#: server stayed up for `STABLE_AFTER` seconds.
-BACKOFF_FIRST = 0.5
-BACKOFF_MAX = 30.0
+#: Restart delays of a server that exited: 0.5 s doubling to 30 s, back to 0.5 s after a server
+#: stayed up for `STABLE_AFTER` seconds.
+RESTART_BACKOFF = Backoff(first=0.5, factor=2.0, cap=30.0, jitter=0.0)
 STABLE_AFTER = 30.0
 #: How long the worker waits for a server's first connection before printing its ready line.
 FIRST_CONNECT_WAIT = 30.0
@@ -217,7 +217,7 @@ class McpBridge:
         """Connect, serve, and reconnect with backoff forever (until cancelled).
 
         `task_status.started()` after the first attempt, successful or not."""
-        delay = BACKOFF_FIRST
+        delays = RESTART_BACKOFF.delays()
         started = False
 
         def ready() -> None:
@@ -230,9 +230,9 @@ class McpBridge:
             t0 = anyio.current_time()
             try:
                 await self._session_once(ready)
-                log.warning("%s exited; restarting in %.1fs", self.owner, delay)
+                why = "exited"
             except Exception as exc:  # noqa: BLE001 - any failure of the server: restart it
-                log.warning("%s failed: %s; restarting in %.1fs", self.owner, _reason(exc), delay)
+                why = f"failed: {_reason(exc)}"
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._unregister_all()
@@ -241,9 +241,11 @@ class McpBridge:
             if self._renewing:  # not a failure: the server restarted and forgot us
                 self._renewing = False
                 continue
-            delay = BACKOFF_FIRST if anyio.current_time() - t0 > STABLE_AFTER else delay
+            if anyio.current_time() - t0 > STABLE_AFTER:  # it ran well: not a crash loop
+                delays = RESTART_BACKOFF.delays()
+            delay = next(delays)
+            log.warning("%s %s; restarting in %.1fs", self.owner, why, delay)
             await anyio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX)
             self.restarts += 1
 
     async def _session_once(self, ready: Callable[[], None]) -> None:

@@ -29,6 +29,7 @@ from agents.gateway.process import LlmPartial
 from agents.gateway.providers.base import MessageBuilder
 from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore
 from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
+from bus.backoff import Backoff
 from bus.client import Peer
 from bus.errors import (
     DeadlineExceeded,
@@ -50,6 +51,8 @@ LLM_TIMEOUT: float | None = None
 #: When no gateway serves `llm`, wait this long for one to attach (e.g. one being restarted, or
 #: started alongside the coordinator) before the call fails.
 SERVICE_WAIT = 3.0
+#: Polls of the hub's registry while waiting for the service: 0.05 s doubling to 0.5 s.
+SERVICE_POLL = Backoff(first=0.05, factor=2.0, cap=0.5, jitter=0.0)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -173,17 +176,15 @@ class BusLlmClient:
 
     async def _wait_for_service(self) -> bool:
         """Poll the hub's registry until a peer serves the service, up to `service_wait` s."""
-        delay = 0.05
-        with anyio.move_on_after(self.service_wait):
-            while True:
-                await anyio.sleep(delay)  # a poll interval inside the deadline above
+        with anyio.move_on_after(self.service_wait):  # bounds the status requests too
+            for delay in SERVICE_POLL.delays():
+                await anyio.sleep(delay)
                 try:
                     status = await self.peer.status()
                 except RequestError:
                     continue
                 if any(s.name == self.service and s.peers > 0 for s in status.services):
                     return True
-                delay = min(delay * 2, 0.5)
         return False
 
 

@@ -61,6 +61,7 @@ import msgspec
 
 from agents import commands as cmd
 from bus import events as ev
+from bus.backoff import Backoff
 from bus.client import Envelope, Peer
 from bus.errors import NoService, RemoteError, RequestError
 from bus.messages import TextPart, ToolCallRequest, ToolInfo, ToolResult, error_result
@@ -78,6 +79,10 @@ MAX_CALL_DEPTH = 4
 BUSY_WAIT = 30.0
 #: How long a call waits for a coordinator to serve the callee.
 SERVICE_WAIT = 3.0
+#: Waits between tries of a busy or not yet served callee: 0.02 s doubling to 0.5 s.
+CALL_RETRY = Backoff(first=0.02, factor=2.0, cap=0.5, jitter=0.0)
+#: Wait before following the topic stream again after it broke (the hub went away, say).
+RESUBSCRIBE = Backoff(first=0.5, factor=1.0, cap=0.5, jitter=0.0)
 #: Error codes of refused prompts (the coordinator's replies).
 CALL_CYCLE = "call_cycle"
 CALL_DEPTH = "call_depth"
@@ -255,7 +260,7 @@ class AgentCalls:
                    else cmd.agent_service(callee))
         busy_until = anyio.current_time() + self.busy_wait
         service_until = anyio.current_time() + self.service_wait
-        delay = 0.02
+        delays = CALL_RETRY.delays()  # endless: the two deadlines above end the tries
         while True:
             try:
                 return await self._call_once(callee, service, body, parent)
@@ -272,8 +277,7 @@ class AgentCalls:
             except RequestError as exc:
                 return error_result(f"Error: asking agent '{callee}' failed "
                                     f"({exc.code or 'error'}): {exc}")
-            await anyio.sleep(delay)  # retry interval while the callee is busy or starting
-            delay = min(delay * 2, 0.5)
+            await anyio.sleep(next(delays))  # the callee is busy or starting
 
     async def _call_once(self, callee: str, service: str, body: bytes, parent: str) -> ToolResult:
         run_id = ""
@@ -381,6 +385,7 @@ class TopicRouter:
         """Follow the stream from the hub's seq now; `task_status.started(seq)` once in place."""
         seq = (await self.peer.status()).seq
         self.last_seq = seq
+        delays = RESUBSCRIBE.delays()
         while True:
             try:
                 async with self.peer.subscribe([TOPIC_PREFIX], since=self.last_seq) as sub:
@@ -392,7 +397,7 @@ class TopicRouter:
             except RequestError as exc:  # e.g. the hub went away during a replay: resume
                 log.warning("topic subscription broke (%s); resuming from seq %d", exc,
                             self.last_seq)
-                await anyio.sleep(0.5)  # back off before resubscribing
+                await anyio.sleep(next(delays))
 
     def handle(self, envelope: Envelope) -> None:
         event, header = envelope.event, envelope.header

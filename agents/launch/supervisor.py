@@ -13,6 +13,7 @@ stop every process even when the supervisor itself is gone.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -28,9 +29,12 @@ import anyio
 import anyio.abc
 import msgspec
 
+from bus.backoff import Backoff
 from bus.errors import AgentBusError
 
-RESTART_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0)
+# 0.5, 1, 2, 4, 8 s (docs/architecture.md). No jitter: each child restarts on its own schedule,
+# and the exact delay is what the user is told ("restarting in 2s").
+RESTART_BACKOFF = Backoff(first=0.5, factor=2.0, cap=8.0, jitter=0.0)
 CRASH_LOOP_RESTARTS = 5  # restarts within CRASH_LOOP_WINDOW that make us give up
 CRASH_LOOP_WINDOW = 60.0
 STOP_TIMEOUT = 4.0
@@ -223,7 +227,7 @@ class Supervisor:
                 if self.notify:
                     await self.notify("gave_up", child, code)
                 return
-            delay = RESTART_BACKOFF[min(len(child.restart_times), len(RESTART_BACKOFF) - 1)]
+            delay = _restart_delay(len(child.restart_times))
             self._say(child.spec.name, f"exited with {code}; restarting in {delay:g}s")
             await anyio.sleep(delay)
             if self.stopping or child.removed:
@@ -268,7 +272,7 @@ class Supervisor:
                     tg.start_soon(_hand_over, process.stdin, spec.stdin_data)
                 assert process.stdout is not None
                 await self._pump(child, process.stdout, log)
-                return await process.wait()
+            return await process.wait()  # already waited for by leaving `process`: the code
         finally:
             log.close()
 
@@ -392,6 +396,12 @@ async def _hand_over(stdin: anyio.abc.ByteSendStream, data: bytes) -> None:
         await stdin.aclose()
     except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
         pass
+
+
+def _restart_delay(recent_restarts: int) -> float:
+    """The wait before a restart: RESTART_BACKOFF's delay after `recent_restarts` earlier ones
+    (those inside CRASH_LOOP_WINDOW), so a child that stayed up a while starts over at 0.5 s."""
+    return next(itertools.islice(RESTART_BACKOFF.delays(), recent_restarts, None))
 
 
 def _killpg(child: Child, sig: int) -> None:
