@@ -366,6 +366,15 @@ class Fork:
     system_prompt: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """The problems the options show alone (the rest need the experiment: `plan_fork`)."""
+        if self.live_from and self.live_from_seq:
+            raise ForkError("--live-from and --live-from-seq both say where the fork starts: "
+                            "give one")
+        if not self.forks and (self.model or self.system_prompt is not None or self.settings):
+            raise ForkError("--model, --system-prompt-file and --set change the live part of a "
+                            "fork: give --live-from TURN or --live-from-seq SEQ too")
+
     @property
     def forks(self) -> bool:
         return bool(self.live_from or self.live_from_seq)
@@ -393,12 +402,7 @@ def parse_setting(text: str) -> tuple[str, str]:
 def plan_fork(fork: Fork, runs: Sequence[RecordedRun], source: str) -> ForkPlan:
     """Check `fork` against experiment `source`'s `runs`; raises ForkError naming the option."""
     if not fork.forks:
-        if fork.model or fork.system_prompt is not None or fork.settings:
-            raise ForkError("--model, --system-prompt-file and --set change the live part of a "
-                            "fork: give --live-from TURN or --live-from-seq SEQ too")
         return ForkPlan()
-    if fork.live_from and fork.live_from_seq:
-        raise ForkError("--live-from and --live-from-seq both say where the fork starts: give one")
     if fork.live_from_seq:
         _check_seq(fork.live_from_seq, runs, source)
     agents = {r.agent for r in runs}

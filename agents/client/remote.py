@@ -441,6 +441,8 @@ async def connect(hub: str | None = None, *, name: str = "agents-client",
     With `fork` (`agents.replay.Fork`, as `busctl replay`'s options) part of each run is
     replayed and the rest calls the live model, changed as the fork says; a fork that cannot
     apply raises `ForkError` at the first prompt, before anything runs."""
+    if fork is not None and not replay_from:
+        raise replay.ForkError("fork= forks a recorded experiment: give replay_from= too")
     async with connect_peer(hub, name=name, role="client", curve=curve) as peer:
         yield AgentBus(peer, resume_wait, replay_from, fork)
 

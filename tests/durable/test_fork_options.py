@@ -184,6 +184,10 @@ async def test_the_client_takes_the_same_fork(fresh: Recorded) -> None:
                        fork=Fork(live_from=2, settings={"solo.top_p": 3})) as bus:
         with pytest.raises(ForkError, match=r"--set solo.top_p=3: expected a number <= 1"):
             await bus.run("solo", "task 0", experiment="client-fork-bad")
+    with pytest.raises(ForkError, match="give replay_from= too"):
+        async with connect(r.stack.endpoint, fork=fork_y):
+            pass
+    assert (len(r.stack.srv.requests), len(r.other.requests)) == (0, 1)
 
 
 BAD = [
