@@ -22,7 +22,7 @@ import msgspec
 from bus import protocol as p
 from bus.client import DEFAULT_HUB, HUB_ENV, connect
 from bus.errors import AgentBusError, HubUnreachable
-from bus.security import CurveClient, CurveServer, is_loopback_endpoint
+from bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
 
 T = TypeVar("T")
 
@@ -231,16 +231,14 @@ def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
         raise click.UsageError("--curve-secret and --curve-authorized go together")
     if secret and authorized:
         return CurveServer(secret_key_file=secret, authorized_dir=authorized)
-    if events and not is_loopback_endpoint(events) and is_loopback_endpoint(endpoint):
-        endpoint = events  # the event stream would be readable by anyone who reaches it
-    if not is_loopback_endpoint(endpoint):
-        if not insecure:
-            raise click.UsageError(
-                f"refusing to bind {endpoint} without CURVE: other machines could connect. "
-                "Make keys with `busctl keys generate DIR` and pass --curve-secret DIR/hub.key_secret "
-                "--curve-authorized DIR/authorized, or pass --insecure on a trusted network."
-            )
-        click.secho(f"WARNING: hub on {endpoint} without CURVE: anyone who reaches it is let in.",
+    try:
+        exposed = check_bind({"--hub": endpoint, "--events": events}, curve=False, insecure=insecure,
+                             fix="pass --curve-secret DIR/hub.key_secret --curve-authorized "
+                                 "DIR/authorized, or pass --insecure on a trusted network.")
+    except InsecureBindError as exc:
+        raise click.UsageError(str(exc)) from None
+    if exposed:
+        click.secho(f"WARNING: hub on {exposed} without CURVE: anyone who reaches it is let in.",
                     fg="red", err=True)
     return None
 
@@ -766,15 +764,13 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
 
 def _refuse_insecure_bind(topology: Any) -> None:
     hub_cfg = topology.hub
-    if hub_cfg.curve_secret or hub_cfg.insecure or (
-            is_loopback_endpoint(hub_cfg.endpoint)
-            and (not hub_cfg.events or is_loopback_endpoint(hub_cfg.events))):
-        return
-    raise click.UsageError(
-        f"refusing to bind {hub_cfg.endpoint} without CURVE: other machines could connect. "
-        "Make keys with `busctl keys generate DIR` and set hub.curve_secret and "
-        "hub.curve_authorized in the topology, or set hub.insecure = true on a trusted network."
-    )
+    try:
+        check_bind({"hub.endpoint": hub_cfg.endpoint, "hub.events": hub_cfg.events},
+                   curve=bool(hub_cfg.curve_secret), insecure=hub_cfg.insecure,
+                   fix="set hub.curve_secret and hub.curve_authorized in the topology, or set "
+                       "hub.insecure = true on a trusted network.")
+    except InsecureBindError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _detach(topology: Any, options: Any) -> None:

@@ -4,6 +4,7 @@
     ├── ConfigError          a topology, flag or setting that cannot work (names the key/flag)
     │   ├── TopologyError      agents/launch/topology.py
     │   ├── HubConfigError     bus/hub.py (e.g. a non-loopback bind without CURVE)
+    │   ├── InsecureBindError  bus/security.py: `busctl hub`/`up` binding exposed without CURVE
     │   ├── ModelSetupError    agents/gateway/engine.py (no model configured, unknown alias)
     │   └── CoordinatorError   agents/coordinator/process.py (an agent's hook does not import, …)
     ├── ChildFailed          agents/launch/supervisor.py: a child of `busctl up` did not start

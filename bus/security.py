@@ -15,6 +15,9 @@ authenticated, not a name the client chose.
 
 Refused handshakes (a key that is not authorised) are counted here, thread-safely, and the hub
 merges `counters()` into its status counters as `auth_refused`.
+
+Binding without CURVE: `check_bind` is the policy (loopback only, unless the user says the network
+is trusted); `busctl hub` and `busctl up` ask it, each naming its own flags or topology keys.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,8 @@ import msgspec
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+
+from bus.errors import ConfigError
 
 log = logging.getLogger("bus.security")
 
@@ -261,6 +266,30 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+class InsecureBindError(ConfigError):
+    """A hub address other machines could reach, without CURVE and without `insecure`."""
+
+
+def check_bind(addresses: Mapping[str, str], *, curve: bool, insecure: bool, fix: str) -> str | None:
+    """The insecure-bind policy: without CURVE a hub binds loopback addresses only (anyone who
+    reaches another address is let in), unless `insecure` says the network is trusted.
+
+    `addresses` maps the name the user gave each address by (a flag, a topology key) to it; ""
+    is an address not given. Raises InsecureBindError naming the first exposed one and, after
+    "Make keys with `busctl keys generate DIR` and ", `fix` (the caller's own flags or keys).
+    Returns that address when `insecure` allows it (for a warning), else None.
+    """
+    if curve:
+        return None
+    exposed = [(name, address) for name, address in addresses.items()
+               if address and not is_loopback_endpoint(address)]
+    if not exposed or insecure:
+        return exposed[0][1] if exposed else None
+    name, address = exposed[0]
+    raise InsecureBindError(f"refusing to bind {name} {address} without CURVE: other machines could "
+                            f"connect. Make keys with `busctl keys generate DIR` and {fix}")
 
 
 @contextlib.contextmanager
