@@ -13,7 +13,6 @@ from typing import Any, Literal, Union
 import msgspec
 
 StopReason = Literal["stop", "tool_use", "length", "error", "aborted"]
-STOP_REASONS: tuple[str, ...] = ("stop", "tool_use", "length", "error", "aborted")
 
 
 def now() -> float:

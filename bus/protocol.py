@@ -14,8 +14,8 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
-SIGNATURE: Final = b"AGB/1"
-MAJOR: Final = 1
+MAJOR: Final = 1  # in the signature: a peer of another major is refused at its first frame
+SIGNATURE: Final = b"AGB/%d" % MAJOR
 MINOR: Final = 0
 
 # Message kinds (header `kind`).

@@ -152,7 +152,6 @@ class Agent:
         self.steering = MessageQueue(self.config.steering_mode)
         self.follow_ups = MessageQueue(self.config.follow_up_mode)
         self.output_store = output_store or ToolOutputStore()
-        self.last_result: LoopResult | None = None
         self._llm = llm
         self._tools = _CatalogTracker(tools, self.state)
         self._on_message_end = on_message_end
@@ -333,7 +332,7 @@ class Agent:
             get_follow_up_messages=self.follow_ups.drain,
         )
         try:
-            result = await run_loop(
+            return await run_loop(
                 messages,
                 self.state.messages,
                 config,
@@ -346,8 +345,6 @@ class Agent:
                 skip_initial_steering=skip_initial_steering,
                 start_turn=start_turn,
             )
-            self.last_result = result
-            return result
         finally:
             self.state.is_running = False
             self.state.pending_tool_calls.clear()
