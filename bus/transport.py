@@ -17,8 +17,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
 
 import anyio
 import zmq
@@ -35,7 +35,14 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 _bsend = _BackendSocket.send
 _brecv = _BackendSocket.recv
-_bget = _BackendSocket.get
+# pyzmq's stubs type every option's value as `int | bytes`; EVENTS and FD are ints (FD is a
+# SOCKET on Windows, an int too). Cast once here, not per call: this is the hot path.
+_bget = cast(Callable[[Any, int], int], _BackendSocket.get)
+
+
+def socket_fd(sock: zmq.Socket[Any]) -> int:
+    """The socket's notification fd (an int; see the cast above)."""
+    return _bget(sock, int(zmq.FD))
 
 
 def send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
@@ -66,6 +73,93 @@ def transport_kind(loop: asyncio.AbstractEventLoop) -> str:
     return "portable" if isinstance(loop, getattr(asyncio, "ProactorEventLoop", ())) else "fast"
 
 
+class FdWaiter:
+    """Wake one waiting task when a plain zmq socket's notification fd fires (edge-triggered);
+    or, with `on_ready`, call it instead. The subscription's SUB socket is read through this."""
+
+    def __init__(self, sock: zmq.Socket[Any], on_ready: Callable[[], None] | None = None) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.fd = socket_fd(sock)
+        self.waiter: asyncio.Future[None] | None = None
+        self._on_ready = on_ready
+        self.loop.add_reader(self.fd, self._fired)
+
+    def _fired(self) -> None:
+        if self.sock.closed:
+            return
+        if self._on_ready is not None:
+            self._on_ready()
+            return
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:
+            _bget(self.sock, _EVENTS)  # consume the edge; the reader will find the messages
+
+    async def wait(self) -> None:
+        self.waiter = self.loop.create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+    def close(self) -> None:
+        try:
+            self.loop.remove_reader(self.fd)
+        except (ValueError, OSError, RuntimeError):
+            pass
+        self.sock.close(linger=0)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the reader sees the socket gone and stops
+
+
+class PollWaiter:
+    """`FdWaiter` on public pyzmq API: wait for input with a `zmq.asyncio` poll (the portable
+    transport's way; works where the loop has no `add_reader`)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.waiter: asyncio.Future[None] | None = None
+        self._poll: asyncio.Future[int] | None = None
+
+    async def wait(self) -> None:
+        if self.sock.closed:
+            return
+        # zmq.asyncio's `Socket.poll(timeout=None, flags=POLLIN)` returns a future; pyzmq's
+        # stub gives it the poller's signature instead (no `flags`). It is awaited through a
+        # future of our own, so that `close` (from any task) can end the wait without
+        # cancelling the waiting task.
+        poll = self._poll = cast(Callable[..., "asyncio.Future[int]"], self.sock.poll)(
+            flags=zmq.POLLIN)
+        waiter = self.waiter = self.loop.create_future()
+
+        def wake(_: object) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        poll.add_done_callback(wake)
+        try:
+            await waiter
+        finally:
+            self.waiter = self._poll = None
+            poll.cancel()
+
+    def close(self) -> None:
+        poll, waiter = self._poll, self.waiter
+        if poll is not None:
+            poll.cancel()
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)  # the reader sees the socket gone and stops
+        if not self.sock.closed:
+            self.sock.close(linger=0)
+
+
+Waiter = FdWaiter | PollWaiter
+
+
 class Transport(abc.ABC):
     """One connected DEALER. `send`/`recv` never block (zmq.Again); `on_ready` is called when
     input may be waiting (the peer then drains with `recv` until zmq.Again)."""
@@ -80,10 +174,10 @@ class Transport(abc.ABC):
 
     def input_waiting(self) -> bool:
         """Whether a message is ready (a send may have consumed the readiness edge)."""
-        return bool(self.sock.get(zmq.EVENTS) & _POLLIN)
+        return bool(_bget(self.sock, _EVENTS) & _POLLIN)
 
     def writable(self) -> bool:
-        return bool(self.sock.get(zmq.EVENTS) & _POLLOUT)
+        return bool(_bget(self.sock, _EVENTS) & _POLLOUT)
 
     @abc.abstractmethod
     def close(self, linger: int) -> None: ...
@@ -95,7 +189,7 @@ class FastTransport(Transport):
     def __init__(self, sock: zmq.Socket[Any], on_ready: Callable[[], None]) -> None:
         self.sock = sock
         self.loop = asyncio.get_running_loop()
-        self.fd = sock.getsockopt(zmq.FD)
+        self.fd = socket_fd(sock)
         self._on_ready = on_ready
         self.loop.add_reader(self.fd, self._fired)
 
@@ -139,7 +233,8 @@ class PortableTransport(Transport):
         """Call `on_ready` whenever input is waiting, until `close`."""
         with self._scope:
             while not self.sock.closed:
-                await self.sock.poll(flags=zmq.POLLIN)
+                # zmq.asyncio's poll returns a future; its stub says int (the sync one's type).
+                await cast(Awaitable[int], self.sock.poll(flags=zmq.POLLIN))
                 if self.sock.closed:
                     return
                 self._on_ready()
@@ -152,10 +247,10 @@ class PortableTransport(Transport):
         return self._plain.recv_multipart(flags=zmq.NOBLOCK)
 
     def input_waiting(self) -> bool:
-        return bool(self._plain.get(zmq.EVENTS) & _POLLIN)
+        return bool(_bget(self._plain, _EVENTS) & _POLLIN)
 
     def writable(self) -> bool:
-        return bool(self._plain.get(zmq.EVENTS) & _POLLOUT)
+        return bool(_bget(self._plain, _EVENTS) & _POLLOUT)
 
     def close(self, linger: int) -> None:
         self._scope.cancel()

@@ -217,7 +217,7 @@ async def test_stream_cancelled_mid_way_cancels_the_server(hub: dict) -> None:
         assert got == [b"0", b"1", b"2"]
         with anyio.fail_after(5):
             await cancelled.wait()
-        assert not peer._pending
+        assert peer.requests_in_flight == 0
         # the service is free again
         assert await until(lambda: _idle(peer, "ticker"), 5, "ticker to be idle")
 
@@ -266,6 +266,6 @@ async def test_deadline_enforced_by_the_client_when_the_hub_is_frozen(hub: dict)
             # deadline + REPLY_GRACE, checked every 0.1 s; the frozen hub never answers, so
             # without the client's own deadline this would wait for the test's timeout
             assert 1.2 <= elapsed < (2.0 if tight_timing() else 10), elapsed
-            assert not peer._pending
+            assert peer.requests_in_flight == 0
         finally:
             hub["proc"].signal(signal.SIGCONT)

@@ -1,0 +1,741 @@
+"""The peer: one connection to the hub — its lifecycle, its one reader, and everything it sends.
+
+(`bus/client.py` is the public face; requests are in `bus/rpc.py`, serving in `bus/serving.py`,
+subscriptions in `bus/subscription.py`, the socket transports in `bus/transport.py`.)
+
+Lifecycle (`Peer.state`, a `PeerState`): CONNECTING until the first welcome, READY while
+welcomed, RECONNECTING after a lost connection until the next welcome (retried with
+`RECONNECT_BACKOFF`), CLOSING while `aclose()` flushes and says bye, CLOSED after. Whether the
+current socket is welcomed is `welcome is not None` (`connected`): during CLOSING the link may
+still be up, and the flush needs it.
+
+How the DEALER is driven (the hot path): its transport (`bus/transport.py`) calls `_drain` when
+input may be waiting. Each call drains every ready message with NOBLOCK receives and dispatches
+them synchronously (a reply resolves its caller's call; a request starts a handler task). Sends
+are NOBLOCK and succeed at once unless the high-water mark is reached, in which case the sender
+waits for the socket to become writable. The fast transport's fd is edge-triggered: any send or
+`EVENTS` read may consume the edge, so after sending we check `EVENTS` and schedule a drain
+ourselves when input is waiting. This needs anyio's asyncio backend (pyzmq has no trio support).
+
+Published events are held until the end of the current event-loop iteration and then sent back
+to back (`_hold`): on an idle socket every send wakes ZeroMQ's I/O thread (and then the hub),
+which costs far more than the send itself, so a burst of events (a streamed reply's deltas, a
+turn's lifecycle events) is cheaper sent together. Every other send flushes them first, so this
+peer's messages keep their order; `publish` still waits for the connection and the HWM as before.
+
+What the hub has logged (docs/reliability.md, "Publish guarantees"): a `hub.replay` request is
+answered only after the hub has committed every event it read before it, and ZeroMQ keeps one
+connection's messages in order, so its reply confirms every event this peer sent before it on
+the same socket. `confirm()` is that round trip; `aclose()` does it (bounded by
+`flush_timeout`) before saying bye, and the housekeeping task does it about once a second
+while events flow. A socket closed on a reconnect (linger 0) discards what it still queued: the
+events sent on it since the last confirmation are counted in `counters["events_unconfirmed"]`
+(not resent: some may be in the log already, and the hub does not deduplicate), and the next
+`confirm()` raises `HubLost` naming how many. Events still held (never sent) survive a
+reconnect and go out on the new connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import socket
+import time
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import msgspec
+import zmq
+import zmq.asyncio
+
+from bus import events as ev
+from bus import protocol as p
+from bus.backoff import Backoff
+from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
+from bus.rpc import Calls
+from bus.security import CurveClient
+from bus.serving import Handler, Served, Serving
+from bus.subscription import Subscription
+from bus.transport import FastTransport, PortableTransport, Transport, transport_kind
+
+log = logging.getLogger("bus.client")
+
+DEFAULT_HUB = "tcp://127.0.0.1:7400"
+HUB_ENV = "BUSCTL_HUB"
+CONNECT_TIMEOUT = 4.0  # a welcome takes milliseconds; CLI commands must fail within 5 s
+HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
+DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
+HOLD_MAX = 1024  # published events held for the end of the loop iteration at most
+YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
+BYE_LINGER_MS = 200
+FLUSH_TIMEOUT = 10.0  # aclose() waits at most this long for the hub to confirm published events
+CONFIRM_EVERY = 1.0  # seconds between background confirmations while events flow
+# Between connection attempts: 50 ms doubling to 2 s, each ±50% so that peers that lost the
+# same hub do not come back in step; back to 50 ms after a connection that was welcomed.
+RECONNECT_BACKOFF = Backoff(first=0.05, factor=2.0, cap=2.0, jitter=0.5)
+# A replay that starts past any seq: the reply carries no events, only the log's head.
+_CONFIRM_BODY = p.encode(p.ReplayRequest(since=2**62, limit=1))
+
+_SIG = p.SIGNATURE
+_S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
+_REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
+
+
+class PeerState(enum.Enum):
+    """A peer's lifecycle; see the module docstring."""
+
+    CONNECTING = "connecting"
+    READY = "ready"
+    RECONNECTING = "reconnecting"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+def default_hub() -> str:
+    return os.environ.get(HUB_ENV) or DEFAULT_HUB
+
+
+class Peer:
+    """A connection to one hub. Use `connect()`; see the module docstring."""
+
+    def __init__(
+        self,
+        hub: str,
+        *,
+        name: str,
+        role: str = "",
+        curve: CurveClient | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        flush_timeout: float = FLUSH_TIMEOUT,
+    ) -> None:
+        self.hub = hub
+        self.name = name
+        self.role = role
+        self.curve = curve
+        self.connect_timeout = connect_timeout
+        self.flush_timeout = flush_timeout
+        self.session = p.new_session()
+        self.welcome: p.Welcome | None = None
+        self.ctx = zmq.asyncio.Context()
+        self._sock: Transport | None = None  # the DEALER of the current connection
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_scheduled = False
+        # Published events held until the end of the current event-loop iteration (see
+        # `publish_raw`): always sent, in order, before anything else this peer sends.
+        self._held: list[list[Any]] = []
+        self._flush_scheduled = False
+        # Publish accounting: events handed to a socket, how many of those the hub confirmed
+        # (the rest of the current socket's are in flight), and how many unconfirmed ones a
+        # closed socket took with it (all; and, with the refused ones, as far as `confirm()` has
+        # reported them).
+        self._events_sent = 0
+        self._confirmed = 0
+        self._unconfirmed = 0
+        self._unconfirmed_reported = 0
+        self._confirming = False  # a background confirmation is in flight
+        self._writable: list[asyncio.Future[None]] = []
+        # The lifecycle (see PeerState); whether the current socket is welcomed is `welcome`.
+        self._state = PeerState.CONNECTING
+        self._state_changed = anyio.Event()  # set (and replaced) on every state or link change
+        self._lost = anyio.Event()
+        self._last_heard = time.monotonic()
+        self._calls = Calls(self)  # requests this peer made, in flight
+        self._serving = Serving(self)  # services it offers, requests it serves (in `_tg`)
+        self._sends = 0
+        self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.counters: dict[str, int] = {}
+
+    @property
+    def peer_id(self) -> str:
+        return self.welcome.peer if self.welcome else ""
+
+    @property
+    def connected(self) -> bool:
+        """Welcomed by the hub on the current connection (requests and events can flow)."""
+        return self.welcome is not None
+
+    @property
+    def state(self) -> PeerState:
+        """Where this peer is in its lifecycle (read-only; see PeerState)."""
+        return self._state
+
+    @property
+    def closing(self) -> bool:
+        return self._state is PeerState.CLOSING or self._state is PeerState.CLOSED
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests this peer made that have no final answer yet."""
+        return len(self._calls.pending)
+
+    @property
+    def events_endpoint(self) -> str:
+        if self.welcome is None:
+            raise HubUnreachable(f"not connected to the hub at {self.hub}")
+        return self.welcome.events
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Peer:
+        try:
+            refused = self._check_endpoint()
+        except HubUnreachable:
+            self._set_state(PeerState.CLOSED)
+            raise
+        if refused:
+            self._set_state(PeerState.CLOSED)
+            self.ctx.term()
+            raise HubUnreachable(
+                f"cannot reach the hub at {self.hub}: {refused} (is `busctl up` or "
+                f"`busctl hub` running there? set --hub or {HUB_ENV})")
+        self._tg = tg = anyio.create_task_group()
+        await tg.__aenter__()
+        tg.start_soon(self._connection_loop, tg)
+        tg.start_soon(self._housekeeping, tg)
+        with anyio.move_on_after(self.connect_timeout):
+            await self._wait_connected()
+        if self.welcome is None:
+            await self.aclose()
+            raise HubUnreachable(
+                f"no answer from the hub at {self.hub} within {self.connect_timeout:g}s "
+                f"(is `busctl up` or `busctl hub` running there? set --hub or {HUB_ENV})"
+                + ("; with CURVE, also check that this client's public key is in the hub's "
+                   "authorised directory and that --curve-server-key is the hub's key"
+                   if self.curve is not None else "")
+            )
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    def _check_endpoint(self) -> str:
+        """Fail fast on a malformed address (raises) or a hub that is plainly not there (returns
+        why: nothing listens on the TCP port, or no ipc socket file), instead of retrying for
+        the whole connect timeout. Anything less clear-cut is left to the ZeroMQ connection."""
+        # (No probe socket on self.ctx: creating one there upsets the fd-driven reader of the
+        # SUB sockets made later — seen as a subscriber stalling under load.)
+        scheme, sep, rest = self.hub.partition("://")
+        ok = sep and rest and scheme in ("tcp", "ipc", "inproc", "ws", "wss", "tipc", "vmci")
+        if ok and scheme == "tcp":
+            port = rest.rpartition(":")[2]
+            ok = ":" in rest and port.isdigit() and 0 < int(port) < 65536
+        if not ok:
+            self.ctx.term()
+            raise HubUnreachable(f"bad hub address {self.hub!r} (use tcp://HOST:PORT or ipc://PATH)")
+        if self.hub.startswith("ipc://"):
+            path = self.hub[6:]
+            if path and not path.startswith("@") and not os.path.exists(path):
+                return f"no socket file at {path}"
+            return ""
+        if self.hub.startswith("tcp://"):
+            host, _, port = self.hub[6:].rpartition(":")
+            host = host.strip("[]")
+            if ";" in host:
+                return ""  # a source address: let ZeroMQ handle it
+            try:
+                with socket.create_connection((host, int(port)), timeout=1.0):
+                    pass
+            except ConnectionRefusedError:
+                return "connection refused"
+            except OSError:
+                return ""
+        return ""
+
+    async def aclose(self) -> None:
+        if self.closing:
+            return
+        self._set_state(PeerState.CLOSING)  # still connected: the flush needs the link
+        await self._flush_on_close()
+        bye_sent = False
+        if self._sock is not None and self.welcome is not None:
+            try:
+                self._flush_held()
+                self._sock.send([_SIG, p.encode(p.Header(kind=p.BYE))])
+                bye_sent = True
+            except zmq.ZMQError:
+                pass
+        self._calls.fail_all(HubLost("peer closed", p.HUB_LOST))
+        for sub in list(self._subs):
+            sub._close()
+        if self._tg is not None:  # its handlers too: they end before the socket closes
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+        self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
+        self.welcome = None
+        self._set_state(PeerState.CLOSED)
+        self.ctx.term()
+
+    async def _flush_on_close(self) -> None:
+        """Wait, at most `flush_timeout`, until the hub confirms every event published so far:
+        closing the socket soon after would discard a backlog still queued in it. What stays
+        unconfirmed is counted when the socket closes."""
+        if self.welcome is None or (self._events_sent == self._confirmed and not self._held):
+            return  # nothing in flight: no round trip (most CLI commands publish nothing)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.flush_timeout):
+            try:
+                await self._confirm_sent()
+            except RequestError as exc:  # the hub went away: counted at the close below
+                log.warning("%s: published events not confirmed before closing: %s",
+                            self.name, exc)
+
+    # --- connection ----------------------------------------------------------------------
+
+    def _set_state(self, state: PeerState) -> None:
+        self._state = state
+        self._changed()
+
+    def _changed(self) -> None:
+        """Wake the tasks waiting for the state or the link (`_wait_connected`)."""
+        changed, self._state_changed = self._state_changed, anyio.Event()
+        changed.set()
+
+    async def _wait_connected(self) -> None:
+        while self.welcome is None:
+            await self._state_changed.wait()
+
+    async def _connection_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        delays = RECONNECT_BACKOFF.delays()
+        while not self.closing:
+            self._lost = anyio.Event()
+            sock = self._open_socket(tg)
+            try:
+                # Straight to the socket: events held over from the last connection must
+                # follow the hello, not precede it.
+                with contextlib.suppress(zmq.Again):  # no hello: the silence ends this try
+                    sock.send([_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
+                               p.encode(self._hello())])
+                await self._lost.wait()
+                if self.welcome is not None:  # it was up: the next try starts soon again
+                    delays = RECONNECT_BACKOFF.delays()
+            finally:
+                self._on_lost()
+            await anyio.sleep(next(delays))
+
+    def _on_lost(self) -> None:
+        """The connection ended (silence, RECONNECT, or closing): fail what waits on it."""
+        if not self.closing:  # when closing, aclose() closes the socket (letting `bye` out)
+            self._close_socket(linger=0)
+        self.welcome = None
+        if self._state is PeerState.READY:
+            self._state = PeerState.RECONNECTING
+        self._changed()
+        self._calls.fail_all(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
+
+    def _open_socket(self, tg: anyio.abc.TaskGroup) -> Transport:
+        self._loop = loop = asyncio.get_running_loop()
+        link: Transport
+        if transport_kind(loop) == "portable":
+            portable = PortableTransport(self._dealer(self.ctx.socket(zmq.DEALER)), self._drain)
+            tg.start_soon(portable.watch)
+            link = portable
+        else:  # a plain socket (see bus/transport.py); `self.ctx` makes zmq.asyncio ones
+            link = FastTransport(self._dealer(zmq.Socket(self.ctx, zmq.DEALER)), self._drain)
+        self._sock = link
+        self._last_heard = time.monotonic()
+        self._schedule_drain()
+        return link
+
+    def _dealer(self, sock: _S) -> _S:
+        """Set up and connect a new DEALER to the hub."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            self.curve.apply(sock)
+        sock.connect(self.hub)
+        return sock
+
+    def _close_socket(self, linger: int) -> None:
+        link, self._sock = self._sock, None
+        self._count_unconfirmed()
+        if link is not None:
+            link.close(linger)
+        for waiter in self._writable:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._writable.clear()
+
+    def _count_unconfirmed(self) -> None:
+        """The socket is gone with whatever it still queued: count the events sent on it that
+        the hub never confirmed. On a reconnect, held events (never sent) wait for the next
+        connection; on close they are counted too."""
+        lost = self._events_sent - self._confirmed
+        self._confirmed = self._events_sent
+        if self.closing and self._held:
+            lost += len(self._held)
+            self._held.clear()
+        if not lost:
+            return
+        self._unconfirmed += lost
+        self.counters["events_unconfirmed"] = self._unconfirmed
+        log.warning("%s: %d published events were not confirmed by the hub at %s before the "
+                    "connection closed; they may be missing from its log", self.name, lost,
+                    self.hub)
+
+    def _hello(self) -> p.Hello:
+        return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
+                       role=self.role)
+
+    async def _housekeeping(self, tg: anyio.abc.TaskGroup) -> None:
+        hb = [_SIG, p.encode(p.Header(kind=p.HEARTBEAT))]
+        next_beat = next_confirm = time.monotonic()
+        while True:
+            await anyio.sleep(HOUSEKEEPING)
+            now = time.monotonic()
+            self._calls.expire(now)
+            if self._sock is None:
+                continue
+            welcome = self.welcome
+            if welcome is not None:
+                interval = welcome.heartbeat_interval
+                expiry = interval * welcome.liveness
+            else:
+                interval, expiry = 1.0, 3.0
+            if now - self._last_heard > expiry:
+                first = self._state is PeerState.CONNECTING
+                say = log.debug if first else log.warning  # the first connect: quiet
+                say("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
+                    self.hub, expiry)
+                self._lost.set()
+                continue
+            if self._held and not self._flush_scheduled:
+                self._flush_soon()  # events held back by the HWM
+            if now >= next_confirm and self._should_confirm():
+                next_confirm = now + CONFIRM_EVERY
+                self._confirming = True
+                tg.start_soon(self._confirm_in_background)
+            if self.welcome is not None and now >= next_beat:
+                next_beat = now + interval
+                try:
+                    self._send_now(hb)
+                except zmq.ZMQError:
+                    pass
+
+    def _should_confirm(self) -> bool:
+        return (self._state is PeerState.READY and not self._confirming
+                and self._events_sent > self._confirmed)
+
+    async def _confirm_in_background(self) -> None:
+        """Confirm what was sent so far, so that a lost connection counts only the events sent
+        since (about a second's worth), not every event it ever carried."""
+        try:
+            await self._confirm_sent()
+        except RequestError:
+            pass  # the connection was lost: closing it counted the unconfirmed events
+        finally:
+            self._confirming = False
+
+    # --- receiving -----------------------------------------------------------------------
+
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        """Handle every message ready on the DEALER (up to a batch), then wake blocked senders."""
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None:
+            return
+        dispatch = self._dispatch
+        handled = 0
+        try:
+            while handled < DRAIN_BATCH:
+                try:
+                    frames = sock.recv()
+                except zmq.Again:
+                    break
+                handled += 1
+                try:
+                    dispatch(frames)
+                except (msgspec.DecodeError, msgspec.ValidationError, IndexError,
+                        RecursionError) as exc:
+                    self._count("malformed")
+                    log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
+                except Exception:  # a bug must not stop the reader
+                    self._count("dispatch_errors")
+                    log.exception("%s: failed to handle a message from the hub", self.name)
+            else:
+                self._schedule_drain()
+            if handled:
+                self._last_heard = time.monotonic()
+            if self._held and not self._flush_scheduled:
+                self._flush_held()
+            if self._writable and sock.writable():
+                for waiter in self._writable:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                self._writable.clear()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ENOTSOCK:
+                log.warning("%s: socket error: %s", self.name, exc)
+
+    def _dispatch(self, frames: list[bytes]) -> None:
+        if len(frames) < 2 or frames[0] != _SIG:
+            self._count("malformed")
+            return
+        header = p.decode_header(frames[1])
+        kind = header.kind
+        if kind in _REPLY_KINDS:
+            if not self._calls.deliver(header, frames):
+                self._on_unmatched(header)
+        elif kind == p.REQUEST:
+            self._serving.start(header, frames)
+        elif kind == p.CANCEL:
+            self._serving.cancel(header.id)
+        elif kind == p.WELCOME:
+            self._on_welcome(p.decode(frames[2], p.Welcome))
+        elif kind == p.RECONNECT:
+            self._lost.set()
+        elif kind != p.HEARTBEAT:
+            self._count("unknown_kind")
+
+    def _on_unmatched(self, header: p.Header) -> None:
+        """An answer to no pending call: late (stale), or the hub refusing one of our events."""
+        if header.code not in (p.LOG_UNAVAILABLE, p.BAD_EVENT):  # bad_event: docs/protocol.md §6
+            self._count("stale_replies")
+            return
+        self._count("events_refused")
+        n = self.counters["events_refused"]
+        if n == 1 or n % 1000 == 0:
+            log.warning("%s: the hub refused an event (#%d): %s", self.name, n, header.error)
+
+    def _on_welcome(self, welcome: p.Welcome) -> None:
+        self.welcome = welcome
+        frames = self._serving.reregister_frames()
+        if frames is not None and not self._send_now(frames):
+            log.warning("%s: could not re-register (send queue full)", self.name)
+        if self._state is PeerState.CONNECTING or self._state is PeerState.RECONNECTING:
+            self._state = PeerState.READY
+        self._changed()
+
+    def _count(self, name: str) -> None:
+        self.counters[name] = self.counters.get(name, 0) + 1
+
+    # --- sending -------------------------------------------------------------------------
+
+    def _send_now(self, frames: list[Any]) -> bool:
+        """Send a whole message (signature included) without blocking; False at the HWM.
+
+        Held events go first (order is kept); while some are still held, nothing is sent."""
+        sock = self._sock
+        if sock is None:
+            raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
+        if self._held and not self._flush_held():
+            return False
+        try:
+            sock.send(frames)
+        except zmq.Again:
+            return False
+        # The send may have consumed the fd's edge for input that arrived meanwhile.
+        if not self._drain_scheduled and sock.input_waiting():
+            self._schedule_drain()
+        return True
+
+    def _hold(self, message: list[Any]) -> bool:
+        """Queue an event for the end of this event-loop iteration (False: send it now).
+
+        Everything held meanwhile then goes out back to back: a burst (a streamed reply's
+        deltas parsed from one read, a turn's lifecycle events) costs one wake-up of ZeroMQ's
+        I/O thread and of the hub instead of one per event, an isolated send being the costly
+        kind. Any direct send flushes the held events first, so order is kept. (Requests and
+        replies are not held: sending them at once lets the other side start sooner.)
+        """
+        if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
+            self._held.append(message)
+            self._schedule_flush()
+            return True
+        return False
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._flush_scheduled = False
+        try:
+            self._flush_held()
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.ENOTSOCK:
+                log.warning("%s: socket error: %s", self.name, exc)
+
+    def _flush_held(self) -> bool:
+        """Send the held events, in order; False when the HWM stopped it (the rest stay held
+        and go out when the socket is writable again, before anything else)."""
+        held = self._held
+        sock = self._sock
+        if sock is None:
+            return False  # they wait for the next connection
+        sent = 0
+        try:
+            for message in held:
+                sock.send(message)
+                sent += 1
+        except zmq.Again:
+            del held[:sent]
+            self._events_sent += sent
+            return False
+        except BaseException:
+            del held[:sent]
+            self._events_sent += sent
+            raise
+        self._events_sent += sent
+        held.clear()
+        if not self._drain_scheduled and sock.input_waiting():
+            self._schedule_drain()
+        return True
+
+    async def _send(self, frames: list[Any], *, wait: bool = True,
+                    deadline: float = float("inf")) -> None:
+        """Send `[SIGNATURE, *frames]`; wait for the connection (when `wait`) and the HWM."""
+        if wait and self.welcome is None:
+            await self._connection(deadline)
+        message = [_SIG, *frames]
+        if not self._send_now(message):
+            await self._send_blocked(message, deadline)
+        self._sends += 1
+        if self._sends % YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+    async def _connection(self, deadline: float) -> None:
+        """Wait until connected (at most until `deadline`, monotonic), else raise HubLost."""
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            await self._wait_connected()
+        if self.welcome is None:
+            raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
+
+    async def _send_blocked(self, message: list[Any], deadline: float) -> None:
+        while True:
+            if time.monotonic() >= deadline:
+                raise DeadlineExceeded("send queue to the hub stayed full", p.DEADLINE)
+            await self._wait_writable()
+            if self._send_now(message):
+                return
+
+    async def _wait_writable(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._writable.append(waiter)
+        with anyio.move_on_after(0.05):  # the edge may have been consumed elsewhere: re-check
+            await waiter
+
+    # --- requests ------------------------------------------------------------------------
+
+    def stream(
+        self, service: str, body: bytes, *, timeout: float | None = 30.0, parent: str = ""
+    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[bytes]]:
+        """Send a request; iterate its partial replies; the iterator ends after the final reply.
+
+        `async with peer.stream(...) as replies:` The final reply's body is yielded last. Leaving
+        the block early (or being cancelled) cancels the request at the hub and the serving peer.
+        """
+        return self._calls.stream(service, body, timeout, parent)
+
+    async def request(self, service: str, body: bytes, *, timeout: float | None = 30.0,
+                      parent: str = "") -> bytes:
+        """Send a request and return the final reply body (partials are discarded)."""
+        return await self._calls.request(service, body, timeout, parent)
+
+    async def status(self, timeout: float = 5.0) -> p.Status:
+        return p.decode(await self.request(p.HUB_STATUS, b"", timeout=timeout), p.Status)
+
+    # --- serving -------------------------------------------------------------------------
+
+    async def serve(self, service: str, handler: Handler, *, capacity: int = 1,
+                    idempotent: bool = False, meta: dict[str, Any] | None = None) -> None:
+        """Register `handler` for `service`; it stays registered across hub restarts."""
+        spec = p.ServiceSpec(service, capacity, idempotent, meta or {})
+        self._serving.services[service] = Served(spec, handler)
+        await self._send(self._serving.register_frames([spec])[1:])
+
+    async def unserve(self, service: str) -> None:
+        if self._serving.services.pop(service, None) is not None:
+            await self._send([p.encode(p.Header(kind=p.UNREGISTER)),
+                              p.encode(p.Unregister([service]))])
+
+    # --- events --------------------------------------------------------------------------
+
+    async def publish(self, event: ev.Event, *, agent: str = "", run: str = "",
+                      experiment: str = "", parent: str = "", confirm: bool = False) -> None:
+        """Send an event; with `confirm`, return once the hub has logged it (`confirm()`)."""
+        await self.publish_raw(ev.event_type(event), ev.encode_event(event), agent=agent, run=run,
+                               experiment=experiment, parent=parent, confirm=confirm)
+
+    async def publish_raw(self, type_: str, body: bytes, *, agent: str = "", run: str = "",
+                          experiment: str = "", parent: str = "", confirm: bool = False) -> None:
+        header = p.Header(kind=p.EVENT, id=self._calls.new_id(), type=type_,
+                          agent=agent, run=run, experiment=experiment, parent=parent,
+                          session=self.session)
+        message = [_SIG, p.encode(header), body]
+        if not self._hold(message):
+            if self.welcome is None:
+                await self._connection(float("inf"))
+            if not self._send_now(message):
+                await self._send_blocked(message, float("inf"))
+            self._events_sent += 1
+        self._sends += 1
+        if confirm:
+            await self.confirm()
+        elif self._sends % YIELD_EVERY == 0:
+            await anyio.lowlevel.checkpoint()
+
+    async def confirm(self) -> int:
+        """Wait until the hub has logged every event this peer published before the call;
+        return the log's latest seq.
+
+        Raises `HubLost` when the connection is lost first, or when some events published since
+        the previous `confirm()` may be missing from the log: they went out on a connection that
+        closed before the hub confirmed them (`counters["events_unconfirmed"]`), or the hub
+        refused them (`counters["events_refused"]`; its answers precede the confirmation).
+        No timeout of its own: a dead hub is noticed within its liveness window; wrap the call
+        in `anyio.fail_after` for a tighter bound.
+        """
+        try:
+            head = await self._confirm_sent()
+        finally:
+            missing = self._unconfirmed + self.counters.get("events_refused", 0)
+            lost = missing - self._unconfirmed_reported
+            self._unconfirmed_reported = missing
+        if lost:
+            raise HubLost(f"{lost} events published since the last `confirm()` may be missing "
+                          f"from the log of the hub at {self.hub}: their connection closed "
+                          "before the hub confirmed them (counted in `events_unconfirmed`) or "
+                          "the hub refused them (`events_refused`)", p.HUB_LOST)
+        return head
+
+    async def _confirm_sent(self) -> int:
+        """One `hub.replay` round trip: its reply follows the events sent before it on the same
+        socket, logged. (Held events are sent before the request, so they count too.)"""
+        mark = self._events_sent + len(self._held)
+        reply = await self.request(p.HUB_REPLAY, _CONFIRM_BODY, timeout=None)
+        self._confirmed = max(self._confirmed, mark)
+        return p.decode(reply, p.ReplayBatch).head
+
+    def subscribe(self, topics: list[str] | tuple[str, ...] = (), *, since: int | None = None,
+                  fill_gaps: bool = True) -> Subscription:
+        """Live events matching any topic prefix (all when empty), optionally replayed from `since`."""
+        return Subscription(self, list(topics), since, fill_gaps)
+
+
+
+
+@asynccontextmanager
+async def connect(hub: str | None = None, *, name: str = "client", role: str = "",
+                  curve: CurveClient | None = None,
+                  connect_timeout: float = CONNECT_TIMEOUT) -> AsyncIterator[Peer]:
+    """Connect a peer to `hub` (default: $BUSCTL_HUB or tcp://127.0.0.1:7400)."""
+    peer = Peer(hub or default_hub(), name=name, role=role, curve=curve,
+                connect_timeout=connect_timeout)
+    async with peer:
+        yield peer

@@ -1,0 +1,182 @@
+"""Requests this peer makes: the call map (id -> outstanding call), fed by the peer's one reader.
+
+A request's replies (partials, then one `reply` or `error`) are queued on its `Call` by the
+reader (`Calls.deliver`, synchronous, no task per message) and taken by the requesting task.
+Leaving a request early sends a `cancel`. Calls past their deadline plus a grace period are
+failed locally (`expire`) in case the hub's own deadline error never comes; every call fails
+with `HubLost` when the connection is lost (`fail_all`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+import zmq
+
+from bus import protocol as p
+from bus.errors import RequestError, error_for
+
+if TYPE_CHECKING:
+    from bus.peer import Peer
+
+REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
+_SIG = p.SIGNATURE
+
+
+class Call:
+    """One outstanding request: replies queue here until its task takes them (no stream object)."""
+
+    __slots__ = ("id", "items", "waiter", "expires", "done")
+
+    def __init__(self, req_id: str, expires: float) -> None:
+        self.id = req_id
+        self.items: deque[tuple[p.Header, list[bytes]]] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.expires = expires  # monotonic; inf when none
+        self.done = False  # a final reply (or error) was taken
+
+    def put(self, item: tuple[p.Header, list[bytes]]) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> tuple[p.Header, list[bytes]]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+    async def final(self) -> bytes:
+        """The final reply's body (partials are skipped); a final `error` is raised."""
+        while True:
+            header, frames = await self.get()
+            kind = header.kind
+            if kind == p.REPLY:
+                self.done = True
+                return frames[0] if frames else b""
+            if kind == p.ERROR:
+                self.done = True
+                raise error_for(header.code, header.error or header.code)
+
+
+class Replies:
+    """The iterator `Peer.stream` yields: partial bodies, then the final reply body."""
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+
+    def __aiter__(self) -> Replies:
+        return self
+
+    async def __anext__(self) -> bytes:
+        call = self._call
+        if call.done:
+            raise StopAsyncIteration
+        header, frames = await call.get()
+        kind = header.kind
+        if kind == p.ERROR:
+            call.done = True
+            raise error_for(header.code, header.error or header.code)
+        if kind == p.REPLY:
+            call.done = True
+        return frames[0] if frames else b""
+
+
+class Calls:
+    """The requests `peer` has in flight, keyed by id (ids are its session plus a counter)."""
+
+    def __init__(self, peer: Peer) -> None:
+        self._peer = peer
+        self.pending: dict[str, Call] = {}
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> str:
+        return f"{self._peer.session}{next(self._ids):x}"
+
+    def deliver(self, header: p.Header, frames: list[bytes]) -> bool:
+        """Queue a reply, partial or error on its call (False: no such call)."""
+        call = self.pending.get(header.id)
+        if call is None:
+            return False
+        if header.kind != p.PARTIAL:
+            del self.pending[header.id]
+        call.put((header, frames[2:]))
+        return True
+
+    def expire(self, now: float) -> None:
+        """Fail calls past deadline + grace (the hub normally answers at the deadline itself).
+
+        A scan of the calls in flight (bounded by the caller's concurrency) rather than a heap
+        of every request ever sent, which would hold each one until its deadline."""
+        if not self.pending:
+            return
+        expired = [call for call in self.pending.values() if call.expires <= now]
+        for call in expired:
+            del self.pending[call.id]
+            call.put((p.Header(kind=p.ERROR, id=call.id, code=p.DEADLINE,
+                               error="no reply before the deadline"), []))
+
+    def fail_all(self, error: RequestError) -> None:
+        pending, self.pending = self.pending, {}
+        for req_id, call in pending.items():
+            call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
+
+    async def start(self, service: str, body: bytes, timeout: float | None, parent: str) -> Call:
+        peer = self._peer
+        req_id = self.new_id()
+        now = time.monotonic()
+        expires = now + timeout + REPLY_GRACE if timeout else float("inf")
+        header = p.Header(kind=p.REQUEST, id=req_id, service=service,
+                          deadline=time.time() + timeout if timeout else 0.0,
+                          parent=parent, peer=peer.peer_id, session=peer.session)
+        frames = [_SIG, p.encode(header), body]
+        deadline = now + timeout if timeout else float("inf")
+        if peer.welcome is None:
+            await peer._connection(deadline)
+        call = Call(req_id, expires)
+        self.pending[req_id] = call  # before sending: nothing can yield in between
+        try:
+            if not peer._send_now(frames):
+                await peer._send_blocked(frames, deadline)
+        except BaseException:
+            self.pending.pop(req_id, None)
+            raise
+        return call
+
+    def end(self, call: Call) -> None:
+        """The requester is done with `call`: unless it was answered, cancel it at the hub."""
+        if call.done:
+            return
+        self.pending.pop(call.id, None)
+        peer = self._peer
+        if peer.welcome is not None and peer._sock is not None:
+            try:
+                peer._send_now([_SIG, p.encode(p.Header(kind=p.CANCEL, id=call.id))])
+            except zmq.ZMQError:
+                pass
+
+    async def request(self, service: str, body: bytes, timeout: float | None, parent: str) -> bytes:
+        call = await self.start(service, body, timeout, parent)
+        try:
+            return await call.final()
+        finally:
+            self.end(call)
+
+    @asynccontextmanager
+    async def stream(self, service: str, body: bytes, timeout: float | None,
+                     parent: str) -> AsyncIterator[AsyncIterator[bytes]]:
+        call = await self.start(service, body, timeout, parent)
+        try:
+            yield Replies(call)
+        finally:
+            self.end(call)

@@ -1,0 +1,155 @@
+"""Requests this peer serves: registered handlers, one task per request in the peer's task group,
+each inside its own cancel scope, and exactly one answer per request.
+
+A `cancel` from the hub (the requester left, or the deadline passed) cancels that request's
+scope; the handler's answer is then `error/cancelled`. A scope and not `Task.cancel()`: anyio
+re-delivers a scope's cancellation at every checkpoint until the scope exits, where a native
+cancel can be swallowed by an anyio scope the handler is in (a shell tool then keeps running and
+no answer goes out). Closing the peer cancels the whole task group instead: no answer, the hub
+reports the peer gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import zmq
+
+from bus import protocol as p
+from bus.errors import HubLost, RequestError
+
+if TYPE_CHECKING:
+    from bus.peer import Peer
+
+log = logging.getLogger("bus.client")
+
+_SIG = p.SIGNATURE
+_BYTES = (bytes, bytearray, memoryview)
+_SERVE_TASK = "bus.client: serve a request"  # a fixed name: anyio would derive one per spawn
+REPLY_SEND_TIMEOUT = 5.0  # how long an answer waits for room in a full send queue
+
+
+@dataclass(slots=True)
+class IncomingRequest:
+    """A request this peer serves. Reply by returning bytes from the handler; stream with `partial`."""
+
+    id: str
+    service: str
+    header: p.Header
+    body: bytes
+    deadline: float  # unix time; 0 when none
+    _peer: Peer
+    # Cancelled on a CANCEL from the hub. Made before the handler's task starts, so a CANCEL
+    # that arrives first still lands: the scope is entered already cancelled.
+    _scope: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
+    _cancelled: anyio.Event | None = None
+
+    @property
+    def cancelled(self) -> anyio.Event:
+        """Set when the requester (or the hub, at the deadline) cancels this request."""
+        if self._cancelled is None:  # made on first use: most requests never look
+            self._cancelled = anyio.Event()
+        return self._cancelled
+
+    async def partial(self, body: bytes) -> None:
+        await self._peer._send([p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body], wait=False)
+
+
+Handler = Callable[[IncomingRequest], Awaitable[bytes]]
+
+
+@dataclass(slots=True)
+class Served:
+    spec: p.ServiceSpec
+    handler: Handler
+
+
+def error_header(req_id: str, code: str, text: str) -> bytes:
+    return p.encode(p.Header(kind=p.ERROR, id=req_id, code=code, error=text))
+
+
+class Serving:
+    """The services `peer` offers (re-registered on every welcome) and the requests in service."""
+
+    def __init__(self, peer: Peer) -> None:
+        self._peer = peer
+        self.services: dict[str, Served] = {}
+        self.in_service: dict[str, IncomingRequest] = {}
+
+    def register_frames(self, specs: list[p.ServiceSpec]) -> list[Any]:
+        return [_SIG, p.encode(p.Header(kind=p.REGISTER)), p.encode(p.Register(specs))]
+
+    def reregister_frames(self) -> list[Any] | None:
+        """What to send after a welcome: every service again (None when serving nothing)."""
+        if not self.services:
+            return None
+        return self.register_frames([s.spec for s in self.services.values()])
+
+    def start(self, header: p.Header, frames: list[bytes]) -> None:
+        """A REQUEST from the hub: start its handler (or answer `no_service` at once)."""
+        peer = self._peer
+        served = self.services.get(header.service)
+        tg = peer._tg
+        if served is None or tg is None or peer.closing:
+            peer._count("unserved_requests")
+            peer._send_now([_SIG, error_header(header.id, p.NO_SERVICE,
+                                               f"`{header.service}` is not served here")])
+            return
+        req = IncomingRequest(header.id, header.service, header,
+                              frames[2] if len(frames) > 2 else b"", header.deadline, peer)
+        self.in_service[req.id] = req
+        tg.start_soon(self._serve_one, served.handler, req, name=_SERVE_TASK)
+
+    def cancel(self, req_id: str) -> None:
+        """A CANCEL from the hub: stop that handler (its answer says `cancelled`)."""
+        req = self.in_service.get(req_id)
+        if req is None or req.cancelled.is_set():
+            return
+        req.cancelled.set()
+        req._scope.cancel()
+
+    async def _serve_one(self, handler: Handler, req: IncomingRequest) -> None:
+        """Run one handler and send its one answer.
+
+        Never raises but for the cancellation of the whole group (closing): an exception here
+        would cancel every other task of the peer."""
+        try:
+            reply = await self._answer(handler, req)
+            await self._send_reply(reply)
+        finally:
+            self.in_service.pop(req.id, None)
+
+    async def _answer(self, handler: Handler, req: IncomingRequest) -> list[bytes]:
+        with req._scope:
+            try:
+                body = await handler(req)
+                if not isinstance(body, _BYTES):  # sending it would raise in the reply path
+                    raise TypeError(f"the handler returned {type(body).__name__}, "
+                                    "expected bytes")
+                return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
+            except RequestError as exc:
+                return [_SIG, error_header(req.id, exc.code, str(exc))]
+            except Exception as exc:
+                log.exception("%s: handler for `%s` failed", self._peer.name, req.service)
+                return [_SIG, error_header(req.id, p.HANDLER_ERROR,
+                                           f"{type(exc).__name__}: {exc}")]
+        # Only reached when the request's own scope caught its cancellation (a CANCEL).
+        return [_SIG, error_header(req.id, p.CANCELLED, "cancelled")]
+
+    async def _send_reply(self, reply: list[bytes]) -> None:
+        peer = self._peer
+        try:
+            if peer._sock is None:
+                peer._count("reply_lost")
+                return
+            if not peer._send_now(reply):
+                with anyio.move_on_after(REPLY_SEND_TIMEOUT):
+                    await peer._send_blocked(reply, time.monotonic() + REPLY_SEND_TIMEOUT)
+        except (HubLost, zmq.ZMQError):
+            peer._count("reply_lost")
