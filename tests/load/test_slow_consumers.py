@@ -62,7 +62,7 @@ if __name__ != "__main__":
     import zmq
 
     from tests.bus.helpers import serving_peers
-    from tests.support import Proc, py
+    from tests.support import Proc, py, tight_timing
 
     pytestmark = pytest.mark.anyio
 
@@ -146,16 +146,12 @@ if __name__ != "__main__":
               f"({len(with_slow)} requests); hub VmRSS {rss_before} -> {rss_after} kB; "
               f"hub seq {status.seq}; "
               f"slow watcher: {report}")
-        ratio, floor = (1.2, 0.001) if _slow_selected() else (1.5, 0.003)
+        ratio, floor = (1.2, 0.001) if tight_timing() else (1.5, 0.003)
         assert p99_slow <= max(p99_base * ratio, p99_base + floor), (p99_base, p99_slow)
         # two subscribers at the PUB high-water mark: bounded by their queues
         assert rss_after - rss_before < 50_000  # kB
         assert report["ok"], report
         assert report["replayed"] == report["last"] - report["first"] + 1 > 0
-
-
-def _slow_selected() -> bool:
-    return os.environ.get("AGENT_BUS_SLOW") == "1"
 
 
 # --- helper processes ------------------------------------------------------------------------
