@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 import shutil
 from typing import Any, TextIO
 
@@ -155,9 +156,10 @@ class HumanPrinter:
             self.out.flush()
             return
         self._close_stream()
-        line = self._prefix(header, type_) + summary(event)
-        if is_error(event):
-            line = self._style(line, fg="red")
+        if is_error(event):  # red from end to end: the prefix's own colours would reset it
+            line = self._style(self._prefix(header, type_, plain=True) + summary(event), fg="red")
+        else:
+            line = self._prefix(header, type_) + summary(event)
         self.out.write(line + "\n")
         self.out.flush()
 
@@ -170,6 +172,14 @@ class HumanPrinter:
         if plain:
             return f"{seq:>6} {when} {who} {type_} "
         return f"{seq:>6} {when} {self._style(who, fg='cyan')} {self._style(type_, bold=True)} "
+
+
+def color_wanted(stream: TextIO) -> bool:
+    """Colour on a terminal; never with NO_COLOR set, always with FORCE_COLOR set (no-color.org,
+    force-color.org: e.g. a pager that shows colours, or a test)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return bool(os.environ.get("FORCE_COLOR")) or _is_tty(stream)
 
 
 def _is_tty(out: TextIO) -> bool:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 import time
-from collections.abc import AsyncIterator
+import typing
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO
 
 import msgspec
@@ -18,6 +21,15 @@ from bus.errors import Overloaded, ProtocolError
 from bus.messages import AssistantMessage, Usage
 from bus.render import HumanPrinter, json_line, to_json_obj
 from bus.security import CurveClient
+
+# Every event type a filter can name: the tags of the `Event` union (bus.events).
+EVENT_TYPES: tuple[str, ...] = tuple(sorted(
+    member.__struct_config__.tag for member in typing.get_args(ev.Event)))
+
+
+def unknown_types(types: set[str]) -> list[str]:
+    """The names in `types` that are no event type (a typo would otherwise filter out all)."""
+    return sorted(types - set(EVENT_TYPES))
 
 
 @dataclass
@@ -139,20 +151,68 @@ class Totals(msgspec.Struct):
         self.total = self.total + usage
 
 
+class Export(msgspec.Struct):
+    """What an export wrote (`totals`) and, when it found nothing, which experiments exist."""
+
+    totals: Totals
+    experiments: list[str]
+
+
+def _write(out: BinaryIO, fmt: str, envelope: Envelope, encoder: msgspec.msgpack.Encoder) -> None:
+    if fmt == "msgpack":
+        out.write(encoder.encode(to_json_obj(envelope.header, envelope.event)))
+    else:
+        out.write(json_line(envelope.header, envelope.event).encode() + b"\n")
+
+
 async def export_events(hub: str, curve: CurveClient | None, experiment: str, out: BinaryIO,
-                        fmt: str) -> Totals:
-    """Write every logged event of `experiment` to `out` (JSON lines or msgpack); return totals."""
-    totals = Totals()
+                        fmt: str) -> Export:
+    """Write every logged event of `experiment` to `out` (JSON lines or msgpack), from the hub."""
+    totals, seen = Totals(), set()
     encoder = msgspec.msgpack.Encoder()
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
         async for envelope in replay(peer, 0, []):
+            seen.add(envelope.header.experiment)
             if envelope.header.experiment != experiment:
                 continue
             totals.add(envelope.header, envelope.event)
-            obj = to_json_obj(envelope.header, envelope.event)
-            if fmt == "msgpack":
-                out.write(encoder.encode(obj))
-            else:
-                out.write(json_line(envelope.header, envelope.event).encode() + b"\n")
+            _write(out, fmt, envelope, encoder)
     out.flush()
-    return totals
+    return Export(totals, sorted(seen - {""}))
+
+
+def log_file(state: Path) -> Path | None:
+    """The hub's event log in a state directory: a topology's (`<state>/hub/events.db`) or a
+    hub's own (`<state>/events.db`); None when neither exists."""
+    for path in (state / "events.db", state / "hub" / "events.db"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _log_envelopes(db: sqlite3.Connection, experiment: str) -> Iterator[Envelope]:
+    rows = db.execute("SELECT header, body FROM events WHERE experiment = ? ORDER BY seq",
+                      (experiment,))
+    for header_bytes, body in rows:
+        event = ev.decode_event(body)
+        if event is not None:  # a type this version does not know: not ours to export
+            yield Envelope(p.decode_header(header_bytes), event)
+
+
+def export_from_log(path: Path, experiment: str, out: BinaryIO, fmt: str) -> Export:
+    """Like `export_events`, read from the log file itself (no hub needed). Read-only: a
+    running hub's writes are not disturbed, and a log we may not write is still read."""
+    totals = Totals()
+    encoder = msgspec.msgpack.Encoder()
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        db.execute("PRAGMA busy_timeout=5000")
+        for envelope in _log_envelopes(db, experiment):
+            totals.add(envelope.header, envelope.event)
+            _write(out, fmt, envelope, encoder)
+        known = [] if totals.events else [row[0] for row in db.execute(
+            "SELECT DISTINCT experiment FROM events WHERE experiment != '' ORDER BY 1")]
+    finally:
+        db.close()
+    out.flush()
+    return Export(totals, known)

@@ -6,7 +6,6 @@ Exit codes of `busctl run`: 0 normal stop, 1 error, 130 aborted. The first SIGIN
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from typing import TextIO
@@ -20,7 +19,7 @@ from agents import commands as cmd
 from agents.client.remote import AgentBus, Run, connect
 from bus import events as ev
 from bus.errors import BusError
-from bus.render import HumanPrinter, json_line
+from bus.render import HumanPrinter, color_wanted, json_line
 from bus.security import CurveClient
 
 EXIT_OK, EXIT_ERROR, EXIT_ABORTED = 0, 1, 130
@@ -46,8 +45,7 @@ class RunView:
         self.as_json = as_json
         err = err or sys.stderr
         # colour where the trace is seen (stderr), whatever stdout is
-        self.trace = None if quiet or as_json else HumanPrinter(
-            err, _is_tty(err) and not os.environ.get("NO_COLOR"))
+        self.trace = None if quiet or as_json else HumanPrinter(err, color_wanted(err))
         self.stream_answer = not as_json and _is_tty(out)
         self._open = False  # an answer line is being streamed on stdout
 
@@ -86,7 +84,8 @@ class RunView:
             self.out.flush()
         if result.error and (self.trace is not None or not result.final_text):
             line = f"{result.stop_reason}: {result.error}"
-            sys.stderr.write((click.style(line, fg="red") if _is_tty(sys.stderr) else line) + "\n")
+            sys.stderr.write((click.style(line, fg="red") if color_wanted(sys.stderr) else line)
+                             + "\n")
 
 
 def _is_tty(stream: TextIO) -> bool:
