@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import re
 import select
 import socket
@@ -780,6 +781,15 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     owner: FakeLLMServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that goes away (an aborted run) is normal: one debug line, not the 20-line
+        traceback socketserver prints into `busctl up`'s console; anything else as before."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+            logging.getLogger(__name__).debug("client %s went away: %s", client_address, error)
+            return
+        super().handle_error(request, client_address)
 
 
 class FakeLLMServer:
