@@ -155,9 +155,12 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
                         t0 = time.perf_counter()
                         await peer.request("echo", body)
                         times.append(time.perf_counter() - t0)
-                    out["rtt_p50"] = pct(times, 0.5)
-                    out["rtt_p99"] = pct(times, 0.99)
+                    # Best of two runs, as for the raw baseline (main()): the machine is shared.
+                    if pct(times, 0.5) < out.get("rtt_p50", float("inf")):
+                        out["rtt_p50"] = pct(times, 0.5)
+                        out["rtt_p99"] = pct(times, 0.99)
 
+            anyio.run(rtt)
             anyio.run(rtt)
             for _ in range(3):
                 procs.append(spawn.Process(target=_serving_peer, args=(endpoint, 64, ready),
@@ -352,18 +355,19 @@ def main() -> None:
     print(f"raw PUB->SUB: {raw_ev:,.0f} msg/s", flush=True)
     hub = hub_figures(n_rtt=2000 if args.quick else 10_000, seconds=3 if args.quick else 8,
                       n_events=30_000 if args.quick else 200_000)
-    # This machine is shared: measure the raw baseline again and compare with the faster run.
+    # This machine is shared: measure the raw baseline again and compare with the faster run
+    # (the hub's round trip is also the faster of two runs).
     again_p50, again_p99 = raw_round_trip(n)
     print(f"raw round trip again: p50 {again_p50 * 1e6:.0f} us, p99 {again_p99 * 1e6:.0f} us "
           f"(ratios below use the faster of the two)", flush=True)
     if again_p50 < raw_p50:
         raw_p50, raw_p99 = again_p50, again_p99
     print(f"hub request round trip: p50 {hub['rtt_p50'] * 1e6:.0f} us "
-          f"({hub['rtt_p50'] / raw_p50:.2f}x raw; target <= 2x), "
+          f"({hub['rtt_p50'] / raw_p50:.2f}x raw; target <= 1.2x), "
           f"p99 {hub['rtt_p99'] * 1e6:.0f} us ({hub['rtt_p99'] / raw_p99:.2f}x raw)")
     raw_rps = 1 / raw_p50
     print(f"hub requests/s, 4 serving peers, 256 concurrent: {hub['req_per_s']:,.0f} "
-          f"({hub['req_per_s'] / raw_rps:.2f}x one raw blocking round trip stream; target >= 20,000)")
+          f"({hub['req_per_s'] / raw_rps:.2f}x one raw blocking round trip stream; target >= 25,000)")
     print(f"hub events/s logged + published to a subscriber: {hub['events_per_s']:,.0f} "
           f"({hub['events_per_s'] / raw_ev:.2f}x raw PUB->SUB; target >= 100,000; "
           f"{hub['events_filled']:.0f} filled from the log)")
