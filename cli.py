@@ -5,12 +5,29 @@ errors here and nowhere else: exit 2 when the hub cannot be reached or a flag is
 when a request fails.
 """
 
+# ruff: noqa: E402  (the SIGINT handler below must be in place before the slow imports)
 from __future__ import annotations
+
+import signal
+import sys
+
+
+def _exit_130(signum: int, frame: object) -> None:
+    raise SystemExit(130)
+
+
+# Ctrl-C while busctl is still loading (its imports take a second or more on a busy machine)
+# exits 130 like a Ctrl-C later, not with a traceback. `BusctlGroup.main` puts Python's own
+# handler back before any command runs: asyncio turns SIGINT into a clean cancel only when it
+# finds that handler. An ignored SIGINT (a background job) stays ignored, and a program that
+# only imports this module (a test, a script) keeps its own.
+_RUN_AS_BUSCTL = __name__ == "__main__" or sys.argv[0].rpartition("/")[2] == "busctl"
+if _RUN_AS_BUSCTL and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _exit_130)
 
 import functools
 import logging
 import os
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,6 +57,11 @@ class BusctlGroup(click.Group):
     """The one place where errors become exits: an `AgentBusError` is one line on stderr (exit 2
     when the hub cannot be reached, else 1), Ctrl-C exits 130, and anything unexpected is one
     line naming the log that holds its traceback — never a bare traceback, never a guess."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        if signal.getsignal(signal.SIGINT) is _exit_130:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return super().main(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -90,8 +112,9 @@ def _crash_log(exc: BaseException) -> str:
 
 
 def use_color(stream: Any = None) -> bool:
-    stream = stream or sys.stdout
-    return stream.isatty() and not os.environ.get("NO_COLOR")
+    from bus.render import color_wanted
+
+    return color_wanted(stream or sys.stdout)
 
 
 def curve_client(server_key: str | None, key: str | None) -> CurveClient | None:
@@ -105,11 +128,30 @@ def curve_client(server_key: str | None, key: str | None) -> CurveClient | None:
         raise click.UsageError(str(exc)) from None
 
 
+HUB_FORMS = "tcp://HOST:PORT, ipc://PATH, HOST:PORT or PORT (on 127.0.0.1)"
+
+
+def hub_address(value: str | None) -> str | None:
+    """`tcp://…` and `ipc://…` as given; `HOST:PORT` and a bare `PORT` (loopback) are shorthands
+    for tcp, the way people type an address (`--hub localhost:7400`, `--hub 7400`)."""
+    if not value or "://" in value:
+        return value
+    host, _, port = value.rpartition(":")
+    if port.isdigit() and int(port) <= 65535 and (host or ":" not in value):
+        return f"tcp://{host or '127.0.0.1'}:{port}"
+    raise click.BadParameter(f"{value!r} is not an address: give {HUB_FORMS}")
+
+
+def _hub_address_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    return hub_address(value)
+
+
 def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`--hub` plus the CURVE client keys, passed on as `hub` and `curve`."""
 
     @click.option("--hub", "hub", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
-                  help=f"Hub address to connect to (env {HUB_ENV}).")
+                  callback=_hub_address_option,
+                  help=f"Hub address to connect to: {HUB_FORMS} (env {HUB_ENV}).")
     @click.option("--curve-server-key", envvar="BUSCTL_CURVE_SERVER_KEY", default=None,
                   type=click.Path(exists=True, dir_okay=False),
                   help="The hub's public key file (`busctl keys generate`), for a CURVE hub.")
@@ -166,8 +208,10 @@ def main(verbose: bool) -> None:
 
 @main.command()
 @click.option("--hub", "endpoint", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
-              help="Address to bind the request socket to (tcp://HOST:PORT or ipc://PATH).")
-@click.option("--events", default="", help="Address for the event socket [default: port + 1].")
+              callback=_hub_address_option,
+              help=f"Address to bind the request socket to: {HUB_FORMS}.")
+@click.option("--events", default="", callback=_hub_address_option,
+              help="Address for the event socket [default: port + 1].")
 @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
               help="Where the event log (events.db) lives [default: <state home>/<project>/hub, "
                    "outside the current folder so no tool can reach it].")
@@ -336,10 +380,14 @@ def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None,
       busctl watch --agent assistant --type tool_execution_end
       busctl watch --no-follow --since 0 --json > events.jsonl
     """
-    from bus.watch import WatchFilter, watch_events
+    from bus.watch import EVENT_TYPES, WatchFilter, unknown_types, watch_events
 
     if since is not None and last is not None:
         raise click.UsageError("--since and --last are alternatives; give one")
+    unknown = unknown_types(set(types))
+    if unknown:  # a typo would silently show nothing at all
+        raise click.BadParameter(f"no event type {', '.join(unknown)}; the types are: "
+                                 f"{', '.join(EVENT_TYPES)}", param_hint="--type")
     filt = WatchFilter(types=set(types), agents=set(agents), runs=set(runs),
                        experiments=set(experiments))
     try:
@@ -555,7 +603,13 @@ def _mcp_json_specs(source: Any) -> list[Any]:
 
 @main.group("mcp")
 def mcp_group() -> None:
-    """The bus as an MCP server (for Claude Desktop/Code, Cursor, VS Code, other agents)."""
+    """The bus as an MCP server (for Claude Desktop/Code, Cursor, VS Code, other agents).
+
+    \b
+    Examples:
+      busctl mcp serve                        # stdio, for a client that launches it
+      busctl mcp serve --http 127.0.0.1:8765  # streamable HTTP at http://127.0.0.1:8765/mcp
+    """
 
 
 @mcp_group.command("serve")
@@ -572,6 +626,9 @@ def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
     \b
     An MCP client's configuration that launches it:
       {"mcpServers": {"bus": {"command": "busctl", "args": ["mcp", "serve"]}}}
+    Examples:
+      busctl mcp serve --agent assistant --tools
+      busctl mcp serve --http 127.0.0.1:8765
     """
     _require_mcp_sdk("busctl mcp serve")
     from agents.client.mcp_server import serve_http, serve_stdio
@@ -685,9 +742,21 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
         pass
 
 
+FAKE_LLM_EXAMPLES = """
+
+\b
+Examples:
+  busctl fake-llm --port 8081       # then OPENAI_BASE_URL=http://127.0.0.1:8081/v1
+  busctl fake-llm --script rules.json --port 0   # the first line names the URL (JSON)
+"""
+
+
 def _register_fake_llm() -> None:
     from agents.gateway.fakellm import fake_llm_command
 
+    # The examples name busctl, so they are added where busctl mounts the command.
+    if "Examples:" not in (fake_llm_command.help or ""):
+        fake_llm_command.help = (fake_llm_command.help or "").rstrip() + FAKE_LLM_EXAMPLES
     main.add_command(fake_llm_command, "fake-llm")
 
 
@@ -700,8 +769,8 @@ _register_fake_llm()
 @main.command()
 @click.option("-c", "--config", "config_file", type=click.Path(dir_okay=False), default=None,
               help="Topology file (TOML) [default: the embedded default, see `busctl config show`].")
-@click.option("--hub", "hub_addr", envvar=HUB_ENV, default=None,
-              help=f"Hub address to bind, overriding the file (env {HUB_ENV}).")
+@click.option("--hub", "hub_addr", envvar=HUB_ENV, default=None, callback=_hub_address_option,
+              help=f"Hub address to bind, overriding the file: {HUB_FORMS} (env {HUB_ENV}).")
 @click.option("--tools", "extra_tools", multiple=True,
               help="Extra tool module for the first worker group (repeatable).")
 @click.option("--workers", type=click.IntRange(0), default=None,
@@ -712,9 +781,13 @@ _register_fake_llm()
               help="A GGUF model file the gateway serves itself with llama.cpp (model alias "
                    "`local`, the default; needs `pip install 'agent-bus[local]'`).")
 @click.option("-d", "--detach", is_flag=True, help="Run in the background; stop with `busctl down`.")
+@click.option("--json", "as_json", is_flag=True,
+              help="For scripts: stdout gets one JSON line once everything is ready "
+                   '({"ready": "up", "endpoint": …, "events": …, "pid": …}); the console '
+                   "output goes to stderr. Without it the same line is in <state>/up.ready.")
 @click.option("--ready-file", default="", hidden=True)
 def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ...],
-       workers: int | None, demo: bool, model_file: str | None, detach: bool,
+       workers: int | None, demo: bool, model_file: str | None, detach: bool, as_json: bool,
        ready_file: str) -> None:
     """Start a whole topology — hub, gateways, workers, coordinators — and supervise it.
 
@@ -724,6 +797,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up -c team.toml -d        # a topology file, in the background
       busctl up --tools ./my_tools.py --workers 4
       busctl up --model-file ./qwen2.5-0.5b-instruct-q4_k_m.gguf   # a local model, no server
+      busctl up -d --json | jq -r .endpoint    # a script: the ready line, as JSON
     Ctrl-C stops everything in order.
     """
     from agents.launch.up import UpOptions
@@ -735,7 +809,8 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     if demo and model_file:
         raise click.UsageError("--demo and --model-file each choose the model; give one")
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
-                        detach_ready_file=ready_file, model_file=model_file or "")
+                        detach_ready_file=ready_file, model_file=model_file or "",
+                        ready_json=as_json and not detach)
     from agents.launch.topology import check_topology
     from agents.launch.up import resolve
 
@@ -749,12 +824,13 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     if busy:
         raise click.ClickException(busy)
     if detach:
-        _detach(topology, options)
+        _detach(topology, options, as_json)
         return
     from agents.launch.supervisor import ChildFailed
 
     try:
-        code = anyio.run(run_up, topology, options, sys.stdout, use_color())
+        console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
+        code = anyio.run(run_up, topology, options, console, use_color(console))
     except ChildFailed as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:  # a Ctrl-C outside the stop sequence: children are stopped anyway
@@ -773,7 +849,7 @@ def _refuse_insecure_bind(topology: Any) -> None:
         raise click.UsageError(str(exc)) from None
 
 
-def _detach(topology: Any, options: Any) -> None:
+def _detach(topology: Any, options: Any, as_json: bool) -> None:
     import subprocess
     import time
 
@@ -800,6 +876,9 @@ def _detach(topology: Any, options: Any) -> None:
             raise click.ClickException(f"`busctl up` failed to start{_last_lines(state / 'logs' / 'up.log')}"
                                        f"\n(whole log: {state / 'logs' / 'up.log'})")
         time.sleep(0.05)
+    if as_json:
+        click.echo(ready.read_text().strip())
+        return
     click.echo(f"up in the background (pid {proc.pid}); logs in {state / 'logs'}; "
                "stop with `busctl down`")
 
@@ -1023,20 +1102,36 @@ def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[s
 
 @main.group()
 def config() -> None:
-    """Validate and show topology files."""
+    """Validate and show topology files.
+
+    \b
+    Examples:
+      busctl config show > team.toml    # the commented default, to edit
+      busctl config check team.toml     # then: busctl up -c team.toml
+    """
 
 
 @config.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
 def config_check(file: str) -> None:
-    """Validate FILE and print the resolved topology as JSON."""
+    """Validate FILE and print the resolved topology as JSON (exit 1 naming the bad key).
+
+    \b
+    Example:
+      busctl config check team.toml | jq '.agents[].name'
+    """
     topology = _load_topology_or_exit(file)
     click.echo(msgspec.json.format(msgspec.json.encode(topology)).decode())
 
 
 @config.command("show")
 def config_show() -> None:
-    """Print the embedded default topology, commented."""
+    """Print the embedded default topology, commented.
+
+    \b
+    Example:
+      busctl config show > team.toml && busctl up -c team.toml
+    """
     from agents.launch.topology import EXAMPLE
 
     click.echo(EXAMPLE, nl=False)
@@ -1044,7 +1139,12 @@ def config_show() -> None:
 
 @main.group()
 def keys() -> None:
-    """CurveZMQ keys for a hub that other machines connect to."""
+    """CurveZMQ keys for a hub that other machines connect to.
+
+    \b
+    Example:
+      busctl keys generate ./keys --client laptop --client ci
+    """
 
 
 @keys.command("generate")
@@ -1055,6 +1155,8 @@ def keys_generate(directory: str, clients: tuple[str, ...]) -> None:
     """Make a hub key pair and client key pairs in DIRECTORY (files 0600, directory 0700).
 
     \b
+    Example:
+      busctl keys generate ./keys --client laptop
     Then:
       busctl hub --hub tcp://0.0.0.0:7400 --curve-secret DIR/hub.key_secret --curve-authorized DIR/authorized
       busctl worker --hub tcp://HOST:7400 --curve-server-key DIR/hub.key --curve-key DIR/client.key_secret
@@ -1082,22 +1184,69 @@ def keys_generate(directory: str, clients: tuple[str, ...]) -> None:
               show_default=True, help="JSON lines, or a stream of MessagePack maps.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default="-",
               help="File to write [default: stdout].")
-def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, output: str) -> None:
+@click.option("--state-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Read the event log in this state directory (a topology's, or a hub's "
+                   "--state-dir) instead of asking a hub; read-only, no hub needed.")
+def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, output: str,
+           state_dir: str | None) -> None:
     """Write every event of an experiment from the hub's log; print token/cost totals to stderr.
 
+    With no hub running (and no --hub given) it reads the log that `busctl up` left in this
+    directory's state directory; --state-dir reads another one.
+
     \b
-    Example:
+    Examples:
       busctl export --experiment debate-3 -o debate-3.jsonl
+      busctl export --experiment debate-3 --state-dir ~/.local/state/agent-bus/proj-1a2b3c4d5e6f
     """
-    from bus.watch import export_events
+    from click.core import ParameterSource
+
+    from bus.paths import default_state_dir
+    from bus.watch import log_file
 
     try:
         out_file = click.open_file(output, "wb")
     except OSError as exc:
         raise click.ClickException(f"cannot write {output}: {exc.strerror}") from None
+    # --hub on the command line names that hub; the default or BUSCTL_HUB may fall back to disk
+    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
+    local = log_file(Path(state_dir or default_state_dir()))
+    if state_dir and local is None:
+        raise click.BadParameter(f"no event log (events.db or hub/events.db) in {state_dir}",
+                                 param_hint="--state-dir")
     with out_file as out:
-        totals = run_async(export_events, hub, curve, experiment, out, fmt)
-    click.echo(msgspec.json.encode(totals).decode(), err=True)
+        result = _export(hub, curve, experiment, out, fmt, None if explicit and not state_dir
+                         else local, bool(state_dir))
+    if not result.totals.events:
+        if output != "-":
+            Path(output).unlink(missing_ok=True)
+        known = ", ".join(result.experiments) or "none"
+        raise click.ClickException(f"no experiment `{experiment}` in the event log "
+                                   f"(experiments: {known})")
+    click.echo(msgspec.json.encode(result.totals).decode(), err=True)
+
+
+def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt: str,
+            local: Path | None, only_local: bool) -> Any:
+    """From the hub; from the log file `local` when asked to (`only_local`), or when no hub
+    answers and there is one (a stopped topology's log)."""
+    import sqlite3
+
+    from bus.watch import export_events, export_from_log
+
+    if not only_local:
+        try:
+            return run_async(export_events, hub, curve, experiment, out, fmt)
+        except (HubUnreachable, BaseExceptionGroup) as exc:
+            leaf = _first_leaf(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            if local is None or not isinstance(leaf, HubUnreachable):
+                raise
+            click.echo(f"{leaf}; reading the log on disk instead: {local}", err=True)
+    assert local is not None
+    try:
+        return export_from_log(local, experiment, out, fmt)
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"cannot read the event log {local}: {exc}") from None
 
 
 # --- busctl replay / diff (agents.replay) --------------------------------------------------
@@ -1159,7 +1308,13 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
 def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: str,
                      as_json: bool) -> None:
     """Compare experiments FIRST and SECOND run by run (in start order) and in total: final
-    texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown."""
+    texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown.
+
+    \b
+    Examples:
+      busctl diff debate-3 debate-3-again
+      busctl diff debate-3 debate-3-b --json | jq .total
+    """
     from agents.replay import diff, diff_text, load_experiment
     from bus.client import connect as connect_peer
 
@@ -1245,6 +1400,9 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     Every prompt continues the chat's one session. `/abort` aborts the current run,
     `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
     Ctrl-D quits.
+    Examples:
+      busctl chat
+      busctl chat --agent reviewer --session coordinator-1.3f0c9a   # go on with a run's session
     """
     from agents.client.drive import chat as run_chat
 
@@ -1276,13 +1434,26 @@ def _agent_verb(verb: str) -> Callable[..., None]:
 _ADDRESS = ("\n\nWith several live runs of AGENT, name one with --run or --session (the error "
             "lists them). A session without a run in progress is refused: continue it with "
             "`busctl run -c SESSION TEXT`.")
-main.command("steer", help="Queue a steering message for AGENT's live run (TEXT)." + _ADDRESS)(
+
+
+def _examples(*lines: str) -> str:
+    return "\n\n\b\nExamples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+main.command("steer", help="Queue a steering message for AGENT's live run (TEXT)." + _ADDRESS
+             + _examples('busctl steer assistant "only look at the tests"',
+                         'busctl steer assistant --run RUN_ID "skip the docs"   # one of several live runs'))(
     _agent_verb("steer"))
 main.command("follow-up", help="Queue TEXT for AGENT's live run to handle when it would "
-             "otherwise stop." + _ADDRESS)(_agent_verb("follow_up"))
+             "otherwise stop." + _ADDRESS
+             + _examples('busctl follow-up assistant "then write the summary to NOTES.md"'))(
+    _agent_verb("follow_up"))
 main.command("abort", help="Abort AGENT's live run (model call and tool calls); TEXT, the "
-             "reason, is in its agent_end error." + _ADDRESS)(_agent_verb("abort"))
+             "reason, is in its agent_end error." + _ADDRESS
+             + _examples("busctl abort assistant", 'busctl abort assistant "wrong folder"',
+                         "busctl abort assistant --session coordinator-1.3f0c9a"))(
+    _agent_verb("abort"))
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="busctl")  # `python cli.py` is busctl too: its help and completion say so

@@ -70,7 +70,7 @@ def _demo_runs(bin_dir: Path, project: Path) -> None:
     project.mkdir()
     (project / "README.md").write_text("# a user's project\nTODO: something\n")
     (project / "only-here.txt").write_text("x")
-    with running([str(bin_dir / "busctl"), "up", "--demo", "--hub", "tcp://127.0.0.1:0"],
+    with running([str(bin_dir / "busctl"), "up", "--json", "--demo", "--hub", "tcp://127.0.0.1:0"],
                  cwd=project, env=VENV_ENV) as up:
         ready = up.wait_ready(timeout=60)
         run = subprocess.run([str(bin_dir / "busctl"), "run", "--hub", ready["endpoint"],

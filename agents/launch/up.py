@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -55,7 +56,8 @@ class UpOptions(msgspec.Struct):
     extra_tools: list[str] = msgspec.field(default_factory=list)
     workers: int | None = None
     hub: str | None = None
-    detach_ready_file: str = ""  # where a detached `up` reports readiness
+    detach_ready_file: str = ""  # where a detached `up` reports readiness [default: up.ready]
+    ready_json: bool = False  # `up --json`: the ready line on stdout too, for a script to read
     model_file: str = ""  # a GGUF file: the default model, served by the gateway (llama.cpp)
 
 
@@ -262,7 +264,7 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
             for line in summary(topo, sup, endpoint, events, await _live_tools(peer)):
                 out.write(line + "\n")
             out.flush()
-            _announce(options, endpoint, events)
+            _announce(options, state, endpoint, events)
             async for signum in signals:
                 out.write(f"got {signal.Signals(signum).name}\n")
                 break
@@ -289,6 +291,7 @@ def remove_run_files(state: Path, pid: int) -> None:
     for name in RUN_FILES:
         (state / name).unlink(missing_ok=True)
     (state / "up.tmp").unlink(missing_ok=True)
+    (state / "up.ready.tmp").unlink(missing_ok=True)
 
 
 # --- before anything starts: is this place free? -----------------------------------------------
@@ -535,12 +538,19 @@ def _stop_order(sup: Supervisor) -> list[str]:
     return sorted(sup.children, key=lambda name: STOP_RANK.get(sup.children[name].spec.role, 0))
 
 
-def _announce(options: UpOptions, endpoint: str, events: str) -> None:
+def _announce(options: UpOptions, state: Path, endpoint: str, events: str) -> None:
+    """Machine-readable readiness: the ready file (always; written whole, then renamed into
+    place, so a reader never sees half a line) and, with `--json`, stdout. The console the
+    person reads gets the summary only."""
     line = msgspec.json.encode({"ready": "up", "endpoint": endpoint, "events": events,
                                 "pid": os.getpid()}).decode()
-    print(line, flush=True)
-    if options.detach_ready_file:
-        Path(options.detach_ready_file).write_text(line + "\n")
+    if options.ready_json:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    ready = Path(options.detach_ready_file or state / "up.ready")
+    partial = ready.with_name(ready.name + ".tmp")
+    partial.write_text(line + "\n")
+    partial.replace(ready)
 
 
 async def _stop(sup: Supervisor, out: TextIO) -> None:

@@ -65,7 +65,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def start_up(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[Proc, dict]:
-    proc = Proc(busctl("up", "--hub", "tcp://127.0.0.1:0", *args), cwd=cwd, env=env)
+    proc = Proc(busctl("up", "--json", "--hub", "tcp://127.0.0.1:0", *args), cwd=cwd, env=env)
     try:
         ready = proc.wait_ready(timeout=40)
     except BaseException:

@@ -29,7 +29,7 @@ pytestmark = [
 
 
 def test_up_with_a_model_file_answers_with_the_hosted_model(tmp_path: Path) -> None:
-    proc = Proc(busctl("up", "--hub", "tcp://127.0.0.1:0", "--model-file", GGUF), cwd=tmp_path)
+    proc = Proc(busctl("up", "--json", "--hub", "tcp://127.0.0.1:0", "--model-file", GGUF), cwd=tmp_path)
     try:
         ready = proc.wait_ready(timeout=300)  # the gateway loads the model before it is ready
         hub = ready["endpoint"]
