@@ -18,6 +18,15 @@ otherwise (compaction, `prepare_next_turn`, tool-output trimming, reset) it rewr
 in one transaction. Writes are synchronous and small; WAL with `synchronous=NORMAL` keeps each
 one well under a millisecond. Several coordinators may share one state directory.
 
+Group commit (`defer_commits()`, what the coordinator uses): writes made while the event loop
+runs go into one open transaction, committed by a callback at the end of the loop iteration, so
+the writes of all sessions that ran in that iteration cost one commit (~20 us CPU each, and
+about 14 writes per turn). A failed write is undone alone (each is one statement, or a
+sequence that can only fail by an I/O error). Whoever must not act before its writes are
+durable awaits `committed()` (the coordinator does before publishing each event, which keeps
+"journaled before published"). A failed commit loses the whole group: `lost_groups` counts it
+and every recorder rewrites its session on its next sync.
+
 Full texts of cut or trimmed tool outputs (`ToolOutputStore`) are stored too, so `tool_output`
 refs in a restored conversation stay readable.
 
@@ -29,6 +38,9 @@ The model replies a run completed are its session's messages, stored as each one
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import operator
 import sqlite3
 import time
@@ -42,6 +54,8 @@ from agents.loop.context import ToolOutputStore
 from bus.messages import Message, ToolResultMessage
 
 DB_NAME = "conversations.sqlite"
+
+log = logging.getLogger("agents.coordinator.persistence")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -125,9 +139,45 @@ class ConversationStore:
         self.db.execute("PRAGMA busy_timeout=10000")
         self.db.executescript(_SCHEMA)
         self.skipped = 0  # rows that no longer decode (dropped on load)
+        self.deferred = False  # group commit (see `defer_commits`)
+        self.commits = 0  # transactions committed (for benchmarks and tests)
+        self.lost_groups = 0  # group commits that failed (their writes are gone)
+        self._group: asyncio.Event | None = None  # set once the open group is committed
 
     def close(self) -> None:
+        if self._group is not None:
+            self.commit()
         self.db.close()
+
+    # --- group commit --------------------------------------------------------------------
+
+    def defer_commits(self) -> None:
+        """From now on, writes made inside a running event loop share one transaction per
+        loop iteration (see the module doc); outside one they still commit at once."""
+        self.deferred = True
+
+    async def committed(self) -> None:
+        """Return once every write made so far is committed (at once when none is pending)."""
+        group = self._group
+        if group is not None:
+            await group.wait()
+
+    def commit(self) -> None:
+        """Commit the open group now (the end-of-iteration callback; also on close)."""
+        group, self._group = self._group, None
+        if group is None:  # nothing open (e.g. committed by `close` before this callback)
+            return
+        try:
+            self.db.execute("COMMIT")
+            self.commits += 1
+        except sqlite3.Error:
+            self.lost_groups += 1  # recorders rewrite their sessions (`sync`)
+            log.exception("could not commit the conversation store; its last writes are lost "
+                          "and are written again with the next ones")
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+        finally:
+            group.set()
 
     # --- sessions ------------------------------------------------------------------------
 
@@ -275,8 +325,27 @@ class ConversationStore:
 
     # --- helpers -------------------------------------------------------------------------
 
-    def _tx(self) -> _Transaction:
-        return _Transaction(self.db)
+    def _tx(self) -> _Transaction | contextlib.nullcontext[None]:
+        if self.deferred and self._open_group():
+            # No savepoint per write (2 more statements each): a failing statement is undone
+            # by SQLite alone, and none of the writes here can fail half-way but by an I/O
+            # error, which dooms the whole group anyway (`lost_groups`).
+            return contextlib.nullcontext()
+        return _Transaction(self)
+
+    def _open_group(self) -> bool:
+        """Make sure a group transaction is open, its commit scheduled (False: no event loop
+        runs here, so this write commits alone)."""
+        if self._group is not None:
+            return True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        self.db.execute("BEGIN IMMEDIATE")
+        self._group = asyncio.Event()
+        loop.call_soon(self.commit)
+        return True
 
 
 def _result(body: bytes) -> ToolResultMessage | None:
@@ -289,14 +358,16 @@ def _result(body: bytes) -> ToolResultMessage | None:
 
 
 class _Transaction:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
+    def __init__(self, store: ConversationStore) -> None:
+        self.store = store
 
     def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
+        self.store.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, et: object, e: object, tb: object) -> None:
-        self.db.execute("COMMIT" if et is None else "ROLLBACK")
+        self.store.db.execute("COMMIT" if et is None else "ROLLBACK")
+        if et is None:
+            self.store.commits += 1
 
 
 class ConversationRecorder:
@@ -308,6 +379,7 @@ class ConversationRecorder:
         self.agent = agent
         self.session = session
         self._persisted: list[Message] = list(persisted)  # the objects stored, in order
+        self._lost = store.lost_groups  # a group commit failed since: rewrite everything
         self.appends = 0
         self.rewrites = 0
 
@@ -315,8 +387,9 @@ class ConversationRecorder:
         """Make the stored session equal `messages`: append the new tail, or rewrite it all."""
         stored = self._persisted
         n = len(stored)
+        lost = self.store.lost_groups
         # A C-level identity scan of the stored prefix (the history is usually just longer).
-        if len(messages) >= n and all(map(operator.is_, messages, stored)):
+        if lost == self._lost and len(messages) >= n and all(map(operator.is_, messages, stored)):
             if len(messages) > n:
                 tail = list(messages[n:])
                 self.store.append(self.agent, self.session, n, tail)
@@ -325,6 +398,7 @@ class ConversationRecorder:
             return
         self.store.rewrite(self.agent, self.session, messages)
         self._persisted = list(messages)
+        self._lost = lost
         self.rewrites += 1
 
     def switch(self, session: str, messages: Sequence[Message] = ()) -> None:

@@ -55,7 +55,9 @@ else a new run of its last session.
 Each `agent.<name>` registers with meta `description` = its system prompt's first line.
 
 Durable runs: each session journals its run in the store before publishing the matching event
-(the run at agent_start, turns, tool calls begun and their results; `Session._journal`). A
+(the run at agent_start, turns, tool calls begun and their results; `Session._journal`); the
+store commits once per event-loop iteration for all sessions, and a publish waits for the
+commit of the writes before it (`ConversationStore.committed`). A
 coordinator starting under a name the journal knows resumes that name's live runs
 (`Coordinator.resume_runs`, `agents.coordinator.durable`): `run_resumed` in place of the second agent_start,
 completed calls not repeated, the call in flight issued again (a non-idempotent tool that may have
@@ -295,8 +297,14 @@ class Session:
         await self._publish(event)
         if isinstance(event, ev.AgentEnd):
             self._journal_write(self.host.store.run_end, self.agent.run_id)
+            # Now, not at the end of the iteration: the agent_end just published is still held
+            # by the peer until then, and a crash in between must not resume an ended run.
+            self._journal_write(self.host.store.commit)
 
     async def _publish(self, event: ev.Event) -> None:
+        # Journaled before published: the group commit of this loop iteration (one for every
+        # session that wrote in it, see `ConversationStore.defer_commits`) comes first.
+        await self.host.store.committed()
         try:
             await self.host.peer.publish(event, agent=self.host.name, run=self.agent.run_id,
                                          experiment=self.experiment, parent=self.parent)
@@ -866,6 +874,7 @@ async def run_coordinator(
     configs = build_configs(settings)
     store = ConversationStore(ensure_state_dir(settings.state_dir) if settings.state_dir
                               else ensure_state_dir(default_state_dir()) / "agents")
+    store.defer_commits()  # one commit per loop iteration for all sessions' writes
     try:
         with (anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) if stop is None
               else _no_signals()) as signals:

@@ -1,0 +1,87 @@
+"""The conversation store's group commit (`ConversationStore.defer_commits`): the writes of one
+event-loop iteration share one transaction, `committed()` waits for it, a failed write is undone
+alone, and nothing is visible to another connection before the commit."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agents.coordinator.persistence import ConversationStore, JournaledRun
+from bus.messages import user_text
+
+pytestmark = pytest.mark.anyio
+
+
+def stored_runs(path: Path) -> set[str]:
+    """Run ids in the journal as another process (connection) sees them."""
+    db = sqlite3.connect(path)
+    try:
+        return {r for (r,) in db.execute("SELECT run_id FROM runs")}
+    finally:
+        db.close()
+
+
+def run(run_id: str) -> JournaledRun:
+    return JournaledRun(run_id=run_id, agent="a", session="s", coordinator="c")
+
+
+async def test_writes_of_one_iteration_share_one_commit(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    try:
+        before = store.commits
+
+        async def session(i: int) -> None:  # what each session does for an event
+            store.run_begin(run(f"r{i}"))
+            store.append("a", f"s{i}", 0, [user_text(f"hello {i}")])
+            await store.committed()
+            assert f"r{i}" in stored_runs(store.path)  # durable before it would be published
+
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(session, i)
+        assert store.commits - before == 1  # 20 writes of 10 sessions, one transaction
+        assert stored_runs(store.path) == {f"r{i}" for i in range(10)}
+        assert [m.content for m in store.messages("a", "s3")] == [user_text("hello 3").content]
+    finally:
+        store.close()
+
+
+async def test_nothing_is_visible_before_the_commit_and_close_commits(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    store.run_begin(run("r1"))
+    assert stored_runs(store.path) == set()  # still in the open group
+    assert [r.run_id for r in store.live_runs("c")] == ["r1"]  # this connection sees it
+    store.close()  # commits what is pending
+    assert stored_runs(store.path) == {"r1"}
+
+
+async def test_a_failed_write_is_undone_alone(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    try:
+        store.new_session("a", "s1")
+        store.run_begin(run("r1"))
+        with pytest.raises(sqlite3.IntegrityError):
+            store.new_session("a", "s1")  # the same session again: its savepoint is undone
+        store.run_begin(run("r2"))
+        await store.committed()
+        assert stored_runs(store.path) == {"r1", "r2"}
+        assert store.sessions("a") == ["s1"]
+    finally:
+        store.close()
+
+
+def test_outside_an_event_loop_each_write_commits_at_once(tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    try:
+        store.run_begin(run("r1"))
+        assert stored_runs(store.path) == {"r1"}
+    finally:
+        store.close()
