@@ -33,6 +33,7 @@ import logging
 import os
 import random
 import re
+import ssl
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -286,8 +287,16 @@ class _Call:
 # --- the engine ---------------------------------------------------------------------------
 
 
+_ssl: list[ssl.SSLContext] = []  # one context for every client the engines make
+
+
 def _new_client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None))
+    # Each AsyncClient would load the CA bundle into an SSL context of its own (~30 ms of CPU,
+    # 100 ms on a busy machine), and `_ClientPool` makes its clients as a burst of calls
+    # arrives: they share one, made once with the same defaults (certifi, SSL_CERT_* vars).
+    if not _ssl:
+        _ssl.append(httpx.create_ssl_context())
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None), verify=_ssl[0])
 
 
 class _ClientPool:
@@ -296,10 +305,13 @@ class _ClientPool:
     httpcore's connection pool walks every connection of its client on each request and each
     release, so one client's CPU cost per call grows with the calls in flight on it: measured
     (bench/README.md, "Scale") 12 ms per call at 100 in flight on one client, 2.6 ms spread over 8.
+    In the gateway at 100 concurrent sessions (`bench_scale.py --gateway-clients`), its CPU per
+    model call was 6.8-7.8 ms with one client, 5.3-5.5 ms with 8 (12 streams each), 4.5 ms with
+    16 (6 each); the clients share one SSL context, so more of them cost little.
     A client gets company only once each has PER_CLIENT streams, up to SIZE clients."""
 
-    SIZE = 8
-    PER_CLIENT = 12
+    SIZE = 16
+    PER_CLIENT = 6
 
     def __init__(self, first: httpx.AsyncClient, *, grow: bool) -> None:
         self._clients = [first]
