@@ -305,9 +305,12 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
 
     async def fetch() -> dict[str, Any]:
         async with connect(hub, name="busctl-status", role="cli", curve=curve) as peer:
-            return await topology_status(peer)
+            report = await topology_status(peer)
+            report["subscribers"] = await _subscriber_drops(peer, report)
+            return report
 
     st = run_async(fetch)
+    st["dropped"] = _drop_totals(st)
     if as_json:
         click.echo(msgspec.json.encode(st).decode())
         return
@@ -343,6 +346,41 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
                        f"({model.get('context_window_from') or 'configured'})")
     if st["counters"]:
         click.echo("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
+    for name, sub in st["subscribers"].items():
+        extra = "".join(f"  {k.replace('_', ' ')} {v}" for k, v in sorted(sub.get("extra", {}).items()))
+        click.echo(f"subscriber {name:<17} seq {sub.get('seq', 0)}  fell behind, refilled from the "
+                   f"log {sub.get('refilled', 0)}  lost {sub.get('lost', 0)}{extra}")
+    d = st["dropped"]
+    click.echo(f"dropped events: {d['total']} in total (slow subscribers {d['subscribers']}, "
+               f"oversized {d['oversize_events']}, refused {d['events_refused']})")
+
+
+# What `busctl status` adds up as dropped events: the hub's own refusals, and what each
+# subscriber that reports (`subscriber.<name>`: busctl ui, busctl otel) says its live stream lost.
+# A subscriber's drops happen in libzmq's PUB queue, which counts nothing: only the subscriber
+# sees the hole in the seqs (and fills it from the log).
+HUB_DROP_COUNTERS = ("oversize_events", "events_refused")
+
+
+async def _subscriber_drops(peer: Any, report: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for service in report["services"]:
+        name = service["name"]
+        if not name.startswith("subscriber.") or not service["peers"]:
+            continue
+        try:
+            out[name[11:]] = msgspec.msgpack.decode(await peer.request(name, b"", timeout=3))
+        except AgentBusError as exc:
+            report.setdefault("errors", []).append(f"{name}: {exc}")
+    return out
+
+
+def _drop_totals(st: dict[str, Any]) -> dict[str, int]:
+    totals = {k: st["counters"].get(k, 0) for k in HUB_DROP_COUNTERS}
+    totals["subscribers"] = sum(s.get("refilled", 0) + s.get("lost", 0)
+                                for s in st["subscribers"].values())
+    totals["total"] = sum(totals.values())
+    return totals
 
 
 def _cost_text(model: dict[str, Any]) -> str:
@@ -457,27 +495,36 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
 @main.command()
 @hub_options
 @click.option("--port", type=click.IntRange(0, 65535), default=7480, show_default=True,
-              help="Loopback port of the page (0: any free port; the URL is printed).")
+              help="Port of the page (0: any free port; the URL is printed).")
+@click.option("--bind", "host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Anything but loopback needs a token (see --token).")
+@click.option("--token", envvar="BUSCTL_UI_TOKEN", default="",
+              help="The page's access token (env BUSCTL_UI_TOKEN) [default: none on loopback; "
+                   "on another --bind one is generated and printed once, in the ready line].")
 @click.option("--since", type=click.IntRange(0), default=0, show_default=True,
               help="Show events after this seq (0: everything the hub's log holds).")
-def ui(hub: str, curve: CurveClient | None, port: int, since: int) -> None:
-    """A live web view of the bus on http://127.0.0.1:PORT/ (loopback only).
+def ui(hub: str, curve: CurveClient | None, port: int, host: str, token: str, since: int) -> None:
+    """A live web view of the bus on http://127.0.0.1:PORT/.
 
     \b
     Examples:
       busctl ui                # then open http://127.0.0.1:7480/
       busctl ui --port 0       # any free port; the first line names the URL
+      busctl ui --bind 0.0.0.0 # other machines too: open the printed URL (it holds the token)
     """
     from bus.ui import serve_ui
 
+    if token and len(token) < 16:
+        raise click.BadParameter("a token shorter than 16 characters is guessable; leave it "
+                                 "out to have one generated", param_hint="--token")
     try:
-        run_async(serve_ui, hub, curve, port, since)
+        run_async(serve_ui, hub, curve, port, since, host, token)
     except KeyboardInterrupt:
         pass
     except OSError as exc:
-        raise click.BadParameter(f"cannot listen on 127.0.0.1:{port}: {exc.strerror} "
-                                 f"(choose another --port, or 0 for any free one)",
-                                 param_hint="--port") from None
+        raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror} "
+                                 f"(choose another --port, or 0 for any free one; or another "
+                                 f"--bind)", param_hint="--port") from None
 
 
 # --- busctl worker ------------------------------------------------------------------------
@@ -1259,45 +1306,79 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
               help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
 @click.option("--live-from", type=click.IntRange(min=1), default=None, metavar="TURN",
               help="Fork: replay each run's first TURN turns, then call the live model.")
+@click.option("--live-from-seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+              help="Fork at a point of the log: model calls logged before event SEQ are "
+                   "replayed, the one at or after it and its run's later ones go live.")
 @click.option("--model", default="", metavar="ALIAS",
-              help="With --live-from: the model alias (of the gateway) for the live turns.")
+              help="Fork: the model alias (of the gateway) for the live turns.")
+@click.option("--system-prompt-file", type=click.Path(exists=True, dir_okay=False),
+              default=None, metavar="F",
+              help="Fork: the system prompt (file F) of the prompted agents' live turns.")
+@click.option("--set", "settings", multiple=True, metavar="AGENT.KEY=VALUE",
+              help="Fork: an [[agents]] key for AGENT's live turns: model, system_prompt, "
+                   "temperature, top_p, max_tokens, seed, stop; or max_turns (alias "
+                   "max_iterations) for its prompted runs. Repeatable.")
 @click.option("--live-tools", is_flag=True,
               help="Run the tools again [default: their results come from the log].")
 def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
-           live_from: int | None, model: str, live_tools: bool) -> None:
+           live_from: int | None, live_from_seq: int | None, model: str,
+           system_prompt_file: str | None, settings: tuple[str, ...], live_tools: bool) -> None:
     """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
     log (no model is called) and each tool result too (unless --live-tools; `ask_<agent>`
     calls always run: the callee's run is replayed); report "identical" or the first
     divergence (exit 1).
 
     \b
+    A fork (--live-from TURN or --live-from-seq SEQ) replays up to that point, then calls the
+    live model; --model, --system-prompt-file and --set change the live part.
     Compare the two afterwards with `busctl diff EXPERIMENT E2`.
     Examples:
       busctl replay --experiment debate-3 --as debate-3-again
       busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
+      busctl replay --experiment debate-3 --live-from-seq 1234 --set lead.temperature=0.2
     """
-    if model and live_from is None:
-        raise click.UsageError("--model applies to the live turns of a fork: give --live-from "
-                               "TURN too")
     import uuid
 
     from agents.client.remote import connect as connect_agents
-    from agents.replay import replay_experiment
+    from agents.replay import Fork, ForkError, parse_setting, replay_experiment
 
+    try:
+        fork = Fork(live_from=live_from or 0, live_from_seq=live_from_seq or 0, model=model,
+                    system_prompt=_system_prompt(system_prompt_file),
+                    settings=dict(parse_setting(s) for s in settings))
+    except ForkError as exc:
+        raise click.UsageError(str(exc)) from None
     target = target or f"{experiment}.replay-{uuid.uuid4().hex[:6]}"
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
-            return await replay_experiment(bus, experiment, target, live_from=live_from or 0,
-                                           model=model, live_tools=live_tools)
+            try:
+                return await replay_experiment(bus, experiment, target, fork=fork,
+                                               live_tools=live_tools)
+            except ValueError as exc:  # ForkError too: checked before anything is replayed
+                return exc  # raised here it would reach us inside an exception group
 
-    try:
-        divergence = run_async(go)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+    divergence = run_async(go)
+    if isinstance(divergence, ValueError):
+        raise click.UsageError(str(divergence))
     if divergence is not None:
         raise click.ClickException(f"{experiment} replayed as {target}: {divergence}")
     click.echo(f"{experiment} replayed as {target}: identical")
+
+
+def _system_prompt(path: str | None) -> str | None:
+    """`busctl replay --system-prompt-file`: the file's text (None: not given)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.UsageError(f"--system-prompt-file {path}: cannot read it as UTF-8 text "
+                               f"({exc})") from None
+    if not text.strip():
+        raise click.UsageError(f"--system-prompt-file {path} is empty; give a file with the "
+                               f"system prompt's text")
+    return text
 
 
 @main.command("diff")

@@ -123,7 +123,7 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     it over from memory at every restart, so no file a tool might reach can redirect them.
     """
     specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint)]
-    for proc in topo.processes:
+    for proc in topo.all_processes():  # with the [ui] and [otel] children
         argv = proc.command
         if argv and argv[0] == "busctl":  # this installation's busctl, whatever PATH says
             argv = python_argv(*argv[1:])
@@ -212,6 +212,9 @@ def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
     lines.append(f"agents     {', '.join(a.name for a in topo.agents)}")
     lines.append(f"tools      {', '.join(tools) or '(none)'}")
     lines.append(f"state      {state}  (logs in {state / 'logs'})")
+    ui = sup.children.get("ui")
+    if ui is not None and ui.ready and ui.spec.role == "process":
+        lines.append(f"ui         {ui.ready.get('url', '?')}")
     lines.append("try        busctl run \"hello\"   ·   busctl watch   ·   busctl status")
     return lines
 
