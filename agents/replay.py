@@ -9,11 +9,15 @@ to the gateway (`REPLAY_SERVICE`, `ReplayLoad`) keyed by `request_key`: the agen
 messages after the request's last assistant message (the prompt, or the tool results the reply
 answers), hashed. The gateway then answers each `llm` request of experiment E2 with the next
 recorded reply of the same key, in order, and never calls the model (no match: an error reply,
-so the run diverges visibly). E's top-level runs (no parent; `ask_<agent>` runs are made again by
-their callers) are prompted again, one after another, in fresh sessions, with the same text.
+so the run diverges visibly; in a fork, the live model instead, see below). E's top-level runs
+(no parent; `ask_<agent>` runs are made again by their callers) are prompted again, one after
+another, in fresh sessions, with the same text.
 A fork (`Fork`) replays part of each run and sends the rest to the live model: with `live_from`
 N each run's first N model calls are replayed; with `live_from_seq` S the calls whose logged reply
 has seq < S are (each run goes live at its first call answered at or after S, and stays live).
+In a fork, a model request with no logged reply left (a run E did not have, such as a helper a
+live turn asks something new, or a run whose requests went another way) goes live too, with the
+rest of its run: the comparison reports it as a divergence, never as an error reply.
 The live calls can change: `model` (another alias) and, per agent, the `[[agents]]` keys a model
 request carries (`LiveOverrides`: system prompt, sampling), which the gateway puts in each live
 request; `max_turns` (or `max_iterations`) bounds the runs the replay prompts.
@@ -100,6 +104,9 @@ class ReplayLoad(msgspec.Struct):
     model: str = ""  # the model alias live requests use ("": the request's own)
     #: by agent: what its live requests change (a fork's `--set`, `--system-prompt-file`)
     overrides: dict[str, LiveOverrides] = msgspec.field(default_factory=dict)
+    #: a fork: a request with no logged reply left goes to the live model (pure replay: an
+    #: error reply). Older gateways ignore it (they answer it with the error reply).
+    fork: bool = False
 
 
 class ReplayLoaded(msgspec.Struct):
@@ -521,7 +528,7 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
     plan = plan_fork(fork, runs, source)
     load = ReplayLoad(experiment=target, source=source,
                       entries=book(runs, fork.live_from_seq), live_after=fork.live_from,
-                      model=fork.model, overrides=plan.overrides)
+                      model=fork.model, overrides=plan.overrides, fork=fork.forks)
     try:
         await peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
     except RemoteError as exc:

@@ -10,9 +10,11 @@ its environment or memory.
 A second service, `gateway.<name>`, answers with the engine's stats (queues, usage totals).
 Replay mode (`agents.replay`, `busctl replay`): `llm.replay` loads the recorded replies of an
 experiment for another one; that one's `llm` requests are then answered from them, matched by
-`request_key` in order, and never reach a model (no match: an error reply naming the key). A
-fork's live requests (`_Replay.live`) go to the model, changed as the replay says (another
-model alias; per agent a system prompt, sampling: `LiveOverrides`).
+`request_key` in order, and never reach a model (no match: an error reply naming the key, so the
+run diverges visibly). A fork's live requests (`_Replay.live`) go to the model, changed as the
+replay says (another model alias; per agent a system prompt, sampling: `LiveOverrides`); in a
+fork a request with no logged reply left (a run E never had, e.g. a helper asked something new by
+a live turn, or a run whose requests went another way) is live too, and so is the rest of its run.
 
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
@@ -90,8 +92,11 @@ class _Replay:
         self.live_after = load.live_after
         self.model = load.model
         self.overrides = load.overrides
+        # A fork: the replay goes live somewhere (an older client sends no `fork`: its marks say)
+        self.fork = load.fork or load.live_after > 0 or any(e.live for e in load.entries)
         self.calls: dict[str, int] = {}  # run id -> model requests seen
         self.live_runs: set[str] = set()  # runs past their fork point (`live` entries)
+        self.unmatched = 0  # fork requests with no logged reply, sent live
 
     def live(self, run_id: str, key: str) -> bool:
         """Count this request of `run_id`; true when it goes to the live model."""
@@ -102,6 +107,15 @@ class _Replay:
         if entries and entries[0].live:  # the fork point: this call and the run's later ones
             entries.popleft()
             self.live_runs.add(run_id)
+            return True
+        if not entries and self.fork:
+            # The fork made a request the log never saw (a helper asked something new, a run
+            # that went another way): live, with the rest of its run, whose history is new too.
+            # Pure replay answers it with an error reply instead (`Gateway._replayed`).
+            self.live_runs.add(run_id)
+            self.unmatched += 1
+            log.info("fork: run %s made a request the log has no reply for (key %s): live",
+                     run_id, key)
             return True
         return False
 
