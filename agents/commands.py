@@ -43,6 +43,9 @@ class Prompt(_Command, tag="prompt"):
     call_chain: list[str] = msgspec.field(default_factory=list)
     #: >0: at most this many turns for this run (instead of the agent's `max_iterations`).
     max_turns: int = 0
+    #: The top-level run of the tree this run joins (an agent-as-tool call; "" = it is the top):
+    #: its model calls carry that run's trace id (`LlmTrace.root_run_id`).
+    root_run_id: str = ""
 
 
 class Continue(_Command, tag="continue"):

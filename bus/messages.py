@@ -8,7 +8,7 @@ docs/protocol.md, "Schema evolution").
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -178,6 +178,17 @@ class RetryPolicy(msgspec.Struct, omit_defaults=True):
 ToolChoice = Union[Literal["auto", "none", "required"], str]
 
 
+class LlmTrace(msgspec.Struct, omit_defaults=True):
+    """Where a model call sits in its run tree's trace (the ids `busctl otel` exports, derived by
+    bus/tracecontext.py): the gateway's W3C `traceparent` to the provider names the call's `chat`
+    span in the trace of the tree's top-level run."""
+
+    #: The call's index among its run's model calls (assistant `message_start`s), from 0: its
+    #: `chat` span. None: a call without one (a compaction or max-turns summary): the run's span.
+    call: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    root_run_id: str = ""  # the tree's top-level run ("": this request's run is the top)
+
+
 class LlmRequest(msgspec.Struct, omit_defaults=True):
     """Body of a request to service `llm`. `model` names a configured alias (or "" for the default)."""
 
@@ -197,6 +208,9 @@ class LlmRequest(msgspec.Struct, omit_defaults=True):
     top_p: float | None = None
     seed: int | None = None  # sent where the provider takes one (OpenAI-compatible servers)
     stop: list[str] = msgspec.field(default_factory=list)
+    #: The trace context (None, as older peers send: the gateway's `traceparent` names the run's
+    #: `invoke_agent` span in the run's own trace).
+    trace: LlmTrace | None = None
 
 
 DeltaKind = Literal["text", "thinking", "tool_call"]

@@ -39,7 +39,7 @@ from bus import protocol as p
 from bus.client import Peer, connect
 from bus.messages import AssistantMessage, ToolCall, UserMessage
 from bus.security import CurveClient
-from bus.tracecontext import span_id, trace_id
+from bus.tracecontext import chat_span_id, span_id, trace_id
 from bus.ui import Drops, count_gap, serve_drops
 
 try:  # the optional extra `otel`; the error below says how to install it
@@ -274,7 +274,7 @@ class TraceBuilder:
                 attrs["gen_ai.output.messages"] = json.dumps([_assistant_json(msg)])
         name = f"chat {model}".rstrip()
         end = chat.end if msg is not None else run.last
-        return self._span(name, trace_id, _span_id(run.run, "chat", str(chat.index)), parent,
+        return self._span(name, trace_id, chat_span_id(run.run, chat.index), parent,
                           chat.start, end, attrs, SpanKind.CLIENT, error)
 
     def _tool_span(self, run: Run, tool: ToolSpan, trace_id: int,

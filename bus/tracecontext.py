@@ -1,8 +1,9 @@
 """W3C trace context (`traceparent`) for the bus's runs, with the standard library only.
 
 `busctl otel` derives every trace and span id from run ids (so a trace exported twice has the same
-ids); the gateway derives the `traceparent` it sends to the model provider from the same run id
-with the same functions, so a provider that traces its side puts its spans in our trace.
+ids); the gateway derives the `traceparent` it sends to the model provider with the same functions
+from what the request's `LlmRequest.trace` says (the run tree's top-level run, the call's index in
+its run), so a provider that traces its side puts its spans under the call's `chat` span.
 """
 
 from __future__ import annotations
@@ -23,10 +24,17 @@ def trace_id(run: str) -> int:
     return int.from_bytes(hashlib.blake2b(run.encode(), digest_size=16).digest()) or 1
 
 
-def traceparent(run: str) -> str:
-    """`00-<trace>-<span>-01` for a call made inside `run`: its parent is the run's
-    `invoke_agent` span (sampled: we export every run)."""
-    return f"00-{trace_id(run):032x}-{span_id(run):016x}-01"
+def chat_span_id(run: str, call: int) -> int:
+    """The span id of `run`'s model call number `call` (from 0): its `chat` span."""
+    return span_id(run, "chat", str(call))
+
+
+def traceparent(run: str, root: str = "", call: int | None = None) -> str:
+    """`00-<trace>-<span>-01` for a model call made inside `run`: its parent is the call's `chat`
+    span when `call` is given, else the run's `invoke_agent` span; its trace is that of `root`,
+    the run tree's top-level run ("": `run` is the top). Sampled: we export every run."""
+    parent = chat_span_id(run, call) if call is not None else span_id(run)
+    return f"00-{trace_id(root or run):032x}-{parent:016x}-01"
 
 
 def parse_traceparent(value: str) -> tuple[str, str] | None:

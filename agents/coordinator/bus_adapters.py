@@ -44,6 +44,7 @@ from bus.messages import (
     AssistantDelta,
     AssistantMessage,
     LlmRequest,
+    LlmTrace,
     ToolCallRequest,
     ToolInfo,
     ToolResult,
@@ -130,7 +131,9 @@ class BusLlmClient:
     """`LlmClient` over the `llm` service.
 
     `agent`, `run_id` (normally set by the loop) and `experiment` are filled in on each request
-    when empty, so the gateway tags the `message_update` events it publishes.
+    when empty, so the gateway tags the `message_update` events it publishes; `trace_root` (the
+    top-level run of an asked run's tree) goes in the request's `trace`, so the gateway's
+    `traceparent` puts the call in that run's trace.
     """
 
     def __init__(self, peer: Peer, *, agent: str = "", experiment: str = "",
@@ -139,6 +142,7 @@ class BusLlmClient:
         self.peer = peer
         self.agent = agent
         self.experiment = experiment  # the coordinator sets it per run
+        self.trace_root = ""  # the coordinator sets it per run ("": the run is its tree's top)
         self.timeout = timeout
         self.service = service
         self.service_wait = service_wait
@@ -155,6 +159,9 @@ class BusLlmClient:
             changes["agent"] = self.agent
         if not request.experiment and self.experiment:
             changes["experiment"] = self.experiment
+        trace = request.trace or LlmTrace()
+        if self.trace_root and not trace.root_run_id:
+            changes["trace"] = msgspec.structs.replace(trace, root_run_id=self.trace_root)
         if changes:
             request = msgspec.structs.replace(request, **changes)
         streamed = _Streamed(request.model)

@@ -157,6 +157,7 @@ class CallContext:
 
     chain: list[str] = field(default_factory=list)
     experiment: str = ""
+    root: str = ""  # the top-level run of the calling run's tree ("": the calling run is)
     #: callee -> its session this calling session talks to (`ask_sessions = "caller"`); kept
     #: across the calling session's runs.
     callee_sessions: dict[str, str] = field(default_factory=dict)
@@ -247,7 +248,8 @@ class AgentCalls:
         if self.per_caller_session and not new_session:
             session = context.callee_sessions.get(callee, "")
         command = cmd.Prompt(text=prompt, experiment=context.experiment,
-                             parent_run_id=request.run_id, session=session, call_chain=chain)
+                             parent_run_id=request.run_id, session=session, call_chain=chain,
+                             root_run_id=context.root or request.run_id)
         result = await self._call(callee, cmd.encode(command), request.run_id, session)
         if self.per_caller_session and isinstance(result.details, dict) and \
                 result.details.get("session"):

@@ -408,15 +408,17 @@ class Session:
             run.done.set()
             self.host.after_run(self)
 
-    def begin(self, experiment: str, parent: str, chain: Sequence[str]) -> _Run:
-        """Claim the session for a new run (synchronously) and set the run's context."""
+    def begin(self, experiment: str, parent: str, chain: Sequence[str], root: str = "") -> _Run:
+        """Claim the session for a new run (synchronously) and set the run's context (`root`:
+        the top-level run of the tree an asked run joins, for the trace context)."""
         run = _Run()
         self.current = run
         self.experiment = experiment or self.host.spec.experiment
         self.parent = parent
         self.llm.experiment = self.tools.experiment = self.experiment
+        self.llm.trace_root = root
         self.call_context = CallContext(chain=list(chain), experiment=self.experiment,
-                                        callee_sessions=self.call_context.callee_sessions)
+                                        root=root, callee_sessions=self.call_context.callee_sessions)
         self.last_used = anyio.current_time()
         return run
 
@@ -584,11 +586,12 @@ class HostedAgent:
         session.topic_queued = True
 
     async def _start_run(self, req: IncomingRequest, session: Session, start: Callable[[], Any],
-                         experiment: str, parent: str, chain: Sequence[str] = ()) -> bytes:
+                         experiment: str, parent: str, chain: Sequence[str] = (),
+                         root: str = "") -> bytes:
         if session.busy:
             raise RemoteError(f"{PROMPT_BUSY} (session `{session.id}` of agent `{self.name}` "
                               f"has run {session.run_id or '(starting)'} in progress)", BUSY)
-        run = session.begin(experiment, parent, chain)
+        run = session.begin(experiment, parent, chain, root)
         try:
             with run.wait:
                 await self._admit(session, run)
@@ -666,7 +669,7 @@ class HostedAgent:
         session.max_turns = max(0, command.max_turns)
         return await self._start_run(req, session, lambda: agent.prompt(value, max_turns=turns),
                                      command.experiment, command.parent_run_id,
-                                     command.call_chain)
+                                     command.call_chain, command.root_run_id)
 
     def _target(self, run_id: str, session_id: str) -> Session | None:
         """The session a steer/follow-up/abort addresses; None: nothing live to act on.

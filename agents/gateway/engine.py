@@ -592,8 +592,11 @@ class LlmEngine:
         key = self._api_key(runtime.config)
         http = runtime.provider.build_request(with_sampling(request, runtime.config), key)
         if request.run_id:
-            # W3C trace context: a provider that traces joins the run's trace (see bus.tracecontext)
-            http.headers.setdefault("traceparent", traceparent(request.run_id))
+            # W3C trace context: a provider that traces joins the run tree's trace under this
+            # call's `chat` span (bus.tracecontext; an older peer sends no `trace`: the run's span)
+            trace = request.trace
+            http.headers.setdefault("traceparent", traceparent(request.run_id) if trace is None
+                                    else traceparent(request.run_id, trace.root_run_id, trace.call))
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1

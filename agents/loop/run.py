@@ -90,6 +90,7 @@ from bus.messages import (
     AssistantMessage,
     LlmMessage,
     LlmRequest,
+    LlmTrace,
     Message,
     RetryPolicy,
     TextPart,
@@ -323,6 +324,10 @@ class _Run:
     turn: int = 0
     last_call: tuple[str, str] | None = None  # (tool, canonical arguments) of the previous call
     repeats: int = 0  # how many calls in a row were `last_call`
+    #: Model calls begun (assistant message_starts): the next one's index, which names its `chat`
+    #: span in `busctl otel`'s trace (LlmTrace.call). One per turn, so a resumed run starts at
+    #: its turn count.
+    calls: int = 0
 
     @property
     def last_text(self) -> str:
@@ -370,6 +375,7 @@ async def run_loop(
         reasoning=config.reasoning,
         iterations=start_turn,
         turn=start_turn,
+        calls=start_turn,
     )
     await emit(AgentStart())
     try:
@@ -528,13 +534,15 @@ async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInf
         view = list(await call_hook(run.config.transform_context, view))
     llm_messages = await _convert(run, view)
     catalog = await run.tools.catalog()
-    request = _request(run, llm_messages, [t.spec() for t in catalog], run.config.tool_choice)
+    call, run.calls = run.calls, run.calls + 1
+    request = _request(run, llm_messages, [t.spec() for t in catalog], run.config.tool_choice,
+                       call=call)
     await run.emit(MessageStart(message=AssistantMessage(model=run.model)))
     reply = await _complete(run, request, _emit_delta(run))
     if is_context_exceeded(reply) and await _maybe_compact(run, force=True):
         # The server refused the prompt as too long: compacted now, the call is retried once.
         llm_messages = await _convert(run, list(run.messages))
-        request = _request(run, llm_messages, request.tools, request.tool_choice)
+        request = _request(run, llm_messages, request.tools, request.tool_choice, call=call)
         reply = await _complete(run, request, _emit_delta(run))
     run.usage.add(reply)
     await _end_message(run, reply)
@@ -567,7 +575,10 @@ def _request(
     tools: list[ToolSpec],
     tool_choice: ToolChoice,
     model: str | None = None,
+    call: int | None = None,
 ) -> LlmRequest:
+    """The model request; `call`: its index among the run's message_starts (None: a summary call,
+    which has none). The coordinator's model client adds the trace's root run."""
     cfg = run.config
     return LlmRequest(
         messages=messages,
@@ -584,6 +595,7 @@ def _request(
         retry=cfg.retry_policy(),
         agent=cfg.agent,
         run_id=run.run_id,
+        trace=LlmTrace(call=call),
     )
 
 

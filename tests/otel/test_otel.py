@@ -233,29 +233,33 @@ def _asks(request: RecordedRequest, text: str) -> bool:
     return text in json.dumps(request.body)
 
 
-async def test_model_requests_carry_a_traceparent_in_the_exported_trace(
+async def test_model_requests_carry_a_traceparent_naming_their_chat_span(
         stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
     """The gateway's HTTP requests to the model (the fake server, over real HTTP) carry a W3C
-    `traceparent` whose trace id is the one `busctl otel` exported for the run, and whose parent
-    is the run's `invoke_agent` span: a provider that traces its side joins our trace."""
+    `traceparent` whose parent is exactly the `chat` span `busctl otel` exported for that call,
+    in the root run's trace: the helper's calls too (the loop and the coordinator send the trace
+    context in `LlmRequest.trace`), so a provider that traces its side joins our trace."""
     otel = start_otel(stack, receiver, tmp_path / "otel.json")
     run_id, _, _ = await scripted_run(stack, "exp-traceparent")
     await until(lambda: len(of_run(receiver.snapshot(), run_id)) >= 8, 15, "the trace")
     otel.stop()
     spans = of_run(receiver.snapshot(), run_id)
     boss, helper = one(spans, "invoke_agent boss"), one(spans, "invoke_agent helper")
+    chats = {s.span_id: s for s in spans if s.name.startswith("chat ")}
+    assert len(chats) == 3
     requests = list(stack.srv.requests)  # this run's only: `script` cleared the log
     assert len(requests) == 3
+    parents = []
     for request in requests:
-        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", _traceparent(request)), \
-            _traceparent(request)
+        header = _traceparent(request)
+        assert re.fullmatch(r"00-[0-9a-f]{32}-[0-9a-f]{16}-01", header), header
+        trace, parent = parse_traceparent(header) or ("", "")
+        assert trace == boss.trace_id == f"{trace_id(run_id):032x}", header  # the root's trace
+        assert parent in chats, (header, list(chats))
+        parents.append(parent)
+    assert len(set(parents)) == 3  # one chat span per call
     boss_calls = [r for r in requests if _asks(r, "use your tools and ask the helper")]
     assert len(boss_calls) == 2
-    for request in boss_calls:
-        assert parse_traceparent(_traceparent(request)) == (boss.trace_id, boss.span_id)
-    # The sub-agent's call hangs under its own run's span. Its trace id is derived from its
-    # own run id: the gateway sees one run id per request, not the tree's root (see
-    # docs/architecture.md, "OpenTelemetry export").
-    (helper_call,) = [r for r in requests if r not in boss_calls]
-    trace, parent = parse_traceparent(_traceparent(helper_call)) or ("", "")
-    assert parent == helper.span_id and trace == f"{trace_id(helper.attrs['agent_bus.run.id']):032x}"
+    for request, parent in zip(requests, parents, strict=True):
+        owner = boss if request in boss_calls else helper
+        assert chats[parent].parent_id == owner.span_id, (chats[parent].name, owner.name)
