@@ -181,8 +181,10 @@ async def test_stalled_subscriber_does_not_slow_requests(hub: dict) -> None:
             status = await peer.status()
         print(f"p50 without {baseline * 1e6:.0f} us (after: {after * 1e6:.0f} us), with a stalled "
               f"subscriber {with_stalled * 1e6:.0f} us; hub RSS {rss_before} -> {rss_after} kB")
-        # a hub blocked by the stalled subscriber would take seconds per request, far past it
-        ratio, floor = (1.5, 0.001) if tight_timing() else (2.0, 0.002)
+        # a hub blocked by the stalled subscriber would take seconds per request, far past it.
+        # Loose bound: on a loaded 2-core machine one phase's p50 moved 0.8 -> 9.6 ms with nothing
+        # stalled (the phases run seconds apart); 4x + 10 ms still catches a blocked hub.
+        ratio, floor = (1.5, 0.001) if tight_timing() else (4.0, 0.010)
         assert with_stalled < max(baseline, after) * ratio + floor, (baseline, after, with_stalled)
         assert rss_after - rss_before < 100_000  # kB
         assert status.seq >= 3 * n_events
