@@ -37,6 +37,7 @@ REPLAY_QUEUE = 256  # replays waiting for the reader; one more is answered `over
 REPLIES_PER_PASS = 16  # finished replays forwarded per loop pass (each <= replay_bytes + 1 event)
 READER_NICE = 10  # the replay reader thread runs at this nice value (Linux), below the loop
 REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
+BLOB_READ_BYTES = 65536  # replay reads a body this big or bigger through the blob API
 _TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
 _COPY_THRESHOLD = 65536
 
@@ -71,7 +72,23 @@ def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
                budget: int) -> p.ReplayBatch:
     """Logged events in (since, head] matching the topics, until `budget` bytes were read (at
     least one row) or `limit` rows were scanned. `upto` is where to ask again; `upto == head`
-    means this reply reaches the head — a reply with fewer events says nothing by itself."""
+    means this reply reaches the head — a reply with fewer events says nothing by itself.
+
+    One read transaction: the rows and the bodies read through the blob API are one snapshot
+    (retention may delete rows meanwhile)."""
+    db.execute("BEGIN")
+    try:
+        batch = _read_batch(db, request, head, budget)
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):  # the read's error is the one to report
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")  # a read transaction: this only ends the snapshot
+    return batch
+
+
+def _read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
+                budget: int) -> p.ReplayBatch:
     since = min(max(0, request.since), head)
     pruned_upto, reason = read_meta(db)
     gap = None
@@ -80,15 +97,21 @@ def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
         since = min(pruned_upto, head)
     limit = max(1, min(request.limit, REPLAY_LIMIT))
     prefixes = [t.encode() for t in request.topics]
-    cur = db.execute("SELECT seq, type, agent, run, header, body FROM events "
-                     "WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?", (since, head, limit))
+    # A body from BLOB_READ_BYTES up is not in the row: the cursor holds the GIL while SQLite
+    # gathers a column's overflow pages and copies it into a `bytes`, which for a 512 KiB body
+    # kept the routing loop waiting ~150 us a row; `Blob.read` does that copy with the GIL
+    # released. (`length(body)` reads no overflow page, and rows that do not match the topics
+    # never have their bodies read.)
+    cur = db.execute("SELECT seq, type, agent, run, header, length(body), CASE WHEN "
+                     "length(body) < ? THEN body END FROM events WHERE seq > ? AND seq <= ? "
+                     "ORDER BY seq LIMIT ?", (BLOB_READ_BYTES, since, head, limit))
     events: list[tuple[bytes, bytes]] = []
     upto, read, scanned = since, 0, 0
-    for seq, type_, agent, run, header, body in cur:
+    for seq, type_, agent, run, header, size, body in cur:
         upto, scanned = seq, scanned + 1
-        read += len(header) + len(body)
+        read += len(header) + size
         if not prefixes or _matches(type_, agent, run, prefixes):
-            events.append((header, body))
+            events.append((header, body if body is not None else _read_body(db, seq)))
         if read >= budget:
             break
     else:
@@ -96,6 +119,12 @@ def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
             upto = head
     cur.close()
     return p.ReplayBatch(events=events, upto=upto, head=head, gap=gap)
+
+
+def _read_body(db: sqlite3.Connection, seq: int) -> bytes:
+    """A big body, copied out of SQLite with the GIL released (seq is the table's rowid)."""
+    with db.blobopen("events", "body", seq, readonly=True) as blob:
+        return blob.read()
 
 
 def _matches(type_: str, agent: str, run: str, prefixes: list[bytes]) -> bool:

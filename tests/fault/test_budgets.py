@@ -284,12 +284,17 @@ def p99(times: list[float]) -> float:
     return statistics.quantiles(times, n=100)[98]
 
 
-def test_replay_of_big_events_does_not_stall_requests(tmp_path: Path) -> None:
-    """Issue 12 asks for request p99 within 2x of idle. Measured here (2 cores, quiet): idle p99
-    0.5-0.8 ms, during a back-to-back replay of 512 KiB events 1.5-2.3 ms (~3x): the hub's I/O
-    thread and the replayer share the cores with the requests. What is asserted is that no batch
-    stalls the loop (before: 3 GB batches, 2.7 s): p99 stays within 4x idle + 10 ms, a bound
-    that still catches any stall of the routing loop and holds when the machine is busy."""
+class ReplayLatency(msgspec.Struct):
+    idle: float  # request p99 (s) with the replayer stopped
+    busy: float  # ...and while it replays
+    batches: int  # replay batches answered while measuring
+    biggest: int  # the largest batch (bytes)
+    limit: int  # the hub's `replay_bytes`
+
+
+def requests_next_to_a_replay(tmp_path: Path) -> ReplayLatency:
+    """1,000 echo requests with a back-to-back replay of 200 x 512 KiB events running, 1,000
+    without, alternated 250 at a time so the machine's other load hits both alike."""
     from tests.bus.helpers import serving_peers
 
     hub = start_hub(tmp_path)
@@ -310,27 +315,45 @@ def test_replay_of_big_events_does_not_stall_requests(tmp_path: Path) -> None:
             before = replaying.wait_ready(20)["batches"]
             idle_times: list[float] = []
             busy_times: list[float] = []
-            for _ in range(4):  # alternate, so the machine's other load hits both alike
+            for _ in range(4):
                 replaying.signal(signal.SIGSTOP)
                 idle_times += request_times(requester, 250)
                 replaying.signal(signal.SIGCONT)
                 busy_times += request_times(requester, 250)
             after = json.loads(replaying.output().splitlines()[-1])  # its latest report
             replaying.stop()
-            idle, busy = p99(idle_times), p99(busy_times)
-        limit = status(requester).budgets["replay_bytes"].limit
-        print(f"request p99 idle {idle * 1e3:.2f} ms, during replay {busy * 1e3:.2f} ms "
-              f"({busy / idle:.1f}x) "
-              f"({after['batches'] - before}+ batches, biggest {after['biggest'] / MiB:.1f} MiB)")
-        assert after["batches"] - before >= 10  # the replay ran all along
-        assert after["biggest"] <= limit + 512 * 1024 + 4096  # the cap, plus one event past it
-        assert busy <= 4 * idle + 0.010, (idle, busy)
+        got = ReplayLatency(p99(idle_times), p99(busy_times), after["batches"] - before,
+                            after["biggest"], status(requester).budgets["replay_bytes"].limit)
+        print(f"request p99 idle {got.idle * 1e3:.2f} ms, during replay {got.busy * 1e3:.2f} ms "
+              f"({got.busy / got.idle:.2f}x) ({got.batches}+ batches, biggest "
+              f"{got.biggest / MiB:.1f} MiB)")
+        assert got.batches >= 10  # the replay ran all along
+        assert got.biggest <= got.limit + 512 * 1024 + 4096  # the cap, plus one event past it
+        return got
     finally:
         if replaying is not None:
             replaying.stop()
         requester.close()
         ctx.term()
         hub.stop()
+
+
+def test_replay_of_big_events_does_not_stall_requests(tmp_path: Path) -> None:
+    """No replay batch stalls the routing loop (before the byte cap: 3 GB batches, 2.7 s). The
+    issue's 2x of idle is `test_replay_of_big_events_p99_within_2x_of_idle` (slow): measured on
+    2 cores, quiet, 1.6-2.7x (reader thread read big bodies through the cursor); on a machine
+    at load 9 idle p99 itself is 6-30 ms and the ratio 0.4-1.6x, the replay invisible in the
+    noise. 4x idle + 10 ms still catches any stall of the loop and holds on a busy machine."""
+    got = requests_next_to_a_replay(tmp_path)
+    assert got.busy <= 4 * got.idle + 0.010, got
+
+
+@pytest.mark.slow
+def test_replay_of_big_events_p99_within_2x_of_idle(tmp_path: Path) -> None:
+    """Issue 12 §5 as stated: request p99 beside a replay of 512 KiB events within 2x of idle
+    (+2 ms for the timer and scheduler on a small machine). Holds on a quiet machine only."""
+    got = requests_next_to_a_replay(tmp_path)
+    assert got.busy <= 2 * got.idle + 0.002, got
 
 
 # --- §11: a failed replay is answered; leaving is O(own requests) ----------------------------
