@@ -97,11 +97,10 @@ def _read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
         since = min(pruned_upto, head)
     limit = max(1, min(request.limit, REPLAY_LIMIT))
     prefixes = [t.encode() for t in request.topics]
-    # A body from BLOB_READ_BYTES up is not in the row: the cursor holds the GIL while SQLite
-    # gathers a column's overflow pages and copies it into a `bytes`, which for a 512 KiB body
-    # kept the routing loop waiting ~150 us a row; `Blob.read` does that copy with the GIL
-    # released. (`length(body)` reads no overflow page, and rows that do not match the topics
-    # never have their bodies read.)
+    # A body from BLOB_READ_BYTES up is not in the row: the cursor copies a column into a new
+    # `bytes` holding the GIL (for 512 KiB: a fresh buffer's page faults and the copy, time the
+    # routing loop waits for), `Blob.read` does that copy with the GIL released. `length(body)`
+    # reads no overflow page, and rows that do not match the topics never have a body read.
     cur = db.execute("SELECT seq, type, agent, run, header, length(body), CASE WHEN "
                      "length(body) < ? THEN body END FROM events WHERE seq > ? AND seq <= ? "
                      "ORDER BY seq LIMIT ?", (BLOB_READ_BYTES, since, head, limit))
