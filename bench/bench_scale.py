@@ -426,6 +426,9 @@ def main() -> None:
     ap.add_argument("--tool-ms", type=float, default=20.0)
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="run the coordinator and gateway under cProfile, dumping into DIR")
+    ap.add_argument("--gateway-clients", default="", metavar="SIZE[:PER]",
+                    help="the gateway's httpx pool for this run: at most SIZE AsyncClients, a "
+                         "new one once each holds PER streams (default: the engine's 16:6)")
     ap.add_argument("--second-wave-max", type=int, default=100, metavar="N",
                     help="run a second wave (idle stored session memory) for N up to this")
     ap.add_argument("--http-probe", action="store_true",
@@ -434,6 +437,13 @@ def main() -> None:
                     help="sessions for the asyncio.gather pure-loop limit (0: skip; default 100)")
     args = ap.parse_args()
     bench_loop.PROFILE_DIR = args.profile  # read by `busctl()`
+    if args.gateway_clients:
+        try:
+            size, _, per = args.gateway_clients.partition(":")
+            bench_loop.GATEWAY_POOL = (int(size), int(per or 6))
+        except ValueError:
+            ap.error(f"--gateway-clients: expected SIZE or SIZE:PER (integers, e.g. 16:6), got "
+                     f"{args.gateway_clients!r}")
     try:
         ns = [int(x) for x in args.sessions.split(",") if x.strip()]
     except ValueError:
