@@ -9,13 +9,15 @@ Nothing a peer sends can raise out of the loop: bad input is counted, logged and
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import logging
 import math
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,15 @@ from bus.errors import ConfigError
 from bus.eventlog import Row
 from bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
 from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
-from bus.security import CurveServer, curve_peer_id, is_loopback_endpoint, peer_user_id, private_ipc
+from bus.security import (
+    CurveServer,
+    InsecureBindError,
+    KeyDirAuthenticator,
+    check_bind,
+    curve_peer_id,
+    peer_user_id,
+    private_ipc,
+)
 
 log = logging.getLogger("bus.hub")
 
@@ -145,15 +155,13 @@ def check_config(config: HubConfig) -> None:
         if getattr(config, name) < least:
             raise HubConfigError(f"hub budget `{name}` is {getattr(config, name)}: it must be "
                                  f">= {least} (see docs/reliability.md, \"Memory budgets\")")
-    if config.curve is not None or config.insecure:
-        return
-    for field_, address in (("endpoint", config.endpoint), ("events", config.events)):
-        if address and not is_loopback_endpoint(address):
-            raise HubConfigError(
-                f"refusing to bind `{field_}` {address} without CURVE: other machines could "
-                "connect. Make keys with `busctl keys generate DIR` and set `curve` (busctl hub "
-                "--curve-secret/--curve-authorized), or set `insecure` (--insecure) on a trusted "
-                "network.")
+    try:
+        check_bind({"`endpoint`": config.endpoint, "`events`": config.events},
+                   curve=config.curve is not None, insecure=config.insecure,
+                   fix="set `curve` (busctl hub --curve-secret/--curve-authorized), or set "
+                       "`insecure` (--insecure) on a trusted network.")
+    except InsecureBindError as exc:
+        raise HubConfigError(str(exc)) from None
 
 
 def default_events_endpoint(endpoint: str) -> str:
@@ -197,7 +205,7 @@ class Hub:
         self._stopping = False
         state = Path(config.state_dir) if config.state_dir else None
         self.ctx = zmq.Context()
-        self._auth = None
+        self._auth: KeyDirAuthenticator | None = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
         self._keys_generation = 0  # the authenticator's key set last checked (see _drop_revoked)
         self._known_keys: frozenset[bytes] = frozenset()  # the keys of that set
@@ -271,9 +279,9 @@ class Hub:
             next_sub_beat = self.events.subscribed_at + SUBSCRIBE_BEAT_GAP
             timeout = max(0.0, min(next_beat, next_tick, next_probe, next_sub_beat) - now)
             try:
-                ready = dict(poller.poll(timeout * 1000))
+                ready = dict(poller.poll(math.ceil(timeout * 1000)))
             except zmq.ZMQError as exc:
-                if exc.errno == zmq.EINTR:
+                if exc.errno == errno.EINTR:  # (pyzmq has no zmq.EINTR)
                     continue
                 raise
             if self.router in ready:
@@ -327,8 +335,9 @@ class Hub:
 
     def _drain(self) -> None:
         router = self.router
-        recv = self._recv_curve if self._auth is not None else _recv_frames
-        arg = _NOBLOCK if self._auth is not None else router
+        recv: Callable[[], list[Any]] = (
+            functools.partial(self._recv_curve, _NOBLOCK) if self._auth is not None
+            else functools.partial(_recv_frames, router))
         handle = self._handle
         self._batch_bytes = 0
         for _ in range(DRAIN_LIMIT):
@@ -336,7 +345,7 @@ class Hub:
                 self._batch_bytes = 0
                 self.events.flush()
             try:
-                frames = recv(arg)
+                frames = recv()
             except zmq.Again:
                 return
             try:

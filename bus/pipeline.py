@@ -308,7 +308,10 @@ class EventPipeline:
                 _bsend(pub, topic, _MORE_NOBLOCK)
                 _bsend(pub, sig, _MORE_NOBLOCK)
                 _bsend(pub, row[6], _MORE_NOBLOCK)
-                _bsend(pub, body, _NOBLOCK, len(body) < _COPY_THRESHOLD)
+                if len(body) < _COPY_THRESHOLD:
+                    _bsend(pub, body, _NOBLOCK)
+                else:  # a big body goes to libzmq without a copy
+                    _bsend(pub, body, _NOBLOCK, copy=False)
             except zmq.Again:
                 dropped += 1
         if dropped:
