@@ -17,11 +17,16 @@ waits for the socket to become writable. The fast transport's fd is edge-trigger
 `EVENTS` read may consume the edge, so after sending we check `EVENTS` and schedule a drain
 ourselves when input is waiting. This needs anyio's asyncio backend (pyzmq has no trio support).
 
-Published events are held until the end of the current event-loop iteration and then sent back
-to back (`_hold`): on an idle socket every send wakes ZeroMQ's I/O thread (and then the hub),
-which costs far more than the send itself, so a burst of events (a streamed reply's deltas, a
-turn's lifecycle events) is cheaper sent together. Every other send flushes them first, so this
-peer's messages keep their order; `publish` still waits for the connection and the HWM as before.
+Published events, and the replies and partial replies of requests this peer serves, are held
+until the end of the current event-loop iteration and then sent back to back (`_hold`): on an
+idle socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than
+the send itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers
+of handlers that finished together) is cheaper sent together. Partial replies to one request
+held meanwhile go out as one `partial` message with a body frame each (`IncomingRequest.partial`).
+Every other send flushes the held messages first, so this peer's messages keep their order;
+`publish` still waits for the connection and the HWM as before. A lost connection drops held
+replies and partials (`reply_lost`; the hub answers their requesters itself) but keeps held
+events for the next one.
 
 What the hub has logged (docs/reliability.md, "Publish guarantees"): a `hub.replay` request is
 answered only after the hub has committed every event it read before it, and ZeroMQ keeps one
@@ -72,7 +77,7 @@ HUB_ENV = "BUSCTL_HUB"
 CONNECT_TIMEOUT = 4.0  # a welcome takes milliseconds; CLI commands must fail within 5 s
 HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
-HOLD_MAX = 1024  # published events held for the end of the loop iteration at most
+HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the loop iteration
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
 FLUSH_TIMEOUT = 10.0  # aclose() waits at most this long for the hub to confirm published events
@@ -127,9 +132,12 @@ class Peer:
         self._sock: Transport | None = None  # the DEALER of the current connection
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
-        # Published events held until the end of the current event-loop iteration (see
-        # `publish_raw`): always sent, in order, before anything else this peer sends.
-        self._held: list[list[Any]] = []
+        # Messages held until the end of the current event-loop iteration (`_hold`), each with
+        # whether it is an event (the publish accounting counts only those): always sent, in
+        # order, before anything else this peer sends. `_held_gen` changes whenever held
+        # messages leave `_held` (sent or dropped): a partial still held may take more bodies.
+        self._held: list[tuple[list[Any], bool]] = []
+        self._held_gen = 0
         self._flush_scheduled = False
         # Publish accounting: events handed to a socket, how many of those the hub confirmed
         # (the rest of the current socket's are in flight), and how many unconfirmed ones a
@@ -371,9 +379,8 @@ class Peer:
         connection; on close they are counted too."""
         lost = self._events_sent - self._confirmed
         self._confirmed = self._events_sent
-        if self.closing and self._held:
-            lost += len(self._held)
-            self._held.clear()
+        if self._held:
+            lost += self._drop_held(events=self.closing)
         if not lost:
             return
         self._unconfirmed += lost
@@ -381,6 +388,20 @@ class Peer:
         log.warning("%s: %d published events were not confirmed by the hub at %s before the "
                     "connection closed; they may be missing from its log", self.name, lost,
                     self.hub)
+
+    def _drop_held(self, *, events: bool) -> int:
+        """The socket is gone: drop the held replies and partials (their requests are answered
+        by the hub, or were forgotten with the connection) and, with `events`, the held events
+        too; return how many events were dropped."""
+        held = self._held
+        kept = [item for item in held if item[1]] if not events else []
+        replies = sum(1 for item in held if not item[1])
+        if replies:
+            self.counters["reply_lost"] = self.counters.get("reply_lost", 0) + replies
+        dropped = len(held) - replies - len(kept)
+        held[:] = kept
+        self._held_gen += 1
+        return dropped
 
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
@@ -543,17 +564,19 @@ class Peer:
             self._schedule_drain()
         return True
 
-    def _hold(self, message: list[Any]) -> bool:
-        """Queue an event for the end of this event-loop iteration (False: send it now).
+    def _hold(self, message: list[Any], *, event: bool = True) -> bool:
+        """Queue an event, reply or partial reply for the end of this event-loop iteration
+        (False: send it now).
 
         Everything held meanwhile then goes out back to back: a burst (a streamed reply's
-        deltas parsed from one read, a turn's lifecycle events) costs one wake-up of ZeroMQ's
-        I/O thread and of the hub instead of one per event, an isolated send being the costly
-        kind. Any direct send flushes the held events first, so order is kept. (Requests and
-        replies are not held: sending them at once lets the other side start sooner.)
+        deltas parsed from one read, a turn's lifecycle events, the answers of tool calls that
+        ended together) costs one wake-up of ZeroMQ's I/O thread and of the hub instead of one
+        per message, an isolated send being the costly kind. Any direct send flushes the held
+        messages first, so order is kept. (Requests are not held: sending them at once lets the
+        other side start sooner.)
         """
         if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
-            self._held.append(message)
+            self._held.append((message, event))
             self._schedule_flush()
             return True
         return False
@@ -572,30 +595,34 @@ class Peer:
                 log.warning("%s: socket error: %s", self.name, exc)
 
     def _flush_held(self) -> bool:
-        """Send the held events, in order; False when the HWM stopped it (the rest stay held
-        and go out when the socket is writable again, before anything else)."""
+        """Send the held messages, in order; False when the HWM stopped it (the rest stay
+        held and go out when the socket is writable again, before anything else)."""
         held = self._held
         sock = self._sock
         if sock is None:
-            return False  # they wait for the next connection
-        sent = 0
+            return False  # events wait for the next connection (replies are dropped on close)
+        sent = events = 0
         try:
-            for message in held:
+            for message, event in held:
                 sock.send(message)
                 sent += 1
+                events += event
         except zmq.Again:
-            del held[:sent]
-            self._events_sent += sent
+            self._sent_held(sent, events)
             return False
         except BaseException:
-            del held[:sent]
-            self._events_sent += sent
+            self._sent_held(sent, events)
             raise
-        self._events_sent += sent
-        held.clear()
+        self._sent_held(sent, events)
         if not self._drain_scheduled and sock.input_waiting():
             self._schedule_drain()
         return True
+
+    def _sent_held(self, sent: int, events: int) -> None:
+        if sent:
+            del self._held[:sent]
+            self._held_gen += 1
+            self._events_sent += events
 
     async def _send(self, frames: list[Any], *, wait: bool = True,
                     deadline: float = float("inf")) -> None:
@@ -717,7 +744,7 @@ class Peer:
     async def _confirm_sent(self) -> int:
         """One `hub.replay` round trip: its reply follows the events sent before it on the same
         socket, logged. (Held events are sent before the request, so they count too.)"""
-        mark = self._events_sent + len(self._held)
+        mark = self._events_sent + sum(1 for _, event in self._held if event)
         reply = await self.request(p.HUB_REPLAY, _CONFIRM_BODY, timeout=None)
         self._confirmed = max(self._confirmed, mark)
         return p.decode(reply, p.ReplayBatch).head

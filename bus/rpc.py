@@ -70,15 +70,22 @@ class Call:
 
 
 class Replies:
-    """The iterator `Peer.stream` yields: partial bodies, then the final reply body."""
+    """The iterator `Peer.stream` yields: partial bodies, then the final reply body.
+
+    A `partial` message may carry several bodies, one frame each (a server sends the partials
+    of one event-loop iteration together): each is yielded in turn."""
 
     def __init__(self, call: Call) -> None:
         self._call = call
+        self._rest: deque[bytes] = deque()  # further bodies of the last `partial` message
 
     def __aiter__(self) -> Replies:
         return self
 
     async def __anext__(self) -> bytes:
+        rest = self._rest
+        if rest:
+            return rest.popleft()
         call = self._call
         if call.done:
             raise StopAsyncIteration
@@ -89,6 +96,8 @@ class Replies:
             raise error_for(header.code, header.error or header.code)
         if kind == p.REPLY:
             call.done = True
+        elif len(frames) > 1:
+            rest.extend(frames[1:])
         return frames[0] if frames else b""
 
 

@@ -7,6 +7,11 @@ re-delivers a scope's cancellation at every checkpoint until the scope exits, wh
 cancel can be swallowed by an anyio scope the handler is in (a shell tool then keeps running and
 no answer goes out). Closing the peer cancels the whole task group instead: no answer, the hub
 reports the peer gone.
+
+Answers and partial replies are held like published events and go out at the end of the
+event-loop iteration (`Peer._hold`). Partials of one request held meanwhile become one `partial`
+message with one body frame each, in order (docs/protocol.md §4): a model's streamed deltas
+parsed from one read cost one message through the hub instead of one each.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ class IncomingRequest:
     # that arrives first still lands: the scope is entered already cancelled.
     _scope: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
     _cancelled: anyio.Event | None = None
+    # The `partial` message of this request still held by the peer (more bodies join it while
+    # the peer's `_held_gen` is the one it was held under), else None.
+    _held_partial: list[Any] | None = None
+    _held_gen: int = -1
 
     @property
     def cancelled(self) -> anyio.Event:
@@ -58,7 +67,19 @@ class IncomingRequest:
         return self._cancelled
 
     async def partial(self, body: bytes) -> None:
-        await self._peer._send([p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body], wait=False)
+        """Send a partial reply: held until the end of the loop iteration, together with the
+        request's other partials of that iteration (one message, a body frame each)."""
+        peer = self._peer
+        held = self._held_partial
+        if held is not None and self._held_gen == peer._held_gen:
+            held.append(body)  # still unsent: the body goes out with it, after its bodies
+            return
+        message = [_SIG, p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body]
+        if peer._hold(message, event=False):
+            self._held_partial, self._held_gen = message, peer._held_gen
+            return
+        self._held_partial = None
+        await peer._send(message[1:], wait=False)
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes]]
@@ -147,6 +168,8 @@ class Serving:
         try:
             if peer._sock is None:
                 peer._count("reply_lost")
+                return
+            if peer._hold(reply, event=False):
                 return
             if not peer._send_now(reply):
                 with anyio.move_on_after(REPLY_SEND_TIMEOUT):

@@ -19,8 +19,11 @@ a live turn, or a run whose requests went another way) is live too, and so is th
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
 after which no reply can be sent) still holds everything streamed so far and keeps it as the
-aborted message. A retry sends `reset` first: what came before is discarded; the `llm_retry`
-event then says `discarded` when the failed attempt had streamed deltas, so watchers drop them.
+aborted message. The peer sends the partials of one event-loop iteration (the deltas parsed from
+one read) as one message, a body each (`IncomingRequest.partial`), so a call costs the hub a few
+partial messages, not one per delta; the `message_update` events stay one per delta. A retry
+sends `reset` first: what came before is discarded; the `llm_retry` event then says `discarded`
+when the failed attempt had streamed deltas, so watchers drop them.
 
 At start the gateway asks each server for what the configuration left out (model name, context
 window; see `LlmEngine.discover`) and exits with the reason when the choice is ambiguous.
