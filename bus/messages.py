@@ -243,6 +243,14 @@ class ToolInfo(msgspec.Struct, omit_defaults=True):
         return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
 
 
+class ToolTrace(msgspec.Struct, omit_defaults=True):
+    """Where a tool call sits in its run tree's trace: the worker gives the tool a W3C
+    `traceparent` naming the call's `execute_tool` span (bus/tracecontext.py, the ids `busctl
+    otel` exports), in the trace of the tree's top-level run."""
+
+    root_run_id: str = ""  # the tree's top-level run ("": this request's run is the top)
+
+
 class ToolCallRequest(msgspec.Struct, omit_defaults=True):
     """Body of a request to service `tool.<name>`; `arguments` is the model's raw JSON text."""
 
@@ -252,6 +260,9 @@ class ToolCallRequest(msgspec.Struct, omit_defaults=True):
     agent: str = ""
     run_id: str = ""
     experiment: str = ""
+    #: The trace context (None, as older peers send: the run is taken as its tree's top, which
+    #: is right for every run but a sub-agent's).
+    trace: ToolTrace | None = None
 
 
 class ToolResult(msgspec.Struct, omit_defaults=True):

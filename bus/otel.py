@@ -39,7 +39,7 @@ from bus import protocol as p
 from bus.client import Peer, connect
 from bus.messages import AssistantMessage, ToolCall, UserMessage
 from bus.security import CurveClient
-from bus.tracecontext import chat_span_id, span_id, trace_id
+from bus.tracecontext import chat_span_id, span_id, tool_span_id, trace_id
 from bus.ui import Drops, count_gap, serve_drops
 
 try:  # the optional extra `otel`; the error below says how to install it
@@ -60,7 +60,8 @@ MAX_OPEN_RUNS = 10_000   # runs that never end (a crashed coordinator) must not 
 SCOPE = InstrumentationScope("agent-bus", "0.1.0")
 
 
-# Shared with the gateway's `traceparent` (bus.tracecontext): a provider's spans join our trace.
+# Shared with the gateway's and the tool worker's `traceparent` (bus.tracecontext): a provider's
+# spans and an instrumented tool's join our trace.
 _span_id = span_id
 _trace_id = trace_id
 
@@ -207,7 +208,7 @@ class TraceBuilder:
             parent: SpanContext | None = None
             if run.parent in by_run:
                 caller, tool = tool_of_child.get(run.run, (by_run[run.parent], None))
-                parent = self._ctx(trace_id, _span_id(caller.run, "tool", tool.call_id) if tool
+                parent = self._ctx(trace_id, tool_span_id(caller.run, tool.call_id) if tool
                                    else _span_id(caller.run))
             spans.extend(self._run_spans(run, trace_id, parent))
         return spans
@@ -289,7 +290,7 @@ class TraceBuilder:
             attrs["gen_ai.tool.call.result"] = tool.result if isinstance(tool.result, str) else ""
         error = "tool error" if tool.is_error else ""
         return self._span(f"execute_tool {tool.name}", trace_id,
-                          _span_id(run.run, "tool", tool.call_id), parent, tool.start,
+                          tool_span_id(run.run, tool.call_id), parent, tool.start,
                           tool.end or run.last, attrs, SpanKind.INTERNAL, error)
 
 

@@ -3,7 +3,9 @@
 `busctl otel` derives every trace and span id from run ids (so a trace exported twice has the same
 ids); the gateway derives the `traceparent` it sends to the model provider with the same functions
 from what the request's `LlmRequest.trace` says (the run tree's top-level run, the call's index in
-its run), so a provider that traces its side puts its spans under the call's `chat` span.
+its run), so a provider that traces its side puts its spans under the call's `chat` span. A tool
+worker does the same for a tool call (`ToolCallRequest.trace`): the tool's `traceparent` names
+the call's `execute_tool` span, so a tool instrumented with OpenTelemetry joins the trace under it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,17 @@ def trace_id(run: str) -> int:
 def chat_span_id(run: str, call: int) -> int:
     """The span id of `run`'s model call number `call` (from 0): its `chat` span."""
     return span_id(run, "chat", str(call))
+
+
+def tool_span_id(run: str, call_id: str) -> int:
+    """The span id of `run`'s tool call `call_id`: its `execute_tool` span."""
+    return span_id(run, "tool", call_id)
+
+
+def tool_traceparent(run: str, call_id: str, root: str = "") -> str:
+    """`00-<trace>-<span>-01` for the code a tool call runs: its parent is the call's
+    `execute_tool` span, in the trace of `root` ("": `run` is its tree's top-level run)."""
+    return f"00-{trace_id(root or run):032x}-{tool_span_id(run, call_id):016x}-01"
 
 
 def traceparent(run: str, root: str = "", call: int | None = None) -> str:

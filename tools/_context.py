@@ -43,8 +43,10 @@ class ToolContext:
     """Per-call facts and channels for a tool.
 
     Attributes: `call_id`, `tool_name`, `agent`, `run_id`, `experiment` (from the request),
-    `workspace` (resolved Path the file tools are confined to) and `allow_shell` (whether the
-    worker enabled shell commands).
+    `workspace` (resolved Path the file tools are confined to), `allow_shell` (whether the
+    worker enabled shell commands) and `traceparent` (W3C trace context naming the call's
+    `execute_tool` span in the run's trace, "" for a call outside any run; `trace_carrier`
+    holds it for `opentelemetry.propagate.extract`).
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class ToolContext:
         workspace: str | os.PathLike[str] = ".",
         allow_shell: bool = False,
         on_progress: ProgressCallback | None = None,
+        traceparent: str = "",
     ) -> None:
         self.call_id = call_id
         self.tool_name = tool_name
@@ -66,12 +69,20 @@ class ToolContext:
         self.experiment = experiment
         self.workspace = Path(workspace).resolve()
         self.allow_shell = allow_shell
+        self.traceparent = traceparent
         self._on_progress = on_progress
         self._cancelled = threading.Event()
         self._cancelled_async: anyio.Event | None = None
         self._closed = False
         self._loop_thread = threading.get_ident()
         self._token: Any = None
+
+    @property
+    def trace_carrier(self) -> dict[str, str]:
+        """The trace context as OpenTelemetry's propagators read it: a tool instrumented with
+        OpenTelemetry starts its spans under the call's `execute_tool` span with
+        `tracer.start_as_current_span(name, context=propagate.extract(ctx.trace_carrier))`."""
+        return {"traceparent": self.traceparent} if self.traceparent else {}
 
     # --- cancellation --------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import anyio
 import anyio.to_thread
 
 from bus.messages import ToolCallRequest, ToolResult, error_result
+from bus.tracecontext import tool_traceparent
 from tools._context import ProgressCallback, ToolContext
 from tools._exceptions import ArgumentsError
 from tools._results import exception_result, to_result
@@ -82,9 +83,19 @@ def _make_context(
         workspace=workspace,
         allow_shell=allow_shell,
         on_progress=on_progress,
+        traceparent=traceparent_of(request),
     )
     ctx._bind()
     return ctx
+
+
+def traceparent_of(request: ToolCallRequest) -> str:
+    """The W3C `traceparent` naming the call's `execute_tool` span (the id `busctl otel`
+    exports for it), "" for a call outside any run (no span is exported for it)."""
+    if not request.run_id or not request.call_id:
+        return ""
+    root = request.trace.root_run_id if request.trace is not None else ""
+    return tool_traceparent(request.run_id, request.call_id, root)
 
 
 async def _execute(

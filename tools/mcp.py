@@ -46,6 +46,7 @@ from bus.messages import (
     error_result,
 )
 from tools._exceptions import ToolDefinitionError
+from tools._runner import traceparent_of
 from tools._schema import _inline, _normalize, check_provider_schema
 
 if TYPE_CHECKING:
@@ -381,14 +382,20 @@ class McpBridge:
         async def on_progress(progress: float, total: float | None, message: str | None) -> None:
             await sink(_progress_part(progress, total, message))
 
+        # The call's trace context in the request's `_meta` (the key OpenTelemetry's MCP
+        # instrumentations read): a traced server puts its spans under our `execute_tool` span.
+        traceparent = traceparent_of(call)
+        meta: Any = {"traceparent": traceparent} if traceparent else None
         try:
             try:
-                result = await session.call_tool(mcp_name, args, progress_callback=on_progress)
+                result = await session.call_tool(mcp_name, args, progress_callback=on_progress,
+                                                 meta=meta)
             except MCPError as exc:
                 renewed = await self._renew(session) if _expired(exc, self.spec) else None
                 if renewed is None:
                     raise
-                result = await renewed.call_tool(mcp_name, args, progress_callback=on_progress)
+                result = await renewed.call_tool(mcp_name, args, progress_callback=on_progress,
+                                                 meta=meta)
         except MCPError as exc:
             return error_result(f"Error: {self.owner}, tool `{mcp_name}`: {exc}")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):

@@ -48,6 +48,7 @@ from bus.messages import (
     ToolCallRequest,
     ToolInfo,
     ToolResult,
+    ToolTrace,
     error_result,
 )
 
@@ -261,7 +262,8 @@ class AgentTools:
     always offered and shadow a worker tool of the same name. The built-in `tool_output` tool
     (full text of truncated or trimmed outputs) is served from the agent's `ToolOutputStore` in
     this process whenever the agent has any tools at all. Calls get the run's `experiment` so
-    workers tag their progress events with it.
+    workers tag their progress events with it, and `trace_root` (the top-level run of an asked
+    run's tree) in their `trace`, so the worker's `traceparent` puts the tool in that run's trace.
 
     Progress: a worker publishes each `tool_execution_update` itself (like the gateway publishes
     `message_update`), so by default partial results are not passed on to the loop, which would
@@ -278,6 +280,7 @@ class AgentTools:
         self.store = store
         self.local = list(local)
         self.experiment = experiment  # the coordinator sets it per run
+        self.trace_root = ""  # the coordinator sets it per run ("": the run is its tree's top)
         self._all = "*" in self.allowed
         self._names = frozenset(self.allowed)
 
@@ -316,6 +319,8 @@ class AgentTools:
             return await self.store.handle(request)
         if not request.experiment and self.experiment:
             request = msgspec.structs.replace(request, experiment=self.experiment)
+        if self.trace_root and not (request.trace and request.trace.root_run_id):
+            request = msgspec.structs.replace(request, trace=ToolTrace(self.trace_root))
         provider = self._local_for(request.name)
         if provider is not None:
             return await provider.execute(request)

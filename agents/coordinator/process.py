@@ -416,7 +416,7 @@ class Session:
         self.experiment = experiment or self.host.spec.experiment
         self.parent = parent
         self.llm.experiment = self.tools.experiment = self.experiment
-        self.llm.trace_root = root
+        self.llm.trace_root = self.tools.trace_root = root
         self.call_context = CallContext(chain=list(chain), experiment=self.experiment,
                                         root=root, callee_sessions=self.call_context.callee_sessions)
         self.last_used = anyio.current_time()

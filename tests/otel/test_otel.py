@@ -36,6 +36,17 @@ agents = ["helper"]
 name = "helper"
 model = "x"
 tools = []
+
+[[agents]]
+name = "lead"
+model = "x"
+tools = ["traced"]
+agents = ["aide"]
+
+[[agents]]
+name = "aide"
+model = "x"
+tools = ["traced"]
 """
 
 SCRIPT = [
@@ -53,7 +64,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("otel"), coordinator=("boss", "helper"), agents=AGENTS)
+    s = start_stack(tmp_path_factory.mktemp("otel"), coordinator=("boss", "helper", "lead", "aide"),
+                    agents=AGENTS)
     try:
         yield s
     finally:
@@ -263,3 +275,76 @@ async def test_model_requests_carry_a_traceparent_naming_their_chat_span(
     for request, parent in zip(requests, parents, strict=True):
         owner = boss if request in boss_calls else helper
         assert chats[parent].parent_id == owner.span_id, (chats[parent].name, owner.name)
+
+
+# A user's tool module instrumented with OpenTelemetry: its own SDK, exporter and span, under the
+# context the worker hands it (`ctx.trace_carrier`). The exporter's endpoint comes from the
+# worker's environment (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT), as a user would configure it.
+USER_TOOL = """
+from opentelemetry import propagate
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from tools import ToolContext, tool
+
+provider = TracerProvider(resource=Resource.create({"service.name": "user-tool"}))
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(timeout=5)))
+tracer = provider.get_tracer("user-tool")
+
+
+@tool
+def traced(text: str, ctx: ToolContext) -> str:
+    \"\"\"Look something up, traced.\"\"\"
+    parent = propagate.extract(ctx.trace_carrier)
+    with tracer.start_as_current_span("user lookup", context=parent) as span:
+        span.set_attribute("user.text", text)
+    return f"looked up {text}"
+"""
+
+TRACED_SCRIPT = [
+    calls(("traced", {"text": "lead"}), ("ask_aide", {"prompt": "Look it up too."})),  # lead
+    calls(("traced", {"text": "aide"})),                                               # aide
+    text("Found it."),                                                                 # aide
+    text("Both found."),                                                               # lead
+]
+
+
+async def test_a_user_tool_spans_join_the_trace_under_its_execute_tool_span(
+        stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
+    """Acceptance 3's last clause: a tool that starts its own span under the incoming
+    `traceparent` (the worker's `ctx.trace_carrier`) appears in the run's trace, its parent the
+    exact `execute_tool` span `busctl otel` exported for the call: the top-level run's call and
+    the sub-agent's (whose trace is its tree's top-level run's, passed on in
+    `ToolCallRequest.trace`)."""
+    module = tmp_path / "user_tools.py"
+    module.write_text(USER_TOOL)
+    worker = Proc(busctl("worker", "--hub", stack.endpoint, "--tools", str(module), "--name",
+                         "traced-worker"), env={"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url})
+    stack.procs["traced-worker"] = worker  # stopped with the stack if this test fails
+    worker.wait_ready()
+    try:
+        otel = start_otel(stack, receiver, tmp_path / "otel.json")
+        stack.script(TRACED_SCRIPT)
+        async with connect(stack.endpoint, name="test-otel") as bus:
+            run = await bus.prompt("lead", "look it up and ask the aide", experiment="exp-user")
+            assert (await run.result()).final_text == "Both found."
+        # lead + 2 chats + 2 tools, aide + 2 chats + 1 tool, and the tool's own 2 spans
+        await until(lambda: len(of_run(receiver.snapshot(), run.run_id)) >= 11, 15, "the trace")
+        otel.stop()
+    finally:
+        stack.stop("traced-worker")
+    spans = of_run(receiver.snapshot(), run.run_id)
+    assert len(spans) == 11, [s.name for s in spans]
+    assert {s.trace_id for s in spans} == {f"{trace_id(run.run_id):032x}"}
+    lead, aide = one(spans, "invoke_agent lead"), one(spans, "invoke_agent aide")
+    ask = one(spans, "execute_tool ask_aide")
+    assert ask.parent_id == lead.span_id and aide.parent_id == ask.span_id
+    for owner, label in ((lead, "lead"), (aide, "aide")):
+        call = one(spans, "execute_tool traced", **{"gen_ai.conversation.id":
+                                                    owner.attrs["gen_ai.conversation.id"]})
+        assert call.parent_id == owner.span_id
+        mine = one(spans, "user lookup", **{"user.text": label})
+        assert mine.parent_id == call.span_id, (label, mine.parent_id, call.span_id)
+        assert mine.start <= mine.end <= call.end  # the call ended after the tool's span

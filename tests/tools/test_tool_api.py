@@ -12,7 +12,8 @@ import msgspec
 import pytest
 
 import tools
-from bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult
+from bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult, ToolTrace
+from bus.tracecontext import span_id, trace_id
 from tools import (
     Done,
     Image,
@@ -338,6 +339,31 @@ async def test_context_carries_request_and_settings(tmp_path: Path) -> None:
     assert result.text == "ok"
     assert (seen["call_id"], seen["agent"], seen["run_id"], seen["experiment"]) == ("c9", "ann", "r1", "e")
     assert (seen["tool_name"], seen["workspace"], seen["allow_shell"]) == ("inspect_ctx", tmp_path.resolve(), True)
+
+
+async def test_context_carries_the_calls_trace_context() -> None:
+    """`ctx.traceparent` names the call's `execute_tool` span as `busctl otel` derives it, in the
+    trace of the request's root run; an older requester (no `trace`) gets the run's own trace;
+    a call outside any run gets none (no span is exported for it)."""
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    @tool
+    def traced(ctx: ToolContext) -> str:
+        seen.append((ctx.traceparent, ctx.trace_carrier))
+        return "ok"
+
+    for request in (ToolCallRequest(call_id="c1", name="traced", run_id="sub",
+                                    trace=ToolTrace(root_run_id="top")),
+                    ToolCallRequest(call_id="c1", name="traced", run_id="sub"),
+                    ToolCallRequest(call_id="c1", name="traced")):
+        # the body an older worker or requester sends or reads: the field is optional
+        decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=ToolCallRequest)
+        assert (await run_tool(traced, decoded)).text == "ok"
+    span = f"{span_id('sub', 'tool', 'c1'):016x}"
+    assert seen[0] == (f"00-{trace_id('top'):032x}-{span}-01",
+                       {"traceparent": f"00-{trace_id('top'):032x}-{span}-01"})
+    assert seen[1][0] == f"00-{trace_id('sub'):032x}-{span}-01"
+    assert seen[2] == ("", {})
 
 
 async def test_timeout_message_is_exact() -> None:
