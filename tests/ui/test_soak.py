@@ -1,9 +1,9 @@
 """The page keeps up (issue 19: "1,000 events/s ... without the page falling behind or the tab's
 memory growing without bound"): synthetic runs at 1,000 events/s into a real hub, `busctl ui`,
 and the page in a real headless Chromium, sampled once a second: the newest event the page
-shows is recent, the DOM stays the same size, the runs it keeps are bounded, and (30 s run) the
-JS heap after a garbage collection does not keep growing. 5 s in the normal run; 30 s behind
-the `slow` marker."""
+shows is recent, the DOM stays the same size, the runs it keeps are bounded, and (60 s run) the
+JS heap after a garbage collection does not keep growing. 5 s in the normal run; the issue's
+minute (60 s) behind the `slow` marker."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ async def test_the_page_keeps_up_for_5_seconds(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-async def test_the_page_keeps_up_for_30_seconds_and_memory_is_bounded(tmp_path: Path) -> None:
-    result = await soak(tmp_path, 30.0)
+async def test_the_page_keeps_up_for_a_minute_and_memory_is_bounded(tmp_path: Path) -> None:
+    result = await soak(tmp_path, 60.0)
     check(result)
     heaps = result["heaps"]
     # the run store fills within ~10 s (1,000 runs of 12 events at 1,000 events/s, five open at

@@ -180,12 +180,35 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
         # the agent filter hides every lane of other agents, and clearing it brings them back
         lanes = "document.querySelectorAll('#timeline .lane').length"
         assert browser.evaluate(lanes) >= 2
-        set_filter = ("(v) => { const i = document.getElementById('filter-agent'); i.value = v; "
+        set_filter = ("(k, v) => { const i = document.getElementById('filter-' + k); i.value = v; "
                       "i.dispatchEvent(new Event('input')); }")
-        browser.evaluate(f"({set_filter})('nobody')")
+        browser.evaluate(f"({set_filter})('agent', 'nobody')")
         assert browser.evaluate(lanes) == 0
-        browser.evaluate(f"({set_filter})('')")
+        browser.evaluate(f"({set_filter})('agent', '')")
         assert browser.evaluate(lanes) >= 2
+        # the type filter: its suggestions are the event types seen; a type keeps the runs that
+        # had such an event and, in them, only its bars and transcript entries
+        offered = browser.evaluate("[...document.querySelectorAll('#event-types option')]"
+                                   ".map((o) => o.value).join(' ')").split()
+        assert {"agent_start", "tool_execution_start", "message_update"} <= set(offered)
+        count = "(q) => document.querySelectorAll(q).length"
+        boss_lane = f'#timeline .lane[data-run="{run_id}"]'
+        browser.evaluate(f"({set_filter})('type', 'tool_execution')")
+        assert browser.evaluate(f"({count})('{boss_lane}')") == 1
+        assert browser.evaluate(f"({count})('#timeline .bar.chat')") == 0
+        assert browser.evaluate(f"({count})('{boss_lane} > .track .bar.tool')") == 3
+        roles = ("[...document.querySelectorAll('#transcript-body .msg[data-role]')]"
+                 ".map((m) => m.dataset.role).join(' ')")
+        assert browser.evaluate(roles).split() == ["tool", "tool", "tool"]
+        browser.evaluate(f"({set_filter})('type', 'message_update')")
+        assert browser.evaluate(f"({count})('{boss_lane} > .track .bar.chat')") == 2
+        assert browser.evaluate(f"({count})('#timeline .bar.tool')") == 0
+        browser.evaluate(f"({set_filter})('type', 'no_such_type')")
+        assert browser.evaluate(lanes) == 0
+        browser.evaluate(f"({set_filter})('type', '')")
+        assert browser.evaluate(lanes) >= 2
+        assert browser.evaluate(roles).split() == ["user", "assistant", "tool", "tool", "tool",
+                                                   "assistant"]
     finally:
         browser.close()
     (tmp_path / "dom.html").write_text(dump)

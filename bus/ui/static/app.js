@@ -14,7 +14,9 @@ const MAX_SESSIONS = 5000; // per agent; past it the set restarts (the count goe
 const state = {
   lastSeq: 0, lastTs: 0, shownSeq: 0, shownTs: 0, peers: new Map(), services: new Map(), agents: new Map(), runs: new Map(),
   order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, experiments: new Map(),
-  status: null, selected: null, filter: { agent: "", experiment: "", run: "" },
+  status: null, selected: null, filter: { agent: "", experiment: "", run: "", type: "" },
+  types: new Set(), // every event type seen: the type filter's suggestions
+
 };
 
 function text(content) {
@@ -26,13 +28,35 @@ function run(ev) {
   if (!r) {
     r = { id: ev.run_id, agent: ev.agent, parent: ev.parent || "", start: ev.ts, end: null,
           stop: "", experiment: ev.experiment || "", session: "", chats: [], tools: new Map(),
-          transcript: [], children: [], detailed: true };
+          transcript: [], children: [], detailed: true, types: new Set() };
     state.runs.set(r.id, r);
     state.order.push(r.id);
     const parent = state.runs.get(r.parent);
     if (parent) parent.children.push(r.id);
   }
   return r;
+}
+
+function noteType(ev) {
+  // The type filter shows runs with an event of the type; a run keeps the set of its types.
+  if (!state.types.has(ev.type)) {
+    state.types.add(ev.type);
+    document.getElementById("event-types").append(el("option", { value: ev.type }));
+  }
+  const r = ev.run_id ? state.runs.get(ev.run_id) : null;
+  if (r) r.types.add(ev.type);
+}
+
+// The event types behind each kind of drawn item: the type filter keeps the items whose events
+// match it (a model call's bar: message_* and llm_retry; a tool call's: tool_execution_*).
+const CHAT_TYPES = ["message_start", "message_update", "message_end", "llm_retry"];
+const TOOL_TYPES = ["tool_execution_start", "tool_execution_update", "tool_execution_end"];
+const TRANSCRIPT_TYPES = { user: ["message_start"], assistant: ["message_end"],
+                           tool: ["tool_execution_end"] };
+
+function typeMatches(types) {
+  const f = state.filter.type;
+  return !f || [...types].some((t) => t.includes(f));
 }
 
 function experiment(name) {
@@ -181,7 +205,7 @@ function lane(r, t0, span) {
   const node = el("div", { class: "lane" + (state.selected === r.id ? " selected" : ""),
                            "data-run": r.id, "data-agent": r.agent, "data-parent": r.parent }, title);
   const chats = el("div", { class: "track chats" });
-  r.chats.forEach((c) => {
+  if (typeMatches(CHAT_TYPES)) r.chats.forEach((c) => {
     // the text streams into the bar as it arrives; retries of the call are marked ↻N
     const label = (c.retries ? `↻${c.retries} ` : "") + (c.model || "model")
       + (c.text ? ": " + c.text.slice(-60) : "");
@@ -190,7 +214,7 @@ function lane(r, t0, span) {
     chats.append(b);
   });
   node.append(chats);
-  toolRows(r.tools).forEach((row, i) => {
+  toolRows(typeMatches(TOOL_TYPES) ? r.tools : new Map()).forEach((row, i) => {
     const track = el("div", { class: "track tools" });
     for (const [id, t] of row.items) {
       const b = bar("tool", t, t0, span, t.name, i);
@@ -209,7 +233,13 @@ function lane(r, t0, span) {
 function shown(r) {
   const f = state.filter;
   return (!f.agent || r.agent.includes(f.agent)) && (!f.run || r.id.startsWith(f.run))
-    && (!f.experiment || r.experiment.includes(f.experiment));
+    && (!f.experiment || r.experiment.includes(f.experiment)) && (!f.type || treeHasType(r));
+}
+
+function treeHasType(r) {
+  // A top-level run is shown when it or one of its sub-agent runs had an event of the type.
+  if (typeMatches(r.types)) return true;
+  return r.children.some((id) => state.runs.has(id) && treeHasType(state.runs.get(id)));
 }
 
 function renderTimeline() {
@@ -238,7 +268,8 @@ function renderTranscript() {
   if (!r) return;
   const head = el("div", { class: "msg" }, `${r.agent} run ${r.id} · session ${r.session} · `
                   + `experiment ${r.experiment || "-"} · ${r.stop || "running"}`);
-  const msgs = r.transcript.map((m) => {
+  const kept = r.transcript.filter((m) => typeMatches(TRANSCRIPT_TYPES[m.role] || ["message_start"]));
+  const msgs = kept.map((m) => {
     const parts = [el("span", { class: "role" }, m.role + (m.name ? ` ${m.name}` : "") + ": "),
                    m.text || ""];
     for (const c of m.calls || []) parts.push(`\n→ ${c.name}(${c.arguments})`);
@@ -295,6 +326,7 @@ function connect() {
     state.lastSeq = ev.seq; state.lastTs = ev.ts;
     const handle = handlers[ev.type];
     if (handle) handle(ev);
+    noteType(ev);
     schedule();
   };
 }
