@@ -468,7 +468,8 @@ async def export_otel(hub: str, curve: CurveClient | None, endpoint: str,
     resource = Resource.create({"service.name": "agent-bus", "agent_bus.hub": hub})
     builder = TraceBuilder(capture_content, resource)
     builder.last_seq = start
-    exporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
+    # typed as the SDK base: its shutdown() is annotated, the OTLP subclass's override is not
+    exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
     delivery = Delivery(exporter, state, state_file, builder.safe_seq, max_spans)
     async with connect(hub, name="busctl-otel", role="watcher", curve=curve) as peer:
         try:
