@@ -1,6 +1,6 @@
 """The agent loop through the whole process topology vs the pure loop in one process.
 
-    /tmp/v/bin/python bench/bench_loop.py [--turns 50] [--calls 4] [--repeat 3]
+    /tmp/v/bin/python bench/bench_loop.py [--turns 50] [--calls 4] [--repeat 3] [--count-sends DIR]
 
 A run of TURNS model turns, each asking for CALLS parallel `echo` tool calls, then one final
 answer turn, against a zero-latency scripted model. Three ways:
@@ -253,6 +253,30 @@ PROFILE_DIR = ""
 GATEWAY_POOL: tuple[int, int] | None = None
 
 
+def count_sends(folder: str) -> None:
+    """Make every process started from here on count the messages it sends (bench/sendcount)."""
+    os.makedirs(folder, exist_ok=True)
+    here = str(ROOT / "bench" / "sendcount")
+    path = os.environ.get("PYTHONPATH", "")
+    if here not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, path]))
+    os.environ["BENCH_SENDCOUNT_DIR"] = folder
+
+
+def report_sends(folder: str) -> None:
+    """Print what each counted process sent, by message kind (after the processes exited)."""
+    rows = []
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        argv = data["argv"]
+        role = argv[1] if len(argv) > 1 and argv[0].endswith("cli.py") else Path(argv[0]).name
+        sent = {k: v for k, v in data["sent"].items() if k not in ("hello", "bye", "heartbeat",
+                                                                    "register", "unregister")}
+        rows.append(f"    {role}: " + "  ".join(f"{k} {v}" for k, v in sorted(sent.items())))
+    print("  messages sent per process (partial_bodies: the partial replies they carried):")
+    print("\n".join(rows) if rows else "    (none counted: the processes did not exit normally)")
+
+
 def busctl(*args: str) -> list[str]:
     cli = [str(ROOT / "cli.py")]
     if GATEWAY_POOL is not None and args[0] == "gateway":
@@ -306,8 +330,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="run the coordinator and gateway under cProfile, dumping into DIR")
+    ap.add_argument("--count-sends", default="", metavar="DIR",
+                    help="count the messages each process sends, by kind (files in DIR)")
     args = ap.parse_args()
     turns, calls, repeat = args.turns, args.calls, args.repeat
+    if args.count_sends:
+        count_sends(args.count_sends)
     global PROFILE_DIR
     PROFILE_DIR = args.profile
     steps = script_steps(turns, calls)
@@ -420,6 +448,10 @@ tools = ["echo"]
           + " | B " + " ".join(f"{x * ms:.0f}" for x in b_times)
           + " | C " + " ".join(f"{x * ms:.0f}" for x in c_times)
           + " | D " + " ".join(f"{x[0] * ms:.0f}" for x in d_runs))
+    if args.count_sends:  # C and D both go through the gateway: 2 x runs x model turns calls
+        print(f"  ({2 * runs * model_turns} model calls, {runs * model_turns} of them in C, "
+              "the rest in D from this process)")
+        report_sends(args.count_sends)
 
 
 if __name__ == "__main__":

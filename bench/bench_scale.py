@@ -1,6 +1,6 @@
 """N concurrent sessions of one agent through the whole process topology.
 
-    python bench/bench_scale.py [--sessions 1,10,100,1000] [--no-pure]
+    python bench/bench_scale.py [--sessions 1,10,100,1000] [--pure N] [--count-sends DIR]
 
 Each session is one run of TURNS tool turns (default 3), each turn a model reply asking for CALLS
 (default 4) parallel `work` calls that sleep TOOL_MS (default 20 ms), then the final answer.
@@ -435,6 +435,8 @@ def main() -> None:
                     help="also time bare httpx.AsyncClients (the gateway's HTTP client) at each N")
     ap.add_argument("--pure", type=int, default=100, metavar="N",
                     help="sessions for the asyncio.gather pure-loop limit (0: skip; default 100)")
+    ap.add_argument("--count-sends", default="", metavar="DIR",
+                    help="count the messages each process sends, by kind (files in DIR/nN)")
     args = ap.parse_args()
     bench_loop.PROFILE_DIR = args.profile  # read by `busctl()`
     if args.gateway_clients:
@@ -452,7 +454,11 @@ def main() -> None:
     print(f"{args.turns} tool turns x {args.calls} parallel {args.tool_ms:g} ms calls + final "
           f"answer per session; model {args.model_ms:g} ms per reply; {WORKERS} workers")
     for n in ns:
+        if args.count_sends:
+            bench_loop.count_sends(os.path.join(args.count_sends, f"n{n}"))
         report(run_topology(n, args), args)
+        if args.count_sends:  # the warm-up session and the second wave included
+            bench_loop.report_sends(os.path.join(args.count_sends, f"n{n}"))
     if args.http_probe:
         run_http_probe(ns, args)
     if args.pure > 0:
