@@ -68,7 +68,7 @@ async def main() -> None:
                 sent += 1
                 if not todo:
                     lanes.remove((agent, run, todo))
-            await anyio.sleep(0.005)
+            await anyio.sleep(0.005)  # paces the publishing rate, not a wait
         await peer.confirm()
     print(json.dumps({"done": sent}), flush=True)
 

@@ -61,7 +61,7 @@ async def soak(tmp_path: Path, seconds: float) -> dict[str, Any]:
         samples: list[dict[str, Any]] = []
         heaps: list[tuple[float, int]] = []
         while pub.popen.poll() is None:
-            await anyio.sleep(1.0)
+            await anyio.sleep(1.0)  # the sampling interval of the measurement, not a wait
             sample = json.loads(browser.evaluate(SAMPLE))
             sample["t"] = time.monotonic() - t0
             samples.append(sample)
