@@ -80,6 +80,11 @@ class _BodyType(msgspec.Struct):
 _decode_body_type = msgspec.msgpack.Decoder(_BodyType).decode
 
 
+def _where(index: int, count: int) -> str:
+    """Which body of a multi-body event message a refusal is about (nothing for one body)."""
+    return f" (body {index} of {count})" if count > 1 else ""
+
+
 def _recv_frames(sock: zmq.Socket[Any], flags: int = _NOBLOCK) -> list[Any]:
     """Receive one multipart message (zmq.Again when there is none, with NOBLOCK): small frames
     as bytes, frames from 64 kB up as `zmq.Frame` (forwarded without a copy)."""
@@ -476,6 +481,7 @@ class Hub:
             heartbeat_interval=self.config.heartbeat_interval,
             liveness=self.config.liveness,
             max_message_bytes=self.config.max_message_bytes,
+            event_bodies=p.MAX_EVENT_BODIES,
         )
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.WELCOME, id=header.id)),
                     p.encode(welcome)])
@@ -505,28 +511,50 @@ class Hub:
 
     def _on_event(self, ident: bytes, peer: PeerState, header: p.Header,
                   frames: list[bytes]) -> None:
-        if len(frames) != 4 or not header.type:
-            self._reject("malformed", ident, "event needs a type and exactly one body frame")
+        """One event per body frame (docs/protocol.md §4, §6): each is checked, stamped, logged
+        and published on its own, so subscribers and the log see exactly what N single-body
+        messages would have given them. A refused body does not take its siblings with it."""
+        count = len(frames) - 3
+        if count < 1 or not header.type:
+            self._reject("malformed", ident, "event needs a type and at least one body frame")
             return
+        if count > p.MAX_EVENT_BODIES:
+            self._reject("malformed", ident, f"event message of {count} bodies")
+            self._send_error(ident, header.id, p.BAD_EVENT,
+                             f"event message refused, nothing logged: {count} body frames, over "
+                             f"the limit of {p.MAX_EVENT_BODIES} (docs/protocol.md, section 4)")
+            return
+        header.peer = peer.id  # the authenticated sender, whatever the header or body claim
+        if count == 1:
+            self._stamp_body(ident, header, frames[3], 0, 1)
+            return
+        base = header.id
+        for i in range(count):
+            header.id = f"{base}.{i}"  # each event's own id (its `error`, if refused, names it)
+            self._stamp_body(ident, header, frames[3 + i], i, count)
+
+    def _stamp_body(self, ident: bytes, header: p.Header, body: bytes, index: int,
+                    count: int) -> None:
+        """Check body `index` of `count` and add it to the pass's batch, or refuse it."""
         if self.events.refusing:
             self.counters.bump("events_refused")
             self._send_error(ident, header.id, p.LOG_UNAVAILABLE, self._log_refusal())
             return
-        body = frames[3]
         if len(body) > self.config.max_event_bytes:
             # every subscriber's queue is sized for events up to this (`subscriber_bytes`)
             return self._reject("oversize_events", ident,
-                                f"event `{header.type[:64]}` body of {len(body)} bytes is over "
-                                f"`max_event_bytes` ({self.config.max_event_bytes})")
+                                f"event `{header.type[:64]}`{_where(index, count)} body of "
+                                f"{len(body)} bytes is over `max_event_bytes` "
+                                f"({self.config.max_event_bytes})")
         if not isinstance(body, bytes):
             body = body.bytes
-        if self._refuse_event(ident, header, body):
+        if self._refuse_event(ident, header, body, index, count):
             return
         self._batch_bytes += len(body)
-        header.peer = peer.id  # the authenticated sender, whatever the header or body claim
         self.events.stamp(header, body)
 
-    def _refuse_event(self, ident: bytes, header: p.Header, body: bytes) -> bool:
+    def _refuse_event(self, ident: bytes, header: p.Header, body: bytes, index: int = 0,
+                      count: int = 1) -> bool:
         """Only the hub speaks for the bus, and a publisher cannot lie about what it publishes:
         a hub-only type, or a header `type` other than the body's, is refused (counted
         `bad_events`, answered `bad_event` with the event's id) and neither logged nor published."""
@@ -543,6 +571,7 @@ class Hub:
             why = (f"header `type` `{type_[:64]}` differs from the body's `type` "
                    f"`{str(body_type)[:64]}`" if body_type is not None else
                    f"`{type_[:64]}` body is not a MessagePack map with a string `type`")
+        why += _where(index, count)
         self._reject("bad_events", ident, why)
         self._send_error(ident, header.id, p.BAD_EVENT, f"event refused, neither logged nor "
                          f"published: {why} (docs/protocol.md, section 6)")

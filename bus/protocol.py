@@ -55,6 +55,10 @@ BAD_EVENT: Final = "bad_event"  # hub -> publisher: event refused (a hub-only ty
 HUB_STATUS: Final = "hub.status"
 HUB_REPLAY: Final = "hub.replay"
 
+# Most body frames one `event` message may carry (each its own event; docs/protocol.md §4):
+# bounds the hub's work per message, as DRAIN_LIMIT bounds its messages per pass.
+MAX_EVENT_BODIES: Final = 1024
+
 # Topic of the idle heartbeat on the event socket.
 HEARTBEAT_TOPIC: Final = b"hb"
 
@@ -103,6 +107,9 @@ class Welcome(msgspec.Struct, omit_defaults=True):
     heartbeat_interval: float
     liveness: int
     max_message_bytes: int
+    # Most body frames (events) the hub takes in one `event` message; absent (1) from a hub
+    # that predates multi-body events, so a newer peer never sends one there.
+    event_bodies: int = 1
 
 
 class Register(msgspec.Struct):
