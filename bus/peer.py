@@ -78,6 +78,10 @@ CONNECT_TIMEOUT = 4.0  # a welcome takes milliseconds; CLI commands must fail wi
 HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the loop iteration
+# Held events that differ only by id go out as one multi-body `event` message (docs/protocol.md
+# §4), up to this many bodies and bytes of bodies: the hub pays one message, not one per event.
+COALESCE_EVENTS = 256
+COALESCE_BYTES = 256 * 1024
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
 FLUSH_TIMEOUT = 10.0  # aclose() waits at most this long for the hub to confirm published events
@@ -91,6 +95,9 @@ _CONFIRM_BODY = p.encode(p.ReplayRequest(since=2**62, limit=1))
 _SIG = p.SIGNATURE
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
+# A held event's header fields but its id: (type, agent, run, experiment, parent). Held events
+# with equal keys, one after another, may share one message.
+_EventKey = tuple[str, str, str, str, str]
 
 
 class PeerState(enum.Enum):
@@ -136,7 +143,9 @@ class Peer:
         # whether it is an event (the publish accounting counts only those): always sent, in
         # order, before anything else this peer sends. `_held_gen` changes whenever held
         # messages leave `_held` (sent or dropped): a partial still held may take more bodies.
-        self._held: list[tuple[list[Any], bool]] = []
+        # An event is held as `[SIGNATURE, None, body]` with its `_EventKey` (its header is
+        # made when it is sent, one per message); a reply or partial whole, with None.
+        self._held: list[tuple[list[Any], _EventKey | None]] = []
         self._held_gen = 0
         self._flush_scheduled = False
         # Publish accounting: events handed to a socket, how many of those the hub confirmed
@@ -564,7 +573,8 @@ class Peer:
             self._schedule_drain()
         return True
 
-    def _hold(self, message: list[Any], *, event: bool = True) -> bool:
+    def _hold(self, message: list[Any], *, event: bool = True,
+              key: _EventKey | None = None) -> bool:
         """Queue an event, reply or partial reply for the end of this event-loop iteration
         (False: send it now).
 
@@ -573,10 +583,12 @@ class Peer:
         ended together) costs one wake-up of ZeroMQ's I/O thread and of the hub instead of one
         per message, an isolated send being the costly kind. Any direct send flushes the held
         messages first, so order is kept. (Requests are not held: sending them at once lets the
-        other side start sooner.)
+        other side start sooner.) An event comes with its `key` and no header yet: events held
+        one after another with the same key are sent as one multi-body message (`_flush_held`).
         """
         if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
-            self._held.append((message, event))
+            assert key is not None or not event, "a held event needs its key"
+            self._held.append((message, key))
             self._schedule_flush()
             return True
         return False
@@ -596,17 +608,32 @@ class Peer:
 
     def _flush_held(self) -> bool:
         """Send the held messages, in order; False when the HWM stopped it (the rest stay
-        held and go out when the socket is writable again, before anything else)."""
+        held and go out when the socket is writable again, before anything else).
+
+        Consecutive held events with the same header but the id travel as one `event` message
+        with a body frame each (at most `COALESCE_EVENTS` and `COALESCE_BYTES`, and only to a
+        hub whose welcome says it takes them): the hub logs and publishes each body as its own
+        event, so subscribers see exactly what separate messages would have given them."""
         held = self._held
         sock = self._sock
         if sock is None:
             return False  # events wait for the next connection (replies are dropped on close)
+        welcome = self.welcome
+        most = min(COALESCE_EVENTS, welcome.event_bodies) if welcome is not None else 1
         sent = events = 0
+        count = len(held)
         try:
-            for message, event in held:
-                sock.send(message)
-                sent += 1
-                events += event
+            while sent < count:
+                message, key = held[sent]
+                if key is None:
+                    sock.send(message)
+                    sent += 1
+                    continue
+                end = self._run_end(held, sent, key, most)
+                sock.send([_SIG, self._event_header(key), message[2],
+                           *[held[i][0][2] for i in range(sent + 1, end)]])
+                events += end - sent
+                sent = end
         except zmq.Again:
             self._sent_held(sent, events)
             return False
@@ -617,6 +644,30 @@ class Peer:
         if not self._drain_scheduled and sock.input_waiting():
             self._schedule_drain()
         return True
+
+    @staticmethod
+    def _run_end(held: list[tuple[list[Any], _EventKey | None]], start: int, key: _EventKey,
+                 most: int) -> int:
+        """End (exclusive) of the run of held events from `start` that share `key`, bounded by
+        `most` bodies and `COALESCE_BYTES` of bodies (a bigger event still goes, alone)."""
+        end = start + 1
+        stop = min(len(held), start + most)
+        size = len(held[start][0][2])
+        while end < stop:
+            message, other = held[end]
+            if other != key:
+                break
+            size += len(message[2])
+            if size > COALESCE_BYTES:
+                break
+            end += 1
+        return end
+
+    def _event_header(self, key: _EventKey) -> bytes:
+        type_, agent, run, experiment, parent = key
+        return p.encode(p.Header(kind=p.EVENT, id=self._calls.new_id(), type=type_, agent=agent,
+                                 run=run, experiment=experiment, parent=parent,
+                                 session=self.session))
 
     def _sent_held(self, sent: int, events: int) -> None:
         if sent:
@@ -701,11 +752,9 @@ class Peer:
 
     async def publish_raw(self, type_: str, body: bytes, *, agent: str = "", run: str = "",
                           experiment: str = "", parent: str = "", confirm: bool = False) -> None:
-        header = p.Header(kind=p.EVENT, id=self._calls.new_id(), type=type_,
-                          agent=agent, run=run, experiment=experiment, parent=parent,
-                          session=self.session)
-        message = [_SIG, p.encode(header), body]
-        if not self._hold(message):
+        key = (type_, agent, run, experiment, parent)
+        if not self._hold([_SIG, None, body], key=key):
+            message = [_SIG, self._event_header(key), body]
             if self.welcome is None:
                 await self._connection(float("inf"))
             if not self._send_now(message):
