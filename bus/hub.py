@@ -294,7 +294,7 @@ class Hub:
             if self.pub in ready:
                 self.events.drain_subscriptions()
             if self.events.reader.sock in ready:
-                self._forward_replays()
+                self._forward_replays(self.events.reader.answers())
             if self._monitor in ready and self._drain_monitor():
                 self._probe_until = time.monotonic() + PROBE_FOR
                 next_probe = min(next_probe, time.monotonic() + 0.001)
@@ -305,6 +305,7 @@ class Hub:
                 next_probe = now + PROBE_EVERY if now < self._probe_until else math.inf
             if now >= next_tick:
                 self.events.tick(now)
+                self._forward_replays(self.events.reader.check(now))  # a reader that died
                 self.registry.expire(now)
                 self._expire_peers(now)
                 self._drop_revoked()
@@ -772,17 +773,16 @@ class Hub:
             return
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)), body])
 
-    def _forward_replays(self) -> None:
-        """Send the reader's finished replays (a bounded number per pass)."""
-        for ident, req_id, code, body in self.events.reader.answers():  # zmq.Frames: no copies
-            if code.bytes:
+    def _forward_replays(self, answers: list[tuple[bytes, str, bytes, Any]]) -> None:
+        """Send the reader's finished replays (a bounded number per pass); bodies are
+        `zmq.Frame`s, forwarded without a copy."""
+        for ident, req_id, code, body in answers:
+            if code:
                 self.counters.bump("replay_errors")
-                self._send_error(ident.bytes, req_id.bytes.decode(), code.bytes.decode(),
-                                 body.bytes.decode())
+                self._send_error(ident, req_id, code.decode(), bytes(body).decode())
                 continue
             self.events.replay_peak = max(self.events.replay_peak, len(body))
-            self._send([ident.bytes, p.SIGNATURE,
-                        p.encode(p.Header(kind=p.REPLY, id=req_id.bytes.decode())), body])
+            self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=req_id)), body])
 
     def status(self) -> p.Status:
         peers = []

@@ -1,20 +1,17 @@
 """The hub's event pipeline: stamp -> log -> publish, heartbeats on the XPUB socket, retention,
-and `hub.replay` served by a reader thread with its own SQLite connection.
+and the hand-over of `hub.replay` to the log reader (bus/replay_reader.py).
 
 The hub's routing loop only stamps, appends one transaction per pass and publishes; reading the
 log for a replay (up to `replay_bytes` of rows, decoding and filtering them, encoding the reply)
-happens in `ReplayReader`'s thread, so a `busctl watch --since 0` on a big log never stalls a
+happens in the reader's process, so a `busctl watch --since 0` on a big log never stalls a
 request. The loop forwards at most `REPLIES_PER_PASS` finished replies per pass.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,18 +23,14 @@ from zmq.backend import Socket as _BackendSocket
 
 from bus import events as ev
 from bus import protocol as p
-from bus.eventlog import EventLog, Row, connect_reader, read_meta
+from bus.eventlog import EventLog, Row
+from bus.replay_reader import REPLAY_QUEUE, ReplayReader
 
 log = logging.getLogger("bus.hub")
 
 SUBSCRIBE_BEAT_GAP = 0.002  # seconds: new subscriptions are answered after this (coalesced)
 DRAIN_LIMIT = 4096  # subscription messages read per pass
 LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
-REPLAY_QUEUE = 256  # replays waiting for the reader; one more is answered `overloaded`
-REPLIES_PER_PASS = 16  # finished replays forwarded per loop pass (each <= replay_bytes + 1 event)
-READER_NICE = 10  # the replay reader thread runs at this nice value (Linux), below the loop
-REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
-BLOB_READ_BYTES = 65536  # replay reads a body this big or bigger through the blob API
 _TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
 _COPY_THRESHOLD = 65536
 
@@ -57,162 +50,6 @@ class Retention(msgspec.Struct, frozen=True):
     days: float = 7.0
     bytes: int = 0
     deltas_until_end: bool = False  # drop a run's `message_update`s once its `message_end` is logged
-
-
-class _Job(msgspec.Struct, array_like=True):
-    """A replay handed to the reader: who asked, and the log head it may read up to."""
-
-    ident: bytes
-    req_id: str
-    head: int
-    request: p.ReplayRequest
-
-
-def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
-               budget: int) -> p.ReplayBatch:
-    """Logged events in (since, head] matching the topics, until `budget` bytes were read (at
-    least one row) or `limit` rows were scanned. `upto` is where to ask again; `upto == head`
-    means this reply reaches the head — a reply with fewer events says nothing by itself.
-
-    One read transaction: the rows and the bodies read through the blob API are one snapshot
-    (retention may delete rows meanwhile)."""
-    db.execute("BEGIN")
-    try:
-        batch = _read_batch(db, request, head, budget)
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):  # the read's error is the one to report
-            db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")  # a read transaction: this only ends the snapshot
-    return batch
-
-
-def _read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
-                budget: int) -> p.ReplayBatch:
-    since = min(max(0, request.since), head)
-    pruned_upto, reason = read_meta(db)
-    gap = None
-    if since < pruned_upto:  # retention removed (since, pruned_upto]: say so, never silently
-        gap = p.ReplayGap(first=since + 1, last=min(pruned_upto, head), reason=reason)
-        since = min(pruned_upto, head)
-    limit = max(1, min(request.limit, REPLAY_LIMIT))
-    prefixes = [t.encode() for t in request.topics]
-    # A body from BLOB_READ_BYTES up is not in the row: the cursor copies a column into a new
-    # `bytes` holding the GIL (for 512 KiB: a fresh buffer's page faults and the copy, time the
-    # routing loop waits for), `Blob.read` does that copy with the GIL released. `length(body)`
-    # reads no overflow page, and rows that do not match the topics never have a body read.
-    cur = db.execute("SELECT seq, type, agent, run, header, length(body), CASE WHEN "
-                     "length(body) < ? THEN body END FROM events WHERE seq > ? AND seq <= ? "
-                     "ORDER BY seq LIMIT ?", (BLOB_READ_BYTES, since, head, limit))
-    events: list[tuple[bytes, bytes]] = []
-    upto, read, scanned = since, 0, 0
-    for seq, type_, agent, run, header, size, body in cur:
-        upto, scanned = seq, scanned + 1
-        read += len(header) + size
-        if not prefixes or _matches(type_, agent, run, prefixes):
-            events.append((header, body if body is not None else _read_body(db, seq)))
-        if read >= budget:
-            break
-    else:
-        if scanned < limit:  # the cursor ran out: everything up to the head was read
-            upto = head
-    cur.close()
-    return p.ReplayBatch(events=events, upto=upto, head=head, gap=gap)
-
-
-def _read_body(db: sqlite3.Connection, seq: int) -> bytes:
-    """A big body, copied out of SQLite with the GIL released (seq is the table's rowid)."""
-    with db.blobopen("events", "body", seq, readonly=True) as blob:
-        return blob.read()
-
-
-def _matches(type_: str, agent: str, run: str, prefixes: list[bytes]) -> bool:
-    topic = p.event_topic(ev.event_family(type_), agent, run, type_)
-    return any(topic.startswith(prefix) for prefix in prefixes)
-
-
-class ReplayReader:
-    """A thread answering `hub.replay` from its own read connection to the log.
-
-    Jobs and answers travel over an inproc PAIR: the routing loop sends a `_Job` without
-    blocking and later forwards `[ident, req_id, code, body]` (code `b""` for a `ReplayBatch`)."""
-
-    def __init__(self, ctx: zmq.Context[Any], log_uri: str, budget: int) -> None:
-        self._uri = log_uri
-        self._budget = budget
-        address = f"inproc://bus-replay-{id(self):x}"
-        self.sock = ctx.socket(zmq.PAIR)  # the loop's end
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE * 2)
-        self.sock.bind(address)
-        self._their = ctx.socket(zmq.PAIR)
-        self._their.setsockopt(zmq.LINGER, 0)
-        self._their.connect(address)
-        self.pending = 0  # jobs sent and not answered yet
-        self._thread = threading.Thread(target=self._run, name="bus-replay", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> bool:
-        """Hand a job over; False when REPLAY_QUEUE replays are already waiting."""
-        if self.pending >= REPLAY_QUEUE:
-            return False
-        try:
-            self.sock.send(_encode(job), zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        self.pending += 1
-        return True
-
-    def answers(self) -> list[list[zmq.Frame]]:
-        """At most REPLIES_PER_PASS finished answers, without blocking."""
-        out = []
-        for _ in range(REPLIES_PER_PASS):
-            try:
-                out.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                break
-        self.pending -= len(out)
-        return out
-
-    def close(self) -> None:
-        with contextlib.suppress(zmq.ZMQError):
-            self.sock.send(b"", zmq.NOBLOCK)  # the stop job
-        self._thread.join(5)
-        self.sock.close(0)
-
-    def _run(self) -> None:
-        # Below the routing loop on the CPU (Linux: a thread has its own nice value): a big
-        # replay takes the cores the requests do not need.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
-        sock = self._their
-        decode = msgspec.msgpack.Decoder(_Job).decode
-        db = connect_reader(self._uri)
-        try:
-            while True:
-                message = sock.recv()
-                if not message:
-                    return
-                job = decode(message)
-                # copy=False: the batch (up to replay_bytes and one event past it) is handed to
-                # the routing loop without a copy made while holding the GIL it needs
-                sock.send_multipart([job.ident, job.req_id.encode(), *self._answer(db, job)],
-                                    copy=False)
-        finally:
-            db.close()
-            sock.close(0)
-
-    def _answer(self, db: sqlite3.Connection, job: _Job) -> list[bytes]:
-        try:
-            return [b"", _encode(read_batch(db, job.request, job.head, self._budget))]
-        except sqlite3.Error as exc:  # answered: the requester must not wait its deadline
-            log.warning("hub.replay: event log read failed: %s", exc)
-            return [p.HANDLER_ERROR.encode(), f"`hub.replay` could not read the event log "
-                    f"({self._uri}): {exc}".encode()]
-        except Exception:  # a bug: the reader must live on and every replay be answered
-            log.exception("hub.replay: reader failed on %r", job.request)
-            return [p.HANDLER_ERROR.encode(), b"`hub.replay` failed inside the hub (a bug; "
-                    b"see the hub's log)"]
 
 
 class EventPipeline:
@@ -417,7 +254,7 @@ class EventPipeline:
         head = self.seq
         if request.since >= head:
             return _encode(p.ReplayBatch(events=[], upto=head, head=head))
-        if not self.reader.submit(_Job(ident, req_id, head, request)):
+        if not self.reader.submit(ident, req_id, head, request):
             raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting for "
                              f"the log reader; retry after one is answered")
         return None

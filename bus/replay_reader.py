@@ -1,0 +1,328 @@
+"""`hub.replay`'s reader: reads batches of logged events with its own SQLite connection, off the
+hub's routing loop, and hands each finished batch back to it.
+
+For a log on disk the reader is a child process (`python -m bus.replay_reader`): reading and
+encoding a batch is Python work, and in a thread of the hub it would hold the GIL the routing loop
+needs (measured: a busy thread in the hub process took request p50 from 0.46 to 16 ms). The child
+runs at a lower priority, dies with the hub, and is restarted if it dies. An in-memory log can only
+be read from inside the hub's process, so there the reader is a thread (tests and demos).
+
+The hub talks to either over one ZeroMQ DEALER socket it polls: it sends `_Job`s without blocking
+and later receives `[job number, code, body]` (code `b""`: body is a `ReplayBatch`). Every job
+gets exactly one answer: the reader answers read errors itself, and the jobs of a reader that
+died are answered `handler_error` by `ReplayReader.check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+import bus
+from bus import events as ev
+from bus import protocol as p
+from bus.eventlog import connect_reader, read_meta
+
+log = logging.getLogger("bus.hub")
+
+REPLAY_QUEUE = 256  # replays waiting for the reader; one more is answered `overloaded`
+REPLIES_PER_PASS = 16  # finished replays forwarded per loop pass (each <= replay_bytes + 1 event)
+READER_NICE = 10  # the reader runs at this nice value, below the routing loop
+REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
+BLOB_READ_BYTES = 65536  # a body this big or bigger is read through the blob API
+RESTART_GAP = 1.0  # seconds between starts of a reader process that keeps dying
+PARENT_CHECK = 1.0  # seconds: how often the child checks that the hub is still there
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+class _Job(msgspec.Struct, array_like=True):
+    """A replay handed to the reader: its number (answers carry it back), the log head it may
+    read up to, and the request."""
+
+    number: int
+    head: int
+    request: p.ReplayRequest
+
+
+def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
+               budget: int) -> p.ReplayBatch:
+    """Logged events in (since, head] matching the topics, until `budget` bytes were read (at
+    least one row) or `limit` rows were scanned. `upto` is where to ask again; `upto == head`
+    means this reply reaches the head — a reply with fewer events says nothing by itself.
+
+    One read transaction: the rows and the bodies read through the blob API are one snapshot
+    (retention may delete rows meanwhile)."""
+    db.execute("BEGIN")
+    try:
+        batch = _read_batch(db, request, head, budget)
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):  # the read's error is the one to report
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")  # a read transaction: this only ends the snapshot
+    return batch
+
+
+def _read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
+                budget: int) -> p.ReplayBatch:
+    since = min(max(0, request.since), head)
+    pruned_upto, reason = read_meta(db)
+    gap = None
+    if since < pruned_upto:  # retention removed (since, pruned_upto]: say so, never silently
+        gap = p.ReplayGap(first=since + 1, last=min(pruned_upto, head), reason=reason)
+        since = min(pruned_upto, head)
+    limit = max(1, min(request.limit, REPLAY_LIMIT))
+    prefixes = [t.encode() for t in request.topics]
+    # A body from BLOB_READ_BYTES up is not in the row: `Blob.read` copies it with the GIL
+    # released (the cursor would copy it holding the GIL). `length(body)` reads no overflow
+    # page, and rows that do not match the topics never have a body read.
+    cur = db.execute("SELECT seq, type, agent, run, header, length(body), CASE WHEN "
+                     "length(body) < ? THEN body END FROM events WHERE seq > ? AND seq <= ? "
+                     "ORDER BY seq LIMIT ?", (BLOB_READ_BYTES, since, head, limit))
+    events: list[tuple[bytes, bytes]] = []
+    upto, read, scanned = since, 0, 0
+    for seq, type_, agent, run, header, size, body in cur:
+        upto, scanned = seq, scanned + 1
+        read += len(header) + size
+        if not prefixes or _matches(type_, agent, run, prefixes):
+            events.append((header, body if body is not None else _read_body(db, seq)))
+        if read >= budget:
+            break
+    else:
+        if scanned < limit:  # the cursor ran out: everything up to the head was read
+            upto = head
+    cur.close()
+    return p.ReplayBatch(events=events, upto=upto, head=head, gap=gap)
+
+
+def _read_body(db: sqlite3.Connection, seq: int) -> bytes:
+    """A big body, copied out of SQLite with the GIL released (seq is the table's rowid)."""
+    with db.blobopen("events", "body", seq, readonly=True) as blob:
+        return blob.read()
+
+
+def _matches(type_: str, agent: str, run: str, prefixes: list[bytes]) -> bool:
+    topic = p.event_topic(ev.event_family(type_), agent, run, type_)
+    return any(topic.startswith(prefix) for prefix in prefixes)
+
+
+def answer(db: sqlite3.Connection, uri: str, job: _Job, budget: int) -> list[bytes]:
+    """`[code, body]` for one job: always an answer, even when the read fails."""
+    try:
+        return [b"", _encode(read_batch(db, job.request, job.head, budget))]
+    except sqlite3.Error as exc:  # answered: the requester must not wait its deadline
+        log.warning("hub.replay: event log read failed: %s", exc)
+        return [p.HANDLER_ERROR.encode(), f"`hub.replay` could not read the event log "
+                f"({uri}): {exc}".encode()]
+    except Exception:  # a bug: the reader must live on and every replay be answered
+        log.exception("hub.replay: reader failed on %r", job.request)
+        return [p.HANDLER_ERROR.encode(), b"`hub.replay` failed inside the hub (a bug; "
+                b"see the hub's log)"]
+
+
+def serve_jobs(sock: zmq.Socket[Any], uri: str, budget: int,
+               alive: Any = lambda: True) -> None:
+    """The reader's loop (thread or process): answer jobs until an empty message (stop) or
+    until `alive()` turns false (checked every PARENT_CHECK seconds without a job)."""
+    decode = msgspec.msgpack.Decoder(_Job).decode
+    db = connect_reader(uri)
+    try:
+        while True:
+            if not sock.poll(int(PARENT_CHECK * 1000)):
+                if not alive():
+                    return
+                continue
+            message = sock.recv()
+            if not message:
+                return
+            job = decode(message)
+            # copy=False: the batch (up to `budget` and one event past it) is handed over
+            # without another copy
+            sock.send_multipart([b"%d" % job.number, *answer(db, uri, job, budget)], copy=False)
+    finally:
+        db.close()
+
+
+class ReplayReader:
+    """The routing loop's end of the reader: submit jobs, collect answers, keep it alive.
+
+    `sock` is what the hub polls. Jobs are numbered; `outstanding` maps each number to the
+    requester (routing id, request id), so an answer is forwarded once and the jobs of a reader
+    that died are answered by `check`."""
+
+    def __init__(self, ctx: zmq.Context[Any], log_uri: str, budget: int) -> None:
+        self._ctx = ctx
+        self._uri = log_uri
+        self._budget = budget
+        self._numbers = 0
+        self.outstanding: dict[int, tuple[bytes, str]] = {}
+        self._in_process = "mode=memory" in log_uri or not zmq.has("ipc")
+        self._dir = "" if self._in_process else tempfile.mkdtemp(prefix="bus-replay-")
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._started = 0.0
+        self.restarts = 0
+        # DEALER, not PAIR: it reconnects to a restarted reader like any other socket.
+        self.sock = ctx.socket(zmq.DEALER)  # the loop's end
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, REPLAY_QUEUE * 2)
+        if self._in_process:
+            address = f"inproc://bus-replay-{id(self):x}"
+            self.sock.bind(address)
+            self._start_thread(address)
+        else:
+            # The child binds (and re-binds when restarted); connecting first queues the jobs
+            # sent before it is up. The directory is 0700: only this user reaches the socket.
+            # It is started by the first replay that needs it: most hubs never read their log,
+            # and a hub's start should not wait for (or pay) a second interpreter.
+            self._address = f"ipc://{self._dir}/reader"
+
+    @property
+    def pending(self) -> int:
+        return len(self.outstanding)
+
+    def submit(self, ident: bytes, req_id: str, head: int, request: p.ReplayRequest) -> bool:
+        """Hand a job over; False when REPLAY_QUEUE replays are already waiting."""
+        if len(self.outstanding) >= REPLAY_QUEUE:
+            return False
+        if not self._in_process and self._proc is None:
+            self.sock.connect(self._address)
+            self._start_process()
+        self._numbers += 1
+        try:
+            self.sock.send(_encode(_Job(self._numbers, head, request)), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        self.outstanding[self._numbers] = (ident, req_id)
+        return True
+
+    def answers(self) -> list[tuple[bytes, str, bytes, Any]]:
+        """At most REPLIES_PER_PASS finished answers `(ident, req_id, code, body)`, without
+        blocking; `body` is a `zmq.Frame` (forwarded without a copy)."""
+        out = []
+        for _ in range(REPLIES_PER_PASS):
+            try:
+                number, code, body = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            except ValueError:  # not three frames: not from our reader
+                continue
+            owner = self.outstanding.pop(int(number.bytes), None)
+            if owner is not None:  # None: already answered by `check` (its reader died)
+                out.append((owner[0], owner[1], code.bytes, body))
+        return out
+
+    def check(self, now: float) -> list[tuple[bytes, str, bytes, Any]]:
+        """Called every tick: if the reader process died, answer its jobs `handler_error` and
+        start another one (at most once per RESTART_GAP), answers for the routing loop to send."""
+        proc = self._proc
+        if proc is None or proc.poll() is None:
+            return []
+        if now - self._started < RESTART_GAP:
+            return []
+        log.error("hub.replay: the reader process (pid %d) exited with %s; restarting it",
+                  proc.pid, proc.returncode)
+        failed = [(ident, req_id, p.HANDLER_ERROR.encode(),
+                   b"`hub.replay`: the hub's log reader process died while reading; retry")
+                  for ident, req_id in self.outstanding.values()]
+        self.outstanding.clear()
+        self.restarts += 1
+        self._start_process()
+        return failed
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.send(b"", zmq.NOBLOCK)  # the stop job
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._proc is not None:
+            try:
+                self._proc.wait(2)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self.sock.close(0)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def _start_thread(self, address: str) -> None:
+        their = self._ctx.socket(zmq.DEALER)
+        their.setsockopt(zmq.LINGER, 0)
+        their.connect(address)
+
+        def run() -> None:
+            # Linux: a thread has its own nice value, so a big replay takes the cores the
+            # requests do not need (it still shares the GIL: see the module docstring).
+            with contextlib.suppress(OSError, AttributeError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READER_NICE)
+            try:
+                serve_jobs(their, self._uri, self._budget)
+            finally:
+                their.close(0)
+
+        self._thread = threading.Thread(target=run, name="bus-replay", daemon=True)
+        self._thread.start()
+
+    def _start_process(self) -> None:
+        # The child imports this package from where the hub did, whatever its cwd or PYTHONPATH.
+        root = str(Path(bus.__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+        argv = [sys.executable, "-m", "bus.replay_reader", "--uri", self._uri, "--endpoint",
+                self._address, "--budget", str(self._budget), "--parent", str(os.getpid())]
+        self._started = time.monotonic()
+        self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+
+
+def _child(uri: str, endpoint: str, budget: int, parent: int) -> None:
+    from bus.procsec import die_with_parent, make_undumpable
+
+    die_with_parent(parent)  # Linux: the kernel ends us with the hub, even on SIGKILL
+    make_undumpable()  # like the hub: no other process of the user reads our memory
+    with contextlib.suppress(OSError):
+        os.nice(READER_NICE)
+    ctx = zmq.Context(1)
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)  # the last answers still reach the hub on a stop
+    path = endpoint.removeprefix("ipc://")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # a socket file left by a reader that died
+    sock.bind(endpoint)
+    try:
+        serve_jobs(sock, uri, budget, alive=lambda: os.getppid() == parent)
+    finally:
+        sock.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bus.replay_reader",
+                                     description="The hub's replay reader (started by the hub).")
+    parser.add_argument("--uri", required=True, help="the event log's SQLite URI")
+    parser.add_argument("--endpoint", required=True, help="ipc:// address to bind")
+    parser.add_argument("--budget", type=int, required=True, help="replay_bytes per batch")
+    parser.add_argument("--parent", type=int, required=True, help="the hub's pid")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s replay-reader %(levelname)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        _child(args.uri, args.endpoint, args.budget, args.parent)
+
+
+if __name__ == "__main__":
+    main()

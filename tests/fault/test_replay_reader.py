@@ -1,0 +1,137 @@
+"""The replay reader is a child process of the hub (bus/replay_reader.py): a replay it was reading
+when it died is still answered, the next one is served by a new reader, and the reader never
+outlives its hub (SIGKILL included)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from bus import protocol as p
+from tests.fault.test_budgets import start_hub, status
+from tests.fault.test_fuzz import RawPeer
+from tests.fault.test_replay_and_retention import publish
+from tests.support import wait_for
+
+
+def reader_pids(hub_pid: int) -> list[int]:
+    """The hub's children running `bus.replay_reader`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == hub_pid and b"bus.replay_reader" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def replay(peer: RawPeer, since: int = 0) -> tuple[p.Header, list[bytes]]:
+    return peer.request(p.HUB_REPLAY, p.encode(p.ReplayRequest(since=since)), timeout=30)
+
+
+def test_a_reader_that_dies_has_its_replays_answered_and_is_replaced(tmp_path: Path) -> None:
+    hub = start_hub(tmp_path)
+    ctx = zmq.Context()
+    peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
+    try:
+        peer.hello()
+        publish(peer, 50)
+        assert status(peer).seq >= 50
+        header, frames = replay(peer)
+        assert header.kind == p.REPLY and len(p.decode(frames[0], p.ReplayBatch).events) >= 50
+        [reader] = wait_for(lambda: reader_pids(hub.pid), 10, "the hub's replay reader")
+        # Frozen, the reader holds the next job; killed, it can never answer it: the hub must.
+        os.kill(reader, signal.SIGSTOP)
+        rid = p.new_id()
+        peer.send([p.SIGNATURE, msgspec.msgpack.encode(
+            {"kind": p.REQUEST, "id": rid, "service": p.HUB_REPLAY}),
+            p.encode(p.ReplayRequest(since=0))])
+        os.kill(reader, signal.SIGKILL)
+        header, frames = peer.wait(lambda h: h.id == rid and h.kind in (p.REPLY, p.ERROR), 15)
+        # Either the dead reader's job is failed for it, or (if the job was still queued in the
+        # hub's socket when the reader died) the new reader serves it: never silence.
+        if header.kind == p.ERROR:
+            assert header.code == p.HANDLER_ERROR and "reader" in (header.error or "")
+        [new_reader] = wait_for(lambda: [pid for pid in reader_pids(hub.pid) if pid != reader],
+                                10, "a new replay reader")
+        header, frames = replay(peer)
+        assert header.kind == p.REPLY and len(p.decode(frames[0], p.ReplayBatch).events) >= 50
+        assert alive(new_reader)
+    finally:
+        peer.close()
+        ctx.term()
+        hub.stop()
+
+
+def started_reader(hub: Any) -> int:
+    """Ask a replay (the reader starts with the first one) and return the reader's pid."""
+    ctx = zmq.Context()
+    peer = RawPeer(ctx, hub.ready["endpoint"])
+    try:
+        peer.hello()
+        publish(peer, 1)
+        assert replay(peer)[0].kind == p.REPLY
+    finally:
+        peer.close()
+        ctx.term()
+    [reader] = wait_for(lambda: reader_pids(hub.pid), 10, "the hub's replay reader")
+    return int(reader)
+
+
+def test_a_hub_that_never_replays_starts_no_reader(tmp_path: Path) -> None:
+    hub = start_hub(tmp_path)
+    try:
+        ctx = zmq.Context()
+        peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
+        try:
+            peer.hello()
+            publish(peer, 5)
+            assert status(peer).seq >= 5
+            # from the head: the client's publish confirmation, answered without the log
+            assert replay(peer, since=10**9)[0].kind == p.REPLY
+        finally:
+            peer.close()
+            ctx.term()
+        assert reader_pids(hub.pid) == []
+    finally:
+        hub.stop()
+
+
+def test_the_reader_does_not_outlive_its_hub(tmp_path: Path) -> None:
+    hub = start_hub(tmp_path)
+    try:
+        reader = started_reader(hub)
+        os.kill(hub.pid, signal.SIGKILL)  # the hub alone: its process group is left alone
+        wait_for(lambda: not alive(reader), 10, "the reader to exit with its hub")
+    finally:
+        hub.stop()
+
+
+def test_a_stopped_hub_stops_its_reader(tmp_path: Path) -> None:
+    hub = start_hub(tmp_path)
+    try:
+        reader = started_reader(hub)
+        os.kill(hub.pid, signal.SIGTERM)  # the hub alone, as `busctl up` stops it
+        assert hub.popen.wait(10) == 0
+        wait_for(lambda: not alive(reader), 10, "the reader to exit with its hub")
+    finally:
+        hub.stop()
