@@ -15,7 +15,8 @@ import msgspec
 import pytest
 
 from bus import protocol as p
-from bus.messages import ImagePart, ToolResult
+from bus.messages import ImagePart, ToolResult, ToolTrace
+from bus.tracecontext import span_id, trace_id
 from tests.mcp.conftest import DEMO, mcp_worker
 from tests.support import until
 from tests.tools.fixtures.procs import call, executor, run_busctl
@@ -133,6 +134,21 @@ async def test_abort_mid_call_cancels_at_the_server_and_answers_at_once(
         # the worker's slot is free again: the next call runs at once
         assert (await tools.execute(call("whoami"))).text.isdigit()
         assert await _service_load(tools.peer, "tool.slow") == 0
+
+
+async def test_the_calls_trace_context_reaches_the_server_in_meta(hub: dict, tmp_path: Path
+                                                                 ) -> None:
+    """An MCP call carries `_meta.traceparent` naming the call's `execute_tool` span (as
+    `busctl otel` exports it) in the root run's trace, so an instrumented MCP server's spans land
+    under it; a call outside any run carries none."""
+    endpoint = hub["endpoint"]
+    async with mcp_worker(endpoint, "--mcp", f"{DEMO} {tmp_path}"), executor(endpoint) as tools:
+        in_run = call("trace_meta", call_id="c7")
+        in_run.run_id, in_run.trace = "sub", ToolTrace(root_run_id="top")
+        result = await tools.execute(in_run)
+        span = f"{span_id('sub', 'tool', 'c7'):016x}"
+        assert result.text == f"00-{trace_id('top'):032x}-{span}-01", result.text
+        assert (await tools.execute(call("trace_meta"))).text == "none"
 
 
 async def _service_load(peer: Any, service: str) -> int:
