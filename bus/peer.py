@@ -282,7 +282,8 @@ class Peer:
         self._calls.fail_all(HubLost("peer closed", p.HUB_LOST))
         for sub in list(self._subs):
             sub._close()
-        if self._tg is not None:  # its handlers too: they end before the socket closes
+        await self._serving.close()  # handlers end before the socket closes
+        if self._tg is not None:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
         self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
