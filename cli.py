@@ -229,6 +229,11 @@ def main(verbose: bool) -> None:
 @click.option("--retain-deltas-until-end", is_flag=True,
               help="Drop a run's streamed deltas (`message_update`) from the log once its "
                    "`message_end` (which holds the whole message) is logged.")
+@click.option("--replay-priority", type=click.Choice(["idle", "low"]), default="idle",
+              show_default=True,
+              help="CPU priority of the log reader that serves replays: `idle` runs it only on "
+                   "CPU nothing else wants (at nice 10 while the machine starves it), `low` at "
+                   "nice 10 always (docs/reliability.md).")
 @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
               help="The hub's secret key file: turns on CURVE encryption.")
 @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
@@ -241,8 +246,8 @@ def main(verbose: bool) -> None:
 def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
         liveness: int, max_message_bytes: int, budgets: dict[str, int],
         retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
-        curve_secret: str | None, curve_authorized: str | None, insecure: bool,
-        log_level: str) -> None:
+        replay_priority: str, curve_secret: str | None, curve_authorized: str | None,
+        insecure: bool, log_level: str) -> None:
     """Run the hub: request routing, liveness, and the event log and stream.
 
     \b
@@ -257,7 +262,7 @@ def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: f
                        heartbeat_interval=heartbeat_interval, liveness=liveness,
                        max_message_bytes=max_message_bytes, retain_days=retain_days,
                        retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
-                       curve=curve, insecure=insecure, **budgets)
+                       replay_priority=replay_priority, curve=curve, insecure=insecure, **budgets)
     logging.getLogger().setLevel(log_level.upper())
     try:
         serve(config)

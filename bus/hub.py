@@ -31,6 +31,7 @@ from bus.errors import ConfigError
 from bus.eventlog import Row
 from bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
 from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
+from bus.replay_reader import REPLAY_PRIORITIES
 from bus.security import (
     CurveServer,
     InsecureBindError,
@@ -135,6 +136,9 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     retain_bytes: int = 0
     retain_deltas_until_end: bool = False  # drop a run's message_update once message_end is logged
     max_redispatch: int = 1  # times a call whose server was lost is re-dispatched
+    # The replay reader's scheduling class: "idle" (SCHED_IDLE; replaced at nice 10 while the
+    # machine starves it) or "low" (nice 10 only). See bus/replay_reader.py.
+    replay_priority: str = "idle"
 
     def subscriber_hwm(self) -> int:
         """zmq counts a subscriber's queue in messages: this many of the largest events fit
@@ -160,6 +164,10 @@ def check_config(config: HubConfig) -> None:
         if getattr(config, name) < least:
             raise HubConfigError(f"hub budget `{name}` is {getattr(config, name)}: it must be "
                                  f">= {least} (see docs/reliability.md, \"Memory budgets\")")
+    if config.replay_priority not in REPLAY_PRIORITIES:
+        raise HubConfigError(f"hub `replay_priority` is {config.replay_priority!r}: use one of "
+                             f"{', '.join(REPLAY_PRIORITIES)} (docs/reliability.md, \"Event log: "
+                             "replay and retention\")")
     try:
         check_bind({"`endpoint`": config.endpoint, "`events`": config.events},
                    curve=config.curve is not None, insecure=config.insecure,
@@ -228,7 +236,8 @@ class Hub:
             self.ctx, self.pub, state / "events.db" if state else None, self.session,
             self.counters.bump, self._refuse_batch, config.replay_bytes,
             config.publish_inline_bytes,
-            Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end))
+            Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end),
+            config.replay_priority)
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
         # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
         # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send
@@ -806,6 +815,11 @@ class Hub:
             counters["events"] = counters.get("events", 0) + len(self.events.rows)
         if self._auth is not None:
             counters.update(self._auth.counters())  # auth_refused: refused CURVE handshakes
+        reader = self.events.reader
+        for name, value in (("replay_reader_restarts", reader.restarts),
+                            ("replay_reader_starved", reader.starved)):
+            if value:
+                counters[name] = value
         return p.Status(self.session, self.endpoint, self.events_endpoint,
                         time.time() - self.started, self.seq, peers, services, counters,
                         self.config.state_dir, self.events.log_error, self.budgets())

@@ -60,7 +60,8 @@ class EventPipeline:
 
     def __init__(self, ctx: zmq.Context[Any], pub: zmq.Socket[Any], path: Path | None,
                  session: str, bump: Bump, refuse: Callable[[list[Row]], None],
-                 replay_bytes: int, inline_bytes: int, retention: Retention) -> None:
+                 replay_bytes: int, inline_bytes: int, retention: Retention,
+                 replay_priority: str = "idle") -> None:
         self.pub = pub
         self.inline_bytes = inline_bytes  # larger bodies are published as stubs (see flush)
         self.session = session
@@ -81,7 +82,7 @@ class EventPipeline:
         self.log_error = ""
         self.refusing = False
         self._retry_at = math.inf
-        self.reader = ReplayReader(ctx, self.log.uri, replay_bytes)
+        self.reader = ReplayReader(ctx, self.log.uri, replay_bytes, replay_priority)
 
     def close(self) -> None:
         self.reader.close()

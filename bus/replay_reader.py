@@ -4,8 +4,17 @@ hub's routing loop, and hands each finished batch back to it.
 For a log on disk the reader is a child process (`python -m bus.replay_reader`): reading and
 encoding a batch is Python work, and in a thread of the hub it would hold the GIL the routing loop
 needs (measured: a busy thread in the hub process took request p50 from 0.46 to 16 ms). The child
-runs at a lower priority, dies with the hub, and is restarted if it dies. An in-memory log can only
-be read from inside the hub's process, so there the reader is a thread (tests and demos).
+dies with the hub, and is restarted if it dies. An in-memory log can only be read from inside the
+hub's process, so there the reader is a thread (tests and demos).
+
+Priority. A low nice value is not enough: Linux's scheduler (EEVDF) lets a running task finish its
+slice (~1.5 ms on 2 cores) before a waking one runs, so each hop of a request could wait for the
+reader; request p99 beside a full replay was ~4x idle at nice 10. The reader runs as SCHED_IDLE
+instead ("idle" class), which any other task preempts at once (measured: 1.4-1.5x). An idle-class
+task only gets CPU nobody else wants, so on a saturated machine it could starve: when a job has
+waited STARVED_AFTER seconds, the hub replaces the reader with one at nice 10 ("low" class) and
+hands it the jobs again; once that one has had nothing to do for CALM_AFTER seconds it is retired,
+and the next replay starts an idle-class reader again.
 
 The hub talks to either over one ZeroMQ DEALER socket it polls: it sends `_Job`s without blocking
 and later receives `[job number, code, body]` (code `b""`: body is a `ReplayBatch`). Every job
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -41,7 +51,11 @@ log = logging.getLogger("bus.hub")
 
 REPLAY_QUEUE = 256  # replays waiting for the reader; one more is answered `overloaded`
 REPLIES_PER_PASS = 16  # finished replays forwarded per loop pass (each <= replay_bytes + 1 event)
-READER_NICE = 10  # the reader runs at this nice value, below the routing loop
+READER_NICE = 10  # the reader's nice value, below the routing loop (both classes)
+IDLE, LOW = "idle", "low"  # the reader process's scheduling class (see the module docstring)
+REPLAY_PRIORITIES = (IDLE, LOW)
+STARVED_AFTER = 1.0  # seconds a job may wait for an idle-class reader before it is replaced
+CALM_AFTER = 30.0  # seconds without a job before a low-class reader is retired
 REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
 BLOB_READ_BYTES = 65536  # a body this big or bigger is read through the blob API
 RESTART_GAP = 1.0  # seconds between starts of a reader process that keeps dying
@@ -158,6 +172,16 @@ def serve_jobs(sock: zmq.Socket[Any], uri: str, budget: int,
         db.close()
 
 
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """A job handed to the reader and not answered yet."""
+
+    ident: bytes  # the requester's routing id
+    req_id: str
+    job: bytes  # the encoded `_Job`, to hand to a replacement reader
+    sent: float  # monotonic: when it was (last) handed over
+
+
 class ReplayReader:
     """The routing loop's end of the reader: submit jobs, collect answers, keep it alive.
 
@@ -165,18 +189,23 @@ class ReplayReader:
     requester (routing id, request id), so an answer is forwarded once and the jobs of a reader
     that died are answered by `check`."""
 
-    def __init__(self, ctx: zmq.Context[Any], log_uri: str, budget: int) -> None:
+    def __init__(self, ctx: zmq.Context[Any], log_uri: str, budget: int,
+                 priority: str = IDLE) -> None:
         self._ctx = ctx
         self._uri = log_uri
         self._budget = budget
+        self._priority = priority  # the class a new reader starts in (config `replay_priority`)
         self._numbers = 0
-        self.outstanding: dict[int, tuple[bytes, str]] = {}
+        self.outstanding: dict[int, _Held] = {}
         self._in_process = "mode=memory" in log_uri or not zmq.has("ipc")
         self._dir = "" if self._in_process else tempfile.mkdtemp(prefix="bus-replay-")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._class = priority  # the running reader's class
         self._thread: threading.Thread | None = None
         self._started = 0.0
-        self.restarts = 0
+        self._last_job = 0.0  # when the last job was handed over (monotonic)
+        self.restarts = 0  # readers started again after one died
+        self.starved = 0  # idle-class readers replaced because a job waited STARVED_AFTER
         # DEALER, not PAIR: it reconnects to a restarted reader like any other socket.
         self.sock = ctx.socket(zmq.DEALER)  # the loop's end
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -201,14 +230,17 @@ class ReplayReader:
         if len(self.outstanding) >= REPLAY_QUEUE:
             return False
         if not self._in_process and self._proc is None:
-            self.sock.connect(self._address)
-            self._start_process()
+            if not self._started:
+                self.sock.connect(self._address)
+            self._start_process(self._priority)
         self._numbers += 1
+        job = _encode(_Job(self._numbers, head, request))
         try:
-            self.sock.send(_encode(_Job(self._numbers, head, request)), zmq.NOBLOCK)
+            self.sock.send(job, zmq.NOBLOCK)
         except zmq.Again:
             return False
-        self.outstanding[self._numbers] = (ident, req_id)
+        self._last_job = time.monotonic()
+        self.outstanding[self._numbers] = _Held(ident, req_id, job, self._last_job)
         return True
 
     def answers(self) -> list[tuple[bytes, str, bytes, Any]]:
@@ -222,28 +254,70 @@ class ReplayReader:
                 break
             except ValueError:  # not three frames: not from our reader
                 continue
-            owner = self.outstanding.pop(int(number.bytes), None)
-            if owner is not None:  # None: already answered by `check` (its reader died)
-                out.append((owner[0], owner[1], code.bytes, body))
+            held = self.outstanding.pop(int(number.bytes), None)
+            if held is not None:  # None: answered already (a job handed over twice, see check)
+                out.append((held.ident, held.req_id, code.bytes, body))
         return out
 
     def check(self, now: float) -> list[tuple[bytes, str, bytes, Any]]:
-        """Called every tick: if the reader process died, answer its jobs `handler_error` and
-        start another one (at most once per RESTART_GAP), answers for the routing loop to send."""
+        """Called every tick, keeps the reader process serving; returns answers for the routing
+        loop to send (for the jobs of a reader that died).
+
+        - died: its jobs are answered `handler_error` (a job may be what killed it: it is not
+          handed to the next reader), and another is started (at most once per RESTART_GAP);
+        - idle class, a job waiting STARVED_AFTER: replaced by a low-class reader, which gets
+          every held job again (an answer that comes twice is forwarded once);
+        - low class (the hub's setting being idle), no job for CALM_AFTER: retired; the next
+          job starts an idle-class reader."""
         proc = self._proc
-        if proc is None or proc.poll() is None:
+        if proc is None:
             return []
+        if proc.poll() is not None:
+            return self._died(proc, now)
+        if self._class == IDLE and self.outstanding:
+            oldest = min(held.sent for held in self.outstanding.values())
+            if now - oldest >= STARVED_AFTER:
+                self._replace_starved(proc)
+        elif (self._class == LOW and self._priority == IDLE and not self.outstanding
+              and now - self._last_job >= CALM_AFTER):
+            self._retire(proc)
+        return []
+
+    def _died(self, proc: subprocess.Popen[bytes], now: float) -> list[tuple[bytes, str, bytes, Any]]:
         if now - self._started < RESTART_GAP:
             return []
         log.error("hub.replay: the reader process (pid %d) exited with %s; restarting it",
                   proc.pid, proc.returncode)
-        failed = [(ident, req_id, p.HANDLER_ERROR.encode(),
+        failed = [(held.ident, held.req_id, p.HANDLER_ERROR.encode(),
                    b"`hub.replay`: the hub's log reader process died while reading; retry")
-                  for ident, req_id in self.outstanding.values()]
+                  for held in self.outstanding.values()]
         self.outstanding.clear()
         self.restarts += 1
-        self._start_process()
+        self._start_process(self._class)
         return failed
+
+    def _replace_starved(self, proc: subprocess.Popen[bytes]) -> None:
+        self.starved += 1
+        log.warning("hub.replay: the idle-class reader got no CPU for %.1f s (the machine is "
+                    "busy); replacing it with one at nice %d", STARVED_AFTER, READER_NICE)
+        proc.kill()  # it may not get the CPU to stop by itself
+        proc.wait()
+        self._start_process(LOW)
+        now = time.monotonic()
+        for held in self.outstanding.values():
+            held.sent = now
+            with contextlib.suppress(zmq.Again):  # the queue holds REPLAY_QUEUE * 2
+                self.sock.send(held.job, zmq.NOBLOCK)
+
+    def _retire(self, proc: subprocess.Popen[bytes]) -> None:
+        with contextlib.suppress(zmq.Again):
+            self.sock.send(b"", zmq.NOBLOCK)  # the stop job: it exits once it reads it
+        try:
+            proc.wait(1)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        self._proc = None
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -278,24 +352,35 @@ class ReplayReader:
         self._thread = threading.Thread(target=run, name="bus-replay", daemon=True)
         self._thread.start()
 
-    def _start_process(self) -> None:
+    def _start_process(self, priority: str) -> None:
         # The child imports this package from where the hub did, whatever its cwd or PYTHONPATH.
         root = str(Path(bus.__file__).resolve().parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
         argv = [sys.executable, "-m", "bus.replay_reader", "--uri", self._uri, "--endpoint",
-                self._address, "--budget", str(self._budget), "--parent", str(os.getpid())]
+                self._address, "--budget", str(self._budget), "--parent", str(os.getpid()),
+                "--priority", priority]
+        self._class = priority
         self._started = time.monotonic()
         self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
 
 
-def _child(uri: str, endpoint: str, budget: int, parent: int) -> None:
+def lower_priority(priority: str) -> None:
+    """Nice READER_NICE, and SCHED_IDLE for the idle class (where the OS has it). Both are
+    allowed without privileges, and neither can be undone without them."""
+    with contextlib.suppress(OSError):
+        os.nice(READER_NICE)
+    if priority == IDLE and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def _child(uri: str, endpoint: str, budget: int, parent: int, priority: str) -> None:
     from bus.procsec import die_with_parent, make_undumpable
 
     die_with_parent(parent)  # Linux: the kernel ends us with the hub, even on SIGKILL
     make_undumpable()  # like the hub: no other process of the user reads our memory
-    with contextlib.suppress(OSError):
-        os.nice(READER_NICE)
+    lower_priority(priority)  # before zmq starts its I/O thread, which inherits it
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 1000)  # the last answers still reach the hub on a stop
@@ -317,11 +402,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--endpoint", required=True, help="ipc:// address to bind")
     parser.add_argument("--budget", type=int, required=True, help="replay_bytes per batch")
     parser.add_argument("--parent", type=int, required=True, help="the hub's pid")
+    parser.add_argument("--priority", choices=[IDLE, LOW], default=IDLE,
+                        help="scheduling class (see the module's docstring)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s replay-reader %(levelname)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
-        _child(args.uri, args.endpoint, args.budget, args.parent)
+        _child(args.uri, args.endpoint, args.budget, args.parent, args.priority)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """The replay reader is a child process of the hub (bus/replay_reader.py): a replay it was reading
 when it died is still answered, the next one is served by a new reader, and the reader never
-outlives its hub (SIGKILL included)."""
+outlives its hub (SIGKILL included). It runs as SCHED_IDLE, and one the machine starves is
+replaced by one at nice 10 that serves the waiting replays."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from bus import protocol as p
 from tests.fault.test_budgets import start_hub, status
 from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
-from tests.support import wait_for
+from tests.support import Proc, busctl, wait_for
 
 
 def reader_pids(hub_pid: int) -> list[int]:
@@ -135,3 +138,73 @@ def test_a_stopped_hub_stops_its_reader(tmp_path: Path) -> None:
         wait_for(lambda: not alive(reader), 10, "the reader to exit with its hub")
     finally:
         hub.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def nice_and_policy(pid: int) -> tuple[int, int]:
+    return os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)
+
+
+def test_a_starved_idle_class_reader_is_replaced_and_its_replay_answered(tmp_path: Path) -> None:
+    """One CPU-bound process per core: the idle-class reader gets (almost) no CPU, so a replay
+    of 10,000 events would wait tens of seconds. The hub replaces the reader after 1 s with one at
+    nice 10, which serves the replay; `replay_reader_starved` counts it."""
+    hub = start_hub(tmp_path, "--replay-bytes", str(16 * 1024 * 1024))  # one batch: every row
+    ctx = zmq.Context()
+    peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        peer.hello()
+        publish(peer, 10_000)
+        assert status(peer).seq >= 10_000
+        assert replay(peer, since=9_990)[0].kind == p.REPLY  # starts the reader
+        [reader] = wait_for(lambda: reader_pids(hub.pid), 10, "the hub's replay reader")
+        assert nice_and_policy(reader) == (10, os.SCHED_IDLE)
+        for _ in range(len(os.sched_getaffinity(0))):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        wait_for(lambda: all(cpu_seconds(hog.pid) > 0.2 for hog in hogs), 20, "the hogs to spin")
+        # 30 scans of 10,000 rows each (a topic nothing matches): ~0.3 s of CPU in all, which
+        # an idle-class reader beside the spinning processes would take minutes to get
+        scan = p.encode(p.ReplayRequest(since=0, limit=10_000, topics=["nomatch/"]))
+        ids = [p.new_id() for _ in range(30)]
+        for rid in ids:
+            peer.send([p.SIGNATURE, msgspec.msgpack.encode(
+                {"kind": p.REQUEST, "id": rid, "service": p.HUB_REPLAY}), scan])
+        answered = set()
+        while len(answered) < len(ids):
+            header, frames = peer.wait(lambda h: h.id in ids and h.id not in answered, 60)
+            assert header.kind == p.REPLY, header
+            assert p.decode(frames[0], p.ReplayBatch).upto >= 10_000
+            answered.add(header.id)
+        assert status(peer).counters.get("replay_reader_starved", 0) >= 1
+        [replacement] = reader_pids(hub.pid)
+        assert replacement != reader and nice_and_policy(replacement) == (10, os.SCHED_OTHER)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+        peer.close()
+        ctx.term()
+        hub.stop()
+
+
+def test_replay_priority_low_runs_the_reader_at_nice_10(tmp_path: Path) -> None:
+    hub = start_hub(tmp_path, "--replay-priority", "low")
+    try:
+        reader = started_reader(hub)
+        assert nice_and_policy(reader) == (10, os.SCHED_OTHER)
+    finally:
+        hub.stop()
+
+
+def test_a_bad_replay_priority_is_refused_naming_the_flag() -> None:
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--replay-priority", "fast"))
+    try:
+        assert proc.popen.wait(20) == 2
+        assert "--replay-priority" in proc.output() and "'idle', 'low'" in proc.output()
+    finally:
+        proc.stop()
