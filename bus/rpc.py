@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -57,9 +57,18 @@ class Call:
         return self.items.popleft()
 
     async def final(self) -> bytes:
-        """The final reply's body (partials are skipped); a final `error` is raised."""
+        """The final reply's body (partials are skipped); a final `error` is raised.
+
+        (`get` inlined: one coroutine frame less to resume per reply on the request path.)"""
+        items = self.items
         while True:
-            header, frames = await self.get()
+            while not items:
+                waiter = self.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await waiter
+                finally:
+                    self.waiter = None
+            header, frames = items.popleft()
             kind = header.kind
             if kind == p.REPLY:
                 self.done = True
@@ -141,6 +150,16 @@ class Calls:
             call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
 
     async def start(self, service: str, body: bytes, timeout: float | None, parent: str) -> Call:
+        call = self.begin(service, body, timeout, parent)
+        if isinstance(call, Call):
+            return call
+        return await self._start_waiting(*call)
+
+    def begin(self, service: str, body: bytes, timeout: float | None,
+              parent: str) -> Call | tuple[str, float, float, list[Any]]:
+        """Send the request now when the peer is welcomed and the socket takes it (its `Call`);
+        else what `_start_waiting` needs to wait for the connection or room, then send it.
+        (Synchronous: a request that goes out at once costs no coroutine of its own.)"""
         peer = self._peer
         req_id = self.new_id()
         now = time.monotonic()
@@ -150,6 +169,23 @@ class Calls:
                           parent=parent, peer=peer.peer_id, session=peer.session)
         frames = [_SIG, p.encode(header), body]
         deadline = now + timeout if timeout else float("inf")
+        if peer.welcome is not None:
+            call = Call(req_id, expires)
+            self.pending[req_id] = call  # before sending: the reply is read after it
+            try:
+                sent = peer._send_now(frames)
+            except BaseException:
+                self.pending.pop(req_id, None)
+                raise
+            if sent:
+                return call
+            self.pending.pop(req_id, None)
+        return req_id, expires, deadline, frames
+
+    async def _start_waiting(self, req_id: str, expires: float, deadline: float,
+                             frames: list[Any]) -> Call:
+        """Wait for the connection, then send (waiting for room at the HWM)."""
+        peer = self._peer
         if peer.welcome is None:
             await peer._connection(deadline)
         call = Call(req_id, expires)
@@ -175,7 +211,9 @@ class Calls:
                 pass
 
     async def request(self, service: str, body: bytes, timeout: float | None, parent: str) -> bytes:
-        call = await self.start(service, body, timeout, parent)
+        call = self.begin(service, body, timeout, parent)
+        if not isinstance(call, Call):
+            call = await self._start_waiting(*call)
         try:
             return await call.final()
         finally:
