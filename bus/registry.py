@@ -266,7 +266,9 @@ class Registry:
             self._refuse("bad_request", ident, "", p.BAD_REQUEST,
                          "request has no `id`: set a string unique among your in-flight requests")
             return False
-        if (ident, req_id) in self.requests:
+        key = (ident, req_id)
+        requests = self.requests
+        if key in requests:
             self._refuse("bad_request", ident, req_id, p.BAD_REQUEST,
                          f"request id `{req_id}` is already in flight from this peer: use an id "
                          "unique among your in-flight requests")
@@ -285,10 +287,11 @@ class Registry:
         if refusal:
             self._error(req, p.OVERLOADED, refusal)
             return False
-        self.requests[(ident, req_id)] = req
+        requests[key] = req
         peer.requested.add(req_id)
-        peer.request_bytes += req.size
-        self.request_bytes += req.size
+        size = req.size
+        peer.request_bytes += size
+        self.request_bytes += size
         if deadline != math.inf:
             self._watch_deadline(req)
         if not self._try_dispatch(service, req):
@@ -529,25 +532,31 @@ class Registry:
             return
         req.done = True
         req.body = []  # a deadline heap entry may outlive it for a while (see _watch_deadline)
-        requester = self.peers.get(req.requester)
-        if self.requests.pop((req.requester, req.id), None) is req:
+        peers = self.peers
+        requester_ident = req.requester
+        requester = peers.get(requester_ident)
+        if self.requests.pop((requester_ident, req.id), None) is req:
             self.request_bytes -= req.size
             if requester is not None:
                 requester.request_bytes -= req.size
         if requester is not None:
             requester.requested.discard(req.id)
-        if req.server is None:
+        server_ident = req.server
+        if server_ident is None:
             return
-        server = self.peers.get(req.server)
-        if server is not None and server.serving.get(req.wire_id) is req:
-            del server.serving[req.wire_id]
+        server = peers.get(server_ident)
+        if server is not None:
+            serving = server.serving
+            if serving.get(req.wire_id) is req:
+                del serving[req.wire_id]
         service = self.services.get(req.service)
         if service is None:
             return
-        slot = service.slots.get(req.server)
+        slot = service.slots.get(server_ident)
         if slot is not None and slot.load > 0:
             slot.load -= 1
-        self._dispatch_queued(service)
+        if service.queue:  # (most finish with nothing queued: no call)
+            self._dispatch_queued(service)
 
     # --- answers -------------------------------------------------------------------------
 
