@@ -286,7 +286,7 @@ def busctl(*args: str) -> list[str]:
                 f"_ClientPool.SIZE, _ClientPool.PER_CLIENT = {size}, {per}; "
                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
         cli = ["-c", code, *cli]
-    if PROFILE_DIR and args[0] in ("coordinator", "gateway"):
+    if PROFILE_DIR and args[0] in ("coordinator", "gateway", "hub"):
         out = str(Path(PROFILE_DIR) / f"{args[0]}.prof")
         if cli[0] == "-c":  # cProfile runs a file: write the wrapper into one
             wrapper = Path(PROFILE_DIR) / "gateway_wrapper.py"
@@ -329,7 +329,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--profile", default="", metavar="DIR",
-                    help="run the coordinator and gateway under cProfile, dumping into DIR")
+                    help="run the coordinator, gateway and hub under cProfile, dumping into DIR")
     ap.add_argument("--count-sends", default="", metavar="DIR",
                     help="count the messages each process sends, by kind (files in DIR)")
     args = ap.parse_args()

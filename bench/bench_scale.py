@@ -425,7 +425,7 @@ def main() -> None:
     ap.add_argument("--model-ms", type=float, default=100.0)
     ap.add_argument("--tool-ms", type=float, default=20.0)
     ap.add_argument("--profile", default="", metavar="DIR",
-                    help="run the coordinator and gateway under cProfile, dumping into DIR")
+                    help="run the coordinator, gateway and hub under cProfile, dumping into DIR")
     ap.add_argument("--gateway-clients", default="", metavar="SIZE[:PER]",
                     help="the gateway's httpx pool for this run: at most SIZE AsyncClients, a "
                          "new one once each holds PER streams (default: the engine's 16:6)")
