@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 import zmq
 
 from bus import protocol as p
@@ -140,53 +140,48 @@ def test_a_stopped_hub_stops_its_reader(tmp_path: Path) -> None:
         hub.stop()
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def nice_and_policy(pid: int) -> tuple[int, int]:
     return os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)
 
 
-def test_a_starved_idle_class_reader_is_replaced_and_its_replay_answered(tmp_path: Path) -> None:
-    """One CPU-bound process per core: the idle-class reader gets (almost) no CPU, so a replay
-    of 10,000 events would wait tens of seconds. The hub replaces the reader after 1 s with one at
-    nice 10, which serves the replay; `replay_reader_starved` counts it."""
-    hub = start_hub(tmp_path, "--replay-bytes", str(16 * 1024 * 1024))  # one batch: every row
+def test_a_starved_idle_class_reader_is_replaced_and_its_replays_answered(tmp_path: Path) -> None:
+    """An idle-class reader gets no CPU while the machine is saturated (measured: 0.35% of a core
+    beside one busy process per core). Starvation is made certain here by stopping the reader
+    (SIGSTOP: it gets no CPU at all): after 1 s the hub replaces it with a reader at nice 10,
+    hands that one every waiting replay, and each is answered once; `replay_reader_starved`
+    counts it."""
+    hub = start_hub(tmp_path)
     ctx = zmq.Context()
     peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
-    hogs: list[subprocess.Popen[bytes]] = []
     try:
         peer.hello()
-        publish(peer, 10_000)
-        assert status(peer).seq >= 10_000
-        assert replay(peer, since=9_990)[0].kind == p.REPLY  # starts the reader
+        publish(peer, 100)
+        assert status(peer).seq >= 100
+        assert replay(peer)[0].kind == p.REPLY  # starts the reader
         [reader] = wait_for(lambda: reader_pids(hub.pid), 10, "the hub's replay reader")
         assert nice_and_policy(reader) == (10, os.SCHED_IDLE)
-        for _ in range(len(os.sched_getaffinity(0))):
-            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
-        wait_for(lambda: all(cpu_seconds(hog.pid) > 0.2 for hog in hogs), 20, "the hogs to spin")
-        # 30 scans of 10,000 rows each (a topic nothing matches): ~0.3 s of CPU in all, which
-        # an idle-class reader beside the spinning processes would take minutes to get
-        scan = p.encode(p.ReplayRequest(since=0, limit=10_000, topics=["nomatch/"]))
-        ids = [p.new_id() for _ in range(30)]
+        os.kill(reader, signal.SIGSTOP)
+        ids = [p.new_id() for _ in range(5)]
+        started = time.monotonic()
         for rid in ids:
             peer.send([p.SIGNATURE, msgspec.msgpack.encode(
-                {"kind": p.REQUEST, "id": rid, "service": p.HUB_REPLAY}), scan])
-        answered = set()
-        while len(answered) < len(ids):
-            header, frames = peer.wait(lambda h: h.id in ids and h.id not in answered, 60)
+                {"kind": p.REQUEST, "id": rid, "service": p.HUB_REPLAY}),
+                p.encode(p.ReplayRequest(since=0))])
+        answers = []
+        while len(answers) < len(ids):
+            header, frames = peer.wait(lambda h: h.id in ids, 30)
             assert header.kind == p.REPLY, header
-            assert p.decode(frames[0], p.ReplayBatch).upto >= 10_000
-            answered.add(header.id)
-        assert status(peer).counters.get("replay_reader_starved", 0) >= 1
+            assert len(p.decode(frames[0], p.ReplayBatch).events) >= 100
+            answers.append(header.id)
+        assert sorted(answers) == sorted(ids), "a replay answered twice, or not at all"
+        assert time.monotonic() - started >= 1.0  # the stopped reader answered nothing
+        assert status(peer).counters.get("replay_reader_starved", 0) == 1
+        assert not alive(reader)
         [replacement] = reader_pids(hub.pid)
-        assert replacement != reader and nice_and_policy(replacement) == (10, os.SCHED_OTHER)
+        assert nice_and_policy(replacement) == (10, os.SCHED_OTHER)
+        with pytest.raises(TimeoutError):  # no second answer to any of them
+            peer.wait(lambda h: h.id in ids, 0.5)
     finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
         peer.close()
         ctx.term()
         hub.stop()
