@@ -22,7 +22,11 @@ until the end of the current event-loop iteration and then sent back to back (`_
 idle socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than
 the send itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers
 of handlers that finished together) is cheaper sent together. Partial replies to one request
-held meanwhile go out as one `partial` message with a body frame each (`IncomingRequest.partial`).
+held meanwhile go out as one `partial` message with a body frame each (`IncomingRequest.partial`),
+and consecutive held events that differ only by id as one `event` message with a body frame each
+(docs/protocol.md §4; only to a hub whose welcome says it takes them): the hub still logs and
+publishes one event per body. `before_send` (the coordinator's journal commit) runs before held
+messages go out.
 Every other send flushes the held messages first, so this peer's messages keep their order;
 `publish` still waits for the connection and the HWM as before. A lost connection drops held
 replies and partials (`reply_lost`; the hub answers their requesters itself) but keeps held
@@ -50,7 +54,7 @@ import os
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -117,6 +121,11 @@ def default_hub() -> str:
 
 class Peer:
     """A connection to one hub. Use `connect()`; see the module docstring."""
+
+    #: Called before held messages, or an event sent at once, are handed to the socket: what
+    #: they announce can be made durable first without every publisher waiting for it (the
+    #: coordinator commits its run journal here: "journaled before published").
+    before_send: Callable[[], None] | None = None
 
     def __init__(
         self,
@@ -653,6 +662,8 @@ class Peer:
         sock = self._sock
         if sock is None:
             return False  # events wait for the next connection (replies are dropped on close)
+        if held:
+            self._before_send()
         welcome = self.welcome
         most = min(COALESCE_EVENTS, welcome.event_bodies) if welcome is not None else 1
         sent = events = 0
@@ -703,6 +714,14 @@ class Peer:
         return p.encode(p.Header(kind=p.EVENT, id=self._calls.new_id(), type=type_, agent=agent,
                                  run=run, experiment=experiment, parent=parent,
                                  session=self.session))
+
+    def _before_send(self) -> None:
+        hook = self.before_send
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # what it guards is its owner's; sending must go on
+                log.exception("%s: before_send failed", self.name)
 
     def _sent_held(self, sent: int, events: int) -> None:
         if sent:
@@ -792,6 +811,7 @@ class Peer:
             message = [_SIG, self._event_header(key), body]
             if self.welcome is None:
                 await self._connection(float("inf"))
+            self._before_send()
             if not self._send_now(message):
                 await self._send_blocked(message, float("inf"))
             self._events_sent += 1

@@ -23,8 +23,9 @@ runs go into one open transaction, committed by a callback at the end of the loo
 the writes of all sessions that ran in that iteration cost one commit (~20 us CPU each, and
 about 14 writes per turn). A failed write is undone alone (each is one statement, or a
 sequence that can only fail by an I/O error). Whoever must not act before its writes are
-durable awaits `committed()` (the coordinator does before publishing each event, which keeps
-"journaled before published"). A failed commit loses the whole group: `lost_groups` counts it
+durable awaits `committed()`, or calls `commit()` itself (the coordinator's peer does before it
+sends held events: "journaled before published"; the end-of-iteration callback then finds
+nothing open). A failed commit loses the whole group: `lost_groups` counts it
 and every recorder rewrites its session on its next sync.
 
 Full texts of cut or trimmed tool outputs (`ToolOutputStore`) are stored too, so `tool_output`

@@ -56,8 +56,9 @@ Each `agent.<name>` registers with meta `description` = its system prompt's firs
 
 Durable runs: each session journals its run in the store before publishing the matching event
 (the run at agent_start, turns, tool calls begun and their results; `Session._journal`); the
-store commits once per event-loop iteration for all sessions, and a publish waits for the
-commit of the writes before it (`ConversationStore.committed`). A
+store commits once per event-loop iteration for all sessions, and the peer commits the open
+group before it sends anything (`Peer.before_send`), so an event never leaves before the writes
+made before it (the run does not wait for the commit to go on). A
 coordinator starting under a name the journal knows resumes that name's live runs
 (`Coordinator.resume_runs`, `agents.coordinator.durable`): `run_resumed` in place of the second agent_start,
 completed calls not repeated, the call in flight issued again (a non-idempotent tool that may have
@@ -302,9 +303,14 @@ class Session:
             self._journal_write(self.host.store.commit)
 
     async def _publish(self, event: ev.Event) -> None:
-        # Journaled before published: the group commit of this loop iteration (one for every
-        # session that wrote in it, see `ConversationStore.defer_commits`) comes first.
-        await self.host.store.committed()
+        # Journaled before published: the peer holds the event until the end of the loop
+        # iteration and commits the open group (one for every session that wrote in it, see
+        # `ConversationStore.defer_commits`) before it sends anything (`serve` sets
+        # `Peer.before_send`), so the run goes on at once: the events of one iteration share
+        # a commit and a send, and a burst of one type (a turn's tool_execution_starts) one
+        # message. A peer without that hook: wait for the commit here.
+        if self.host.peer.before_send is None:
+            await self.host.store.committed()
         try:
             await self.host.peer.publish(event, agent=self.host.name, run=self.agent.run_id,
                                          experiment=self.experiment, parent=self.parent)
@@ -883,6 +889,7 @@ async def run_coordinator(
               else _no_signals()) as signals:
             async with connect(settings.hub, name=settings.name, role="coordinator",
                                curve=settings.curve) as peer:
+                peer.before_send = store.commit  # journaled before published (`_publish`)
                 async with anyio.create_task_group() as runs:
                     coordinator = Coordinator(settings, peer, store, runs, configs)
                     if coordinator.topics.active:  # in place before anyone can prompt us

@@ -1,0 +1,99 @@
+"""Journaled before published without waiting: with `Peer.before_send` set to the store's commit
+(as the coordinator sets it), a held event is handed to the socket only after the writes made
+before it are committed, even when the peer flushes before the end-of-iteration commit runs,
+and the events of one iteration travel together (one multi-body message per run of a type)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from agents.coordinator.persistence import ConversationStore, JournaledRun
+from bus import events as ev
+from bus import protocol as p
+from bus.client import connect
+from tests.bus.test_event_coalescing import RecordingHub, recording_hub
+from tests.support import until
+
+pytestmark = pytest.mark.anyio
+
+
+def stored_runs(path: Path) -> set[str]:
+    """Run ids in the journal as another connection sees them (committed only)."""
+    db = sqlite3.connect(path)
+    try:
+        return {r for (r,) in db.execute("SELECT run_id FROM runs")}
+    finally:
+        db.close()
+
+
+class CheckingHub(RecordingHub):
+    """Records, with each event message, the journal as another connection saw it on arrival."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: list[tuple[str, set[str]]] = []
+        super().__init__(p.MAX_EVENT_BODIES)
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, sig, header_frame, *bodies = self.sock.recv_multipart()
+            header = msgspec.msgpack.decode(header_frame)
+            if header["kind"] == "hello":
+                reply = msgspec.msgpack.encode({"kind": "welcome", "id": header.get("id", "")})
+                self.sock.send_multipart([ident, sig, reply, self.welcome])
+            elif header["kind"] == "event":
+                journal = stored_runs(self.path)  # at once, before anything else runs here
+                for body in bodies:
+                    self.seen.append((msgspec.msgpack.decode(body)["topic"], journal))
+                self.events.append((header, bodies))
+            elif header["kind"] == "request":
+                reply = msgspec.msgpack.encode({"kind": "reply", "id": header["id"]})
+                batch = msgspec.msgpack.encode({"events": [], "upto": 0, "head": 0})
+                self.sock.send_multipart([ident, sig, reply, batch])
+
+
+def run(run_id: str) -> JournaledRun:
+    return JournaledRun(run_id=run_id, agent="a", session="s", coordinator="c")
+
+
+async def test_an_event_leaves_only_after_the_writes_before_it_are_committed(
+        tmp_path: Path) -> None:
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    rec = CheckingHub(store.path)
+    try:
+        async with connect(rec.endpoint, name="journaling") as peer:
+            peer.before_send = store.commit
+            # One iteration: an event is held first (its flush is scheduled before the group's
+            # commit callback), then a write, then more events; nobody awaits the commit.
+            await peer.publish(ev.TopicMessage(topic="before", text=""), run="r")
+            store.run_begin(run("r1"))
+            for i in range(3):
+                await peer.publish(ev.TopicMessage(topic=f"after {i}", text=""), run="r")
+            await until(lambda: len(rec.seen) == 4, what="the four events")
+            assert [t for t, _ in rec.seen] == ["before", "after 0", "after 1", "after 2"]
+            assert all("r1" in journal for _, journal in rec.seen), rec.seen
+            assert [len(b) for _, b in rec.events] == [4]  # one iteration, one message
+            # A write followed by a request (not held): the held events before it go first,
+            # committed; the request itself is not held back.
+            store.run_begin(run("r2"))
+            await peer.publish(ev.TopicMessage(topic="start", text=""), run="r")
+            await peer.request(p.HUB_REPLAY, p.encode(p.ReplayRequest(since=2**62, limit=1)))
+            assert rec.seen[-1] == ("start", {"r1", "r2"})
+    finally:
+        rec.close()
+        store.close()
+
+
+async def test_without_the_hook_nothing_changes_for_other_peers(tmp_path: Path) -> None:
+    with recording_hub(p.MAX_EVENT_BODIES) as rec:
+        async with connect(rec.endpoint, name="plain") as peer:
+            assert peer.before_send is None
+            await peer.publish(ev.TopicMessage(topic="x", text=""), run="r")
+            await until(lambda: len(rec.bodies()) == 1, what="the event")
