@@ -128,6 +128,21 @@ def start_hub(state: str) -> tuple[subprocess.Popen[str], dict]:
     return proc, info
 
 
+def _cpu(hub: int, servers: list[int]) -> tuple[float, float, float]:
+    """CPU seconds (user + system, all threads) used so far by the hub, the serving peers
+    together, and this process (the requester): per-request CPU, unlike wall time, does not
+    move with what else the shared machine runs."""
+    def proc(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    return proc(hub), sum(proc(pid) for pid in servers), time.process_time()
+
+
+def _cpu_per(before: tuple[float, ...], after: tuple[float, ...], n: int) -> tuple[float, ...]:
+    return tuple((b - a) / max(n, 1) for a, b in zip(before, after, strict=True))
+
+
 def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
     import anyio
 
@@ -143,7 +158,7 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
             ready = spawn.Queue()
             procs.append(spawn.Process(target=_serving_peer, args=(endpoint, 64, ready), daemon=True))
             procs[-1].start()
-            ready.get(timeout=20)
+            servers = [ready.get(timeout=20)]
 
             async def rtt() -> None:
                 async with connect(endpoint, name="bench-client") as peer:
@@ -151,14 +166,17 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
                     for _ in range(200):
                         await peer.request("echo", body)
                     times = []
+                    cpu0 = _cpu(hub.pid, servers)
                     for _ in range(n_rtt):
                         t0 = time.perf_counter()
                         await peer.request("echo", body)
                         times.append(time.perf_counter() - t0)
+                    cpu = _cpu_per(cpu0, _cpu(hub.pid, servers), n_rtt)
                     # Best of two runs, as for the raw baseline (main()): the machine is shared.
                     if pct(times, 0.5) < out.get("rtt_p50", float("inf")):
                         out["rtt_p50"] = pct(times, 0.5)
                         out["rtt_p99"] = pct(times, 0.99)
+                        out["rtt_cpu_hub"], out["rtt_cpu_servers"], out["rtt_cpu_client"] = cpu
 
             anyio.run(rtt)
             anyio.run(rtt)
@@ -167,7 +185,7 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
                                            daemon=True))
                 procs[-1].start()
             for _ in range(3):
-                ready.get(timeout=20)
+                servers.append(ready.get(timeout=20))
 
             async def throughput() -> None:
                 async with connect(endpoint, name="bench-client") as peer:
@@ -182,10 +200,13 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
                             done += 1
 
                     t0 = time.perf_counter()
+                    cpu0 = _cpu(hub.pid, servers)
                     async with anyio.create_task_group() as tg:
                         for _ in range(256):
                             tg.start_soon(worker)
                     out["req_per_s"] = done / (time.perf_counter() - t0)
+                    out["thr_cpu_hub"], out["thr_cpu_servers"], out["thr_cpu_client"] = _cpu_per(
+                        cpu0, _cpu(hub.pid, servers), done)
 
             anyio.run(throughput)
             for proc in procs:
@@ -371,6 +392,11 @@ def main() -> None:
     raw_rps = 1 / raw_p50
     print(f"hub requests/s, 4 serving peers, 256 concurrent: {hub['req_per_s']:,.0f} "
           f"({hub['req_per_s'] / raw_rps:.2f}x one raw blocking round trip stream; target >= 25,000)")
+    print("CPU per request (us; user + system, all threads; /proc, 10 ms ticks): round trip "
+          f"hub {hub['rtt_cpu_hub'] * 1e6:.0f}, server {hub['rtt_cpu_servers'] * 1e6:.0f}, "
+          f"requester {hub['rtt_cpu_client'] * 1e6:.0f}; 256 concurrent: hub "
+          f"{hub['thr_cpu_hub'] * 1e6:.1f}, 4 servers {hub['thr_cpu_servers'] * 1e6:.1f}, "
+          f"requester {hub['thr_cpu_client'] * 1e6:.1f}")
     print(f"hub events/s logged + published to a subscriber: {hub['events_per_s']:,.0f} "
           f"({hub['events_per_s'] / raw_ev:.2f}x raw PUB->SUB; target >= 100,000; "
           f"{hub['events_filled']:.0f} filled from the log)")
