@@ -518,6 +518,13 @@ class Peer:
                 self._schedule_drain()
             if handled:
                 self._last_heard = time.monotonic()
+                loop = self._loop
+                if not self._check_scheduled and not self._drain_scheduled and loop is not None:
+                    # What this drain started (requests served, callers woken by replies) runs
+                    # in the next loop pass and sends: look for input once after all of it, in
+                    # that same pass (scheduled after their tasks), instead of once per send.
+                    self._check_scheduled = True
+                    loop.call_soon(self._check_input)
             if self._held and not self._flush_scheduled:
                 self._flush_held()
             if self._writable and sock.writable():
