@@ -68,11 +68,15 @@ class RecordingHub:
                 reply = msgspec.msgpack.encode({"kind": "welcome", "id": header.get("id", "")})
                 self.sock.send_multipart([ident, sig, reply, self.welcome])
             elif header["kind"] == "event":
-                self.events.append((header, bodies))
+                self.on_event(header, bodies)
             elif header["kind"] == "request":  # `hub.replay`, the client's confirmation
                 reply = msgspec.msgpack.encode({"kind": "reply", "id": header["id"]})
                 batch = msgspec.msgpack.encode({"events": [], "upto": 0, "head": 0})
                 self.sock.send_multipart([ident, sig, reply, batch])
+
+    def on_event(self, header: dict[str, Any], bodies: list[bytes]) -> None:
+        """An `event` message arrived (on the recording thread)."""
+        self.events.append((header, bodies))
 
     def bodies(self) -> list[bytes]:
         return [b for _, bodies in list(self.events) for b in bodies]
