@@ -200,12 +200,16 @@ class ReplayReader:
         self._in_process = "mode=memory" in log_uri or not zmq.has("ipc")
         self._dir = "" if self._in_process else tempfile.mkdtemp(prefix="bus-replay-")
         self._proc: subprocess.Popen[bytes] | None = None
+        self._address = ""  # the running reader's socket (each reader process has its own)
+        self._starts = 0
+        self._reaping: list[tuple[float, subprocess.Popen[bytes]]] = []  # (kill after, process)
         self._class = priority  # the running reader's class
         self._thread: threading.Thread | None = None
         self._started = 0.0
-        self._last_job = 0.0  # when the last job was handed over (monotonic)
+        self._last_active = 0.0  # monotonic: the last job handed over or answered
         self.restarts = 0  # readers started again after one died
         self.starved = 0  # idle-class readers replaced because a job waited STARVED_AFTER
+        self.calm_after = CALM_AFTER
         # DEALER, not PAIR: it reconnects to a restarted reader like any other socket.
         self.sock = ctx.socket(zmq.DEALER)  # the loop's end
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -214,12 +218,9 @@ class ReplayReader:
             address = f"inproc://bus-replay-{id(self):x}"
             self.sock.bind(address)
             self._start_thread(address)
-        else:
-            # The child binds (and re-binds when restarted); connecting first queues the jobs
-            # sent before it is up. The directory is 0700: only this user reaches the socket.
-            # It is started by the first replay that needs it: most hubs never read their log,
-            # and a hub's start should not wait for (or pay) a second interpreter.
-            self._address = f"ipc://{self._dir}/reader"
+        # Otherwise the reader process is started by the first replay that needs it: most hubs
+        # never read their log, and a hub's start should not wait for (or pay) a second
+        # interpreter (see `_start_process`).
 
     @property
     def pending(self) -> int:
@@ -230,8 +231,6 @@ class ReplayReader:
         if len(self.outstanding) >= REPLAY_QUEUE:
             return False
         if not self._in_process and self._proc is None:
-            if not self._started:
-                self.sock.connect(self._address)
             self._start_process(self._priority)
         self._numbers += 1
         job = _encode(_Job(self._numbers, head, request))
@@ -239,8 +238,8 @@ class ReplayReader:
             self.sock.send(job, zmq.NOBLOCK)
         except zmq.Again:
             return False
-        self._last_job = time.monotonic()
-        self.outstanding[self._numbers] = _Held(ident, req_id, job, self._last_job)
+        self._last_active = time.monotonic()
+        self.outstanding[self._numbers] = _Held(ident, req_id, job, self._last_active)
         return True
 
     def answers(self) -> list[tuple[bytes, str, bytes, Any]]:
@@ -257,6 +256,8 @@ class ReplayReader:
             held = self.outstanding.pop(int(number.bytes), None)
             if held is not None:  # None: answered already (a job handed over twice, see check)
                 out.append((held.ident, held.req_id, code.bytes, body))
+        if out:
+            self._last_active = time.monotonic()
         return out
 
     def check(self, now: float) -> list[tuple[bytes, str, bytes, Any]]:
@@ -267,8 +268,10 @@ class ReplayReader:
           handed to the next reader), and another is started (at most once per RESTART_GAP);
         - idle class, a job waiting STARVED_AFTER: replaced by a low-class reader, which gets
           every held job again (an answer that comes twice is forwarded once);
-        - low class (the hub's setting being idle), no job for CALM_AFTER: retired; the next
+        - low class (the hub's setting being idle), no job for `calm_after`: retired; the next
           job starts an idle-class reader."""
+        if self._reaping:
+            self._reap(now)
         proc = self._proc
         if proc is None:
             return []
@@ -279,7 +282,7 @@ class ReplayReader:
             if now - oldest >= STARVED_AFTER:
                 self._replace_starved(proc)
         elif (self._class == LOW and self._priority == IDLE and not self.outstanding
-              and now - self._last_job >= CALM_AFTER):
+              and now - self._last_active >= self.calm_after):
             self._retire(proc)
         return []
 
@@ -300,11 +303,11 @@ class ReplayReader:
         self.starved += 1
         log.warning("hub.replay: the idle-class reader got no CPU for %.1f s (the machine is "
                     "busy); replacing it with one at nice %d", STARVED_AFTER, READER_NICE)
-        proc.kill()  # it may not get the CPU to stop by itself
-        proc.wait()
+        proc.kill()  # it may not get the CPU to stop by itself; reaped later, never waited for
+        self._reaping.append((0.0, proc))
         self._start_process(LOW)
-        now = time.monotonic()
-        for held in self.outstanding.values():
+        self._last_active = now = time.monotonic()
+        for held in self.outstanding.values():  # to the new reader's socket alone
             held.sent = now
             with contextlib.suppress(zmq.Again):  # the queue holds REPLAY_QUEUE * 2
                 self.sock.send(held.job, zmq.NOBLOCK)
@@ -312,12 +315,20 @@ class ReplayReader:
     def _retire(self, proc: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(zmq.Again):
             self.sock.send(b"", zmq.NOBLOCK)  # the stop job: it exits once it reads it
-        try:
-            proc.wait(1)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        self._reaping.append((time.monotonic() + RESTART_GAP, proc))
         self._proc = None
+
+    def _reap(self, now: float) -> None:
+        """Collect readers that were stopped or killed (the routing loop never waits for one);
+        one that has not left RESTART_GAP after its stop job is killed."""
+        left = []
+        for kill_after, proc in self._reaping:
+            if proc.poll() is not None:
+                continue
+            if now >= kill_after:
+                proc.kill()
+            left.append((kill_after, proc))
+        self._reaping = left
 
     def close(self) -> None:
         with contextlib.suppress(zmq.ZMQError):
@@ -330,6 +341,9 @@ class ReplayReader:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        for _, proc in self._reaping:
+            proc.kill()
+            proc.wait()
         self.sock.close(0)
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -353,6 +367,16 @@ class ReplayReader:
         self._thread.start()
 
     def _start_process(self, priority: str) -> None:
+        """Start a reader on a socket of its own: the DEALER leaves the previous reader's (what
+        was queued for it is dropped: answered or handed over again by the caller) and connects
+        to the new one first, so jobs sent before the child has bound wait in the queue. The
+        directory is 0700: only this user reaches the socket."""
+        if self._address:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disconnect(self._address)
+        self._starts += 1
+        self._address = f"ipc://{self._dir}/reader-{self._starts}"
+        self.sock.connect(self._address)
         # The child imports this package from where the hub did, whatever its cwd or PYTHONPATH.
         root = str(Path(bus.__file__).resolve().parent.parent)
         env = dict(os.environ)

@@ -16,6 +16,8 @@ import pytest
 import zmq
 
 from bus import protocol as p
+from bus.eventlog import EventLog
+from bus.replay_reader import ReplayReader
 from tests.fault.test_budgets import start_hub, status
 from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
@@ -203,3 +205,60 @@ def test_a_bad_replay_priority_is_refused_naming_the_flag() -> None:
         assert "--replay-priority" in proc.output() and "'idle', 'low'" in proc.output()
     finally:
         proc.stop()
+
+
+def test_reader_lifecycle_idle_starved_low_calm_idle(tmp_path: Path) -> None:
+    """The hub's side of the reader (`ReplayReader`) driven directly, with real processes and a
+    real log: an idle-class reader that gets no CPU (stopped) is replaced by a low-class one that
+    answers the held job once; after `calm_after` without a job that one is retired, and the
+    next job starts an idle-class reader again. Nothing is left running after `close`."""
+    log = EventLog(tmp_path / "events.db")
+    header = p.encode(p.Header(kind=p.EVENT, id="e1", type="custom", seq=1))
+    log.append([(1, time.time(), "custom", "", "", "", header, b"\x81\xa4type\xa6custom")])
+    ctx = zmq.Context()
+    reader = ReplayReader(ctx, log.uri, 256 * 1024)
+    reader.calm_after = 0.3
+    procs = []
+
+    def answered(req_id: str) -> list[str]:
+        got: list[str] = []
+        deadline = time.monotonic() + 20
+        while not got and time.monotonic() < deadline:
+            if reader.sock.poll(50):
+                got = [rid for _, rid, code, _ in reader.answers() if not code]
+            got += [rid for _, rid, _, _ in reader.check(time.monotonic())]
+        return got
+
+    try:
+        assert reader.submit(b"peer", "r1", 1, p.ReplayRequest())
+        assert answered("r1") == ["r1"]
+        first = reader._proc
+        assert first is not None and nice_and_policy(first.pid) == (10, os.SCHED_IDLE)
+        procs.append(first)
+        os.kill(first.pid, signal.SIGSTOP)
+        assert reader.submit(b"peer", "r2", 1, p.ReplayRequest())
+        assert answered("r2") == ["r2"]  # after STARVED_AFTER, from the replacement
+        assert reader.starved == 1 and reader.pending == 0
+        second = reader._proc
+        assert second is not None and second is not first
+        procs.append(second)
+        assert nice_and_policy(second.pid) == (10, os.SCHED_OTHER)
+        wait_for(lambda: reader.check(time.monotonic()) == [] and reader._proc is None, 10,
+                 "the low-class reader to be retired")
+        wait_for(lambda: (reader.check(time.monotonic()), second.poll())[1] is not None, 10,
+                 "the retired reader to exit")
+        assert first.poll() is not None  # the killed one was reaped meanwhile
+        assert reader.submit(b"peer", "r3", 1, p.ReplayRequest())
+        assert answered("r3") == ["r3"]
+        third = reader._proc
+        assert third is not None and nice_and_policy(third.pid) == (10, os.SCHED_IDLE)
+        procs.append(third)
+    finally:
+        reader.close()
+        ctx.term()
+        log.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(proc.poll() is not None for proc in procs)
