@@ -662,9 +662,9 @@ class LlmEngine:
             if not response.is_success:
                 raise await _status_failure(response, policy, redactor)
             _check_content_type(response)
-            lines = response.aiter_lines()
-            message = await runtime.provider.parse_stream(iter_sse(lines), builder)
-            await _drain(lines)
+            chunks = _body(response)
+            message = await runtime.provider.parse_stream(iter_sse(chunks), builder)
+            await _drain(chunks)
         finally:
             with anyio.move_on_after(2, shield=True):
                 await response.aclose()
@@ -949,13 +949,21 @@ def _errors_mapped(config: ModelConfig, url: str, redactor: Redactor) -> Iterato
         raise _AttemptFailed(msg, retryable=False).redacted(redactor) from exc
 
 
-async def _drain(lines: AsyncIterator[str]) -> None:
+def _body(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's bytes as they arrive: raw (one generator layer per chunk, not httpx's three
+    of `aiter_bytes`) unless a content encoding asks for httpx's decoder."""
+    if response.headers.get("content-encoding", "identity").strip().lower() == "identity":
+        return response.aiter_raw()
+    return response.aiter_bytes()
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
     """Read what follows the end-of-message marker so the connection can be reused.
 
     The message is already complete: a server that stalls or drops here only costs its connection."""
     with anyio.move_on_after(1.0):
         try:
-            async for _ in lines:
+            async for _ in chunks:
                 pass
         except httpx.HTTPError:
             return

@@ -105,6 +105,9 @@ class Reply(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     chunk_size: int = 4
     chunk_delay: float = 0.0
     interleave: bool = False
+    # Sent verbatim instead of the events built from the fields above, one HTTP chunk each: tests
+    # of SSE framing (line endings, events or characters split across chunks). JSON: base64.
+    sse: list[bytes] = msgspec.field(default_factory=list)
 
     def finish_reason(self) -> str:
         return self.finish or ("tool_calls" if self.tool_calls else "stop")
@@ -682,7 +685,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._fail(api, step.fail, stream, model, body)
         elif stream:
             reply = step.reply or Reply()
-            events = (openai_events if api == "openai" else anthropic_events)(reply, model, body)
+            events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
+                reply, model, body)
             self._stream(events, reply.chunk_delay)
             self._dead = self.server.owner.script.close_after_stream
         else:

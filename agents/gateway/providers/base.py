@@ -90,25 +90,72 @@ class Provider:
 # --- SSE -----------------------------------------------------------------------------------
 
 
-async def iter_sse(lines: AsyncIterator[str]) -> AsyncIterator[SseEvent]:
-    """Group SSE lines into events (`event:` + joined `data:` lines); comments are skipped."""
-    event, data = "", list[str]()
-    async for line in lines:
-        if not line:
-            if data:
-                yield SseEvent(event=event or "message", data="\n".join(data))
-            event, data = "", list[str]()
-        elif line.startswith(":"):
-            continue
-        else:
-            field, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if field == "event":
-                event = value
-            elif field == "data":
-                data.append(value)
-    if data:
-        yield SseEvent(event=event or "message", data="\n".join(data))
+class SseParser:
+    """Incremental SSE parser over the raw bytes of a response body.
+
+    Lines end at LF, CRLF or CR (a CRLF split across two chunks counts once); they are decoded
+    as UTF-8 only when whole, so a character split across chunks is never broken. Only these
+    three end a line: httpx's `aiter_lines` also split at U+2028, U+0085 and the other
+    `str.splitlines` breaks, which may appear raw inside a JSON string and cut an event in two.
+    Working on bytes also spares the three generator layers (bytes, text, lines) per chunk."""
+
+    __slots__ = ("_rest", "_after_cr", "_event", "_data")
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._after_cr = False  # the last chunk ended with CR: a LF starting the next ends nothing
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[SseEvent]:
+        """The events completed by `chunk`."""
+        if not chunk:
+            return []
+        if self._after_cr and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        self._after_cr = chunk[-1:] == b"\r"
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        *lines, self._rest = (self._rest + chunk if self._rest else chunk).split(b"\n")
+        events: list[SseEvent] = []
+        for line in lines:
+            self._line(line, events)
+        return events
+
+    def close(self) -> list[SseEvent]:
+        """The last event, when the body ended without the blank line after it."""
+        events: list[SseEvent] = []
+        if self._rest:
+            self._line(self._rest, events)
+            self._rest = b""
+        self._line(b"", events)
+        return events
+
+    def _line(self, line: bytes, events: list[SseEvent]) -> None:
+        if line.startswith(b"data:"):
+            value = line[6:] if line[5:6] == b" " else line[5:]
+            self._data.append(value.decode("utf-8", "replace"))
+        elif not line:
+            if self._data:
+                events.append(SseEvent(event=self._event or "message", data="\n".join(self._data)))
+                self._data = []
+            self._event = ""
+        elif line == b"data":  # a field without a colon has the empty value
+            self._data.append("")
+        elif line.startswith(b"event:"):
+            value = line[7:] if line[6:7] == b" " else line[6:]
+            self._event = value.decode("utf-8", "replace")
+        # other fields (id, retry) and comments (`:`) carry nothing a provider uses
+
+
+async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[SseEvent]:
+    """Group the body's SSE lines into events (`event:` + joined `data:` lines)."""
+    parser = SseParser()
+    async for chunk in chunks:
+        for event in parser.feed(chunk):
+            yield event
+    for event in parser.close():
+        yield event
 
 
 def decode_json(data: str) -> Any:
