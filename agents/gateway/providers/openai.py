@@ -156,12 +156,14 @@ def parse_usage(raw: dict[str, Any]) -> Usage:
 
 
 def convert_messages(system_prompt: str, messages: list[LlmMessage]) -> list[dict[str, Any]]:
+    # Runs on the whole history at every model call: the common kinds come first, and each
+    # message is walked once.
     out: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for message in messages:
-        if isinstance(message, UserMessage):
+        if isinstance(message, ToolResultMessage):
+            _tool_result(message, out)
+        elif isinstance(message, UserMessage):
             out.append({"role": "user", "content": _user_content(message.content)})
-        elif isinstance(message, ToolResultMessage):
-            out.extend(_tool_result(message))
         elif message.stop_reason not in ("error", "aborted"):
             assistant = _assistant(message)
             if assistant is not None:
@@ -183,12 +185,15 @@ def _user_part(part: UserContent) -> dict[str, Any]:
 
 
 def _assistant(message: AssistantMessage) -> dict[str, Any] | None:
-    text = "".join(p.text for p in message.content if isinstance(p, TextPart))
-    calls = [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-        for c in message.content
-        if isinstance(c, ToolCall)
-    ]
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for part in message.content:
+        if isinstance(part, ToolCall):
+            calls.append({"id": part.id, "type": "function",
+                          "function": {"name": part.name, "arguments": part.arguments}})
+        elif isinstance(part, TextPart):
+            texts.append(part.text)
+    text = "".join(texts)
     if not text and not calls:
         return None
     out: dict[str, Any] = {"role": "assistant", "content": text or None}
@@ -197,15 +202,20 @@ def _assistant(message: AssistantMessage) -> dict[str, Any] | None:
     return out
 
 
-def _tool_result(message: ToolResultMessage) -> list[dict[str, Any]]:
+def _tool_result(message: ToolResultMessage, out: list[dict[str, Any]]) -> None:
     """Tool messages carry text only; images follow in a user message."""
-    text = message.text or ("(error)" if message.is_error else "(no output)")
-    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": message.tool_call_id, "content": text}]
-    images = [p for p in message.content if isinstance(p, ImagePart)]
+    content = message.content
+    images: list[ImagePart] = []
+    if len(content) == 1 and isinstance(content[0], TextPart):  # the usual result: one text
+        text = content[0].text
+    else:
+        text = "".join(p.text for p in content if isinstance(p, TextPart))
+        images = [p for p in content if isinstance(p, ImagePart)]
+    text = text or ("(error)" if message.is_error else "(no output)")
+    out.append({"role": "tool", "tool_call_id": message.tool_call_id, "content": text})
     if images:
         parts: list[UserContent] = [TextPart(f"Image(s) returned by tool `{message.tool_name}`:"), *images]
         out.append({"role": "user", "content": [_user_part(p) for p in parts]})
-    return out
 
 
 def convert_tool(tool: ToolSpec) -> dict[str, Any]:
