@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +198,7 @@ class ToolOutputCache:
         self.context_window = context_window
         self._refs: dict[str, str] = {}  # tool_call_id -> ref
         self._trimmed: set[str] = set()
+        self._sizes = SizeMemo(_tokens)  # tool outputs' tokens, each history message measured once
 
     def process(self, message: ToolResultMessage) -> ToolResultMessage:
         """Store the full text and cut the message to `max_message_bytes` (marker with the ref)."""
@@ -214,8 +216,10 @@ class ToolOutputCache:
     def trim(self, messages: list[Message]) -> int:
         """Replace the oldest tool outputs by a ref marker until all fit the budget; returns count."""
         budget = self.config.budget(self.context_window)
+        used = self._sizes.total(messages)
+        if used <= budget:
+            return 0
         indexes = [i for i, m in enumerate(messages) if isinstance(m, ToolResultMessage)]
-        used = sum(_tokens(messages[i]) for i in indexes)
         trimmed = 0
         for i in indexes:
             if used <= budget:
@@ -231,6 +235,45 @@ class ToolOutputCache:
             self._trimmed.add(message.tool_call_id)
             trimmed += 1
         return trimmed
+
+
+class SizeMemo:
+    """The summed size of a history that mostly grows at its end, each message measured once.
+
+    The loop asks for a history's size every turn; measuring all of it each time made a run's
+    cost grow with the square of its length. The sizes of the messages still at the front (the
+    same objects, in the same order: a C-level identity scan) are kept and only the rest is
+    measured, so a replaced message (trimming, compaction, a hook's new history) is measured
+    again. A message changed in place keeps its old size: sizes are estimates anyway."""
+
+    def __init__(self, measure: Callable[[Message], int]) -> None:
+        self.measure = measure
+        self._messages: list[Message] = []
+        self._sizes: list[int] = []
+        self._total = 0
+
+    def total(self, messages: Sequence[Message]) -> int:
+        seen, sizes = self._messages, self._sizes
+        keep = common_prefix(messages, seen)
+        if keep < len(seen):
+            self._total -= sum(sizes[keep:])
+            del seen[keep:], sizes[keep:]
+        if len(messages) > keep:
+            tail = messages[keep:]
+            new = list(map(self.measure, tail))
+            seen.extend(tail)
+            sizes.extend(new)
+            self._total += sum(new)
+        return self._total
+
+
+def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items `a` and `b` share by identity."""
+    n = min(len(a), len(b))
+    if all(map(operator.is_, a, b)):  # the usual case, at C speed (map stops at the shorter)
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x is not y)
+
 
 
 def _has_text(message: ToolResultMessage) -> bool:
@@ -414,24 +457,51 @@ def to_llm_message(message: Message) -> LlmMessage | None:
 def default_convert_to_llm(messages: list[Message]) -> list[LlmMessage]:
     """Default `convert_to_llm`: map custom kinds to user messages, drop failed replies, and give
     every unanswered tool call a `No result provided` error result so providers accept the list."""
-    out: list[LlmMessage] = []
-    open_calls: list[tuple[str, str]] = []
-    for message in messages:
-        converted = to_llm_message(message)
-        if converted is None:
-            continue
-        if not isinstance(converted, ToolResultMessage):
-            out += _close_calls(open_calls)
-            open_calls = []
-        if isinstance(converted, AssistantMessage):
-            open_calls = [(c.id, c.name) for c in converted.tool_calls]
-        elif isinstance(converted, ToolResultMessage):
-            open_calls = [c for c in open_calls if c[0] != converted.tool_call_id]
-        out.append(converted)
-    return out + _close_calls(open_calls)
+    return LlmView().convert(messages)
 
 
-def _close_calls(open_calls: list[tuple[str, str]]) -> list[LlmMessage]:
+_Open = tuple[tuple[str, str], ...]  # the (id, name) of tool calls not answered yet
+
+
+class LlmView:
+    """`default_convert_to_llm` for a history that mostly grows at its end (the loop converts
+    it every turn): the conversion of the messages still at the front (the same objects, in
+    order) is kept, and only the rest is converted. The result is always a new list."""
+
+    def __init__(self) -> None:
+        self._source: list[Message] = []
+        self._out: list[LlmMessage] = []  # the conversion of `_source`, calls not closed yet
+        self._marks: list[tuple[int, _Open]] = []  # per source message: len(_out), open calls after it
+        self._open: _Open = ()
+
+    def convert(self, messages: Sequence[Message]) -> list[LlmMessage]:
+        keep = common_prefix(messages, self._source)
+        if keep < len(self._source):
+            self._back_to(keep)
+        out, marks, open_calls = self._out, self._marks, self._open
+        for message in messages[keep:]:
+            converted = to_llm_message(message)
+            if converted is not None:
+                if isinstance(converted, ToolResultMessage):
+                    call_id = converted.tool_call_id
+                    open_calls = tuple(c for c in open_calls if c[0] != call_id)
+                else:
+                    out += _close_calls(open_calls)
+                    open_calls = (tuple((c.id, c.name) for c in converted.tool_calls)
+                                  if isinstance(converted, AssistantMessage) else ())
+                out.append(converted)
+            marks.append((len(out), open_calls))
+        self._source.extend(messages[keep:])
+        self._open = open_calls
+        return out + _close_calls(open_calls)
+
+    def _back_to(self, keep: int) -> None:
+        """Forget the conversion of the source messages from `keep` on."""
+        length, self._open = self._marks[keep - 1] if keep else (0, ())
+        del self._source[keep:], self._marks[keep:], self._out[length:]
+
+
+def _close_calls(open_calls: Sequence[tuple[str, str]]) -> list[LlmMessage]:
     return [
         ToolResultMessage(
             tool_call_id=call_id, tool_name=name, content=[TextPart(NO_RESULT_TEXT)], is_error=True
@@ -448,11 +518,15 @@ __all__ = [
     "is_context_exceeded",
     "DEFAULT_CONTEXT_WINDOW",
     "CompactionConfig",
+    "LlmView",
+    "SizeMemo",
     "ToolOutputCache",
     "ToolOutputConfig",
     "ToolOutputStore",
     "UsageTracker",
+    "common_prefix",
     "compacted_history",
     "default_convert_to_llm",
+
     "should_compact",
 ]

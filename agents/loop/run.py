@@ -37,6 +37,8 @@ import msgspec
 from agents.loop.context import (
     DEFAULT_CONTEXT_WINDOW,
     CompactionConfig,
+    LlmView,
+    SizeMemo,
     ToolOutputCache,
     ToolOutputConfig,
     ToolOutputStore,
@@ -44,6 +46,7 @@ from agents.loop.context import (
     compacted_history,
     compaction_prompt,
     default_convert_to_llm,
+    estimate_tokens,
     fit_for_summary,
     history_tokens,
     is_context_exceeded,
@@ -328,6 +331,12 @@ class _Run:
     #: span in `busctl otel`'s trace (LlmTrace.call). One per turn, so a resumed run starts at
     #: its turn count.
     calls: int = 0
+    #: The history's converted view and estimated size, kept from turn to turn so a turn
+    #: converts and measures only what changed (see `LlmView`, `SizeMemo`).
+    view: LlmView = field(default_factory=LlmView)
+    sizes: SizeMemo = field(default_factory=lambda: SizeMemo(estimate_tokens))
+    #: Whether `llm.complete` takes `abort` (looked up once: `inspect.signature` is slow).
+    takes_abort: bool | None = None
 
     @property
     def last_text(self) -> str:
@@ -532,7 +541,7 @@ async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInf
     view = list(run.messages)
     if run.config.transform_context is not None:
         view = list(await call_hook(run.config.transform_context, view))
-    llm_messages = await _convert(run, view)
+    llm_messages = await _convert_history(run, view)
     catalog = await run.tools.catalog()
     call, run.calls = run.calls, run.calls + 1
     request = _request(run, llm_messages, [t.spec() for t in catalog], run.config.tool_choice,
@@ -541,7 +550,7 @@ async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInf
     reply = await _complete(run, request, _emit_delta(run))
     if is_context_exceeded(reply) and await _maybe_compact(run, force=True):
         # The server refused the prompt as too long: compacted now, the call is retried once.
-        llm_messages = await _convert(run, list(run.messages))
+        llm_messages = await _convert_history(run, list(run.messages))
         request = _request(run, llm_messages, request.tools, request.tool_choice, call=call)
         reply = await _complete(run, request, _emit_delta(run))
     run.usage.add(reply)
@@ -567,6 +576,14 @@ def _emit_delta(run: _Run) -> DeltaSink:
 async def _convert(run: _Run, messages: list[Message]) -> list[LlmMessage]:
     convert = run.config.convert_to_llm or default_convert_to_llm
     return list(await call_hook(convert, messages))
+
+
+async def _convert_history(run: _Run, messages: list[Message]) -> list[LlmMessage]:
+    """`_convert` for the history's view of each turn: by default only what changed since the
+    last turn is converted (`LlmView`); a `convert_to_llm` hook gets the whole list each time."""
+    if run.config.convert_to_llm is None:
+        return run.view.convert(messages)
+    return await _convert(run, messages)
 
 
 def _request(
@@ -628,7 +645,10 @@ async def _complete(run: _Run, request: LlmRequest, on_delta: DeltaSink | None) 
 async def _call_llm(run: _Run, request: LlmRequest, sink: DeltaSink) -> AssistantMessage | None:
     """The reply; None when the abort cancelled the call. A client whose `complete` takes `abort`
     is told first and returns its partial message (it may know more than the text deltas)."""
-    if _takes_abort(run.llm):
+    if run.takes_abort is None:
+        run.takes_abort = _takes_abort(run.llm)
+    if run.takes_abort:
+
         with run.signal.graceful() as event:
             return await run.llm.complete(request, sink, abort=event)  # type: ignore[call-arg]
         return None
@@ -975,7 +995,8 @@ def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage 
     that reply may already fill the window (the server would answer HTTP 400)."""
     if should_compact(config, last.usage if last else None, window):
         return True
-    return history_tokens(run.messages) >= window * config.threshold
+    return run.sizes.total(run.messages) >= window * config.threshold
+
 
 
 async def _compaction_summary(run: _Run, config: CompactionConfig, window: int) -> str:
