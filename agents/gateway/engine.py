@@ -27,6 +27,7 @@ see `bus.redact`) before it is cut to length, so a server that echoes the key le
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -509,6 +510,8 @@ class LlmEngine:
         call: _Call,
         abort: anyio.Event | None,
     ) -> AssistantMessage:
+        if abort is None:  # nothing to watch: no task group, no watcher task per call
+            return await self._run(runtime, request, on_delta, on_retry, call)
         result: AssistantMessage | None = None
         async with anyio.create_task_group() as tg:
             with anyio.CancelScope() as scope:
@@ -647,7 +650,7 @@ class LlmEngine:
         redactor: Redactor,
     ) -> AssistantMessage:
         req = client.build_request(
-            "POST", http.url, headers=http.headers, content=content, timeout=runtime.timeout
+            "POST", _url(http.url), headers=http.headers, content=content, timeout=runtime.timeout
         )
         try:
             response = await client.send(req, stream=True)
@@ -947,6 +950,13 @@ def _errors_mapped(config: ModelConfig, url: str, redactor: Redactor) -> Iterato
     except httpx.HTTPError as exc:
         msg = f"could not send the request to {url} ({type(exc).__name__}: {exc})"
         raise _AttemptFailed(msg, retryable=False).redacted(redactor) from exc
+
+
+@functools.lru_cache(maxsize=64)
+def _url(url: str) -> httpx.URL:
+    """Parsed once per endpoint: given a str, httpx parses and checks it on every request
+    (half of `build_request`'s ~140 us)."""
+    return httpx.URL(url)
 
 
 def _body(response: httpx.Response) -> AsyncIterator[bytes]:

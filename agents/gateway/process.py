@@ -153,7 +153,6 @@ class Gateway:
             if not replay.live(request.run_id, key):
                 return _encoder.encode(self._replayed(request, key, replay.book))
             request = replay.live_request(request)
-        abort = anyio.Event()
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
 
@@ -176,7 +175,7 @@ class Gateway:
                             provider=config.provider if config else "", discarded=discarded),
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
-        message = await self.engine.complete(request, on_delta, on_retry, abort=abort)
+        message = await self.engine.complete(request, on_delta, on_retry)
         return _encoder.encode(message)
 
     def _partial(self, alias: str, delta: AssistantDelta) -> LlmPartial:
