@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 ProgressCallback = Callable[[ToolResult], "Awaitable[None] | None"]
 
 
+#: Guards the making of a context's blocking-wait event against its setting (all contexts: a
+#: cancellation is rare, contention negligible).
+_EVENT_LOCK = threading.Lock()
+
+
 class _Ready:
     """An awaitable that is already finished (what `progress` returns when nothing is left to do)."""
 
@@ -67,11 +72,19 @@ class ToolContext:
         self.agent = agent
         self.run_id = run_id
         self.experiment = experiment
-        self.workspace = Path(workspace).resolve()
+        # Resolved on first use (a symlink-walking `resolve()` per call was a fifth of an echo
+        # call's CPU, and most tools never look); a relative path is resolved now, against the
+        # current directory of the call's start.
+        self._workspace_given = Path(workspace)
+        self._workspace: Path | None = (
+            None if self._workspace_given.is_absolute() else self._workspace_given.resolve())
         self.allow_shell = allow_shell
         self.traceparent = traceparent
         self._on_progress = on_progress
-        self._cancelled = threading.Event()
+        # `_cancelled_flag` is the truth; `_cancelled_event` (for blocking waits) is made on
+        # first use, under `_EVENT_LOCK` (see `wait_cancelled_blocking`).
+        self._cancelled_flag = False
+        self._cancelled_event: threading.Event | None = None
         self._cancelled_async: anyio.Event | None = None
         self._closed = False
         self._loop_thread = threading.get_ident()
@@ -84,16 +97,24 @@ class ToolContext:
         `tracer.start_as_current_span(name, context=propagate.extract(ctx.trace_carrier))`."""
         return {"traceparent": self.traceparent} if self.traceparent else {}
 
+    @property
+    def workspace(self) -> Path:
+        """The resolved workspace the file tools are confined to."""
+        resolved = self._workspace
+        if resolved is None:
+            resolved = self._workspace = self._workspace_given.resolve()
+        return resolved
+
     # --- cancellation --------------------------------------------------------------------
 
     @property
     def cancelled(self) -> bool:
         """True once the call was cancelled or timed out; sync tools poll it and stop early."""
-        return self._cancelled.is_set()
+        return self._cancelled_flag
 
     async def wait_cancelled(self) -> None:
         """Return when the call is cancelled (for async tools watching in a side task)."""
-        if self._cancelled.is_set():
+        if self._cancelled_flag:
             return
         if self._cancelled_async is None:
             self._cancelled_async = anyio.Event()
@@ -104,11 +125,20 @@ class ToolContext:
 
         Returns True if the call was cancelled. Use it instead of `time.sleep` in sync tools.
         """
-        return self._cancelled.wait(timeout)
+        with _EVENT_LOCK:  # made here or set by `_cancel`, never both missed (the flag is first)
+            event = self._cancelled_event
+            if event is None:
+                event = self._cancelled_event = threading.Event()
+            if self._cancelled_flag:
+                event.set()
+        return event.wait(timeout)
 
     def _cancel(self) -> None:
         """Called by the runner, on the event loop thread."""
-        self._cancelled.set()
+        self._cancelled_flag = True
+        with _EVENT_LOCK:
+            if self._cancelled_event is not None:
+                self._cancelled_event.set()
         if self._cancelled_async is not None:
             self._cancelled_async.set()
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from collections.abc import Awaitable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from bus.messages import ToolCallRequest, ToolResult, error_result
 from bus.tracecontext import tool_traceparent
+from tools import _threads
 from tools._context import ProgressCallback, ToolContext
 from tools._exceptions import ArgumentsError
 from tools._results import exception_result, to_result
@@ -54,16 +55,18 @@ async def run_tool(
         kwargs = t.parse_arguments(request.arguments)
     except ArgumentsError as exc:
         return error_result(f"Error: {exc}")
-    ctx = _make_context(t, request, workspace, allow_shell, on_progress)
+    ctx = None  # a tool without a ToolContext parameter gets none: nothing to build
     if t.context_param is not None:
-        kwargs[t.context_param] = ctx
+        ctx = kwargs[t.context_param] = _make_context(t, request, workspace, allow_shell,
+                                                      on_progress)
     try:
         if t.timeout is None:  # no timeout: no cancel scope to enter and leave
             return await _execute(t, kwargs, ctx, limiter)
         with anyio.move_on_after(t.timeout):
             return await _execute(t, kwargs, ctx, limiter)
     finally:
-        ctx._close()
+        if ctx is not None:
+            ctx._close()
     return error_result(f"Tool '{t.name}' timed out after {t.timeout:g}s")
 
 
@@ -99,9 +102,12 @@ def traceparent_of(request: ToolCallRequest) -> str:
 
 
 async def _execute(
-    t: Tool, kwargs: dict[str, Any], ctx: ToolContext, limiter: anyio.CapacityLimiter | None
+    t: Tool, kwargs: dict[str, Any], ctx: ToolContext | None,
+    limiter: anyio.CapacityLimiter | None,
 ) -> ToolResult:
     if t.is_async:
+        if ctx is None:  # nobody could see a cancellation flag: no watcher task to run
+            return await _settle(t.fn(**kwargs))
         return await _run_async(t, kwargs, ctx)
     return await _run_in_thread(t, kwargs, ctx, limiter)
 
@@ -129,41 +135,47 @@ async def _run_async(t: Tool, kwargs: dict[str, Any], ctx: ToolContext) -> ToolR
 
 
 async def _run_in_thread(
-    t: Tool, kwargs: dict[str, Any], ctx: ToolContext, limiter: anyio.CapacityLimiter | None
+    t: Tool, kwargs: dict[str, Any], ctx: ToolContext | None,
+    limiter: anyio.CapacityLimiter | None,
 ) -> ToolResult:
-    """Run in a worker thread; on cancellation flag `ctx`, allow CANCEL_GRACE, then abandon it."""
-    finished = anyio.Event()
-    loop = asyncio.get_running_loop()
-    lock = threading.Lock()
-    state = {"done": False, "waiting": False}
-
-    def target() -> Any:
-        try:
-            return t.fn(**kwargs)
-        finally:
-            # The loop is told only when a cancellation waits for this thread: no round trip
-            # through the event loop (`anyio.from_thread.run_sync` blocked this thread on one)
-            # and no extra wake-up of the loop on the normal path.
-            with lock:
-                state["done"] = True
-                waiting = state["waiting"]
-            if waiting:
-                try:
-                    loop.call_soon_threadsafe(finished.set)
-                except RuntimeError:  # the event loop is gone (an abandoned thread outliving it)
-                    pass
-
+    """Run in a thread (`tools/_threads.py`) holding a token of `limiter`; on cancellation flag
+    `ctx`, give the thread CANCEL_GRACE to return, then abandon it (its token is freed at once,
+    as anyio's `abandon_on_cancel` does)."""
+    await anyio.lowlevel.checkpoint_if_cancelled()  # cancelled before it started: never runs
+    if limiter is None:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+    job = _threads.Job(asyncio.get_running_loop(), t.fn, kwargs)
+    try:  # a free token is taken without a pass through the loop (`acquire` would yield)
+        limiter.acquire_on_behalf_of_nowait(job)
+    except anyio.WouldBlock:
+        await limiter.acquire_on_behalf_of(job)
     try:
-        return await _settle(anyio.to_thread.run_sync(target, limiter=limiter, abandon_on_cancel=True))
+        try:
+            _threads.submit(job)
+            value, error = await job.future
+        finally:
+            limiter.release_on_behalf_of(job)
     except anyio.get_cancelled_exc_class():
-        ctx._cancel()
-        with lock:
-            state["waiting"] = True
-            done = state["done"]
-        if not done:
-            with anyio.move_on_after(CANCEL_GRACE, shield=True):
-                await finished.wait()
+        if ctx is not None:
+            ctx._cancel()
+        await _grace(job)
         raise
+    try:
+        if error is not None:
+            raise error
+        return to_result(value)
+    except Exception as exc:
+        return exception_result(exc)
+
+
+async def _grace(job: _threads.Job) -> None:
+    """A cancelled call: wait up to CANCEL_GRACE for its thread to return (shielded)."""
+    if job.done:
+        return
+    finished = anyio.Event()
+    job.on_done = finished.set
+    with anyio.move_on_after(CANCEL_GRACE, shield=True):
+        await finished.wait()
 
 
 async def _settle(pending: Awaitable[Any]) -> ToolResult:

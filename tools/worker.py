@@ -144,10 +144,14 @@ class ToolWorker:
         self._slots = anyio.Semaphore(settings.concurrency)
         self._threads = anyio.CapacityLimiter(settings.concurrency)
         self._inflight: dict[str, anyio.CancelScope] = {}
+        # Set when the last call in flight ends; made only while `_wait_idle` waits (not one
+        # per call: a call that ends the worker's busy spell would otherwise make the next).
+        self._idle: anyio.Event | None = None
+        # The next scopes straight from their class (the event loop's backend's): the public
+        # constructor looks the backend up on every call.
+        self._new_scope: Callable[[], anyio.CancelScope] = anyio.CancelScope
         # tool name -> (who serves it, its ToolInfo): @tools and MCP servers' tools alike.
         self.served: dict[str, tuple[str, ToolInfo]] = {}
-        self._idle = anyio.Event()
-        self._idle.set()
 
     @property
     def inflight(self) -> int:
@@ -208,15 +212,22 @@ class ToolWorker:
         grace = self.settings.shutdown_grace if grace is None else grace
         await self._unregister()
         with anyio.move_on_after(grace):
-            await self._idle.wait()
+            await self._wait_idle()
         if self._inflight:
             log.warning("%s: cancelling %d call(s) still running after %.1fs",
                         self.settings.name, len(self._inflight), grace)
             for scope in list(self._inflight.values()):
                 scope.cancel()
             with anyio.move_on_after(CANCEL_GRACE + 0.5):
-                await self._idle.wait()
+                await self._wait_idle()
         await self._flush()  # the last replies reach the hub before the socket closes
+
+    async def _wait_idle(self) -> None:
+        """Return once no call is in flight."""
+        while self._inflight:
+            if self._idle is None or self._idle.is_set():
+                self._idle = anyio.Event()
+            await self._idle.wait()
 
     async def _unregister(self) -> None:
         peer = self.peer
@@ -251,19 +262,20 @@ class ToolWorker:
         call = decode_call(t.name, req.body)
 
         async def run() -> ToolResult:
-            return await run_tool(
-                t, call, workspace=self.workspace, allow_shell=self.settings.allow_shell,
-                on_progress=self.progress_sink(t.name, call, req), limiter=self._threads,
-            )
+            # Progress reaches the caller only through a ToolContext: none, no sink.
+            sink = self.progress_sink(t.name, call, req) if t.context_param is not None else None
+            return await run_tool(t, call, workspace=self.workspace,
+                                  allow_shell=self.settings.allow_shell, on_progress=sink,
+                                  limiter=self._threads)
 
         return p.encode(await self.guarded(t.name, req, run))
 
     async def guarded(self, name: str, req: IncomingRequest,
                       run: Callable[[], Awaitable[ToolResult]]) -> ToolResult:
         """Run one call within the worker's concurrency, tracked so that `leave()` can wait."""
-        scope = anyio.CancelScope()
+        scope = self._new_scope()
+        self._new_scope = type(scope)
         self._inflight[req.id] = scope
-        self._idle = anyio.Event() if self._idle.is_set() else self._idle
         try:
             with scope:
                 try:  # a free slot is taken at once (`acquire` would yield to the loop first)
@@ -276,7 +288,7 @@ class ToolWorker:
                     self._slots.release()
         finally:
             del self._inflight[req.id]
-            if not self._inflight:
+            if not self._inflight and self._idle is not None:
                 self._idle.set()
         # only reached when `leave()` cancelled the call
         raise RequestError(

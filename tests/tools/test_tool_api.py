@@ -1,5 +1,6 @@
 """The tool API: schemas, argument validation, result mapping, the runner and the loader."""
 
+import contextvars
 import enum
 import json
 import textwrap
@@ -10,6 +11,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import msgspec
 import pytest
+from sniffio import current_async_library_cvar
 
 import tools
 from bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult, ToolTrace
@@ -29,6 +31,13 @@ from tools import (
 )
 
 pytestmark = pytest.mark.anyio
+
+_tag: contextvars.ContextVar[str] = contextvars.ContextVar("_tag", default="")
+
+
+def sniffio_library() -> str | None:
+    """What sniffio's context variable says in the current context."""
+    return current_async_library_cvar.get()
 
 
 class Color(enum.Enum):
@@ -331,7 +340,8 @@ async def test_context_carries_request_and_settings(tmp_path: Path) -> None:
 
     @tool
     def inspect_ctx(ctx: ToolContext) -> str:
-        seen.update(vars(ctx))
+        seen.update({name: getattr(ctx, name) for name in (
+            "call_id", "agent", "run_id", "experiment", "tool_name", "workspace", "allow_shell")})
         return "ok"
 
     req = ToolCallRequest(call_id="c9", name="inspect_ctx", agent="ann", run_id="r1", experiment="e")
@@ -441,6 +451,61 @@ async def test_cancelling_the_caller_sets_ctx_cancelled_and_reraises() -> None:
             tg.cancel_scope.cancel()
     assert outcome == []
     assert stopped.is_set()
+
+
+async def test_sync_tool_runs_in_a_thread_with_the_callers_context_variables() -> None:
+    seen: list[Any] = []
+
+    @tool
+    def where() -> str:
+        seen.extend([threading.get_ident(), _tag.get(), sniffio_library()])
+        return "ok"
+
+    _tag.set("from the caller")
+    assert (await call(where)).text == "ok"
+    assert seen[0] != threading.get_ident()
+    assert seen[1:] == ["from the caller", None]  # and sniffio names no async library there
+
+
+async def test_sync_tool_cancelled_before_it_starts_never_runs() -> None:
+    ran = threading.Event()
+
+    @tool
+    def never() -> str:
+        ran.set()
+        return "ran"
+
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await call(never)
+    assert scope.cancelled_caught and not ran.is_set()
+
+
+async def test_calls_after_an_abandoned_sync_tool_get_other_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("tools._runner.CANCEL_GRACE", 0.05)
+    release = threading.Event()
+    threads: list[int] = []
+
+    @tool(timeout=0.1)
+    def stuck() -> str:
+        threads.append(threading.get_ident())
+        release.wait(10)
+        return "late"
+
+    @tool
+    def quick() -> str:
+        threads.append(threading.get_ident())
+        return "ok"
+
+    try:
+        with anyio.fail_after(5):
+            assert (await call(stuck)).is_error
+            assert [(await call(quick)).text for _ in range(3)] == ["ok"] * 3
+    finally:
+        release.set()
+    assert threads[0] not in threads[1:]
 
 
 async def test_async_tool_sees_cancellation_while_blocked_on_its_own_thread() -> None:
