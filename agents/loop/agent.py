@@ -151,7 +151,10 @@ class Agent:
         )
         self.steering = MessageQueue(self.config.steering_mode)
         self.follow_ups = MessageQueue(self.config.follow_up_mode)
-        self.output_store = output_store or ToolOutputStore()
+        # `is None`, not `or`: a store is falsy while empty (`__len__`), and the coordinator's
+        # (persisted, serving `tool_output`) starts empty.
+        self.output_store = output_store if output_store is not None else ToolOutputStore()
+
         self._llm = llm
         self._tools = _CatalogTracker(tools, self.state)
         self._on_message_end = on_message_end

@@ -201,15 +201,21 @@ class ToolOutputCache:
         self._sizes = SizeMemo(_tokens)  # tool outputs' tokens, each history message measured once
 
     def process(self, message: ToolResultMessage) -> ToolResultMessage:
-        """Store the full text and cut the message to `max_message_bytes` (marker with the ref)."""
+        """Cut the message to `max_message_bytes` (marker with the ref), storing the full text.
+
+        A message that fits is not stored now: its text stays in the history, and `trim`
+        stores it if it ever replaces it by a marker (a ref is stored before anyone sees it).
+        Storing every output cost a store write per tool call (a row in the coordinator's
+        database) and kept every text in memory for the agent's lifetime."""
         if message.tool_name == TOOL_OUTPUT_TOOL or not _has_text(message):
             return message
         text = message.text
-        ref = self.store.put(text)
-        self._refs[message.tool_call_id] = ref
         if _utf8_len(text) <= self.config.max_message_bytes:
             return message
+        ref = self.store.put(text)
+        self._refs[message.tool_call_id] = ref
         cut = cut_to_bytes(text, self.config.max_message_bytes)
+
         content = [TextPart(f"{cut}\n\n[tool output truncated; ref={ref}]")]
         return _with_content(message, content)
 

@@ -12,6 +12,9 @@ import msgspec
 from agents.loop.context import (
     LlmView,
     SizeMemo,
+    ToolOutputCache,
+    ToolOutputConfig,
+    ToolOutputStore,
     common_prefix,
     default_convert_to_llm,
     estimate_tokens,
@@ -123,3 +126,20 @@ def test_common_prefix_counts_identical_items() -> None:
     assert common_prefix([a, c], [a, b]) == 1
     assert common_prefix([user_text("a")], [a]) == 0  # equal but not the same object
     assert common_prefix([], [a]) == 0
+
+
+def test_an_output_that_fits_is_stored_only_when_trimmed() -> None:
+    store = ToolOutputStore()
+    cache = ToolOutputCache(store, ToolOutputConfig(budget_tokens=300))
+    history: list[Message] = [user_text("go")]
+    for i in range(3):
+        history.append(cache.process(_tool_message(f"c{i}", f"{i}" * 800)))  # 200 tokens each
+    assert len(store) == 0  # nothing shows a ref yet
+    assert cache.trim(history) == 2
+    refs = [m.text.removeprefix("[tool output trimmed; ref=").rstrip("]")  # type: ignore[union-attr]
+            for m in history[1:3]]
+    assert [store.get(ref) for ref in refs] == ["0" * 800, "1" * 800] and len(store) == 2
+
+
+def _tool_message(call_id: str, text: str) -> ToolResultMessage:
+    return ToolResultMessage(tool_call_id=call_id, tool_name="t", content=[TextPart(text)])
