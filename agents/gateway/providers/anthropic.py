@@ -97,7 +97,8 @@ class AnthropicProvider(Provider):
             payload = decode_json(event.data)
             if not isinstance(payload, dict):
                 raise StreamError(f"malformed event (expected an object): {event.data!r}")
-            await _apply_event(payload, builder, state)
+            _apply_event(payload, builder, state)
+            await builder.flush()
             if state.stopped:
                 break
         if not state.stopped:
@@ -131,15 +132,15 @@ class _StreamState:
         self.input_usage: dict[str, Any] = {}
 
 
-async def _apply_event(payload: dict[str, Any], builder: MessageBuilder, state: _StreamState) -> None:
+def _apply_event(payload: dict[str, Any], builder: MessageBuilder, state: _StreamState) -> None:
     kind = payload.get("type")
     if kind == "message_start":
         state.input_usage = dict((payload.get("message") or {}).get("usage") or {})
         builder.usage = parse_usage(state.input_usage)
     elif kind == "content_block_start":
-        await _start_block(payload.get("index", 0), payload.get("content_block") or {}, builder)
+        _start_block(payload.get("index", 0), payload.get("content_block") or {}, builder)
     elif kind == "content_block_delta":
-        await _apply_block_delta(payload.get("index", 0), payload.get("delta") or {}, builder)
+        _apply_block_delta(payload.get("index", 0), payload.get("delta") or {}, builder)
     elif kind == "message_delta":
         state.stop_reason = (payload.get("delta") or {}).get("stop_reason") or state.stop_reason
         builder.usage = parse_usage({**state.input_usage, **(payload.get("usage") or {})})
@@ -155,30 +156,30 @@ def _raise_stream_error(error: dict[str, Any]) -> None:
     raise StreamError(f"error event in stream: {kind}: {message}", retryable=kind in _RETRYABLE_STREAM_ERRORS)
 
 
-async def _start_block(index: int, block: dict[str, Any], builder: MessageBuilder) -> None:
+def _start_block(index: int, block: dict[str, Any], builder: MessageBuilder) -> None:
     kind = block.get("type")
     if kind == "text":
-        await builder.append(index, "text", block.get("text") or "")
+        builder.add(index, "text", block.get("text") or "")
     elif kind == "thinking":
-        await builder.append(index, "thinking", block.get("thinking") or "")
+        builder.add(index, "thinking", block.get("thinking") or "")
         builder.set_signature(index, block.get("signature") or "")
     elif kind in ("tool_use", "server_tool_use"):
-        await builder.start(index, "tool_call", block.get("id") or "", block.get("name") or "")
+        builder.open(index, "tool_call", block.get("id") or "", block.get("name") or "")
         if block.get("input"):
-            await builder.append(index, "tool_call", msgspec.json.encode(block["input"]).decode())
+            builder.add(index, "tool_call", msgspec.json.encode(block["input"]).decode())
     # redacted_thinking and unknown blocks are dropped: they cannot be shown or replayed as-is
 
 
-async def _apply_block_delta(index: int, delta: dict[str, Any], builder: MessageBuilder) -> None:
+def _apply_block_delta(index: int, delta: dict[str, Any], builder: MessageBuilder) -> None:
     kind = delta.get("type")
     if kind == "text_delta":
-        await builder.append(index, "text", delta.get("text") or "")
+        builder.add(index, "text", delta.get("text") or "")
     elif kind == "thinking_delta":
-        await builder.append(index, "thinking", delta.get("thinking") or "")
+        builder.add(index, "thinking", delta.get("thinking") or "")
     elif kind == "signature_delta":
         builder.set_signature(index, delta.get("signature") or "")
     elif kind == "input_json_delta" and builder.has(index):
-        await builder.append(index, "tool_call", delta.get("partial_json") or "")
+        builder.add(index, "tool_call", delta.get("partial_json") or "")
 
 
 def parse_usage(raw: dict[str, Any]) -> Usage:

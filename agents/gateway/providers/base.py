@@ -190,43 +190,80 @@ class _Part:
 
 
 class MessageBuilder:
-    """Ordered content parts keyed by the provider's block id; every append emits a delta.
+    """Ordered content parts keyed by the provider's block id; every append makes a delta.
 
-    `index` in each `AssistantDelta` is the position of the part in the final `content` list."""
+    `index` in each `AssistantDelta` is the position of the part in the final `content` list.
+    The providers build synchronously (`open`, `add`, `add_run`: the deltas wait in order) and
+    hand the deltas of each SSE event over with one `flush`, rather than a chain of coroutines
+    per delta; `start`, `append` and `append_run` do both at once."""
 
     def __init__(self, on_delta: DeltaCallback | None = None) -> None:
         self._on_delta = on_delta
+        self._pending: list[AssistantDelta] = []
         self._parts: list[_Part] = []
         self._keys: dict[object, int] = {}
         self.usage = Usage()
 
-    async def start(self, key: object, kind: PartKind, call_id: str = "", name: str = "") -> int:
+    def open(self, key: object, kind: PartKind, call_id: str = "", name: str = "") -> int:
         self._parts.append(_Part(kind, call_id, name))
         index = len(self._parts) - 1
         self._keys[key] = index
         if kind == "tool_call":
-            await self._emit(index, "")
+            self._queue(index, "")
         return index
 
     def has(self, key: object) -> bool:
         return key in self._keys
 
-    async def append(self, key: object, kind: PartKind, text: str) -> None:
-        """Append to the part `key`, starting it (with `kind`) when unseen."""
-        index = self._keys[key] if key in self._keys else await self.start(key, kind)
-        await self._append_at(index, text)
+    def add(self, key: object, kind: PartKind, text: str) -> None:
+        """Append to the part `key`, opening it (with `kind`) when unseen."""
+        index = self._keys.get(key)
+        if index is None:
+            index = self.open(key, kind)
+        self._add_at(index, text)
 
-    async def append_run(self, kind: PartKind, text: str) -> None:
+    def add_run(self, kind: PartKind, text: str) -> None:
         """Append to the last part when it has `kind`, else open a new one (OpenAI text/reasoning)."""
         index = len(self._parts) - 1
         if index < 0 or self._parts[index].kind != kind:
-            index = await self.start(("run", len(self._parts)), kind)
-        await self._append_at(index, text)
+            index = self.open(("run", len(self._parts)), kind)
+        self._add_at(index, text)
 
-    async def _append_at(self, index: int, text: str) -> None:
+    async def flush(self) -> None:
+        """Hand the waiting deltas to `on_delta`, in order."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        on_delta = self._on_delta
+        assert on_delta is not None  # nothing is queued without it
+        for delta in pending:
+            result = on_delta(delta)
+            if inspect.isawaitable(result):
+                await result
+
+    async def start(self, key: object, kind: PartKind, call_id: str = "", name: str = "") -> int:
+        index = self.open(key, kind, call_id, name)
+        await self.flush()
+        return index
+
+    async def append(self, key: object, kind: PartKind, text: str) -> None:
+        self.add(key, kind, text)
+        await self.flush()
+
+    async def append_run(self, kind: PartKind, text: str) -> None:
+        self.add_run(kind, text)
+        await self.flush()
+
+    def _add_at(self, index: int, text: str) -> None:
         if text:
             self._parts[index].chunks.append(text)
-            await self._emit(index, text)
+            self._queue(index, text)
+
+    def _queue(self, index: int, text: str) -> None:
+        if self._on_delta is not None:
+            part = self._parts[index]
+            self._pending.append(AssistantDelta(kind=part.kind, delta=text, index=index,
+                                                tool_call_id=part.call_id, tool_name=part.name))
 
     def set_signature(self, key: object, signature: str) -> None:
         if key in self._keys:
@@ -258,17 +295,6 @@ class MessageBuilder:
             provider=provider,
             error=error,
         )
-
-    async def _emit(self, index: int, text: str) -> None:
-        if self._on_delta is None:
-            return
-        part = self._parts[index]
-        delta = AssistantDelta(
-            kind=part.kind, delta=text, index=index, tool_call_id=part.call_id, tool_name=part.name
-        )
-        result = self._on_delta(delta)
-        if inspect.isawaitable(result):
-            await result
 
 
 # --- tool schemas --------------------------------------------------------------------------

@@ -89,7 +89,8 @@ class OpenAIProvider(Provider):
             chunk = decode_json(event.data)
             if not isinstance(chunk, dict):
                 raise StreamError(f"malformed chunk (expected an object): {event.data!r}")
-            finish = await _apply_chunk(chunk, builder) or finish
+            finish = _apply_chunk(chunk, builder) or finish
+            await builder.flush()
         if finish is None and not done:
             raise StreamError("stream ended before completion (no finish_reason, no [DONE])")
         return _finish(self, builder, finish)
@@ -107,36 +108,36 @@ def _finish(provider: OpenAIProvider, builder: MessageBuilder, finish: str | Non
     return builder.finish(provider.name, provider.model, reason, error)
 
 
-async def _apply_chunk(chunk: dict[str, Any], builder: MessageBuilder) -> str | None:
+def _apply_chunk(chunk: dict[str, Any], builder: MessageBuilder) -> str | None:
     if chunk.get("error"):
         raise StreamError(f"error event in stream: {_error_message(chunk['error'])}")
     if isinstance(chunk.get("usage"), dict):
         builder.usage = parse_usage(chunk["usage"])
     finish = None
     for choice in chunk.get("choices") or []:
-        await _apply_delta(choice.get("delta") or {}, builder)
+        _apply_delta(choice.get("delta") or {}, builder)
         finish = choice.get("finish_reason") or finish
     return finish
 
 
-async def _apply_delta(delta: dict[str, Any], builder: MessageBuilder) -> None:
+def _apply_delta(delta: dict[str, Any], builder: MessageBuilder) -> None:
     reasoning = delta.get("reasoning_content") or delta.get("reasoning")
     if isinstance(reasoning, str) and reasoning:
-        await builder.append_run("thinking", reasoning)
+        builder.add_run("thinking", reasoning)
     if isinstance(delta.get("content"), str) and delta["content"]:
-        await builder.append_run("text", delta["content"])
+        builder.add_run("text", delta["content"])
     for call in delta.get("tool_calls") or []:
-        await _apply_tool_delta(call, builder)
+        _apply_tool_delta(call, builder)
 
 
-async def _apply_tool_delta(call: dict[str, Any], builder: MessageBuilder) -> None:
+def _apply_tool_delta(call: dict[str, Any], builder: MessageBuilder) -> None:
     key = ("tool", call.get("index", 0))
     function = call.get("function") or {}
     if not builder.has(key):
-        await builder.start(key, "tool_call", call.get("id") or "", function.get("name") or "")
+        builder.open(key, "tool_call", call.get("id") or "", function.get("name") or "")
     else:
         builder.update_call(key, call.get("id") or "", function.get("name") or "")
-    await builder.append(key, "tool_call", function.get("arguments") or "")
+    builder.add(key, "tool_call", function.get("arguments") or "")
 
 
 def _error_message(error: Any) -> str:
