@@ -68,6 +68,7 @@ import sys
 import threading
 import time
 import tomllib
+import zlib
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -108,6 +109,7 @@ class Reply(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # Sent verbatim instead of the events built from the fields above, one HTTP chunk each: tests
     # of SSE framing (line endings, events or characters split across chunks). JSON: base64.
     sse: list[bytes] = msgspec.field(default_factory=list)
+    gzip: bool = False  # the stream sent with `content-encoding: gzip`, flushed at every chunk
 
     def finish_reason(self) -> str:
         return self.finish or ("tool_calls" if self.tool_calls else "stop")
@@ -687,7 +689,7 @@ class _Handler(BaseHTTPRequestHandler):
             reply = step.reply or Reply()
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
-            self._stream(events, reply.chunk_delay)
+            self._stream(events, reply.chunk_delay, gzip=reply.gzip)
             self._dead = self.server.owner.script.close_after_stream
         else:
             reply = step.reply or Reply()
@@ -728,9 +730,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self._last_write(data)
 
-    def _start_stream(self) -> None:
+    def _start_stream(self, *, gzip: bool = False) -> None:
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
+        if gzip:
+            self.send_header("content-encoding", "gzip")
         self.send_header("cache-control", "no-cache")
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
@@ -740,8 +744,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
 
-    def _stream(self, events: list[bytes], delay: float) -> None:
-        self._start_stream()
+    def _stream(self, events: list[bytes], delay: float, *, gzip: bool = False) -> None:
+        self._start_stream(gzip=gzip)
+        if gzip:  # a sync flush per chunk: each arrives decodable, as from a compressing proxy
+            packer = zlib.compressobj(wbits=31)
+            events = [packer.compress(e) + packer.flush(zlib.Z_SYNC_FLUSH) for e in events]
+            events.append(packer.flush())
         for event in events:
             self._chunk(event)
             self._pause(delay)

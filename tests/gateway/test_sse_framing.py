@@ -125,3 +125,15 @@ async def test_anthropic_named_events_with_crlf_split(fake_server: StartServer) 
         msg = await engine.complete(request(), on_delta=log)
     assert msg.error is None and msg.text == TEXT and log.text_at(0) == TEXT
     assert msg.usage.input == 3 and msg.usage.output == 5
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "every-byte"])
+async def test_a_gzip_encoded_stream_is_decoded(fake_server: StartServer, split: bool) -> None:
+    """A compressing proxy: the bytes go through httpx's decoder before the parser."""
+    data = body(openai_events(), eol="\r\n")
+    chunks = one_byte_chunks(data) if split else [data]
+    srv = fake_server([{"reply": {"sse": chunks, "gzip": True}}])
+    log = DeltaLog()
+    async with engine_for(srv) as engine:
+        msg = await engine.complete(request(), on_delta=log)
+    assert msg.error is None and msg.text == TEXT and log.text_at(0) == TEXT
