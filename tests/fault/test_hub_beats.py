@@ -1,0 +1,75 @@
+"""The hub keeps beating while it logs a backlog of big events.
+
+A pass of the routing loop reads up to DRAIN_LIMIT (4,096) messages. With 64 KiB events that was
+up to 256 MiB logged before the loop beat its peers again: on a loaded 2-core machine a peer that
+had just published 2,000 of them heard nothing for over 3 s, declared the hub lost, and the
+reconnect discarded its queued events (`events_unconfirmed`; tests/bus/test_publish_durability.py
+failed 3 runs in 4 at load 10). A pass now ends once its batch passes EVENT_BATCH_BYTES (8 MiB).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from bus import protocol as p
+from tests.fault.test_budgets import event_body, start_hub, status
+from tests.fault.test_fuzz import RawPeer
+
+INTERVAL = 0.5  # the hub's heartbeat interval here (seconds)
+LIVENESS = 3  # the default: a peer declares the hub lost after this many silent intervals
+EVENTS = 3000  # x 64 KiB: ~190 MiB, all readable in one pass before the fix
+
+
+def test_a_backlog_of_big_events_never_silences_the_hub(tmp_path: Path) -> None:
+    hub = start_hub(tmp_path, "--heartbeat-interval", str(INTERVAL))
+    ctx = zmq.Context()
+    endpoint = hub.ready["endpoint"]  # type: ignore[attr-defined]
+    flooder = RawPeer(ctx, endpoint, "flooder")
+    listener = RawPeer(ctx, endpoint, "listener")
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def flood() -> None:
+        try:
+            body = event_body("custom", 64 * 1024)
+            for i in range(EVENTS):
+                flooder.send([p.SIGNATURE, msgspec.msgpack.encode(
+                    {"kind": p.EVENT, "id": f"e{i}", "type": "custom"}), body])
+            assert status(flooder).counters["events"] >= EVENTS  # answered after all of them
+        except BaseException as exc:  # reported by the test's thread
+            failed.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=flood, name="flooder")
+    try:
+        flooder.hello()
+        listener.hello()
+        thread.start()
+        beats: list[float] = []
+        while not done.is_set():
+            if not listener.sock.poll(100):
+                continue
+            frames = listener.sock.recv_multipart()
+            if p.decode_header(frames[1]).kind == p.HEARTBEAT:
+                beats.append(time.monotonic())
+        thread.join(30)
+        assert not failed, failed
+        # Before the fix: at most one heartbeat in the whole flood (several seconds).
+        assert len(beats) >= 2, f"{len(beats)} heartbeats while logging {EVENTS} x 64 KiB"
+        gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
+        print(f"{len(beats)} heartbeats while logging {EVENTS} x 64 KiB; longest gap "
+              f"{max(gaps):.2f} s")
+        assert max(gaps) < LIVENESS * INTERVAL, gaps
+    finally:
+        done.set()
+        thread.join(30)
+        flooder.close()
+        listener.close()
+        ctx.term()
+        hub.stop()
