@@ -144,6 +144,10 @@ class Calls:
             call.put((p.Header(kind=p.ERROR, id=call.id, code=p.DEADLINE,
                                error="no reply before the deadline"), []))
 
+    def first_expiry(self) -> float:
+        """When the first call in flight expires (monotonic; inf when none does)."""
+        return min((call.expires for call in self.pending.values()), default=float("inf"))
+
     def fail_all(self, error: RequestError) -> None:
         pending, self.pending = self.pending, {}
         for req_id, call in pending.items():

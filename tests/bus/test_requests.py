@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from bus import errors
-from bus.client import connect
+from bus.client import PeerState, connect
 from tests.bus.helpers import kill_hub, restartable_ports, serving_peers, start_hub, started_line
 from tests.support import tight_timing, until
 
@@ -252,6 +252,24 @@ async def test_frozen_peer_is_declared_lost_after_missed_heartbeats(hub: dict) -
             assert 1.5 < lost_after < (3.5 if tight_timing() else 10), lost_after
             status = await peer.status()
             assert all(info.pid != server.pid for info in status.peers)
+
+
+async def test_an_idle_peer_notices_a_frozen_hub_at_the_silence_deadline(hub: dict) -> None:
+    """An idle peer's housekeeping sleeps until its next duty (about once a second, not every
+    0.1 s), and the hub's silence deadline is one: it is noticed as soon as the scan did."""
+    async with connect(hub["endpoint"], name="idle") as peer:
+        await peer.status()  # the last word from the hub; nothing in flight from here
+        hub["proc"].signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            await until(lambda: peer.state is PeerState.RECONNECTING, 15,
+                        "the peer to notice the frozen hub")
+            elapsed = time.monotonic() - t0
+            # liveness 3 x 1 s heartbeat after the status reply (tight: the old scan's 0.1 s
+            # plus scheduling slack, on a quiet machine)
+            assert 2.9 <= elapsed < (3.4 if tight_timing() else 10), elapsed
+        finally:
+            hub["proc"].signal(signal.SIGCONT)
 
 
 async def test_deadline_enforced_by_the_client_when_the_hub_is_frozen(hub: dict) -> None:
