@@ -137,3 +137,12 @@ async def test_a_gzip_encoded_stream_is_decoded(fake_server: StartServer, split:
     async with engine_for(srv) as engine:
         msg = await engine.complete(request(), on_delta=log)
     assert msg.error is None and msg.text == TEXT and log.text_at(0) == TEXT
+
+
+async def test_a_long_event_over_many_chunks(fake_server: StartServer) -> None:
+    """One event far longer than a chunk (a whole answer at once): its pieces join once."""
+    long_text = "ü" * 100_000 + "✓"
+    data = body(openai_events([long_text]))
+    chunks = [data[i:i + 1000] for i in range(0, len(data), 1000)]
+    text, log = await complete(fake_server, chunks)
+    assert text == long_text and len(log.deltas) == 1

@@ -102,7 +102,7 @@ class SseParser:
     __slots__ = ("_rest", "_after_cr", "_event", "_data")
 
     def __init__(self) -> None:
-        self._rest = b""
+        self._rest: list[bytes] = []  # the unfinished line's pieces (joined once it ends)
         self._after_cr = False  # the last chunk ended with CR: a LF starting the next ends nothing
         self._event = ""
         self._data: list[str] = []
@@ -116,7 +116,16 @@ class SseParser:
         self._after_cr = chunk[-1:] == b"\r"
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        *lines, self._rest = (self._rest + chunk if self._rest else chunk).split(b"\n")
+        rest = self._rest
+        if rest:  # a line began in an earlier chunk: a long one is joined once, not at each
+            rest.append(chunk)
+            if b"\n" not in chunk:
+                return []
+            chunk = b"".join(rest)
+            rest.clear()
+        *lines, tail = chunk.split(b"\n")
+        if tail:
+            rest.append(tail)
         events: list[SseEvent] = []
         for line in lines:
             self._line(line, events)
@@ -126,8 +135,8 @@ class SseParser:
         """The last event, when the body ended without the blank line after it."""
         events: list[SseEvent] = []
         if self._rest:
-            self._line(self._rest, events)
-            self._rest = b""
+            self._line(b"".join(self._rest), events)
+            self._rest.clear()
         self._line(b"", events)
         return events
 
