@@ -448,6 +448,10 @@ class Peer:
             else:
                 interval, expiry = 1.0, 3.0
             if now - self._last_heard > expiry:
+                # What waits unread is word from the hub too: a loop kept busy by its own sends
+                # (which take the edge of ZeroMQ's fd) may not have drained it yet.
+                self._drain()
+            if now - self._last_heard > expiry:
                 first = self._state is PeerState.CONNECTING
                 say = log.debug if first else log.warning  # the first connect: quiet
                 say("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
