@@ -242,6 +242,12 @@ class ToolOutputCache:
             trimmed += 1
         return trimmed
 
+    def end_run(self) -> None:
+        """Forget the size memo: it speeds up the turns of one run, but between runs it only
+        held a reference to every history message (and to a compacted history's old ones) and
+        a size per message, for as long as the session stays in memory, idle."""
+        self._sizes.clear()
+
 
 class SizeMemo:
     """The summed size of a history that mostly grows at its end, each message measured once.
@@ -271,6 +277,10 @@ class SizeMemo:
             sizes.extend(new)
             self._total += sum(new)
         return self._total
+
+    def clear(self) -> None:
+        """Forget every message and size (the next `total` measures the whole history)."""
+        self._messages, self._sizes, self._total = [], [], 0
 
 
 def common_prefix(a: Sequence[object], b: Sequence[object]) -> int:

@@ -391,6 +391,8 @@ async def run_loop(
         end = await _run_turns(run, list(prompts), skip_initial_steering)
     except Exception as exc:  # a hook or the executor broke its contract: end the run cleanly
         end = await _fail_run(run, exc)
+    finally:
+        _forget_run_caches(run)
     usage = dict(run.usage.by_model)
     await emit(
         AgentEnd(
@@ -402,6 +404,14 @@ async def run_loop(
         )
     )
     return LoopResult(end.final_text, end.stop_reason, end.error, usage, list(run.new_messages))
+
+
+def _forget_run_caches(run: _Run) -> None:
+    """Drop what only speeds up the turns of this run (the converted view, the size memos):
+    the output cache outlives the run in its Agent, and a session then sits idle in memory."""
+    run.view, run.sizes = LlmView(), SizeMemo(estimate_tokens)
+    if run.cache is not None:
+        run.cache.end_run()
 
 
 def _default_cache(config: LoopConfig) -> ToolOutputCache | None:
