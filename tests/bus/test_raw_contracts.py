@@ -175,52 +175,58 @@ def test_a_duplicate_of_an_in_flight_id_is_refused_naming_it(hub: dict) -> None:
         assert not [h for h, _ in server.inbox if h["kind"] == "request"]  # never forwarded
 
 
+@contextmanager
+def subscriber(peer: RawPeer) -> Iterator[zmq.Socket[Any]]:
+    """A SUB on everything, subscribed (its answering heartbeat has arrived)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(peer.events)
+        assert sub.poll(TIMEOUT * 1000), "no heartbeat answering the subscription"
+        sub.recv_multipart()
+        yield sub
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
 def test_peers_cannot_speak_for_the_bus_or_lie_about_an_event(hub: dict) -> None:
-    with raw_peers(hub["endpoint"], "liar") as (liar,):
-        ctx: zmq.Context[Any] = zmq.Context()
-        sub = ctx.socket(zmq.SUB)
-        try:
-            sub.linger = 0
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(liar.events)
-            assert sub.poll(TIMEOUT * 1000), "no heartbeat answering the subscription"
-            sub.recv_multipart()  # subscribed: everything published from now on reaches us
-            forged = [
-                ("f1", "peer_joined", {"type": "peer_joined", "peer": "hub", "name": "forged"}),
-                ("f2", "worker_lost", {"type": "worker_lost", "peer": "x", "failed": 9}),
-                ("f3", "topic_message", {"type": "agent_end", "final_text": "lie"}),
-                ("f4", "topic_message", b"\x93\x01\x02\x03"),  # not a map
-            ]
-            for event_id, type_, body in forged:
-                liar.send({"kind": "event", "id": event_id, "type": type_, "peer": "hub"}, body)
-            for event_id, type_, _ in forged:
-                header, _ = liar.expect(lambda h: h["kind"] == "error" and h["id"] == event_id)
-                assert header["code"] == "bad_event", header
-                assert f"`{type_}`" in header["error"], header
-            marker = {"type": "topic_message", "topic": "t", "text": "honest"}
-            liar.send({"kind": "event", "id": "ok", "type": "topic_message", "peer": "hub"},
-                      marker)
-            published = []
-            while True:  # up to the marker, which comes after anything the liar sent earlier
-                assert sub.poll(TIMEOUT * 1000), f"marker not published; saw {published}"
-                frames = sub.recv_multipart()
-                if frames[0] == b"hb":
-                    continue
-                header = msgspec.msgpack.decode(frames[2])
-                published.append((header["type"], header.get("peer"),
-                                  msgspec.msgpack.decode(frames[3])))
-                if published[-1][2] == marker:
-                    break
-            assert published == [("topic_message", liar.peer_id, marker)], published
-            # and the log holds nothing of the refused events either
-            logged = replay_all(liar)
-            mine = [(h["type"], h["peer"]) for h, _ in logged if h.get("peer") == liar.peer_id]
-            assert mine == [("topic_message", liar.peer_id)], mine
-            assert not [b for h, b in logged if b"forged" in b or b"lie" in b]
-            assert liar.status()["counters"].get("bad_events") == len(forged)
-        finally:
-            sub.close(0)
-            ctx.term()
+    with raw_peers(hub["endpoint"], "liar") as (liar,), subscriber(liar) as sub:
+        forged = [
+            ("f1", "peer_joined", {"type": "peer_joined", "peer": "hub", "name": "forged"}),
+            ("f2", "worker_lost", {"type": "worker_lost", "peer": "x", "failed": 9}),
+            ("f3", "topic_message", {"type": "agent_end", "final_text": "lie"}),
+            ("f4", "topic_message", b"\x93\x01\x02\x03"),  # not a map
+        ]
+        for event_id, type_, body in forged:
+            liar.send({"kind": "event", "id": event_id, "type": type_, "peer": "hub"}, body)
+        for event_id, type_, _ in forged:
+            header, _ = liar.expect(lambda h: h["kind"] == "error" and h["id"] == event_id)
+            assert header["code"] == "bad_event", header
+            assert f"`{type_}`" in header["error"], header
+        marker = {"type": "topic_message", "topic": "t", "text": "honest"}
+        liar.send({"kind": "event", "id": "ok", "type": "topic_message", "peer": "hub"},
+                  marker)
+        published = []
+        while True:  # up to the marker, which comes after anything the liar sent earlier
+            assert sub.poll(TIMEOUT * 1000), f"marker not published; saw {published}"
+            frames = sub.recv_multipart()
+            if frames[0] == b"hb":
+                continue
+            header = msgspec.msgpack.decode(frames[2])
+            published.append((header["type"], header.get("peer"),
+                              msgspec.msgpack.decode(frames[3])))
+            if published[-1][2] == marker:
+                break
+        assert published == [("topic_message", liar.peer_id, marker)], published
+        # and the log holds nothing of the refused events either
+        logged = replay_all(liar)
+        mine = [(h["type"], h["peer"]) for h, _ in logged if h.get("peer") == liar.peer_id]
+        assert mine == [("topic_message", liar.peer_id)], mine
+        assert not [b for h, b in logged if b"forged" in b or b"lie" in b]
+        assert liar.status()["counters"].get("bad_events") == len(forged)
 
 
 def replay_all(peer: RawPeer) -> list[tuple[dict[str, Any], bytes]]:

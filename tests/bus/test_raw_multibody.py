@@ -9,14 +9,12 @@ are still logged and published."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import msgspec
 import zmq
 
-from tests.bus.test_raw_contracts import TIMEOUT, RawPeer, raw_peers, replay_all
+from tests.bus.test_raw_contracts import TIMEOUT, raw_peers, replay_all, subscriber
 
 MAX_BODIES = 1024  # docs/protocol.md §4: the most bodies one event message may carry
 HEADER = {"kind": "event", "type": "topic_message", "agent": "poet", "run": "r-1",
@@ -25,23 +23,6 @@ HEADER = {"kind": "event", "type": "topic_message", "agent": "poet", "run": "r-1
 
 def topic(text: str, type_: str = "topic_message") -> bytes:
     return msgspec.msgpack.encode({"type": type_, "topic": "t", "text": text})
-
-
-@contextmanager
-def subscriber(peer: RawPeer) -> Iterator[zmq.Socket[Any]]:
-    """A SUB on everything, subscribed (its answering heartbeat has arrived)."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    try:
-        sub.linger = 0
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(peer.events)
-        assert sub.poll(TIMEOUT * 1000), "no heartbeat answering the subscription"
-        sub.recv_multipart()
-        yield sub
-    finally:
-        sub.close(0)
-        ctx.term()
 
 
 def published_until(sub: zmq.Socket[Any], last_text: str) -> list[list[bytes]]:

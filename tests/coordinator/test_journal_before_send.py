@@ -5,7 +5,6 @@ and the events of one iteration travel together (one multi-body message per run 
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +16,10 @@ from bus import events as ev
 from bus import protocol as p
 from bus.client import connect
 from tests.bus.test_event_coalescing import RecordingHub, recording_hub
+from tests.coordinator.test_group_commit import stored_runs
 from tests.support import until
 
 pytestmark = pytest.mark.anyio
-
-
-def stored_runs(path: Path) -> set[str]:
-    """Run ids in the journal as another connection sees them (committed only)."""
-    db = sqlite3.connect(path)
-    try:
-        return {r for (r,) in db.execute("SELECT run_id FROM runs")}
-    finally:
-        db.close()
 
 
 class CheckingHub(RecordingHub):
