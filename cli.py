@@ -58,6 +58,22 @@ class BusctlGroup(click.Group):
     when the hub cannot be reached, else 1), Ctrl-C exits 130, and anything unexpected is one
     line naming the log that holds its traceback — never a bare traceback, never a guess."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Commands whose module is imported only when the command is used (or listed by
+        # --help): every process `busctl up` starts runs busctl, so each import here is paid
+        # at every start (the fake model server's alone was a quarter of busctl's import time).
+        self.lazy_commands: dict[str, Callable[[], click.Command]] = {}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy_commands])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        load = self.lazy_commands.pop(cmd_name, None)
+        if load is not None:
+            self.add_command(load(), cmd_name)
+        return super().get_command(ctx, cmd_name)
+
     def main(self, *args: Any, **kwargs: Any) -> Any:
         if signal.getsignal(signal.SIGINT) is _exit_130:
             signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -803,16 +819,16 @@ Examples:
 """
 
 
-def _register_fake_llm() -> None:
+def _fake_llm_command() -> click.Command:
     from agents.gateway.fakellm import fake_llm_command
 
     # The examples name busctl, so they are added where busctl mounts the command.
     if "Examples:" not in (fake_llm_command.help or ""):
         fake_llm_command.help = (fake_llm_command.help or "").rstrip() + FAKE_LLM_EXAMPLES
-    main.add_command(fake_llm_command, "fake-llm")
+    return fake_llm_command
 
 
-_register_fake_llm()
+main.lazy_commands["fake-llm"] = _fake_llm_command
 
 
 # --- busctl up / down / ps / config --------------------------------------------------------

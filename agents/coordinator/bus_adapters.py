@@ -26,8 +26,8 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
-from agents.gateway.process import LlmPartial
 from agents.gateway.providers.base import MessageBuilder
+from agents.gateway.wire import LlmPartial
 from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore
 from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
 from bus.backoff import Backoff

@@ -99,7 +99,7 @@ from agents.coordinator.multiagent import (
     topic_text,
 )
 from agents.coordinator.persistence import ConversationRecorder, ConversationStore, JournaledRun
-from agents.gateway.engine import ModelConfig
+from agents.gateway.wire import ModelConfig
 from agents.launch.topology import HOOK_NAMES, AgentSpec
 from agents.loop.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
 from agents.loop.context import DEFAULT_CONTEXT_WINDOW

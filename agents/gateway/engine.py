@@ -41,7 +41,7 @@ from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import httpx
@@ -59,6 +59,7 @@ from agents.gateway.providers.base import DeltaCallback
 from agents.gateway.providers.discovery import discover
 from agents.gateway.providers.llamacpp import DEFAULT_N_CTX
 from agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
+from agents.gateway.wire import ModelConfig
 from agents.loop.context import CONTEXT_EXCEEDED
 from bus.errors import ConfigError
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
@@ -67,13 +68,8 @@ from bus.tracecontext import traceparent
 
 log = logging.getLogger("agents.gateway.engine")
 
-ProviderName = Literal["openai", "anthropic", "llamacpp"]  # llamacpp: hosted, OpenAI-compatible
 RetryCallback = Callable[[int, float, int, str], "Awaitable[None] | None"]
 
-DEFAULT_BASE_URLS: dict[str, str] = {
-    "openai": "https://api.openai.com/v1",
-    "anthropic": "https://api.anthropic.com",
-}
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
 #: The window assumed when neither the configuration nor the server gives one.
@@ -99,51 +95,6 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _ERROR_TEXT_LIMIT = 1000  # characters of one attempt's error, after redaction
 _MAX_TRACKED_RUNS = 1000
 _KEY_SHAPES_ONLY = Redactor()
-
-
-class ModelConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
-    """One model the gateway can call. Prices are USD per million tokens (None: from the price
-    table where one applies, see `agents.gateway.providers.prices`; a local server costs 0).
-
-    `api_key_env` is the NAME of the environment variable holding the key ("" for servers that need
-    none). `timeout` bounds the wait for the first byte and between streamed chunks. In a topology
-    file the alias is the table's name (`[models.<alias>]`), so it may be left out there."""
-
-    provider: ProviderName
-    alias: str = ""
-    model: str = ""  # "": the one model the server lists (see `LlmEngine.discover`)
-    base_url: str = ""
-    api_key_env: str = ""
-    context_window: int = 0  # 0: ask the server, else the provider's default
-    parallel_tool_calls: bool | None = True  # sent when tools are offered; None: not sent
-    # Sampling defaults for requests that set none (an agent's own settings win).
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    input_price: float | None = None
-    output_price: float | None = None
-    cache_read_price: float | None = None
-    cache_write_price: float | None = None
-    # provider = "llamacpp": the gateway serves this GGUF file itself with llama.cpp's server
-    # (see `agents.gateway.providers.llamacpp`); `n_ctx` is its window (0: `context_window`, else 4,096),
-    # `threads` its CPU threads (0: llama.cpp's choice), `chat_template_file` a Jinja template
-    # that replaces the GGUF's own (some models need one for tool calls).
-    gguf: str = ""
-    n_ctx: int = 0
-    threads: int = 0
-    chat_template_file: str = ""
-    max_concurrency: int = 8
-    requests_per_minute: float | None = None
-    connect_timeout: float = 10.0
-    timeout: float = 120.0
-    # Where `model` and `context_window` came from (shown by `busctl status`); set by the engine.
-    model_from: str = ""
-    context_window_from: str = ""
-
-    def endpoint(self) -> str:
-        return self.base_url or DEFAULT_BASE_URLS.get(self.provider, "")
 
 
 class ModelStats(msgspec.Struct, kw_only=True):

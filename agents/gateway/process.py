@@ -44,6 +44,7 @@ import msgspec
 
 from agents.gateway.engine import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
 from agents.gateway.providers.llamacpp import LocalModelError, hosted_models
+from agents.gateway.wire import LlmPartial
 from agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded, request_key
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
@@ -71,16 +72,6 @@ class GatewaySettings(msgspec.Struct):
     default_model: str = ""
     name: str = "gateway"
     curve: CurveClient | None = None
-
-
-class LlmPartial(msgspec.Struct, omit_defaults=True, tag_field="role", tag="partial"):
-    """One partial reply of an `llm` request: a delta, or `reset` after a failed attempt."""
-
-    delta: AssistantDelta | None = None
-    reset: bool = False
-    model: str = ""
-    provider: str = ""
-    context_window: int = 0
 
 
 class _Replay:

@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from agents.gateway.engine import ModelConfig
 from agents.gateway.providers.llamacpp import local_model_problems
+from agents.gateway.wire import ModelConfig
 from bus.errors import ConfigError
 from bus.paths import default_state_dir, inside_state_dir, overlaps
 from tools.mcp import McpServerSpec

@@ -26,7 +26,7 @@ import anyio
 import anyio.abc
 import msgspec
 
-from agents.gateway.engine import ModelConfig
+from agents.gateway.wire import ModelConfig
 from agents.launch.supervisor import (
     Child,
     ChildFailed,

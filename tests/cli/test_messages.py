@@ -199,7 +199,10 @@ from click.testing import CliRunner
 from cli import main
 
 def walk(group, path):
-    for name, command in sorted(group.commands.items()):
+    # list_commands/get_command, as click's help does: busctl loads some commands lazily.
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
         if not command.hidden:
             yield (*path, name)
             if isinstance(command, click.Group):

@@ -28,7 +28,7 @@ import msgspec
 from bus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from agents.gateway.engine import ModelConfig
+    from agents.gateway.wire import ModelConfig
 
 log = logging.getLogger("agents.gateway.providers.llamacpp")
 
