@@ -222,68 +222,77 @@ def main(verbose: bool) -> None:
 # --- busctl hub ---------------------------------------------------------------------------
 
 
-@main.command()
-@click.option("--hub", "endpoint", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
-              callback=_hub_address_option,
-              help=f"Address to bind the request socket to: {HUB_FORMS}.")
-@click.option("--events", default="", callback=_hub_address_option,
-              help="Address for the event socket [default: port + 1].")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-              help="Where the event log (events.db) lives [default: <state home>/<project>/hub, "
-                   "outside the current folder so no tool can reach it].")
-@click.option("--heartbeat-interval", type=click.FloatRange(0.05, 60), default=1.0,
-              show_default=True, help="Seconds between heartbeats.")
-@click.option("--liveness", type=click.IntRange(1, 100), default=3, show_default=True,
-              help="Missed heartbeats before a peer is declared dead.")
-@click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 1024 * 1024,
-              show_default=True, help="Largest accepted message; larger ones are dropped.")
-@budget_options
-@click.option("--retain-days", type=click.FloatRange(0), default=7.0, show_default=True,
-              help="Prune logged events older than this many days (0: keep them).")
-@click.option("--retain-bytes", type=click.IntRange(0), default=0, show_default=True,
-              help="Prune the oldest logged events while the log holds more (0: no bound).")
-@click.option("--retain-deltas-until-end", is_flag=True,
-              help="Drop a run's streamed deltas (`message_update`) from the log once its "
-                   "`message_end` (which holds the whole message) is logged.")
-@click.option("--replay-priority", type=click.Choice(["idle", "low"]), default="idle",
-              show_default=True,
-              help="CPU priority of the log reader that serves replays: `idle` runs it only on "
-                   "CPU nothing else wants (at nice 10 while the machine starves it), `low` at "
-                   "nice 10 always (docs/reliability.md).")
-@click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="The hub's secret key file: turns on CURVE encryption.")
-@click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Directory of authorised client public keys (reloaded on change).")
-@click.option("--insecure", is_flag=True,
-              help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
-                                               case_sensitive=False),
-              default="info", show_default=True, help="What the hub logs to stderr.")
-def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
-        liveness: int, max_message_bytes: int, budgets: dict[str, int],
-        retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
-        replay_priority: str, curve_secret: str | None, curve_authorized: str | None,
-        insecure: bool, log_level: str) -> None:
-    """Run the hub: request routing, liveness, and the event log and stream.
+def _hub_command() -> click.Command:
+    """`busctl hub`, built when used (or listed by --help): its budget options read
+    bus.hub's defaults, and only the hub process needs that module."""
 
-    \b
-    Example:
-      busctl hub --hub tcp://127.0.0.1:7400 --state-dir /var/lib/agent-bus/hub
-    """
-    from bus.hub import HubConfig, serve
+    @click.command(name="hub")
+    @click.option("--hub", "endpoint", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
+                  callback=_hub_address_option,
+                  help=f"Address to bind the request socket to: {HUB_FORMS}.")
+    @click.option("--events", default="", callback=_hub_address_option,
+                  help="Address for the event socket [default: port + 1].")
+    @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+                  help="Where the event log (events.db) lives [default: <state home>/<project>/hub, "
+                       "outside the current folder so no tool can reach it].")
+    @click.option("--heartbeat-interval", type=click.FloatRange(0.05, 60), default=1.0,
+                  show_default=True, help="Seconds between heartbeats.")
+    @click.option("--liveness", type=click.IntRange(1, 100), default=3, show_default=True,
+                  help="Missed heartbeats before a peer is declared dead.")
+    @click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 1024 * 1024,
+                  show_default=True, help="Largest accepted message; larger ones are dropped.")
+    @budget_options
+    @click.option("--retain-days", type=click.FloatRange(0), default=7.0, show_default=True,
+                  help="Prune logged events older than this many days (0: keep them).")
+    @click.option("--retain-bytes", type=click.IntRange(0), default=0, show_default=True,
+                  help="Prune the oldest logged events while the log holds more (0: no bound).")
+    @click.option("--retain-deltas-until-end", is_flag=True,
+                  help="Drop a run's streamed deltas (`message_update`) from the log once its "
+                       "`message_end` (which holds the whole message) is logged.")
+    @click.option("--replay-priority", type=click.Choice(["idle", "low"]), default="idle",
+                  show_default=True,
+                  help="CPU priority of the log reader that serves replays: `idle` runs it only on "
+                       "CPU nothing else wants (at nice 10 while the machine starves it), `low` at "
+                       "nice 10 always (docs/reliability.md).")
+    @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
+                  help="The hub's secret key file: turns on CURVE encryption.")
+    @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
+                  help="Directory of authorised client public keys (reloaded on change).")
+    @click.option("--insecure", is_flag=True,
+                  help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
+    @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
+                                                   case_sensitive=False),
+                  default="info", show_default=True, help="What the hub logs to stderr.")
+    def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
+            liveness: int, max_message_bytes: int, budgets: dict[str, int],
+            retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
+            replay_priority: str, curve_secret: str | None, curve_authorized: str | None,
+            insecure: bool, log_level: str) -> None:
+        """Run the hub: request routing, liveness, and the event log and stream.
 
-    curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
-    config = HubConfig(endpoint=endpoint, events=events,
-                       state_dir=str(_state_dir(state_dir, "hub")),
-                       heartbeat_interval=heartbeat_interval, liveness=liveness,
-                       max_message_bytes=max_message_bytes, retain_days=retain_days,
-                       retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
-                       replay_priority=replay_priority, curve=curve, insecure=insecure, **budgets)
-    logging.getLogger().setLevel(log_level.upper())
-    try:
-        serve(config)
-    except Exception as exc:  # a bind failure is the usual cause; say which address
-        raise click.ClickException(f"hub on {endpoint} failed: {exc}") from None
+        \b
+        Example:
+          busctl hub --hub tcp://127.0.0.1:7400 --state-dir /var/lib/agent-bus/hub
+        """
+        from bus.hub import HubConfig, serve
+
+        curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
+        config = HubConfig(endpoint=endpoint, events=events,
+                           state_dir=str(_state_dir(state_dir, "hub")),
+                           heartbeat_interval=heartbeat_interval, liveness=liveness,
+                           max_message_bytes=max_message_bytes, retain_days=retain_days,
+                           retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
+                           replay_priority=replay_priority, curve=curve, insecure=insecure, **budgets)
+        logging.getLogger().setLevel(log_level.upper())
+        try:
+            serve(config)
+        except Exception as exc:  # a bind failure is the usual cause; say which address
+            raise click.ClickException(f"hub on {endpoint} failed: {exc}") from None
+
+    return hub
+
+
+main.lazy_commands["hub"] = _hub_command
 
 
 def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
