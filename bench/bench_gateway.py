@@ -1,8 +1,10 @@
 """Gateway overhead: an `llm` request through the hub and the gateway process, against calling
 the same zero-latency scripted server directly with the engine in this process; and the rate at
-which a long stream's deltas are published as `message_update` events.
+which a long stream's deltas are published as `message_update` events; and the gateway process's
+CPU per `llm` call (its own user+system time from /proc: load-proof, unlike the wall times), for
+a one-chunk reply and for a turn of 4 streamed tool calls (~36 SSE events, as in bench_loop.py).
 
-    python bench/bench_gateway.py [--quick]
+    python bench/bench_gateway.py [--quick] [--cpu-only]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -27,13 +30,17 @@ from agents.gateway.fakellm import FakeLLMServer  # noqa: E402
 from bench.baseline import pct  # noqa: E402
 from bus import events as ev  # noqa: E402
 from bus.client import connect  # noqa: E402
-from bus.messages import LlmRequest, user_text  # noqa: E402
+from bus.messages import AssistantMessage, LlmRequest, ToolSpec, user_text  # noqa: E402
 
 SHORT = {"text": "ok", "chunk_size": 2}
+# bench_loop.py's model turn: 4 tool calls, their arguments streamed 4 characters at a time
+TOOLS = {"tool_calls": [{"name": "echo", "arguments": {"text": f"turn 7 call {k}"}, "id": f"c7_{k}"}
+                        for k in range(4)], "usage": {"input": 10, "output": 5}, "chunk_size": 4}
 LONG_CHUNKS = 2000
 
 
-def _start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict]:
+def _start(args: list[str],
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
                             env={**os.environ, **(env or {})})
@@ -66,6 +73,28 @@ async def through_bus(endpoint: str, n: int) -> list[float]:
     return times
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat utime, stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def gateway_cpu(endpoint: str, pid: int, text: str, n: int) -> float:
+    """The gateway's CPU seconds per `llm` call over `n` sequential calls (after 20 warm-up ones)."""
+    tools = [ToolSpec(name="echo")] if text == "tools" else []  # the fake fits calls to the offer
+    body = msgspec.msgpack.encode(LlmRequest(messages=[user_text(text)], tools=tools, agent="bench",
+                                             run_id="c"))
+    async with connect(endpoint, name="bench-cpu") as peer:
+        for i in range(n + 20):
+            if i == 20:
+                before = cpu_s(pid)
+            reply = msgspec.msgpack.decode(await peer.request("llm", body, timeout=30),
+                                           type=AssistantMessage)
+        spent = cpu_s(pid) - before
+    assert len(reply.content) == (4 if tools else 1), reply
+    return spent / n
+
+
 async def delta_rate(endpoint: str) -> tuple[int, float]:
     body = msgspec.msgpack.encode(LlmRequest(messages=[user_text("long")], agent="bench",
                                              run_id="long"))
@@ -86,16 +115,24 @@ async def delta_rate(endpoint: str) -> tuple[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer samples")
-    n = 200 if ap.parse_args().quick else 1000
+    ap.add_argument("--cpu-only", action="store_true", help="only the gateway's CPU per call")
+    args = ap.parse_args()
+    n = 200 if args.quick else 1000
     long_reply = {"text": "x" * LONG_CHUNKS, "chunk_size": 1}
     script = {"steps": [{"reply": long_reply}], "rules": [{"contains": [], "reply": SHORT}]}
-    with FakeLLMServer({"rules": [{"contains": [], "reply": SHORT}]}) as srv_short, \
+    rules = {"rules": [{"contains": ["tools"], "reply": TOOLS}, {"contains": [], "reply": SHORT}]}
+    with FakeLLMServer(rules) as srv_short, \
             FakeLLMServer(script) as srv_long, tempfile.TemporaryDirectory() as tmp:
         hub, ready = _start(["hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", tmp])
         endpoint = ready["endpoint"]
         gw, _ = _start(["gateway", "--hub", endpoint], {"OPENAI_BASE_URL": srv_short.base_url,
                                                         "OPENAI_API_KEY": ""})
         try:
+            cpu = [anyio.run(gateway_cpu, endpoint, gw.pid, text, n // 2) for text in ("hi", "tools")]
+            print(f"gateway CPU per `llm` call: {cpu[0] * 1e3:.3f} ms (one-chunk reply), "
+                  f"{cpu[1] * 1e3:.3f} ms (4 streamed tool calls, ~36 SSE events)")
+            if args.cpu_only:
+                return
             d = anyio.run(direct, srv_short.base_url, n)
             b = anyio.run(through_bus, endpoint, n)
             print(f"direct engine call (HTTP, in process): p50 {pct(d, .5) * 1e6:.0f} us, "
@@ -106,6 +143,9 @@ def main() -> None:
         finally:
             gw.terminate()
             gw.wait()
+            if args.cpu_only:
+                hub.terminate()
+                hub.wait()
         gw, _ = _start(["gateway", "--hub", endpoint], {"OPENAI_BASE_URL": srv_long.base_url,
                                                         "OPENAI_API_KEY": ""})
         try:
