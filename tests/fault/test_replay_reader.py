@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from bus import protocol as p
-from bus.eventlog import EventLog
-from bus.replay_reader import ReplayReader
+from bus.eventlog import EventLog, connect_reader
+from bus.replay_reader import PACE_SECONDS, REPLAY_LIMIT, ReplayReader, read_batch
 from tests.fault.test_budgets import start_hub, status
 from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
@@ -262,3 +262,36 @@ def test_reader_lifecycle_idle_starved_low_calm_idle(tmp_path: Path) -> None:
                 proc.kill()
                 proc.wait()
     assert all(proc.poll() is not None for proc in procs)
+
+
+def voluntary_switches() -> int:
+    """This thread's voluntary context switches (it blocked) so far."""
+    for line in Path("/proc/thread-self/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches in /proc/thread-self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/status").exists(), reason="Linux /proc only")
+def test_reading_a_big_batch_blocks_every_few_hundred_microseconds(tmp_path: Path) -> None:
+    """Pacing (bus/replay_reader.py): a reader reading a long batch blocks after every
+    PACE_SECONDS, so a request the scheduler keeps waiting behind it (EEVDF lag, even with the
+    reader at SCHED_IDLE) waits that long at most, not a whole batch (~4 ms for ~1,800 events)."""
+    log = EventLog(tmp_path / "events.db")
+    body = b"\x81\xa4type\xa6custom"
+    rows = [(seq, time.time(), "custom", "a", "r", "",
+             p.encode(p.Header(kind=p.EVENT, id=f"e{seq}", type="custom", seq=seq)), body)
+            for seq in range(1, REPLAY_LIMIT + 1)]
+    log.append(rows)
+    db = connect_reader(log.uri)
+    try:
+        switches, cpu = voluntary_switches(), time.thread_time()
+        batch = read_batch(db, p.ReplayRequest(limit=REPLAY_LIMIT), REPLAY_LIMIT, 64 * 1024 * 1024)
+        switches, cpu = voluntary_switches() - switches, time.thread_time() - cpu
+    finally:
+        db.close()
+        log.close()
+    assert len(batch.events) == REPLAY_LIMIT and batch.upto == batch.head
+    # One block per PACE_SECONDS of reading at least (the clock is wall time, so a reader kept
+    # off the CPU blocks more often, never less); a factor of 4 for the 32 rows between looks.
+    assert switches >= cpu / (4 * PACE_SECONDS) - 1, (switches, cpu)
