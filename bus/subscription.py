@@ -67,10 +67,10 @@ class Envelope(msgspec.Struct):
 class Subscription:
     """Async iterator of `Envelope`s with no hole and no duplicate (see docs/protocol.md).
 
-    With `since`, logged events after that seq are replayed first, then the stream continues
-    live. Without topic filters, a jump in `seq` (a slow reader's dropped messages, or a loss
-    at the tail noticed from the hub's heartbeat) is filled from the log when `fill_gaps`, or
-    reported as a `Gap` event otherwise.
+    With `since`, logged events after that seq are replayed first (a batch at a time, as they
+    are read), then the stream continues live. Without topic filters, a jump in `seq` (a slow
+    reader's dropped messages, or a loss at the tail noticed from the hub's heartbeat) is filled
+    from the log when `fill_gaps`, or reported as a `Gap` event otherwise.
     """
 
     def __init__(self, peer: Peer, topics: list[str], since: int | None, fill_gaps: bool) -> None:
@@ -85,6 +85,11 @@ class Subscription:
         self._fdw: Waiter | None = None
         self._backlog: deque[Envelope] = deque()
         self._held: list[bytes] | None = None
+        # With `since`, the log is replayed one batch at a time as the events are read, not
+        # all at once on entry: `watch --since 0` on a big log shows its first event at once and
+        # holds one batch, not the whole log. Live messages wait in the SUB queue meanwhile;
+        # any it drops are a gap in seq, filled from the log like any other.
+        self._catching_up = False
 
     async def __aenter__(self) -> Subscription:
         portable = transport_kind(asyncio.get_running_loop()) == "portable"
@@ -107,8 +112,7 @@ class Subscription:
         self.peer._subs.add(self)
         try:
             await self._await_subscription()
-            if self.since is not None:
-                await self._replay_until(None)
+            self._catching_up = self.since is not None
         except BaseException:
             self._close()
             raise
@@ -155,21 +159,32 @@ class Subscription:
         cursor = max(self.last_seq, 0)
         stop = math.inf if until is None else until - 1  # the last seq wanted
         while cursor < stop:
-            batch = await self._replay_batch(cursor)
-            if batch.gap is not None:
-                self._missed(batch.gap.first, min(batch.gap.last, stop), batch.gap.reason)
-            self._queue_replayed(batch.events, stop)
-            if batch.upto >= batch.head:
-                cursor = batch.head
+            cursor, at_head = await self._replay_step(cursor, stop)
+            if at_head:
                 break
-            if batch.upto <= cursor:  # a hub that does not move on would loop us forever
-                raise ProtocolError(f"`hub.replay` from {cursor} answered upto={batch.upto} "
-                                    f"< head={batch.head} without progress")
-            cursor = batch.upto
         # Everything up to the cursor has been seen in the log (filtered ones are not ours).
         self.last_seq = max(self.last_seq, cursor if until is None else min(cursor, until - 1))
         if until is not None and self.last_seq < stop:  # announced, yet not in the log
             self._missed(self.last_seq + 1, until - 1, "not in the hub's event log")
+
+    async def _catch_up(self) -> None:
+        """One batch of the replay from `since`; the catch-up ends at the head it names."""
+        cursor, at_head = await self._replay_step(max(self.last_seq, 0), math.inf)
+        self.last_seq = max(self.last_seq, cursor)
+        self._catching_up = not at_head
+
+    async def _replay_step(self, cursor: int, stop: float) -> tuple[int, bool]:
+        """Queue one `hub.replay` batch from `cursor` on the backlog: (its end, head reached)."""
+        batch = await self._replay_batch(cursor)
+        if batch.gap is not None:
+            self._missed(batch.gap.first, min(batch.gap.last, stop), batch.gap.reason)
+        self._queue_replayed(batch.events, stop)
+        if batch.upto >= batch.head:
+            return batch.head, True
+        if batch.upto <= cursor:  # a hub that does not move on would loop us forever
+            raise ProtocolError(f"`hub.replay` from {cursor} answered upto={batch.upto} "
+                                f"< head={batch.head} without progress")
+        return batch.upto, False
 
     async def _replay_batch(self, cursor: int) -> p.ReplayBatch:
         """One `hub.replay` round trip. It is idempotent, so a hub that is restarting (the
@@ -225,6 +240,9 @@ class Subscription:
         while True:
             if self._backlog:
                 return self._backlog.popleft()
+            if self._catching_up:
+                await self._catch_up()
+                continue
             envelope = await self._next_live()
             if envelope is not None:
                 return envelope

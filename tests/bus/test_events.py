@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.client import connect
 from tests.bus.helpers import serving_peers
-from tests.support import ROOT, busctl, py, running, tight_timing, until
+from tests.support import ROOT, Proc, busctl, py, running, tight_timing, until
 
 pytestmark = pytest.mark.anyio
 
@@ -246,3 +247,51 @@ async def test_lost_live_events_are_filled_from_the_log_or_reported(hub: dict,
         else:
             assert [text for _, text in seen] == ["0", "1", "6", "7", "8", "9"]
             assert [(g.first, g.last) for g in gaps] == [(lost[0], lost[-1])]
+
+
+async def test_a_replay_from_since_is_read_a_batch_at_a_time(tmp_path: Path) -> None:
+    """`subscribe(since=0)` (what `busctl watch --since 0` uses) hands out the first events
+    before it has read the whole log, and holds one batch, not the log: with the hub stopped
+    after the first event, at most about one batch more can be read; the rest follows, exactly
+    once and in order, when the hub continues."""
+    hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+                      "--replay-bytes", "4096"))
+    try:
+        endpoint = hub.wait_ready()["endpoint"]
+        total = 3000
+        async with connect(endpoint, name="publisher") as peer:
+            for i in range(total):
+                await peer.publish(ev.TopicMessage(topic="t", text=str(i)))
+            await peer.confirm()
+        async with connect(endpoint, name="watcher") as peer:
+            texts: list[str] = []
+            seqs: list[int] = []
+
+            async def read_until(count: int) -> None:
+                async for envelope in sub:
+                    seqs.append(envelope.header.seq)
+                    if isinstance(envelope.event, ev.TopicMessage):
+                        texts.append(envelope.event.text)
+                        if len(texts) == count:
+                            return
+
+            async with peer.subscribe(since=0) as sub:
+                with anyio.fail_after(30):
+                    await read_until(1)
+                hub.signal(signal.SIGSTOP)
+                try:
+                    # What is read while the hub is stopped was already held: one batch of
+                    # ~100-byte events under 4 KiB (this waits out a negative: nothing more
+                    # can arrive, however long it waits).
+                    with anyio.move_on_after(1.0):
+                        await read_until(total)
+                    held = len(texts)
+                finally:
+                    hub.signal(signal.SIGCONT)
+                assert held < 200, f"{held} of {total} events were read with the hub stopped"
+                with anyio.fail_after(60):
+                    await read_until(total)
+        assert texts == [str(i) for i in range(total)]
+        assert seqs == sorted(set(seqs)), "a duplicate or out of order"
+    finally:
+        hub.stop()
