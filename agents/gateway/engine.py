@@ -47,6 +47,7 @@ import anyio
 import httpx
 import msgspec
 
+from agents.gateway.http1 import Http1Transport
 from agents.gateway.providers import (
     PROVIDERS,
     MessageBuilder,
@@ -248,7 +249,9 @@ def _new_client() -> httpx.AsyncClient:
     # arrives: they share one, made once with the same defaults (certifi, SSL_CERT_* vars).
     if not _ssl:
         _ssl.append(httpx.create_ssl_context())
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=None), verify=_ssl[0])
+    # Http1Transport, not httpcore's: half the gateway's CPU per call (see agents/gateway/http1.py);
+    # it hands proxied URLs (environment variables) and other schemes to httpx's transport.
+    return httpx.AsyncClient(transport=Http1Transport(_ssl[0]))
 
 
 class _ClientPool:

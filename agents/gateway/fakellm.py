@@ -16,8 +16,10 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
      "context_window": 0,      # >0: /v1/models (meta.n_ctx) and /props (n_ctx) report it, and a
                                # prompt estimated longer (JSON bytes / 4) gets llama.cpp's HTTP 400
                                # `exceed_context_size_error` with `n_ctx`
-     "close_after_stream": false}  # true: like llama.cpp, the connection is dead after a stream
+     "close_after_stream": false,  # true: like llama.cpp, the connection is dead after a stream
                                # (without saying so): the next request on it gets no answer
+     "close_idle_after": 0.0}  # >0: a keep-alive connection idle this many seconds is closed
+                               # (a server's keep-alive timeout)
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -154,6 +156,7 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     models: list[str] = msgspec.field(default_factory=lambda: ["fake-model"])  # GET /v1/models
     context_window: int = 0  # >0: reported by /v1/models and /props; longer prompts get HTTP 400
     close_after_stream: bool = False  # drop the next request on a connection that streamed
+    close_idle_after: float = 0.0  # >0: close a keep-alive connection idle this long (seconds)
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -616,9 +619,21 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
     _record: RecordedRequest | None = None
     _dead = False  # set after a stream when the script says `close_after_stream`
+    _served = False  # a request was answered on this connection
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read srv.requests
         return
+
+    def handle_one_request(self) -> None:
+        # `close_idle_after`: a server's keep-alive timeout, counted from the end of a response
+        # (not from the accept: a client may be slow to send its first request)
+        idle = self.server.owner.script.close_idle_after
+        if idle > 0 and self._served and not select.select([self.rfile], [], [], idle)[0]:
+            self.server.owner._count_idle_close()
+            self.close_connection = True
+            return
+        super().handle_one_request()
+        self._served = True
 
     def do_GET(self) -> None:
         script = self.server.owner.script
@@ -814,6 +829,7 @@ class FakeLLMServer:
         self.max_in_flight = 0
         self.disconnects: list[float] = []  # time.monotonic() when a client closed mid-response
         self.dropped = 0  # requests dropped unanswered on a connection dead after its stream
+        self.idle_closed = 0  # keep-alive connections closed after `close_idle_after` idle
         self.context_refusals = 0  # HTTP 400 answers to prompts longer than `context_window`
         self._cursor = 0
         self._lock = threading.Condition()
@@ -899,6 +915,10 @@ class FakeLLMServer:
     def _count_dropped(self) -> None:
         with self._lock:
             self.dropped += 1
+
+    def _count_idle_close(self) -> None:
+        with self._lock:
+            self.idle_closed += 1
 
     def _count_refusal(self) -> None:
         with self._lock:
