@@ -35,6 +35,7 @@ import os
 import random
 import re
 import ssl
+import urllib.request
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
@@ -249,8 +250,11 @@ def _new_client() -> httpx.AsyncClient:
     # arrives: they share one, made once with the same defaults (certifi, SSL_CERT_* vars).
     if not _ssl:
         _ssl.append(httpx.create_ssl_context())
-    # Http1Transport, not httpcore's: half the gateway's CPU per call (see agents/gateway/http1.py);
-    # it hands proxied URLs (environment variables) and other schemes to httpx's transport.
+    if urllib.request.getproxies_environment():
+        # A proxy in the environment (HTTP(S)_PROXY, ALL_PROXY, NO_PROXY): httpx's own transport
+        # applies it by httpx's rules, exactly as before Http1Transport existed.
+        return httpx.AsyncClient(limits=httpx.Limits(max_connections=None), verify=_ssl[0])
+    # Http1Transport, not httpcore's: half the gateway's CPU per call (agents/gateway/http1.py).
     return httpx.AsyncClient(transport=Http1Transport(_ssl[0]))
 
 

@@ -6,9 +6,9 @@ transport parses a response once per socket read and hands httpx every chunk tha
 completed as one bytes object. httpx stays the client: URLs, headers, timeouts, content decoding
 (gzip, deflate) and the error classes the engine maps are all httpx's.
 
-What it does not do goes to httpx's own transport (`Http1Transport.route`): a proxy the
-environment names for the URL (HTTP(S)_PROXY, ALL_PROXY, NO_PROXY, applied as httpx applies them)
-and any scheme but http and https. Never HTTP/2, never pipelining.
+It speaks to origins directly: when the environment names a proxy, the engine does not use it
+(httpx's own transport applies HTTP(S)_PROXY, ALL_PROXY and NO_PROXY, as it always has; see
+`engine._new_client`). Only http and https; never HTTP/2, never pipelining.
 
 The server is untrusted input: the status line + headers, chunk-size lines and trailers are
 bounded, and anything malformed raises `httpx.RemoteProtocolError` (never ValueError/IndexError)."""
@@ -25,10 +25,6 @@ from typing import Final
 import anyio
 import anyio.abc
 import httpx
-
-# Private in httpx (0.27, 0.28), imported so proxies follow exactly the rules httpx.AsyncClient
-# applies; an httpx that moves them fails this import, at startup and in the gateway tests.
-from httpx._utils import URLPattern, get_environment_proxies
 
 MAX_HEAD: Final = 64 * 1024  # status line + headers, as h11's default max_incomplete_event_size
 MAX_LINE: Final = 4 * 1024  # a chunk-size line (with extensions) or one trailer line
@@ -98,46 +94,19 @@ class Http1Transport(httpx.AsyncBaseTransport):
         ssl_context: ssl.SSLContext,
         *,
         max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN,
-        env_proxies: Mapping[str, str | None] | None = None,
     ) -> None:
         ssl_context.set_alpn_protocols(["http/1.1"])  # what httpcore sets on it for HTTP/1.1
         self._ssl = ssl_context
         self._max_idle = max_idle_per_origin
         self._idle: dict[Origin, list[_Conn]] = {}
         self._closed = False
-        self._default: httpx.AsyncHTTPTransport | None = None
-        proxies = get_environment_proxies() if env_proxies is None else env_proxies
-        # As httpx.AsyncClient mounts them: the most specific pattern first; None: no proxy.
-        self._routes: list[tuple[URLPattern, httpx.AsyncBaseTransport | None]] = sorted(
-            ((URLPattern(key), None if url is None else self._proxy_transport(url))
-             for key, url in proxies.items()),
-            key=lambda route: route[0],
-        )
-
-    # --- routing -----------------------------------------------------------------------------
-
-    def route(self, url: httpx.URL) -> httpx.AsyncBaseTransport:
-        """The transport for `url`: this one, or httpx's for a proxied URL or another scheme."""
-        for pattern, transport in self._routes:
-            if pattern.matches(url):
-                if transport is not None:
-                    return transport
-                break
-        if url.scheme in ("http", "https") and url.raw_host:
-            return self
-        if self._default is None:  # it raises httpx's own UnsupportedProtocol for the URL
-            self._default = httpx.AsyncHTTPTransport(verify=self._ssl, limits=_UNLIMITED)
-        return self._default
-
-    def _proxy_transport(self, url: str) -> httpx.AsyncBaseTransport:
-        return httpx.AsyncHTTPTransport(verify=self._ssl, limits=_UNLIMITED, proxy=httpx.Proxy(url))
 
     # --- one exchange ------------------------------------------------------------------------
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        transport = self.route(request.url)
-        if transport is not self:
-            return await transport.handle_async_request(request)
+        if request.url.scheme not in ("http", "https") or not request.url.raw_host:
+            raise httpx.UnsupportedProtocol(f"Request URL has an unsupported protocol or no host: "
+                                            f"{request.url.scheme}://")
         timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         head = await _request_head(request)
         origin = _origin(request.url)
@@ -229,12 +198,6 @@ class Http1Transport(httpx.AsyncBaseTransport):
         self._idle.clear()
         for conn in idle:
             await conn.close()
-        for transport in [t for _, t in self._routes if t is not None] + [self._default]:
-            if transport is not None:
-                await transport.aclose()
-
-
-_UNLIMITED = httpx.Limits(max_connections=None)
 
 
 class _Body(httpx.AsyncByteStream):

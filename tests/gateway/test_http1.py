@@ -136,7 +136,7 @@ def raw_server() -> Iterator[Callable[..., RawServer]]:
 
 
 def client(ctx: ssl.SSLContext | None = None, **kwargs: object) -> httpx.AsyncClient:
-    transport = Http1Transport(ctx or ssl.create_default_context(), env_proxies={}, **kwargs)  # type: ignore[arg-type]
+    transport = Http1Transport(ctx or ssl.create_default_context(), **kwargs)
     return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5.0))
 
 
@@ -430,19 +430,7 @@ async def test_https_refuses_an_untrusted_or_misnamed_certificate(
             await c.get(server.url(host, "https"))
 
 
-# --- what goes to httpx's own transport ----------------------------------------------------
-
-
-def test_proxied_urls_and_other_schemes_go_to_httpx_transport(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
-    monkeypatch.setenv("NO_PROXY", "localhost")
-    transport = Http1Transport(ssl.create_default_context())
-    assert isinstance(transport.route(httpx.URL("https://api.example.com/v1")), httpx.AsyncHTTPTransport)
-    assert transport.route(httpx.URL("https://localhost:8080/v1")) is transport
-    assert transport.route(httpx.URL("http://api.example.com/v1")) is transport  # HTTPS_PROXY only
-    assert isinstance(transport.route(httpx.URL("ftp://example.com/")), httpx.AsyncHTTPTransport)
-    plain = Http1Transport(ssl.create_default_context(), env_proxies={})
-    assert plain.route(httpx.URL("https://api.example.com/v1")) is plain
+# --- proxies and other schemes ---------------------------------------------------------
 
 
 async def test_an_environment_proxy_is_used_as_httpx_would(
