@@ -267,7 +267,9 @@ class _ClientPool:
     In the gateway at 100 concurrent sessions (`bench_scale.py --gateway-clients`), its CPU per
     model call was 6.8-7.8 ms with one client, 5.3-5.5 ms with 8 (12 streams each), 4.5 ms with
     16 (6 each); the clients share one SSL context, so more of them cost little.
-    A client gets company only once each has PER_CLIENT streams, up to SIZE clients."""
+    Those figures are httpcore's; the pool stays for it (a client with a proxy in the
+    environment) and was not measured again over Http1Transport, whose idle pool is a list
+    per origin. A client gets company only once each has PER_CLIENT streams, up to SIZE clients."""
 
     SIZE = 16
     PER_CLIENT = 6
