@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from agents.gateway.engine import _new_client
 from agents.gateway.fakellm import FakeLLMServer
-from agents.gateway.http1 import MAX_HEAD, Http1Transport
+from agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
 
 from .conftest import engine_for, request
 
@@ -135,8 +135,10 @@ def raw_server() -> Iterator[Callable[..., RawServer]]:
         server.close()
 
 
-def client(ctx: ssl.SSLContext | None = None, **kwargs: object) -> httpx.AsyncClient:
-    transport = Http1Transport(ctx or ssl.create_default_context(), **kwargs)
+def client(ctx: ssl.SSLContext | None = None, *,
+           max_idle_per_origin: int = MAX_IDLE_PER_ORIGIN) -> httpx.AsyncClient:
+    transport = Http1Transport(ctx or ssl.create_default_context(),
+                               max_idle_per_origin=max_idle_per_origin)
     return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5.0))
 
 
