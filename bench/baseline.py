@@ -7,8 +7,10 @@ the physical limit of one broker hop on this machine.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import time
+from pathlib import Path
 
 import zmq
 
@@ -16,6 +18,12 @@ import zmq
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat utime, stime)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:

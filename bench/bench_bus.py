@@ -24,7 +24,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.baseline import free_port, pct, raw_round_trip  # noqa: E402
+from bench.baseline import cpu_s, free_port, pct, raw_round_trip  # noqa: E402
 
 
 def _raw_publisher(endpoint: str, n: int) -> None:
@@ -132,11 +132,7 @@ def _cpu(hub: int, servers: list[int]) -> tuple[float, float, float]:
     """CPU seconds (user + system, all threads) used so far by the hub, the serving peers
     together, and this process (the requester): per-request CPU, unlike wall time, does not
     move with what else the shared machine runs."""
-    def proc(pid: int) -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    return proc(hub), sum(proc(pid) for pid in servers), time.process_time()
+    return cpu_s(hub), sum(cpu_s(pid) for pid in servers), time.process_time()
 
 
 def _cpu_per(before: tuple[float, ...], after: tuple[float, ...], n: int) -> tuple[float, ...]:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
 from agents.gateway.fakellm import FakeLLMServer  # noqa: E402
-from bench.baseline import pct  # noqa: E402
+from bench.baseline import cpu_s, pct  # noqa: E402
 from bus import events as ev  # noqa: E402
 from bus.client import connect  # noqa: E402
 from bus.messages import AssistantMessage, LlmRequest, ToolSpec, user_text  # noqa: E402
@@ -71,12 +71,6 @@ async def through_bus(endpoint: str, n: int) -> list[float]:
             await peer.request("llm", body, timeout=30)
             times.append(time.perf_counter() - t0)
     return times
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat utime, stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def gateway_cpu(endpoint: str, pid: int, text: str, n: int) -> float:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from agents import commands as cmd  # noqa: E402
 from agents.loop.run import LoopConfig, run_loop  # noqa: E402
+from bench.baseline import cpu_s  # noqa: E402
 from bus.client import connect  # noqa: E402
 from bus.messages import (  # noqa: E402
     AssistantMessage,
@@ -239,12 +240,6 @@ class Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, 9)
                 self.popen.wait(5)
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat utime, stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 PROFILE_DIR = ""

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 from agents import commands as cmd  # noqa: E402
 from agents.loop.run import LoopConfig, run_loop  # noqa: E402
 from bench import bench_loop  # noqa: E402
-from bench.baseline import pct  # noqa: E402
+from bench.baseline import cpu_s, pct  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
 from bus.client import connect  # noqa: E402
 from bus.errors import AgentBusError  # noqa: E402
@@ -96,12 +96,6 @@ def rss_kb(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
     return 0
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat utime, stime)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def topology_toml(base_url: str, n: int) -> str:
