@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from agents.gateway.engine import _new_client
 from agents.gateway.fakellm import FakeLLMServer
 from agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
+from tests.support import until
 
 from .conftest import engine_for, request
 
@@ -142,12 +143,6 @@ def client(ctx: ssl.SSLContext | None = None, *,
     return httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(5.0))
 
 
-async def wait_for(condition: Callable[[], bool], deadline: float = 5.0) -> None:
-    with anyio.fail_after(deadline):
-        while not condition():
-            await anyio.sleep(0.01)
-
-
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 CHUNKED = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
            b"5\r\nhello\r\n1;ext=1\r\n \r\n5\r\nworld\r\n0\r\nX-Trailer: 1\r\n\r\n")
@@ -210,7 +205,7 @@ async def test_a_keep_alive_connection_the_server_closed_while_idle_is_not_used(
     server = raw_server([(OK, "close")])
     async with client() as c:
         assert (await c.get(server.url())).content == b"ok"
-        await wait_for(lambda: server.server_closed == 1)
+        await until(lambda: server.server_closed == 1, what="server.server_closed == 1")
         assert (await c.get(server.url())).content == b"ok"
     assert server.connections == 2
 
@@ -220,7 +215,7 @@ async def test_the_engine_survives_a_server_closing_idle_keep_alive_connections(
     server = fake_server({"close_idle_after": 0.05})
     async with engine_for(server) as engine:
         first = await engine.complete(request("one"))
-        await wait_for(lambda: server.idle_closed >= 1)
+        await until(lambda: server.idle_closed >= 1, what="server.idle_closed >= 1")
         second = await engine.complete(request("two"))
         stats = engine.stats().models["fake-openai"]
     assert [first.stop_reason, second.stop_reason] == ["stop", "stop"]
@@ -362,7 +357,7 @@ async def test_an_aborted_stream_closes_its_connection(raw_server: Callable[...,
             async for chunk in response.aiter_raw():
                 assert chunk == b"ok"
                 break
-        await wait_for(lambda: server.client_closed == 1)
+        await until(lambda: server.client_closed == 1, what="server.client_closed == 1")
         assert (await c.get(server.url())).content == b"ok"
     assert server.connections == 2
 
@@ -372,7 +367,7 @@ async def test_a_cancelled_request_closes_its_connection(raw_server: Callable[..
     async with client() as c:
         with anyio.move_on_after(0.1):
             await c.get(server.url())
-        await wait_for(lambda: server.client_closed == 1)
+        await until(lambda: server.client_closed == 1, what="server.client_closed == 1")
 
 
 async def test_idle_connections_per_origin_are_capped(raw_server: Callable[..., RawServer]) -> None:
@@ -381,9 +376,9 @@ async def test_idle_connections_per_origin_are_capped(raw_server: Callable[..., 
         async with anyio.create_task_group() as tg:
             for _ in range(4):
                 tg.start_soon(c.get, server.url())
-        await wait_for(lambda: server.client_closed == 2)  # two kept idle, the extras closed
+        await until(lambda: server.client_closed == 2, what="server.client_closed == 2")  # two kept idle, the extras closed
         assert server.connections == 4
-    await wait_for(lambda: server.client_closed == 4)
+    await until(lambda: server.client_closed == 4, what="server.client_closed == 4")
 
 
 # --- TLS -----------------------------------------------------------------------------------
