@@ -250,12 +250,18 @@ def _new_client() -> httpx.AsyncClient:
     # arrives: they share one, made once with the same defaults (certifi, SSL_CERT_* vars).
     if not _ssl:
         _ssl.append(httpx.create_ssl_context())
-    if urllib.request.getproxies_environment():
-        # A proxy in the environment (HTTP(S)_PROXY, ALL_PROXY, NO_PROXY): httpx's own transport
-        # applies it by httpx's rules, exactly as before Http1Transport existed.
+    if environment_names_a_proxy():
+        # httpx's own transport applies it (with NO_PROXY) by httpx's rules, exactly as before
+        # Http1Transport existed.
         return httpx.AsyncClient(limits=httpx.Limits(max_connections=None), verify=_ssl[0])
     # Http1Transport, not httpcore's: half the gateway's CPU per call (agents/gateway/http1.py).
     return httpx.AsyncClient(transport=Http1Transport(_ssl[0]))
+
+
+def environment_names_a_proxy() -> bool:
+    """HTTP(S)_PROXY, ALL_PROXY or another `<scheme>_proxy` is set. NO_PROXY alone (the stdlib
+    lists it as the scheme "no") names none: common in CI, it must not cost the lean transport."""
+    return any(scheme != "no" for scheme in urllib.request.getproxies_environment())
 
 
 class _ClientPool:

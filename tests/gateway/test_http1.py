@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.gateway.engine import _new_client
+from agents.gateway.engine import _new_client, environment_names_a_proxy
 from agents.gateway.fakellm import FakeLLMServer
 from agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
 from tests.support import until
@@ -428,6 +428,17 @@ async def test_https_refuses_an_untrusted_or_misnamed_certificate(
 
 
 # --- proxies and other schemes ---------------------------------------------------------
+
+
+def test_only_a_named_proxy_turns_the_lean_transport_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    assert not environment_names_a_proxy()
+    monkeypatch.setenv("NO_PROXY", "localhost")  # says where not to proxy: no proxy named
+    assert not environment_names_a_proxy()
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    assert environment_names_a_proxy()
 
 
 async def test_an_environment_proxy_is_used_as_httpx_would(
