@@ -152,7 +152,11 @@ async def _run_in_thread(
     try:
         try:
             _threads.submit(job)
-            value, error = await job.future
+            if _threads.settle(job, _threads.QUICK_WAIT if t.quick_in_thread else 0.0):
+                value, error = job.value, job.error
+            else:
+                assert job.future is not None  # made by `settle`
+                value, error = await job.future
         finally:
             limiter.release_on_behalf_of(job)
     except anyio.get_cancelled_exc_class():
@@ -160,6 +164,7 @@ async def _run_in_thread(
             ctx._cancel()
         await _grace(job)
         raise
+    t.quick_in_thread = job.run_time <= _threads.QUICK_RUN
     try:
         if error is not None:
             raise error

@@ -1,11 +1,20 @@
-"""The threads sync tools run in: one hand-over to an idle thread and one wake-up of the loop
-when the function returns, nothing else.
+"""The threads sync tools run in: one hand-over to an idle thread and, for a tool that returns
+quickly, a short wait for it on the event loop's thread; else one wake-up of the loop when the
+function returns.
 
 `anyio.to_thread.run_sync` costs about three times as much CPU on the event loop per call
 (measured ~150 vs ~50 us on the loaded 2-core test machine, a trivial function): a checkpoint
 (an extra loop pass) before starting, a cancel-shielded checkpoint (another) when taking the
 limiter's token, two cancel scopes, and a `queue.Queue` with its condition variable. For an echo
 tool that was a fifth of the worker's CPU per call.
+
+The short wait (`settle`, at most `QUICK_WAIT`): the loop thread blocks on a lock (without the
+GIL) while the thread runs the function. When it returns in time, the outcome is read at once:
+no wake-up of the loop through its self-pipe, no future, and two loop passes fewer (the
+wake-up's, and the task's resumption after it); concurrent calls of a quick tool then share one
+thread instead of waking one each. Otherwise the loop gives up waiting and the thread reports
+through the loop as before. The caller waits only for functions whose last run was quick (see
+`runner`), so a slow tool costs the loop nothing and a quick one at most `QUICK_WAIT`.
 
 Kept from anyio's behaviour: each call runs in a copy of the caller's context (contextvars
 reach the tool) in which sniffio names no async library; a job whose future was cancelled
@@ -32,13 +41,23 @@ import sniffio
 
 #: Seconds an idle thread is kept for the next call (anyio's `WorkerThread.MAX_IDLE_TIME`).
 MAX_IDLE = 10.0
+#: Longest wait (s) of the loop thread for a quick function (`settle`).
+QUICK_WAIT = 0.0005
+#: A function whose run took at most this long (s) is waited for on its next call.
+QUICK_RUN = 0.0002
 
 
 class Job:
-    """One function call handed to a thread; its fields other than the inputs are only touched
-    on the event loop's thread (`_report` runs there)."""
+    """One function call handed to a thread.
 
-    __slots__ = ("loop", "context", "fn", "kwargs", "future", "done", "on_done")
+    The thread writes `value`, `error` and `run_time`, then takes `_claim`; the loop, giving
+    up its wait, takes it too: whoever gets it first decides how the outcome is delivered (the
+    thread: through `_signal` to the waiting loop; the loop: through `future`, which the thread
+    then completes on the loop with `_report`). The other fields are only touched on the event
+    loop's thread."""
+
+    __slots__ = ("loop", "context", "fn", "kwargs", "future", "done", "on_done", "value",
+                 "error", "run_time", "_worker", "_claim", "_signal")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any],
                  kwargs: dict[str, Any]) -> None:
@@ -48,10 +67,18 @@ class Job:
         self.context = context
         self.fn = fn
         self.kwargs = kwargs
-        # (value, None) or (None, exception): the exception is raised by the caller's task.
-        self.future: asyncio.Future[tuple[Any, BaseException | None]] = loop.create_future()
-        self.done = False  # the function returned (or raised), reported on the loop
+        # (value, None) or (None, exception), for a caller that stopped waiting (`settle`): the
+        # exception is raised by the caller's task. None until then.
+        self.future: asyncio.Future[tuple[Any, BaseException | None]] | None = None
+        self.done = False  # the function returned (or raised), and the loop knows
         self.on_done: Callable[[], None] | None = None  # a cancelled caller waiting for it
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.run_time = 0.0  # seconds the function ran
+        self._worker: _Thread | None = None
+        self._claim = threading.Lock()
+        self._signal = threading.Lock()
+        self._signal.acquire()  # released by the thread for a loop still waiting
 
 
 class _Thread:
@@ -83,7 +110,33 @@ def submit(job: Job) -> None:
         worker = _Thread()
         threading.Thread(target=_serve, args=(worker,), name="tool thread",
                          daemon=True).start()
+    job._worker = worker
     worker.jobs.put(job)
+
+
+def settle(job: Job, wait: float) -> bool:
+    """After `submit`, on the loop's thread: block up to `wait` s for the function to return.
+
+    True: it did, its outcome is in `job.value` / `job.error` and its thread is idle again.
+    False: it still runs; `job.future` (made here) gets the outcome through the loop.
+    """
+    if wait > 0 and job._signal.acquire(timeout=wait):
+        _finished(job)
+        return True
+    job.future = job.loop.create_future()
+    if job._claim.acquire(blocking=False):
+        return False  # the thread will see the claim taken and report through the loop
+    _finished(job)  # it returned meanwhile and claimed first: the outcome is written
+    return True
+
+
+def _finished(job: Job) -> None:
+    """On the loop: the function returned and its outcome was read there: the thread is idle."""
+    job.done = True
+    worker = job._worker
+    if worker is not None:
+        worker.idle_since = time.monotonic()
+        _idle.threads.append(worker)
 
 
 def _expire(idle: deque[_Thread]) -> None:
@@ -94,30 +147,33 @@ def _expire(idle: deque[_Thread]) -> None:
 
 def _serve(worker: _Thread) -> None:
     """A thread's life: run the jobs it is given until told to stop or the loop is gone."""
+    clock = time.perf_counter
     while True:
         job = worker.jobs.get()
         if job is None:
             return
-        value: Any = None
-        error: BaseException | None = None
-        if not job.future.cancelled():  # (a read of its state; anyio does the same)
+        future = job.future  # (a read of its state; anyio does the same)
+        if future is None or not future.cancelled():
+            started = clock()
             try:
-                value = job.context.run(job.fn, **job.kwargs)
+                job.value = job.context.run(job.fn, **job.kwargs)
             except BaseException as exc:  # handed to the caller as is
-                error = exc
+                job.error = exc
+            job.run_time = clock() - started
+        if job._claim.acquire(blocking=False):  # the loop still waits (or will find it done)
+            job._signal.release()
+            continue
         try:
-            job.loop.call_soon_threadsafe(_report, worker, job, value, error)
+            job.loop.call_soon_threadsafe(_report, job)
         except RuntimeError:  # the loop is closed: an abandoned call outlived it
             return
 
 
-def _report(worker: _Thread, job: Job, value: Any, error: BaseException | None) -> None:
+def _report(job: Job) -> None:
     """On the loop: the thread is idle again; the caller gets the outcome (unless cancelled)."""
-    worker.idle_since = time.monotonic()
-    _idle.threads.append(worker)
-    job.done = True
+    _finished(job)
     future = job.future
-    if not future.done():
-        future.set_result((value, error))
+    if future is not None and not future.done():
+        future.set_result((job.value, job.error))
     if job.on_done is not None:
         job.on_done()

@@ -55,6 +55,9 @@ class Tool:
         self.args_type, self.context_param = build_args_struct(fn, self.name, param_docs, ToolContext)
         self.parameters = provider_schema(self.args_type, self.name)
         self._decoder = msgspec.json.Decoder(self.args_type)
+        # A sync tool's last run was quick: the runner waits for the next one on the event
+        # loop's thread, briefly, instead of being woken for it (tools/_threads.py `settle`).
+        self.quick_in_thread = True
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
