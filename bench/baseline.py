@@ -1,7 +1,9 @@
 """The raw-pyzmq baseline every benchmark compares against, measured in the same run.
 
 A blocking DEALER -> ROUTER broker -> DEALER worker echo, with no framing beyond a kind frame:
-the physical limit of one broker hop on this machine.
+the physical limit of one broker hop on this machine. `raw_round_trip` times one request at a
+time; `raw_throughput` keeps many in flight over several workers (taken in turn), the ceiling
+for requests per second through one Python broker here.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _raw_broker(endpoint: str) -> None:
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     router.bind(endpoint)
-    worker: bytes | None = None
+    workers: list[bytes] = []
+    turn = 0
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     while True:
@@ -49,9 +52,10 @@ def _raw_broker(endpoint: str) -> None:
                 break
             ident, kind = frames[0], frames[1]
             if kind == b"ready":
-                worker = ident
-            elif kind == b"req" and worker is not None:  # [client, req, body] -> worker
-                router.send_multipart([worker, b"req", ident, *frames[2:]])
+                workers.append(ident)
+            elif kind == b"req" and workers:  # [client, req, body] -> the next worker in turn
+                turn = (turn + 1) % len(workers)
+                router.send_multipart([workers[turn], b"req", ident, *frames[2:]])
             elif kind == b"rep":  # [worker, rep, client, body] -> client
                 router.send_multipart([frames[2], b"rep", *frames[3:]])
             elif kind == b"stop":
@@ -69,23 +73,81 @@ def _raw_worker(endpoint: str) -> None:
         sock.send_multipart([b"rep", *frames[1:]])
 
 
-def raw_round_trip(n: int, body: bytes = b"x" * 64) -> tuple[float, float]:
+def _start(workers: int) -> tuple[str, list[mp.process.BaseProcess]]:
+    """A raw broker and `workers` raw workers, each its own process."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     spawn = mp.get_context("spawn")
-    procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True),
-             spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)]
+    procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True)]
+    procs += [spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)
+              for _ in range(workers)]
     for proc in procs:
         proc.start()
+    return endpoint, procs
+
+
+def _stop(sock: zmq.Socket, ctx: zmq.Context, procs: list[mp.process.BaseProcess]) -> None:  # type: ignore[type-arg]
+    sock.close()
+    ctx.term()
+    for proc in procs:
+        proc.kill()
+        proc.join()
+
+
+def _requester(endpoint: str, body: bytes, workers: int) -> tuple[zmq.Context, zmq.Socket]:  # type: ignore[type-arg]
+    """A DEALER that has had one answer from each of `workers` (so all have registered)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(endpoint)
+    answered = 0
+    while answered < workers * 2:  # two turns of the rotation: every worker answers
+        sock.send_multipart([b"req", body])
+        if sock.poll(200):
+            sock.recv_multipart()
+            answered += 1
+    while sock.poll(200):  # answers to tries that timed out above
+        sock.recv_multipart()
+    return ctx, sock
+
+
+def _drain(sock: zmq.Socket) -> int:  # type: ignore[type-arg]
+    """Wait for one message, then take every one already there: how many."""
+    sock.recv_multipart()
+    count = 1
+    while True:
+        try:
+            sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return count
+        count += 1
+
+
+def raw_throughput(seconds: float, workers: int = 4, inflight: int = 256,
+                   body: bytes = b"x" * 64) -> float:
+    """Requests/s with `inflight` requests outstanding from one blocking requester, through
+    the raw broker to `workers` raw workers: what `bench_bus`'s hub throughput is set against."""
+    endpoint, procs = _start(workers)
+    ctx, sock = _requester(endpoint, body, workers)
     try:
-        while True:  # until the worker has registered
+        for _ in range(inflight):
             sock.send_multipart([b"req", body])
-            if sock.poll(200):
-                sock.recv_multipart()
-                break
+        done = 0
+        started = time.perf_counter()
+        stop = started + seconds
+        while time.perf_counter() < stop:
+            answers = _drain(sock)
+            for _ in range(answers):  # one out for each one in
+                sock.send_multipart([b"req", body])
+            done += answers
+        return done / (time.perf_counter() - started)
+    finally:
+        _stop(sock, ctx, procs)
+
+
+def raw_round_trip(n: int, body: bytes = b"x" * 64) -> tuple[float, float]:
+    endpoint, procs = _start(1)
+    ctx, sock = _requester(endpoint, body, 1)
+    try:
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
@@ -94,8 +156,4 @@ def raw_round_trip(n: int, body: bytes = b"x" * 64) -> tuple[float, float]:
             times.append(time.perf_counter() - t0)
         return pct(times, 0.5), pct(times, 0.99)
     finally:
-        sock.close()
-        ctx.term()
-        for proc in procs:
-            proc.kill()
-            proc.join()
+        _stop(sock, ctx, procs)

@@ -9,12 +9,17 @@ One hub (`busctl hub`, its log in a temporary state dir) holds `events` x `event
 - latency: `rounds` times, the test's replayer (tests/fault/test_budgets.py, nice 19, a whole-log
   replay in a loop) is stopped/continued while 1,000 `echo` requests are timed in each state
   (alternating 250 at a time, as the test does); prints p99 idle, p99 busy and the ratio per round.
+- with `--reference RATE`: the same rounds again with no replay at all, a copier in its place: a
+  process in the idle scheduling class (SCHED_IDLE, below nice 19) that only copies a 512 KiB
+  buffer RATE times a second, talking to nobody. It shows what any background memory traffic
+  costs the requests' p99 on this machine, whatever the hub does (bench/README.md, 2026-12-01).
 Not run by pytest. Every process is stopped at the end, even on error.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import sys
@@ -57,6 +62,38 @@ def throughput(peer: RawPeer, seconds: float) -> tuple[float, float]:
     return size / MiB / took, batches / took
 
 
+def copier(rate: float) -> None:
+    """The `--reference` load: copy a 512 KiB buffer `rate` times a second, at the lowest
+    priority the OS has, and nothing else."""
+    os.nice(19)
+    if hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    source = os.urandom(512 * 1024)
+    print('{"ready": "copier"}', flush=True)
+    started = time.perf_counter()
+    copies = 0
+    while True:
+        bytes(bytearray(source))  # two copies, as a forwarded batch is copied in and out
+        copies += 1
+        ahead = copies / rate - (time.perf_counter() - started)
+        if ahead > 0:
+            time.sleep(ahead)  # the pace: `rate` copies a second
+
+
+def rounds(requester: RawPeer, load: Proc, count: int, what: str) -> list[float]:
+    """`count` latency rounds beside `load`: the p99 ratios, each printed."""
+    ratios: list[float] = []
+    load.wait_ready(20)
+    for n in range(count):
+        idle, busy = latency_round(requester, load)
+        ratios.append(busy / idle)
+        print(f"round {n + 1}: request p99 idle {idle * 1e3:.2f} ms, during {what} "
+              f"{busy * 1e3:.2f} ms ({busy / idle:.2f}x)", flush=True)
+    print(f"{what}: ratio median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x",
+          flush=True)
+    return ratios
+
+
 def latency_round(requester: RawPeer, replaying: Proc) -> tuple[float, float]:
     idle: list[float] = []
     busy: list[float] = []
@@ -74,6 +111,9 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=200)
     parser.add_argument("--event-kib", type=int, default=512)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--reference", type=float, default=0.0, metavar="RATE",
+                        help="then the same rounds beside a hub-free idle-class copier of RATE "
+                             "512 KiB copies a second instead of the replay")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hub = tb.start_hub(Path(tmp))
@@ -91,19 +131,17 @@ def main() -> None:
             mibs, rate = throughput(requester, args.seconds)
             print(f"replay throughput: {mibs:.0f} MiB/s, {rate:.0f} batches/s "
                   f"({args.events} x {args.event_kib} KiB events, {args.seconds:g} s)", flush=True)
-            ratios: list[float] = []
             if not args.rounds:
                 return
             with serving_peers(endpoint, 1, "--capacity", "4"):
                 tb.request_times(requester, 100)  # warm up
                 replaying = Proc(py(str(ROOT / "tests/fault/test_budgets.py"), "replay", endpoint))
-                replaying.wait_ready(20)
-                for n in range(args.rounds):
-                    idle, busy = latency_round(requester, replaying)
-                    ratios.append(busy / idle)
-                    print(f"round {n + 1}: request p99 idle {idle * 1e3:.2f} ms, during replay "
-                          f"{busy * 1e3:.2f} ms ({busy / idle:.2f}x)", flush=True)
-            print(f"ratio median {statistics.median(ratios):.2f}x, max {max(ratios):.2f}x")
+                rounds(requester, replaying, args.rounds, "replay")
+                replaying.stop()
+                if args.reference:
+                    replaying = Proc(py(__file__, "--copier", str(args.reference)))
+                    rounds(requester, replaying, args.rounds,
+                           f"a hub-free idle-class copier, {args.reference:g} x 512 KiB/s")
         finally:
             if replaying is not None:
                 replaying.stop()
@@ -113,4 +151,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--copier"]:
+        copier(float(sys.argv[2]))
+    else:
+        main()
