@@ -15,8 +15,10 @@ bounded, and anything malformed raises `httpx.RemoteProtocolError` (never ValueE
 
 from __future__ import annotations
 
+import math
 import re
 import select
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -52,24 +54,25 @@ Origin = tuple[str, str, int]  # scheme, host, port
 class _Conn:
     """One socket and the bytes read from it that no response has consumed yet."""
 
-    __slots__ = ("stream", "buf", "idle_since")
+    __slots__ = ("stream", "sock", "buf", "idle_since")
 
     def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
+        # Looked up once: each `extra()` builds the stream's whole attribute table (~12 us).
+        self.sock: socket.socket | None = stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
         self.buf = b""
         self.idle_since = 0.0
 
     async def read(self, timeout: float | None) -> bytes:
         """The next bytes; b"" at EOF."""
         try:
-            with anyio.fail_after(timeout):
+            with anyio.CancelScope(deadline=_deadline(timeout)):
                 return await self.stream.receive(READ_SIZE)
-        except TimeoutError:
-            raise httpx.ReadTimeout("timed out reading from the server") from None
         except _EOF_ERRORS:
             return b""
         except _BROKEN_ERRORS as exc:
             raise httpx.ReadError(str(exc) or type(exc).__name__) from exc
+        raise httpx.ReadTimeout("timed out reading from the server")  # the deadline passed
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):  # a cancelled task must still release its socket
@@ -77,7 +80,7 @@ class _Conn:
 
     def server_spoke(self) -> bool:
         """True when an idle connection is readable: the server closed it (or sent garbage)."""
-        sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket, None)
+        sock = self.sock
         if sock is None or sock.fileno() < 0:
             return True
         poller = select.poll()
@@ -355,12 +358,18 @@ async def _request_head(request: httpx.Request) -> bytes:
 
 async def _send(conn: _Conn, data: bytes, timeout: float | None) -> None:
     try:
-        with anyio.fail_after(timeout):
+        with anyio.CancelScope(deadline=_deadline(timeout)):
             await conn.stream.send(data)
-    except TimeoutError:
-        raise httpx.WriteTimeout("timed out sending the request") from None
+            return
     except _BROKEN_ERRORS as exc:
         raise httpx.WriteError(str(exc) or type(exc).__name__) from exc
+    raise httpx.WriteTimeout("timed out sending the request")  # the deadline passed
+
+
+def _deadline(timeout: float | None) -> float:
+    """The deadline of a cancel scope used as `fail_after(timeout)`, which costs twice as much
+    CPU (~18 us; it runs around every read and send)."""
+    return math.inf if timeout is None else anyio.current_time() + timeout
 
 
 async def _read_head(

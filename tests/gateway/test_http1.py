@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.gateway.engine import _new_client, environment_names_a_proxy
+from agents.gateway.engine import _LeanClient, _new_client, environment_names_a_proxy
 from agents.gateway.fakellm import FakeLLMServer
 from agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
 from tests.support import until
@@ -38,6 +38,7 @@ class RawServer:
                  barrier: int = 0) -> None:
         self.replies = list(replies)
         self.request_lines: list[bytes] = []
+        self.heads: list[bytes] = []  # each request's line and headers
         self.connections = 0
         self.client_closed = 0  # connections the client closed (EOF seen while waiting)
         self.server_closed = 0  # connections closed after a "close" reply
@@ -99,6 +100,7 @@ class RawServer:
                 buf = buf[length:]
                 with self._lock:
                     self.request_lines.append(head.split(b"\r\n")[0])
+                    self.heads.append(head)
                     reply, mode = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
                 if self._barrier is not None:
                     self._barrier.wait(timeout=5)
@@ -425,6 +427,52 @@ async def test_https_refuses_an_untrusted_or_misnamed_certificate(
     async with client(ctx) as c:
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED|match"):
             await c.get(server.url(host, "https"))
+
+
+# --- the engine's streamed calls (`_LeanClient.open_stream`) ----------------------------------
+
+SETS_COOKIE = (b"HTTP/1.1 200 OK\r\nSet-Cookie: lb=node-2; Path=/\r\nContent-Length: 2\r\n\r\nok")
+
+
+async def test_a_streamed_call_sends_what_httpx_sends_and_keeps_cookies_as_it_does(
+        raw_server: Callable[..., RawServer]) -> None:
+    """`open_stream` skips `AsyncClient.send`: the same bytes must go out, cookies included (a
+    load balancer's sticky cookie set by the first reply goes back with the next request)."""
+    server = raw_server([(SETS_COOKIE, "keep"), (OK, "keep")] * 2)
+    url = httpx.URL(server.url())
+    headers = {"content-type": "application/json", "authorization": "Bearer sk-test"}
+    for lean in (True, False):
+        async with _new_client() if lean else client() as c:
+            assert isinstance(c, _LeanClient) == lean
+            for _ in range(2):
+                if isinstance(c, _LeanClient):
+                    response = await c.open_stream(url, headers, b"{}", httpx.Timeout(5.0))
+                else:
+                    response = await c.send(c.build_request("POST", url, headers=headers,
+                                                            content=b"{}"), stream=True)
+                assert await response.aread() == b"ok"
+                assert response.request.url == url
+    lean_heads, httpx_heads = server.heads[:2], server.heads[2:]
+    assert lean_heads == httpx_heads
+    assert b"\r\nCookie: lb=node-2" in lean_heads[1] and b"Cookie" not in lean_heads[0]
+
+
+async def test_a_streamed_call_on_a_closed_client_fails_as_httpx_fails_it() -> None:
+    c = _new_client()
+    await c.aclose()
+    assert isinstance(c, _LeanClient)
+    with pytest.raises(RuntimeError, match="client has been closed"):
+        await c.open_stream(httpx.URL("http://127.0.0.1:9/"), {}, b"", httpx.Timeout(1.0))
+
+
+async def test_a_failed_streamed_call_names_its_request(raw_server: Callable[..., RawServer]) -> None:
+    server = raw_server([(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n", "close")])
+    url = httpx.URL(server.url())
+    async with _new_client() as c:
+        assert isinstance(c, _LeanClient)
+        with pytest.raises(httpx.RemoteProtocolError) as failure:
+            await c.open_stream(url, {}, b"{}", httpx.Timeout(5.0))
+    assert failure.value.request.url == url
 
 
 # --- proxies and other schemes ---------------------------------------------------------

@@ -6,6 +6,8 @@ import base64
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from agents.gateway.providers.base import (
     MessageBuilder,
     Provider,
@@ -86,10 +88,7 @@ class OpenAIProvider(Provider):
             if event.data.strip() == "[DONE]":
                 done = True
                 break
-            chunk = decode_json(event.data)
-            if not isinstance(chunk, dict):
-                raise StreamError(f"malformed chunk (expected an object): {event.data!r}")
-            finish = _apply_chunk(chunk, builder) or finish
+            finish = _apply_event(event.data, builder) or finish
             await builder.flush()
         if finish is None and not done:
             raise StreamError("stream ended before completion (no finish_reason, no [DONE])")
@@ -106,6 +105,81 @@ def _finish(provider: OpenAIProvider, builder: MessageBuilder, finish: str | Non
         else None
     )
     return builder.finish(provider.name, provider.model, reason, error)
+
+
+# The usual chunk's shape, decoded into structs: attribute reads instead of a chain of `dict.get`
+# and `isinstance` per field (a third of the parsing's CPU per event). Anything else (a field of
+# another type, a malformed chunk) is parsed by `_apply_chunk` from the generic decoding, as before.
+class _Function(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolDelta(msgspec.Struct):
+    index: int | None = 0
+    id: str | None = None
+    function: _Function | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[_ToolDelta] | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: Any = None
+    error: Any = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
+def _apply_event(data: str, builder: MessageBuilder) -> str | None:
+    """Apply one SSE event's chunk; its finish_reason, if any."""
+    try:
+        chunk = _chunk_decoder.decode(data)
+    except msgspec.DecodeError:  # not the usual shape (or not JSON): the generic path says how
+        generic = decode_json(data)
+        if not isinstance(generic, dict):
+            raise StreamError(f"malformed chunk (expected an object): {data!r}") from None
+        return _apply_chunk(generic, builder)
+    if chunk.error:
+        raise StreamError(f"error event in stream: {_error_message(chunk.error)}")
+    if isinstance(chunk.usage, dict):
+        builder.usage = parse_usage(chunk.usage)
+    finish = None
+    for choice in chunk.choices or ():
+        delta = choice.delta
+        if delta is not None:
+            _apply_typed_delta(delta, builder)
+        finish = choice.finish_reason or finish
+    return finish
+
+
+def _apply_typed_delta(delta: _Delta, builder: MessageBuilder) -> None:
+    """`_apply_delta` for a decoded `_Delta`: the same parts, in the same order."""
+    reasoning = delta.reasoning_content or delta.reasoning
+    if reasoning:
+        builder.add_run("thinking", reasoning)
+    if delta.content:
+        builder.add_run("text", delta.content)
+    for call in delta.tool_calls or ():
+        key = ("tool", call.index)
+        function = call.function
+        name, arguments = (function.name, function.arguments) if function is not None else ("", "")
+        if not builder.has(key):
+            builder.open(key, "tool_call", call.id or "", name or "")
+        else:
+            builder.update_call(key, call.id or "", name or "")
+        builder.add(key, "tool_call", arguments or "")
 
 
 def _apply_chunk(chunk: dict[str, Any], builder: MessageBuilder) -> str | None:

@@ -1,0 +1,90 @@
+"""OpenAI stream chunks: the typed decoding (`openai._apply_event`, the usual shape) and the
+generic one (`_apply_chunk`, any JSON) must build the same deltas and message, and fail alike."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from agents.gateway.providers import MessageBuilder, OpenAIProvider, SseEvent, StreamError
+from agents.gateway.providers.openai import _apply_chunk, _finish
+from bus.messages import AssistantDelta, AssistantMessage
+
+
+def _choice(delta: Any, finish: Any = None) -> str:
+    return json.dumps({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+CALL0 = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}
+STREAMS: dict[str, list[str]] = {
+    "text and usage": [_choice({"role": "assistant", "content": ""}), _choice({"content": "Hel"}),
+                       _choice({"content": "lo"}), _choice({}, "stop"),
+                       json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                   "prompt_tokens_details": {"cached_tokens": 1}}})],
+    "reasoning then text": [_choice({"reasoning_content": "think"}), _choice({"reasoning": "more"}),
+                            _choice({"reasoning_content": "", "reasoning": "x"}),
+                            _choice({"content": "ok"}), _choice({}, "stop")],
+    "tool calls": [_choice({"tool_calls": [CALL0]}),
+                   _choice({"tool_calls": [{"index": 0, "function": {"arguments": "{\"a\""}}]}),
+                   _choice({"tool_calls": [{"index": 1, "id": "call_2", "function": {"name": "g"}}]}),
+                   _choice({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}),
+                   _choice({}, "tool_calls")],
+    "index null, missing, late id and name": [
+        _choice({"tool_calls": [{"index": None, "function": {"arguments": "{"}}]}),
+        _choice({"tool_calls": [{"function": {"arguments": "}"}}]}),
+        _choice({"tool_calls": [{"index": 0, "id": "late", "function": {"name": "late_name"}}]}),
+        _choice({"tool_calls": [{"index": 0, "function": None}]}), _choice({}, "stop")],
+    "odd field types": [_choice({"content": ["not", "a", "string"]}), _choice({"content": 7}),
+                        _choice({"reasoning_content": {}, "reasoning": "r"}), _choice(None),
+                        _choice({"tool_calls": None}), _choice({"content": "x"}, 0),
+                        _choice({"content": "y"}, "length"),
+                        json.dumps({"choices": None, "usage": "n/a"}),
+                        json.dumps({"choices": [], "error": None, "extra": [1, 2]})],
+}
+
+
+async def _events(datas: list[str]) -> AsyncIterator[SseEvent]:
+    for data in datas:
+        yield SseEvent(event="message", data=data)
+
+
+async def _typed(datas: list[str]) -> tuple[list[AssistantDelta], AssistantMessage]:
+    deltas: list[AssistantDelta] = []
+    message = await OpenAIProvider("http://x/v1", "m").parse_stream(
+        _events(datas), MessageBuilder(deltas.append))
+    return deltas, msgspec.structs.replace(message, timestamp=0.0)
+
+
+async def _generic(datas: list[str]) -> tuple[list[AssistantDelta], AssistantMessage]:
+    deltas: list[AssistantDelta] = []
+    builder = MessageBuilder(deltas.append)
+    finish = None
+    for data in datas:
+        finish = _apply_chunk(msgspec.json.decode(data), builder) or finish
+        await builder.flush()
+    message = _finish(OpenAIProvider("http://x/v1", "m"), builder, finish)
+    return deltas, msgspec.structs.replace(message, timestamp=0.0)
+
+
+@pytest.mark.parametrize("name", list(STREAMS))
+def test_the_typed_and_the_generic_decoding_build_the_same_message(name: str) -> None:
+    datas = STREAMS[name]
+    assert anyio.run(_typed, datas) == anyio.run(_generic, datas)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (json.dumps({"error": {"message": "overloaded"}}), "error event in stream: overloaded"),
+    (json.dumps({"error": "bad"}), "error event in stream: bad"),
+    (json.dumps([1, 2]), "malformed chunk (expected an object): '[1, 2]'"),
+    ("{not json", "malformed SSE data (expected JSON): '{not json'"),
+])
+def test_a_bad_chunk_fails_the_stream_with_the_same_text(data: str, message: str) -> None:
+    with pytest.raises(StreamError) as failure:
+        anyio.run(_typed, [_choice({"content": "a"}), data])
+    assert str(failure.value) == message
