@@ -449,6 +449,11 @@ class HostedAgent:
         self.coordinator = coordinator
         self.output_store = store.output_store(spec.name)
         self.sessions: dict[str, Session] = {}
+        #: The sessions `_evict` looks at: every idle one in memory, and busy ones until it
+        #: passes them (a run's end puts its session back), so a run's end costs a scan of
+        #: about `IDLE_SESSIONS_KEPT` sessions, not of every session in memory (at 1,000
+        #: concurrent runs that was 1,000 per run end).
+        self._resting: dict[str, Session] = {}
         self.slots = anyio.Semaphore(spec.max_concurrent_runs)
         self.queued = 0  # runs waiting for a slot
         self.publish_failures = 0
@@ -480,7 +485,8 @@ class HostedAgent:
             messages = []
         else:
             return None
-        found = self.sessions[session_id] = Session(self, session_id, messages)
+        found = self.sessions[session_id] = self._resting[session_id] = Session(
+            self, session_id, messages)
         return found
 
     def _prompt_session(self, session_id: str, continue_last: bool, create: bool) -> Session:
@@ -501,14 +507,26 @@ class HostedAgent:
         return [s for s in self.sessions.values() if s.busy]
 
     def _evict(self) -> None:
-        """Forget the least recently used idle sessions beyond `IDLE_SESSIONS_KEEP`."""
-        idle = [s for s in self.sessions.values()
-                if not s.busy and not s.agent.has_queued_messages()]
+        """Forget the least recently used idle sessions beyond `IDLE_SESSIONS_KEPT`."""
+        resting = self._resting
+        if len(resting) <= IDLE_SESSIONS_KEPT:  # it holds every idle session
+            return
+        idle: list[Session] = []
+        for s in list(resting.values()):
+            if s.busy:
+                del resting[s.id]  # back when its run ends (`_rest`)
+            elif not s.agent.has_queued_messages():
+                idle.append(s)
         if len(idle) <= IDLE_SESSIONS_KEPT:
             return
         idle.sort(key=lambda s: s.last_used)
         for old in idle[:len(idle) - IDLE_SESSIONS_KEPT]:
-            del self.sessions[old.id]
+            del self.sessions[old.id], resting[old.id]
+
+    def _rest(self, session: Session) -> None:
+        """`session` has no run any more (ended, or never started): an eviction candidate."""
+        session.current = None
+        self._resting[session.id] = session
 
     # --- run slots -----------------------------------------------------------------------
 
@@ -537,6 +555,7 @@ class HostedAgent:
 
     def after_run(self, session: Session) -> None:
         """Topic messages queued too late for the run that just ended: run them now."""
+        self._resting[session.id] = session
         self._evict()
         if not session.topic_queued or session.busy:
             return
@@ -602,10 +621,10 @@ class HostedAgent:
             with run.wait:
                 await self._admit(session, run)
         except BaseException:
-            session.current = None
+            self._rest(session)
             raise
         if run.wait.cancelled_caught:  # aborted while it waited for a slot: it never starts
-            session.current = None
+            self._rest(session)
             reason, session.abort_reason = session.abort_reason, ""
             raise RemoteError(f"the prompt to agent `{self.name}` (session `{session.id}`) was "
                               f"aborted before it started: {reason or 'abort'}", ABORTED)
@@ -614,7 +633,7 @@ class HostedAgent:
         try:
             run_id = await self.runs.start(session.run_body, start, run)
         except AgentError as exc:
-            session.current = None
+            self._rest(session)
             raise RemoteError(str(exc), INVALID) from None
         try:
             await req.partial(cmd.encode(cmd.RunStarted(run_id=run_id, agent=self.name,
