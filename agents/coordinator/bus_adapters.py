@@ -29,7 +29,7 @@ import msgspec
 from agents.gateway.providers.base import MessageBuilder
 from agents.gateway.wire import LlmPartial
 from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore
-from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
+from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink, cancel_on_abort
 from bus.backoff import Backoff
 from bus.client import Peer
 from bus.errors import (
@@ -167,12 +167,17 @@ class BusLlmClient:
             request = msgspec.structs.replace(request, **changes)
         streamed = _Streamed(request.model)
         reply: AssistantMessage | None = None
-        async with anyio.create_task_group() as tg:
-            with anyio.CancelScope() as scope:  # abort: leave the stream (the hub cancels the call)
-                if abort is not None:
-                    tg.start_soon(_cancel_when_set, abort, scope)
+        scope = anyio.CancelScope()  # abort: leave the stream (the hub cancels the call)
+        if abort is None or cancel_on_abort(abort, scope):  # the loop's abort: no watcher task
+            with scope:
                 reply = await self._call_with_wait(request, _encoder.encode(request), streamed)
-            tg.cancel_scope.cancel()
+        else:
+            async with anyio.create_task_group() as tg:
+                with scope:
+                    tg.start_soon(_cancel_when_set, abort, scope)
+                    reply = await self._call_with_wait(request, _encoder.encode(request),
+                                                       streamed)
+                tg.cancel_scope.cancel()
         return reply if reply is not None else await streamed.aborted()
 
     async def _call_with_wait(self, request: LlmRequest, body: bytes,
