@@ -24,12 +24,14 @@ from typing import Any, cast
 import msgspec
 import zmq
 from zmq.backend import Socket as _BackendSocket
+from zmq.utils.monitor import parse_monitor_message
 
 from bus import events as ev
 from bus import protocol as p
 from bus.errors import ConfigError
 from bus.eventlog import Row
 from bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
+from bus.probing import ProbeSchedule
 from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from bus.replay_reader import REPLAY_PRIORITIES
 from bus.security import (
@@ -46,11 +48,11 @@ log = logging.getLogger("bus.hub")
 
 DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still runs under load
 TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
-PROBE_EVERY = 0.005  # after a connection drops: probe peers this often...
-PROBE_FOR = 0.3  # ...for this long, dropping those the ROUTER can no longer route to
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
 REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a reset
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass ends once its events pass this (logged, published)
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -252,8 +254,10 @@ class Hub:
         # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send
         # to a peer whose connection is gone fails with EHOSTUNREACH, so after each drop we probe
         # the peers for a moment. Missed heartbeats remain the fallback (silent network loss).
-        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._probe_until = 0.0
+        # A connection that failed its handshake is reported too (then closed): it was nobody's,
+        # e.g. a client's reachability check (`Peer._unreachable`: a bare TCP connect).
+        self._monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self._probes = ProbeSchedule()  # after the ROUTER reports closed connections
         self._reconnect_header = p.encode(p.Header(kind=p.RECONNECT))
         # Peers dropped because their connection closed, by routing id (never reused): what they
         # sent before closing may still be queued in the ROUTER behind the hub's backlog, and
@@ -296,11 +300,11 @@ class Hub:
         interval = self.config.heartbeat_interval
         next_beat = time.monotonic() + interval
         next_tick = time.monotonic() + TICK
-        next_probe = math.inf
+        probes = self._probes
         while not self._stopping:
             now = time.monotonic()
             next_sub_beat = self.events.subscribed_at + SUBSCRIBE_BEAT_GAP
-            timeout = max(0.0, min(next_beat, next_tick, next_probe, next_sub_beat) - now)
+            timeout = max(0.0, min(next_beat, next_tick, probes.next_at, next_sub_beat) - now)
             try:
                 ready = dict(poller.poll(math.ceil(timeout * 1000)))
             except zmq.ZMQError as exc:
@@ -313,14 +317,13 @@ class Hub:
                 self.events.drain_subscriptions()
             if self.events.reader.sock in ready:
                 self._forward_replays(self.events.reader.answers())
-            if self._monitor in ready and self._drain_monitor():
-                self._probe_until = time.monotonic() + PROBE_FOR
-                next_probe = min(next_probe, time.monotonic() + 0.001)
+            if self._monitor in ready:
+                probes.closed(self._drain_monitor(), time.monotonic())
             self.events.flush()
             now = time.monotonic()
-            if now >= next_probe:
-                self._probe()
-                next_probe = now + PROBE_EVERY if now < self._probe_until else math.inf
+            if probes.due(now):
+                probes.found(self._probe())
+                probes.probed(now)
             if now >= next_tick:
                 self.events.tick(now)
                 self._forward_replays(self.events.reader.check(now))  # a reader that died
@@ -622,6 +625,7 @@ class Hub:
 
     def _on_bye(self, ident: bytes, peer: PeerState, header: p.Header,
                 frames: list[bytes]) -> None:
+        self._probes.expect_close(time.monotonic())
         self._drop_peer(peer, "said bye")
 
     def _on_unexpected(self, ident: bytes, peer: PeerState | None, header: p.Header,
@@ -650,22 +654,30 @@ class Hub:
 
     # --- liveness ------------------------------------------------------------------------
 
-    def _drain_monitor(self) -> bool:
-        dropped = False
+    def _drain_monitor(self) -> int:
+        """How many closed connections the ROUTER's monitor reported since the last call; a
+        failed handshake (always reported before its connection's close) tells the probe
+        schedule that one of them needs no probe."""
+        closed = 0
         while True:
             try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
-                return dropped
-            dropped = True
+                return closed
+            if event["event"] & _HANDSHAKE_FAILED:
+                self._probes.expect_close(time.monotonic())
+            else:
+                closed += 1
 
-    def _probe(self) -> None:
-        """Drop every peer the ROUTER can no longer route to (its connection is gone).
+    def _probe(self) -> int:
+        """Drop every peer the ROUTER can no longer route to (its connection is gone): how many.
+        When to probe is `bus/probing.py`'s.
 
         Only peers with a routing id the ROUTER generated (5 bytes, first byte 0) are probed:
         such an id dies with its connection (a reconnecting DEALER gets a new one). A peer that
         set its own routing id may come back under it, so it is left to the heartbeat deadline.
         """
+        dropped = 0
         for ident in list(self.peers):
             if ident[:1] != b"\x00":
                 continue
@@ -681,6 +693,8 @@ class Hub:
                     self.counters.bump("peers_disconnected")
                     self._departed[ident] = (time.monotonic() + DEPARTED_KEEP, peer)
                     self._drop_peer(peer, "connection closed")
+                    dropped += 1
+        return dropped
 
     def _expire_peers(self, now: float) -> None:
         """Drop peers silent for `liveness` heartbeat intervals (checked every tick, so a dead
