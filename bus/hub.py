@@ -89,6 +89,41 @@ class _BodyType(msgspec.Struct):
 _decode_body_type = msgspec.msgpack.Decoder(_BodyType).decode
 
 
+def _body_type(body: bytes) -> str | None:
+    """The body's `type` ("" when it has none), or None when it is not a MessagePack map with
+    a string `type`."""
+    try:
+        return _decode_body_type(body).type
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+
+
+def _typed_event_fault(type_: str, body: bytes) -> str:
+    """Why a body may not be published as an event of the header's `type_` ("" if it may)."""
+    if type_ in HUB_EVENT_TYPES:
+        return f"`{type_[:64]}` is a bus event only the hub publishes"
+    body_type = _body_type(body)
+    if body_type == type_:
+        return ""
+    if body_type is None:
+        return f"`{type_[:64]}` body is not a MessagePack map with a string `type`"
+    return f"header `type` `{type_[:64]}` differs from the body's `type` `{body_type[:64]}`"
+
+
+def _event_fault(header: p.Header, body: bytes) -> str:
+    """A body of a message of mixed types (header `type` "*"): why it may not be published
+    ("" if it may, its own `type` now in `header`, which is stamped per body)."""
+    body_type = _body_type(body)
+    if body_type is None:
+        return "a `*` (mixed-type) body is not a MessagePack map with a string `type`"
+    if not body_type or body_type == p.MIXED_TYPES:
+        return f"a `*` (mixed-type) body needs a `type` of its own, not {body_type!r}"
+    if body_type in HUB_EVENT_TYPES:
+        return f"`{body_type[:64]}` is a bus event only the hub publishes"
+    header.type = body_type
+    return ""
+
+
 def _where(index: int, count: int) -> str:
     """Which body of a multi-body event message a refusal is about (nothing for one body)."""
     return f" (body {index} of {count})" if count > 1 else ""
@@ -523,6 +558,7 @@ class Hub:
             liveness=self.config.liveness,
             max_message_bytes=self.config.max_message_bytes,
             event_bodies=p.MAX_EVENT_BODIES,
+            mixed_types=True,
         )
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.WELCOME, id=header.id)),
                     p.encode(welcome)])
@@ -567,17 +603,21 @@ class Hub:
                              f"the limit of {p.MAX_EVENT_BODIES} (docs/protocol.md, section 4)")
             return
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
+        mixed = header.type == p.MIXED_TYPES
         if count == 1:
-            self._stamp_body(ident, header, frames[3], 0, 1)
+            self._stamp_body(ident, header, frames[3], 0, 1, mixed)
             return
         base = header.id
         for i in range(count):
             header.id = f"{base}.{i}"  # each event's own id (its `error`, if refused, names it)
-            self._stamp_body(ident, header, frames[3 + i], i, count)
+            if mixed:
+                header.type = p.MIXED_TYPES  # the previous body's type is not this one's
+            self._stamp_body(ident, header, frames[3 + i], i, count, mixed)
 
     def _stamp_body(self, ident: bytes, header: p.Header, body: bytes, index: int,
-                    count: int) -> None:
-        """Check body `index` of `count` and add it to the pass's batch, or refuse it."""
+                    count: int, mixed: bool) -> None:
+        """Check body `index` of `count` and add it to the pass's batch, or refuse it. In a
+        message of `mixed` types, the body's own `type` is set into the header first."""
         if self.events.refusing:
             self.counters.bump("events_refused")
             self._send_error(ident, header.id, p.LOG_UNAVAILABLE, self._log_refusal())
@@ -590,29 +630,19 @@ class Hub:
                                 f"({self.config.max_event_bytes})")
         if not isinstance(body, bytes):
             body = body.bytes
-        if self._refuse_event(ident, header, body, index, count):
+        if self._refuse_event(ident, header, body, index, count, mixed):
             return
         self._batch_bytes += len(body)
         self.events.stamp(header, body)
 
     def _refuse_event(self, ident: bytes, header: p.Header, body: bytes, index: int = 0,
-                      count: int = 1) -> bool:
+                      count: int = 1, mixed: bool = False) -> bool:
         """Only the hub speaks for the bus, and a publisher cannot lie about what it publishes:
         a hub-only type, or a header `type` other than the body's, is refused (counted
         `bad_events`, answered `bad_event` with the event's id) and neither logged nor published."""
-        type_ = header.type
-        if type_ in HUB_EVENT_TYPES:
-            why = f"`{type_[:64]}` is a bus event only the hub publishes"
-        else:
-            try:
-                body_type = _decode_body_type(body).type
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                body_type = None
-            if body_type == type_:
-                return False
-            why = (f"header `type` `{type_[:64]}` differs from the body's `type` "
-                   f"`{str(body_type)[:64]}`" if body_type is not None else
-                   f"`{type_[:64]}` body is not a MessagePack map with a string `type`")
+        why = _event_fault(header, body) if mixed else _typed_event_fault(header.type, body)
+        if not why:
+            return False
         why += _where(index, count)
         self._reject("bad_events", ident, why)
         self._send_error(ident, header.id, p.BAD_EVENT, f"event refused, neither logged nor "

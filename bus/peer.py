@@ -23,7 +23,8 @@ idle socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs
 the send itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers
 of handlers that finished together) is cheaper sent together. Partial replies to one request
 held meanwhile go out as one `partial` message with a body frame each (`IncomingRequest.partial`),
-and consecutive held events that differ only by id as one `event` message with a body frame each
+and consecutive held events that differ only by id (or, to a hub that takes mixed types, by id
+and type: header type `*`) as one `event` message with a body frame each
 (docs/protocol.md §4; only to a hub whose welcome says it takes them): the hub still logs and
 publishes one event per body. `before_send` (the coordinator's journal commit) runs before held
 messages go out.
@@ -85,7 +86,8 @@ HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and clie
 HOUSEKEEPING_IDLE = REPLY_GRACE
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the loop iteration
-# Held events that differ only by id go out as one multi-body `event` message (docs/protocol.md
+# Held events that differ only by id (and type, with a hub that takes mixed types) go out as one
+# multi-body `event` message (docs/protocol.md
 # §4), up to this many bodies and bytes of bodies: the hub pays one message, not one per event.
 COALESCE_EVENTS = 256
 COALESCE_BYTES = 256 * 1024
@@ -662,7 +664,8 @@ class Peer:
         per message, an isolated send being the costly kind. Any direct send flushes the held
         messages first, so order is kept. (Requests are not held: sending them at once lets the
         other side start sooner.) An event comes with its `key` and no header yet: events held
-        one after another with the same key are sent as one multi-body message (`_flush_held`).
+        one after another with the same key (but perhaps the type) are sent as one multi-body
+        message (`_flush_held`).
         """
         if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
             assert key is not None or not event, "a held event needs its key"
@@ -688,10 +691,11 @@ class Peer:
         """Send the held messages, in order; False when the HWM stopped it (the rest stay
         held and go out when the socket is writable again, before anything else).
 
-        Consecutive held events with the same header but the id travel as one `event` message
-        with a body frame each (at most `COALESCE_EVENTS` and `COALESCE_BYTES`, and only to a
-        hub whose welcome says it takes them): the hub logs and publishes each body as its own
-        event, so subscribers see exactly what separate messages would have given them."""
+        Consecutive held events with the same header but the id (and the type, header type `*`,
+        when the hub takes mixed types) travel as one `event` message with a body frame each
+        (at most `COALESCE_EVENTS` and `COALESCE_BYTES`, and only to a hub whose welcome says it
+        takes them): the hub logs and publishes each body as its own event, so subscribers see
+        exactly what separate messages would have given them."""
         held = self._held
         sock = self._sock
         if sock is None:
@@ -700,6 +704,7 @@ class Peer:
             self._before_send()
         welcome = self.welcome
         most = min(COALESCE_EVENTS, welcome.event_bodies) if welcome is not None else 1
+        mixed = welcome is not None and welcome.mixed_types
         sent = events = 0
         count = len(held)
         try:
@@ -709,8 +714,8 @@ class Peer:
                     sock.send(message)
                     sent += 1
                     continue
-                end = self._run_end(held, sent, key, most)
-                sock.send([_SIG, self._event_header(key), message[2],
+                end, one_type = self._run_end(held, sent, key, most, mixed)
+                sock.send([_SIG, self._event_header(key, one_type), message[2],
                            *[held[i][0][2] for i in range(sent + 1, end)]])
                 events += end - sent
                 sent = end
@@ -727,25 +732,29 @@ class Peer:
 
     @staticmethod
     def _run_end(held: list[tuple[list[Any], _EventKey | None]], start: int, key: _EventKey,
-                 most: int) -> int:
-        """End (exclusive) of the run of held events from `start` that share `key`, bounded by
-        `most` bodies and `COALESCE_BYTES` of bodies (a bigger event still goes, alone)."""
+                 most: int, mixed: bool) -> tuple[int, bool]:
+        """End (exclusive) of the run of held events from `start` that share `key` (with
+        `mixed`, all but its type), bounded by `most` bodies and `COALESCE_BYTES` of bodies (a
+        bigger event still goes, alone); and whether the run's events are all of one type."""
         end = start + 1
         stop = min(len(held), start + most)
         size = len(held[start][0][2])
+        one_type = True
         while end < stop:
             message, other = held[end]
-            if other != key:
+            if other != key and (not mixed or other is None or other[1:] != key[1:]):
                 break
             size += len(message[2])
             if size > COALESCE_BYTES:
                 break
+            one_type = one_type and other == key
             end += 1
-        return end
+        return end, one_type
 
-    def _event_header(self, key: _EventKey) -> bytes:
+    def _event_header(self, key: _EventKey, one_type: bool = True) -> bytes:
         type_, agent, run, experiment, parent = key
-        return p.encode(p.Header(kind=p.EVENT, id=self._calls.new_id(), type=type_, agent=agent,
+        return p.encode(p.Header(kind=p.EVENT, id=self._calls.new_id(),
+                                 type=type_ if one_type else p.MIXED_TYPES, agent=agent,
                                  run=run, experiment=experiment, parent=parent,
                                  session=self.session))
 

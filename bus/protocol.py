@@ -58,6 +58,9 @@ HUB_REPLAY: Final = "hub.replay"
 # Most body frames one `event` message may carry (each its own event; docs/protocol.md §4):
 # bounds the hub's work per message, as DRAIN_LIMIT bounds its messages per pass.
 MAX_EVENT_BODIES: Final = 1024
+# An `event` header's `type` when its bodies are events of several types: each body is an event
+# of its own `type` (docs/protocol.md §4; only to a hub whose welcome has `mixed_types`).
+MIXED_TYPES: Final = "*"
 
 # Topic of the idle heartbeat on the event socket.
 HEARTBEAT_TOPIC: Final = b"hb"
@@ -110,6 +113,9 @@ class Welcome(msgspec.Struct, omit_defaults=True):
     # Most body frames (events) the hub takes in one `event` message; absent (1) from a hub
     # that predates multi-body events, so a newer peer never sends one there.
     event_bodies: int = 1
+    # True: the hub takes an `event` message whose header `type` is `MIXED_TYPES`, each body
+    # an event of its own body's type; absent (False) from a hub that predates that.
+    mixed_types: bool = False
 
 
 class Register(msgspec.Struct):

@@ -1,6 +1,7 @@
-"""The client sends held events that share every header field but the id as one multi-body
-`event` message (docs/protocol.md §4), bounded in bodies and bytes, and only to a hub whose
-welcome says it takes them; what subscribers and the log see is unchanged.
+"""The client sends held events that share every header field but the id (and, to a hub whose
+welcome has `mixed_types`, but the type: header type `*`) as one multi-body `event` message
+(docs/protocol.md §4), bounded in bodies and bytes, and only to a hub whose welcome says it
+takes them; what subscribers and the log see is unchanged.
 
 Two ends: a real hub (order, confirmation, refusal of one body), and a recording hub — a plain
 ROUTER socket in a thread speaking the protocol — to see exactly what messages the client sends."""
@@ -41,7 +42,7 @@ class RecordingHub:
     from a hub older than multi-body events), records every `event` message's frames, and
     answers requests (the client's closing confirmation) with an empty replay batch."""
 
-    def __init__(self, event_bodies: int | None) -> None:
+    def __init__(self, event_bodies: int | None, mixed_types: bool = False) -> None:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -52,6 +53,8 @@ class RecordingHub:
             "heartbeat_interval": 60.0, "liveness": 3, "max_message_bytes": 16 * 2**20}
         if event_bodies is not None:
             welcome["event_bodies"] = event_bodies
+        if mixed_types:
+            welcome["mixed_types"] = True
         self.welcome = msgspec.msgpack.encode(welcome)
         self.events: list[tuple[dict[str, Any], list[bytes]]] = []
         self.stopping = threading.Event()
@@ -89,8 +92,8 @@ class RecordingHub:
 
 
 @contextmanager
-def recording_hub(event_bodies: int | None) -> Iterator[RecordingHub]:
-    rec = RecordingHub(event_bodies)
+def recording_hub(event_bodies: int | None, mixed_types: bool = False) -> Iterator[RecordingHub]:
+    rec = RecordingHub(event_bodies, mixed_types)
     try:
         yield rec
     finally:
@@ -119,6 +122,28 @@ async def test_runs_of_one_header_share_a_message_in_order() -> None:
                 assert {msgspec.msgpack.decode(b)["type"] for b in bodies} == {header["type"]}
                 assert (header["agent"], header["experiment"]) == ("a", "x"), header
             assert len({h["id"] for h, _ in rec.events}) == len(rec.events)  # ids distinct
+
+
+@pytest.mark.anyio
+async def test_with_mixed_types_runs_of_one_run_share_a_message_whatever_their_types() -> None:
+    """A hub whose welcome has `mixed_types` takes one message for events of several types:
+    header `type` "*" when they differ, the type itself when they do not."""
+    with recording_hub(p.MAX_EVENT_BODIES, mixed_types=True) as rec:
+        async with connect(rec.endpoint, name="mixer") as peer:
+            sent = []
+            for i, (type_, run) in enumerate(PATTERN * 3):  # all held in one loop iteration
+                sent.append(body(type_, str(i)))
+                await peer.publish_raw(type_, sent[-1], agent="a", run=run, experiment="x")
+            await until(lambda: len(rec.bodies()) == len(sent), what="every body recorded")
+            assert rec.bodies() == sent  # order kept across keys
+            runs = [run for _, run in PATTERN * 3]
+            expected = 1 + sum(runs[i] != runs[i - 1] for i in range(1, len(runs)))
+            assert len(rec.events) == expected, [len(b) for _, b in rec.events]
+            for header, bodies in rec.events:
+                types = {msgspec.msgpack.decode(b)["type"] for b in bodies}
+                assert header["type"] == (types.pop() if len(types) == 1 else p.MIXED_TYPES)
+            assert p.MIXED_TYPES in {h["type"] for h, _ in rec.events}
+            assert "topic_message" in {h["type"] for h, _ in rec.events}  # r2: one type
 
 
 @pytest.mark.anyio

@@ -49,7 +49,9 @@ def test_welcome_says_how_many_bodies_an_event_message_may_carry(hub: dict) -> N
         assert sock.poll(TIMEOUT * 1000)
         frames = sock.recv_multipart()
         assert msgspec.msgpack.decode(frames[1])["kind"] == "welcome"
-        assert msgspec.msgpack.decode(frames[2])["event_bodies"] == MAX_BODIES
+        welcome = msgspec.msgpack.decode(frames[2])
+        assert welcome["event_bodies"] == MAX_BODIES
+        assert welcome["mixed_types"] is True  # it takes `type: "*"` messages (below)
     finally:
         ctx.destroy(linger=0)
 
@@ -117,3 +119,40 @@ def test_a_hub_only_type_refuses_every_body_and_too_many_bodies_refuse_the_messa
         frames = published_until(sub, "ok")
         assert [msgspec.msgpack.decode(f[2])["id"] for f in frames] == ["ok"]
         assert [h["id"] for h, _ in replay_all(rogue) if h.get("peer") == rogue.peer_id] == ["ok"]
+
+
+def test_a_mixed_type_message_makes_each_body_an_event_of_its_own_type(hub: dict) -> None:
+    """Header `type` "*": each body is an event of the `type` it names (docs/protocol.md §4),
+    published under its own topic; a body naming a hub-only type, no type or "*" is refused by
+    index and its siblings are kept."""
+    with raw_peers(hub["endpoint"], "mixer") as (mixer,), subscriber(mixer) as sub:
+        start = msgspec.msgpack.encode({"type": "turn_start", "turn": 1})
+        forged = msgspec.msgpack.encode({"type": "worker_lost", "peer": "p", "name": "w"})
+        untyped = msgspec.msgpack.encode({"topic": "t", "text": "no type"})
+        starred = msgspec.msgpack.encode({"type": "*", "text": "star"})
+        bodies = [start, topic("one"), forged, untyped, starred, topic("end")]
+        mixer.send({**HEADER, "type": "*", "id": "mx"}, *bodies)
+        for index in (2, 3, 4):
+            header, _ = mixer.expect(lambda h, i=index: h["kind"] == "error"
+                                     and h["id"] == f"mx.{i}")
+            assert header["code"] == "bad_event", header
+            assert f"(body {index} of 6)" in header["error"], header
+        frames: list[list[bytes]] = []
+        while len(frames) < 3:
+            assert sub.poll(TIMEOUT * 1000), f"published so far: {frames}"
+            got = sub.recv_multipart()
+            if got[0] != b"hb":
+                frames.append(got)
+        headers = [msgspec.msgpack.decode(f[2]) for f in frames]
+        assert [h["type"] for h in headers] == ["turn_start", "topic_message", "topic_message"]
+        assert [h["id"] for h in headers] == ["mx.0", "mx.1", "mx.5"]
+        assert [f[3] for f in frames] == [start, topic("one"), topic("end")]
+        assert frames[0][0].endswith(b"/poet/r-1/turn_start"), frames[0][0]
+        assert frames[1][0].endswith(b"/poet/r-1/topic_message"), frames[1][0]
+        for h in headers:
+            assert (h["agent"], h["run"], h["experiment"], h["peer"]) == (
+                "poet", "r-1", "x-9", mixer.peer_id), h
+        logged = [(h["id"], h["type"]) for h, _ in replay_all(mixer)
+                  if h.get("peer") == mixer.peer_id]
+        assert logged == [("mx.0", "turn_start"), ("mx.1", "topic_message"),
+                          ("mx.5", "topic_message")], logged
