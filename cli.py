@@ -254,6 +254,11 @@ def _hub_command() -> click.Command:
                   help="CPU priority of the log reader that serves replays: `idle` runs it only on "
                        "CPU nothing else wants (at nice 10 while the machine starves it), `low` at "
                        "nice 10 always (docs/reliability.md).")
+    @click.option("--replay-pace-bytes", type=click.IntRange(0), default=4 * 1024 * 1024,
+                  show_default=True,
+                  help="Bytes a second of replay answers while requests are being routed, so a "
+                       "replay of big events does not slow live requests; on an idle bus replays "
+                       "go at full speed. 0: never paced (docs/reliability.md).")
     @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
                   help="The hub's secret key file: turns on CURVE encryption.")
     @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
@@ -266,8 +271,8 @@ def _hub_command() -> click.Command:
     def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
             liveness: int, max_message_bytes: int, budgets: dict[str, int],
             retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
-            replay_priority: str, curve_secret: str | None, curve_authorized: str | None,
-            insecure: bool, log_level: str) -> None:
+            replay_priority: str, replay_pace_bytes: int, curve_secret: str | None,
+            curve_authorized: str | None, insecure: bool, log_level: str) -> None:
         """Run the hub: request routing, liveness, and the event log and stream.
 
         \b
@@ -282,7 +287,8 @@ def _hub_command() -> click.Command:
                            heartbeat_interval=heartbeat_interval, liveness=liveness,
                            max_message_bytes=max_message_bytes, retain_days=retain_days,
                            retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
-                           replay_priority=replay_priority, curve=curve, insecure=insecure, **budgets)
+                           replay_priority=replay_priority, replay_pace_bytes=replay_pace_bytes,
+                           curve=curve, insecure=insecure, **budgets)
         logging.getLogger().setLevel(log_level.upper())
         try:
             serve(config)

@@ -2,6 +2,7 @@
 replay throughput.
 
     python bench/bench_replay.py [--rounds 5] [--events 200] [--event-kib 512] [--seconds 3]
+                                 [--replay-pace-bytes N] [--reference RATE]
 
 One hub (`busctl hub`, its log in a temporary state dir) holds `events` x `event-kib` events. Then:
 - throughput: this process replays the whole log back to back for `seconds` (`hub.replay` batches
@@ -114,9 +115,13 @@ def main() -> None:
     parser.add_argument("--reference", type=float, default=0.0, metavar="RATE",
                         help="then the same rounds beside a hub-free idle-class copier of RATE "
                              "512 KiB copies a second instead of the replay")
+    parser.add_argument("--replay-pace-bytes", type=int, default=None, metavar="N",
+                        help="the hub's `--replay-pace-bytes` (default: the hub's own; 0: none)")
     args = parser.parse_args()
+    flags = ([] if args.replay_pace_bytes is None
+             else ["--replay-pace-bytes", str(args.replay_pace_bytes)])
     with tempfile.TemporaryDirectory() as tmp:
-        hub = tb.start_hub(Path(tmp))
+        hub = tb.start_hub(Path(tmp), *flags)
         ctx = zmq.Context()
         endpoint = hub.ready["endpoint"]  # type: ignore[attr-defined]
         requester = RawPeer(ctx, endpoint, "requester")

@@ -185,6 +185,9 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # The replay reader's scheduling class: "idle" (SCHED_IDLE; replaced at nice 10 while the
     # machine starves it) or "low" (nice 10 only). See bus/replay_reader.py.
     replay_priority: str = "idle"
+    # Bytes a second of `hub.replay` answers while requests are being routed (0: no pacing);
+    # on an idle bus they go at once. See bus/replay_pacing.py.
+    replay_pace_bytes: int = 4 * MiB
 
     def subscriber_hwm(self) -> int:
         """zmq counts a subscriber's queue in messages: this many of the largest events fit
@@ -210,6 +213,10 @@ def check_config(config: HubConfig) -> None:
         if getattr(config, name) < least:
             raise HubConfigError(f"hub budget `{name}` is {getattr(config, name)}: it must be "
                                  f">= {least} (see docs/reliability.md, \"Memory budgets\")")
+    if config.replay_pace_bytes < 0:
+        raise HubConfigError(f"hub `replay_pace_bytes` is {config.replay_pace_bytes}: it must be "
+                             ">= 0 (0 turns pacing off; docs/reliability.md, \"Event log: replay "
+                             "and retention\")")
     if config.replay_priority not in REPLAY_PRIORITIES:
         raise HubConfigError(f"hub `replay_priority` is {config.replay_priority!r}: use one of "
                              f"{', '.join(REPLAY_PRIORITIES)} (docs/reliability.md, \"Event log: "
@@ -283,7 +290,7 @@ class Hub:
             self.counters.bump, self._refuse_batch, config.replay_bytes,
             config.publish_inline_bytes,
             Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end),
-            config.replay_priority)
+            config.replay_priority, config.replay_pace_bytes)
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
         # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
         # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send
@@ -336,10 +343,12 @@ class Hub:
         next_beat = time.monotonic() + interval
         next_tick = time.monotonic() + TICK
         probes = self._probes
+        pacer = self.events.pacer
         while not self._stopping:
             now = time.monotonic()
             next_sub_beat = self.events.subscribed_at + SUBSCRIBE_BEAT_GAP
-            timeout = max(0.0, min(next_beat, next_tick, probes.next_at, next_sub_beat) - now)
+            wake = min(next_beat, next_tick, probes.next_at, next_sub_beat, pacer.next_at)
+            timeout = max(0.0, wake - now)
             try:
                 ready = dict(poller.poll(math.ceil(timeout * 1000)))
             except zmq.ZMQError as exc:
@@ -351,17 +360,19 @@ class Hub:
             if self.pub in ready:
                 self.events.drain_subscriptions()
             if self.events.reader.sock in ready:
-                self._forward_replays(self.events.reader.answers())
+                pacer.add(self.events.reader.answers())
             if self._monitor in ready:
                 probes.closed(self._drain_monitor(), time.monotonic())
             self.events.flush()
             now = time.monotonic()
+            if pacer.next_at <= now:
+                self._forward_replays(pacer.release(now))
             if probes.due(now):
                 probes.found(self._probe())
                 probes.probed(now)
             if now >= next_tick:
                 self.events.tick(now)
-                self._forward_replays(self.events.reader.check(now))  # a reader that died
+                pacer.add(self.events.reader.check(now))  # a reader that died: its jobs' errors
                 self.registry.expire(now)
                 self._expire_peers(now)
                 self._drop_revoked()
@@ -578,6 +589,8 @@ class Hub:
         counters["requests"] = counters.get("requests", 0) + 1
         if self.registry.request(peer, header, frames):  # a `hub.` service: served here
             self._serve_builtin(ident, header, frames)
+        else:  # live traffic: replay answers are paced for a moment (bus/replay_pacing.py)
+            self.events.pacer.routed(peer.last_seen)
 
     def _on_reply(self, ident: bytes, peer: PeerState, header: p.Header,
                   frames: list[bytes]) -> None:
@@ -911,6 +924,8 @@ class Hub:
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
             "replay_bytes": p.Budget(cfg.replay_bytes, self.events.replay_peak),
+            # a rate, not a size: bytes a second while requests flow; used: answers' bytes held
+            "replay_pace_bytes": p.Budget(cfg.replay_pace_bytes, self.events.pacer.held_bytes),
             "max_redispatch": p.Budget(cfg.max_redispatch),
         }
 

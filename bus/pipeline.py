@@ -4,7 +4,8 @@ and the hand-over of `hub.replay` to the log reader (bus/replay_reader.py).
 The hub's routing loop only stamps, appends one transaction per pass and publishes; reading the
 log for a replay (up to `replay_bytes` of rows, decoding and filtering them, encoding the reply)
 happens in the reader's process, so a `busctl watch --since 0` on a big log never stalls a
-request. The loop forwards at most `REPLIES_PER_PASS` finished replies per pass.
+request. The loop takes at most `REPLIES_PER_PASS` finished replies per pass, and sends them as
+the pacer lets it (bus/replay_pacing.py: at `replay_pace_bytes` a second while requests flow).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from zmq.backend import Socket as _BackendSocket
 from bus import events as ev
 from bus import protocol as p
 from bus.eventlog import EventLog, Row
+from bus.replay_pacing import ReplayPacer
 from bus.replay_reader import REPLAY_QUEUE, ReplayReader
 
 log = logging.getLogger("bus.hub")
@@ -61,7 +63,7 @@ class EventPipeline:
     def __init__(self, ctx: zmq.Context[Any], pub: zmq.Socket[Any], path: Path | None,
                  session: str, bump: Bump, refuse: Callable[[list[Row]], None],
                  replay_bytes: int, inline_bytes: int, retention: Retention,
-                 replay_priority: str = "idle") -> None:
+                 replay_priority: str = "idle", replay_pace_bytes: int = 0) -> None:
         self.pub = pub
         self.inline_bytes = inline_bytes  # larger bodies are published as stubs (see flush)
         self.session = session
@@ -83,6 +85,7 @@ class EventPipeline:
         self.refusing = False
         self._retry_at = math.inf
         self.reader = ReplayReader(ctx, self.log.uri, replay_bytes, replay_priority)
+        self.pacer = ReplayPacer(replay_pace_bytes)  # the reader's answers wait here to be sent
 
     def close(self) -> None:
         self.reader.close()
@@ -255,7 +258,9 @@ class EventPipeline:
         head = self.seq
         if request.since >= head:
             return _encode(p.ReplayBatch(events=[], upto=head, head=head))
-        if not self.reader.submit(ident, req_id, head, request):
+        # answers held for pacing count too: replays not answered yet, and memory
+        waiting = len(self.reader.outstanding) + len(self.pacer)
+        if waiting >= REPLAY_QUEUE or not self.reader.submit(ident, req_id, head, request):
             raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting for "
                              f"the log reader; retry after one is answered")
         return None
