@@ -120,6 +120,58 @@ def _publisher(endpoint: str, n: int, start: mp.Event) -> None:
     anyio.run(main)
 
 
+def _raw_echo_peer(endpoint: str) -> None:
+    """A serving peer written from docs/protocol.md with plain blocking pyzmq (no `bus` client):
+    says hello, registers `echo-raw`, answers each request with its body, each heartbeat too."""
+    from bus import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HELLO, id="h")),
+                         p.encode(p.Hello(name="bench-raw-echo", session="raw"))])
+    sock.recv_multipart()  # welcome
+    sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REGISTER, id="r")),
+                         p.encode(p.Register([p.ServiceSpec("echo-raw", capacity=4)]))])
+    while True:
+        frames = sock.recv_multipart()
+        header = p.decode_header(frames[1])
+        if header.kind == p.REQUEST:
+            sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)),
+                                 *frames[2:3]])
+        elif header.kind == p.HEARTBEAT:
+            sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HEARTBEAT))])
+
+
+def raw_peers_round_trip(endpoint: str, n: int) -> tuple[float, float]:
+    """(p50, p99) of lone round trips through the hub between raw blocking pyzmq peers at both
+    ends (`_raw_echo_peer` and a requester here): the hub's own share of the bus round trip,
+    without the `bus` client's asyncio wake-ups at either end."""
+    from bus import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HELLO, id="h")),
+                             p.encode(p.Hello(name="bench-raw-requester", session="raw"))])
+        sock.recv_multipart()  # welcome
+        times = []
+        for i in range(n + 200):  # the first 200 warm up (and wait for the registration)
+            started = time.perf_counter()
+            sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REQUEST, id=str(i),
+                                                                service="echo-raw")), b"x" * 64])
+            while p.decode_header(sock.recv_multipart()[1]).kind not in (p.REPLY, p.ERROR):
+                pass  # a heartbeat
+            if i >= 200:
+                times.append(time.perf_counter() - started)
+        return pct(times, 0.5), pct(times, 0.99)
+    finally:
+        sock.close()
+        ctx.term()
+
+
 def start_hub(state: str) -> tuple[subprocess.Popen[str], dict]:
     argv = [sys.executable, "-m", "cli", "hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", state]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
@@ -176,6 +228,9 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
 
             anyio.run(rtt)
             anyio.run(rtt)
+            procs.append(spawn.Process(target=_raw_echo_peer, args=(endpoint,), daemon=True))
+            procs[-1].start()
+            out["raw_peers_p50"], out["raw_peers_p99"] = raw_peers_round_trip(endpoint, n_rtt)
             for _ in range(3):
                 procs.append(spawn.Process(target=_serving_peer, args=(endpoint, 64, ready),
                                            daemon=True))
@@ -398,6 +453,10 @@ def main() -> None:
     print(f"hub request round trip: p50 {hub['rtt_p50'] * 1e6:.0f} us "
           f"({hub['rtt_p50'] / raw_p50:.2f}x raw; target <= 1.2x), "
           f"p99 {hub['rtt_p99'] * 1e6:.0f} us ({hub['rtt_p99'] / raw_p99:.2f}x raw)")
+    print(f"  the hub's own share: the same through the hub between raw blocking peers (no bus "
+          f"client at either end): p50 {hub['raw_peers_p50'] * 1e6:.0f} us "
+          f"({hub['raw_peers_p50'] / raw_p50:.2f}x raw), p99 {hub['raw_peers_p99'] * 1e6:.0f} us "
+          f"({hub['raw_peers_p99'] / raw_p99:.2f}x raw)")
     print(f"hub requests/s, 4 serving peers, 256 concurrent: {hub['req_per_s']:,.0f} "
           f"({hub['req_per_s'] / raw_rps:.2f}x the raw broker's; target >= 25,000)")
     print("CPU per request (us; user + system, all threads; /proc, 10 ms ticks): round trip "
