@@ -651,8 +651,9 @@ class Hub:
     def _refuse_event(self, ident: bytes, header: p.Header, body: bytes, index: int = 0,
                       count: int = 1, mixed: bool = False) -> bool:
         """Only the hub speaks for the bus, and a publisher cannot lie about what it publishes:
-        a hub-only type, or a header `type` other than the body's, is refused (counted
-        `bad_events`, answered `bad_event` with the event's id) and neither logged nor published."""
+        a hub-only type, or a header `type` other than the body's (in a mixed-type message, a
+        body without a type of its own), is refused (counted `bad_events`, answered `bad_event`
+        with the event's id) and neither logged nor published."""
         why = _event_fault(header, body) if mixed else _typed_event_fault(header.type, body)
         if not why:
             return False

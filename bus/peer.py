@@ -87,8 +87,8 @@ HOUSEKEEPING_IDLE = REPLY_GRACE
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the loop iteration
 # Held events that differ only by id (and type, with a hub that takes mixed types) go out as one
-# multi-body `event` message (docs/protocol.md
-# §4), up to this many bodies and bytes of bodies: the hub pays one message, not one per event.
+# multi-body `event` message (docs/protocol.md §4), up to this many bodies and bytes of bodies:
+# the hub pays one message, not one per event.
 COALESCE_EVENTS = 256
 COALESCE_BYTES = 256 * 1024
 INLINE_CHECKS = 4  # sends that each look for input at once before one look is deferred
