@@ -365,7 +365,7 @@ class Hub:
                 probes.closed(self._drain_monitor(), time.monotonic())
             self.events.flush()
             now = time.monotonic()
-            if pacer.next_at <= now:
+            if len(pacer):  # replay answers are waiting: those that may go now
                 self._forward_replays(pacer.release(now))
             if probes.due(now):
                 probes.found(self._probe())
@@ -898,6 +898,8 @@ class Hub:
             for s in sorted(self.services.values(), key=lambda s: s.name)
         ]
         counters = dict(self.counters)
+        if self.events.pacer.waited:
+            counters["replay_paced"] = self.events.pacer.waited
         if self.events.rows:  # stamped this pass, not yet flushed
             counters["events"] = counters.get("events", 0) + len(self.events.rows)
         if self._auth is not None:

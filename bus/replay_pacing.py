@@ -33,6 +33,8 @@ class ReplayPacer:
         self.rate = rate
         self.busy_until = -math.inf  # requests were routed until BUSY_FOR before this
         self.held_bytes = 0
+        self.waited = 0  # answers that were held back at least once (`replay_paced` in status)
+        self._counted = 0  # of the held answers, from the first: how many `waited` counts
         self._held: deque[Answer] = deque()
         self._free_at = -math.inf  # when the bytes released so far are paid for at `rate`
 
@@ -64,15 +66,14 @@ class ReplayPacer:
         paced = self.rate > 0 and now < self.busy_until
         while held:
             answer = held[0]
-            if answer[2]:  # an error: small, not charged
-                out.append(held.popleft())
-                self.held_bytes -= len(answer[3])
-                continue
-            if paced and now < self._free_at:
+            if not answer[2] and paced and now < self._free_at:  # errors are not charged
+                self.waited += len(held) - self._counted
+                self._counted = len(held)
                 break
             out.append(held.popleft())
+            self._counted = max(0, self._counted - 1)
             size = len(answer[3])
             self.held_bytes -= size
-            if paced:
+            if paced and not answer[2]:
                 self._free_at = max(self._free_at, now) + size / self.rate
         return out

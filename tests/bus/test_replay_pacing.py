@@ -25,6 +25,7 @@ def test_on_an_idle_bus_everything_goes_at_once() -> None:
     assert len(pacer) == 3 and pacer.held_bytes == 3 * 512 * KIB
     assert names(pacer.release(10.0)) == ["a", "b", "c"]
     assert len(pacer) == 0 and pacer.held_bytes == 0 and pacer.next_at == math.inf
+    assert pacer.waited == 0
 
 
 def test_while_requests_flow_answers_leave_at_the_rate() -> None:
@@ -40,6 +41,7 @@ def test_while_requests_flow_answers_leave_at_the_rate() -> None:
     pacer.routed(10.2)
     assert names(pacer.release(10.25)) == ["c"]
     assert pacer.next_at == math.inf and pacer.held_bytes == 0
+    assert pacer.waited == 2  # `b` and `c`, each counted once however often it was held back
 
 
 def test_time_spent_idle_is_not_credit_for_later() -> None:

@@ -410,6 +410,7 @@ def test_replay_answers_are_paced_while_requests_flow_and_not_when_idle(tmp_path
         status(reader)  # answered after the events: they are logged
         idle_took, idle_events = replay_whole_log(reader)
         assert idle_events == count
+        assert status(reader).counters.get("replay_paced", 0) == 0  # no request: none held
         with serving_peers(endpoint, 1, "--capacity", "4"):
             thread = threading.Thread(target=keep_requesting, daemon=True)
             thread.start()
@@ -423,11 +424,17 @@ def test_replay_answers_are_paced_while_requests_flow_and_not_when_idle(tmp_path
             assert busy_events == count  # slower, nothing lost
             # the first big batch goes at once, each next one after the previous one's bytes
             least = (count - 1) * size / pace
-            assert busy_took >= least * 0.99, (busy_took, least)
-            assert busy_took > idle_took, (busy_took, idle_took)
-            # requests stopped: the next replay is not held (`BUSY_FOR` after the last one)
-            wait_for(lambda: replay_whole_log(reader)[0] < least / 2, 20,
-                     "an unpaced replay once requests stopped")
+            assert busy_took >= least * 0.99, (busy_took, least, idle_took)
+            paced = status(reader).counters["replay_paced"]
+            assert paced >= count - 1, paced  # all but the first big batch waited
+
+            def unpaced_replay() -> bool:
+                before = status(reader).counters["replay_paced"]
+                replay_whole_log(reader)
+                return status(reader).counters["replay_paced"] == before
+
+            # requests stopped: soon (`BUSY_FOR` after the last one) no answer waits
+            wait_for(unpaced_replay, 20, "a replay with no answer held back")
         assert status(reader).budgets["replay_pace_bytes"].used == 0
     finally:
         stop.set()
