@@ -105,23 +105,29 @@ PATTERN = [("topic_message", "r1")] * 5 + [("topic_message", "r2")] * 3 + [
     ("llm_retry", "r1")] + [("topic_message", "r1")] * 4 + [("llm_retry", "r1")] * 2
 
 
+async def publish_pattern(rec: RecordingHub) -> None:
+    """Publish PATTERN three times over in one loop iteration through a client of `rec`; wait
+    until every body is recorded, in order."""
+    async with connect(rec.endpoint, name="coalescer") as peer:
+        sent = []
+        for i, (type_, run) in enumerate(PATTERN * 3):  # all held in one loop iteration
+            sent.append(body(type_, str(i)))
+            await peer.publish_raw(type_, sent[-1], agent="a", run=run, experiment="x")
+        await until(lambda: len(rec.bodies()) == len(sent), what="every body recorded")
+        assert rec.bodies() == sent  # order kept across keys
+
+
 @pytest.mark.anyio
 async def test_runs_of_one_header_share_a_message_in_order() -> None:
     with recording_hub(p.MAX_EVENT_BODIES) as rec:
-        async with connect(rec.endpoint, name="coalescer") as peer:
-            sent = []
-            for i, (type_, run) in enumerate(PATTERN * 3):  # all held in one loop iteration
-                sent.append(body(type_, str(i)))
-                await peer.publish_raw(type_, sent[-1], agent="a", run=run, experiment="x")
-            await until(lambda: len(rec.bodies()) == len(sent), what="every body recorded")
-            assert rec.bodies() == sent  # order kept across keys
-            runs = 1 + sum(PATTERN[i] != PATTERN[i - 1] for i in range(1, len(PATTERN)))
-            runs = runs * 3 - 2 * (PATTERN[0] == PATTERN[-1])
-            assert len(rec.events) == runs, [len(b) for _, b in rec.events]
-            for header, bodies in rec.events:
-                assert {msgspec.msgpack.decode(b)["type"] for b in bodies} == {header["type"]}
-                assert (header["agent"], header["experiment"]) == ("a", "x"), header
-            assert len({h["id"] for h, _ in rec.events}) == len(rec.events)  # ids distinct
+        await publish_pattern(rec)
+        runs = 1 + sum(PATTERN[i] != PATTERN[i - 1] for i in range(1, len(PATTERN)))
+        runs = runs * 3 - 2 * (PATTERN[0] == PATTERN[-1])
+        assert len(rec.events) == runs, [len(b) for _, b in rec.events]
+        for header, bodies in rec.events:
+            assert {msgspec.msgpack.decode(b)["type"] for b in bodies} == {header["type"]}
+            assert (header["agent"], header["experiment"]) == ("a", "x"), header
+        assert len({h["id"] for h, _ in rec.events}) == len(rec.events)  # ids distinct
 
 
 @pytest.mark.anyio
@@ -129,21 +135,15 @@ async def test_with_mixed_types_runs_of_one_run_share_a_message_whatever_their_t
     """A hub whose welcome has `mixed_types` takes one message for events of several types:
     header `type` "*" when they differ, the type itself when they do not."""
     with recording_hub(p.MAX_EVENT_BODIES, mixed_types=True) as rec:
-        async with connect(rec.endpoint, name="mixer") as peer:
-            sent = []
-            for i, (type_, run) in enumerate(PATTERN * 3):  # all held in one loop iteration
-                sent.append(body(type_, str(i)))
-                await peer.publish_raw(type_, sent[-1], agent="a", run=run, experiment="x")
-            await until(lambda: len(rec.bodies()) == len(sent), what="every body recorded")
-            assert rec.bodies() == sent  # order kept across keys
-            runs = [run for _, run in PATTERN * 3]
-            expected = 1 + sum(runs[i] != runs[i - 1] for i in range(1, len(runs)))
-            assert len(rec.events) == expected, [len(b) for _, b in rec.events]
-            for header, bodies in rec.events:
-                types = {msgspec.msgpack.decode(b)["type"] for b in bodies}
-                assert header["type"] == (types.pop() if len(types) == 1 else p.MIXED_TYPES)
-            assert p.MIXED_TYPES in {h["type"] for h, _ in rec.events}
-            assert "topic_message" in {h["type"] for h, _ in rec.events}  # r2: one type
+        await publish_pattern(rec)
+        runs = [run for _, run in PATTERN * 3]
+        expected = 1 + sum(runs[i] != runs[i - 1] for i in range(1, len(runs)))
+        assert len(rec.events) == expected, [len(b) for _, b in rec.events]
+        for header, bodies in rec.events:
+            types = {msgspec.msgpack.decode(b)["type"] for b in bodies}
+            assert header["type"] == (types.pop() if len(types) == 1 else p.MIXED_TYPES)
+        assert p.MIXED_TYPES in {h["type"] for h, _ in rec.events}
+        assert "topic_message" in {h["type"] for h, _ in rec.events}  # r2: one type
 
 
 @pytest.mark.anyio
