@@ -16,6 +16,10 @@ from tests.support import ROOT
 # test_stubs: a subscription's SUB socket follows the transport too (PollWaiter when portable).
 SUBSET = ["tests/bus/test_requests.py", "tests/bus/test_oversize.py",
           "tests/bus/test_publish_durability.py", "tests/bus/test_stubs.py"]
+# "Publish then close" runs 10 times in the main run (issue 12: every time); twice is enough to
+# cover the portable transport's flush on close, and saves ~20 s of CI.
+SKIPPED = [f"tests/bus/test_publish_durability.py::test_publish_then_close_logs_every_event[{i}]"
+           for i in range(2, 10)]
 
 
 # It runs four test modules (each test in it keeps the 120 s limit): their sum, not one test's
@@ -24,7 +28,8 @@ SUBSET = ["tests/bus/test_requests.py", "tests/bus/test_oversize.py",
 def test_bus_tests_pass_with_the_portable_transport() -> None:
     env = {**os.environ, TRANSPORT_ENV: "portable"}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-W", "error::ResourceWarning", *SUBSET],
+                          "-W", "error::ResourceWarning", *SUBSET,
+                          *[arg for node in SKIPPED for arg in ("--deselect", node)]],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=480)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "failed" not in out.stdout
