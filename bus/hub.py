@@ -110,18 +110,17 @@ def _typed_event_fault(type_: str, body: bytes) -> str:
     return f"header `type` `{type_[:64]}` differs from the body's `type` `{body_type[:64]}`"
 
 
-def _event_fault(header: p.Header, body: bytes) -> str:
-    """A body of a message of mixed types (header `type` "*"): why it may not be published
-    ("" if it may, its own `type` now in `header`, which is stamped per body)."""
+def _mixed_body_type(body: bytes) -> tuple[str, str]:
+    """A body of a message of mixed types (header `type` "*"): (its own `type`, "") when it
+    may be published as that, else ("*", why not)."""
     body_type = _body_type(body)
     if body_type is None:
-        return "a `*` (mixed-type) body is not a MessagePack map with a string `type`"
+        return p.MIXED_TYPES, "a `*` (mixed-type) body is not a MessagePack map with a string `type`"
     if not body_type or body_type == p.MIXED_TYPES:
-        return f"a `*` (mixed-type) body needs a `type` of its own, not {body_type!r}"
+        return p.MIXED_TYPES, f"a `*` (mixed-type) body needs a `type` of its own, not {body_type!r}"
     if body_type in HUB_EVENT_TYPES:
-        return f"`{body_type[:64]}` is a bus event only the hub publishes"
-    header.type = body_type
-    return ""
+        return p.MIXED_TYPES, f"`{body_type[:64]}` is a bus event only the hub publishes"
+    return body_type, ""
 
 
 def _where(index: int, count: int) -> str:
@@ -654,7 +653,10 @@ class Hub:
         a hub-only type, or a header `type` other than the body's (in a mixed-type message, a
         body without a type of its own), is refused (counted `bad_events`, answered `bad_event`
         with the event's id) and neither logged nor published."""
-        why = _event_fault(header, body) if mixed else _typed_event_fault(header.type, body)
+        if mixed:  # the event's type is its body's (the header is stamped per body)
+            header.type, why = _mixed_body_type(body)
+        else:
+            why = _typed_event_fault(header.type, body)
         if not why:
             return False
         why += _where(index, count)

@@ -7,8 +7,8 @@ of 512 KiB events was 1.9-2.4x idle on 2 cores (~1,000 batches a second), much a
 copying 512 KiB buffers 30-100 times a second costs, whatever its priority (bench/README.md,
 2026-12-01). Live traffic comes first: while a request was routed in the last `BUSY_FOR`
 seconds, answers leave at most at `rate` bytes a second (each one waits until the previous one's
-bytes are paid for at that rate); when requests stop, everything held leaves at once. Error
-answers are small and go in order with the rest, without being charged.
+bytes are paid for at that rate); `BUSY_FOR` after requests stop, everything held leaves at
+once. Error answers are small and go in order with the rest, without being charged.
 
 Pure bookkeeping (no sockets): the hub reports routed requests and finished answers, asks
 `release(now)` for what may go, and wakes up at `next_at`.
@@ -20,7 +20,10 @@ import math
 from collections import deque
 from typing import Any
 
-BUSY_FOR = 0.25  # seconds after a routed request during which replay answers are paced
+# Seconds after a routed request during which replay answers are paced: longer than the gaps
+# of a working bus (a tool's or a model's pause, a busy machine's scheduling delay), short
+# enough that a replay right after the traffic stops is soon at full speed again.
+BUSY_FOR = 1.0
 
 # (requester's routing id, request id, error code (b"": none), body: a zmq.Frame or bytes)
 Answer = tuple[bytes, str, bytes, Any]

@@ -8,7 +8,7 @@ import math
 from bus.replay_pacing import BUSY_FOR, ReplayPacer
 
 KIB = 1024
-RATE = 4096 * KIB  # 4 MiB/s: a 512 KiB answer pays 0.125 s, under BUSY_FOR (0.25 s)
+RATE = 4096 * KIB  # 4 MiB/s: a 512 KiB answer pays 0.125 s, well under BUSY_FOR
 
 
 def answer(name: str, size: int, code: bytes = b"") -> tuple[bytes, str, bytes, bytes]:
@@ -53,7 +53,7 @@ def test_time_spent_idle_is_not_credit_for_later() -> None:
 
 
 def test_when_requests_stop_what_is_held_goes_at_once() -> None:
-    pacer = ReplayPacer(1024 * KIB)  # 1 MiB/s: a 512 KiB answer pays 0.5 s, past BUSY_FOR
+    pacer = ReplayPacer(256 * KIB)  # 256 KiB/s: a 512 KiB answer pays 2 s, past BUSY_FOR
     pacer.routed(10.0)
     pacer.add([answer(str(i), 512 * KIB) for i in range(5)])
     assert names(pacer.release(10.0)) == ["0"]
