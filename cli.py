@@ -1377,6 +1377,8 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
 
     from agents.client.remote import connect as connect_agents
     from agents.replay import Fork, ForkError, parse_setting, replay_experiment
+    from bus.events import EventTally
+    from bus.watch import to_stderr
 
     try:
         fork = Fork(live_from=live_from or 0, live_from_seq=live_from_seq or 0, model=model,
@@ -1385,16 +1387,19 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     except ForkError as exc:
         raise click.UsageError(str(exc)) from None
     target = target or f"{experiment}.replay-{uuid.uuid4().hex[:6]}"
+    tally = EventTally("busctl replay", to_stderr)  # logged events that do not decode
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
             try:
                 return await replay_experiment(bus, experiment, target, fork=fork,
-                                               live_tools=live_tools)
+                                               live_tools=live_tools, tally=tally)
             except ValueError as exc:  # ForkError too: checked before anything is replayed
                 return exc  # raised here it would reach us inside an exception group
 
     divergence = run_async(go)
+    if tally.bad:
+        click.echo(tally.summary(), err=True)
     if isinstance(divergence, ValueError):
         raise click.UsageError(str(divergence))
     if divergence is not None:
@@ -1425,7 +1430,8 @@ def _system_prompt(path: str | None) -> str | None:
 def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: str,
                      as_json: bool) -> None:
     """Compare experiments FIRST and SECOND run by run (in start order) and in total: final
-    texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown.
+    texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown;
+    and where the events first differ (the comparison `busctl replay` makes).
 
     \b
     Examples:
@@ -1434,16 +1440,23 @@ def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: st
     """
     from agents.replay import diff, diff_text, load_experiment
     from bus.client import connect as connect_peer
+    from bus.events import EventTally
+    from bus.watch import to_stderr
+
+    tally = EventTally("busctl diff", to_stderr)  # logged events that do not decode
 
     async def go() -> dict[str, Any]:
         async with connect_peer(hub, name="busctl-diff", role="cli", curve=curve) as peer:
-            a, b = await load_experiment(peer, first), await load_experiment(peer, second)
+            a = await load_experiment(peer, first, tally)
+            b = await load_experiment(peer, second, tally)
         for name, runs in ((first, a), (second, b)):
             if not runs:
                 raise click.UsageError(f"experiment `{name}` has no runs in the hub's log")
         return diff(a, b)
 
     result = run_async(go)
+    if tally.bad:
+        click.echo(tally.summary(), err=True)
     click.echo(msgspec.json.encode(result).decode() if as_json
                else diff_text(result, first, second))
 

@@ -46,6 +46,10 @@ class Prompt(_Command, tag="prompt"):
     #: The top-level run of the tree this run joins (an agent-as-tool call; "" = it is the top):
     #: its model calls carry that run's trace id (`LlmTrace.root_run_id`).
     root_run_id: str = ""
+    #: A replay of a run that was aborted in a model call (`busctl replay`): the abort is in
+    #: the logged reply the replay serves; this is the reason the `agent_end` error gave, given
+    #: again when this run ends aborted.
+    abort_reason: str = ""
 
 
 class Continue(_Command, tag="continue"):

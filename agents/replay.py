@@ -26,7 +26,12 @@ every coordinator's `replay@<coordinator>` service; `RecordedTools` serves them 
 and arguments, in order), except `ask_<agent>` (the callee run is replayed itself), `publish` and
 `tool_output`; with `live_tools` every tool runs again and a tool that answers differently is a
 divergence. Then E and E2 are compared event by event (`compare`): the same events except ids,
-seq, timestamps, durations and streamed deltas, or the first divergence.
+seq, timestamps, durations and streamed deltas, or the first divergence. Order that means nothing
+is not compared: runs are taken in call order (`in_call_order`: the runs parallel `ask_<agent>`
+calls started, in the order of the calls), and a tool batch's events by call (`canonical_events`:
+parallel calls end in the order they finish). `busctl diff` uses the same comparison, so both say
+identical for the same pair. A run aborted in a model call is replayed with its abort's reason
+(`abort_reason`).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import msgspec
 
 from agents.launch.topology import AgentSpec
-from agents.loop.run import ToolExecutor, UpdateSink
+from agents.loop.run import ABORTED_TEXT, ToolExecutor, UpdateSink
 from bus import events as ev
 from bus.client import Peer
 from bus.errors import ConfigError, RemoteError
@@ -58,6 +63,7 @@ from bus.messages import (
     Usage,
     error_result,
 )
+from bus.protocol import Header
 from bus.watch import replay as logged
 
 if TYPE_CHECKING:  # agents.client.remote imports this module (`connect(replay_from=...)`)
@@ -273,13 +279,17 @@ class RecordedRun:
         return total
 
 
-async def load_experiment(peer: Peer, experiment: str) -> list[RecordedRun]:
-    """The runs of `experiment` in the order they started, from the hub's log."""
+async def load_experiment(peer: Peer, experiment: str,
+                          tally: ev.EventTally | None = None) -> list[RecordedRun]:
+    """The runs of `experiment` in the order they started, from the hub's log. An event that
+    does not decode is skipped and counted in `tally` (which names its seq)."""
     runs: dict[str, RecordedRun] = {}
-    async for envelope in logged(peer, 0, []):
+
+    def wanted(header: Header) -> bool:  # other experiments' bodies are never decoded
+        return header.experiment == experiment and bool(header.run)
+
+    async for envelope in logged(peer, 0, [], tally, wanted):
         header, event = envelope.header, envelope.event
-        if header.experiment != experiment or not header.run:
-            continue
         run = runs.get(header.run)
         if run is None:
             run = runs[header.run] = RecordedRun(header.run, header.agent, header.parent,
@@ -288,7 +298,66 @@ async def load_experiment(peer: Peer, experiment: str) -> list[RecordedRun]:
         if isinstance(event, ev.MessageEnd) and isinstance(event.message, AssistantMessage):
             run.reply_seqs.append(header.seq)
         _add(run, event)
-    return list(runs.values())
+    return in_call_order(list(runs.values()))
+
+
+def in_call_order(runs: Sequence[RecordedRun]) -> list[RecordedRun]:
+    """`runs` (in start order) as they are compared: each top-level run (in start order)
+    followed by the runs it asked for (`ask_<agent>`, each followed by its own), in the order
+    of the calls that asked them. Calls made at once (parallel tools) start their runs in
+    whatever order the scheduler gives: that order means nothing, the calls' order does."""
+    by_id = {r.run_id: r for r in runs}
+    children: dict[str, list[RecordedRun]] = {}
+    for run in runs:
+        if run.parent in by_id:
+            children.setdefault(run.parent, []).append(run)
+    ordered: list[RecordedRun] = []
+
+    def visit(run: RecordedRun) -> None:
+        ordered.append(run)
+        kids = children.get(run.run_id, [])
+        asked = {run_id: i for i, run_id in enumerate(_asked_runs(run))}
+        for kid in sorted(kids, key=lambda k: asked.get(k.run_id, len(asked) + kids.index(k))):
+            visit(kid)
+
+    for run in runs:
+        if run.parent not in by_id:
+            visit(run)
+    return ordered
+
+
+def _asked_runs(run: RecordedRun) -> list[str]:
+    """The run ids `run`'s agent-as-tool calls were answered by, in call order (tool result
+    messages are logged in call order; `details.run_id` names the callee's run)."""
+    return [message.details["run_id"] for message in run.messages
+            if isinstance(message, ToolResultMessage) and isinstance(message.details, dict)
+            and isinstance(message.details.get("run_id"), str)]
+
+
+#: A tool batch's starts and ends: parallel calls end in the order they finish, which means
+#: nothing; each call's own events keep their order.
+CALL_EVENTS = frozenset({"tool_execution_start", "tool_execution_end"})
+
+
+def canonical_events(events: Sequence[tuple[str, dict[str, Any]]]
+                     ) -> list[tuple[str, dict[str, Any]]]:
+    """A run's events as they are compared (`compare`, `diff`): in each stretch of tool
+    execution events, grouped by call in the order the calls started (their call order)."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    stretch: list[tuple[str, dict[str, Any]]] = []
+    for item in [*events, ("", {})]:  # the sentinel ends the last stretch
+        if item[0] in CALL_EVENTS:
+            stretch.append(item)
+            continue
+        if stretch:
+            first: dict[Any, int] = {}
+            for i, (_, body) in enumerate(stretch):
+                first.setdefault(body.get("tool_call_id"), i)
+            out.extend(sorted(stretch, key=lambda e: first[e[1].get("tool_call_id")]))
+            stretch = []
+        if item[0]:
+            out.append(item)
+    return out
 
 
 def _add(run: RecordedRun, event: ev.Event) -> None:
@@ -516,12 +585,13 @@ class Divergence:
 
 
 async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = None,
-                  live_tools: bool = False) -> tuple[list[RecordedRun], ForkPlan]:
+                  live_tools: bool = False, tally: ev.EventTally | None = None
+                  ) -> tuple[list[RecordedRun], ForkPlan]:
     """Put experiment `target` in replay of `source`: its model replies to the gateway and,
     unless `live_tools`, its tool results to every coordinator. Returns `source`'s runs and
     the checked `fork` (a ForkError, before anything is sent, when it cannot apply)."""
     fork = fork or Fork()
-    runs = await load_experiment(peer, source)
+    runs = await load_experiment(peer, source, tally)
     if not runs:
         raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
                          f"with `busctl export --experiment {source}`)")
@@ -547,23 +617,40 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
 
 
 async def replay_experiment(bus: AgentBus, source: str, target: str, *, fork: Fork | None = None,
-                            live_tools: bool = False) -> Divergence | None:
+                            live_tools: bool = False, tally: ev.EventTally | None = None
+                            ) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
-    A `fork` replays part of each run and calls the live model for the rest (see `Fork`)."""
-    if await load_experiment(bus.peer, target):
+    A `fork` replays part of each run and calls the live model for the rest (see `Fork`).
+    Logged events that do not decode are skipped and counted in `tally`."""
+    if await load_experiment(bus.peer, target, tally):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
-    runs, plan = await prepare(bus.peer, source, target, fork=fork, live_tools=live_tools)
+    runs, plan = await prepare(bus.peer, source, target, fork=fork, live_tools=live_tools,
+                               tally=tally)
     for run in runs:
         if run.parent:
             continue  # made again by the caller's ask_<agent> call
         started = await bus.prompt(run.agent, run.prompt, experiment=target,
-                                   max_turns=plan.max_turns.get(run.agent, 0))
+                                   max_turns=plan.max_turns.get(run.agent, 0),
+                                   abort_reason=abort_reason(run))
         async for _ in started.events():
             pass  # to its agent_end: then it is in the log
         await started.result()
-    return compare(runs, await load_experiment(bus.peer, target))
+    return compare(runs, await load_experiment(bus.peer, target, tally))
+
+
+def abort_reason(run: RecordedRun) -> str:
+    """Why `run` was aborted (`busctl abort AGENT REASON`), when it was aborted in a model call
+    and with a reason; else "". The abort itself is in the logged reply (stop reason
+    `aborted`), which the replay serves again; its reason only reached the run's `agent_end`
+    (`Operation aborted: REASON`), so the replayed prompt carries it."""
+    end, replies = run.end, run.replies
+    if end is None or end.stop_reason != "aborted" or not end.error or not replies or \
+            replies[-1].stop_reason != "aborted":
+        return ""
+    prefix = f"{replies[-1].error or ABORTED_TEXT}: "
+    return end.error[len(prefix):] if end.error.startswith(prefix) else ""
 
 
 def compare(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> Divergence | None:
@@ -580,17 +667,51 @@ def compare(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> Divergence | 
     return None
 
 
+def _comparable(run: RecordedRun) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, str]]:
+    """`run`'s events in canonical order with each tool call id replaced by the call's number
+    in the run (`#1`, `#2`, ...): ids are not compared (a replay keeps the logged ones, but two
+    executions of a script do not share them). And the ids by number."""
+    numbers: dict[str, str] = {}
+    for reply in run.replies:
+        for call in reply.tool_calls:
+            numbers.setdefault(call.id, f"#{len(numbers) + 1}")
+    events = canonical_events(run.events)
+    if numbers:
+        events = [(kind, _renumbered(body, numbers)) for kind, body in events]
+    return events, {number: call_id for call_id, number in numbers.items()}
+
+
+def _renumbered(value: Any, numbers: dict[str, str]) -> Any:
+    if isinstance(value, dict):
+        return {k: numbers.get(v, v) if k in CALL_ID_KEYS and isinstance(v, str)
+                else _renumbered(v, numbers) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_renumbered(v, numbers) for v in value]
+    return value
+
+
+#: The fields that hold a tool call's id (a call part's `id`, a result's `tool_call_id`).
+CALL_ID_KEYS = frozenset({"id", "tool_call_id"})
+
+
 def _compare_run(index: int, x: RecordedRun, y: RecordedRun) -> Divergence | None:
+    """The first difference between two runs' events in canonical order (`canonical_events`):
+    `busctl replay` and `busctl diff` judge a pair of runs by this one comparison."""
     turn = 0
-    for n, ((tx, bx), (ty, by)) in enumerate(zip(x.events, y.events, strict=False)):
+    (xs, ids), (ys, _) = _comparable(x), _comparable(y)
+    for n, ((tx, bx), (ty, by)) in enumerate(zip(xs, ys, strict=False)):
         if tx == "turn_start":
             turn = bx.get("turn", turn)
         if (x.agent, tx, bx) != (y.agent, ty, by):
-            return Divergence(index, x.agent, turn, n, tx, _what(x.agent, tx, bx, y.agent, ty, by))
-    if len(x.events) != len(y.events):
-        n = min(len(x.events), len(y.events))
+            what = _what(x.agent, tx, bx, y.agent, ty, by)
+            if tx in CALL_EVENTS:  # name the call: a batch has several of the same tool
+                number = str(bx.get("tool_call_id"))
+                what += f" (call `{bx.get('tool_name')}` {number}, id {ids.get(number, number)})"
+            return Divergence(index, x.agent, turn, n, tx, what)
+    if len(xs) != len(ys):
+        n = min(len(xs), len(ys))
         return Divergence(index, x.agent, turn, n, "agent_end",
-                          f"{len(x.events)} events in the first, {len(y.events)} in the second")
+                          f"{len(xs)} events in the first, {len(ys)} in the second")
     return None
 
 
@@ -646,10 +767,21 @@ def diff(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> dict[str, Any]:
         x = run_summary(a[index]) if index < len(a) else None
         y = run_summary(b[index]) if index < len(b) else None
         differs = [k for k in COMPARED if x is None or y is None or x[k] != y[k]]
-        runs.append({"run": index + 1, "a": x, "b": y, "differs": differs})
+        # the replay's comparison too: "identical" means the same for both commands
+        found = (_compare_run(index, a[index], b[index])
+                 if x is not None and y is not None else None)
+        runs.append({"run": index + 1, "a": x, "b": y, "differs": differs,
+                     "events": _event_difference(found)})
     totals = {side: _totals(runs_) for side, runs_ in (("a", a), ("b", b))}
     return {"runs": runs, "totals": totals,
-            "identical": not any(r["differs"] for r in runs)}
+            "identical": not any(r["differs"] or r["events"] for r in runs)}
+
+
+def _event_difference(found: Divergence | None) -> str:
+    """Where a pair of runs' events first differ ("" when they do not), for `diff`."""
+    if found is None:
+        return ""
+    return f"turn {found.turn}, event {found.event + 1} ({found.type}): {found.detail}"
 
 
 def _totals(runs: Sequence[RecordedRun]) -> dict[str, Any]:
@@ -670,7 +802,9 @@ def diff_text(result: dict[str, Any], a: str, b: str) -> str:
         x, y = run["a"] or {}, run["b"] or {}
         name = x.get("agent") or y.get("agent")
         if not run["differs"]:
-            lines.append(f"run {run['run']} ({name}): same")
+            events = run.get("events")
+            lines.append(f"run {run['run']} ({name}): differs in events at {events}" if events
+                         else f"run {run['run']} ({name}): same")
             continue
         lines.append(f"run {run['run']} ({name}): differs in {', '.join(run['differs'])}")
         for key in run["differs"]:
@@ -705,10 +839,13 @@ __all__ = [
     "ToolBook",
     "ToolEntry",
     "always_live",
+    "abort_reason",
     "book",
+    "canonical_events",
     "compare",
     "diff",
     "diff_text",
+    "in_call_order",
     "load_experiment",
     "load_tool_book",
     "parse_setting",

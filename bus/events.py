@@ -2,11 +2,15 @@
 
 An event travels as one body frame holding one of these structs (tagged on `type`); the header
 frame repeats `type`, `agent` and `run` so the hub can stamp, log and publish it without decoding
-the body. Decode with `decode_event`, which turns an unknown `type` into `None` instead of raising.
+the body. Decode with `decode_event`, which turns an unknown `type` into `None` instead of raising;
+a reader of the log or of the stream decodes through an `EventTally`, which also skips (counts and
+names once) a body that does not decode, so one bad event never stops a reader.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
@@ -260,3 +264,62 @@ def decode_event(body: bytes | memoryview) -> Event | None:
         if "Invalid value" in str(exc) and "$.type" in str(exc):
             return None
         raise
+
+
+#: Distinct undecodable seqs an `EventTally` names; past it they are only counted.
+NAMED_BAD_EVENTS = 100
+
+_log = logging.getLogger("bus.events")
+
+
+class EventTally:
+    """The one tolerant decoder every reader of events uses (`busctl watch`, `export`, `replay`,
+    `diff`, the web view, `busctl otel`, subscriptions): what it could not use is skipped, never
+    raised, and never takes the events around it along.
+
+    - `unknown`: events of a type this version does not know (a newer version's, docs/protocol.md
+      section 10): counted and skipped quietly. Unknown fields of known types are ignored by
+      the decoder itself.
+    - `bad`: events whose body does not decode (bytes that are no msgpack, a required field
+      missing or of the wrong type): counted, and each seq named once through `warn` (the
+      first NAMED_BAD_EVENTS; the rest are counted)."""
+
+    def __init__(self, reader: str, warn: Callable[[str], None] | None = None) -> None:
+        self.reader = reader
+        self.unknown = 0
+        self.bad = 0
+        self.bad_seqs: list[int] = []  # in the order met, each once (at most NAMED_BAD_EVENTS)
+        self._warn = warn or _log.warning
+        self._silenced = False
+
+    def decode(self, seq: int, type_: str, body: bytes | memoryview) -> Event | None:
+        """The event, or None (counted) for an unknown type or an undecodable body."""
+        try:
+            event = decode_event(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.skip(seq, type_, str(exc))
+            return None
+        if event is None:
+            self.unknown += 1
+        return event
+
+    def skip(self, seq: int, type_: str, why: str) -> None:
+        """Count an event that cannot be used; name its seq the first time it is met."""
+        if seq in self.bad_seqs:
+            return  # met again (a range read twice): already counted and named
+        self.bad += 1
+        if len(self.bad_seqs) >= NAMED_BAD_EVENTS:
+            if not self._silenced:
+                self._silenced = True
+                self._warn(f"{self.reader}: more undecodable events; counted, no longer named")
+            return
+        self.bad_seqs.append(seq)
+        self._warn(f"{self.reader}: skipped event seq {seq} ({type_[:64] or 'no type'}): it "
+                   f"does not decode ({why[:200]})")
+
+    def summary(self) -> str:
+        """"" when nothing was skipped, else one line for the reader's summary."""
+        if not self.bad:
+            return ""
+        shown = ", ".join(map(str, self.bad_seqs[:10])) + (", ..." if self.bad > 10 else "")
+        return f"{self.reader}: {self.bad} undecodable event(s) skipped (seq {shown})"

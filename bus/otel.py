@@ -471,30 +471,32 @@ async def export_otel(hub: str, curve: CurveClient | None, endpoint: str,
     # typed as the SDK base: its shutdown() is annotated, the OTLP subclass's override is not
     exporter: SpanExporter = OTLPSpanExporter(endpoint=endpoint, headers=headers, timeout=timeout)
     delivery = Delivery(exporter, state, state_file, builder.safe_seq, max_spans)
+    tally = ev.EventTally("busctl otel", log.warning)  # events that do not decode: skipped
     async with connect(hub, name="busctl-otel", role="watcher", curve=curve) as peer:
         try:
-            await _follow(peer, builder, delivery, endpoint, start)
+            await _follow(peer, builder, delivery, endpoint, start, tally)
         finally:
             with anyio.move_on_after(timeout, shield=True):
                 await delivery.flush_once()
             exporter.shutdown()
             print(f"otel: exported {state.exported_spans} spans, dropped {state.dropped_spans}, "
                   f"{delivery.buffered} unsent, resume at seq {state.seq}; runs evicted "
-                  f"unfinished {builder.evicted_runs}, events skipped {builder.bad_events}",
-                  file=sys.stderr)
+                  f"unfinished {builder.evicted_runs}, events skipped {builder.bad_events}, "
+                  f"undecodable {tally.bad}", file=sys.stderr)
 
 
 async def _follow(peer: Peer, builder: TraceBuilder, delivery: Delivery, endpoint: str,
-                  start: int) -> None:
+                  start: int, tally: ev.EventTally) -> None:
     async with anyio.create_task_group() as tg:
         tg.start_soon(delivery.run)
         tg.start_soon(_stop_on_signal, tg.cancel_scope)
         # The full stream (no topic filter) so every jump in seq is a loss the
         # subscription fills from the log, exactly as `busctl watch` does.
         async with peer.subscribe([], since=start, fill_gaps=True) as sub:
+            sub.tally = tally
             drops = Drops(f"otel-{os.getpid()}", "otel")
             await serve_drops(peer, drops, sub, lambda: {
-                "dropped_spans": delivery.state.dropped_spans,
+                "undecodable": tally.bad, "dropped_spans": delivery.state.dropped_spans,
                 "exported_spans": delivery.state.exported_spans,
                 "buffered_spans": delivery.buffered, "export_failures": delivery.failures})
             print(json.dumps({"ready": "otel", "endpoint": endpoint, "since": start}), flush=True)

@@ -6,7 +6,7 @@ import sqlite3
 import sys
 import time
 import typing
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -46,14 +46,29 @@ class WatchFilter:
             return [f"{family}/{a}/" for a in sorted(self.agents) for family in ("agent", "ext")]
         return []
 
-    def accepts(self, header: p.Header, event: ev.Event) -> bool:
-        if self.types and ev.event_type(event) not in self.types and not isinstance(event, ev.Gap):
+    def accepts_header(self, header: p.Header) -> bool:
+        """What the header alone decides (a logged event's body is decoded only when wanted)."""
+        if self.types and header.type not in self.types:
             return False
+        return self.accepts_where(header)
+
+    def accepts_where(self, header: p.Header) -> bool:
         if self.agents and header.agent not in self.agents:
             return False
         if self.runs and header.run not in self.runs:
             return False
         return not (self.experiments and header.experiment not in self.experiments)
+
+    def accepts(self, header: p.Header, event: ev.Event) -> bool:
+        if self.types and ev.event_type(event) not in self.types and not isinstance(event, ev.Gap):
+            return False
+        return self.accepts_where(header)
+
+
+def to_stderr(text: str) -> None:
+    """How a command-line reader names what it skipped (`EventTally`'s `warn`)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 #: Asks again of a `hub.replay` the hub's reader was too full for: every 0.05 s.
@@ -72,11 +87,15 @@ async def _replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
                        deadline=time.monotonic() + REPLAY_RETRY_FOR)
 
 
-async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Envelope]:
+async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally | None = None,
+                 wanted: Callable[[p.Header], bool] | None = None) -> AsyncIterator[Envelope]:
     """Logged events after `since` up to the head at the time of the first call, then stop.
 
     Finished only when a batch reaches its head (`upto >= head`): a short batch is not the end.
-    A range that retention pruned from the log is yielded as one `Gap` naming the retention."""
+    A range that retention pruned from the log is yielded as one `Gap` naming the retention.
+    Only events whose header is `wanted` are decoded; one that does not decode is skipped and
+    counted in `tally` (which names its seq), and the replay goes on."""
+    tally = tally if tally is not None else ev.EventTally("replay")
     cursor, end = since, None
     while end is None or cursor < end:
         batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=topics))
@@ -86,10 +105,14 @@ async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Env
                          reason=batch.gap.reason)
             yield Envelope(p.Header(kind=p.EVENT, type="gap"), gap)
         for header_bytes, body in batch.events:
-            header = p.decode_header(header_bytes)
+            header = _logged_header(header_bytes, tally)
+            if header is None:
+                continue
             if header.seq > end:
                 return
-            event = ev.decode_event(body)
+            if wanted is not None and not wanted(header):
+                continue
+            event = tally.decode(header.seq, header.type, body)
             if event is not None:
                 yield Envelope(header, event)
         if batch.upto >= batch.head:
@@ -98,6 +121,15 @@ async def replay(peer: Peer, since: int, topics: list[str]) -> AsyncIterator[Env
             raise ProtocolError(f"`hub.replay` from {cursor} answered upto={batch.upto} "
                                 f"< head={batch.head} without progress")
         cursor = batch.upto
+
+
+def _logged_header(data: bytes, tally: ev.EventTally) -> p.Header | None:
+    """A logged event's header (the hub wrote it, but a log is read by other versions too)."""
+    try:
+        return p.decode_header(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        tally.skip(0, "", f"its header: {exc}")
+        return None
 
 
 async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, since: int | None,
@@ -114,17 +146,22 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
         else:
             printer.print(envelope.header, envelope.event)
 
+    tally = ev.EventTally("busctl watch", to_stderr)
     async with connect(hub, name="busctl-watch", role="watcher", curve=curve) as peer:
         if last is not None:
             since = max(0, (await peer.status()).seq - last)
         if not follow:
-            async for envelope in replay(peer, since or 0, filt.topics()):
+            async for envelope in replay(peer, since or 0, filt.topics(), tally,
+                                         filt.accepts_header):
                 show(envelope)
+            if tally.bad:
+                to_stderr(tally.summary())
             return
         # Everything, filtered here: a topic-filtered stream has holes in its seqs by design,
         # so a lost message could not be told from a filtered one; on the full stream every
         # jump in seq is a loss, and the subscription fills it from the log.
         async with peer.subscribe([], since=since, fill_gaps=True) as sub:
+            sub.tally = tally
             async for envelope in sub:
                 show(envelope)
 
@@ -133,6 +170,10 @@ class Totals(msgspec.Struct):
     """Token and cost totals of an export, from each assistant message's usage."""
 
     events: int = 0
+    #: events of the experiment that were skipped because they do not decode, and their seqs
+    #: (the first NAMED_BAD_EVENTS; each is also named on stderr)
+    undecodable: int = 0
+    undecodable_seqs: list[int] = msgspec.field(default_factory=list)
     runs: list[str] = msgspec.field(default_factory=list)
     by_agent: dict[str, Usage] = msgspec.field(default_factory=dict)
     by_model: dict[str, Usage] = msgspec.field(default_factory=dict)
@@ -149,6 +190,9 @@ class Totals(msgspec.Struct):
         self.by_agent[header.agent] = self.by_agent.get(header.agent, Usage()) + usage
         self.by_model[model] = self.by_model.get(model, Usage()) + usage
         self.total = self.total + usage
+
+    def skipped(self, tally: ev.EventTally) -> None:
+        self.undecodable, self.undecodable_seqs = tally.bad, list(tally.bad_seqs)
 
 
 class Export(msgspec.Struct):
@@ -169,15 +213,19 @@ async def export_events(hub: str, curve: CurveClient | None, experiment: str, ou
                         fmt: str) -> Export:
     """Write every logged event of `experiment` to `out` (JSON lines or msgpack), from the hub."""
     totals, seen = Totals(), set()
+    tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
+
+    def wanted(header: p.Header) -> bool:  # the other experiments' bodies are never decoded
+        seen.add(header.experiment)
+        return header.experiment == experiment
+
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
-        async for envelope in replay(peer, 0, []):
-            seen.add(envelope.header.experiment)
-            if envelope.header.experiment != experiment:
-                continue
+        async for envelope in replay(peer, 0, [], tally, wanted):
             totals.add(envelope.header, envelope.event)
             _write(out, fmt, envelope, encoder)
     out.flush()
+    totals.skipped(tally)
     return Export(totals, sorted(seen - {""}))
 
 
@@ -190,26 +238,32 @@ def log_file(state: Path) -> Path | None:
     return None
 
 
-def _log_envelopes(db: sqlite3.Connection, experiment: str) -> Iterator[Envelope]:
-    rows = db.execute("SELECT header, body FROM events WHERE experiment = ? ORDER BY seq",
-                      (experiment,))
-    for header_bytes, body in rows:
-        event = ev.decode_event(body)
-        if event is not None:  # a type this version does not know: not ours to export
-            yield Envelope(p.decode_header(header_bytes), event)
+def _log_envelopes(db: sqlite3.Connection, experiment: str,
+                   tally: ev.EventTally) -> Iterator[Envelope]:
+    rows = db.execute("SELECT seq, type, header, body FROM events WHERE experiment = ? "
+                      "ORDER BY seq", (experiment,))
+    for seq, type_, header_bytes, body in rows:
+        header = _logged_header(header_bytes, tally)
+        # None: a type this version does not know (not ours to export), or a body that does
+        # not decode (named on stderr and counted in the totals)
+        event = tally.decode(seq, type_, body) if header is not None else None
+        if header is not None and event is not None:
+            yield Envelope(header, event)
 
 
 def export_from_log(path: Path, experiment: str, out: BinaryIO, fmt: str) -> Export:
     """Like `export_events`, read from the log file itself (no hub needed). Read-only: a
     running hub's writes are not disturbed, and a log we may not write is still read."""
     totals = Totals()
+    tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
     db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         db.execute("PRAGMA busy_timeout=5000")
-        for envelope in _log_envelopes(db, experiment):
+        for envelope in _log_envelopes(db, experiment, tally):
             totals.add(envelope.header, envelope.event)
             _write(out, fmt, envelope, encoder)
+        totals.skipped(tally)
         known = [] if totals.events else [row[0] for row in db.execute(
             "SELECT DISTINCT experiment FROM events WHERE experiment != '' ORDER BY 1")]
     finally:

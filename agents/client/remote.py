@@ -224,19 +224,20 @@ class AgentBus:
     async def prompt(self, agent: str, text: str = "", *, messages: Sequence[Any] = (),
                      experiment: str = "", session: str = "", continue_session: bool = False,
                      new_session: bool = False, parent_run_id: str = "",
-                     max_turns: int = 0) -> Run:
+                     max_turns: int = 0, abort_reason: str = "") -> Run:
         """Start a run; returns once the agent has accepted it (its run id is known).
 
         A fresh session unless `session` (continue it) or `continue_session` (the agent's last
         session) is given; `run.session` is the id. `new_session` with `session` starts that
         session over. `max_turns` > 0 bounds this run to that many turns (the agent's
-        `max_iterations` otherwise); past it the run ends with stop reason `max_iterations`."""
+        `max_iterations` otherwise); past it the run ends with stop reason `max_iterations`.
+        `abort_reason`: a replay's (see `cmd.Prompt.abort_reason`)."""
         if max_turns < 0:
             raise ValueError(f"max_turns must be 0 (the agent's own bound) or more, not {max_turns}")
         command = cmd.Prompt(text=text, messages=list(messages), experiment=experiment,
                              session=session, continue_session=continue_session,
                              new_session=new_session, parent_run_id=parent_run_id,
-                             max_turns=max_turns)
+                             max_turns=max_turns, abort_reason=abort_reason)
         return await self._start(agent, command, session)
 
     async def continue_(self, agent: str, *, experiment: str = "", session: str = "") -> Run:

@@ -692,9 +692,15 @@ class HostedAgent:
         turns = command.max_turns if command.max_turns > 0 else None  # <= 0: the agent's own bound
         agent = session.agent
         session.max_turns = max(0, command.max_turns)
-        return await self._start_run(req, session, lambda: agent.prompt(value, max_turns=turns),
-                                     command.experiment, command.parent_run_id,
-                                     command.call_chain, command.root_run_id)
+
+        def start() -> Any:
+            if command.abort_reason:  # a replayed abort (cmd.Prompt): set once the run is ours
+                session.abort_reason = command.abort_reason
+            return agent.prompt(value, max_turns=turns)
+
+        return await self._start_run(req, session, start, command.experiment,
+                                     command.parent_run_id, command.call_chain,
+                                     command.root_run_id)
 
     def _target(self, run_id: str, session_id: str) -> Session | None:
         """The session a steer/follow-up/abort addresses; None: nothing live to act on.

@@ -270,7 +270,8 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
                 anyio.create_task_group() as tg:
             tg.start_soon(_poll_status, peer, store)
             async with peer.subscribe([], since=since, fill_gaps=True) as sub:
-                await serve_drops(peer, drops, sub)
+                sub.tally = ev.EventTally("busctl ui", log.warning)  # skipped, counted, named
+                await serve_drops(peer, drops, sub, lambda: {"undecodable": sub.tally.bad})
                 print(json.dumps(ready), flush=True)
                 last = since
                 async for envelope in sub:
