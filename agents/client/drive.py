@@ -95,14 +95,48 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-async def _follow(run: Run, view: RunView) -> cmd.RunResult:
+#: Seconds the run's `agent_end` may take to arrive after its result: it is published before
+#: the result is sent, but comes on another socket, so it may arrive a moment later.
+END_GRACE = 2.0
+
+
+async def _follow(run: Run, view: RunView, err: TextIO | None = None) -> cmd.RunResult:
+    """Show the run's events until its `agent_end`, or until its result arrived and the
+    `agent_end` did not follow (the hub's log refused it: the run is over all the same)."""
+    missed = False
     async with anyio.create_task_group() as tg:
-        # The request ends the wait too: when the agent's process dies it fails (PeerLost)
-        # and no `agent_end` will come.
-        tg.start_soon(run.final_reply)
+
+        async def until_result() -> None:
+            nonlocal missed
+            # The request ends the wait too: when the agent's process dies it fails
+            # (PeerLost) and no `agent_end` will come.
+            await run.final_reply()
+            if not await run.end_seen(END_GRACE):
+                missed = True
+                tg.cancel_scope.cancel()
+
+        tg.start_soon(until_result)
+        # cancelled inside `events()`: the generator ends there (its `finally` runs)
         async for envelope in run.events():
             view.show(envelope)
+    if missed:
+        await _say_why_events_are_missing(run, err or sys.stderr)
     return await run.result()
+
+
+async def _say_why_events_are_missing(run: Run, err: TextIO) -> None:
+    """The result came and the run's `agent_end` did not: say so, and why when the hub knows
+    (its event log refuses events: `log_error` in `busctl status --json`)."""
+    try:
+        with anyio.fail_after(5):
+            why = (await run.bus.peer.status()).log_error
+    except (BusError, TimeoutError):
+        why = ""
+    cause = (f"the hub's event log refused its events ({why}); they are not in the log"
+             if why else f"its `agent_end` event did not arrive within {END_GRACE:g} s of "
+             f"the result; the run's events may be missing from the log")
+    err.write(f"warning: run {run.run_id} ended, but {cause}\n")
+    err.flush()
 
 
 async def _abort_on_sigint(bus: AgentBus, run: Run, scope: anyio.CancelScope,

@@ -141,6 +141,14 @@ class Run:
                                         final_text=end.final_text, stop_reason=end.stop_reason,
                                         error=end.error, usage=end.usage, session=self.session))
 
+    async def end_seen(self, timeout: float) -> bool:
+        """Whether `events()` has read this run's `agent_end`, waiting up to `timeout` seconds
+        for it (another task must be iterating `events()`). After the result arrived the
+        `agent_end` normally follows at once; it never comes when the hub's log refused it."""
+        with anyio.move_on_after(timeout):
+            await self._done.wait()
+        return self._done.is_set()
+
     async def _drain(self) -> None:
         async for _ in self.events():
             pass
