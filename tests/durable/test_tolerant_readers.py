@@ -8,9 +8,9 @@ event of a type no version knows, an event with a field this version does not kn
 valid event. Then a real experiment runs on top: the lead calls two `slow`s and asks the helper
 twice, all at once, and the calls finish in another order than they were made (the first `slow`
 and the first helper take longer), so a replay served from the log finishes them in another
-order again. `watch`, `export` (from the hub and from the file), `diff`, `replay` and `otel` all
-show every other event and name each bad one once; the replay is identical, and so is that of a
-run aborted with a reason.
+order again. `watch`, `export` (from the hub and from the file), `diff`, `replay`, `otel` and the
+web view all show every other event and name each bad one once; the replay is identical, and so
+is that of a run aborted with a reason.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from bus import protocol as p
 from bus.eventlog import EventLog
 from tests.coordinator.conftest import Stack, start_stack
 from tests.otel.receiver import Receiver
-from tests.support import Proc, busctl
+from tests.support import Proc, busctl, until
 
 pytestmark = pytest.mark.anyio
 
@@ -231,14 +231,8 @@ async def test_otel_skips_and_counts_undecodable_events(seeded: Seeded, tmp_path
     try:
         proc.wait_ready()
 
-        def exported() -> bool:
-            return any(s.attrs.get("agent_bus.run.id") == seeded.run_id
-                       for s in receiver.snapshot())
-
-        deadline = time.monotonic() + 15
-        while not exported():
-            assert time.monotonic() < deadline, proc.output()
-            await anyio.sleep(0.05)
+        await until(lambda: any(s.attrs.get("agent_bus.run.id") == seeded.run_id
+                                for s in receiver.snapshot()), 15, "the run's trace")
     finally:
         proc.stop()
         receiver.stop()
@@ -283,3 +277,25 @@ async def test_an_aborted_run_replays_identical(seeded: Seeded) -> None:
     ends = await seeded.stack.watch_all("--experiment", "abx2", "--since", "0",
                                         "--type", "agent_end")
     assert [e["error"] for e in ends] == [f"Operation aborted: {REASON}"]
+
+
+async def test_the_web_view_skips_names_and_counts_undecodable_events(seeded: Seeded) -> None:
+    endpoint = seeded.stack.endpoint
+    ui = Proc(busctl("ui", "--hub", endpoint, "--port", "0"))
+    try:
+        ui.wait_ready()
+
+        def read_the_log() -> dict[str, Any] | None:
+            """The view's counts once it has read the whole log (`seq`: its last event)."""
+            out = subprocess.run(busctl("status", "--hub", endpoint, "--json"),
+                                 capture_output=True, text=True, timeout=30, check=True)
+            st = json.loads(out.stdout)
+            mine: dict[str, Any] | None = st["subscribers"].get(f"ui-{ui.pid}")
+            return mine if mine is not None and mine["seq"] >= st["seq"] - 5 else None
+
+        mine = await until(lambda: anyio.to_thread.run_sync(read_the_log), 15,
+                            "the web view to read the log")
+        assert mine["extra"] == {"undecodable": len(seeded.bad)}, mine
+    finally:
+        ui.stop()
+    named(ui.output(), seeded.bad)
