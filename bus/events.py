@@ -305,7 +305,7 @@ class EventTally:
 
     def skip(self, seq: int, type_: str, why: str) -> None:
         """Count an event that cannot be used; name its seq the first time it is met."""
-        if seq in self.bad_seqs:
+        if seq and seq in self.bad_seqs:
             return  # met again (a range read twice): already counted and named
         self.bad += 1
         if len(self.bad_seqs) >= NAMED_BAD_EVENTS:

@@ -123,12 +123,14 @@ async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally
         cursor = batch.upto
 
 
-def _logged_header(data: bytes, tally: ev.EventTally) -> p.Header | None:
-    """A logged event's header (the hub wrote it, but a log is read by other versions too)."""
+def _logged_header(data: bytes, tally: ev.EventTally, seq: int = 0,
+                   type_: str = "") -> p.Header | None:
+    """A logged event's header (the hub wrote it, but a log is read by other versions too);
+    `seq`/`type_` name it when known (the log file's columns), 0/"" when not."""
     try:
         return p.decode_header(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        tally.skip(0, "", f"its header: {exc}")
+        tally.skip(seq, type_, f"its header: {exc}")
         return None
 
 
@@ -243,7 +245,7 @@ def _log_envelopes(db: sqlite3.Connection, experiment: str,
     rows = db.execute("SELECT seq, type, header, body FROM events WHERE experiment = ? "
                       "ORDER BY seq", (experiment,))
     for seq, type_, header_bytes, body in rows:
-        header = _logged_header(header_bytes, tally)
+        header = _logged_header(header_bytes, tally, seq, type_)
         # None: a type this version does not know (not ours to export), or a body that does
         # not decode (named on stderr and counted in the totals)
         event = tally.decode(seq, type_, body) if header is not None else None
