@@ -30,8 +30,10 @@ seq, timestamps, durations and streamed deltas, or the first divergence. Order t
 is not compared: runs are taken in call order (`in_call_order`: the runs parallel `ask_<agent>`
 calls started, in the order of the calls), and a tool batch's events by call (`canonical_events`:
 parallel calls end in the order they finish). `busctl diff` uses the same comparison, so both say
-identical for the same pair. A run aborted in a model call is replayed with its abort's reason
-(`abort_reason`).
+identical for the same pair. An aborted run is replayed aborted at the same point: in a model
+call through the logged reply, in a tool batch through the results the cut calls got
+(`ToolEntry.aborted`: the coordinator aborts the run when that turn ends), and with its abort's
+reason (`abort_reason`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class ReplayLoaded(msgspec.Struct):
 class ToolEntry(msgspec.Struct, array_like=True):
     key: str
     result: ToolResultMessage
+    #: the result the loop gave a call an abort cut short, in a run that ended aborted: serving
+    #: it aborts the replayed run once its turn ends (an older coordinator ignores it)
+    aborted: bool = False
 
 
 class ToolBook(msgspec.Struct):
@@ -140,7 +145,7 @@ class LoggedTools:
     are offered to the model even when no worker serves them any more)."""
 
     def __init__(self, names: Sequence[str]) -> None:
-        self.results: dict[str, deque[ToolResultMessage]] = {}
+        self.results: dict[str, deque[ToolEntry]] = {}
         self.names = list(names)
 
 
@@ -171,11 +176,15 @@ class RecordedTools:
     results (`books`: experiment -> key -> results in order) and passes everything else on."""
 
     def __init__(self, inner: ToolExecutor, books: dict[str, LoggedTools], agent: str,
-                 experiment: Callable[[], str]) -> None:
+                 experiment: Callable[[], str],
+                 on_abort: Callable[[], None] | None = None) -> None:
         self.inner = inner
         self.books = books
         self.agent = agent
         self.experiment = experiment
+        #: called when a served result is one an abort gave (`ToolEntry.aborted`): the run was
+        #: aborted while this call ran, and its replay must end the same way after the turn
+        self.on_abort = on_abort
 
     async def catalog(self) -> list[ToolInfo]:
         tools = await self.inner.catalog()
@@ -197,7 +206,10 @@ class RecordedTools:
             return error_result(f"Error: replay of experiment `{experiment}`: no logged result "
                                 f"left for this call of `{request.name}`; the run diverged "
                                 f"from the log")
-        logged_result = results.popleft()
+        entry = results.popleft()
+        if entry.aborted and self.on_abort is not None:
+            self.on_abort()
+        logged_result = entry.result
         return ToolResult(content=list(logged_result.content), is_error=logged_result.is_error,
                           details=logged_result.details)
 
@@ -208,7 +220,7 @@ def load_tool_book(books: dict[str, LoggedTools], body: bytes) -> int:
     book = msgspec.msgpack.decode(body, type=ToolBook)
     served = books[book.experiment] = LoggedTools(book.tools)
     for entry in book.entries:
-        served.results.setdefault(entry.key, deque()).append(entry.result)
+        served.results.setdefault(entry.key, deque()).append(entry)
     while len(books) > TOOL_BOOKS_KEPT:
         del books[next(iter(books))]
     return len(book.entries)
@@ -388,8 +400,15 @@ def tool_book(runs: Sequence[RecordedRun]) -> list[ToolEntry]:
             if isinstance(message, ToolResultMessage) and call is not None and \
                     not always_live(call.name):
                 entries.append(ToolEntry(tool_key(run.agent, call.name, call.arguments),
-                                         message))
+                                         message, _cut_by_abort(run, message)))
     return entries
+
+
+def _cut_by_abort(run: RecordedRun, result: ToolResultMessage) -> bool:
+    """Whether `result` is the one the loop gives a call an abort cut short (in a run that
+    ended aborted), rather than the tool's own."""
+    return (run.end is not None and run.end.stop_reason == "aborted" and result.is_error
+            and result.text == ABORTED_TEXT)
 
 
 def book(runs: Sequence[RecordedRun], live_from_seq: int = 0) -> list[ReplayEntry]:
@@ -641,15 +660,18 @@ async def replay_experiment(bus: AgentBus, source: str, target: str, *, fork: Fo
 
 
 def abort_reason(run: RecordedRun) -> str:
-    """Why `run` was aborted (`busctl abort AGENT REASON`), when it was aborted in a model call
-    and with a reason; else "". The abort itself is in the logged reply (stop reason
-    `aborted`), which the replay serves again; its reason only reached the run's `agent_end`
-    (`Operation aborted: REASON`), so the replayed prompt carries it."""
+    """Why `run` was aborted (`busctl abort AGENT REASON`), when it was aborted with a reason;
+    else "". The abort itself is in the log: in a model call, the logged reply (stop reason
+    `aborted`), which the replay serves again; in a tool batch, the results the cut calls got
+    (`ToolEntry.aborted`), which end the replayed run after that turn. Its reason only reached
+    the run's `agent_end` (`Operation aborted: REASON`), so the replayed prompt carries it."""
     end, replies = run.end, run.replies
-    if end is None or end.stop_reason != "aborted" or not end.error or not replies or \
-            replies[-1].stop_reason != "aborted":
+    if end is None or end.stop_reason != "aborted" or not end.error:
         return ""
-    prefix = f"{replies[-1].error or ABORTED_TEXT}: "
+    last = replies[-1] if replies else None
+    base = (last.error if last is not None and last.stop_reason == "aborted" else "") \
+        or ABORTED_TEXT
+    prefix = f"{base}: "
     return end.error[len(prefix):] if end.error.startswith(prefix) else ""
 
 

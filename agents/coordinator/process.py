@@ -235,7 +235,8 @@ class Session:
         self.tools = AgentTools(host.executor, spec.tools, host.output_store,
                                 experiment=spec.experiment, local=local)
         # an experiment in replay (`busctl replay`) gets its tool results from the log
-        executor = RecordedTools(self.tools, host.tool_books, spec.name, lambda: self.experiment)
+        executor = RecordedTools(self.tools, host.tool_books, spec.name, lambda: self.experiment,
+                                 on_abort=self._replay_abort)
         self.agent = Agent(self.llm, executor, host.config, on_message_end=self._on_message_end,
                            messages=messages, output_store=host.output_store)
         self.agent.subscribe(self._on_event)
@@ -244,6 +245,7 @@ class Session:
         self.current: _Run | None = None
         self._started: anyio.abc.TaskStatus[str] | None = None
         self.abort_reason = ""
+        self.abort_after_turn = False  # a replayed abort (`_replay_abort`) is due at turn_end
         self.topic_queued = False  # a topic message was queued while a run was active
         self.max_turns = 0  # the live run's own bound (0: the agent's), journaled
         self.resuming = False  # the next agent_start is a resumed run's: `run_resumed` replaces it
@@ -291,6 +293,9 @@ class Session:
                 run.run_id = self.agent.run_id
                 self._started.started(run.run_id)
                 self._started = None
+        elif isinstance(event, ev.TurnEnd) and self.abort_after_turn:
+            self.abort_after_turn = False
+            self.agent.abort()  # the loop sees it before the next turn: the run ends aborted
         elif isinstance(event, ev.AgentEnd) and self.abort_reason and \
                 event.stop_reason == "aborted":
             event = msgspec.structs.replace(event, error=self._aborted_text(event.error))
@@ -367,6 +372,13 @@ class Session:
         return await agent.resume(journaled.run_id, results, start_turn=journaled.turn,
                                   max_turns=journaled.max_turns or None)
 
+    def _replay_abort(self) -> None:
+        """A replayed call got the result an abort gave it (`RecordedTools.on_abort`): the
+        logged run was aborted during this tool batch. Aborting now would cut the batch's
+        other calls short, which the log may show finished: the abort is given when the turn
+        ends, where the loop ends the run aborted as the logged one ended."""
+        self.abort_after_turn = True
+
     def _aborted_text(self, error: str | None) -> str:
         return f"{error or ABORTED_TEXT}: {self.abort_reason}"
 
@@ -410,6 +422,7 @@ class Session:
             if self.current is run:
                 self.current = None
             self.abort_reason = ""
+            self.abort_after_turn = False
             self.last_used = anyio.current_time()
             run.done.set()
             self.host.after_run(self)

@@ -10,7 +10,7 @@ twice, all at once, and the calls finish in another order than they were made (t
 and the first helper take longer), so a replay served from the log finishes them in another
 order again. `watch`, `export` (from the hub and from the file), `diff`, `replay`, `otel` and the
 web view all show every other event and name each bad one once; the replay is identical, and so
-is that of a run aborted with a reason.
+is that of runs aborted with a reason (in a model call, in a tool batch).
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ name = "talker"
 model = "x"
 system_prompt = "You are TALKER."
 tools = []
+
+[[agents]]
+name = "waiter"
+model = "x"
+system_prompt = "You are WAITER."
+tools = ["slow"]
 """
 
 SCRIPT = {"rules": [
@@ -72,6 +78,10 @@ SCRIPT = {"rules": [
     {"system": ["HELPER"], "reply": {"text": "Helper on {last_user}"}},
     {"system": ["TALKER"], "reply": {"text": "word " * 400, "chunk_size": 5,
                                      "chunk_delay": 0.02}},
+    {"system": ["WAITER"], "tool_result": False,
+     "reply": {"text": "Waiting.", "tool_calls": [
+         {"name": "slow", "arguments": {"label": "quick", "seconds": 0}},
+         {"name": "slow", "arguments": {"label": "long", "seconds": 30}}]}},
 ], "echo": True}
 
 EXPERIMENT = "exp"
@@ -131,10 +141,8 @@ def seed(path: Path) -> tuple[list[int], int]:
 
 
 class Seeded:
-    def __init__(self, stack: Stack, bad: list[int], seeded: int, run_id: str,
-                 aborted: str) -> None:
+    def __init__(self, stack: Stack, bad: list[int], seeded: int, run_id: str) -> None:
         self.stack, self.bad, self.seeded, self.run_id = stack, bad, seeded, run_id
-        self.aborted = aborted
 
 
 @pytest.fixture(scope="module")
@@ -146,30 +154,31 @@ def anyio_backend() -> str:
 def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
     tmp = tmp_path_factory.mktemp("tolerant")
     bad, count = seed(tmp / "hub" / "events.db")
-    stack = start_stack(tmp, coordinator=("lead", "helper", "talker"), agents=AGENTS)
+    stack = start_stack(tmp, coordinator=("lead", "helper", "talker", "waiter"), agents=AGENTS)
     try:
         stack.srv.set_script(SCRIPT)
-        run_id, aborted = anyio.run(record, stack)
-        yield Seeded(stack, bad, count, run_id, aborted)
+        yield Seeded(stack, bad, count, anyio.run(record, stack))
     finally:
         stack.close()
 
 
-async def record(stack: Stack) -> tuple[str, str]:
-    """The fan-out run of EXPERIMENT, and a run of experiment `abx` aborted with REASON."""
+async def record(stack: Stack) -> str:
+    """The fan-out run of EXPERIMENT (its run id); in experiment `abx` a run aborted with
+    REASON in its model call, and one aborted in its tool batch (one call done, one cut)."""
     async with connect(stack.endpoint, name="test-tolerant") as bus:
         run = await bus.prompt("lead", "go", experiment=EXPERIMENT)
         result = await run.result()
         assert result.final_text.startswith("Lead: "), result
-        talk = await bus.prompt("talker", "tell me a long one", experiment="abx")
-        with anyio.fail_after(10):
-            async for envelope in talk.events():
-                if envelope.header.type == "message_update":
-                    break
-            await bus.abort("talker", REASON, run=talk.run_id)
-            ended = await talk.result()
-    assert (ended.stop_reason, ended.error) == ("aborted", f"Operation aborted: {REASON}")
-    return run.run_id, talk.run_id
+        for agent, at in (("talker", "message_update"), ("waiter", "tool_execution_end")):
+            started = await bus.prompt(agent, "go on", experiment="abx")
+            with anyio.fail_after(10):
+                async for envelope in started.events():
+                    if envelope.header.type == at:
+                        break
+                await bus.abort(agent, REASON, run=started.run_id)
+                ended = await started.result()
+            assert (ended.stop_reason, ended.error) == ("aborted", f"Operation aborted: {REASON}")
+    return run.run_id
 
 
 def cli(stack: Stack, *args: str, hub: bool = True) -> subprocess.CompletedProcess[str]:
@@ -269,14 +278,16 @@ async def test_replay_ignores_the_order_parallel_calls_finish_in(seeded: Seeded)
     assert "differs in" in differs.stdout and differs.stdout.rstrip().endswith("different")
 
 
-async def test_an_aborted_run_replays_identical(seeded: Seeded) -> None:
+async def test_aborted_runs_replay_identical(seeded: Seeded) -> None:
     out = await anyio.to_thread.run_sync(cli, seeded.stack, "replay", "--experiment", "abx",
                                          "--as", "abx2")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "abx replayed as abx2: identical" in out.stdout
     ends = await seeded.stack.watch_all("--experiment", "abx2", "--since", "0",
-                                        "--type", "agent_end")
-    assert [e["error"] for e in ends] == [f"Operation aborted: {REASON}"]
+                                        "--type", "agent_end", "--type", "tool_execution_end")
+    assert [e.get("error") or e["result"]["content"][0]["text"] for e in ends] == [
+        f"Operation aborted: {REASON}", "quick done", "Operation aborted",
+        f"Operation aborted: {REASON}"]
 
 
 async def test_the_web_view_skips_names_and_counts_undecodable_events(seeded: Seeded) -> None:
