@@ -1429,7 +1429,8 @@ def _system_prompt(path: str | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (for notebooks).")
 def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: str,
                      as_json: bool) -> None:
-    """Compare experiments FIRST and SECOND run by run (in start order) and in total: final
+    """Compare experiments FIRST and SECOND run by run (in start order; the runs a run asked
+    for follow it, in the order of its calls) and in total: final
     texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown;
     and where the events first differ (the comparison `busctl replay` makes).
 
