@@ -414,6 +414,9 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         return
     click.echo(f"hub {st['endpoint']}  events {st['events']}  seq {st['seq']}  "
                f"up {st['uptime']:.0f}s")
+    if st.get("log_error"):  # the hub refuses every event until the log can be written again
+        click.echo(f"EVENTS REFUSED: {st['log_error']} (retried by itself; free space or fix "
+                   f"the state directory {st.get('state_dir') or ''})")
     click.echo("peers:")
     for peer in st["peers"]:
         services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
