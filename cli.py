@@ -1467,12 +1467,21 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     click.echo(f"{experiment} replayed as {target}: identical")
 
 
+SYSTEM_PROMPT_LIMIT = 1 << 20  # a prompt file larger than this is a mistake (or /dev/zero)
+
+
 def _system_prompt(path: str | None) -> str | None:
-    """`busctl replay --system-prompt-file`: the file's text (None: not given)."""
+    """`busctl replay --system-prompt-file`: the file's text (None: not given), at most
+    `SYSTEM_PROMPT_LIMIT` bytes: never read past that, whatever the file is."""
     if path is None:
         return None
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(SYSTEM_PROMPT_LIMIT + 1)
+        if len(data) > SYSTEM_PROMPT_LIMIT:
+            raise click.UsageError(f"--system-prompt-file {path}: larger than 1 MiB; a system "
+                                   f"prompt must be at most {SYSTEM_PROMPT_LIMIT} bytes")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(f"--system-prompt-file {path}: cannot read it as UTF-8 text "
                                f"({exc})") from None
