@@ -43,6 +43,11 @@ log = logging.getLogger("bus.client")
 _SIG = p.SIGNATURE
 _BYTES = (bytes, bytearray, memoryview)
 REPLY_SEND_TIMEOUT = 5.0  # how long an answer waits for room in a full send queue
+# Error code: the answer (or a partial) is over the hub's `max_message_bytes`. Sent instead of
+# it: the hub drops the connection of a peer that sends a bigger message, and with it every
+# request that peer serves.
+TOO_LARGE = "too_large"
+HEADER_ROOM = 4096  # of `max_message_bytes`, left for the signature and header frames
 
 
 @dataclass(slots=True)
@@ -80,6 +85,10 @@ class IncomingRequest:
         if held is not None and self._held_gen == peer._held_gen:
             held.append(body)  # still unsent: the body goes out with it, after its bodies
             return
+        limit = _limit(peer)
+        if limit and len(body) > limit:
+            raise RequestError(_too_large("a partial answer", self.service, len(body), limit),
+                               TOO_LARGE)
         message = [_SIG, p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body]
         if peer._hold(message, event=False):
             self._held_partial, self._held_gen = message, peer._held_gen
@@ -89,6 +98,18 @@ class IncomingRequest:
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes]]
+
+
+def _limit(peer: Peer) -> int:
+    """The most a body may weigh to go through the hub (0: not known yet), leaving room for the
+    signature and header frames."""
+    welcome = peer.welcome
+    return welcome.max_message_bytes - HEADER_ROOM if welcome is not None else 0
+
+
+def _too_large(what: str, service: str, size: int, limit: int) -> str:
+    return (f"{what} of `{service}` is {size} bytes, over the hub's message limit of "
+            f"{limit + HEADER_ROOM} bytes (`max_message_bytes`)")
 
 
 @dataclass(slots=True)
@@ -179,6 +200,12 @@ class Serving:
                 if not isinstance(body, _BYTES):  # sending it would raise in the reply path
                     raise TypeError(f"the handler returned {type(body).__name__}, "
                                     "expected bytes")
+                limit = _limit(self._peer)
+                if limit and len(body) > limit:
+                    text = _too_large("the answer", req.service, len(body), limit)
+                    log.warning("%s: %s; answered %s instead", self._peer.name, text, TOO_LARGE)
+                    self._peer._count("answers_too_large")
+                    return [_SIG, error_header(req.id, TOO_LARGE, text)]
                 return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
             except RequestError as exc:
                 return [_SIG, error_header(req.id, exc.code, str(exc))]
