@@ -42,6 +42,9 @@ from bus.errors import AgentBusError, HubUnreachable
 from bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
 
 T = TypeVar("T")
+# A turn count on the command line: the topology file's bound (agents/launch/topology.py,
+# TurnBound); a bigger number does not fit the wire (msgpack) and ended in an OverflowError.
+_COUNT = click.IntRange(min=1, max=2**31 - 1)
 
 
 class HubUnreachableExit(click.ClickException):
@@ -1405,9 +1408,10 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
 @click.option("--experiment", required=True, help="The recorded experiment to replay.")
 @click.option("--as", "target", default="", metavar="E2",
               help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
-@click.option("--live-from", type=click.IntRange(min=1), default=None, metavar="TURN",
+@click.option("--live-from", type=_COUNT, default=None, metavar="TURN",
               help="Fork: replay each run's first TURN turns, then call the live model.")
-@click.option("--live-from-seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+@click.option("--live-from-seq", type=click.IntRange(min=1, max=2**63 - 1), default=None,
+              metavar="SEQ",
               help="Fork at a point of the log: model calls logged before event SEQ are "
                    "replayed, the one at or after it and its run's later ones go live.")
 @click.option("--model", default="", metavar="ALIAS",
@@ -1539,7 +1543,7 @@ LAST_SESSION = "\0last"  # `-c` without a value: the agent's last session
 @click.option("--new-session", is_flag=True, hidden=True,
               help="A fresh session (the default now; kept for old scripts).")
 @click.option("--experiment", default="", help="Tag the run's events with this experiment id.")
-@click.option("--max-turns", type=click.IntRange(min=1), default=None,
+@click.option("--max-turns", type=_COUNT, default=None,
               help="End the run after this many turns (stop reason max_iterations) "
                    "[default: the agent's max_iterations].")
 @click.argument("prompt", required=False)

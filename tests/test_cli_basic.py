@@ -145,3 +145,13 @@ def test_the_crash_log_never_follows_a_symlink(tmp_path: Path,
     monkeypatch.setenv("BUSCTL_STATE_HOME", str(home))
     assert _bug("boom") == "(no log: could not write one; run with -v"
     assert target.read_text() == "keep me\n"
+
+
+def test_a_huge_count_on_the_command_line_exits_2_naming_the_option() -> None:
+    """Issue 35 item 5: a number past the wire's ints was an OverflowError ("a bug", exit 1)."""
+    huge = str(10**30)
+    for args, option in ((("replay", "--experiment", "e", "--live-from", huge), "--live-from"),
+                         (("run", "--max-turns", huge, "hi"), "--max-turns")):
+        result = run(*args, "--hub", "tcp://127.0.0.1:1")
+        assert result.returncode == 2, result.stderr
+        assert f"Invalid value for '{option}'" in result.stderr and "2147483647" in result.stderr
