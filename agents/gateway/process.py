@@ -54,6 +54,7 @@ from bus.messages import AssistantDelta, AssistantMessage, LlmRequest
 from bus.procsec import make_undumpable
 from bus.redact import log_redaction
 from bus.security import CurveClient
+from bus.serving import HEADER_ROOM, body_limit
 
 log = logging.getLogger("agents.gateway.process")
 
@@ -63,9 +64,6 @@ INVALID = "invalid"  # error code: a replay that cannot apply (e.g. an unknown m
 LLM_CAPACITY = 256  # requests taken at once; the engine's per-model limits queue the rest
 GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
 
-# A reply must fit the hub's `max_message_bytes` (told in its welcome) with its header.
-HEADER_ROOM = 64 * 1024
-DEFAULT_MESSAGE_LIMIT = 16 * 1024 * 1024  # the hub's default, for a call between two welcomes
 # A `message_update` event carries at most this many characters of a delta (4 bytes each at
 # most in UTF-8): a bigger delta is published as several, in order, under the hub's
 # `max_event_bytes` (1 MiB by default), which drops a bigger event from the log.
@@ -174,8 +172,7 @@ class Gateway:
             request = replay.live_request(request)
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
-        budget = self._reply_budget()
-        sent = 0  # bytes of this attempt's partials: what the reply will at least weigh
+        sent = 0  # bytes of this attempt's partials: about what the reply will weigh
 
         async def on_delta(delta: AssistantDelta) -> None:
             nonlocal described, streamed, sent
@@ -184,7 +181,7 @@ class Gateway:
             described = True
             body = _encoder.encode(partial)
             sent += len(body)
-            if sent > budget:  # the reply cannot reach the requester: stop the call here
+            if self._over_limit(sent):  # the reply could not reach the requester: stop now
                 raise _OverLimit(sent, streaming=True)
             # The partial first: the peer holds a burst's messages until the loop iteration
             # ends, a request's partials join its first held one and a run's adjacent events go
@@ -207,23 +204,20 @@ class Gateway:
 
         try:
             body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry))
-            if len(body) > budget:
+            if self._over_limit(len(body)):
                 raise _OverLimit(len(body), streaming=False)
         except _OverLimit as over:
             return _encoder.encode(self._too_large(request, over))
         return body
 
-    def _reply_budget(self) -> int:
-        """The most a reply body may weigh: the hub's `max_message_bytes` (its welcome says it)
-        less room for the header. A bigger message would make the hub drop our connection, and
-        with it every other call in flight here (issue 28)."""
-        welcome = self.peer.welcome
-        limit = welcome.max_message_bytes if welcome is not None else DEFAULT_MESSAGE_LIMIT
-        return limit - HEADER_ROOM
+    def _over_limit(self, size: int) -> bool:
+        """Whether a reply body of `size` bytes is over the hub's `max_message_bytes` (with room
+        for the header): the hub would drop our connection, and every call in flight on it."""
+        limit = body_limit(self.peer)
+        return bool(limit) and size > limit
 
     def _too_large(self, request: LlmRequest, over: _OverLimit) -> AssistantMessage:
-        welcome = self.peer.welcome
-        limit = welcome.max_message_bytes if welcome is not None else DEFAULT_MESSAGE_LIMIT
+        limit = body_limit(self.peer) + HEADER_ROOM  # the hub's max_message_bytes
         config = self.engine.model_config(request.model)
         when = "streamed before the call was stopped" if over.streaming else "in all"
         text = (f"the model's reply is over the hub's message limit of {limit} bytes "

@@ -48,6 +48,9 @@ async def test_an_oversized_answer_partial_or_event_is_never_sent(tmp_path: Path
             async def big(req) -> bytes:  # type: ignore[no-untyped-def]
                 if req.body == b"partial":
                     await req.partial(b"p" * 70_000)
+                if req.body == b"partials":  # one loop iteration: held as one message, but
+                    for i in range(10):      # never past the limit (10 x 10 KB > 64 KiB)
+                        await req.partial(bytes([i]) * 10_000)
                 return b"x" * 70_000 if req.body == b"answer" else b"small"
 
             await server.serve("big", big)
@@ -57,6 +60,9 @@ async def test_an_oversized_answer_partial_or_event_is_never_sent(tmp_path: Path
                 with pytest.raises(RemoteError, match="over the hub's message limit of 65536") as e:
                     await client.request("big", what, timeout=10)
                 assert e.value.code == "too_large" and text in str(e.value)
+            async with client.stream("big", b"partials", timeout=10) as replies:
+                got = [body async for body in replies]
+            assert got == [bytes([i]) * 10_000 for i in range(10)] + [b"small"]
             await server.publish_raw("topic_message", b"e" * 70_000)
             assert server.counters["events_too_large"] == 1
             with anyio.fail_after(5):  # the same connection serves on
