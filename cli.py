@@ -42,6 +42,9 @@ from bus.errors import AgentBusError, HubUnreachable
 from bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
 
 T = TypeVar("T")
+# A turn count on the command line: the topology file's bound (agents/launch/topology.py,
+# TurnBound); a bigger number does not fit the wire (msgpack) and ended in an OverflowError.
+_COUNT = click.IntRange(min=1, max=2**31 - 1)
 
 
 class HubUnreachableExit(click.ClickException):
@@ -77,19 +80,39 @@ class BusctlGroup(click.Group):
     def main(self, *args: Any, **kwargs: Any) -> Any:
         if signal.getsignal(signal.SIGINT) is _exit_130:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        return super().main(*args, **kwargs)
+        try:
+            return super().main(*args, **kwargs)
+        finally:
+            _flush_or_hush()
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort,
+                BrokenPipeError):  # a closed pipe: click exits 1 quietly (`busctl watch | head`)
             raise
         except KeyboardInterrupt:
             raise click.exceptions.Exit(130) from None
         except BaseExceptionGroup as group:  # raised inside a task group
-            raise _exit_for(_first_leaf(group)) from None
+            leaf = _first_leaf(group)
+            if isinstance(leaf, BrokenPipeError):
+                raise leaf from None
+            raise _exit_for(leaf) from None
         except Exception as exc:
             raise _exit_for(exc) from None
+
+
+def _flush_or_hush() -> None:
+    """Output still buffered when the reader has gone (`busctl status | head`): exit 1 quietly,
+    as click does for a closed pipe met earlier, not with Python's message at exit."""
+    if sys.stdout is None:  # started with stdout closed
+        return
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python flushes once more at exit: let that go to /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(1) from None
 
 
 def _first_leaf(group: BaseExceptionGroup[Any]) -> BaseException:
@@ -112,19 +135,61 @@ def _exit_for(exc: BaseException) -> click.exceptions.ClickException | click.exc
                                 f"the traceback is in {_crash_log(exc)})")
 
 
+CRASH_LOG = "busctl-crash.log"
+#: Options whose values are secrets (`K=V` headers, tokens): never written to the crash log.
+_SECRET_OPTIONS = ("--header", "--mcp-header", "--token")
+
+
 def _crash_log(exc: BaseException) -> str:
-    """Append the traceback of an unexpected error to a log file; return its path."""
-    import tempfile
+    """Append the traceback of an unexpected error to the user's own crash log; return its path.
+
+    The log is in the user's state folder (`bus.paths.state_home`, made 0700), not the shared
+    temporary folder; created 0600 and opened without following a symlink (a link planted there
+    is refused, not written through); secrets from the command line are redacted."""
     import traceback
 
-    text = "".join(traceback.format_exception(exc))
-    path = Path(tempfile.gettempdir()) / "busctl-crash.log"
+    from bus.paths import state_home
+    from bus.redact import Redactor
+
+    shown, secrets = _redacted_argv(sys.argv[1:])
+    redact = Redactor(secrets)
+    text = redact(f"--- busctl {shown}\n") + redact("".join(traceback.format_exception(exc)))
     try:
-        with path.open("a") as log:
-            log.write(f"--- busctl {' '.join(sys.argv[1:])}\n{text}")
+        folder = state_home()
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = folder / CRASH_LOG
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "a") as log:
+            os.fchmod(fd, 0o600)  # one made by an older busctl was 0644
+            log.write(text)
     except OSError:
         return "(no log: could not write one; run with -v)"
     return str(path)
+
+
+def _redacted_argv(argv: list[str]) -> tuple[str, list[str]]:
+    """The command line with the values of `_SECRET_OPTIONS` masked (`K=***` for a header),
+    and those values (for redacting them from the traceback too)."""
+    from bus.redact import MARK
+
+    shown: list[str] = []
+    secrets: list[str] = []
+    pending = False
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if pending or (eq and name in _SECRET_OPTIONS):
+            value = arg if pending else value
+            key, sep, secret = value.partition("=")
+            secret = secret if sep else value
+            secrets.append(secret)
+            masked = f"{key}={MARK}" if sep else MARK
+            shown.append(masked if pending else f"{name}={masked}")
+            pending = False
+            continue
+        pending = arg in _SECRET_OPTIONS
+        shown.append(arg)
+    return " ".join(shown), secrets
 
 
 def use_color(stream: Any = None) -> bool:
@@ -352,6 +417,9 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         return
     click.echo(f"hub {st['endpoint']}  events {st['events']}  seq {st['seq']}  "
                f"up {st['uptime']:.0f}s")
+    if st.get("log_error"):  # the hub refuses every event until the log can be written again
+        click.echo(f"EVENTS REFUSED: {st['log_error']} (retried by itself; free space or fix "
+                   f"the state directory {st.get('state_dir') or ''})")
     click.echo("peers:")
     for peer in st["peers"]:
         services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
@@ -1340,9 +1408,10 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
 @click.option("--experiment", required=True, help="The recorded experiment to replay.")
 @click.option("--as", "target", default="", metavar="E2",
               help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
-@click.option("--live-from", type=click.IntRange(min=1), default=None, metavar="TURN",
+@click.option("--live-from", type=_COUNT, default=None, metavar="TURN",
               help="Fork: replay each run's first TURN turns, then call the live model.")
-@click.option("--live-from-seq", type=click.IntRange(min=1), default=None, metavar="SEQ",
+@click.option("--live-from-seq", type=click.IntRange(min=1, max=2**63 - 1), default=None,
+              metavar="SEQ",
               help="Fork at a point of the log: model calls logged before event SEQ are "
                    "replayed, the one at or after it and its run's later ones go live.")
 @click.option("--model", default="", metavar="ALIAS",
@@ -1407,12 +1476,21 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     click.echo(f"{experiment} replayed as {target}: identical")
 
 
+SYSTEM_PROMPT_LIMIT = 1 << 20  # a prompt file larger than this is a mistake (or /dev/zero)
+
+
 def _system_prompt(path: str | None) -> str | None:
-    """`busctl replay --system-prompt-file`: the file's text (None: not given)."""
+    """`busctl replay --system-prompt-file`: the file's text (None: not given), at most
+    `SYSTEM_PROMPT_LIMIT` bytes: never read past that, whatever the file is."""
     if path is None:
         return None
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(SYSTEM_PROMPT_LIMIT + 1)
+        if len(data) > SYSTEM_PROMPT_LIMIT:
+            raise click.UsageError(f"--system-prompt-file {path}: larger than 1 MiB; a system "
+                                   f"prompt must be at most {SYSTEM_PROMPT_LIMIT} bytes")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(f"--system-prompt-file {path}: cannot read it as UTF-8 text "
                                f"({exc})") from None
@@ -1479,7 +1557,7 @@ LAST_SESSION = "\0last"  # `-c` without a value: the agent's last session
 @click.option("--new-session", is_flag=True, hidden=True,
               help="A fresh session (the default now; kept for old scripts).")
 @click.option("--experiment", default="", help="Tag the run's events with this experiment id.")
-@click.option("--max-turns", type=click.IntRange(min=1), default=None,
+@click.option("--max-turns", type=_COUNT, default=None,
               help="End the run after this many turns (stop reason max_iterations) "
                    "[default: the agent's max_iterations].")
 @click.argument("prompt", required=False)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 
-from agents.launch.topology import AgentSpec
+from agents.launch.topology import AgentSpec, MaxTokens, Seed, Temperature, TopP, TurnBound
 from agents.loop.run import ABORTED_TEXT, ToolExecutor, UpdateSink
 from bus import events as ev
 from bus.client import Peer
@@ -85,14 +85,14 @@ class ReplayEntry(msgspec.Struct, array_like=True):
 
 class LiveOverrides(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     """What a fork changes in one agent's live model requests (None: unchanged). The fields
-    are the `[[agents]]` keys an `llm` request carries; the bounds are the providers'."""
+    are the `[[agents]]` keys an `llm` request carries, with the topology file's ranges."""
 
     model: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     system_prompt: str | None = None
-    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
-    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    seed: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_tokens: MaxTokens | None = None
+    seed: Seed | None = None
     stop: list[str] | None = None
 
     def apply(self, request: LlmRequest) -> LlmRequest:
@@ -437,7 +437,6 @@ EXAMPLES = {"model": "b", "system_prompt": "'Be brief.'", "temperature": "0.2", 
             "max_iterations": "3", "max_turns": "3"}
 KINDS = {"temperature": "a number", "top_p": "a number", "max_tokens": "a whole number",
          "seed": "a whole number", "stop": "a string or a JSON list of strings"}
-TurnBound = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class ForkError(ConfigError, ValueError):
@@ -558,7 +557,7 @@ def _plan_agent(plan: ForkPlan, agent: str, settings: dict[str, Any],
             plan.max_turns[agent] = msgspec.convert(settings[key], TurnBound, strict=False)
         except msgspec.ValidationError:
             raise ForkError(f"--set {agent}.{key}={settings[key]}: expected a whole number of "
-                            f"turns, at least 1, e.g. --set {agent}.{key}=3") from None
+                            f"turns from 1 to {2**31 - 1}, e.g. --set {agent}.{key}=3") from None
 
 
 def _typed_stop(value: Any) -> Any:
@@ -580,7 +579,7 @@ def _bad_value(agent: str, settings: dict[str, Any], error: str) -> str:
     if "got `" in reason:  # a type error: msgspec's type names mean little on a command line
         reason = f"expected {KINDS.get(key, 'a string')}"
     else:
-        reason = reason.replace("Expected `float`", "expected a number").replace(
+        reason = reason.replace("Expected `float`", "expected a finite number").replace(
             "Expected `int`", "expected a whole number").replace("Expected `str`", "expected")
     return (f"--set {agent}.{key}={settings[key]}: {reason}; e.g. --set "
             f"{agent}.{key}={EXAMPLES[key]}")

@@ -71,7 +71,7 @@ from bus.backoff import Backoff
 from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
 from bus.rpc import REPLY_GRACE, Calls
 from bus.security import CurveClient
-from bus.serving import Handler, Served, Serving
+from bus.serving import Handler, Served, Serving, body_limit
 from bus.subscription import Subscription
 from bus.transport import FastTransport, PortableTransport, Transport, transport_kind
 
@@ -849,6 +849,13 @@ class Peer:
 
     async def publish_raw(self, type_: str, body: bytes, *, agent: str = "", run: str = "",
                           experiment: str = "", parent: str = "", confirm: bool = False) -> None:
+        limit = body_limit(self)
+        if limit and len(body) > limit:
+            # the hub would drop this connection (and every call on it): the event is lost alone
+            self._count("events_too_large")
+            log.warning("%s: event `%s` of %d bytes not sent: over the hub's max_message_bytes",
+                        self.name, type_, len(body))
+            return
         key = (type_, agent, run, experiment, parent)
         if not self._hold([_SIG, None, body], key=key):
             message = [_SIG, self._event_header(key), body]

@@ -43,6 +43,11 @@ log = logging.getLogger("bus.client")
 _SIG = p.SIGNATURE
 _BYTES = (bytes, bytearray, memoryview)
 REPLY_SEND_TIMEOUT = 5.0  # how long an answer waits for room in a full send queue
+# Error code: the answer (or a partial) is over the hub's `max_message_bytes`. Sent instead of
+# it: the hub drops the connection of a peer that sends a bigger message, and with it every
+# request that peer serves.
+TOO_LARGE = "too_large"
+HEADER_ROOM = 4096  # of `max_message_bytes`, left for the signature and header frames
 
 
 @dataclass(slots=True)
@@ -63,6 +68,7 @@ class IncomingRequest:
     # the peer's `_held_gen` is the one it was held under), else None.
     _held_partial: list[Any] | None = None
     _held_gen: int = -1
+    _held_bytes: int = 0  # of its bodies: one message stays under the hub's limit
     _task: asyncio.Task[None] | None = None  # the task serving it (`Serving.close` waits for it)
 
     @property
@@ -76,19 +82,39 @@ class IncomingRequest:
         """Send a partial reply: held until the end of the loop iteration, together with the
         request's other partials of that iteration (one message, a body frame each)."""
         peer = self._peer
+        limit = body_limit(peer)
+        if limit and len(body) > limit:
+            raise RequestError(_too_large("a partial answer", self.service, len(body), limit),
+                               TOO_LARGE)
         held = self._held_partial
-        if held is not None and self._held_gen == peer._held_gen:
+        if held is not None and self._held_gen == peer._held_gen and (
+                not limit or self._held_bytes + len(body) <= limit):
             held.append(body)  # still unsent: the body goes out with it, after its bodies
+            self._held_bytes += len(body)
             return
         message = [_SIG, p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body]
         if peer._hold(message, event=False):
             self._held_partial, self._held_gen = message, peer._held_gen
+            self._held_bytes = len(body)
             return
         self._held_partial = None
         await peer._send(message[1:], wait=False)
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes]]
+
+
+def body_limit(peer: Peer) -> int:
+    """The most the bodies of one message may weigh to go through `peer`'s hub: its
+    `max_message_bytes` (from the welcome) less room for the signature and header frames; 0
+    while not known (between connections)."""
+    welcome = peer.welcome
+    return welcome.max_message_bytes - HEADER_ROOM if welcome is not None else 0
+
+
+def _too_large(what: str, service: str, size: int, limit: int) -> str:
+    return (f"{what} of `{service}` is {size} bytes, over the hub's message limit of "
+            f"{limit + HEADER_ROOM} bytes (`max_message_bytes`)")
 
 
 @dataclass(slots=True)
@@ -179,6 +205,12 @@ class Serving:
                 if not isinstance(body, _BYTES):  # sending it would raise in the reply path
                     raise TypeError(f"the handler returned {type(body).__name__}, "
                                     "expected bytes")
+                limit = body_limit(self._peer)
+                if limit and len(body) > limit:
+                    text = _too_large("the answer", req.service, len(body), limit)
+                    log.warning("%s: %s; answered %s instead", self._peer.name, text, TOO_LARGE)
+                    self._peer._count("answers_too_large")
+                    return [_SIG, error_header(req.id, TOO_LARGE, text)]
                 return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
             except RequestError as exc:
                 return [_SIG, error_header(req.id, exc.code, str(exc))]

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.support import busctl, running
 
@@ -79,3 +85,73 @@ def test_every_error_is_mapped_in_one_place_and_a_bug_names_its_traceback_log() 
     assert bug.message.startswith("unexpected ValueError: boom (a bug in busctl")
     log = bug.message.split("the traceback is in ", 1)[1].rstrip(")")
     assert "raise ValueError(\"boom\")" in Path(log).read_text()
+
+
+def test_a_closed_pipe_exits_quietly(hub: dict, tmp_path: Path) -> None:
+    """Issue 31 item 3: `busctl status | head`, `busctl watch --json --since 0 | head`: a reader
+    that closed the pipe is normal, not "a bug in busctl" (a real pipe, its reader closed)."""
+    env = {**os.environ, "BUSCTL_STATE_HOME": str(tmp_path)}
+    for args in (("status",), ("watch", "--json", "--since", "0")):  # buffered / flushed per line
+        read, write = os.pipe()
+        os.close(read)
+        try:
+            result = subprocess.run(busctl(*args, "--hub", hub["endpoint"]), stdout=write,
+                                    stderr=subprocess.PIPE, text=True, timeout=20, env=env)
+        finally:
+            os.close(write)
+        assert (result.returncode, result.stderr) == (1, ""), args
+    assert not (tmp_path / "busctl-crash.log").exists()
+
+
+def _bug(message: str) -> str:
+    """The crash log's path as `_exit_for` names it for an unexpected error."""
+    from cli import _exit_for
+
+    try:
+        raise ValueError(message)
+    except ValueError as exc:
+        bug = _exit_for(exc)
+    return str(bug.message).split("the traceback is in ", 1)[1].rstrip(")")
+
+
+def test_the_crash_log_is_the_users_own_0600_without_secrets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35 item 6: not a fixed name in the shared /tmp, 0600, no secrets from the command."""
+    home = tmp_path / "state"
+    monkeypatch.setenv("BUSCTL_STATE_HOME", str(home))
+    monkeypatch.setattr(sys, "argv", [
+        "busctl", "worker", "--mcp-url", "https://x.example/mcp",
+        "--mcp-header", "Authorization=Bearer hunter2-secret-value",
+        "--header=X-Api-Token=tok-0123456789abcdef", "--token", "ui-token-123456789",
+        "--note", "sk-proj-abcdefghijklmnop1234"])
+    log = Path(_bug("failed with hunter2-secret-value in it"))
+    assert log == home / "busctl-crash.log" and not str(log).startswith(tempfile.gettempdir() + "/busctl")
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600 and stat.S_IMODE(home.stat().st_mode) == 0o700
+    text = log.read_text()
+    assert "--mcp-header Authorization=***" in text and "--header=X-Api-Token=***" in text
+    assert "--token ***" in text and "raise ValueError(message)" in text
+    for secret in ("hunter2-secret-value", "tok-0123456789abcdef", "ui-token-123456789",
+                   "sk-proj-abcdefghijklmnop1234"):
+        assert secret not in text, secret
+
+
+def test_the_crash_log_never_follows_a_symlink(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "state"
+    home.mkdir(mode=0o700)
+    target = tmp_path / "victim"
+    target.write_text("keep me\n")
+    (home / "busctl-crash.log").symlink_to(target)
+    monkeypatch.setenv("BUSCTL_STATE_HOME", str(home))
+    assert _bug("boom") == "(no log: could not write one; run with -v"
+    assert target.read_text() == "keep me\n"
+
+
+def test_a_huge_count_on_the_command_line_exits_2_naming_the_option() -> None:
+    """Issue 35 item 5: a number past the wire's ints was an OverflowError ("a bug", exit 1)."""
+    huge = str(10**30)
+    for args, option in ((("replay", "--experiment", "e", "--live-from", huge), "--live-from"),
+                         (("run", "--max-turns", huge, "hi"), "--max-turns")):
+        result = run(*args, "--hub", "tcp://127.0.0.1:1")
+        assert result.returncode == 2, result.stderr
+        assert f"Invalid value for '{option}'" in result.stderr and "2147483647" in result.stderr

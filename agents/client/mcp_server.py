@@ -175,6 +175,27 @@ async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool)
             await server.run(read, write, server.create_initialization_options())
 
 
+def _host_guarded(app: Any, bind: str) -> Any:
+    """`app` behind `bus.httpguard`'s Host/Origin check, the one every local HTTP surface uses
+    (the SDK's own check for a loopback host stays on behind it)."""
+    from bus.httpguard import refusal
+
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            refused = refusal(bind, headers.get("host"), headers.get("origin"))
+            if refused is not None:
+                body = refused[1].encode()
+                await send({"type": "http.response.start", "status": refused[0],
+                            "headers": [(b"content-type", b"text/plain"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 async def serve_http(hub: str, curve: Any, agents: list[str], with_tools: bool, host: str,
                      port: int) -> None:
     """Serve MCP over streamable HTTP at `http://host:port/mcp` until interrupted; prints a
@@ -190,7 +211,7 @@ async def serve_http(hub: str, curve: Any, agents: list[str], with_tools: bool, 
         handlers = BusMcpServer(bus, agents, with_tools)
         server: Server[Any] = Server("agent-bus", on_list_tools=handlers.list_tools,
                                      on_call_tool=handlers.call_tool)
-        app = server.streamable_http_app(host=host)
+        app = _host_guarded(server.streamable_http_app(host=host), host)
         web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                             lifespan="on"))
         async with anyio.create_task_group() as tg:

@@ -54,6 +54,7 @@ from bus.messages import AssistantDelta, AssistantMessage, LlmRequest
 from bus.procsec import make_undumpable
 from bus.redact import log_redaction
 from bus.security import CurveClient
+from bus.serving import HEADER_ROOM, body_limit
 
 log = logging.getLogger("agents.gateway.process")
 
@@ -63,9 +64,32 @@ INVALID = "invalid"  # error code: a replay that cannot apply (e.g. an unknown m
 LLM_CAPACITY = 256  # requests taken at once; the engine's per-model limits queue the rest
 GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
 
+# A `message_update` event carries at most this many characters of a delta (4 bytes each at
+# most in UTF-8): a bigger delta is published as several, in order, under the hub's
+# `max_event_bytes` (1 MiB by default), which drops a bigger event from the log.
+EVENT_DELTA_CHARS = 128 * 1024
+
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(LlmRequest)
 _replay_decoder = msgspec.msgpack.Decoder(ReplayLoad)
+
+
+class _OverLimit(Exception):
+    """The reply being made would be over the hub's message limit (`size` bytes so far)."""
+
+    def __init__(self, size: int, *, streaming: bool) -> None:
+        super().__init__(size)
+        self.size, self.streaming = size, streaming
+
+
+def _event_pieces(delta: AssistantDelta) -> list[AssistantDelta]:
+    """`delta` as `message_update` events carry it: cut in `EVENT_DELTA_CHARS` pieces (a reader
+    joins a message's deltas in order, so the pieces read as the whole)."""
+    text = delta.delta
+    if len(text) <= EVENT_DELTA_CHARS:
+        return [delta]
+    return [msgspec.structs.replace(delta, delta=text[i:i + EVENT_DELTA_CHARS])
+            for i in range(0, len(text), EVENT_DELTA_CHARS)]
 
 
 class GatewaySettings(msgspec.Struct):
@@ -148,32 +172,61 @@ class Gateway:
             request = replay.live_request(request)
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
+        sent = 0  # bytes of this attempt's partials: about what the reply will weigh
 
         async def on_delta(delta: AssistantDelta) -> None:
-            nonlocal described, streamed
+            nonlocal described, streamed, sent
             streamed = True
             partial = self._partial(request.model, delta=delta) if not described else LlmPartial(delta)
             described = True
+            body = _encoder.encode(partial)
+            sent += len(body)
+            if self._over_limit(sent):  # the reply could not reach the requester: stop now
+                raise _OverLimit(sent, streaming=True)
             # The partial first: the peer holds a burst's messages until the loop iteration
             # ends, a request's partials join its first held one and a run's adjacent events go
             # as one message. Event first, a burst (the deltas of one read) went out as event,
             # partials, events: three sends and three hub messages where two do.
-            await req.partial(_encoder.encode(partial))
-            await self.peer.publish(ev.MessageUpdate(delta=delta), agent=request.agent,
-                                    run=request.run_id, experiment=request.experiment)
+            await req.partial(body)
+            for piece in _event_pieces(delta):
+                await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
+                                        run=request.run_id, experiment=request.experiment)
 
         async def on_retry(attempt: int, delay: float, status: int, error: str) -> None:
-            nonlocal streamed
+            nonlocal streamed, sent
             config = self.engine.model_config(request.model)
             await req.partial(_encoder.encode(LlmPartial(reset=True)))
-            discarded, streamed = streamed, False
+            discarded, streamed, sent = streamed, False, 0
             await self.peer.publish(
                 ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
                             provider=config.provider if config else "", discarded=discarded),
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
-        message = await self.engine.complete(request, on_delta, on_retry)
-        return _encoder.encode(message)
+        try:
+            body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry))
+            if self._over_limit(len(body)):
+                raise _OverLimit(len(body), streaming=False)
+        except _OverLimit as over:
+            return _encoder.encode(self._too_large(request, over))
+        return body
+
+    def _over_limit(self, size: int) -> bool:
+        """Whether a reply body of `size` bytes is over the hub's `max_message_bytes` (with room
+        for the header): the hub would drop our connection, and every call in flight on it."""
+        limit = body_limit(self.peer)
+        return bool(limit) and size > limit
+
+    def _too_large(self, request: LlmRequest, over: _OverLimit) -> AssistantMessage:
+        limit = body_limit(self.peer) + HEADER_ROOM  # the hub's max_message_bytes
+        config = self.engine.model_config(request.model)
+        when = "streamed before the call was stopped" if over.streaming else "in all"
+        text = (f"the model's reply is over the hub's message limit of {limit} bytes "
+                f"(`max_message_bytes`): {over.size} bytes {when}; ask for smaller pieces (e.g. "
+                "write a large file in several tool calls) or raise the hub's max_message_bytes")
+        log.warning("call of agent %s, run %s: %s", request.agent, request.run_id, text)
+        return AssistantMessage(stop_reason="error", error=text,
+                                provider=config.provider if config else "",
+                                model=config.model if config else "")
 
     def _partial(self, alias: str, delta: AssistantDelta) -> LlmPartial:
         config = self.engine.model_config(alias)

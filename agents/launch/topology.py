@@ -67,19 +67,29 @@ class TopicSubscription(msgspec.Struct, forbid_unknown_fields=True, omit_default
     mode: Literal["follow_up", "steer"] = "follow_up"
 
 
+# An agent's sampling and turn bound, here and for `busctl replay --set` (agents/replay.py): one
+# set of ranges. Finite (no inf/nan), within what providers accept (temperature 0-2 is OpenAI's,
+# the widest), and small enough for the wire (msgpack carries no int past 2**64).
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+TurnBound = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+
+
 class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: str
     model: str = ""
     system_prompt: str = "You are a helpful assistant. Use the tools available to you."
     tools: list[str] = msgspec.field(default_factory=lambda: ["*"])
     tool_execution: Literal["parallel", "sequential"] = "parallel"
-    max_iterations: int = 200
+    max_iterations: TurnBound = 200
     repeat_limit: int = 3  # same tool + same arguments N times in a row: a note; 2N: the run stops
     # Sampling for this agent's calls (unset: the model's `[models.x]` defaults, then the server's)
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    seed: int | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    max_tokens: MaxTokens | None = None
+    seed: Seed | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     require_done_tool: bool = False
     hooks: dict[str, str] = msgspec.field(default_factory=dict)

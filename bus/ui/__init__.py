@@ -8,7 +8,9 @@ event's seq, so a page that reconnects (`Last-Event-ID`) continues where it stop
 duplicate. The standard library, not an ASGI server: a page per person needs a thread each, and
 no optional extra is needed to see a run.
 
-Access: on a loopback address the page needs nothing. On any other address (`--bind 0.0.0.0`) every
+Access: on a loopback address the page needs no token, but every request must name loopback in
+its Host (and Origin, when sent): `bus.httpguard`, the same check as `busctl mcp serve --http`,
+refuses a DNS-rebinding page. On any other address (`--bind 0.0.0.0`) every
 request needs the token: `?token=T` once (answered with a cookie and a redirect that takes the
 token out of the address bar), then the cookie; or `Authorization: Bearer T`. Anything else: 401.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import msgspec
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, Subscription, connect
 from bus.errors import AgentBusError
+from bus.httpguard import is_loopback, refusal
 from bus.render import json_line
 from bus.security import CurveClient
 
@@ -102,15 +104,6 @@ class EventStore:
             self.cond.notify_all()
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
 def _query(path: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in path.partition("?")[2].split("&"):
@@ -119,12 +112,18 @@ def _query(path: str) -> dict[str, str]:
     return out
 
 
-def _handler(store: EventStore, token: str = "") -> type[BaseHTTPRequestHandler]:
+def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
+             ) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
+            refused = refusal(bind, self.headers.get("Host"), self.headers.get("Origin"))
+            if refused is not None:
+                log.info("ui: refused a request for %s: %s", path, refused[1])
+                self._send(refused[0], refused[1].encode(), "text/plain")
+                return
             if token and not self._authorised(path):
                 return
             if path == "/events":
@@ -253,7 +252,7 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
                    host: str = "127.0.0.1", token: str = "") -> None:
     token, made = resolve_token(host, token)
     store = EventStore()
-    server = ThreadingHTTPServer((host, port), _handler(store, token))
+    server = ThreadingHTTPServer((host, port), _handler(store, token, host))
     server.daemon_threads = True  # an open page must not keep the process alive
     thread = threading.Thread(target=server.serve_forever, name="ui-http", daemon=True)
     thread.start()

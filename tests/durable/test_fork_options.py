@@ -17,7 +17,8 @@ import pytest
 
 from agents.client.remote import connect
 from agents.gateway.fakellm import FakeLLMServer
-from agents.replay import Fork, ForkError
+from agents.launch.topology import TopologyError, parse_topology
+from agents.replay import Fork, ForkError, ForkPlan, _plan_agent
 from tests.coordinator.conftest import Stack, start_stack
 from tests.durable.test_fork import SCRIPT_X, SCRIPT_Y
 from tests.support import busctl
@@ -182,7 +183,7 @@ async def test_the_client_takes_the_same_fork(fresh: Recorded) -> None:
 
     async with connect(r.stack.endpoint, name="test-fork-client", replay_from="base",
                        fork=Fork(live_from=2, settings={"solo.top_p": 3})) as bus:
-        with pytest.raises(ForkError, match=r"--set solo.top_p=3: expected a number <= 1"):
+        with pytest.raises(ForkError, match=r"--set solo.top_p=3: expected a finite number <= 1"):
             await bus.run("solo", "task 0", experiment="client-fork-bad")
     with pytest.raises(ForkError, match="give replay_from= too"):
         async with connect(r.stack.endpoint, fork=fork_y):
@@ -208,6 +209,15 @@ BAD = [
     (["--set", "solo.temperature=0.2"], "give --live-from TURN or --live-from-seq SEQ too"),
     (["--live-from", "2", "--system-prompt-file", "/nonexistent/prompt.txt"],
      "'--system-prompt-file': File '/nonexistent/prompt.txt' does not exist"),
+    # issue 35 item 5: the topology file's ranges, nothing that overflows or is not finite
+    (["--live-from", "2", "--set", f"solo.max_tokens={10**40}"],
+     f"--set solo.max_tokens={10**40}: expected a whole number <= 2147483647"),
+    (["--live-from", "2", "--set", f"solo.max_turns={10**40}"],
+     f"--set solo.max_turns={10**40}: expected a whole number of turns from 1 to 2147483647"),
+    (["--live-from", "2", "--set", "solo.temperature=inf"],
+     "--set solo.temperature=inf: expected a finite number <= 2.0"),
+    (["--live-from", "2", "--system-prompt-file", "/dev/zero"],
+     "--system-prompt-file /dev/zero: larger than 1 MiB"),
 ]
 
 
@@ -225,6 +235,18 @@ async def test_bad_fork_options_exit_2_before_anything_runs(fresh: Recorded, opt
     assert "experiment `never` has no runs" in diffed.stderr, diffed.stdout + diffed.stderr
 
 
+@pytest.mark.parametrize(("key", "value"), [
+    ("temperature", "inf"), ("temperature", "nan"), ("top_p", "0"), ("max_tokens", str(10**40)),
+    ("seed", str(2**63)), ("max_iterations", "0")])
+async def test_the_topology_file_has_the_same_ranges(key: str, value: str) -> None:
+    """One set of ranges (agents/launch/topology.py) for the file and for `--set`."""
+    spec = f'[[agents]]\nname = "solo"\n{key} = {value}\n'
+    with pytest.raises(TopologyError, match=key):
+        parse_topology(spec.encode(), "t.toml", as_json=False)
+    with pytest.raises(ForkError, match=f"--set solo.{key}={value}: expected"):
+        _plan_agent(ForkPlan(), "solo", {key: value}, ["solo"])
+
+
 async def test_empty_system_prompt_file_is_refused(fresh: Recorded, tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text(" \n")
@@ -232,3 +254,11 @@ async def test_empty_system_prompt_file_is_refused(fresh: Recorded, tmp_path: Pa
                                          "--live-from", "2", "--system-prompt-file", str(empty))
     assert out.returncode == 2 and f"--system-prompt-file {empty} is empty" in out.stderr, \
         out.stderr
+    huge = tmp_path / "huge.txt"  # issue 35 item 5: was "lost the hub" (over its message limit)
+    with huge.open("w") as f:
+        f.truncate(20 << 20)
+    out = await anyio.to_thread.run_sync(cli, fresh.stack, "replay", "--experiment", "base",
+                                         "--live-from", "2", "--system-prompt-file", str(huge))
+    assert out.returncode == 2, out.stderr
+    assert f"--system-prompt-file {huge}: larger than 1 MiB" in " ".join(out.stderr.split())
+    assert (len(fresh.stack.srv.requests), len(fresh.other.requests)) == (0, 0)

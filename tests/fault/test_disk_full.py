@@ -20,7 +20,7 @@ import pytest
 
 from bus import events as ev
 from bus.client import Envelope, IncomingRequest, Peer, Subscription, connect
-from tests.support import ROOT, Proc, until
+from tests.support import ROOT, Proc, busctl, until
 
 pytestmark = pytest.mark.anyio
 
@@ -128,6 +128,9 @@ async def test_disk_full_refuses_events_keeps_routing_and_recovers(tmp_path: Pat
             st = await driver.status()
             assert "full" in st.log_error, st.log_error
             assert st.counters["log_write_errors"] >= 1
+            # issue 35 item 4: `busctl status`'s text says so too, not only its --json
+            shown = await anyio.run_process(busctl("status", "--hub", ep), check=False)
+            assert f"EVENTS REFUSED: {st.log_error}" in shown.stdout.decode(), shown.stdout
             head_while_full = st.seq
             for k in range(30):  # refused at the door now: no seq is used
                 await publish(f"full-door-{k}")

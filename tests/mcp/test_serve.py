@@ -117,6 +117,12 @@ async def test_sdk_client_over_streamable_http(topology: Topology) -> None:
             with anyio.fail_after(30):
                 result = await client.call_tool("ask_assistant", {"prompt": "over http"})
             assert result.content[0].text == "echo: over http"
+        # the Host/Origin check every local HTTP surface shares (bus.httpguard)
+        from tests.ui.test_access import get
+        for headers, status in (({"Host": "attacker.example"}, 421),
+                                ({"Origin": "http://attacker.example"}, 403)):
+            answer = await anyio.to_thread.run_sync(get, ready["url"], headers)
+            assert answer.status == status, headers
     finally:
         server.stop()
     refused = Proc(busctl("mcp", "serve", "--hub", topology.endpoint, "--http", "0.0.0.0:1"))

@@ -156,6 +156,10 @@ async def test_fetch_url_refuses_every_loopback_form_before_connecting(
     ("0.0.0.0", "unspecified"), ("[fd00::1]", "private"), ("[fe80::1]", "link-local"),
     ("[ff02::1]", "multicast"), ("[::ffff:10.0.0.1]", "private"),
     ("[::ffff:169.254.169.254]", "link-local"), ("[64:ff9b::a9fe:a9fe]", "link-local"),
+    # issue 28 item 7: IPv4 addresses embedded in IPv6 ranges (6to4 is `is_global` on 3.11)
+    ("[2002:7f00:1::]", "loopback"), ("[2002:a9fe:a9fe::1]", "link-local"),
+    ("[64:ff9b::7f00:1]", "loopback"), ("[64:ff9b:1::a00:1]", "local-use NAT64"),
+    ("[::7f00:1]", "loopback"), ("[2001:0:4136:e378:8000:63bf:80ff:fffe]", "loopback"),
 ])
 async def test_fetch_url_refuses_internal_addresses(
     tmp_path: Path, no_allow_list: None, host: str, kind: str
@@ -239,6 +243,8 @@ def test_the_allow_list_decides_for_internal_addresses_without_traffic() -> None
     assert pick_address("0.0.0.0", 80, [ip("0.0.0.0")], rules) == ip("0.0.0.0")
     assert pick_address("METADATA.internal.", 80, [ip("127.0.0.9")], rules) == ip("127.0.0.9")
     assert pick_address("x", 80, [ip("192.168.3.4")], rules) == ip("192.168.3.4")
+    # a public IPv4 address behind 6to4 is public
+    assert pick_address("x", 80, [ip("2002:808:808::1")], []) == ip("2002:808:808::1")
     # a public address wins over a refused one in the same answer
     assert pick_address("x", 80, [ip("10.0.0.1"), ip("8.8.8.8")], []) == ip("8.8.8.8")
     with pytest.raises(Exception, match=r"`169.254.169.254` is a link-local address"):

@@ -1,9 +1,12 @@
 """Built-in tools: workspace confinement, file tools, run_shell and fetch_url."""
 
+import gzip
 import http.server
 import json
 import os
 import threading
+import tracemalloc
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,7 +220,25 @@ async def test_cancelling_run_shell_kills_the_process_group(ws: Path) -> None:
 # --- fetch_url -----------------------------------------------------------------------------
 
 
+def _gzip_stream(zeros: int) -> bytes:
+    """gzip of `zeros` zero bytes, compressed piece by piece (never the whole input in memory)."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    step = b"\0" * (1 << 22)
+    return b"".join([*(packer.compress(step) for _ in range(zeros // len(step))), packer.flush()])
+
+
+BOMB_BYTES = 64 << 20  # decoded; the issue's 1,827-byte bomb was 2 GiB, 16 s to build here
+_BOMB = gzip.compress(_gzip_stream(BOMB_BYTES), 9)
+_TEXT = b"line of text\n" * 10_000
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
+    encoded: dict[str, tuple[str, bytes]] = {
+        "/bomb": ("gzip, gzip", _BOMB),
+        "/deflate-gzip": ("gzip, deflate", zlib.compress(gzip.compress(_TEXT))),
+        "/raw-deflate": ("deflate", zlib.compress(_TEXT)[2:-4]),
+        "/br": ("br", b"not decoded"),
+    }
     routes: dict[str, tuple[int, str, bytes]] = {
         "/text": (200, "text/plain; charset=utf-8", "héllo".encode()),
         "/json": (200, "application/json", b'{"a": 1}'),
@@ -227,8 +248,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         status, ctype, body = self.routes.get(self.path, (404, "text/plain", b"nope"))
+        if self.path in self.encoded:
+            status, ctype = 200, "text/plain"
+        encoding, body = self.encoded.get(self.path, ("", body))
         self.send_response(status)
         self.send_header("Content-Type", ctype)
+        if encoding:
+            self.send_header("Content-Encoding", encoding)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -264,6 +290,26 @@ async def test_fetch_url(server: str, tmp_path: Path, allow_loopback: None) -> N
     assert missing.is_error and missing.text == f"Error: `{server}/missing` returned HTTP 404 Not Found"
     big = await call(fetch_url, tmp_path, url=f"{server}/big")
     assert big.text == "x" * (1024 * 1024) + "\n[truncated: the body is larger than 1048576 bytes]"
+
+
+async def test_fetch_url_caps_decoded_bytes_of_a_double_gzip_bomb(
+    server: str, tmp_path: Path, allow_loopback: None
+) -> None:
+    """Issue 28 item 5: the cap counts decoded bytes while streaming, whatever the encodings."""
+    assert len(_BOMB) < 100_000
+    tracemalloc.start()
+    try:
+        bomb = await call(fetch_url, tmp_path, url=f"{server}/bomb")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert bomb.text == "\0" * (1024 * 1024) + "\n[truncated: the body is larger than 1048576 bytes]"
+    assert peak < BOMB_BYTES // 8, peak  # 4.7 MB here; httpx's decoding held the whole 64 MiB at once
+    layered = await call(fetch_url, tmp_path, url=f"{server}/deflate-gzip")
+    assert layered.text == _TEXT.decode()
+    assert (await call(fetch_url, tmp_path, url=f"{server}/raw-deflate")).text == _TEXT.decode()
+    brotli = await call(fetch_url, tmp_path, url=f"{server}/br")
+    assert brotli.is_error and "`Content-Encoding: br`, which fetch_url cannot decode" in brotli.text
 
 
 async def test_fetch_url_rejects_other_schemes_and_dead_hosts(

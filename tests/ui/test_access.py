@@ -79,6 +79,20 @@ def test_loopback_needs_no_token(hub: str, procs: list[Proc]) -> None:
     assert get(ready["url"] + "app.js").status == 200
 
 
+def test_loopback_refuses_a_foreign_host_or_origin(hub: str, procs: list[Proc]) -> None:
+    """Issue 28 item 2: a DNS-rebinding page (Host: attacker.example) reads nothing."""
+    ready = start(procs, hub)
+    port = urllib.parse.urlsplit(ready["url"]).port
+    for host in ("attacker.example", f"attacker.example:{port}", f"127.0.0.1.attacker.example:{port}"):
+        assert get(ready["url"] + "events", {"Host": host}).status == 421, host
+        assert get(ready["url"], {"Host": host}).status == 421, host
+    for origin in ("http://attacker.example", f"http://attacker.example:{port}", "null",
+                   f"https://localhost.attacker.example:{port}"):
+        assert get(ready["url"] + "events", {"Origin": origin}).status == 403, origin
+    for host in (f"localhost:{port}", f"[::1]:{port}", f"127.0.0.1:{port}", "LOCALHOST"):
+        assert get(ready["url"], {"Host": host, "Origin": f"http://{host}"}).status == 200, host
+
+
 def test_any_other_address_needs_the_generated_token(hub: str, procs: list[Proc]) -> None:
     ready = start(procs, hub, "--bind", "0.0.0.0")
     assert ready["token"] == "generated" and ready["bind"] == "0.0.0.0"

@@ -5,7 +5,9 @@ and the request then goes to that very address (the caller keeps the Host header
 the name), so a DNS answer that changes between check and connect (rebinding) cannot slip past.
 Loopback, private, link-local, multicast, reserved, unspecified and other non-global addresses are
 refused, whatever form the URL writes them in (`2130706433`, `0x7f000001`, `[::ffff:127.0.0.1]`…),
-because the check runs on resolved addresses, not on the URL's text.
+because the check runs on resolved addresses, not on the URL's text. An IPv6 address that carries
+an IPv4 one (6to4 `2002::/16`, Teredo `2001::/32`, NAT64 `64:ff9b::/96`, IPv4-compatible or
+-mapped) is refused when that IPv4 address would be; local-use NAT64 `64:ff9b:1::/48` always.
 
 The allow-list is the environment variable `BUSCTL_FETCH_ALLOW` of the worker process: a comma-
 separated list of entries, each a host name, an IP address or a network, optionally with a port:
@@ -33,8 +35,13 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _HOST_NAME_RE = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?\.?")
-# NAT64 (RFC 6052) embeds an IPv4 address in its last 32 bits; a gateway would reach that address.
+# IPv6 ranges that carry an IPv4 address a relay or gateway would reach: the IPv4 address decides.
+# NAT64 (RFC 6052) and IPv4-compatible (::a.b.c.d, deprecated) hold it in their last 32 bits.
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_V4_COMPATIBLE = ipaddress.IPv6Network("::/96")
+# Local-use NAT64 (RFC 8215): where the IPv4 address sits depends on the operator's prefix
+# length, and the range is not global: refused whatever it embeds.
+_LOCAL_NAT64 = ipaddress.IPv6Network("64:ff9b:1::/48")
 
 
 @dataclass(frozen=True)
@@ -121,12 +128,16 @@ def unmapped(address: IPAddress) -> IPAddress:
 
 
 def non_public_kind(address: IPAddress) -> str | None:
-    """Why `address` is not a public unicast address ("a loopback address"…), or None if it is."""
+    """Why `address` is not a public unicast address ("a loopback address"…), or None if it is.
+
+    `is_global` alone is not enough: on Python 3.11 `2002:7f00:1::` (6to4 of 127.0.0.1) is
+    global, so the IPv4 address embedded in 6to4, Teredo, NAT64 and IPv4-compatible addresses is
+    checked too (IPv4-mapped ones are compared as the IPv4 address itself)."""
     address = unmapped(address)
-    if isinstance(address, ipaddress.IPv6Address) and address in _NAT64:
-        embedded = non_public_kind(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = _embedded_kind(address)
         if embedded is not None:
-            return f"{embedded} (behind the NAT64 prefix)"
+            return embedded
     checks = (
         ("unspecified", address.is_unspecified),
         ("loopback", address.is_loopback),
@@ -138,7 +149,33 @@ def non_public_kind(address: IPAddress) -> str | None:
     )
     for kind, hit in checks:
         if hit:
-            return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} address"
+            return _article(kind)
+    return None
+
+
+def _article(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} address"
+
+
+def _embedded_kind(address: ipaddress.IPv6Address) -> str | None:
+    """Why the IPv4 address embedded in `address` is refused (naming the range), or None."""
+    if address in _LOCAL_NAT64:
+        return _article("local-use NAT64")
+    low32 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    inside: list[tuple[IPAddress, str]] = []
+    if address in _NAT64:
+        inside.append((low32, "the NAT64 prefix"))
+    elif address in _V4_COMPATIBLE and int(address) > 1:  # :: and ::1 are checked as themselves
+        inside.append((low32, "an IPv4-compatible address"))
+    if address.sixtofour is not None:
+        inside.append((address.sixtofour, "a 6to4 address"))
+    if address.teredo is not None:
+        server, client = address.teredo
+        inside += [(server, "a Teredo address"), (client, "a Teredo address")]
+    for v4, where in inside:
+        kind = non_public_kind(v4)
+        if kind is not None:
+            return f"{kind} (behind {where})"
     return None
 
 
