@@ -473,8 +473,9 @@ async def _log_lines(fd: int, label: str) -> None:
             return
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
-            # WARNING: the worker's default level; a server's stderr is its only diagnostics
-            server_log.warning("[%s] %s", label, line.decode(errors="replace").rstrip())
+            # INFO: servers write their routine chatter there (startup banners, requests);
+            # the worker's own warnings say when a server fails (`busctl -v` shows these)
+            server_log.info("[%s] %s", label, line.decode(errors="replace").rstrip())
         pending = pending[-65536:]  # a server that never ends a line cannot grow this forever
 
 
