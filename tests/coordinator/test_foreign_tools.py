@@ -3,8 +3,8 @@ docs/protocol.md alone (plain pyzmq DEALER/SUB sockets and msgspec MessagePack, 
 tests/bus/test_raw_contracts.py, which imports nothing of ours); the hub, gateway and coordinator
 are real processes (the module's `stack`), and the fake model shows the request it received.
 
-- A `register` of a tool whose name no model API takes is refused with an `error` naming it
-  (counted `bad_register`); the valid one registered beside it gets no reply at all.
+- A `register` of a tool whose name or schema no model API takes is refused with an `error`
+  naming it (counted `bad_register`); the valid one registered beside them gets no reply at all.
 - An agent with `tools = ["*"]` running meanwhile succeeds, offering the valid tool (under the
   service name, whatever `meta.name` says) and never the refused one.
 - The foreign tool's progress partials reach the log, and `busctl watch`, as
@@ -36,10 +36,11 @@ def text_part(value: str) -> dict[str, Any]:
     return {"type": "text", "text": value}
 
 
-def register_foreign_tools(peer: RawPeer) -> dict[str, Any]:
-    """Register a bad and a good tool in one `register`; return the error about the bad one."""
+def register_foreign_tools(peer: RawPeer) -> list[dict[str, Any]]:
+    """Register two bad tools and a good one in one `register`; return the errors."""
     peer.send({"kind": "register", "id": "reg-1"}, {"services": [
         {"name": "tool.bad name!", "capacity": 1, "meta": {"description": "bad"}},
+        {"name": "tool.listy", "capacity": 1, "meta": {"parameters": {"type": "array"}}},
         {"name": "tool.raw_progress", "capacity": 1,
          "meta": {"name": "something_else", "description": "Count to n, reporting progress.",
                   "parameters": PARAMETERS}},
@@ -47,8 +48,8 @@ def register_foreign_tools(peer: RawPeer) -> dict[str, Any]:
     peer.sync()  # handled: whatever the hub answers the register is in the inbox now
     about = [h for h, _ in peer.inbox if h.get("id") == "reg-1"]
     peer.inbox = [m for m in peer.inbox if m[0].get("id") != "reg-1"]
-    assert len(about) == 1, about  # one error for the bad service; none for the good one
-    return about[0]
+    assert len(about) == 2, about  # one error per bad service; none for the good one
+    return about
 
 
 def serve_one_call(peer: RawPeer, stop: threading.Event) -> dict[str, Any]:
@@ -74,14 +75,16 @@ def serve_one_call(peer: RawPeer, stop: threading.Event) -> dict[str, Any]:
 async def test_a_bad_tool_name_is_refused_and_a_star_agent_never_offers_it(stack: Stack) -> None:
     stack.script([calls(("raw_progress", {"n": 2})), text("Counted.")])
     with raw_peers(stack.endpoint, "foreign") as (peer,):
-        refused = register_foreign_tools(peer)
-        assert (refused["kind"], refused["code"]) == ("error", "bad_request"), refused
-        assert "'tool.bad name!'" in refused["error"], refused
-        assert "^[A-Za-z0-9_-]{1,64}$" in refused["error"], refused
+        name, schema = register_foreign_tools(peer)
+        assert {(h["kind"], h["code"]) for h in (name, schema)} == {("error", "bad_request")}
+        assert "'tool.bad name!'" in name["error"], name
+        assert "^[A-Za-z0-9_-]{1,64}$" in name["error"], name
+        assert "'tool.listy'" in schema["error"] and "`meta.parameters`" in schema["error"]
         status = peer.status()
-        assert status["counters"].get("bad_register") == 1, status["counters"]
+        assert status["counters"].get("bad_register") == 2, status["counters"]
         services = {s["name"] for s in status["services"]}
-        assert "tool.raw_progress" in services and "tool.bad name!" not in services
+        assert "tool.raw_progress" in services
+        assert not services & {"tool.bad name!", "tool.listy"}, services
 
         stop = threading.Event()
         served: dict[str, Any] = {}
