@@ -28,7 +28,7 @@ class _Meta(msgspec.Struct):
 
     name: str = ""
     description: str = ""
-    parameters: dict[str, Any] | None = None
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)  # (null: refused, as by ToolInfo)
     sequential: bool = False
     idempotent: bool = False
     timeout: float | None = None

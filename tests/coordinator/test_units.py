@@ -208,6 +208,7 @@ def test_malformed_or_invalid_tool_meta_is_left_out_naming_why() -> None:
     assert _tool_info(ServiceInfo(name="tool.gone", peers=0, capacity=0, load=0, queued=0)) is None
     for meta, words in [({"description": 7}, "`meta` is not a ToolInfo"),
                         ({"parameters": ["a"]}, "`meta` is not a ToolInfo"),
+                        ({"parameters": None}, "`meta` is not a ToolInfo"),
                         ({"parameters": {"type": "string"}}, "JSON Schema object"),
                         ({"timeout": -1}, "timeout")]:
         why = _tool_info(service("tool.t", meta))
