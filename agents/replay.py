@@ -74,7 +74,8 @@ if TYPE_CHECKING:  # agents.client.remote imports this module (`connect(replay_f
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.
 VOLATILE = frozenset({"timestamp", "duration", "parent_run_id", "session", "run_id"})
-SKIPPED = frozenset({"message_update", "llm_retry", "run_resumed", "tool_execution_update"})
+SKIPPED = frozenset({"message_update", "llm_retry", "run_resumed", "tool_execution_update",
+                     "tool_skipped"})
 
 
 class ReplayEntry(msgspec.Struct, array_like=True):

@@ -114,6 +114,14 @@ class LlmRetry(_Event, tag="llm_retry"):
     discarded: bool = False
 
 
+class ToolSkipped(_Event, tag="tool_skipped"):
+    """A live tool an agent does not offer its model: its name or schema is one no model API
+    takes (bus/toolnames.py), or its `meta` is not a ToolInfo. Said once per agent and tool."""
+
+    tool: str
+    reason: str = ""
+
+
 class TopicMessage(_Event, tag="topic_message"):
     topic: str
     text: str
@@ -193,6 +201,7 @@ Event = Union[
     CompactionComplete,
     LlmRetry,
     TopicMessage,
+    ToolSkipped,
     PeerJoined,
     PeerLeft,
     ServiceRegistered,

@@ -28,6 +28,7 @@ from typing import Any
 
 from bus import events as ev
 from bus import protocol as p
+from bus.toolnames import tool_service_fault
 
 # A held request costs its frames plus about this much in Python objects (Pending, key,
 # dict/set/heap/deque entries; measured ~850 B), charged to the request budgets.
@@ -182,7 +183,7 @@ class Registry:
         if spec.capacity < 1:
             return (f"register refused: service {spec.name!r} has `capacity` {spec.capacity}; "
                     "it must be >= 1")
-        return ""
+        return tool_service_fault(spec.name, spec.meta)  # a name/schema no model API takes
 
     def unregister(self, peer: PeerState, names: list[str]) -> None:
         for name in names:

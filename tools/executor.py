@@ -13,6 +13,7 @@ leaving the request cancels it at the hub, which tells the worker, which cancels
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -32,7 +33,10 @@ from bus.errors import (
     RequestError,
 )
 from bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
+from bus.toolnames import tool_meta_fault, tool_name_fault
 from tools.worker import SERVICE_PREFIX, decode_reply, service_name
+
+log = logging.getLogger("tools.executor")
 
 #: How long a fetched catalog is reused.
 CATALOG_TTL = 1.0
@@ -63,6 +67,9 @@ class BusToolExecutor:
         self._catalog: dict[str, ToolInfo] = {}
         self._fetched = -math.inf
         self._lock = anyio.Lock()
+        #: Live tools left out of the catalog (name -> why), as of the last fetch.
+        self.skipped: dict[str, str] = {}
+        self._logged: set[tuple[str, str]] = set()
 
     # --- catalog -------------------------------------------------------------------------
 
@@ -86,10 +93,21 @@ class BusToolExecutor:
                 if self._fetched == -math.inf:
                     raise
                 return self._catalog  # stale beats nothing while the hub is away
-            self._catalog = {info.name: info for info in map(_tool_info, status.services)
-                             if info is not None}
+            self._catalog, self.skipped = {}, {}
+            for service in status.services:
+                info = _tool_info(service)
+                if isinstance(info, ToolInfo):
+                    self._catalog[info.name] = info
+                elif info is not None:
+                    self._skip(service.name[len(SERVICE_PREFIX):], info)
             self._fetched = time.monotonic()
             return self._catalog
+
+    def _skip(self, name: str, why: str) -> None:
+        self.skipped[name] = why
+        if (name, why) not in self._logged:  # once per tool and reason, not per fetch
+            self._logged.add((name, why))
+            log.warning("live tool %r is not offered to models: %s", name, why)
 
     async def _lookup(self, name: str) -> ToolInfo | None:
         tools = await self._tools()
@@ -231,15 +249,21 @@ def arguments_problem(request: ToolCallRequest) -> ToolResult | None:
     return None
 
 
-def _tool_info(service: p.ServiceInfo) -> ToolInfo | None:
+def _tool_info(service: p.ServiceInfo) -> ToolInfo | str | None:
+    """The live tool `service` is; None when it is none (not `tool.<name>`, or no peer serves it);
+    a string saying why it is left out when no model API would take it (a name or schema from an
+    older hub that did not check them, bus/toolnames.py) or its `meta` is not a ToolInfo: never
+    offered with a made-up empty schema. The service name wins over `meta.name`."""
     if not service.name.startswith(SERVICE_PREFIX) or service.peers < 1:
         return None
     name = service.name[len(SERVICE_PREFIX):]
+    why = tool_name_fault(name) or tool_meta_fault(service.meta)
+    if why:
+        return why
     try:
-        info = msgspec.convert(service.meta, ToolInfo)
-    except msgspec.ValidationError:
-        return ToolInfo(name=name, idempotent=service.idempotent)
-    return msgspec.structs.replace(info, name=name)
+        return msgspec.convert({**service.meta, "name": name}, ToolInfo)
+    except msgspec.ValidationError as exc:  # (tool_meta_fault checked the same fields)
+        return f"its `meta` is not a ToolInfo: {exc}"
 
 
 def _bind(

@@ -45,6 +45,7 @@ from bus.messages import (
     ToolResult,
     error_result,
 )
+from bus.toolnames import tool_name_fault
 from tools._exceptions import ToolDefinitionError
 from tools._runner import traceparent_of
 from tools._schema import _inline, _normalize, check_provider_schema
@@ -344,6 +345,10 @@ class McpBridge:
         if not self.spec.wants(tool.name):
             return None
         name = self.spec.prefix + tool.name
+        bad_name = tool_name_fault(name)
+        if bad_name:  # the hub would refuse it (bus/toolnames.py): say so here, by the server
+            log.warning("%s: left out %s", self.owner, bad_name)
+            return None
         try:
             schema = provider_safe(tool.input_schema, name)
         except ToolDefinitionError as exc:
@@ -473,8 +478,9 @@ async def _log_lines(fd: int, label: str) -> None:
             return
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
-            # WARNING: the worker's default level; a server's stderr is its only diagnostics
-            server_log.warning("[%s] %s", label, line.decode(errors="replace").rstrip())
+            # INFO: servers write their routine chatter there (startup banners, requests);
+            # the worker's own warnings say when a server fails (`busctl -v` shows these)
+            server_log.info("[%s] %s", label, line.decode(errors="replace").rstrip())
         pending = pending[-65536:]  # a server that never ends a line cannot grow this forever
 
 

@@ -14,8 +14,8 @@ Wire format of a `tool.<name>` call (body frames; the hub never decodes them):
     partial reply  msgpack array `["progress", ToolResult]` (one per `ctx.progress(...)`)
     final reply    msgpack `ToolResult` map
     error reply    `bad_request` for an undecodable body; `peer_lost` when the worker shut down
-Each progress update is also published as a `ToolExecutionUpdate` event carrying the request's
-agent, run and experiment.
+Progress goes to the caller only: the coordinator publishes it as `tool_execution_update` with
+the call's other events (docs/protocol.md, "Tool services").
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import zmq
 from bus import protocol as p
 from bus.client import Handler, IncomingRequest, Peer, connect
 from bus.errors import HubLost, RequestError
-from bus.events import ToolExecutionUpdate
 from bus.messages import ToolCallRequest, ToolInfo, ToolResult
 from bus.paths import inside_state_dir
 from bus.security import CurveClient
@@ -298,16 +297,11 @@ class ToolWorker:
     def progress_sink(
         self, tool_name: str, call: ToolCallRequest, req: IncomingRequest
     ) -> Callable[[ToolResult], Awaitable[None]]:
+        # Only to the caller: the side that publishes the call's other events (the
+        # coordinator) publishes its progress as `tool_execution_update`, as for any tool.
         async def on_progress(partial: ToolResult) -> None:
-            peer = self.peer
-            if peer is None:
-                return
-            update = ToolExecutionUpdate(tool_call_id=call.call_id, tool_name=tool_name,
-                                         partial=partial)
             try:
                 await req.partial(encode_progress(partial))
-                await peer.publish(update, agent=call.agent, run=call.run_id,
-                                   experiment=call.experiment)
             except (HubLost, zmq.ZMQError) as exc:  # the call's reply is lost too; drop it
                 log.debug("progress of %s dropped: %s", call.call_id, exc)
 

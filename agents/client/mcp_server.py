@@ -8,9 +8,11 @@ live agent (or each `--agent`) is a tool `ask_<agent>` taking `prompt` and an op
 call runs the agent and returns the run's final text; the run's events stream as MCP progress
 notifications (when the client asked for progress); a client-side cancel
 (`notifications/cancelled`) aborts the run. With `--tools`, every live bus tool is exposed as
-itself and called through the hub like an agent's tool call. The tool list is read from the hub
-at every `tools/list`, so agents that come and go are seen. The official SDK (extra `mcp`) speaks
-the protocol; nothing here writes JSON-RPC.
+itself and called through the hub like an agent's tool call: its progress partials become
+progress notifications, and an MCP-backed tool's `structuredContent` is passed on. A tool that
+is neither is answered with a JSON-RPC error (invalid params), as the spec says. The tool list
+is read from the hub at every `tools/list`, so agents that come and go are seen. The official
+SDK (extra `mcp`) speaks the protocol; nothing here writes JSON-RPC.
 """
 
 from __future__ import annotations
@@ -74,12 +76,13 @@ class BusMcpServer:
     async def call_tool(self, ctx: Any, params: Any) -> Any:
         name: str = params.name
         args: dict[str, Any] = params.arguments or {}
-        if name.startswith(ASK) and name[len(ASK):] in await self.live_agents():
+        agents = await self.live_agents()
+        if name.startswith(ASK) and name[len(ASK):] in agents:
             return await self._ask(ctx, name[len(ASK):], args)
-        if self.with_tools:
-            return await self._bus_tool(name, args)
-        return _error(f"unknown tool `{name}`; live: "
-                      + ", ".join(ASK + a for a in await self.live_agents()))
+        if self.with_tools and name in {info.name for info in await self.tools.catalog()}:
+            return await self._bus_tool(ctx, name, args)
+        # The spec's answer to an unknown tool is a JSON-RPC error, not a tool result.
+        raise _unknown_tool(name)
 
     async def _ask(self, ctx: Any, agent: str, args: dict[str, Any]) -> Any:
         from mcp import types as mt
@@ -114,10 +117,20 @@ class BusMcpServer:
                 return envelope.event
         raise RuntimeError(f"the run {run.run_id} of `{run.agent}` ended without agent_end")
 
-    async def _bus_tool(self, name: str, args: dict[str, Any]) -> Any:
+    async def _bus_tool(self, ctx: Any, name: str, args: dict[str, Any]) -> Any:
+        """A bus tool called directly; its progress partials as MCP progress notifications
+        (when the client asked for progress: `report_progress` is a no-op otherwise)."""
         request = ToolCallRequest(call_id=f"mcp-{uuid.uuid4().hex[:12]}", name=name,
                                   arguments=msgspec.json.encode(args).decode())
-        return _to_mcp(await self.tools.execute(request))
+        count = 0
+
+        async def on_update(partial: Any) -> None:
+            nonlocal count
+            count += 1
+            text = partial.text if isinstance(partial, ToolResult) else str(partial)
+            await ctx.session.report_progress(count, None, text)
+
+        return _to_mcp(await self.tools.execute(request, on_update))
 
 
 async def _abort(run: Run, reason: str) -> None:
@@ -151,7 +164,20 @@ def _to_mcp(result: ToolResult) -> Any:
                                            data=base64.b64encode(part.data).decode()))
         else:
             content.append(mt.TextContent(type="text", text=part.text))
-    return mt.CallToolResult(content=content, is_error=result.is_error)
+    # A dict `details` is what an MCP-backed tool's `structuredContent` became (tools/mcp.py):
+    # given back as such (any tool's dict details are a JSON object, which it allows).
+    structured = result.details if isinstance(result.details, dict) else None
+    return mt.CallToolResult(content=content, is_error=result.is_error,
+                             structured_content=structured)
+
+
+def _unknown_tool(name: str) -> Exception:
+    """The JSON-RPC error (invalid params, as the MCP spec says) for a tool nobody serves; the
+    same words whether or not bus tools are exposed."""
+    from mcp import MCPError
+    from mcp.types import INVALID_PARAMS
+
+    return MCPError(INVALID_PARAMS, f"Unknown tool: {name} (`tools/list` names the live ones)")
 
 
 def _error(text: str) -> Any:
@@ -160,17 +186,29 @@ def _error(text: str) -> Any:
     return mt.CallToolResult(content=[mt.TextContent(type="text", text=text)], is_error=True)
 
 
+def _server(handlers: BusMcpServer) -> Any:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from mcp.server.lowlevel import Server
+
+    try:
+        ours = version("agent-bus")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        ours = "0+unknown"
+    server: Server[Any] = Server("agent-bus", version=ours, on_list_tools=handlers.list_tools,
+                                 on_call_tool=handlers.call_tool)
+    return server
+
+
 async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool) -> None:
     """Serve MCP on stdin/stdout until the client closes them."""
-    from mcp.server.lowlevel import Server
     from mcp.server.stdio import stdio_server
 
     from agents.client.remote import connect
 
     async with connect(hub, name="mcp-serve", curve=curve) as bus:
         handlers = BusMcpServer(bus, agents, with_tools)
-        server: Server[Any] = Server("agent-bus", on_list_tools=handlers.list_tools,
-                                     on_call_tool=handlers.call_tool)
+        server = _server(handlers)
         async with stdio_server() as (read, write):
             await server.run(read, write, server.create_initialization_options())
 
@@ -203,14 +241,12 @@ async def serve_http(hub: str, curve: Any, agents: list[str], with_tools: bool, 
     import json
 
     import uvicorn
-    from mcp.server.lowlevel import Server
 
     from agents.client.remote import connect
 
     async with connect(hub, name="mcp-serve", curve=curve) as bus:
         handlers = BusMcpServer(bus, agents, with_tools)
-        server: Server[Any] = Server("agent-bus", on_list_tools=handlers.list_tools,
-                                     on_call_tool=handlers.call_tool)
+        server = _server(handlers)
         app = _host_guarded(server.streamable_http_app(host=host), host)
         web = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                             lifespan="on"))

@@ -20,7 +20,7 @@ from the server.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -51,6 +51,8 @@ from bus.messages import (
     ToolTrace,
     error_result,
 )
+from bus.toolnames import parameters_fault, tool_name_fault
+from tools.executor import BusToolExecutor
 
 LLM_SERVICE = "llm"
 #: Deadline of one model call; None = none. The call still always ends: the gateway bounds each
@@ -65,6 +67,9 @@ SERVICE_WAIT = 3.0
 #: Polls of the hub's registry while waiting for the service: 0.05 s doubling to 0.5 s.
 SERVICE_POLL = Backoff(first=0.05, factor=2.0, cap=0.5, jitter=0.0)
 
+
+#: Told of a live tool an agent does not offer: (tool name, why).
+SkipSink = Callable[[str, str], Awaitable[None]]
 
 _encoder = msgspec.msgpack.Encoder()
 _reply_decoder = msgspec.msgpack.Decoder(AssistantMessage | LlmPartial)
@@ -270,17 +275,23 @@ class AgentTools:
     workers tag their progress events with it, and `trace_root` (the top-level run of an asked
     run's tree) in their `trace`, so the worker's `traceparent` puts the tool in that run's trace.
 
-    Progress: a worker publishes each `tool_execution_update` itself (like the gateway publishes
-    `message_update`), so by default partial results are not passed on to the loop, which would
-    emit — and the coordinator publish — every update a second time. `forward_updates=True`
-    passes them on (for in-process listeners).
+    Progress: partial results go to the loop, which emits each as a `tool_execution_update`
+    and the coordinator publishes it with the call's other events: so the progress of any tool,
+    ours or a foreign peer's, is in the log, and no tool service publishes it itself.
+
+    A live tool whose name or schema no model API takes (bus/toolnames.py; from an older hub
+    that did not check them, or a foreign peer's malformed `meta`) is never offered: `on_skipped`
+    (the coordinator publishes a `tool_skipped` event) hears of it once per name and reason
+    (`told` may be shared by the sessions of one agent).
     """
 
     def __init__(self, inner: ToolExecutor, allowed: Sequence[str], store: ToolOutputStore, *,
-                 experiment: str = "", forward_updates: bool = False,
-                 local: Sequence[LocalTools] = ()) -> None:
+                 experiment: str = "", local: Sequence[LocalTools] = (),
+                 on_skipped: SkipSink | None = None,
+                 told: set[tuple[str, str]] | None = None) -> None:
         self.inner = inner
-        self.forward_updates = forward_updates
+        self.on_skipped = on_skipped
+        self.told = told if told is not None else set()
         self.allowed = list(allowed)
         self.store = store
         self.local = list(local)
@@ -313,9 +324,25 @@ class AgentTools:
         shadowed = {t.name for t in local} | {TOOL_OUTPUT_TOOL}
         live: list[ToolInfo] = []
         if self.allowed:
-            live = [t for t in await self.inner.catalog()
-                    if t.name not in shadowed and (self._all or t.name in self._names)]
+            skipped = dict(self.inner.skipped) if isinstance(self.inner, BusToolExecutor) else {}
+            for t in await self.inner.catalog():
+                if t.name in shadowed or not (self._all or t.name in self._names):
+                    continue
+                why = tool_name_fault(t.name) or parameters_fault(t.parameters)
+                if why:
+                    skipped[t.name] = why
+                else:
+                    live.append(t)
+            await self._tell_skipped(skipped)
         return [*live, *local, self.store.tool_info()]
+
+    async def _tell_skipped(self, skipped: dict[str, str]) -> None:
+        for name, why in skipped.items():
+            if (name, why) in self.told or not (self._all or name in self._names):
+                continue
+            self.told.add((name, why))
+            if self.on_skipped is not None:
+                await self.on_skipped(name, why)
 
     async def execute(self, request: ToolCallRequest, on_update: UpdateSink | None = None) -> ToolResult:
         if not self.allows(request.name):
@@ -329,7 +356,7 @@ class AgentTools:
         provider = self._local_for(request.name)
         if provider is not None:
             return await provider.execute(request)
-        return await self.inner.execute(request, on_update if self.forward_updates else None)
+        return await self.inner.execute(request, on_update)
 
 
 __all__ = ["LLM_SERVICE", "LLM_TIMEOUT", "AgentTools", "BusLlmClient", "LocalTools"]

@@ -233,7 +233,8 @@ class Session:
         if spec.agents or spec.subscribe or PUBLISH_TOOL in spec.tools:
             local.append(TopicPublisher(host.peer, spec.name, lambda: self.call_context))
         self.tools = AgentTools(host.executor, spec.tools, host.output_store,
-                                experiment=spec.experiment, local=local)
+                                experiment=spec.experiment, local=local,
+                                on_skipped=self._tool_skipped, told=host.tools_told)
         # an experiment in replay (`busctl replay`) gets its tool results from the log
         executor = RecordedTools(self.tools, host.tool_books, spec.name, lambda: self.experiment,
                                  on_abort=self._replay_abort)
@@ -306,6 +307,10 @@ class Session:
             # Now, not at the end of the iteration: the agent_end just published is still held
             # by the peer until then, and a crash in between must not resume an ended run.
             self._journal_write(self.host.store.commit)
+
+    async def _tool_skipped(self, tool: str, reason: str) -> None:
+        """A live tool not offered to the model (`AgentTools`): said once, as an event."""
+        await self._publish(ev.ToolSkipped(tool=tool, reason=reason))
 
     async def _publish(self, event: ev.Event) -> None:
         # Journaled before published: the peer holds the event until the end of the loop
@@ -461,6 +466,7 @@ class HostedAgent:
         self.runs = runs
         self.coordinator = coordinator
         self.output_store = store.output_store(spec.name)
+        self.tools_told: set[tuple[str, str]] = set()  # `tool_skipped` said, for all sessions
         self.sessions: dict[str, Session] = {}
         #: The sessions `_evict` looks at: every idle one in memory, and busy ones until it
         #: passes them (a run's end puts its session back), so a run's end costs a scan of

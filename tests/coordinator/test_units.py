@@ -27,7 +27,9 @@ from bus.messages import (
     ToolResult,
     user_text,
 )
+from bus.protocol import ServiceInfo
 from tests.coordinator.fixtures.hooks import no_shouting
+from tools.executor import _tool_info
 
 pytestmark = pytest.mark.anyio
 
@@ -144,7 +146,7 @@ async def test_agent_tools_restricts_and_serves_tool_output_locally() -> None:
     assert [t.name for t in await tools.catalog()] == ["echo", "tool_output"]
     result = await tools.execute(ToolCallRequest(call_id="1", name="echo"), lambda p: None)
     assert result.text == "ran echo"
-    assert inner.requests[0].experiment == "e1" and inner.got_update_sink == [False]
+    assert inner.requests[0].experiment == "e1" and inner.got_update_sink == [True]
     denied = await tools.execute(ToolCallRequest(call_id="2", name="slow"))
     assert denied.is_error and denied.text == "Error: Unknown tool 'slow'"
     ref = store.put("kept")
@@ -155,3 +157,60 @@ async def test_agent_tools_restricts_and_serves_tool_output_locally() -> None:
     everything = AgentTools(inner, ["*"], store)
     assert [t.name for t in await everything.catalog()] == ["echo", "slow", "tool_output"]
     assert await AgentTools(inner, [], store).catalog() == []
+
+
+class CatalogOf(FakeExecutor):
+    """An executor whose catalog holds what an older hub (one that checked nothing) passes on."""
+
+    def __init__(self, tools: list[ToolInfo]) -> None:
+        super().__init__()
+        self.tools = tools
+
+    async def catalog(self) -> list[ToolInfo]:
+        return self.tools
+
+
+async def test_an_agent_never_offers_a_tool_no_model_api_takes_and_says_so_once() -> None:
+    live = [ToolInfo(name="echo"), ToolInfo(name="js bad name!"), ToolInfo(name="x" * 65),
+            ToolInfo(name="listy", parameters={"type": "array"}), ToolInfo(name="fine_too",
+            parameters={"type": "object", "properties": {"a": {"type": "string"}}})]
+    told: list[tuple[str, str]] = []
+
+    async def on_skipped(name: str, why: str) -> None:
+        told.append((name, why))
+
+    shared: set[tuple[str, str]] = set()
+    tools = AgentTools(CatalogOf(live), ["*"], ToolOutputStore(), on_skipped=on_skipped,
+                       told=shared)
+    for _ in range(3):
+        assert [t.name for t in await tools.catalog()] == ["echo", "fine_too", "tool_output"]
+    assert [name for name, _ in told] == ["js bad name!", "x" * 65, "listy"]  # once each
+    assert "^[A-Za-z0-9_-]{1,64}$" in told[0][1] and "\"object\"" in told[2][1], told
+    other_session = AgentTools(CatalogOf(live), ["*"], ToolOutputStore(), on_skipped=on_skipped,
+                               told=shared)
+    await other_session.catalog()
+    assert len(told) == 3  # the agent said it once, whichever session looked
+    named = AgentTools(CatalogOf(live), ["echo"], ToolOutputStore(), on_skipped=on_skipped)
+    await named.catalog()
+    assert len(told) == 3  # a tool the agent does not take is none of its business
+
+
+def test_malformed_or_invalid_tool_meta_is_left_out_naming_why() -> None:
+    def service(name: str, meta: Any) -> ServiceInfo:
+        return ServiceInfo(name=name, peers=1, capacity=1, load=0, queued=0, meta=meta)
+
+    good = _tool_info(service("tool.count", {"name": "other", "parameters": {
+        "type": "object", "properties": {}}, "timeout": 5}))
+    assert isinstance(good, ToolInfo) and (good.name, good.timeout) == ("count", 5.0)
+    bare = _tool_info(service("tool.bare", {}))  # no meta: a tool without arguments
+    assert isinstance(bare, ToolInfo) and bare.name == "bare"
+    assert _tool_info(service("llm", {})) is None
+    assert _tool_info(ServiceInfo(name="tool.gone", peers=0, capacity=0, load=0, queued=0)) is None
+    for meta, words in [({"description": 7}, "`meta` is not a ToolInfo"),
+                        ({"parameters": ["a"]}, "`meta` is not a ToolInfo"),
+                        ({"parameters": None}, "`meta` is not a ToolInfo"),
+                        ({"parameters": {"type": "string"}}, "JSON Schema object"),
+                        ({"timeout": -1}, "timeout")]:
+        why = _tool_info(service("tool.t", meta))
+        assert isinstance(why, str) and words in why, (meta, why)
+    assert "must match" in str(_tool_info(service("tool.a.b", {})))

@@ -23,10 +23,12 @@ def anyio_backend() -> str:
 
 
 @asynccontextmanager
-async def mcp_worker(endpoint: str, *args: str, env: dict[str, str] | None = None
-                     ) -> AsyncIterator[Proc]:
-    """`busctl worker ARGS` (its --mcp servers connected), stopped however the test ends."""
-    proc = Proc(busctl("worker", "--hub", endpoint, *args), env=env)
+async def mcp_worker(endpoint: str, *args: str, env: dict[str, str] | None = None,
+                     verbose: bool = False) -> AsyncIterator[Proc]:
+    """`busctl worker ARGS` (its --mcp servers connected), stopped however the test ends;
+    `verbose`: `busctl -v` (INFO and DEBUG lines logged too)."""
+    proc = Proc(busctl(*(["-v"] if verbose else []), "worker", "--hub", endpoint, *args),
+                env=env)
     try:
         proc.ready = await anyio.to_thread.run_sync(proc.wait_ready, 40.0)  # type: ignore[attr-defined]
         yield proc

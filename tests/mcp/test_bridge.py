@@ -86,18 +86,10 @@ async def test_progress_results_and_errors_of_an_sdk_server(hub: dict, tmp_path:
 
         request = msgspec.structs.replace(call("progress", "call-3", steps=3), agent="ag",
                                           run_id="run-1")
-        async with tools.peer.subscribe(["agent/ag/"]) as sub:
-            result = await tools.execute(request, on_update)
-            events = []
-            with anyio.fail_after(5):
-                async for envelope in sub:
-                    if envelope.header.type == "tool_execution_update":
-                        events.append(envelope.event)
-                    if len(events) == 3:
-                        break
+        result = await tools.execute(request, on_update)
         assert result.text == "done" and not result.is_error
+        # (the caller, e.g. the coordinator, publishes them as `tool_execution_update`)
         assert [u.text for u in updates] == ["step 1 (1/3)", "step 2 (2/3)", "step 3 (3/3)"]
-        assert [(e.tool_call_id, e.tool_name) for e in events] == [("call-3", "progress")] * 3
 
         picture = await tools.execute(call("picture"))
         assert picture.text == "a dot" and isinstance(picture.content[1], ImagePart)
@@ -171,7 +163,8 @@ async def test_list_changed_registers_new_tools(hub: dict) -> None:
 
 async def test_a_crashed_server_is_restarted_and_works_again(hub: dict) -> None:
     endpoint = hub["endpoint"]
-    async with mcp_worker(endpoint, "--mcp", DEMO) as w, executor(endpoint) as tools:
+    async with mcp_worker(endpoint, "--mcp", DEMO, verbose=True) as w, \
+            executor(endpoint) as tools:
         first = (await tools.execute(call("whoami"))).text
         crashed = await tools.execute(call("crash"))
         assert crashed.is_error and "demo_server" in crashed.text, crashed.text
@@ -183,7 +176,9 @@ async def test_a_crashed_server_is_restarted_and_works_again(hub: dict) -> None:
         second = await until(new_pid, 15, "the restarted server")
         assert second != first
         await until(lambda: "crashing on demand" in w.output(), 5, "the server's stderr logged")
-        assert "[tests.mcp.fixtures.demo_server] demo server crashing on demand" in w.output()
+        # logged at INFO (servers write routine chatter there), not as a worker WARNING
+        assert ("tools.mcp.tests.mcp.fixtures.demo_server INFO [tests.mcp.fixtures.demo_server] "
+                "demo server crashing on demand") in w.output(), w.output()[-2000:]
 
 
 async def test_a_clash_with_another_workers_tool_is_refused_naming_both(hub: dict) -> None:

@@ -86,3 +86,16 @@ def test_a_topology_mcp_server_needs_a_command_or_a_url() -> None:
     for bad in ('args = ["a"]\n', 'command = "srv"\nurl = "http://h/mcp"\n'):
         with pytest.raises(TopologyError, match=r"workers\[0\]\.mcp\[0\].*`command`.*`url`"):
             parse_topology((base + bad).encode(), "t.toml", as_json=False)
+
+
+def test_a_tool_name_no_model_api_takes_is_left_out_by_the_bridge(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from tools.mcp import McpBridge, McpServerSpec
+
+    bridge = McpBridge(McpServerSpec(command="srv", prefix="fs."), host=None)  # type: ignore[arg-type]
+    schema = {"type": "object", "properties": {}}
+    assert bridge._info(mt.Tool(name="read", input_schema=schema)) is None  # `fs.read`
+    assert "tool name 'fs.read' is not accepted" in caplog.text
+    fine = McpBridge(McpServerSpec(command="srv", prefix="fs_"), host=None)  # type: ignore[arg-type]
+    info = fine._info(mt.Tool(name="read", input_schema=schema))
+    assert info is not None and info.name == "fs_read"

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOOP_TESTS = ["tests/agents/test_loop.py", "tests/agents/test_agent.py",
               "tests/agents/test_loop_context.py"]
 REGISTRY_TESTS = ["tests/bus/test_registry.py"]
+EVENT_PATH_TESTS = ("tests/bus/test_replay_limit_and_heartbeat_order.py",)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,18 @@ MUTANTS = [
     Mutant("registry: a service's queue never fills", "bus/registry.py",
            "        if service.queued >= lim.queue_limit:", "        if service.queued > lim.queue_limit * 2:",
            tuple(REGISTRY_TESTS)),
+    Mutant("replay: a batch cut at the row limit claims the head", "bus/replay_reader.py",
+           "        if scanned < limit:", "        if scanned <= limit:", EVENT_PATH_TESTS),
+    Mutant("pipeline: a heartbeat overtakes the events it counts", "bus/pipeline.py",
+           "        self.flush()\n        self.subscribed_at = math.inf",
+           "        self.subscribed_at = math.inf", EVENT_PATH_TESTS),
+    Mutant("tools: workspace containment by string prefix", "tools/_context.py",
+           "    if resolved != root and not resolved.is_relative_to(root):",
+           "    if resolved != root and not str(resolved).startswith(str(root)):",
+           ("tests/tools/test_confine_sibling.py",)),
+    Mutant("tool names: any name accepted", "bus/toolnames.py",
+           "    if _NAME.match(name):", "    if name:",
+           ("tests/coordinator/test_units.py", "tests/coordinator/test_foreign_tools.py")),
 ]
 
 
