@@ -587,10 +587,13 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token: str, si
               help="Root the file tools are confined to (and where run_shell runs).")
 @click.option("--name", default="", help="Peer name shown in `busctl status` [default: worker-PID].")
 @click.option("--shell", "allow_shell", is_flag=True, help="Enable the run_shell tool.")
+@click.option("--read-only", "read_only", multiple=True, type=click.Path(), metavar="PATH",
+              help="A path tools may not write (repeatable; `busctl up` passes the topology file "
+                   "and the group's `read_only`). The bus's Python environment and `.git` always.")
 def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
            mcp_commands: tuple[str, ...], mcp_urls: tuple[str, ...], mcp_headers: tuple[str, ...],
            mcp_prefix: str, mcp_json: Any, concurrency: int,
-           workspace: str, name: str, allow_shell: bool) -> None:
+           workspace: str, name: str, allow_shell: bool, read_only: tuple[str, ...]) -> None:
     """Attach a tool worker: serve each tool as service `tool.<name>` until SIGINT/SIGTERM.
 
     \b
@@ -611,7 +614,8 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
     modules = list(tool_modules) or ([] if servers else ["tools.builtin"])
     settings = WorkerSettings(hub=hub, tool_modules=modules, concurrency=concurrency,
                               workspace=workspace, name=name or f"worker-{os.getpid()}",
-                              allow_shell=allow_shell, curve=curve, mcp=servers)
+                              allow_shell=allow_shell, curve=curve, mcp=servers,
+                              read_only=list(read_only))
     try:
         run_async(run_worker, settings)
     except ToolLoadError as exc:
@@ -893,6 +897,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
         raise click.UsageError("--demo and --model-file each choose the model; give one")
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
                         detach_ready_file=ready_file, model_file=model_file or "",
+                        topology_file=config_file or "",
                         ready_json=as_json and not detach)
     from agents.launch.topology import check_topology
     from agents.launch.up import resolve

@@ -47,6 +47,7 @@ from tools._runner import CANCEL_GRACE, run_tool
 from tools._schema import check_provider_schema
 from tools._tool import Tool
 from tools.mcp import McpServerSpec, serve_mcp_servers
+from tools.sandbox import protect
 
 log = logging.getLogger("tools.worker")
 
@@ -73,6 +74,9 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     shutdown_grace: float = SHUTDOWN_GRACE
     # MCP servers whose tools this worker also serves (tools/mcp.py); `--mcp` / `--mcp-url`.
     mcp: list[McpServerSpec] = msgspec.field(default_factory=list)
+    # Paths tools may not write, besides the bus's Python environment and `.git` (tools.sandbox):
+    # `--read-only`, how `busctl up` passes the topology file in use and a group's `read_only`.
+    read_only: list[str] = msgspec.field(default_factory=list)
 
 
 # --- reply codec (shared with tools.executor) ----------------------------------------------
@@ -341,6 +345,9 @@ async def run_worker(
     `stop` replaces the signal handlers (for running a worker inside another program).
     """
     tools = load_worker_tools(list(settings.tool_modules), allow_none=bool(settings.mcp))
+    # after loading: the tool modules' own files are protected too (tools.sandbox)
+    protect(settings.read_only, "listed as read-only for tools (the topology file in use, or "
+                                "the worker group's `read_only`)")
     if not Path(settings.workspace).is_dir():
         raise ToolLoadError(f"Workspace `{settings.workspace}` is not a directory")
     state = inside_state_dir(Path(settings.workspace).resolve())

@@ -254,7 +254,7 @@ class Supervisor:
         base = dict(os.environ) if spec.inherit_env else minimal_environ(spec.pass_env)
         env = {**base, "PYTHONUNBUFFERED": "1", **spec.env}
         log = self.log_path(spec.name).open("a", buffering=1)
-        guarded = [sys.executable, "-m", "bus.procsec", str(os.getpid()), *spec.argv]
+        guarded = [sys.executable, "-P", "-m", "bus.procsec", str(os.getpid()), *spec.argv]
         try:
             process = await anyio.open_process(
                 guarded, stdin=subprocess.PIPE if spec.stdin_data else subprocess.DEVNULL,
@@ -472,5 +472,8 @@ class LogTail:
 
 
 def python_argv(*args: str) -> list[str]:
-    """Run `busctl` children with this interpreter, whether or not the script is on PATH."""
-    return [sys.executable, "-m", "cli", *args]
+    """Run `busctl` children with this interpreter, whether or not the script is on PATH.
+
+    `-P`: the current directory (often the workspace, which tools write) is not put on the
+    children's sys.path, so a file a tool wrote there cannot shadow a module the bus imports."""
+    return [sys.executable, "-P", "-m", "cli", *args]

@@ -59,6 +59,7 @@ class UpOptions(msgspec.Struct):
     detach_ready_file: str = ""  # where a detached `up` reports readiness [default: up.ready]
     ready_json: bool = False  # `up --json`: the ready line on stdout too, for a script to read
     model_file: str = ""  # a GGUF file: the default model, served by the gateway (llama.cpp)
+    topology_file: str = ""  # the `-c` file: read-only for the tools (a model must not rewrite it)
 
 
 LOCAL_MODEL = "local"  # the alias `--model-file` gives its model
@@ -74,6 +75,9 @@ def resolve(topology: Topology, options: UpOptions) -> Topology:
         topo.workers[0].tools = [*topo.workers[0].tools, *options.extra_tools]
     if options.workers is not None and topo.workers:
         topo.workers[0].count = options.workers
+    for group in topo.workers:  # absolute: the worker resolves nothing against its own cwd
+        group.read_only = [str(Path(p).expanduser().resolve()) for p in
+                           [*group.read_only, *([options.topology_file] * bool(options.topology_file))]]
     if options.model_file:
         # Added, not replacing: agents that name another `[models.x]` keep it.
         topo.models[LOCAL_MODEL] = ModelConfig(
@@ -176,6 +180,8 @@ def worker_spec(group: WorkerGroup, index: int, endpoint: str) -> ChildSpec:
         argv += ["--tools", module]
     if group.shell:
         argv.append("--shell")
+    for path in group.read_only:
+        argv += ["--read-only", path]
     if not group.mcp:
         return ChildSpec(name, argv, role="worker", pass_env=group.pass_env)
     # on stdin, not argv: an MCP server's `env` may hold secrets that `ps` would show
