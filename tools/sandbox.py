@@ -10,7 +10,7 @@ Two layers, so that the first holds where the second cannot be set up:
    written into the venv's site-packages would otherwise run in the next gateway, with its keys.
 2. `bwrap_argv()`: the worker process itself runs under bubblewrap — the root file system
    read-only, the workspace writable with the protected paths bound read-only over it, the state
-   directories hidden, a private /tmp, its own PID namespace (it sees no other process's
+   directories hidden, /tmp writable too, its own PID namespace (it sees no other process's
    /proc/PID/environ) and user namespace, no capabilities. MCP servers and `run_shell` are its
    children, so they inherit it; each `run_shell` call gets a nested sandbox of its own
    (`shell_argv()`: new PID namespace, no network unless the group allows it), so nothing a
@@ -22,6 +22,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -54,6 +57,7 @@ class SandboxInfo(msgspec.Struct, omit_defaults=True):
     shell: str = ""  # how run_shell calls are contained: "bwrap" (own PID ns) or "process-group"
     shell_network: bool = False
     reason: str = ""  # kind "none": why
+    pid: int = 0  # the sandbox's own pid outside it (what a parent sees and signals)
 
 
 # --- layer 1: the path filter ---------------------------------------------------------------
@@ -125,12 +129,189 @@ def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
     return ""
 
 
-def protected_inside(workspace: Path) -> list[Path]:
-    """The protected paths that exist inside `workspace` (what the sandbox binds read-only)."""
-    found = {root for root in protected_paths() if root != workspace
-             and root.is_relative_to(workspace) and root.exists()}
-    git = workspace / ".git"
-    if git.exists():
-        found.add(git)
+def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
+    """The protected paths that exist inside the writable `roots` (what the sandbox binds
+    read-only again), each root's `.git` included; as in `check_writable`, not those that
+    contain the workspace."""
+    found = {path for path in protected_paths() if path.exists()
+             and not workspace.is_relative_to(path)
+             and any(path != root and path.is_relative_to(root) for root in roots)}
+    found |= {root / ".git" for root in roots if (root / ".git").exists()}
     # an inner path under an outer one is covered by it
     return sorted(p for p in found if not any(p != q and p.is_relative_to(q) for q in found))
+
+
+# --- run_shell: one nested sandbox per call ---------------------------------------------------
+
+_shell = {"mode": "auto", "network": False}
+
+
+def set_shell_sandbox(mode: SandboxMode, network: bool = False) -> None:
+    """The worker's `--sandbox` mode for its `run_shell` calls ("off": process group only), and
+    whether they have the network (`network = true` in the group, `--shell-network`)."""
+    _shell.update(mode=mode, network=network)
+    shell_prefix.cache_clear()
+
+
+def shell_network() -> bool:
+    return bool(_shell["network"])
+
+
+@functools.lru_cache(maxsize=1)
+def shell_prefix() -> tuple[str, ...]:
+    """The bubblewrap command line a `run_shell` call runs under, or () where none can be set up
+    (probed once per process).
+
+    The call's shell is the first process of a new PID namespace: when it exits, bwrap's init
+    exits and the kernel kills everything left in the namespace (`setsid`, double fork, `nohup`
+    included); `--die-with-parent` does the same if the worker dies. `--dev-bind / /` keeps the
+    worker's own view (read-only binds stay read-only: they are locked in the nested namespace),
+    `--new-session` keeps the shell off the worker's terminal, `--unshare-net` takes the network
+    unless the group allows it. A fresh /proc shows the call's own processes only; where the
+    kernel refuses one (a worker mapped to root, whose /proc has read-only covers), the worker's
+    /proc is kept: it shows the worker's own namespace, no other bus process.
+    """
+    bwrap = shutil.which("bwrap")
+    if _shell["mode"] == "off" or bwrap is None:
+        return ()
+    net = () if _shell["network"] else ("--unshare-net",)
+    for proc in (("--proc", "/proc"), ()):
+        prefix = (bwrap, "--dev-bind", "/", "/", *proc, "--unshare-pid", *net, "--die-with-parent",
+                  "--new-session", "--cap-drop", "ALL")
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10,
+                                   stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("bwrap cannot run (%s): run_shell calls share the worker's namespaces", exc)
+            return ()
+        if probe.returncode == 0:
+            return prefix
+        why = probe.stderr.decode(errors="replace").strip()
+    log.warning("bwrap refused to start (%s): run_shell calls share the worker's namespaces", why)
+    return ()
+
+
+# --- the worker process: one sandbox for all its tools ----------------------------------------
+
+
+class SandboxUnavailable(RuntimeError):
+    """`sandbox = "required"` where no sandbox can be set up."""
+
+
+READ_ONLY_WHY = ("listed as read-only for tools (the topology file in use, or the worker group's "
+                 "`read_only`)")
+
+
+def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
+          read_only: Iterable[str] = ()) -> SandboxInfo:
+    """First thing a `busctl worker` does: become the same command under bubblewrap (this
+    does not return), or return why it runs without one (`mode` "off", or "auto" where bwrap is
+    missing or fails its probe). Inside the sandbox, returns what the sandbox is.
+
+    Raises SandboxUnavailable for "required" when no sandbox can be set up.
+    """
+    protect(read_only, READ_ONLY_WHY)
+    inside = os.environ.pop(SANDBOX_ENV, "")
+    if inside:
+        for sig in (signal.SIGTERM, signal.SIGHUP):  # ignored by the launcher, see below
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        return msgspec.json.decode(inside, type=SandboxInfo)
+    if mode == "off":
+        return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
+    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide])
+    why = _probe(prefix)
+    if why:
+        if mode == "required":
+            raise SandboxUnavailable(
+                f"no sandbox can be set up here ({why}), and the worker group sets "
+                '`sandbox = "required"` (`--sandbox required`); install bubblewrap (package '
+                '`bubblewrap`), allow user namespaces, or set `sandbox = "auto"` to run without')
+        return SandboxInfo(kind="none", reason=why)
+    info.pid = os.getpid()  # exec keeps it: bwrap's
+    os.environ[SANDBOX_ENV] = msgspec.json.encode(info).decode()
+    # bwrap's own process (the one our parent knows) must outlive a SIGTERM until the worker
+    # inside has left cleanly: its death would SIGKILL the worker (--die-with-parent). The
+    # worker restores the signals; bwrap exits when it does, with its exit code.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    os.execv(prefix[0], [*prefix, sys.executable, *sys.orig_argv[1:]])
+    raise AssertionError("unreachable")  # pragma: no cover - execv does not return
+
+
+def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str], SandboxInfo]:
+    """The bwrap command line for a worker, and what it gives (after sandbox-runtime and Codex:
+    read-only root, writable roots bound over it, protected paths bound read-only inside them)."""
+    bwrap = shutil.which("bwrap") or "bwrap"
+    ws = workspace.resolve()
+    # /tmp stays the machine's (a tool file or an MCP server's folder may be there): writable,
+    # like the workspace, with the same protected paths read-only inside both
+    writable = [ws, *[Path(t).resolve() for t in ("/tmp",) if os.path.isdir(t)]]
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for root in writable:  # one inside the other: the outer bind covers both
+        if not any(root != other and root.is_relative_to(other) for other in writable):
+            args += ["--bind", str(root), str(root)]
+    for secret in _state_dirs(hide):  # hidden: the event log, conversations, run files
+        if not ws.is_relative_to(secret):
+            args += ["--tmpfs", str(secret)]
+    for path in protected_inside(writable, ws):
+        args += ["--ro-bind", str(path), str(path)]
+    for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
+        args += ["--bind", str(path), str(path)]
+    args += ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+             "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]
+    if os.geteuid() == 0:
+        args += ["--uid", str(ROOT_INNER_UID), "--gid", str(ROOT_INNER_UID)]
+    return [*args, "--"], SandboxInfo(kind="bwrap", writable=[str(p) for p in writable])
+
+
+def _state_dirs(hide: list[Path]) -> list[Path]:
+    from bus.paths import state_home
+
+    return [p for p in {state_home().resolve(), *(h.resolve() for h in hide)} if p.is_dir()]
+
+
+def _ipc_paths(address: str) -> list[Path]:
+    """What of an `ipc://PATH` hub address the worker needs: the socket's folder (a restarted
+    hub makes a new socket file there), or the socket alone when the folder is a state folder."""
+    if not address.startswith("ipc://"):
+        return []
+    sock = Path(address[len("ipc://"):]).expanduser().resolve()
+    folder = sock.parent
+    from bus.paths import inside_state_dir
+
+    if inside_state_dir(folder) is None and folder.is_dir():
+        return [folder]
+    return [sock] if sock.exists() else []
+
+
+def required_problem(workspace: Path, hub: str) -> str:
+    """Why a worker's sandbox could not start here ("" when it can): `busctl up`'s check of
+    `sandbox = "required"` before it starts anything."""
+    return _probe(worker_prefix(workspace, hub, [])[0])
+
+
+def _probe(prefix: list[str]) -> str:
+    """Why the sandbox cannot start here ("" when it can): bwrap runs `true` inside it."""
+    if not sys.platform.startswith("linux"):
+        return f"no sandbox on {sys.platform} (bubblewrap is Linux only)"
+    if shutil.which(prefix[0]) is None:
+        return "bubblewrap (`bwrap`) is not installed"
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10,
+                               stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap did not run: {exc}"
+    if probe.returncode != 0:
+        return "bwrap failed: " + (probe.stderr.decode(errors="replace").strip() or
+                                   f"exit {probe.returncode}")
+    return ""
+
+
+def describe(info: SandboxInfo) -> str:
+    """One line for `busctl up`'s console, `ps` and `status`."""
+    if info.kind == "none":
+        return f"none ({info.reason}); the file tools still refuse the protected paths"
+    shell = (f"; run_shell: {info.shell}, network {'on' if info.shell_network else 'off'}"
+             if info.shell else "")
+    return f"{info.kind}, writable {', '.join(info.writable)}{shell}"

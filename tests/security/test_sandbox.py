@@ -10,6 +10,7 @@ use. Each must be refused with a clear tool error.
 
 from __future__ import annotations
 
+import shutil
 import site
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.support import ROOT, Proc
-from tests.tools.fixtures.procs import call, executor
+from tests.tools.fixtures.procs import call, executor, until, workers
 
 pytestmark = pytest.mark.anyio
 
@@ -82,14 +83,67 @@ def assert_refused(results: dict[str, Any], project: Path, venv_site: Path) -> N
     assert (project / "notes" / "ok.txt").read_text() == "x"
 
 
-async def test_file_tools_refuse_the_code_that_runs_the_bus(hub: dict, tmp_path: Path) -> None:
+HAVE_BWRAP = shutil.which("bwrap") is not None
+SHELL_ATTACK = ("for p in {site}/zz.pth src/myproj/x.py .git/hooks/pre-commit busctl.toml; do "
+                "echo 'import os' >> $p 2>/dev/null && echo WROTE $p; done; "
+                "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c . ; "
+                "ls /proc | grep -c '^[0-9]'")
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param("auto", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap")),
+    "off",  # the fallback: no sandbox, the path filter alone still refuses attack 1
+])
+async def test_file_tools_refuse_the_code_that_runs_the_bus(hub: dict, tmp_path: Path,
+                                                            mode: str) -> None:
     project, venv_site = readme_project(tmp_path)
-    proc = project_worker(hub["endpoint"], project)
+    proc = project_worker(hub["endpoint"], project, "--sandbox", mode, "--shell")
     try:
-        proc.wait_ready(20)
+        ready = proc.wait_ready(20)
         results = await attack_writes(hub["endpoint"], project, venv_site)
+        if mode == "auto":
+            async with executor(hub["endpoint"]) as tools:
+                command = SHELL_ATTACK.format(site=venv_site.relative_to(project))
+                shell = await tools.execute(call("run_shell", command=command))
     finally:
         proc.stop()
     assert_refused(results, project, venv_site)
-    # reading them stays possible (a model may look at an installed module's code)
-    assert "VERSION" in (project / "src" / "myproj" / "__init__.py").read_text()
+    assert ready["sandbox"]["kind"] == ("bwrap" if mode == "auto" else "none"), ready
+    if mode == "auto":  # the same attacks from a shell meet a read-only file system
+        assert "WROTE" not in shell.text, shell.text
+        assert not (venv_site / "zz.pth").exists() and not (project / "src/myproj/x.py").exists()
+        # the shell sees its own PID namespace only: a few processes, no bus process's environ
+        assert int(shell.text.split()[-4]) < 10, shell.text
+
+
+def _left(marker: str) -> list[int]:
+    """Processes whose command line holds `marker` (the test's own sleeps)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap (.ci/run installs it)")
+async def test_nothing_a_shell_call_starts_outlives_it(hub: dict, tmp_path: Path) -> None:
+    """Attack 2: `setsid nohup … &` and a double fork; and the shell has no network."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    marker = "31.41592"
+    escape = (f"setsid nohup sleep {marker} >/dev/null 2>&1 & "
+              f"(sh -c 'sleep {marker} & echo forked' &); sleep 0.3; echo started")
+    dial = (f"{sys.executable} -c \"import socket; "
+            f"socket.create_connection(('127.0.0.1', {hub['endpoint'].rpartition(':')[2]}))\"")
+    async with workers(hub["endpoint"], 1, "--shell", "--workspace", str(ws), "--sandbox",
+                       "auto", tools="tools.builtin") as [w], executor(hub["endpoint"]) as tools:
+        assert w.ready["sandbox"]["shell"] == "bwrap", w.ready  # type: ignore[attr-defined]
+        result = await tools.execute(call("run_shell", command=escape))
+        assert "started" in result.text, result.text
+        await until(lambda: not _left(marker), timeout=1.0,
+                    what="the call's background processes to be gone")
+        offline = await tools.execute(call("run_shell", command=dial))
+        assert offline.is_error and "Connection refused" in offline.text, offline.text

@@ -23,8 +23,18 @@ from tools.builtin import (
     search_files,
     write_file,
 )
+from tools.sandbox import set_shell_sandbox
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def process_group_shell() -> Iterator[None]:
+    """These tests follow a shell's children by the pids it prints: outside a PID namespace.
+    run_shell's own namespace (bubblewrap) is tested in tests/security/test_sandbox.py."""
+    set_shell_sandbox("off")
+    yield
+    set_shell_sandbox("auto")
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
 
