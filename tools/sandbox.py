@@ -213,9 +213,7 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
     protect(read_only, READ_ONLY_WHY)
     inside = os.environ.pop(SANDBOX_ENV, "")
     if inside:
-        for sig in (signal.SIGTERM, signal.SIGHUP):  # ignored by the launcher, see below
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _leave_with_bwrap()
         return msgspec.json.decode(inside, type=SandboxInfo)
     if mode == "off":
         return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
@@ -230,13 +228,36 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
         return SandboxInfo(kind="none", reason=why)
     info.pid = os.getpid()  # exec keeps it: bwrap's
     os.environ[SANDBOX_ENV] = msgspec.json.encode(info).decode()
-    # bwrap's own process (the one our parent knows) must outlive a SIGTERM until the worker
-    # inside has left cleanly: its death would SIGKILL the worker (--die-with-parent). The
-    # worker restores the signals; bwrap exits when it does, with its exit code.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
     os.execv(prefix[0], [*prefix, sys.executable, *sys.orig_argv[1:]])
     raise AssertionError("unreachable")  # pragma: no cover - execv does not return
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _leave_with_bwrap() -> None:
+    """Inside: stop cleanly when the bwrap process outside is told to stop.
+
+    The worker is the first process of its PID namespace (`--as-pid-1`), and bwrap's own process
+    outside is its parent. A SIGTERM (or Ctrl-C) to that process alone kills it at once (bwrap
+    forwards nothing); `--die-with-parent` would then SIGKILL the worker. We replace that death
+    signal with SIGTERM, which the worker handles like one sent to itself (unregister, finish
+    calls, leave). A first process gets only the signals it has a handler for: SIGTERM gets
+    Python's usual meaning (exit) until the worker's own handler takes over."""
+    import ctypes
+    import ctypes.util
+
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError) as exc:  # then bwrap's SIGKILL stays: abrupt, not unsafe
+        log.debug("cannot set the parent-death signal: %s", exc)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str], SandboxInfo]:
@@ -258,7 +279,8 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
         args += ["--ro-bind", str(path), str(path)]
     for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
         args += ["--bind", str(path), str(path)]
-    args += ["--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+    # --as-pid-1: the worker is the namespace's first process (see `_leave_with_bwrap`)
+    args += ["--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
              "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]
     if os.geteuid() == 0:
         args += ["--uid", str(ROOT_INNER_UID), "--gid", str(ROOT_INNER_UID)]

@@ -10,13 +10,17 @@ use. Each must be refused with a clear tool error.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import site
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 
 from tests.support import ROOT, Proc
@@ -43,10 +47,15 @@ def readme_project(tmp_path: Path) -> tuple[Path, Path]:
     return project, venv_site
 
 
-def project_worker(endpoint: str, project: Path, *extra: str) -> Proc:
+def project_worker(endpoint: str, project: Path, *extra: str,
+                   env: dict[str, str] | None = None) -> Proc:
     python = project / ".venv" / "bin" / "python"
     return Proc([str(python), "-m", "cli", "worker", "--hub", endpoint, "--workspace", ".",
-                 "--read-only", str(project / "busctl.toml"), *extra], cwd=project)
+                 "--read-only", str(project / "busctl.toml"), *extra], cwd=project, env=env)
+
+
+#: A PATH without bubblewrap: the fallback, as on a machine without it.
+NO_BWRAP = {"PATH": "/nonexistent"}
 
 
 ATTACKS = {
@@ -92,12 +101,13 @@ SHELL_ATTACK = ("for p in {site}/zz.pth src/myproj/x.py .git/hooks/pre-commit bu
 
 @pytest.mark.parametrize("mode", [
     pytest.param("auto", marks=pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap")),
-    "off",  # the fallback: no sandbox, the path filter alone still refuses attack 1
+    "no-bwrap",  # the fallback: no sandbox, the path filter alone still refuses attack 1
 ])
 async def test_file_tools_refuse_the_code_that_runs_the_bus(hub: dict, tmp_path: Path,
                                                             mode: str) -> None:
     project, venv_site = readme_project(tmp_path)
-    proc = project_worker(hub["endpoint"], project, "--sandbox", mode, "--shell")
+    proc = project_worker(hub["endpoint"], project, "--sandbox", "auto", "--shell",
+                          env=NO_BWRAP if mode == "no-bwrap" else None)
     try:
         ready = proc.wait_ready(20)
         results = await attack_writes(hub["endpoint"], project, venv_site)
@@ -109,6 +119,8 @@ async def test_file_tools_refuse_the_code_that_runs_the_bus(hub: dict, tmp_path:
         proc.stop()
     assert_refused(results, project, venv_site)
     assert ready["sandbox"]["kind"] == ("bwrap" if mode == "auto" else "none"), ready
+    if mode == "no-bwrap":
+        assert "not installed" in ready["sandbox"]["reason"], ready
     if mode == "auto":  # the same attacks from a shell meet a read-only file system
         assert "WROTE" not in shell.text, shell.text
         assert not (venv_site / "zz.pth").exists() and not (project / "src/myproj/x.py").exists()
@@ -117,11 +129,12 @@ async def test_file_tools_refuse_the_code_that_runs_the_bus(hub: dict, tmp_path:
 
 
 def _left(marker: str) -> list[int]:
-    """Processes whose command line holds `marker` (the test's own sleeps)."""
+    """The test's own `sleep MARKER` processes (not the shells and bwraps that name them)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes() == \
+                    b"sleep\0" + marker.encode() + b"\0":
                 found.append(int(entry.name))
         except OSError:
             continue
@@ -147,3 +160,129 @@ async def test_nothing_a_shell_call_starts_outlives_it(hub: dict, tmp_path: Path
                     what="the call's background processes to be gone")
         offline = await tools.execute(call("run_shell", command=dial))
         assert offline.is_error and "Connection refused" in offline.text, offline.text
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
+async def test_an_mcp_server_the_worker_launches_is_sandboxed_too(hub: dict,
+                                                                  tmp_path: Path) -> None:
+    """Attack 4: a filesystem MCP server on the workspace cannot write into `.venv`."""
+    pytest.importorskip("mcp", reason="needs the `mcp` extra")
+    project, venv_site = readme_project(tmp_path)
+    server = f"{sys.executable} {ROOT / 'tests' / 'mcp' / 'fixtures' / 'fs_server.py'}"
+    proc = project_worker(hub["endpoint"], project, "--mcp", server, "--mcp-prefix", "fs_")
+    try:
+        ready = proc.wait_ready(40)
+        async with executor(hub["endpoint"]) as tools:
+            pth = await tools.execute(call("fs_write_text", path=str(venv_site / "zz.pth"),
+                                           content=PAYLOAD))
+            ok = await tools.execute(call("fs_write_text", path="notes/mcp.txt", content="x"))
+    finally:
+        proc.stop()
+    assert ready["sandbox"]["kind"] == "bwrap", ready
+    assert pth.is_error, pth.text  # the SDK says only "Error executing tool" (EROFS inside)
+    assert not (venv_site / "zz.pth").exists()
+    assert not ok.is_error and (project / "notes" / "mcp.txt").read_text() == "x", ok.text
+
+
+def test_required_sandbox_refuses_to_start_without_one(tmp_path: Path) -> None:
+    """`sandbox = "required"`: a worker fails naming the flag, `busctl up` before it starts
+    anything, naming the key."""
+    from tests.support import busctl
+
+    worker = subprocess.run(busctl("worker", "--hub", "tcp://127.0.0.1:9", "--sandbox",
+                                   "required"), capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **NO_BWRAP}, cwd=tmp_path)
+    assert worker.returncode != 0 and "--sandbox" in worker.stderr, worker.stderr
+    assert "not installed" in worker.stderr, worker.stderr
+    (tmp_path / "t.toml").write_text('[[workers]]\nsandbox = "required"\n')
+    up = subprocess.run(busctl("up", "-c", "t.toml", "--hub", "tcp://127.0.0.1:0"),
+                        capture_output=True, text=True, timeout=60,
+                        env={**os.environ, **NO_BWRAP}, cwd=tmp_path)
+    assert up.returncode != 0 and "workers[0].sandbox" in up.stderr, up.stderr
+    (tmp_path / "t.toml").write_text('[[workers]]\nsandbox = "sometimes"\n')
+    bad = subprocess.run(busctl("config", "check", "t.toml"), capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode != 0 and "workers[0].sandbox" in bad.stderr + bad.stdout, bad.stderr
+
+
+SNOOP_KEY = "sk-snoop-across-restarts-5e4d3c2b1a"
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
+@pytest.mark.parametrize("restarts", [3, pytest.param(20, marks=pytest.mark.slow)])
+async def test_a_snooping_shell_never_sees_the_key_and_nothing_outlives_down(
+        tmp_path: Path, restarts: int) -> None:
+    """Attacks 2 and 3 on `busctl up` with shell on: a shell reads every visible process's
+    environment in a loop while the gateway restarts; then a call still running at `busctl
+    down` (with a `setsid` child) leaves no process behind."""
+    from agents.gateway.fakellm import FakeLLMServer
+    from tests.cli.conftest import Topology, start_up
+    from tests.support import busctl
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    config = project / "busctl.toml"
+    config.write_text("[[workers]]\nname = \"tools\"\nshell = true\n")
+    marker = "27.18281"
+    snoop = ("n=0; while [ ! -f stop ]; do n=$((n+1)); for f in /proc/[0-9]*/environ; do "
+             "tr '\\0' '\\n' < $f | grep -a sk-snoop; done 2>/dev/null; done; echo loops $n")
+    with FakeLLMServer({"echo": True}) as llm:
+        proc, ready = start_up(project, "-c", str(config),
+                               env={"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": SNOOP_KEY})
+        topo = Topology(proc, project, ready)
+        try:
+            async with executor(topo.endpoint) as tools, anyio.create_task_group() as tg:
+                found: list[str] = []
+
+                async def snooping() -> None:
+                    found.append((await tools.execute(call("run_shell", command=snoop,
+                                                           timeout=300))).text)
+
+                tg.start_soon(snooping)
+                for _ in range(restarts):
+                    done = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                        busctl("restart", "-c", str(config), "gateway-1"), cwd=project,
+                        capture_output=True, text=True, timeout=60))
+                    assert done.returncode == 0, done.stderr
+                (project / "stop").write_text("")
+                await until(lambda: found, timeout=20, what="the snooping call to end")
+                assert SNOOP_KEY not in found[0] and "loops" in found[0], found[0]
+                assert int(found[0].split()[-4]) > restarts, found[0]  # it kept looking
+                tg.start_soon(tools.execute, call("run_shell", timeout=300, command=(
+                    f"setsid nohup sleep {marker} >/dev/null 2>&1 & sleep {marker}")))
+                await until(lambda: len(_left(marker)) == 2, timeout=10, what="the sleeps")
+                down = await anyio.to_thread.run_sync(lambda: subprocess.run(
+                    busctl("down", "-c", str(config)), cwd=project, capture_output=True,
+                    text=True, timeout=60))
+                assert down.returncode == 0, down.stderr
+                await until(lambda: not _left(marker), timeout=1.0,
+                            what="the running call's processes to be gone after `busctl down`")
+                tg.cancel_scope.cancel()
+        finally:
+            proc.stop(timeout=8)
+    assert not _left(marker)
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
+async def test_sigterm_to_the_sandbox_alone_still_stops_the_worker_cleanly(hub: dict) -> None:
+    """`kill PID` of the bwrap process (bwrap forwards no signal): the worker inside still
+    finishes its short call, cancels the long one and unregisters (its parent-death signal)."""
+    async with workers(hub["endpoint"], 1, "--concurrency", "2", "--sandbox", "auto") as [w], \
+            executor(hub["endpoint"]) as tools:
+        assert w.ready["sandbox"]["kind"] == "bwrap"  # type: ignore[attr-defined]
+        results: dict[str, Any] = {}
+        async with anyio.create_task_group() as tg:
+            async def run(key: str, seconds: float) -> None:
+                results[key] = await tools.execute(call("sleepy", key, seconds=seconds))
+
+            tg.start_soon(run, "short", 1.0)
+            tg.start_soon(run, "long", 30.0)
+            await until(lambda: _loaded(tools, "tool.sleepy", 2), what="both calls to run")
+            w.popen.send_signal(signal.SIGTERM)  # the bwrap process only, not its group
+        assert not results["short"].is_error, results["short"].text
+        assert "shut down while running `sleepy`" in results["long"].text
+        assert "tool.sleepy" not in {s.name for s in (await tools.peer.status()).services}
+
+
+async def _loaded(tools: Any, service: str, load: int) -> bool:
+    return sum(s.load for s in (await tools.peer.status()).services if s.name == service) == load
