@@ -357,6 +357,7 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
         click.echo(f"  {peer['name']:<20} {peer.get('role', '') or '-':<11} pid {peer.get('pid', 0)}"
                    f"@{peer.get('host', '')}  {services}")
+    _print_sandboxes(st)
     click.echo("services:")
     for svc in st["services"]:
         click.echo(f"  {svc['name']:<28} peers {svc['peers']}  load {svc['load']}/{svc['capacity']}"
@@ -409,6 +410,18 @@ async def _subscriber_drops(peer: Any, report: dict[str, Any]) -> dict[str, Any]
         except AgentBusError as exc:
             report.setdefault("errors", []).append(f"{name}: {exc}")
     return out
+
+
+def _print_sandboxes(st: dict[str, Any]) -> None:
+    """Each tool worker's sandbox (tools/sandbox.py), from its tools' service metadata."""
+    meta = {s["name"]: s.get("meta", {}) for s in st["services"]}
+    for peer in st["peers"]:
+        if peer.get("role") != "worker":
+            continue
+        jail = next((meta.get(s["name"], {}).get("sandbox") for s in peer.get("services", [])
+                     if meta.get(s["name"], {}).get("sandbox")), None)
+        if jail:
+            click.echo(f"  {peer['name']:<20} sandbox {jail}")
 
 
 def _drop_totals(st: dict[str, Any]) -> dict[str, int]:

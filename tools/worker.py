@@ -187,8 +187,11 @@ class ToolWorker:
                 return (f"tool `{info.name}` of {owner} clashes with the live `{info.name}` of "
                         f"{clash} (different schema); give one a prefix (`--mcp-prefix` / "
                         f"`prefix`)")
+        # the worker's sandbox rides along, for `busctl status` (ToolInfo ignores the key)
+        jail = self.settings.sandbox
+        meta = {**msgspec.to_builtins(info), **({"sandbox": describe(jail)} if jail else {})}
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
-                              idempotent=idempotent, meta=msgspec.to_builtins(info))
+                              idempotent=idempotent, meta=meta)
         self.served[info.name] = (owner, info)
         return None
 
