@@ -91,7 +91,33 @@ def _bus_roots() -> dict[Path, str]:
         where = _module_root(name, module)
         if where is not None:
             roots.setdefault(where, f"the code of module `{name}`, loaded by the bus")
+    for name, where in _editable_sources():
+        roots.setdefault(where, f"the source of `{name}`, installed in editable mode")
     return roots
+
+
+def _editable_sources() -> list[tuple[str, Path]]:
+    """The top-level packages of every editable install in this environment (agent-bus's own
+    when developed in place): the gateway imports them at its next start, loaded here or not."""
+    import importlib.metadata
+    import importlib.util
+
+    found: list[tuple[str, Path]] = []
+    for dist in importlib.metadata.distributions():
+        url = dist.read_text("direct_url.json") or ""
+        if '"editable": true' not in url.replace("'", '"'):
+            continue
+        for name in (dist.read_text("top_level.txt") or "").split():
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                continue
+            if spec is None:
+                continue
+            places = list(spec.submodule_search_locations or []) or \
+                ([spec.origin] if spec.origin else [])
+            found += [(name, _resolved(p)) for p in places if os.path.exists(p)]
+    return found
 
 
 def _module_root(name: str, module: object) -> Path | None:
@@ -129,6 +155,26 @@ def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
     return ""
 
 
+def _git_paths(root: Path) -> set[Path]:
+    """`root/.git`, and where it is a pointer file (a worktree, a submodule), the repository it
+    points to (as Codex does): hooks live there."""
+    git = root / ".git"
+    if git.is_dir():
+        return {git}
+    if not git.is_file():
+        return set()
+    try:
+        line = git.read_text(errors="replace").strip()
+    except OSError:
+        return {git}
+    target = Path(line.removeprefix("gitdir:").strip()) if line.startswith("gitdir:") else None
+    if target is None:
+        return {git}
+    target = (root / target).resolve()
+    common = target.parent.parent if target.parent.name == "worktrees" else target
+    return {git, target, common} if target.exists() else {git}
+
+
 def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
     """The protected paths that exist inside the writable `roots` (what the sandbox binds
     read-only again), each root's `.git` included; as in `check_writable`, not those that
@@ -136,7 +182,9 @@ def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
     found = {path for path in protected_paths() if path.exists()
              and not workspace.is_relative_to(path)
              and any(path != root and path.is_relative_to(root) for root in roots)}
-    found |= {root / ".git" for root in roots if (root / ".git").exists()}
+    for root in roots:
+        found |= _git_paths(root)
+    found = {p for p in found if any(p.is_relative_to(root) for root in roots)}
     # an inner path under an outer one is covered by it
     return sorted(p for p in found if not any(p != q and p.is_relative_to(q) for q in found))
 
@@ -278,7 +326,8 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
     for path in protected_inside(writable, ws):
         args += ["--ro-bind", str(path), str(path)]
     for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
-        args += ["--bind", str(path), str(path)]
+        # read-only is enough to connect (sockets are exempt), and nothing can be put there
+        args += ["--ro-bind", str(path), str(path)]
     # --as-pid-1: the worker is the namespace's first process (see `_leave_with_bwrap`)
     args += ["--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
              "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]

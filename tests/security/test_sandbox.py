@@ -286,3 +286,17 @@ async def test_sigterm_to_the_sandbox_alone_still_stops_the_worker_cleanly(hub: 
 
 async def _loaded(tools: Any, service: str, load: int) -> bool:
     return sum(s.load for s in (await tools.peer.status()).services if s.name == service) == load
+
+
+def test_an_editable_install_of_the_bus_is_read_only_for_tools() -> None:
+    """Developing agent-bus in place (`pip install -e .`, the workspace = the checkout): the
+    gateway's sources are refused though a worker never imports them."""
+    from tools._context import confine
+    from tools._exceptions import WorkspaceError
+    from tools.sandbox import _editable_sources
+
+    if ("agents", ROOT / "agents") not in _editable_sources():
+        pytest.skip("agent-bus is not installed in editable mode here")
+    with pytest.raises(WorkspaceError, match="read-only for tools"):
+        confine(ROOT, "agents/gateway/process.py")
+    assert confine(ROOT, "agents/gateway/process.py", write=False).is_file()  # reading is fine
