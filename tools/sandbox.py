@@ -4,17 +4,17 @@ Two layers, so that the first holds where the second cannot be set up:
 
 1. `check_writable()` (called by `confine()` for every path a tool writes): refuses the paths
    whose content runs as code outside the tools' control — the Python environment that runs the
-   bus (every `sys.path` entry, `sys.prefix`, the directories of the modules this process loaded:
-   an editable install's sources too), any `.git` directory (hooks run at the user's next
+   bus (every `sys.path` entry, `sys.prefix`, the directories of the modules this process loaded,
+   every editable install's sources), any `.git` directory (hooks run at the user's next
    commit), the topology file in use and a worker group's `read_only` list. A `.pth` file
    written into the venv's site-packages would otherwise run in the next gateway, with its keys.
-2. `bwrap_argv()`: the worker process itself runs under bubblewrap — the root file system
-   read-only, the workspace writable with the protected paths bound read-only over it, the state
-   directories hidden, /tmp writable too, its own PID namespace (it sees no other process's
-   /proc/PID/environ) and user namespace, no capabilities. MCP servers and `run_shell` are its
+2. `enter()` (`worker_prefix()`): the worker process itself runs under bubblewrap — the root
+   file system read-only, the workspace and /tmp writable with the protected paths bound
+   read-only over them, the state directories hidden, its own PID namespace (it sees no other
+   process's /proc/PID/environ) and user namespace, no capabilities. MCP servers and `run_shell` are its
    children, so they inherit it; each `run_shell` call gets a nested sandbox of its own
-   (`shell_argv()`: new PID namespace, no network unless the group allows it), so nothing a
-   call starts outlives it.
+   (`shell_prefix()`: new PID namespace, no network unless the group allows it), so nothing a
+   call starts outlives it. The threat model: docs/security.md.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import msgspec
 log = logging.getLogger("tools.sandbox")
 
 SandboxMode = Literal["auto", "required", "off"]
-SANDBOX_MODES: tuple[str, ...] = ("auto", "required", "off")
 
-#: Set in a sandboxed worker's environment (by `exec_in_sandbox`): the sandbox it runs in, as JSON.
+#: Set in a sandboxed worker's environment (by `enter`, before it re-runs itself under bwrap):
+#: the sandbox it runs in, as JSON; taken out of the environment again inside.
 SANDBOX_ENV = "BUSCTL_SANDBOX"
 
 #: The uid a root worker runs as inside its user namespace (mapped to root outside, so the
