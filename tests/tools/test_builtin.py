@@ -154,6 +154,9 @@ async def test_run_shell_is_refused_unless_allowed(ws: Path) -> None:
     result = await call(run_shell, ws, command="touch pwned")
     assert result.is_error
     assert result.text.startswith("Error: Shell commands are disabled on this worker")
+    # issue 34 item 7: the refusal names the real flag and topology key
+    assert "--shell" in result.text and "shell = true" in result.text, result.text
+    assert "allow_shell" not in result.text
     assert not (ws / "pwned").exists()
 
 
