@@ -45,6 +45,11 @@ SANDBOX_ENV = "BUSCTL_SANDBOX"
 #: `run_shell` call without CAP_SETFCAP (the kernel refuses to map uid 0 without it).
 ROOT_INNER_UID = 1000
 
+#: In the user's home folder: files that run (or are trusted) at the next login or command,
+#: as sandbox-runtime protects them (its DANGEROUS_FILES).
+HOME_STARTUP_FILES = (".bashrc", ".bash_profile", ".bash_login", ".zshrc", ".zprofile",
+                      ".zshenv", ".profile", ".gitconfig", ".ssh", ".config/git")
+
 _reasons: dict[Path, str] = {}  # protected path -> why (added to by `protect`)
 
 
@@ -93,6 +98,10 @@ def _bus_roots() -> dict[Path, str]:
             roots.setdefault(where, f"the code of module `{name}`, loaded by the bus")
     for name, where in _editable_sources():
         roots.setdefault(where, f"the source of `{name}`, installed in editable mode")
+    home = Path.home()
+    for name in HOME_STARTUP_FILES:  # matter when the workspace is (or holds) the home folder
+        roots.setdefault(_resolved(home / name), "a start-up file of the user's shell, git or "
+                         "ssh (it runs, or is trusted, at their next login or command)")
     return roots
 
 

@@ -300,3 +300,21 @@ def test_an_editable_install_of_the_bus_is_read_only_for_tools() -> None:
     with pytest.raises(WorkspaceError, match="read-only for tools"):
         confine(ROOT, "agents/gateway/process.py")
     assert confine(ROOT, "agents/gateway/process.py", write=False).is_file()  # reading is fine
+
+
+def test_shell_network_and_home_start_up_files() -> None:
+    """`network = true` keeps the shell's network; a home folder as workspace keeps the user's
+    shell start-up files read-only for tools."""
+    from tools._context import confine
+    from tools._exceptions import WorkspaceError
+    from tools.sandbox import set_shell_sandbox, shell_prefix
+
+    try:
+        set_shell_sandbox("auto", network=True)
+        assert "--unshare-net" not in shell_prefix()
+        set_shell_sandbox("auto")
+        assert not shell_prefix() or "--unshare-net" in shell_prefix()
+    finally:
+        set_shell_sandbox("auto")
+    with pytest.raises(WorkspaceError, match="start-up file"):
+        confine(Path.home(), ".bashrc")
