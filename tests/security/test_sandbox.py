@@ -318,3 +318,28 @@ def test_shell_network_and_home_start_up_files() -> None:
         set_shell_sandbox("auto")
     with pytest.raises(WorkspaceError, match="start-up file"):
         confine(Path.home(), ".bashrc")
+
+
+def test_up_without_a_sandbox_says_so(tmp_path: Path) -> None:
+    """No bubblewrap (PATH), `sandbox = "auto"`: `busctl up`'s console, `ps` and `status` say
+    that the workers run without a sandbox."""
+    from tests.cli.conftest import start_up
+    from tests.support import busctl
+
+    proc, ready = start_up(tmp_path, env=NO_BWRAP)
+    try:
+        line = proc.wait_line(lambda s: s.startswith("sandbox"), 10)
+        assert "NO SANDBOX" in line and "not installed" in line and "tools-1" in line, line
+
+        def cli(*args: str) -> str:
+            done = subprocess.run(busctl(*args), capture_output=True, text=True, timeout=30,
+                                  cwd=tmp_path)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        assert any(row.startswith("tools-1") and row.split()[-1] == "none"
+                   for row in cli("ps").splitlines())
+        assert "sandbox none (bubblewrap (`bwrap`) is not installed)" in cli(
+            "status", "--hub", ready["endpoint"])
+    finally:
+        proc.stop(timeout=8)
