@@ -641,7 +641,8 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
         _require_mcp_sdk("--mcp")
     modules = list(tool_modules) or ([] if servers else ["tools.builtin"])
     settings = WorkerSettings(hub=hub, tool_modules=modules, concurrency=concurrency,
-                              workspace=workspace, name=name or f"worker-{os.getpid()}",
+                              # the pid outside the sandbox (inside, every worker is pid 1)
+                              workspace=workspace, name=name or f"worker-{jail.pid or os.getpid()}",
                               allow_shell=allow_shell, curve=curve, mcp=servers,
                               read_only=list(read_only), sandbox=jail)
     try:
