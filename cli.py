@@ -425,6 +425,7 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
         click.echo(f"  {peer['name']:<20} {peer.get('role', '') or '-':<11} pid {peer.get('pid', 0)}"
                    f"@{peer.get('host', '')}  {services}")
+    _print_sandboxes(st)
     click.echo("services:")
     for svc in st["services"]:
         click.echo(f"  {svc['name']:<28} peers {svc['peers']}  load {svc['load']}/{svc['capacity']}"
@@ -477,6 +478,18 @@ async def _subscriber_drops(peer: Any, report: dict[str, Any]) -> dict[str, Any]
         except AgentBusError as exc:
             report.setdefault("errors", []).append(f"{name}: {exc}")
     return out
+
+
+def _print_sandboxes(st: dict[str, Any]) -> None:
+    """Each tool worker's sandbox (tools/sandbox.py), from its tools' service metadata."""
+    meta = {s["name"]: s.get("meta", {}) for s in st["services"]}
+    for peer in st["peers"]:
+        if peer.get("role") != "worker":
+            continue
+        jail = next((meta.get(s["name"], {}).get("sandbox") for s in peer.get("services", [])
+                     if meta.get(s["name"], {}).get("sandbox")), None)
+        if jail:
+            click.echo(f"  {peer['name']:<20} sandbox {jail}")
 
 
 def _drop_totals(st: dict[str, Any]) -> dict[str, int]:
@@ -655,10 +668,22 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token: str, si
               help="Root the file tools are confined to (and where run_shell runs).")
 @click.option("--name", default="", help="Peer name shown in `busctl status` [default: worker-PID].")
 @click.option("--shell", "allow_shell", is_flag=True, help="Enable the run_shell tool.")
+@click.option("--read-only", "read_only", multiple=True, type=click.Path(), metavar="PATH",
+              help="A path tools may not write (repeatable; `busctl up` passes the topology file "
+                   "and the group's `read_only`). The bus's Python environment and `.git` always.")
+@click.option("--shell-network", is_flag=True,
+              help="run_shell calls keep the network (default: none; `network = true`).")
+@click.option("--sandbox", type=click.Choice(["auto", "required", "off"]), default="auto",
+              show_default=True,
+              help="Run tools in a bubblewrap sandbox: `auto` where one can be set up, "
+                   "`required` fails without one (topology key `sandbox`).")
+@click.option("--hide", multiple=True, hidden=True, type=click.Path(),
+              help="A folder the sandbox hides (`busctl up` passes its state directory).")
 def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
            mcp_commands: tuple[str, ...], mcp_urls: tuple[str, ...], mcp_headers: tuple[str, ...],
            mcp_prefix: str, mcp_json: Any, concurrency: int,
-           workspace: str, name: str, allow_shell: bool) -> None:
+           workspace: str, name: str, allow_shell: bool, read_only: tuple[str, ...],
+           shell_network: bool, sandbox: str, hide: tuple[str, ...]) -> None:
     """Attach a tool worker: serve each tool as service `tool.<name>` until SIGINT/SIGTERM.
 
     \b
@@ -669,17 +694,25 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
     """
     from bus.procsec import drop_root_powers
     from tools import ToolLoadError
+    from tools.sandbox import SandboxUnavailable, enter, set_shell_sandbox
     from tools.worker import WorkerSettings, run_worker
 
+    try:  # first: re-runs this command under bubblewrap where it can (tools/sandbox.py)
+        jail = enter(sandbox, workspace, hub, hide, read_only)  # type: ignore[arg-type]  # a click.Choice
+    except SandboxUnavailable as exc:
+        raise click.BadParameter(str(exc), param_hint="--sandbox") from None
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
+    set_shell_sandbox(sandbox, shell_network)  # type: ignore[arg-type]
     servers = (_mcp_specs(mcp_commands, mcp_prefix) + _mcp_url_specs(mcp_urls, mcp_headers, mcp_prefix)
                + _mcp_json_specs(mcp_json))
     if servers:
         _require_mcp_sdk("--mcp")
     modules = list(tool_modules) or ([] if servers else ["tools.builtin"])
     settings = WorkerSettings(hub=hub, tool_modules=modules, concurrency=concurrency,
-                              workspace=workspace, name=name or f"worker-{os.getpid()}",
-                              allow_shell=allow_shell, curve=curve, mcp=servers)
+                              # the pid outside the sandbox (inside, every worker is pid 1)
+                              workspace=workspace, name=name or f"worker-{jail.pid or os.getpid()}",
+                              allow_shell=allow_shell, curve=curve, mcp=servers,
+                              read_only=list(read_only), sandbox=jail)
     try:
         run_async(run_worker, settings)
     except ToolLoadError as exc:
@@ -810,6 +843,16 @@ def _state_dir(given: str | None, part: str) -> Path:
                                  f"directory: {exc.strerror or exc}", param_hint="--state-dir") from None
 
 
+def _read_secrets_line() -> dict[str, str]:
+    """`--secrets-on-stdin`: the first stdin line, a JSON object of variable names to values."""
+    line = sys.stdin.buffer.readline()
+    try:
+        return msgspec.json.decode(line, type=dict[str, str])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise click.BadParameter(f"the first stdin line must be a JSON object of secret "
+                                 f"variables ({exc})", param_hint="--secrets-on-stdin") from None
+
+
 def _load_topology_or_exit(path: str | None) -> Any:
     """The topology from `path`, from stdin as JSON (`-`, how `busctl up` hands it to its
     children), or the embedded default."""
@@ -832,7 +875,11 @@ def _load_topology_or_exit(path: str | None) -> Any:
               help="Topology file whose [models] to serve, or - for JSON on stdin "
                    "[default: from the environment].")
 @click.option("--name", default="", help="Peer name [default: gateway-PID].")
-def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name: str) -> None:
+@click.option("--secrets-on-stdin", is_flag=True, hidden=True,
+              help="Stdin starts with one JSON line of secret variables (API keys), then the "
+                   "topology: how `busctl up` hands keys over without an environment.")
+def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name: str,
+            secrets_on_stdin: bool) -> None:
     """Run an LLM gateway: serve `llm` requests by calling model providers over HTTP.
 
     \b
@@ -842,13 +889,16 @@ def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name
       OPENAI_BASE_URL=http://127.0.0.1:8080/v1 busctl gateway
     """
     from agents.gateway.process import GatewaySettings, run_gateway
+    from bus.procsec import make_undumpable
 
+    make_undumpable()  # before the keys are read: no same-user process reads this memory
+    secrets = _read_secrets_line() if secrets_on_stdin else {}
     topology = _load_topology_or_exit(topology_file)
     settings = GatewaySettings(hub=hub, models=topology.model_configs(),
                                default_model=topology.gateways.default_model,
                                name=name or f"gateway-{os.getpid()}", curve=curve)
     try:
-        run_async(run_gateway, settings)
+        run_async(functools.partial(run_gateway, settings, secrets=secrets))
     except KeyboardInterrupt:
         pass
 
@@ -957,10 +1007,17 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
 
     make_undumpable()  # the keys are in this process's environment: no same-user process reads it
     topology = _load_topology_or_exit(config_file)
+    from agents.launch.supervisor import SECRET_NAME_RE, scrub_environ_block
+
+    # The keys stay in this process's memory (os.environ); its environment block, which
+    # /proc/PID/environ shows, loses them: children get theirs from the supervisor's memory.
+    scrub_environ_block({n for n in os.environ if SECRET_NAME_RE.search(n)}
+                        | {m.api_key_env for m in topology.models.values() if m.api_key_env})
     if demo and model_file:
         raise click.UsageError("--demo and --model-file each choose the model; give one")
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
                         detach_ready_file=ready_file, model_file=model_file or "",
+                        topology_file=config_file or "",
                         ready_json=as_json and not detach)
     from agents.launch.topology import check_topology
     from agents.launch.up import resolve
@@ -1016,7 +1073,8 @@ def _detach(topology: Any, options: Any, as_json: bool) -> None:
     with open(state / "logs" / "up.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "cli", *argv, "--ready-file", str(ready)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                env=dict(os.environ))  # the keys: the block lost them (above)
     pid_path.write_text(f"{proc.pid}\n")
     deadline = time.monotonic() + 60
     while not ready.exists():

@@ -76,10 +76,11 @@ class Topology:
             raise RuntimeError(f"{proc.args!r} did not start: {line!r}")
         return line
 
-    def workers(self, n: int, concurrency: int) -> list[subprocess.Popen[str]]:
+    def workers(self, n: int, concurrency: int, sandbox: str = "auto") -> list[subprocess.Popen[str]]:
         started = [self._spawn([sys.executable, str(ROOT / "cli.py"), "worker", "--hub",
                                 self.endpoint, "--tools", str(Path(__file__).resolve()),
-                                "--concurrency", str(concurrency)]) for _ in range(n)]
+                                "--concurrency", str(concurrency), "--sandbox", sandbox])
+                   for _ in range(n)]
         for proc in started:
             self._ready(proc)
         return started
@@ -163,6 +164,20 @@ async def batch_wall(endpoint: str, calls: int, seconds: float) -> float:
     return wall
 
 
+def sandbox_cost(topo: Topology, n: int) -> None:
+    """Issue 27's budget: the echo round trip through a sandboxed worker (bubblewrap, where it
+    runs) <= 1.2x through an unsandboxed one, measured alternately in the same run."""
+    p50: dict[str, list[float]] = {"off": [], "auto": []}
+    for _ in range(3):
+        for mode in ("off", "auto"):
+            started = topo.workers(1, 8, sandbox=mode)
+            p50[mode].append(anyio.run(tool_round_trip, topo.endpoint, n, "echo")["exec_p50"])
+            topo.stop(started)
+    off, on = min(p50["off"]), min(p50["auto"])
+    print(f"tool `echo` round trip, sandboxed worker vs not (best p50 of 3 each): {on * 1e6:.0f} us"
+          f" vs {off * 1e6:.0f} us = {on / off:.2f}x (budget 1.2x)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, shorter runs")
@@ -181,6 +196,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as state:
         topo = Topology(state)
         try:
+            sandbox_cost(topo, n)
             first = topo.workers(1, 8)
             for name in ("echo", "echo_sync"):
                 rt = anyio.run(tool_round_trip, topo.endpoint, n, name)

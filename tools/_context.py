@@ -24,6 +24,7 @@ from bus.messages import ToolResult
 from bus.paths import inside_state_dir
 from tools._exceptions import WorkspaceError
 from tools._results import to_content
+from tools.sandbox import check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -182,19 +183,24 @@ class ToolContext:
 
     # --- workspace -----------------------------------------------------------------------
 
-    def resolve_path(self, path: str | os.PathLike[str]) -> Path:
+    def resolve_path(self, path: str | os.PathLike[str], *, write: bool = True) -> Path:
         """`path` (relative to the workspace, or absolute inside it) as a resolved Path.
 
-        Raises WorkspaceError if it resolves, through `..` or symlinks, outside the workspace.
+        Raises WorkspaceError if it resolves, through `..` or symlinks, outside the workspace;
+        with `write` (the default: a tool that only reads says so), also if it is one of the
+        protected paths (`tools.sandbox.check_writable`: the bus's Python environment, `.git`,
+        the topology file, a group's `read_only` list).
         """
-        return confine(self.workspace, path)
+        return confine(self.workspace, path, write=write)
 
 
-def confine(workspace: Path, path: str | os.PathLike[str]) -> Path:
+def confine(workspace: Path, path: str | os.PathLike[str], *, write: bool = True) -> Path:
     """Resolve `path` against `workspace` (symlinks included) and refuse escapes.
 
     Also refuses anything inside an agent-bus state directory, whatever the workspace: a model
-    that could write there could rewrite the running configuration or the event log.
+    that could write there could rewrite the running configuration or the event log. With
+    `write`, also the protected paths of `tools.sandbox` (files there run as code outside the
+    tools' reach: a `.pth` in the venv, a git hook), in every case, sandbox or not.
     """
     root = workspace.resolve()
     raw = os.fspath(path)
@@ -211,4 +217,8 @@ def confine(workspace: Path, path: str | os.PathLike[str]) -> Path:
     if state is not None:
         raise WorkspaceError(f"Path `{raw}` is inside the bus's state directory `{state}`, "
                              "which tools may not read or write")
+    if write:
+        refusal = check_writable(root, resolved, raw)
+        if refusal:
+            raise WorkspaceError(refusal)
     return resolved

@@ -46,6 +46,7 @@ from tools._runner import CANCEL_GRACE, run_tool
 from tools._schema import check_provider_schema
 from tools._tool import Tool
 from tools.mcp import McpServerSpec, serve_mcp_servers
+from tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
 
 log = logging.getLogger("tools.worker")
 
@@ -72,6 +73,10 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     shutdown_grace: float = SHUTDOWN_GRACE
     # MCP servers whose tools this worker also serves (tools/mcp.py); `--mcp` / `--mcp-url`.
     mcp: list[McpServerSpec] = msgspec.field(default_factory=list)
+    # Paths tools may not write, besides the bus's Python environment and `.git` (tools.sandbox):
+    # `--read-only`, how `busctl up` passes the topology file in use and a group's `read_only`.
+    read_only: list[str] = msgspec.field(default_factory=list)
+    sandbox: SandboxInfo | None = None  # what `busctl worker` runs in (tools.sandbox.enter)
 
 
 # --- reply codec (shared with tools.executor) ----------------------------------------------
@@ -181,8 +186,11 @@ class ToolWorker:
                 return (f"tool `{info.name}` of {owner} clashes with the live `{info.name}` of "
                         f"{clash} (different schema); give one a prefix (`--mcp-prefix` / "
                         f"`prefix`)")
+        # the worker's sandbox rides along, for `busctl status` (ToolInfo ignores the key)
+        jail = self.settings.sandbox
+        meta = {**msgspec.to_builtins(info), **({"sandbox": describe(jail)} if jail else {})}
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
-                              idempotent=idempotent, meta=msgspec.to_builtins(info))
+                              idempotent=idempotent, meta=meta)
         self.served[info.name] = (owner, info)
         return None
 
@@ -335,6 +343,10 @@ async def run_worker(
     `stop` replaces the signal handlers (for running a worker inside another program).
     """
     tools = load_worker_tools(list(settings.tool_modules), allow_none=bool(settings.mcp))
+    if not settings.allow_shell:  # a tool the worker cannot run is not offered to the model
+        tools = [t for t in tools if t.name != "run_shell"]
+    # after loading: the tool modules' own files are protected too (tools.sandbox)
+    protect(settings.read_only, READ_ONLY_WHY)
     if not Path(settings.workspace).is_dir():
         raise ToolLoadError(f"Workspace `{settings.workspace}` is not a directory")
     state = inside_state_dir(Path(settings.workspace).resolve())
@@ -342,7 +354,8 @@ async def run_worker(
         raise ToolLoadError(f"Workspace `{settings.workspace}` is inside the bus's state directory "
                             f"`{state}`; choose a folder outside it (`--workspace`)")
     name = settings.name or f"worker-{os.getpid()}"
-    settings = msgspec.structs.replace(settings, name=name)
+    jail = _sandbox_report(settings)
+    settings = msgspec.structs.replace(settings, name=name, sandbox=jail)
     worker = ToolWorker(settings, tools)
     # Listen before the ready line: a signal right after it must still mean "leave cleanly".
     with _stop_waiter(name, stop) as wait_for_stop:
@@ -352,15 +365,27 @@ async def run_worker(
             await serve_mcp_servers(settings.mcp, worker, servers)
             await peer.status()  # the MCP tools' registrations are in place too
             ready = {"ready": "worker", "name": name, "tools": list(worker.served),
-                     "pid": os.getpid(), "peer": peer.peer_id,
-                     "concurrency": settings.concurrency}
+                     # the pid outside the sandbox's PID namespace (what a parent signals)
+                     "pid": jail.pid or os.getpid(), "peer": peer.peer_id,
+                     "concurrency": settings.concurrency, "sandbox": msgspec.to_builtins(jail)}
             print(json.dumps(ready), flush=True)
-            log.info("%s serving %s on %s", name, ", ".join(worker.served), settings.hub)
+            log.info("%s serving %s on %s; sandbox: %s", name, ", ".join(worker.served),
+                     settings.hub, describe(jail))
             task_status.started(ready)
             await wait_for_stop()
             log.info("%s leaving (%d in flight)", name, worker.inflight)
             await worker.leave()
             servers.cancel_scope.cancel()  # stops the MCP servers (their calls ended in leave())
+
+
+def _sandbox_report(settings: WorkerSettings) -> SandboxInfo:
+    """The worker's sandbox, with how its shell calls are contained (probed now, not at the
+    first call)."""
+    jail = settings.sandbox or SandboxInfo(kind="none", reason="not started by `busctl worker`")
+    if not settings.allow_shell:
+        return jail
+    return msgspec.structs.replace(jail, shell="bwrap" if shell_prefix() else "process-group",
+                                   shell_network=shell_network())
 
 
 @contextlib.contextmanager

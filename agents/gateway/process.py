@@ -38,6 +38,7 @@ import os
 import signal
 import sys
 from collections import deque
+from collections.abc import Mapping
 from typing import NoReturn
 
 import anyio
@@ -280,26 +281,32 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
-def build_engine(settings: GatewaySettings, models: list[ModelConfig] | None = None) -> LlmEngine:
-    models = models if models is not None else settings.models or models_from_env(os.environ)
-    return LlmEngine(models, default=settings.default_model or None)
+def build_engine(settings: GatewaySettings, models: list[ModelConfig] | None = None,
+                 env: Mapping[str, str] | None = None) -> LlmEngine:
+    """`env`: where the keys are looked up (default: this process's environment)."""
+    env = os.environ if env is None else env
+    models = models if models is not None else settings.models or models_from_env(env)
+    return LlmEngine(models, default=settings.default_model or None, env=env)
 
 
-async def run_gateway(settings: GatewaySettings,
-                      *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+async def run_gateway(settings: GatewaySettings, *, secrets: Mapping[str, str] | None = None,
+                      task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGINT/SIGTERM; print one JSON ready line once `llm` is registered.
 
+    `secrets`: variables (API keys) handed over on stdin by `busctl up`, looked up before the
+    environment; they never enter this process's environment block (`/proc/PID/environ`).
     `provider = "llamacpp"` models are served by llama.cpp inside this process, started before
     the ready line and stopped after the last request (see `agents.gateway.providers.llamacpp`)."""
-    make_undumpable()  # first: the keys are in this process's environment already
+    make_undumpable()  # first: keys given in the environment (`busctl gateway`) are there already
     tune_gc()
+    env: Mapping[str, str] = {**os.environ, **secrets} if secrets else os.environ
     try:
-        models = settings.models or models_from_env(os.environ)
+        models = settings.models or models_from_env(env)
     except ModelSetupError as exc:
         _exit_setup_error(exc)
     try:
         async with hosted_models(models) as served:
-            await _run_engine(settings, build_engine(settings, served), task_status)
+            await _run_engine(settings, build_engine(settings, served, env), task_status)
     except LocalModelError as exc:
         _exit_setup_error(exc)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,6 +52,45 @@ _SAFE_ENV_NAMES = frozenset({
 })
 
 
+#: Names that look like secrets (as run_shell's scrub): a child that needs them (the gateway)
+#: gets them on stdin, never in its environment (`ChildSpec.secrets_on_stdin`).
+SECRET_NAME_RE = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+
+def split_secrets(env: dict[str, str], names: list[str] | tuple[str, ...] = ()
+                  ) -> tuple[dict[str, str], dict[str, str]]:
+    """(`env` without its secrets, the secrets): names matching SECRET_NAME_RE, plus `names`
+    (each model's `api_key_env`, whatever it is called)."""
+    secret = {k: v for k, v in env.items() if SECRET_NAME_RE.search(k) or k in names}
+    return {k: v for k, v in env.items() if k not in secret}, secret
+
+
+def scrub_environ_block(names: set[str]) -> int:
+    """Blank the values of `names` in this process's original environment block, the memory
+    `/proc/self/environ` shows (changing `os.environ` does not touch it). Python's copy in
+    `os.environ` stays: the process keeps the keys in memory, made undumpable by its caller.
+    Returns how many values were blanked (0 where /proc is missing: other systems)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        start, end = int(fields[-3]), int(fields[-2])  # env_start, env_end (proc(5))
+        with open("/proc/self/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            block = mem.read(end - start)
+            done = 0
+            offset = 0
+            for entry in block.split(b"\0"):
+                name, eq, value = entry.partition(b"=")
+                if eq and value and name.decode(errors="replace") in names:
+                    mem.seek(start + offset + len(name) + 1)
+                    mem.write(b"\0" * len(value))
+                    done += 1
+                offset += len(entry) + 1
+            return done
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def minimal_environ(pass_names: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
     """The safe part of this process's environment, plus the variables named in `pass_names`."""
     return {name: value for name, value in os.environ.items()
@@ -66,6 +106,10 @@ class ChildSpec:
     restart: bool = True
     role: str = ""  # what the child is (hub, gateway, worker…): decides the stop order
     inherit_env: bool = False  # the whole environment (the gateway: it holds the keys)
+    # With inherit_env: the secrets of that environment (`split_secrets`, plus these names) go
+    # on stdin as one JSON line before `stdin_data`, not into the child's environment block.
+    secrets_on_stdin: bool = False
+    secret_names: list[str] = field(default_factory=list)
     pass_env: list[str] = field(default_factory=list)  # else: minimal + these names
     # Written to the child's stdin at every (re)start, then closed: configuration handed over
     # from the supervisor's memory, never re-read from a file something else could rewrite.
@@ -252,12 +296,16 @@ class Supervisor:
     async def _run_once(self, child: Child) -> int | None:
         spec = child.spec
         base = dict(os.environ) if spec.inherit_env else minimal_environ(spec.pass_env)
+        stdin_data = spec.stdin_data
+        if spec.secrets_on_stdin:
+            base, secrets = split_secrets(base, spec.secret_names)
+            stdin_data = json.dumps(secrets).encode() + b"\n" + stdin_data
         env = {**base, "PYTHONUNBUFFERED": "1", **spec.env}
         log = self.log_path(spec.name).open("a", buffering=1)
-        guarded = [sys.executable, "-m", "bus.procsec", str(os.getpid()), *spec.argv]
+        guarded = [sys.executable, "-P", "-m", "bus.procsec", str(os.getpid()), *spec.argv]
         try:
             process = await anyio.open_process(
-                guarded, stdin=subprocess.PIPE if spec.stdin_data else subprocess.DEVNULL,
+                guarded, stdin=subprocess.PIPE if stdin_data else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as exc:
             log.write(f"failed to start: {exc}\n")
@@ -269,7 +317,7 @@ class Supervisor:
         try:
             async with process, anyio.create_task_group() as tg:
                 if process.stdin is not None:
-                    tg.start_soon(_hand_over, process.stdin, spec.stdin_data)
+                    tg.start_soon(_hand_over, process.stdin, stdin_data)
                 assert process.stdout is not None
                 await self._pump(child, process.stdout, log)
             return await process.wait()  # already waited for by leaving `process`: the code
@@ -373,8 +421,19 @@ class Supervisor:
             rows.append({"name": name, "role": child.spec.role, "pid": child.pid or 0,
                          "state": state,
                          "uptime": round(now - child.started_at, 1) if child.alive else 0.0,
-                         "restarts": child.restarts, "last_exit": signal_name(child.last_exit)})
+                         "restarts": child.restarts, "last_exit": signal_name(child.last_exit),
+                         "sandbox": _sandbox_cell(child)})
         return rows
+
+
+def _sandbox_cell(child: Child) -> str:
+    """A worker's sandbox for `busctl ps`: `bwrap` (+ `shell:bwrap net:off`), `none`; `-`."""
+    info = (child.ready or {}).get("sandbox") if child.spec.role == "worker" else None
+    if not isinstance(info, dict):
+        return "-"
+    shell = f" shell:{info['shell']} net:{'on' if info.get('shell_network') else 'off'}" \
+        if info.get("shell") else ""
+    return f"{info.get('kind', '?')}{shell}"
 
 
 async def _terminate(child: Child) -> None:
@@ -472,5 +531,8 @@ class LogTail:
 
 
 def python_argv(*args: str) -> list[str]:
-    """Run `busctl` children with this interpreter, whether or not the script is on PATH."""
-    return [sys.executable, "-m", "cli", *args]
+    """Run `busctl` children with this interpreter, whether or not the script is on PATH.
+
+    `-P`: the current directory (often the workspace, which tools write) is not put on the
+    children's sys.path, so a file a tool wrote there cannot shadow a module the bus imports."""
+    return [sys.executable, "-P", "-m", "cli", *args]

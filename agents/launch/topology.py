@@ -60,6 +60,13 @@ class WorkerGroup(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
     # env, cwd, prefix, allow, deny); handed to each worker on stdin, so `env` secrets stay
     # out of argv and logs.
     mcp: list[McpServerSpec] = msgspec.field(default_factory=list)
+    # Paths in the workspace the tools may not write (besides the bus's own Python environment,
+    # `.git` and the topology file in use, always read-only; see tools/sandbox.py).
+    read_only: list[str] = msgspec.field(default_factory=list)
+    network: bool = False  # whether run_shell calls have the network
+    # The bubblewrap sandbox of the group's tools (tools/sandbox.py): "auto" where bwrap works,
+    # "required" (`busctl up` fails without it), "off".
+    sandbox: Literal["auto", "required", "off"] = "auto"
 
 
 class TopicSubscription(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -362,7 +369,12 @@ tools = ["tools.builtin"]           # dotted modules or .py files with @tool fun
 count = 1
 concurrency = 8
 workspace = "."
-shell = false                       # the run_shell tool is refused unless true
+shell = false                       # run_shell is offered only when true
+network = false                     # run_shell calls get no network unless true
+sandbox = "auto"                    # tools run under bubblewrap where it works; "required": `up`
+                                    # fails without it; "off" (docs/security.md)
+# read_only = ["secrets/"]          # more paths tools may not write (the venv, .git and this
+                                    # file are always read-only for tools)
 pass_env = []                       # variables the tools need (workers get no provider keys)
 
 [[agents]]

@@ -43,6 +43,7 @@ from bus import events as ev
 from bus.client import Peer, connect
 from bus.paths import ensure_state_dir, state_home
 from bus.security import CurveClient
+from tools.sandbox import SandboxInfo, describe, required_problem
 
 log = logging.getLogger("agents.launch.up")
 
@@ -59,6 +60,7 @@ class UpOptions(msgspec.Struct):
     detach_ready_file: str = ""  # where a detached `up` reports readiness [default: up.ready]
     ready_json: bool = False  # `up --json`: the ready line on stdout too, for a script to read
     model_file: str = ""  # a GGUF file: the default model, served by the gateway (llama.cpp)
+    topology_file: str = ""  # the `-c` file: read-only for the tools (a model must not rewrite it)
 
 
 LOCAL_MODEL = "local"  # the alias `--model-file` gives its model
@@ -74,6 +76,9 @@ def resolve(topology: Topology, options: UpOptions) -> Topology:
         topo.workers[0].tools = [*topo.workers[0].tools, *options.extra_tools]
     if options.workers is not None and topo.workers:
         topo.workers[0].count = options.workers
+    for group in topo.workers:  # absolute: the worker resolves nothing against its own cwd
+        group.read_only = [str(Path(p).expanduser().resolve()) for p in
+                           [*group.read_only, *([options.topology_file] * bool(options.topology_file))]]
     if options.model_file:
         # Added, not replacing: agents that name another `[models.x]` keep it.
         topo.models[LOCAL_MODEL] = ModelConfig(
@@ -142,12 +147,16 @@ def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     config = msgspec.json.encode(topo)
     specs: list[ChildSpec] = []
     for i in range(topo.gateways.count):
+        # keys on stdin (a JSON line before the topology), never in its environment block
         specs.append(ChildSpec(f"gateway-{i + 1}", python_argv(
-            "gateway", "--hub", endpoint, "--topology", "-", "--name", f"gateway-{i + 1}"),
-            role="gateway", inherit_env=True, stdin_data=config,
+            "gateway", "--hub", endpoint, "--secrets-on-stdin", "--topology", "-",
+            "--name", f"gateway-{i + 1}"),
+            role="gateway", inherit_env=True, stdin_data=config, secrets_on_stdin=True,
+            secret_names=[m.api_key_env for m in topo.models.values() if m.api_key_env],
             ready_timeout=_gateway_ready_timeout(topo)))
+    hide = str(state_dir(topo))
     for group in topo.workers:
-        specs += [worker_spec(group, i + 1, endpoint) for i in range(group.count)]
+        specs += [worker_spec(group, i + 1, endpoint, hide) for i in range(group.count)]
     count = topo.coordinators
     for i in range(count):
         mine = [a.name for a in topo.agents[i::count]] if count else []
@@ -168,7 +177,8 @@ def _gateway_ready_timeout(topo: Topology) -> float:
     return LOCAL_MODEL_READY_TIMEOUT if hosts_a_model else ChildSpec.ready_timeout
 
 
-def worker_spec(group: WorkerGroup, index: int, endpoint: str) -> ChildSpec:
+def worker_spec(group: WorkerGroup, index: int, endpoint: str, hide: str = "") -> ChildSpec:
+    """A worker of `group`; `hide`: the state directory, which its sandbox hides."""
     name = f"{group.name}-{index}"
     argv = python_argv("worker", "--hub", endpoint, "--concurrency", str(group.concurrency),
                        "--workspace", group.workspace, "--name", name)
@@ -176,6 +186,11 @@ def worker_spec(group: WorkerGroup, index: int, endpoint: str) -> ChildSpec:
         argv += ["--tools", module]
     if group.shell:
         argv.append("--shell")
+    for path in group.read_only:
+        argv += ["--read-only", path]
+    if group.network:
+        argv.append("--shell-network")
+    argv += ["--sandbox", group.sandbox, *(["--hide", hide] if hide else [])]
     if not group.mcp:
         return ChildSpec(name, argv, role="worker", pass_env=group.pass_env)
     # on stdin, not argv: an MCP server's `env` may hold secrets that `ps` would show
@@ -211,12 +226,26 @@ def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
     lines.append(f"processes  {procs}")
     lines.append(f"agents     {', '.join(a.name for a in topo.agents)}")
     lines.append(f"tools      {', '.join(tools) or '(none)'}")
+    lines += sandbox_lines(sup)
     lines.append(f"state      {state}  (logs in {state / 'logs'})")
     ui = sup.children.get("ui")
     if ui is not None and ui.ready and ui.spec.role == "process":
         lines.append(f"ui         {ui.ready.get('url', '?')}")
     lines.append("try        busctl run \"hello\"   ·   busctl watch   ·   busctl status")
     return lines
+
+
+def sandbox_lines(sup: Supervisor) -> list[str]:
+    """What each worker runs in (tools/sandbox.py); workers alike share a line. Without a
+    sandbox the line says so plainly: the file tools' path filter is then the only guard."""
+    kinds: dict[str, list[str]] = {}
+    for name, child in sup.children.items():
+        if child.spec.role == "worker" and child.ready:
+            info = msgspec.convert(child.ready.get("sandbox") or {"kind": "none", "reason": "?"},
+                                   SandboxInfo)
+            kinds.setdefault(describe(info), []).append(name)
+    return [f"sandbox    {'NO SANDBOX: ' if text.startswith('none') else ''}{text}  "
+            f"({', '.join(names)})" for text, names in kinds.items()]
 
 
 async def _live_tools(peer: Peer) -> list[str]:
@@ -314,6 +343,13 @@ def preflight(topo: Topology) -> str:
     """Why this topology cannot start here (empty when it can), checked before any file is
     touched: one topology per state directory, and a free hub address."""
     state = state_dir(topo)
+    for i, group in enumerate(topo.workers):
+        if group.sandbox == "required" and group.count:
+            why = required_problem(Path(group.workspace), topo.hub.endpoint)
+            if why:
+                return (f"workers[{i}].sandbox: \"required\", but no sandbox can be set up here "
+                        f"({why}); install bubblewrap (package `bubblewrap`) and allow user "
+                        f"namespaces, or set sandbox = \"auto\" to run without one")
     other = running_here(state)
     if other is not None:
         return (f"a topology is already up from this directory (supervisor pid {other.pid}, hub "
@@ -506,7 +542,8 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
         await sup.remove(extra)
     used = {int(n.rpartition("-")[2]) for n in mine[:count]}
     free = (i for i in range(1, 10_000) if i not in used)
-    specs = [_with_curve(worker_spec(group, next(free), topo.hub.endpoint), topo)
+    specs = [_with_curve(worker_spec(group, next(free), topo.hub.endpoint, str(state_dir(topo))),
+                         topo)
              for _ in range(count - len(mine))]
     await _start_all(sup, specs)
     group.count = count

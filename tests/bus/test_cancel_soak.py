@@ -57,6 +57,7 @@ def soak_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
         endpoint = hub.wait_ready()["endpoint"]
         worker_args = busctl("worker", "--hub", endpoint, "--tools", "tools.builtin",
                              "--tools", "tests.bus.cancel_tools", "--shell",
+                             "--sandbox", "off",  # follows the shells by host pid (see below)
                              "--workspace", str(tmp / "ws"), "--concurrency", str(CONCURRENCY))
         with running(worker_args) as worker:
             worker.wait_ready(20)

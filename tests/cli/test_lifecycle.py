@@ -169,7 +169,7 @@ def test_logs_restart_scale_and_ps(tmp_path: Path) -> None:
 
         table = cli("ps", cwd=tmp_path).stdout.splitlines()
         assert table[0].split() == ["NAME", "ROLE", "PID", "STATE", "UPTIME", "RESTARTS", "LAST",
-                                    "EXIT"]
+                                    "EXIT", "SANDBOX"]
         row = next(line.split() for line in table if line.startswith("tools-1 "))
         assert row[5] == "1", table  # one restart, asked for
 

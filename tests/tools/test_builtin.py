@@ -26,8 +26,18 @@ from tools.builtin import (
     search_files,
     write_file,
 )
+from tools.sandbox import set_shell_sandbox
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def process_group_shell() -> Iterator[None]:
+    """These tests follow a shell's children by the pids it prints: outside a PID namespace.
+    run_shell's own namespace (bubblewrap) is tested in tests/security/test_sandbox.py."""
+    set_shell_sandbox("off")
+    yield
+    set_shell_sandbox("auto")
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
 
@@ -147,6 +157,9 @@ async def test_run_shell_is_refused_unless_allowed(ws: Path) -> None:
     result = await call(run_shell, ws, command="touch pwned")
     assert result.is_error
     assert result.text.startswith("Error: Shell commands are disabled on this worker")
+    # issue 34 item 7: the refusal names the real flag and topology key
+    assert "--shell" in result.text and "shell = true" in result.text, result.text
+    assert "allow_shell" not in result.text
     assert not (ws / "pwned").exists()
 
 

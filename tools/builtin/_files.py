@@ -1,7 +1,8 @@
 """File tools confined to the worker's workspace: read_file, write_file, list_dir, search_files.
 
 Every path goes through `ToolContext.resolve_path`, which resolves `..` and symlinks and refuses
-anything outside the workspace.
+anything outside the workspace; writes (write_file) also refuse the protected paths of
+`tools.sandbox` (the bus's Python environment, `.git`, the topology file in use).
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def _searchable_files(
         if stop():
             return
         try:
-            yield _rel(ctx, file), ctx.resolve_path(file)
+            yield _rel(ctx, file), ctx.resolve_path(file, write=False)
         except WorkspaceError:
             continue
 
@@ -345,7 +346,8 @@ def _search_report(pattern: str, found: list[str], timed_out: bool, re2_refusal:
 
 
 def _existing(ctx: ToolContext, path: str) -> Path:
-    target = ctx.resolve_path(path)
+    """An existing path to read (reading the protected paths is fine: writing them is not)."""
+    target = ctx.resolve_path(path, write=False)
     if not target.exists():
         raise ToolError(f"`{path}` does not exist in the workspace")
     return target

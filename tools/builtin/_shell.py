@@ -1,9 +1,12 @@
 """run_shell: a shell command in the workspace, only where the worker enabled shell access.
 
-The command runs as `/bin/sh -c` in its own session (so its own process group), with stdin closed
-and stderr merged into stdout. When the shell exits, times out or the call is cancelled, the whole
-process group gets SIGKILL, so background children do not outlive the call. Environment variables
-whose names look like secrets are not passed on.
+The command runs as `/bin/sh -c` with stdin closed and stderr merged into stdout, in a nested
+bubblewrap sandbox of its own where one can be set up (`tools.sandbox.shell_prefix`): a new PID
+namespace, so when the shell exits, times out or the call is cancelled everything it started dies
+with it (`setsid`, double fork and `nohup` included), and no network unless the worker group sets
+`network = true`. Without bwrap, the shell runs in its own session and its process group gets
+SIGKILL (a `setsid` child escapes that). Environment variables whose names look like secrets are
+not passed on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from bus.messages import TextPart, ToolResult
 from tools._context import ToolContext
 from tools._exceptions import ToolError
 from tools._tool import tool
+from tools.sandbox import shell_prefix
 
 MAX_OUTPUT_BYTES = 100 * 1024
 #: After the shell exits and its group is killed, how long to wait for the pipe to drain.
@@ -75,7 +79,7 @@ async def run_shell(
     if not ctx.allow_shell:
         raise ToolError(
             "Shell commands are disabled on this worker: `run_shell` needs a worker started "
-            "with shell access enabled (allow_shell)"
+            "with `busctl worker --shell` (`shell = true` in the topology's [[workers]] group)"
         )
     output = _Output(MAX_OUTPUT_BYTES)
     # Shielded: the shell runs (and may start children) before `open_process` returns; a
@@ -83,7 +87,7 @@ async def run_shell(
     # children running. Delivered at the next checkpoint instead, the `finally` kills the group.
     with anyio.CancelScope(shield=True):
         process = await anyio.open_process(
-            ["/bin/sh", "-c", command],
+            [*shell_prefix(), *_chdir(ctx), "/bin/sh", "-c", command],
             cwd=ctx.workspace,
             env=_scrubbed_env(),
             stdin=subprocess.DEVNULL,
@@ -147,6 +151,11 @@ def _result(output: _Output, code: int | None, timed_out: bool, timeout: float) 
         is_error=timed_out or code != 0,
         details={"exit_code": code, "timed_out": timed_out, "truncated": output.dropped > 0},
     )
+
+
+def _chdir(ctx: ToolContext) -> list[str]:
+    """bwrap's own `--chdir` (it would otherwise keep the cwd only if it exists inside)."""
+    return ["--chdir", str(ctx.workspace)] if shell_prefix() else []
 
 
 def _scrubbed_env() -> dict[str, str]:

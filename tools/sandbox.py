@@ -1,0 +1,397 @@
+"""What tools may never write, and the OS sandbox (bubblewrap) that enforces it.
+
+Two layers, so that the first holds where the second cannot be set up:
+
+1. `check_writable()` (called by `confine()` for every path a tool writes): refuses the paths
+   whose content runs as code outside the tools' control — the Python environment that runs the
+   bus (every `sys.path` entry, `sys.prefix`, the directories of the modules this process loaded,
+   every editable install's sources), any `.git` directory (hooks run at the user's next
+   commit), the topology file in use and a worker group's `read_only` list. A `.pth` file
+   written into the venv's site-packages would otherwise run in the next gateway, with its keys.
+2. `enter()` (`worker_prefix()`): the worker process itself runs under bubblewrap — the root
+   file system read-only, the workspace and /tmp writable with the protected paths bound
+   read-only over them, the state directories hidden, its own PID namespace (it sees no other
+   process's /proc/PID/environ) and user namespace, no capabilities. MCP servers and `run_shell` are its
+   children, so they inherit it; each `run_shell` call gets a nested sandbox of its own
+   (`shell_prefix()`: new PID namespace, no network unless the group allows it), so nothing a
+   call starts outlives it. The threat model: docs/security.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+log = logging.getLogger("tools.sandbox")
+
+SandboxMode = Literal["auto", "required", "off"]
+
+#: Set in a sandboxed worker's environment (by `enter`, before it re-runs itself under bwrap):
+#: the sandbox it runs in, as JSON; taken out of the environment again inside.
+SANDBOX_ENV = "BUSCTL_SANDBOX"
+
+#: The uid a root worker runs as inside its user namespace (mapped to root outside, so the
+#: workspace stays writable): a non-zero uid is what lets it make a nested namespace for each
+#: `run_shell` call without CAP_SETFCAP (the kernel refuses to map uid 0 without it).
+ROOT_INNER_UID = 1000
+
+#: In the user's home folder: files that run (or are trusted) at the next login or command,
+#: as sandbox-runtime protects them (its DANGEROUS_FILES).
+HOME_STARTUP_FILES = (".bashrc", ".bash_profile", ".bash_login", ".zshrc", ".zprofile",
+                      ".zshenv", ".profile", ".gitconfig", ".ssh", ".config/git")
+
+_reasons: dict[Path, str] = {}  # protected path -> why (added to by `protect`)
+
+
+class SandboxInfo(msgspec.Struct, omit_defaults=True):
+    """What a worker reports of its sandbox (ready line, registration meta, `busctl ps`)."""
+
+    kind: str  # "bwrap" or "none"
+    writable: list[str] = msgspec.field(default_factory=list)
+    network: bool = True  # whether the worker (not its shell calls) has the network
+    shell: str = ""  # how run_shell calls are contained: "bwrap" (own PID ns) or "process-group"
+    shell_network: bool = False
+    reason: str = ""  # kind "none": why
+    pid: int = 0  # the sandbox's own pid outside it (what a parent sees and signals)
+
+
+# --- layer 1: the path filter ---------------------------------------------------------------
+
+
+def protect(paths: Iterable[str | os.PathLike[str]], why: str) -> None:
+    """Add paths tools may not write (the topology file in use, a group's `read_only` list)."""
+    for path in paths:
+        _reasons.setdefault(_resolved(path), why)
+    _bus_roots.cache_clear()
+
+
+def protected_paths() -> dict[Path, str]:
+    """Every protected path (resolved) and why it is protected."""
+    return {**_bus_roots(), **_reasons}
+
+
+@functools.lru_cache(maxsize=1)
+def _bus_roots() -> dict[Path, str]:
+    """The Python environment of this process: what a later bus process would run.
+
+    Computed once (the modules a worker loads come before its first call); `protect` renews it.
+    """
+    env = ("part of the Python environment that runs the bus (a file written there runs as code "
+           "in the next bus process)")
+    roots: dict[Path, str] = {}
+    for entry in (sys.prefix, sys.exec_prefix, *sys.path):
+        if entry and os.path.isdir(entry):
+            roots.setdefault(_resolved(entry), env)
+    for name, module in list(sys.modules.items()):
+        where = _module_root(name, module)
+        if where is not None:
+            roots.setdefault(where, f"the code of module `{name}`, loaded by the bus")
+    for name, where in _editable_sources():
+        roots.setdefault(where, f"the source of `{name}`, installed in editable mode")
+    home = Path.home()
+    for name in HOME_STARTUP_FILES:  # matter when the workspace is (or holds) the home folder
+        roots.setdefault(_resolved(home / name), "a start-up file of the user's shell, git or "
+                         "ssh (it runs, or is trusted, at their next login or command)")
+    return roots
+
+
+def _editable_sources() -> list[tuple[str, Path]]:
+    """The top-level packages of every editable install in this environment (agent-bus's own
+    when developed in place): the gateway imports them at its next start, loaded here or not."""
+    import importlib.metadata
+    import importlib.util
+
+    found: list[tuple[str, Path]] = []
+    for dist in importlib.metadata.distributions():
+        url = dist.read_text("direct_url.json") or ""
+        if '"editable": true' not in url.replace("'", '"'):
+            continue
+        for name in (dist.read_text("top_level.txt") or "").split():
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                continue
+            if spec is None:
+                continue
+            places = list(spec.submodule_search_locations or []) or \
+                ([spec.origin] if spec.origin else [])
+            found += [(name, _resolved(p)) for p in places if os.path.exists(p)]
+    return found
+
+
+def _module_root(name: str, module: object) -> Path | None:
+    """A top-level package's directory, or a top-level module's file (an editable install's
+    sources are found this way: they are not on sys.path when a finder maps them)."""
+    if "." in name:
+        return None
+    file = getattr(module, "__file__", None)
+    if not isinstance(file, str) or not file:
+        return None
+    path = Path(file)
+    return _resolved(path.parent if getattr(module, "__path__", None) else path)
+
+
+def _resolved(path: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path)))).resolve()
+
+
+def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
+    """Why a tool may not write `resolved` ("" when it may). `workspace` is resolved.
+
+    Protected paths that contain the workspace do not count: a project whose own folder is on
+    sys.path (`python -m` from it) would otherwise have no writable file at all.
+    """
+    inner = resolved.relative_to(workspace) if resolved.is_relative_to(workspace) else resolved
+    if ".git" in inner.parts:
+        return (f"Path `{raw}` is inside a `.git` directory, which tools may not write (its hooks "
+                "run at the user's next git command); write elsewhere in the workspace")
+    for root, why in protected_paths().items():
+        if workspace.is_relative_to(root):
+            continue
+        if resolved == root or resolved.is_relative_to(root):
+            return (f"Path `{raw}` is read-only for tools: `{root}` is {why}; write elsewhere in "
+                    "the workspace")
+    return ""
+
+
+def _git_paths(root: Path) -> set[Path]:
+    """`root/.git`, and where it is a pointer file (a worktree, a submodule), the repository it
+    points to (as Codex does): hooks live there."""
+    git = root / ".git"
+    if git.is_dir():
+        return {git}
+    if not git.is_file():
+        return set()
+    try:
+        line = git.read_text(errors="replace").strip()
+    except OSError:
+        return {git}
+    target = Path(line.removeprefix("gitdir:").strip()) if line.startswith("gitdir:") else None
+    if target is None:
+        return {git}
+    target = (root / target).resolve()
+    common = target.parent.parent if target.parent.name == "worktrees" else target
+    return {git, target, common} if target.exists() else {git}
+
+
+def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
+    """The protected paths that exist inside the writable `roots` (what the sandbox binds
+    read-only again), each root's `.git` included; as in `check_writable`, not those that
+    contain the workspace."""
+    found = {path for path in protected_paths() if path.exists()
+             and not workspace.is_relative_to(path)
+             and any(path != root and path.is_relative_to(root) for root in roots)}
+    for root in roots:
+        found |= _git_paths(root)
+    found = {p for p in found if any(p.is_relative_to(root) for root in roots)}
+    # an inner path under an outer one is covered by it
+    return sorted(p for p in found if not any(p != q and p.is_relative_to(q) for q in found))
+
+
+# --- run_shell: one nested sandbox per call ---------------------------------------------------
+
+_shell = {"mode": "auto", "network": False}
+
+
+def set_shell_sandbox(mode: SandboxMode, network: bool = False) -> None:
+    """The worker's `--sandbox` mode for its `run_shell` calls ("off": process group only), and
+    whether they have the network (`network = true` in the group, `--shell-network`)."""
+    _shell.update(mode=mode, network=network)
+    shell_prefix.cache_clear()
+
+
+def shell_network() -> bool:
+    return bool(_shell["network"])
+
+
+@functools.lru_cache(maxsize=1)
+def shell_prefix() -> tuple[str, ...]:
+    """The bubblewrap command line a `run_shell` call runs under, or () where none can be set up
+    (probed once per process).
+
+    The call's shell is the first process of a new PID namespace: when it exits, bwrap's init
+    exits and the kernel kills everything left in the namespace (`setsid`, double fork, `nohup`
+    included); `--die-with-parent` does the same if the worker dies. `--dev-bind / /` keeps the
+    worker's own view (read-only binds stay read-only: they are locked in the nested namespace),
+    `--new-session` keeps the shell off the worker's terminal, `--unshare-net` takes the network
+    unless the group allows it. A fresh /proc shows the call's own processes only; where the
+    kernel refuses one (a worker mapped to root, whose /proc has read-only covers), the worker's
+    /proc is kept: it shows the worker's own namespace, no other bus process.
+    """
+    bwrap = shutil.which("bwrap")
+    if _shell["mode"] == "off" or bwrap is None:
+        return ()
+    net = () if _shell["network"] else ("--unshare-net",)
+    for proc in (("--proc", "/proc"), ()):
+        prefix = (bwrap, "--dev-bind", "/", "/", *proc, "--unshare-pid", *net, "--die-with-parent",
+                  "--new-session", "--cap-drop", "ALL")
+        try:
+            probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10,
+                                   stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("bwrap cannot run (%s): run_shell calls share the worker's namespaces", exc)
+            return ()
+        if probe.returncode == 0:
+            return prefix
+        why = probe.stderr.decode(errors="replace").strip()
+    log.warning("bwrap refused to start (%s): run_shell calls share the worker's namespaces", why)
+    return ()
+
+
+# --- the worker process: one sandbox for all its tools ----------------------------------------
+
+
+class SandboxUnavailable(RuntimeError):
+    """`sandbox = "required"` where no sandbox can be set up."""
+
+
+READ_ONLY_WHY = ("listed as read-only for tools (the topology file in use, or the worker group's "
+                 "`read_only`)")
+
+
+def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
+          read_only: Iterable[str] = ()) -> SandboxInfo:
+    """First thing a `busctl worker` does: become the same command under bubblewrap (this
+    does not return), or return why it runs without one (`mode` "off", or "auto" where bwrap is
+    missing or fails its probe). Inside the sandbox, returns what the sandbox is.
+
+    Raises SandboxUnavailable for "required" when no sandbox can be set up.
+    """
+    protect(read_only, READ_ONLY_WHY)
+    inside = os.environ.pop(SANDBOX_ENV, "")
+    if inside:
+        _leave_with_bwrap()
+        return msgspec.json.decode(inside, type=SandboxInfo)
+    if mode == "off":
+        return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
+    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide])
+    why = _probe(prefix)
+    if why:
+        if mode == "required":
+            raise SandboxUnavailable(
+                f"no sandbox can be set up here ({why}), and the worker group sets "
+                '`sandbox = "required"` (`--sandbox required`); install bubblewrap (package '
+                '`bubblewrap`), allow user namespaces, or set `sandbox = "auto"` to run without')
+        return SandboxInfo(kind="none", reason=why)
+    info.pid = os.getpid()  # exec keeps it: bwrap's
+    os.environ[SANDBOX_ENV] = msgspec.json.encode(info).decode()
+    os.execv(prefix[0], [*prefix, sys.executable, *sys.orig_argv[1:]])
+    raise AssertionError("unreachable")  # pragma: no cover - execv does not return
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _leave_with_bwrap() -> None:
+    """Inside: stop cleanly when the bwrap process outside is told to stop.
+
+    The worker is the first process of its PID namespace (`--as-pid-1`), and bwrap's own process
+    outside is its parent. A SIGTERM (or Ctrl-C) to that process alone kills it at once (bwrap
+    forwards nothing); `--die-with-parent` would then SIGKILL the worker. We replace that death
+    signal with SIGTERM, which the worker handles like one sent to itself (unregister, finish
+    calls, leave). A first process gets only the signals it has a handler for: SIGTERM gets
+    Python's usual meaning (exit) until the worker's own handler takes over."""
+    import ctypes
+    import ctypes.util
+
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError) as exc:  # then bwrap's SIGKILL stays: abrupt, not unsafe
+        log.debug("cannot set the parent-death signal: %s", exc)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str], SandboxInfo]:
+    """The bwrap command line for a worker, and what it gives (after sandbox-runtime and Codex:
+    read-only root, writable roots bound over it, protected paths bound read-only inside them)."""
+    bwrap = shutil.which("bwrap") or "bwrap"
+    ws = workspace.resolve()
+    # /tmp stays the machine's (a tool file or an MCP server's folder may be there): writable,
+    # like the workspace, with the same protected paths read-only inside both
+    writable = [ws, *[Path(t).resolve() for t in ("/tmp",) if os.path.isdir(t)]]
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+    for root in writable:  # one inside the other: the outer bind covers both
+        if not any(root != other and root.is_relative_to(other) for other in writable):
+            args += ["--bind", str(root), str(root)]
+    for secret in _state_dirs(hide):  # hidden: the event log, conversations, run files
+        if not ws.is_relative_to(secret):
+            args += ["--tmpfs", str(secret)]
+    for path in protected_inside(writable, ws):
+        args += ["--ro-bind", str(path), str(path)]
+    for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
+        # read-only is enough to connect (sockets are exempt), and nothing can be put there
+        args += ["--ro-bind", str(path), str(path)]
+    # --as-pid-1: the worker is the namespace's first process (see `_leave_with_bwrap`)
+    args += ["--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
+             "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]
+    if os.geteuid() == 0:
+        args += ["--uid", str(ROOT_INNER_UID), "--gid", str(ROOT_INNER_UID)]
+    return [*args, "--"], SandboxInfo(kind="bwrap", writable=[str(p) for p in writable])
+
+
+def _state_dirs(hide: list[Path]) -> list[Path]:
+    from bus.paths import state_home
+
+    return [p for p in {state_home().resolve(), *(h.resolve() for h in hide)} if p.is_dir()]
+
+
+def _ipc_paths(address: str) -> list[Path]:
+    """What of an `ipc://PATH` hub address the worker needs: the socket's folder (a restarted
+    hub makes a new socket file there), or the socket alone when the folder is a state folder."""
+    if not address.startswith("ipc://"):
+        return []
+    sock = Path(address[len("ipc://"):]).expanduser().resolve()
+    folder = sock.parent
+    from bus.paths import inside_state_dir
+
+    if inside_state_dir(folder) is None and folder.is_dir():
+        return [folder]
+    return [sock] if sock.exists() else []
+
+
+def required_problem(workspace: Path, hub: str) -> str:
+    """Why a worker's sandbox could not start here ("" when it can): `busctl up`'s check of
+    `sandbox = "required"` before it starts anything."""
+    return _probe(worker_prefix(workspace, hub, [])[0])
+
+
+def _probe(prefix: list[str]) -> str:
+    """Why the sandbox cannot start here ("" when it can): bwrap runs `true` inside it."""
+    if not sys.platform.startswith("linux"):
+        return f"no sandbox on {sys.platform} (bubblewrap is Linux only)"
+    if shutil.which(prefix[0]) is None:
+        return "bubblewrap (`bwrap`) is not installed"
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10,
+                               stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap did not run: {exc}"
+    if probe.returncode != 0:
+        return "bwrap failed: " + (probe.stderr.decode(errors="replace").strip() or
+                                   f"exit {probe.returncode}")
+    return ""
+
+
+def describe(info: SandboxInfo) -> str:
+    """One line for `busctl up`'s console, `ps` and `status`."""
+    if info.kind == "none":
+        return f"none ({info.reason}); the file tools still refuse the protected paths"
+    shell = (f"; run_shell: {info.shell}, network {'on' if info.shell_network else 'off'}"
+             if info.shell else "")
+    return f"{info.kind}, writable {', '.join(info.writable)}{shell}"
