@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import time
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -98,13 +99,37 @@ def _body_type(body: bytes) -> str | None:
         return None
 
 
+# The door (docs/protocol.md, section 6): a body of a known type must decode as that type with
+# the same typed decoders the readers use (bus/events.py), so one malformed event can never
+# break a reader of the log. One prebuilt decoder per type: a decode is also the `type` check.
+_EVENT_DECODERS: dict[str, Callable[[bytes], Any]] = {
+    str(cls.__struct_config__.tag): msgspec.msgpack.Decoder(cls).decode
+    for cls in typing.get_args(ev.Event)
+}
+
+
+def _schema_fault(type_: str, body: bytes) -> str | None:
+    """Why a body of the known type `type_` is not a valid one ("" if it is); None when the
+    type is not known (only its `type` field is checked then)."""
+    decode = _EVENT_DECODERS.get(type_)
+    if decode is None:
+        return None
+    try:
+        decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        return f"`{type_[:64]}` body does not match its schema: {str(exc)[:200]}"
+    return ""
+
+
 def _typed_event_fault(type_: str, body: bytes) -> str:
     """Why a body may not be published as an event of the header's `type_` ("" if it may)."""
     if type_ in HUB_EVENT_TYPES:
         return f"`{type_[:64]}` is a bus event only the hub publishes"
+    if _schema_fault(type_, body) == "":  # a known type, valid: its tag matched too
+        return ""
     body_type = _body_type(body)
     if body_type == type_:
-        return ""
+        return _schema_fault(type_, body) or ""
     if body_type is None:
         return f"`{type_[:64]}` body is not a MessagePack map with a string `type`"
     return f"header `type` `{type_[:64]}` differs from the body's `type` `{body_type[:64]}`"
@@ -120,7 +145,7 @@ def _mixed_body_type(body: bytes) -> tuple[str, str]:
         return p.MIXED_TYPES, f"a `*` (mixed-type) body needs a `type` of its own, not {body_type!r}"
     if body_type in HUB_EVENT_TYPES:
         return p.MIXED_TYPES, f"`{body_type[:64]}` is a bus event only the hub publishes"
-    return body_type, ""
+    return body_type, _schema_fault(body_type, body) or ""
 
 
 def _where(index: int, count: int) -> str:
