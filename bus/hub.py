@@ -10,6 +10,7 @@ Nothing a peer sends can raise out of the loop: bad input is counted, logged and
 from __future__ import annotations
 
 import errno
+import fnmatch
 import functools
 import json
 import logging
@@ -36,6 +37,7 @@ from bus.probing import ProbeSchedule
 from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from bus.replay_reader import REPLAY_PRIORITIES
 from bus.security import (
+    ROLES_FILE,
     CurveServer,
     InsecureBindError,
     KeyDirAuthenticator,
@@ -79,6 +81,12 @@ _HELLO = p.HELLO
 # Bus events only the hub may publish: they state what the hub saw (peers, services, losses).
 # `process_restarted`/`process_gave_up` come from the supervisor (`busctl up`), a peer.
 HUB_EVENT_TYPES = ev.BUS_TYPES - {"process_restarted", "process_gave_up"}
+
+
+# Events about a call, published by the peer serving it (not by the agent's coordinator): the
+# service-name prefix a peer with roles must serve to publish each (see `_refuse_speaker`).
+_SERVER_PROGRESS = {"tool_execution_update": "tool.", "message_update": "llm",
+                    "llm_retry": "llm"}
 
 
 class _BodyType(msgspec.Struct):
@@ -601,7 +609,53 @@ class Hub:
 
     def _on_register(self, ident: bytes, peer: PeerState, header: p.Header,
                      frames: list[bytes]) -> None:
-        self.registry.register(peer, p.decode(frames[3], p.Register), header.id)
+        reg = p.decode(frames[3], p.Register)
+        roles = self._roles(peer)
+        if roles is not None:  # a key with roles serves only the services they name
+            allowed = []
+            for spec in reg.services:
+                if any(fnmatch.fnmatchcase(spec.name, pattern) for pattern in roles):
+                    allowed.append(spec)
+                    continue
+                self._forbid("forbidden_registers", ident, header.id,
+                             f"register refused: {peer.id} may not serve `{spec.name[:128]}` "
+                             f"(its roles: {', '.join(roles) or 'none'}; the hub's "
+                             f"`{ROLES_FILE}`, docs/protocol.md section 8)")
+            reg.services = allowed
+        self.registry.register(peer, reg, header.id)
+
+    def _roles(self, peer: PeerState) -> tuple[str, ...] | None:
+        """The service patterns `peer` may serve; None: full rights (no CURVE: every peer that
+        reaches the hub is its owner's; with CURVE, the roles file beside the keys says)."""
+        auth = self._auth
+        return None if auth is None or not peer.user_id else auth.roles_for(peer.user_id)
+
+    def _forbid(self, counter: str, ident: bytes, req_id: str, text: str) -> None:
+        self._reject(counter, ident, text)
+        self._send_error(ident, req_id, p.FORBIDDEN, text)
+
+    def _refuse_speaker(self, ident: bytes, peer: PeerState, header: p.Header) -> bool:
+        """A peer with roles publishes `agent` events only for the agents it serves (has
+        registered `agent.<name>` or `agent.<name>@...` on this connection); progress of the
+        calls it serves is its too: `tool_execution_update` from a `tool.*` server,
+        `message_update` and `llm_retry` from an `llm` server. Refused: `forbidden_events`."""
+        type_ = header.type
+        if ev.event_family(type_) != "agent":
+            return False
+        roles = self._roles(peer)
+        if roles is None:
+            return False
+        served = peer.served
+        agent = header.agent
+        if f"agent.{agent}" in served or any(s.startswith(f"agent.{agent}@") for s in served):
+            return False
+        if type_ in _SERVER_PROGRESS and any(s.startswith(_SERVER_PROGRESS[type_]) for s in served):
+            return False
+        self._forbid("forbidden_events", ident, header.id,
+                     f"event refused, neither logged nor published: {peer.id} does not serve "
+                     f"agent `{agent[:64]}`, so it may not publish its `{type_[:64]}` "
+                     "(docs/protocol.md section 8, roles)")
+        return True
 
     def _on_unregister(self, ident: bytes, peer: PeerState, header: p.Header,
                        frames: list[bytes]) -> None:
@@ -642,17 +696,17 @@ class Hub:
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
         mixed = header.type == p.MIXED_TYPES
         if count == 1:
-            self._stamp_body(ident, header, frames[3], 0, 1, mixed)
+            self._stamp_body(ident, peer, header, frames[3], 0, 1, mixed)
             return
         base = header.id
         for i in range(count):
             header.id = f"{base}.{i}"  # each event's own id (its `error`, if refused, names it)
             if mixed:
                 header.type = p.MIXED_TYPES  # the previous body's type is not this one's
-            self._stamp_body(ident, header, frames[3 + i], i, count, mixed)
+            self._stamp_body(ident, peer, header, frames[3 + i], i, count, mixed)
 
-    def _stamp_body(self, ident: bytes, header: p.Header, body: bytes, index: int,
-                    count: int, mixed: bool) -> None:
+    def _stamp_body(self, ident: bytes, peer: PeerState, header: p.Header, body: bytes,
+                    index: int, count: int, mixed: bool) -> None:
         """Check body `index` of `count` and add it to the pass's batch, or refuse it. In a
         message of `mixed` types, the body's own `type` is set into the header first."""
         if self.events.refusing:
@@ -668,6 +722,8 @@ class Hub:
         if not isinstance(body, bytes):
             body = body.bytes
         if self._refuse_event(ident, header, body, index, count, mixed):
+            return
+        if self._auth is not None and self._refuse_speaker(ident, peer, header):
             return
         self._batch_bytes += len(body)
         self.events.stamp(header, body)
