@@ -1018,6 +1018,7 @@ class Hub:
 
 def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
     """Run a hub until SIGTERM/SIGINT; print one JSON `ready` line on stdout once bound."""
+    os.umask(0o077)  # the event log holds every prompt and reply: its owner's alone
     hub = Hub(config)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())
     signal.signal(signal.SIGINT, lambda *_: hub.stop())

@@ -41,8 +41,17 @@ from agents.launch.supervisor import (
 from agents.launch.topology import Topology, WorkerGroup
 from bus import events as ev
 from bus.client import Peer, connect
-from bus.paths import ensure_state_dir, state_home
-from bus.security import CurveClient
+from bus.paths import (
+    ensure_state_dir,
+    local_hub_endpoint,
+    loopback_port,
+    remove_local_hub,
+    remove_tcp_alias,
+    set_tcp_alias,
+    state_home,
+    tcp_alias,
+)
+from bus.security import CurveClient, is_loopback_endpoint
 
 log = logging.getLogger("agents.launch.up")
 
@@ -227,19 +236,41 @@ async def _live_tools(peer: Peer) -> list[str]:
 async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -> int:
     """Run the topology until SIGINT/SIGTERM/SIGHUP. Returns the exit code."""
     topo = resolve(topology, options)
+    # Everything the topology writes (event log, conversations, logs, run files) is its user's
+    # alone: files 0600 in 0700 folders; the children inherit the umask.
+    os.umask(0o077)
     state = ensure_state_dir(state_dir(topo))
     topo.hub.state_dir = str(state)  # children resolve nothing relative to their own cwd
+    port = make_local(topo, state)
     try:
         async with Supervisor(state / "logs", out, color) as sup:
             _claim_run_files(sup, state)
-            await _run(topo, options, sup, state, out)
+            await _run(topo, options, sup, state, out, port)
     finally:
         remove_run_files(state, os.getpid())
+        if port is not None:
+            remove_tcp_alias(port, topo.hub.endpoint)
+            remove_local_hub(topo.hub.endpoint)
     return 0
 
 
+def make_local(topo: Topology, state: Path) -> int | None:
+    """A hub on loopback tcp without CURVE would answer every local user: it listens on ipc://
+    sockets in a private runtime directory instead (bus/paths.py), and its tcp port becomes an
+    alias of them for this user's clients. Returns that port (None: no alias; the tcp address
+    is kept as given with CURVE, or `insecure`, or a non-loopback address)."""
+    hub = topo.hub
+    if hub.curve_secret or hub.insecure or not hub.endpoint.startswith("tcp://"):
+        return None
+    if not is_loopback_endpoint(hub.endpoint):
+        return None
+    port = loopback_port(hub.endpoint)
+    hub.endpoint, hub.events = local_hub_endpoint(state), ""
+    return port
+
+
 async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
-               out: TextIO) -> None:
+               out: TextIO, port: int | None = None) -> None:
     with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
@@ -248,6 +279,8 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
         # (`--hub tcp://127.0.0.1:0` would otherwise pick new ports on every restart).
         topo.hub.endpoint, topo.hub.events = endpoint, events
         hub.spec.argv = hub_argv(topo)
+        if port is not None:  # `--hub tcp://127.0.0.1:PORT` leads this user's clients here
+            set_tcp_alias(port, endpoint)
         sup.run_info.endpoint, sup.run_info.events = endpoint, events
         sup.save_run_file()
         if options.demo:
@@ -319,6 +352,12 @@ def preflight(topo: Topology) -> str:
         return (f"a topology is already up from this directory (supervisor pid {other.pid}, hub "
                 f"{other.endpoint or '?'}, state {state}); stop it with `busctl down`, or give "
                 f"this one its own state directory (`hub.state_dir` in the topology)")
+    port = loopback_port(topo.hub.endpoint)
+    alias = tcp_alias(port) if port is not None else ""
+    if alias:
+        return (f"{topo.hub.endpoint} is already the address of another topology of yours (its "
+                f"hub listens on {alias}); stop it with `busctl down` from its directory, or "
+                f"choose another address with `--hub tcp://127.0.0.1:PORT`")
     for address in (topo.hub.endpoint, topo.hub.events):
         if address and not _tcp_free(address):
             return (f"{address} is already in use{_owner(address)}; choose another address "
