@@ -9,6 +9,8 @@ Nothing a peer sends can raise out of the loop: bad input is counted, logged and
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import fnmatch
 import functools
@@ -56,6 +58,7 @@ REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a r
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass ends once its events pass this (logged, published)
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+TRIM_DELAY = 1.0  # seconds after a peer is dropped before freed memory is given back (_trim)
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -72,6 +75,17 @@ _POLLIN = int(zmq.POLLIN)
 _bget = cast(Callable[[Any, int], int], _BackendSocket.get)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_THRESHOLD = 65536
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim` (returns freed heap memory, all arenas, to the OS), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return cast(Callable[[int], int], libc.malloc_trim)
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
 
 # Per-event hot path: the codec methods bound once (same output as `p.encode`/`p.decode_header`).
 _decode_header = msgspec.msgpack.Decoder(p.Header).decode
@@ -209,6 +223,9 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     publish_inline_bytes: int = 8 * KiB
     subscriber_bytes: int = 64 * MiB  # 0: SNDHWM = pub_hwm, no byte bound
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
+    # Bytes a second of `hub.status` (and other non-replay hub-service) answers to one peer
+    # (a token bucket, burst the same): beyond it the peer is answered `overloaded`.
+    peer_service_bytes: int = 16 * MiB
     # Event log retention (docs/reliability.md, "Event log retention"); 0 disables a bound.
     retain_days: float = 7.0
     retain_bytes: int = 0
@@ -235,7 +252,7 @@ class HubConfigError(ConfigError, ValueError):
 
 BUDGETS = ("request_bytes", "peer_request_bytes", "queued_services", "queue_limit",
            "max_event_bytes", "publish_inline_bytes", "subscriber_bytes", "replay_bytes",
-           "max_redispatch")
+           "peer_service_bytes", "max_redispatch")
 
 
 def check_config(config: HubConfig) -> None:
@@ -300,6 +317,8 @@ class Hub:
         self.peers = self.registry.peers  # the same dicts, never rebound
         self.services = self.registry.services
         self._batch_bytes = 0  # event bodies read this pass (it ends past EVENT_BATCH_BYTES)
+        self._status_size = 0  # bytes of the last `hub.status` answer (the next one's estimate)
+        self._trim_at = math.inf  # when to give freed memory back to the OS (see _trim)
         self._stopping = False
         state = Path(config.state_dir) if config.state_dir else None
         self.ctx = zmq.Context()
@@ -408,6 +427,8 @@ class Hub:
                 self.registry.expire(now)
                 self._expire_peers(now)
                 self._drop_revoked()
+                if now >= self._trim_at:
+                    self._trim(now)
                 next_tick = now + TICK
             if now >= next_beat:
                 self._beat(now)
@@ -666,7 +687,7 @@ class Hub:
         counters = self.counters  # (inline: this runs for every request)
         counters["requests"] = counters.get("requests", 0) + 1
         if self.registry.request(peer, header, frames):  # a `hub.` service: served here
-            self._serve_builtin(ident, header, frames)
+            self._serve_builtin(ident, peer, header, frames)
         else:  # live traffic: replay answers are paced for a moment (bus/replay_pacing.py)
             self.events.pacer.routed(peer.last_seen)
 
@@ -885,6 +906,14 @@ class Hub:
 
     def _drop_peer(self, peer: PeerState, reason: str) -> None:
         self.registry.drop_peer(peer, reason)
+        # libzmq frees the peer's send queue once its connection is torn down (I/O thread):
+        # then hand the freed memory back, so a peer that made the hub grow does not leave it so
+        self._trim_at = min(self._trim_at, time.monotonic() + TRIM_DELAY)
+
+    def _trim(self, now: float) -> None:
+        self._trim_at = math.inf
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
     # --- sending -------------------------------------------------------------------------
 
@@ -927,9 +956,19 @@ class Hub:
 
     # --- built-in services ---------------------------------------------------------------
 
-    def _serve_builtin(self, ident: bytes, header: p.Header, frames: list[bytes]) -> None:
+    def _serve_builtin(self, ident: bytes, peer: PeerState, header: p.Header,
+                       frames: list[bytes]) -> None:
         if header.service == p.HUB_STATUS:
+            if not self._within_service_budget(peer, self._status_size):
+                self.counters.bump("overloaded_service_bytes")
+                self._send_error(ident, header.id, p.OVERLOADED,
+                                 f"`{p.HUB_STATUS}` answers to this peer would pass the hub budget "
+                                 f"`peer_service_bytes` ({self.config.peer_service_bytes} bytes a "
+                                 "second); read the answers, then ask again")
+                return
             body = p.encode(self.status())
+            self._status_size = len(body)
+            peer.service_tokens -= len(body)
         elif header.service == p.HUB_REPLAY:
             try:
                 request = (p.decode(frames[3], p.ReplayRequest) if len(frames) > 3
@@ -951,6 +990,17 @@ class Hub:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
             return
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)), body])
+
+    def _within_service_budget(self, peer: PeerState, size: int) -> bool:
+        """Whether `peer` may be sent a hub-service answer of about `size` bytes now: a token
+        bucket of `peer_service_bytes` (refilled at that many bytes a second). A peer that asks
+        and never reads would otherwise grow the hub's send queue by every answer it asks for
+        (libzmq counts that queue in messages: `router_hwm` of them)."""
+        now = time.monotonic()
+        rate = self.config.peer_service_bytes
+        peer.service_tokens = min(rate, peer.service_tokens + (now - peer.service_at) * rate)
+        peer.service_at = now
+        return peer.service_tokens >= size
 
     def _forward_replays(self, answers: list[tuple[bytes, str, bytes, Any]]) -> None:
         """Send the reader's finished replays (a bounded number per pass); bodies are
@@ -1010,6 +1060,7 @@ class Hub:
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
             "replay_bytes": p.Budget(cfg.replay_bytes, self.events.replay_peak),
+            "peer_service_bytes": p.Budget(cfg.peer_service_bytes, self._status_size),
             # a rate, not a size: bytes a second while requests flow; used: answers' bytes held
             "replay_pace_bytes": p.Budget(cfg.replay_pace_bytes, self.events.pacer.held_bytes),
             "max_redispatch": p.Budget(cfg.max_redispatch),

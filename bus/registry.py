@@ -103,6 +103,10 @@ class PeerState:
     # Every service it registered on this connection, also since unregistered: whom it may
     # speak for (a coordinator may end its runs after taking its agents off the bus).
     served: set[str] = field(default_factory=set)
+    # Its `peer_service_bytes` token bucket (bytes it may still be answered, and when that was
+    # reckoned); starts full: the first reckoning fills it.
+    service_tokens: float = 0.0
+    service_at: float = 0.0
 
 
 class Counters(dict[str, int]):
