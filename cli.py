@@ -265,6 +265,9 @@ def _hub_command() -> click.Command:
                   help="Directory of authorised client public keys (reloaded on change).")
     @click.option("--insecure", is_flag=True,
                   help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
+    @click.option("--credentials", type=click.Path(exists=True, dir_okay=False), default=None,
+                  help="Roles of credentials presented in hellos (JSON; `busctl up` writes it): "
+                       "peers without a known one serve nothing (docs/protocol.md section 8).")
     @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
                                                    case_sensitive=False),
                   default="info", show_default=True, help="What the hub logs to stderr.")
@@ -272,7 +275,8 @@ def _hub_command() -> click.Command:
             liveness: int, max_message_bytes: int, budgets: dict[str, int],
             retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
             replay_priority: str, replay_pace_bytes: int, curve_secret: str | None,
-            curve_authorized: str | None, insecure: bool, log_level: str) -> None:
+            curve_authorized: str | None, insecure: bool, credentials: str | None,
+            log_level: str) -> None:
         """Run the hub: request routing, liveness, and the event log and stream.
 
         \b
@@ -288,7 +292,8 @@ def _hub_command() -> click.Command:
                            max_message_bytes=max_message_bytes, retain_days=retain_days,
                            retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
                            replay_priority=replay_priority, replay_pace_bytes=replay_pace_bytes,
-                           curve=curve, insecure=insecure, **budgets)
+                           curve=curve, insecure=insecure, credentials=credentials or "",
+                           **budgets)
         logging.getLogger().setLevel(log_level.upper())
         try:
             serve(config)

@@ -14,6 +14,7 @@ import ctypes.util
 import errno
 import fnmatch
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -212,6 +213,10 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     pub_hwm: int = 100_000
     curve: CurveServer | None = None
     insecure: bool = False  # allow a non-loopback bind without CURVE
+    # A JSON table {sha256 hex of a credential: {"name": ..., "roles": [service patterns]}}
+    # (`busctl up` writes it): a peer's hello credential gives its roles; with a table, a peer
+    # without a known credential (nor a CURVE key) serves nothing. "": every peer full rights.
+    credentials: str = ""
     # Byte budgets: beyond each the hub refuses (counted, and answered `overloaded`).
     request_bytes: int = 128 * MiB  # requests held (queued or being served), all requesters
     peer_request_bytes: int = 64 * MiB  # ...of them, from one requester
@@ -279,6 +284,26 @@ def check_config(config: HubConfig) -> None:
         raise HubConfigError(str(exc)) from None
 
 
+_UNKNOWN = object()
+
+
+def load_credentials(path: str) -> dict[str, tuple[str, ...] | None]:
+    """The credentials table (see `HubConfig.credentials`): sha256 hex -> service patterns
+    (None for `*`, full rights). A file that cannot be read is a configuration error."""
+    try:
+        table = msgspec.json.decode(Path(path).read_bytes(),
+                                    type=dict[str, dict[str, str | list[str]]])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HubConfigError(f"hub `credentials` {path}: cannot read it ({exc}); `busctl up` "
+                             "writes it at every start") from None
+    out: dict[str, tuple[str, ...] | None] = {}
+    for digest, entry in table.items():
+        roles = entry.get("roles", [])
+        patterns = tuple(roles) if isinstance(roles, list) else ()
+        out[digest] = None if "*" in patterns else patterns
+    return out
+
+
 def default_events_endpoint(endpoint: str) -> str:
     if endpoint.startswith("ipc://"):
         return endpoint + ".events"
@@ -324,6 +349,8 @@ class Hub:
         self.ctx = zmq.Context()
         self._auth: KeyDirAuthenticator | None = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
+        self._credentials = load_credentials(config.credentials) if config.credentials else None
+        self._restricted = config.curve is not None or self._credentials is not None
         self._keys_generation = 0  # the authenticator's key set last checked (see _drop_revoked)
         self._known_keys: frozenset[bytes] = frozenset()  # the keys of that set
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -613,7 +640,9 @@ class Hub:
         if self._auth is not None and not user_id:
             return self._reject("malformed", ident, "hello without an authenticated key")
         peer_id = curve_peer_id(user_id, ident) if user_id else ident.hex()
+        credential, hello.credential = hello.credential, ""  # kept out of status and events
         peer = self.registry.add_peer(ident, peer_id, hello, user_id)
+        self._credential_roles(peer, credential)
         welcome = p.Welcome(
             peer=peer.id,
             hub_session=self.session,
@@ -645,11 +674,26 @@ class Hub:
             reg.services = allowed
         self.registry.register(peer, reg, header.id)
 
+    def _credential_roles(self, peer: PeerState, credential: str) -> None:
+        table = self._credentials
+        if table is None or not credential:
+            return
+        roles = table.get(hashlib.sha256(credential.encode()).hexdigest(), _UNKNOWN)
+        if roles is _UNKNOWN:
+            self.counters.bump("unknown_credentials")
+            return
+        peer.roles, peer.by_credential = cast(tuple[str, ...] | None, roles), True
+
     def _roles(self, peer: PeerState) -> tuple[str, ...] | None:
-        """The service patterns `peer` may serve; None: full rights (no CURVE: every peer that
-        reaches the hub is its owner's; with CURVE, the roles file beside the keys says)."""
+        """The service patterns `peer` may serve; None: full rights. A known credential in its
+        hello says; else with CURVE the roles file beside the keys; else, when the hub has a
+        credentials table, none; else (a hub without either) full rights."""
+        if peer.by_credential:
+            return peer.roles
         auth = self._auth
-        return None if auth is None or not peer.user_id else auth.roles_for(peer.user_id)
+        if auth is not None and peer.user_id:
+            return auth.roles_for(peer.user_id)
+        return () if self._credentials is not None else None
 
     def _forbid(self, counter: str, ident: bytes, req_id: str, text: str) -> None:
         self._reject(counter, ident, text)
@@ -744,7 +788,7 @@ class Hub:
             body = body.bytes
         if self._refuse_event(ident, header, body, index, count, mixed):
             return
-        if self._auth is not None and self._refuse_speaker(ident, peer, header):
+        if self._restricted and self._refuse_speaker(ident, peer, header):
             return
         self._batch_bytes += len(body)
         self.events.stamp(header, body)

@@ -138,10 +138,40 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def topology_runtime_dir(state: Path) -> Path:
+    """The private runtime folder of the topology whose state directory is `state`."""
+    digest = hashlib.sha256(str(Path(state).resolve()).encode()).hexdigest()[:12]
+    return private_dir(runtime_home() / digest)
+
+
 def local_hub_endpoint(state: Path) -> str:
     """The ipc:// address of the hub of the topology whose state directory is `state`."""
-    digest = hashlib.sha256(str(Path(state).resolve()).encode()).hexdigest()[:12]
-    return f"ipc://{private_dir(runtime_home() / digest)}/hub"
+    return f"ipc://{topology_runtime_dir(state)}/hub"
+
+
+# The credential a process presents in its hello (roles: agents/launch/credentials.py).
+CREDENTIAL_ENV = "BUSCTL_CREDENTIAL_FILE"  # its path, set by `busctl up` for its children
+OWNER_CREDENTIAL = "owner.cred"  # beside a local topology's sockets: its owner's full rights
+MAX_CREDENTIAL = 256
+
+
+def credential_for(endpoint: str) -> str:
+    """What to present to the hub at `endpoint`: the file named by $BUSCTL_CREDENTIAL_FILE, else
+    for an ipc:// socket the owner's credential beside it, when it is this user's and private;
+    "" when there is none."""
+    named = os.environ.get(CREDENTIAL_ENV, "")
+    if named:
+        path = Path(named)
+    elif endpoint.startswith("ipc://"):
+        path = Path(endpoint[6:]).parent / OWNER_CREDENTIAL
+        if not (_ours(path.parent, private=True) and _ours(path, private=True)):
+            return ""
+    else:
+        return ""
+    try:
+        return path.read_text()[:MAX_CREDENTIAL].strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def loopback_port(endpoint: str) -> int | None:

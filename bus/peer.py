@@ -69,7 +69,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.backoff import Backoff
 from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
-from bus.paths import local_alias
+from bus.paths import credential_for, local_alias
 from bus.rpc import REPLY_GRACE, Calls
 from bus.security import CurveClient
 from bus.serving import Handler, Served, Serving
@@ -434,7 +434,7 @@ class Peer:
 
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
-                       role=self.role)
+                       role=self.role, credential=credential_for(self.hub))
 
     async def _housekeeping(self, tg: anyio.abc.TaskGroup) -> None:
         hb = [_SIG, p.encode(p.Header(kind=p.HEARTBEAT))]

@@ -102,6 +102,9 @@ class Hello(msgspec.Struct, omit_defaults=True):
     pid: int = 0
     host: str = ""
     role: str = ""
+    # A secret naming this process's roles in a hub given a credentials table (`busctl up`
+    # makes one per process kind; docs/protocol.md section 8, "Roles"). Never shown in status.
+    credential: str = ""
 
 
 class Welcome(msgspec.Struct, omit_defaults=True):

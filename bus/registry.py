@@ -107,6 +107,10 @@ class PeerState:
     # reckoned); starts full: the first reckoning fills it.
     service_tokens: float = 0.0
     service_at: float = 0.0
+    # Roles from a credential in its hello (the service patterns it may serve; None: full
+    # rights); `by_credential` False: its roles come from its CURVE key, or it has full rights.
+    roles: tuple[str, ...] | None = None
+    by_credential: bool = False
 
 
 class Counters(dict[str, int]):

@@ -27,6 +27,7 @@ import anyio.abc
 import msgspec
 
 from agents.gateway.wire import ModelConfig
+from agents.launch import credentials
 from agents.launch.supervisor import (
     Child,
     ChildFailed,
@@ -43,6 +44,7 @@ from bus import events as ev
 from bus.client import Peer, connect
 from bus.paths import (
     ensure_state_dir,
+    ipc_listening,
     local_hub_endpoint,
     loopback_port,
     remove_local_hub,
@@ -107,7 +109,7 @@ def hub_argv(topo: Topology) -> list[str]:
         argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized]
     if hub.insecure:
         argv.append("--insecure")
-    return argv
+    return [*argv, "--credentials", str(state_dir(topo) / "hub" / "credentials.json")]
 
 
 def client_curve(topo: Topology) -> CurveClient | None:
@@ -131,14 +133,17 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     Gateways and coordinators read the topology from stdin (`--topology -`): the supervisor hands
     it over from memory at every restart, so no file a tool might reach can redirect them.
     """
-    specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint)]
+    state = state_dir(topo)
+    specs = [credentials.attach(_with_curve(spec, topo), state)
+             for spec in _piece_specs(topo, endpoint)]
     for proc in topo.all_processes():  # with the [ui] and [otel] children
         argv = proc.command
         if argv and argv[0] == "busctl":  # this installation's busctl, whatever PATH says
             argv = python_argv(*argv[1:])
         env = {"BUSCTL_HUB": endpoint, **proc.env}
-        specs.append(ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
-                               pass_env=proc.pass_env))
+        specs.append(credentials.attach(
+            ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
+                      pass_env=proc.pass_env), state))
     return specs
 
 
@@ -242,12 +247,14 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
     state = ensure_state_dir(state_dir(topo))
     topo.hub.state_dir = str(state)  # children resolve nothing relative to their own cwd
     port = make_local(topo, state)
+    credentials.make(topo, state)
     try:
         async with Supervisor(state / "logs", out, color) as sup:
             _claim_run_files(sup, state)
             await _run(topo, options, sup, state, out, port)
     finally:
         remove_run_files(state, os.getpid())
+        credentials.remove(state)
         if port is not None:
             remove_tcp_alias(port, topo.hub.endpoint)
             remove_local_hub(topo.hub.endpoint)
@@ -367,7 +374,10 @@ def preflight(topo: Topology) -> str:
 
 
 def _tcp_free(address: str) -> bool:
-    """False when something listens on a tcp:// address (port 0 and ipc:// are always free)."""
+    """False when something listens on a tcp:// address (port 0 is always free) or an ipc://
+    socket accepts a connection (a bind there would take another hub's socket file)."""
+    if address.startswith("ipc://"):
+        return not ipc_listening(address[6:])
     if not address.startswith("tcp://"):
         return True
     host, _, port = address[6:].rpartition(":")
@@ -545,7 +555,8 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
         await sup.remove(extra)
     used = {int(n.rpartition("-")[2]) for n in mine[:count]}
     free = (i for i in range(1, 10_000) if i not in used)
-    specs = [_with_curve(worker_spec(group, next(free), topo.hub.endpoint), topo)
+    specs = [credentials.attach(_with_curve(worker_spec(group, next(free), topo.hub.endpoint),
+                                            topo), state_dir(topo))
              for _ in range(count - len(mine))]
     await _start_all(sup, specs)
     group.count = count

@@ -1,6 +1,7 @@
-"""A local topology answers only its own user (issue #28 items 1 and 7): `busctl up` on a loopback
-tcp address listens on ipc:// sockets in a 0700 runtime folder, its tcp address leads only its
-owner's clients there, and its state directory is 0700 with every file 0600.
+"""A local topology answers only its own user (issue #28 items 1, 6 and 7): `busctl up` on a
+loopback tcp address listens on ipc:// sockets in a 0700 runtime folder, its tcp address leads
+only its owner's clients there, its own processes have the roles it gave them, and its state
+directory is 0700 with every file 0600.
 
 The other user is a raw peer (tests/security/fixtures/forge_run.py: plain pyzmq, nothing of ours)
 run as uid 12345 with `setpriv` (CI runs as root)."""
@@ -35,6 +36,13 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(busctl(*args), capture_output=True, text=True, timeout=60, cwd=cwd)
 
 
+def forge(endpoint: str, *args: str) -> dict[str, str]:
+    result = subprocess.run([sys.executable, str(FORGE), endpoint, *args],
+                            capture_output=True, text=True, timeout=30, env={"PATH": "/usr/bin"})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def as_other_user(endpoint: str) -> dict[str, str]:
     result = subprocess.run([*OTHER, sys.executable, str(FORGE), endpoint, "--timeout", "3"],
                             capture_output=True, text=True, timeout=30, cwd="/")
@@ -58,6 +66,15 @@ def test_another_local_user_gets_no_answer_and_reads_nothing(tmp_path: Path) -> 
         # the other user: nothing at the tcp address, and the ipc socket is out of reach
         assert as_other_user(f"tcp://127.0.0.1:{port}") == {"hello": "timeout"}
         assert as_other_user(ready["endpoint"]) == {"hello": "timeout"}
+        # the same user's processes get the roles `busctl up` gave them: a raw peer without a
+        # credential, or with the tool worker's, cannot serve `llm`/`agent.*` nor forge a run
+        runtime = Path(ready["endpoint"][len("ipc://"):]).parent
+        for credential in ("", str(runtime / "worker-tools.cred")):
+            answers = forge(ready["endpoint"], "--serve", "llm", "--serve", "tool.x",
+                            "--credential-file", credential)
+            assert answers.pop("reg0") == "forbidden", (credential, answers)
+            assert answers.pop("reg1") == ("ok" if credential else "forbidden"), answers
+            assert set(answers.values()) == {"forbidden"}, (credential, answers)
         state = default_state_dir(tmp_path)
         loose = [str(p) for p in [state, *state.rglob("*")]
                  if stat.S_IMODE(p.lstat().st_mode) & 0o077]

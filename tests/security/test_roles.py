@@ -38,7 +38,8 @@ def forge(info: dict, keys: Keys, key: str, *args: str) -> dict[str, str]:
     server = (keys.dir / "hub.key").read_text()
     z85 = [line.split('"')[1] for text in (server, secret) for line in text.splitlines()
            if "-key = " in line]  # pyzmq certificate files: public-key (and secret-key) lines
-    result = subprocess.run([sys.executable, str(FORGE), info["endpoint"], "--curve", *z85, *args],
+    result = subprocess.run([sys.executable, str(FORGE), info["endpoint"], f"--curve={','.join(z85)}",
+                             *args],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
