@@ -77,6 +77,7 @@ _bget = cast(Callable[[Any, int], int], _BackendSocket.get)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_THRESHOLD = 65536
 
+
 def _find_malloc_trim() -> Callable[[int], int] | None:
     """glibc's `malloc_trim` (returns freed heap memory, all arenas, to the OS), else None."""
     try:
@@ -661,7 +662,7 @@ class Hub:
                      frames: list[bytes]) -> None:
         reg = p.decode(frames[3], p.Register)
         roles = self._roles(peer)
-        if roles is not None:  # a key with roles serves only the services they name
+        if roles is not None:  # a peer with roles serves only the services they name
             allowed = []
             for spec in reg.services:
                 if any(fnmatch.fnmatchcase(spec.name, pattern) for pattern in roles):
@@ -669,8 +670,8 @@ class Hub:
                     continue
                 self._forbid("forbidden_registers", ident, header.id,
                              f"register refused: {peer.id} may not serve `{spec.name[:128]}` "
-                             f"(its roles: {', '.join(roles) or 'none'}; the hub's "
-                             f"`{ROLES_FILE}`, docs/protocol.md section 8)")
+                             f"(its roles: {', '.join(roles) or 'none'}; from its credential "
+                             f"or the hub's `{ROLES_FILE}`: docs/protocol.md section 8, Roles)")
             reg.services = allowed
         self.registry.register(peer, reg, header.id)
 

@@ -156,18 +156,22 @@ MAX_CREDENTIAL = 256
 
 
 def credential_for(endpoint: str) -> str:
-    """What to present to the hub at `endpoint`: the file named by $BUSCTL_CREDENTIAL_FILE, else
-    for an ipc:// socket the owner's credential beside it, when it is this user's and private;
-    "" when there is none."""
+    """What to present to the hub at `endpoint`, a local topology's ipc:// socket: the file named
+    by $BUSCTL_CREDENTIAL_FILE when it lies beside the socket (a credential is never sent to
+    another hub), else the owner's credential there, when it is this user's and private; ""
+    for any other hub, or when there is none."""
+    if not endpoint.startswith("ipc://"):
+        return ""
+    folder = Path(endpoint[6:]).parent
     named = os.environ.get(CREDENTIAL_ENV, "")
     if named:
         path = Path(named)
-    elif endpoint.startswith("ipc://"):
-        path = Path(endpoint[6:]).parent / OWNER_CREDENTIAL
-        if not (_ours(path.parent, private=True) and _ours(path, private=True)):
+        if path.parent != folder:
             return ""
     else:
-        return ""
+        path = folder / OWNER_CREDENTIAL
+        if not (_ours(path.parent, private=True) and _ours(path, private=True)):
+            return ""
     try:
         return path.read_text()[:MAX_CREDENTIAL].strip()
     except (OSError, UnicodeDecodeError):

@@ -40,6 +40,15 @@ def kinds(topo: Topology) -> dict[str, list[str]]:
     return out
 
 
+def enabled(topo: Topology, state: Path) -> bool:
+    """Whether the topology's hub is a local one (ipc:// in its runtime folder, see
+    `agents.launch.up.make_local`): only its clients can present the credentials beside it.
+    Elsewhere (CURVE, `insecure`, an ipc:// address of the user's) roles come from the keys."""
+    endpoint = topo.hub.endpoint
+    return (endpoint.startswith("ipc://")
+            and Path(endpoint[6:]).parent == topology_runtime_dir(state))
+
+
 def make(topo: Topology, state: Path) -> Path:
     """Write every credential file and the hub's table; returns the table's path. New tokens at
     every `up`: a credential of an earlier run is worth nothing."""
@@ -56,8 +65,10 @@ def make(topo: Topology, state: Path) -> Path:
     return path
 
 
-def attach(spec: ChildSpec, state: Path) -> ChildSpec:
-    """Name its credential file to a child of `up` (by what it is)."""
+def attach(spec: ChildSpec, topo: Topology, state: Path) -> ChildSpec:
+    """Name its credential file to a child of `up` (by what it is), for a local hub."""
+    if not enabled(topo, state):
+        return spec
     if spec.role in ("gateway", "coordinator"):
         name = "gateway" if spec.role == "gateway" else spec.name
     elif spec.role == "worker":

@@ -109,7 +109,9 @@ def hub_argv(topo: Topology) -> list[str]:
         argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized]
     if hub.insecure:
         argv.append("--insecure")
-    return [*argv, "--credentials", str(state_dir(topo) / "hub" / "credentials.json")]
+    if credentials.enabled(topo, state_dir(topo)):
+        argv += ["--credentials", str(state_dir(topo) / "hub" / "credentials.json")]
+    return argv
 
 
 def client_curve(topo: Topology) -> CurveClient | None:
@@ -134,7 +136,7 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     it over from memory at every restart, so no file a tool might reach can redirect them.
     """
     state = state_dir(topo)
-    specs = [credentials.attach(_with_curve(spec, topo), state)
+    specs = [credentials.attach(_with_curve(spec, topo), topo, state)
              for spec in _piece_specs(topo, endpoint)]
     for proc in topo.all_processes():  # with the [ui] and [otel] children
         argv = proc.command
@@ -143,7 +145,7 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
         env = {"BUSCTL_HUB": endpoint, **proc.env}
         specs.append(credentials.attach(
             ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
-                      pass_env=proc.pass_env), state))
+                      pass_env=proc.pass_env), topo, state))
     return specs
 
 
@@ -247,7 +249,8 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
     state = ensure_state_dir(state_dir(topo))
     topo.hub.state_dir = str(state)  # children resolve nothing relative to their own cwd
     port = make_local(topo, state)
-    credentials.make(topo, state)
+    if credentials.enabled(topo, state):
+        credentials.make(topo, state)
     try:
         async with Supervisor(state / "logs", out, color) as sup:
             _claim_run_files(sup, state)
@@ -556,7 +559,7 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
     used = {int(n.rpartition("-")[2]) for n in mine[:count]}
     free = (i for i in range(1, 10_000) if i not in used)
     specs = [credentials.attach(_with_curve(worker_spec(group, next(free), topo.hub.endpoint),
-                                            topo), state_dir(topo))
+                                            topo), topo, state_dir(topo))
              for _ in range(count - len(mine))]
     await _start_all(sup, specs)
     group.count = count
