@@ -330,6 +330,9 @@ def _hub_command() -> click.Command:
                   help="Directory of authorised client public keys (reloaded on change).")
     @click.option("--insecure", is_flag=True,
                   help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
+    @click.option("--credentials", type=click.Path(exists=True, dir_okay=False), default=None,
+                  help="Roles of credentials presented in hellos (JSON; `busctl up` writes it): "
+                       "peers without a known one serve nothing (docs/protocol.md section 8).")
     @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
                                                    case_sensitive=False),
                   default="info", show_default=True, help="What the hub logs to stderr.")
@@ -337,7 +340,8 @@ def _hub_command() -> click.Command:
             liveness: int, max_message_bytes: int, budgets: dict[str, int],
             retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
             replay_priority: str, replay_pace_bytes: int, curve_secret: str | None,
-            curve_authorized: str | None, insecure: bool, log_level: str) -> None:
+            curve_authorized: str | None, insecure: bool, credentials: str | None,
+            log_level: str) -> None:
         """Run the hub: request routing, liveness, and the event log and stream.
 
         \b
@@ -353,7 +357,8 @@ def _hub_command() -> click.Command:
                            max_message_bytes=max_message_bytes, retain_days=retain_days,
                            retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
                            replay_priority=replay_priority, replay_pace_bytes=replay_pace_bytes,
-                           curve=curve, insecure=insecure, **budgets)
+                           curve=curve, insecure=insecure, credentials=credentials or "",
+                           **budgets)
         logging.getLogger().setLevel(log_level.upper())
         try:
             serve(config)
@@ -692,17 +697,22 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
       busctl worker --hub tcp://10.0.0.5:7400 --tools ./my_tools.py --workspace /data
       busctl worker --mcp "python -m mcp_server_time" --mcp "uvx mcp-server-git"
     """
+    from bus.paths import claim_worker_credential, local_alias
     from bus.procsec import drop_root_powers
     from tools import ToolLoadError
-    from tools.sandbox import SandboxUnavailable, enter, set_shell_sandbox
+    from tools.sandbox import SandboxUnavailable, enter, hub_folders, set_shell_sandbox
     from tools.worker import WorkerSettings, run_worker
 
+    if curve is None:  # `--hub 7400`: the local topology's socket, which the sandbox exposes
+        hub = local_alias(hub)
+        claim_worker_credential(hub)  # a worker's rights, not its owner's
     try:  # first: re-runs this command under bubblewrap where it can (tools/sandbox.py)
         jail = enter(sandbox, workspace, hub, hide, read_only)  # type: ignore[arg-type]  # a click.Choice
     except SandboxUnavailable as exc:
         raise click.BadParameter(str(exc), param_hint="--sandbox") from None
+    hub = jail.hub or hub
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
-    set_shell_sandbox(sandbox, shell_network)  # type: ignore[arg-type]
+    set_shell_sandbox(sandbox, shell_network, hub_folders(hub))  # type: ignore[arg-type]
     servers = (_mcp_specs(mcp_commands, mcp_prefix) + _mcp_url_specs(mcp_urls, mcp_headers, mcp_prefix)
                + _mcp_json_specs(mcp_json))
     if servers:

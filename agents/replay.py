@@ -41,6 +41,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,8 @@ if TYPE_CHECKING:  # agents.client.remote imports this module (`connect(replay_f
 
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.
+log = logging.getLogger("agents.replay")
+
 VOLATILE = frozenset({"timestamp", "duration", "parent_run_id", "session", "run_id"})
 SKIPPED = frozenset({"message_update", "llm_retry", "run_resumed", "tool_execution_update",
                      "tool_skipped"})
@@ -264,6 +267,8 @@ class RecordedRun:
     reply_seqs: list[int] = field(default_factory=list)  # each model reply's message_end seq
     first_seq: int = 0
     last_seq: int = 0
+    publishers: set[str] = field(default_factory=set)  # the hub-stamped `peer` of its events
+    distrust: str = ""  # why it may not be replayed ("" when its agent's server published it)
 
     @property
     def prompt(self) -> str:
@@ -299,10 +304,16 @@ async def load_experiment(peer: Peer, experiment: str,
     runs: dict[str, RecordedRun] = {}
 
     def wanted(header: Header) -> bool:  # other experiments' bodies are never decoded
-        return header.experiment == experiment and bool(header.run)
+        return ((header.experiment == experiment and bool(header.run))
+                or (header.type == "service_registered" and header.peer == HUB_PEER))
 
+    servers: dict[str, set[str]] = {}  # peer id -> the agents it served
     async for envelope in logged(peer, 0, [], tally, wanted):
         header, event = envelope.header, envelope.event
+        if isinstance(event, ev.ServiceRegistered) and header.peer == HUB_PEER:
+            _note_server(servers, event.peer, event.service)
+        if header.experiment != experiment or not header.run:
+            continue
         run = runs.get(header.run)
         if run is None:
             run = runs[header.run] = RecordedRun(header.run, header.agent, header.parent,
@@ -310,7 +321,14 @@ async def load_experiment(peer: Peer, experiment: str,
         run.last_ts, run.last_seq = header.ts, header.seq
         if isinstance(event, ev.MessageEnd) and isinstance(event.message, AssistantMessage):
             run.reply_seqs.append(header.seq)
+        if header.type not in SERVER_PROGRESS:
+            run.publishers.add(header.peer)
         _add(run, event)
+    for info in (await peer.status()).peers:  # registrations retention may have pruned
+        for load in info.services:
+            _note_server(servers, info.peer, load.name)
+    for run in runs.values():
+        run.distrust = distrust(run, servers)
     return in_call_order(list(runs.values()))
 
 
@@ -371,6 +389,39 @@ def canonical_events(events: Sequence[tuple[str, dict[str, Any]]]
         if item[0]:
             out.append(item)
     return out
+
+
+# --- which runs may be replayed: only what the agent's own server published ---------------
+
+HUB_PEER = "hub"  # the `peer` the hub stamps on its own events, which no peer can publish
+#: Events about a call, published by the peer serving it (a gateway, a tool worker), not by
+#: the agent's coordinator; replay reads nothing of them.
+SERVER_PROGRESS = frozenset({"message_update", "llm_retry", "tool_execution_update"})
+
+
+def _note_server(servers: dict[str, set[str]], peer_id: str, service: str) -> None:
+    if service.startswith("agent."):
+        servers.setdefault(peer_id, set()).add(service[6:].partition("@")[0])
+
+
+def distrust(run: RecordedRun, servers: Mapping[str, set[str]]) -> str:
+    """Why `run` may not be replayed: some of its events (its tool calls' starts included) were
+    published by a peer the hub never saw serve its agent (`service_registered`, a hub event no
+    peer can forge, or `hub.status` now). "" when every one came from its agent's server."""
+    strangers = sorted(p or "(no peer)" for p in run.publishers
+                       if run.agent not in servers.get(p, ()))
+    if not strangers:
+        return ""
+    return (f"run {run.run_id} (agent `{run.agent}`) was published by {', '.join(strangers)}, "
+            f"which never served `agent.{run.agent}`: not replayed, its tools not run")
+
+
+def trusted(runs: Sequence[RecordedRun]) -> list[RecordedRun]:
+    """The runs that may be replayed; each other one is reported (logged, naming it)."""
+    for run in runs:
+        if run.distrust:
+            log.warning("skipped %s", run.distrust)
+    return [run for run in runs if not run.distrust]
 
 
 def _add(run: RecordedRun, event: ev.Event) -> None:
@@ -610,10 +661,14 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
     unless `live_tools`, its tool results to every coordinator. Returns `source`'s runs and
     the checked `fork` (a ForkError, before anything is sent, when it cannot apply)."""
     fork = fork or Fork()
-    runs = await load_experiment(peer, source, tally)
-    if not runs:
+    logged_runs = await load_experiment(peer, source, tally)
+    if not logged_runs:
         raise ValueError(f"experiment `{source}` has no runs in the hub's log (check the name "
                          f"with `busctl export --experiment {source}`)")
+    runs = trusted(logged_runs)  # nothing of an untrusted run reaches the books either
+    if not runs:
+        raise ValueError(f"no run of experiment `{source}` can be trusted: "
+                         + "; ".join(r.distrust for r in logged_runs))
     plan = plan_fork(fork, runs, source)
     load = ReplayLoad(experiment=target, source=source,
                       entries=book(runs, fork.live_from_seq), live_after=fork.live_from,

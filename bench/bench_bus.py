@@ -173,7 +173,10 @@ def raw_peers_round_trip(endpoint: str, n: int) -> tuple[float, float]:
 
 
 def start_hub(state: str) -> tuple[subprocess.Popen[str], dict]:
-    argv = [sys.executable, "-m", "cli", "hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", state]
+    # BENCH_HUB=ipc: the hub on an ipc:// socket, as a local topology's (`busctl up`) listens
+    address = (f"ipc://{state}/hub" if os.environ.get("BENCH_HUB") == "ipc"
+               else "tcp://127.0.0.1:0")
+    argv = [sys.executable, "-m", "cli", "hub", "--hub", address, "--state-dir", state]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())

@@ -9,14 +9,19 @@ Nothing a peer sends can raise out of the loop: bad input is counted, logged and
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import fnmatch
 import functools
+import hashlib
 import json
 import logging
 import math
 import os
 import signal
 import time
+import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, cast
@@ -35,6 +40,7 @@ from bus.probing import ProbeSchedule
 from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from bus.replay_reader import REPLAY_PRIORITIES
 from bus.security import (
+    ROLES_FILE,
     CurveServer,
     InsecureBindError,
     KeyDirAuthenticator,
@@ -53,6 +59,7 @@ REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a r
 EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass ends once its events pass this (logged, published)
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+TRIM_DELAY = 1.0  # seconds after a peer is dropped before freed memory is given back (_trim)
 KiB = 1024
 MiB = 1024 * KiB
 
@@ -70,6 +77,18 @@ _bget = cast(Callable[[Any, int], int], _BackendSocket.get)
 _MORE_NOBLOCK = int(zmq.NOBLOCK | zmq.SNDMORE)
 _COPY_THRESHOLD = 65536
 
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim` (returns freed heap memory, all arenas, to the OS), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return cast(Callable[[int], int], libc.malloc_trim)
+    except (OSError, AttributeError):
+        return None
+
+
+_malloc_trim = _find_malloc_trim()
+
 # Per-event hot path: the codec methods bound once (same output as `p.encode`/`p.decode_header`).
 _decode_header = msgspec.msgpack.Decoder(p.Header).decode
 _SIG = p.SIGNATURE
@@ -78,6 +97,12 @@ _HELLO = p.HELLO
 # Bus events only the hub may publish: they state what the hub saw (peers, services, losses).
 # `process_restarted`/`process_gave_up` come from the supervisor (`busctl up`), a peer.
 HUB_EVENT_TYPES = ev.BUS_TYPES - {"process_restarted", "process_gave_up"}
+
+
+# Events about a call, published by the peer serving it (not by the agent's coordinator): the
+# service-name prefix a peer with roles must serve to publish each (see `_refuse_speaker`).
+_SERVER_PROGRESS = {"tool_execution_update": "tool.", "message_update": "llm",
+                    "llm_retry": "llm"}
 
 
 class _BodyType(msgspec.Struct):
@@ -98,13 +123,37 @@ def _body_type(body: bytes) -> str | None:
         return None
 
 
+# The door (docs/protocol.md, section 6): a body of a known type must decode as that type with
+# the same typed decoders the readers use (bus/events.py), so one malformed event can never
+# break a reader of the log. One prebuilt decoder per type: a decode is also the `type` check.
+_EVENT_DECODERS: dict[str, Callable[[bytes], Any]] = {
+    str(cls.__struct_config__.tag): msgspec.msgpack.Decoder(cls).decode
+    for cls in typing.get_args(ev.Event)
+}
+
+
+def _schema_fault(type_: str, body: bytes) -> str | None:
+    """Why a body of the known type `type_` is not a valid one ("" if it is); None when the
+    type is not known (only its `type` field is checked then)."""
+    decode = _EVENT_DECODERS.get(type_)
+    if decode is None:
+        return None
+    try:
+        decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        return f"`{type_[:64]}` body does not match its schema: {str(exc)[:200]}"
+    return ""
+
+
 def _typed_event_fault(type_: str, body: bytes) -> str:
     """Why a body may not be published as an event of the header's `type_` ("" if it may)."""
     if type_ in HUB_EVENT_TYPES:
         return f"`{type_[:64]}` is a bus event only the hub publishes"
+    if _schema_fault(type_, body) == "":  # a known type, valid: its tag matched too
+        return ""
     body_type = _body_type(body)
     if body_type == type_:
-        return ""
+        return _schema_fault(type_, body) or ""
     if body_type is None:
         return f"`{type_[:64]}` body is not a MessagePack map with a string `type`"
     return f"header `type` `{type_[:64]}` differs from the body's `type` `{body_type[:64]}`"
@@ -120,7 +169,7 @@ def _mixed_body_type(body: bytes) -> tuple[str, str]:
         return p.MIXED_TYPES, f"a `*` (mixed-type) body needs a `type` of its own, not {body_type!r}"
     if body_type in HUB_EVENT_TYPES:
         return p.MIXED_TYPES, f"`{body_type[:64]}` is a bus event only the hub publishes"
-    return body_type, ""
+    return body_type, _schema_fault(body_type, body) or ""
 
 
 def _where(index: int, count: int) -> str:
@@ -165,6 +214,10 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     pub_hwm: int = 100_000
     curve: CurveServer | None = None
     insecure: bool = False  # allow a non-loopback bind without CURVE
+    # A JSON table {sha256 hex of a credential: {"name": ..., "roles": [service patterns]}}
+    # (`busctl up` writes it): a peer's hello credential gives its roles; with a table, a peer
+    # without a known credential (nor a CURVE key) serves nothing. "": every peer full rights.
+    credentials: str = ""
     # Byte budgets: beyond each the hub refuses (counted, and answered `overloaded`).
     request_bytes: int = 128 * MiB  # requests held (queued or being served), all requesters
     peer_request_bytes: int = 64 * MiB  # ...of them, from one requester
@@ -176,6 +229,9 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     publish_inline_bytes: int = 8 * KiB
     subscriber_bytes: int = 64 * MiB  # 0: SNDHWM = pub_hwm, no byte bound
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
+    # Bytes a second of `hub.status` (and other non-replay hub-service) answers to one peer
+    # (a token bucket, burst the same): beyond it the peer is answered `overloaded`.
+    peer_service_bytes: int = 16 * MiB
     # Event log retention (docs/reliability.md, "Event log retention"); 0 disables a bound.
     retain_days: float = 7.0
     retain_bytes: int = 0
@@ -202,7 +258,7 @@ class HubConfigError(ConfigError, ValueError):
 
 BUDGETS = ("request_bytes", "peer_request_bytes", "queued_services", "queue_limit",
            "max_event_bytes", "publish_inline_bytes", "subscriber_bytes", "replay_bytes",
-           "max_redispatch")
+           "peer_service_bytes", "max_redispatch")
 
 
 def check_config(config: HubConfig) -> None:
@@ -227,6 +283,26 @@ def check_config(config: HubConfig) -> None:
                        "`insecure` (--insecure) on a trusted network.")
     except InsecureBindError as exc:
         raise HubConfigError(str(exc)) from None
+
+
+_UNKNOWN = object()
+
+
+def load_credentials(path: str) -> dict[str, tuple[str, ...] | None]:
+    """The credentials table (see `HubConfig.credentials`): sha256 hex -> service patterns
+    (None for `*`, full rights). A file that cannot be read is a configuration error."""
+    try:
+        table = msgspec.json.decode(Path(path).read_bytes(),
+                                    type=dict[str, dict[str, str | list[str]]])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise HubConfigError(f"hub `credentials` {path}: cannot read it ({exc}); `busctl up` "
+                             "writes it at every start") from None
+    out: dict[str, tuple[str, ...] | None] = {}
+    for digest, entry in table.items():
+        roles = entry.get("roles", [])
+        patterns = tuple(roles) if isinstance(roles, list) else ()
+        out[digest] = None if "*" in patterns else patterns
+    return out
 
 
 def default_events_endpoint(endpoint: str) -> str:
@@ -267,11 +343,15 @@ class Hub:
         self.peers = self.registry.peers  # the same dicts, never rebound
         self.services = self.registry.services
         self._batch_bytes = 0  # event bodies read this pass (it ends past EVENT_BATCH_BYTES)
+        self._status_size = 0  # bytes of the last `hub.status` answer (the next one's estimate)
+        self._trim_at = math.inf  # when to give freed memory back to the OS (see _trim)
         self._stopping = False
         state = Path(config.state_dir) if config.state_dir else None
         self.ctx = zmq.Context()
         self._auth: KeyDirAuthenticator | None = None
         self._user_id = ""  # CURVE: the authenticated key of the message being handled
+        self._credentials = load_credentials(config.credentials) if config.credentials else None
+        self._restricted = config.curve is not None or self._credentials is not None
         self._keys_generation = 0  # the authenticator's key set last checked (see _drop_revoked)
         self._known_keys: frozenset[bytes] = frozenset()  # the keys of that set
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -375,6 +455,8 @@ class Hub:
                 self.registry.expire(now)
                 self._expire_peers(now)
                 self._drop_revoked()
+                if now >= self._trim_at:
+                    self._trim(now)
                 next_tick = now + TICK
             if now >= next_beat:
                 self._beat(now)
@@ -559,7 +641,9 @@ class Hub:
         if self._auth is not None and not user_id:
             return self._reject("malformed", ident, "hello without an authenticated key")
         peer_id = curve_peer_id(user_id, ident) if user_id else ident.hex()
+        credential, hello.credential = hello.credential, ""  # kept out of status and events
         peer = self.registry.add_peer(ident, peer_id, hello, user_id)
+        self._credential_roles(peer, credential)
         welcome = p.Welcome(
             peer=peer.id,
             hub_session=self.session,
@@ -576,7 +660,68 @@ class Hub:
 
     def _on_register(self, ident: bytes, peer: PeerState, header: p.Header,
                      frames: list[bytes]) -> None:
-        self.registry.register(peer, p.decode(frames[3], p.Register), header.id)
+        reg = p.decode(frames[3], p.Register)
+        roles = self._roles(peer)
+        if roles is not None:  # a peer with roles serves only the services they name
+            allowed = []
+            for spec in reg.services:
+                if any(fnmatch.fnmatchcase(spec.name, pattern) for pattern in roles):
+                    allowed.append(spec)
+                    continue
+                self._forbid("forbidden_registers", ident, header.id,
+                             f"register refused: {peer.id} may not serve `{spec.name[:128]}` "
+                             f"(its roles: {', '.join(roles) or 'none'}; from its credential "
+                             f"or the hub's `{ROLES_FILE}`: docs/protocol.md section 8, Roles)")
+            reg.services = allowed
+        self.registry.register(peer, reg, header.id)
+
+    def _credential_roles(self, peer: PeerState, credential: str) -> None:
+        table = self._credentials
+        if table is None or not credential:
+            return
+        roles = table.get(hashlib.sha256(credential.encode()).hexdigest(), _UNKNOWN)
+        if roles is _UNKNOWN:
+            self.counters.bump("unknown_credentials")
+            return
+        peer.roles, peer.by_credential = cast(tuple[str, ...] | None, roles), True
+
+    def _roles(self, peer: PeerState) -> tuple[str, ...] | None:
+        """The service patterns `peer` may serve; None: full rights. A known credential in its
+        hello says; else with CURVE the roles file beside the keys; else, when the hub has a
+        credentials table, none; else (a hub without either) full rights."""
+        if peer.by_credential:
+            return peer.roles
+        auth = self._auth
+        if auth is not None and peer.user_id:
+            return auth.roles_for(peer.user_id)
+        return () if self._credentials is not None else None
+
+    def _forbid(self, counter: str, ident: bytes, req_id: str, text: str) -> None:
+        self._reject(counter, ident, text)
+        self._send_error(ident, req_id, p.FORBIDDEN, text)
+
+    def _refuse_speaker(self, ident: bytes, peer: PeerState, header: p.Header) -> bool:
+        """A peer with roles publishes `agent` events only for the agents it serves (has
+        registered `agent.<name>` or `agent.<name>@...` on this connection); progress of the
+        calls it serves is its too: `tool_execution_update` from a `tool.*` server,
+        `message_update` and `llm_retry` from an `llm` server. Refused: `forbidden_events`."""
+        type_ = header.type
+        if ev.event_family(type_) != "agent":
+            return False
+        roles = self._roles(peer)
+        if roles is None:
+            return False
+        served = peer.served
+        agent = header.agent
+        if f"agent.{agent}" in served or any(s.startswith(f"agent.{agent}@") for s in served):
+            return False
+        if type_ in _SERVER_PROGRESS and any(s.startswith(_SERVER_PROGRESS[type_]) for s in served):
+            return False
+        self._forbid("forbidden_events", ident, header.id,
+                     f"event refused, neither logged nor published: {peer.id} does not serve "
+                     f"agent `{agent[:64]}`, so it may not publish its `{type_[:64]}` "
+                     "(docs/protocol.md section 8, roles)")
+        return True
 
     def _on_unregister(self, ident: bytes, peer: PeerState, header: p.Header,
                        frames: list[bytes]) -> None:
@@ -587,7 +732,7 @@ class Hub:
         counters = self.counters  # (inline: this runs for every request)
         counters["requests"] = counters.get("requests", 0) + 1
         if self.registry.request(peer, header, frames):  # a `hub.` service: served here
-            self._serve_builtin(ident, header, frames)
+            self._serve_builtin(ident, peer, header, frames)
         else:  # live traffic: replay answers are paced for a moment (bus/replay_pacing.py)
             self.events.pacer.routed(peer.last_seen)
 
@@ -617,17 +762,17 @@ class Hub:
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
         mixed = header.type == p.MIXED_TYPES
         if count == 1:
-            self._stamp_body(ident, header, frames[3], 0, 1, mixed)
+            self._stamp_body(ident, peer, header, frames[3], 0, 1, mixed)
             return
         base = header.id
         for i in range(count):
             header.id = f"{base}.{i}"  # each event's own id (its `error`, if refused, names it)
             if mixed:
                 header.type = p.MIXED_TYPES  # the previous body's type is not this one's
-            self._stamp_body(ident, header, frames[3 + i], i, count, mixed)
+            self._stamp_body(ident, peer, header, frames[3 + i], i, count, mixed)
 
-    def _stamp_body(self, ident: bytes, header: p.Header, body: bytes, index: int,
-                    count: int, mixed: bool) -> None:
+    def _stamp_body(self, ident: bytes, peer: PeerState, header: p.Header, body: bytes,
+                    index: int, count: int, mixed: bool) -> None:
         """Check body `index` of `count` and add it to the pass's batch, or refuse it. In a
         message of `mixed` types, the body's own `type` is set into the header first."""
         if self.events.refusing:
@@ -643,6 +788,8 @@ class Hub:
         if not isinstance(body, bytes):
             body = body.bytes
         if self._refuse_event(ident, header, body, index, count, mixed):
+            return
+        if self._restricted and self._refuse_speaker(ident, peer, header):
             return
         self._batch_bytes += len(body)
         self.events.stamp(header, body)
@@ -804,6 +951,14 @@ class Hub:
 
     def _drop_peer(self, peer: PeerState, reason: str) -> None:
         self.registry.drop_peer(peer, reason)
+        # libzmq frees the peer's send queue once its connection is torn down (I/O thread):
+        # then hand the freed memory back, so a peer that made the hub grow does not leave it so
+        self._trim_at = min(self._trim_at, time.monotonic() + TRIM_DELAY)
+
+    def _trim(self, now: float) -> None:
+        self._trim_at = math.inf
+        if _malloc_trim is not None:
+            _malloc_trim(0)
 
     # --- sending -------------------------------------------------------------------------
 
@@ -846,9 +1001,19 @@ class Hub:
 
     # --- built-in services ---------------------------------------------------------------
 
-    def _serve_builtin(self, ident: bytes, header: p.Header, frames: list[bytes]) -> None:
+    def _serve_builtin(self, ident: bytes, peer: PeerState, header: p.Header,
+                       frames: list[bytes]) -> None:
         if header.service == p.HUB_STATUS:
+            if not self._within_service_budget(peer, self._status_size):
+                self.counters.bump("overloaded_service_bytes")
+                self._send_error(ident, header.id, p.OVERLOADED,
+                                 f"`{p.HUB_STATUS}` answers to this peer would pass the hub budget "
+                                 f"`peer_service_bytes` ({self.config.peer_service_bytes} bytes a "
+                                 "second); read the answers, then ask again")
+                return
             body = p.encode(self.status())
+            self._status_size = len(body)
+            peer.service_tokens -= len(body)
         elif header.service == p.HUB_REPLAY:
             try:
                 request = (p.decode(frames[3], p.ReplayRequest) if len(frames) > 3
@@ -870,6 +1035,17 @@ class Hub:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
             return
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.REPLY, id=header.id)), body])
+
+    def _within_service_budget(self, peer: PeerState, size: int) -> bool:
+        """Whether `peer` may be sent a hub-service answer of about `size` bytes now: a token
+        bucket of `peer_service_bytes` (refilled at that many bytes a second). A peer that asks
+        and never reads would otherwise grow the hub's send queue by every answer it asks for
+        (libzmq counts that queue in messages: `router_hwm` of them)."""
+        now = time.monotonic()
+        rate = self.config.peer_service_bytes
+        peer.service_tokens = min(rate, peer.service_tokens + (now - peer.service_at) * rate)
+        peer.service_at = now
+        return peer.service_tokens >= size
 
     def _forward_replays(self, answers: list[tuple[bytes, str, bytes, Any]]) -> None:
         """Send the reader's finished replays (a bounded number per pass); bodies are
@@ -929,6 +1105,7 @@ class Hub:
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
             "replay_bytes": p.Budget(cfg.replay_bytes, self.events.replay_peak),
+            "peer_service_bytes": p.Budget(cfg.peer_service_bytes, self._status_size),
             # a rate, not a size: bytes a second while requests flow; used: answers' bytes held
             "replay_pace_bytes": p.Budget(cfg.replay_pace_bytes, self.events.pacer.held_bytes),
             "max_redispatch": p.Budget(cfg.max_redispatch),
@@ -937,6 +1114,7 @@ class Hub:
 
 def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
     """Run a hub until SIGTERM/SIGINT; print one JSON `ready` line on stdout once bound."""
+    os.umask(0o077)  # the event log holds every prompt and reply: its owner's alone
     hub = Hub(config)
     signal.signal(signal.SIGTERM, lambda *_: hub.stop())
     signal.signal(signal.SIGINT, lambda *_: hub.stop())

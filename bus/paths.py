@@ -12,7 +12,12 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import socket
+import stat
+import tempfile
 from pathlib import Path
+
+from bus.errors import ConfigError
 
 STATE_HOME_ENV = "BUSCTL_STATE_HOME"
 STATE_MARKER = ".agent-bus-state"
@@ -43,13 +48,32 @@ def default_state_dir(project: Path | str | None = None) -> Path:
 
 
 def ensure_state_dir(path: Path | str) -> Path:
-    """Create `path` (and parents) and mark it as a state directory; returns it resolved."""
+    """Create `path` (and parents) and mark it as a state directory; returns it resolved.
+
+    It holds every prompt and reply: it is made 0700, and a state directory an older version
+    left open to others is closed, with everything in it (folders 0700, files 0600)."""
     state = Path(path).resolve()
-    state.mkdir(parents=True, exist_ok=True)
+    state.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if state.stat().st_mode & 0o077:
+        make_private(state)
     marker = state / STATE_MARKER
     if not marker.exists():
         marker.write_text(_MARKER_TEXT)
+        os.chmod(marker, 0o600)
     return state
+
+
+def make_private(folder: Path) -> None:
+    """`folder` and everything in it readable by its owner only (links are left alone)."""
+    os.chmod(folder, 0o700)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), 0o700)
+        for name in files:
+            full = os.path.join(root, name)
+            if not os.path.islink(full):
+                os.chmod(full, 0o600)
 
 
 def inside_state_dir(path: Path) -> Path | None:
@@ -66,3 +90,183 @@ def inside_state_dir(path: Path) -> Path | None:
 def overlaps(a: Path, b: Path) -> bool:
     """True when one of the two resolved folders contains the other (or they are the same)."""
     return a == b or a in b.parents or b in a.parents
+
+
+# --- the local hub's sockets: a private runtime directory -----------------------------------
+#
+# A local topology's hub listens on ipc:// sockets in a 0700 directory of its user's, so no other
+# local user can reach it (docs/protocol.md section 8, "A local topology"). The directory is
+# `$XDG_RUNTIME_DIR/agent-bus/<12 hex of the state directory>/` (else `/tmp/agent-bus-<uid>/...`),
+# holding `hub` and `hub.events` (short paths: a socket path has at most 107 bytes). The tcp
+# address the topology names (`tcp://127.0.0.1:7400`) stays its owner's way to reach it: an alias
+# file `tcp-<port>` in the user's runtime folder gives the ipc address, and `connect()` follows it.
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def _runtime_base() -> Path:
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "agent-bus" if xdg else Path(tempfile.gettempdir()) / f"agent-bus-{os.getuid()}"
+
+
+def runtime_home() -> Path:
+    """The user's private folder for the sockets of local hubs (made 0700, checked ours)."""
+    return private_dir(_runtime_base())
+
+
+def _ours(path: Path, private: bool) -> bool:
+    """Whether `path` (not followed if a link) is this user's, and with `private` not open to
+    others: a client trusts an alias only there (someone else's file could lead it to their hub)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not (private and st.st_mode & 0o077)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user's that no one else can enter: made 0700 (parents too,
+    when missing), narrowed to 0700 if looser; refused if it is a link or another user's (in a
+    shared /tmp, someone else may have made it first)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ConfigError(f"{path} is not a directory of this user's (a link, or made by uid "
+                          f"{st.st_uid}): remove it, or set XDG_RUNTIME_DIR to a private folder")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def topology_runtime_dir(state: Path) -> Path:
+    """The private runtime folder of the topology whose state directory is `state`."""
+    digest = hashlib.sha256(str(Path(state).resolve()).encode()).hexdigest()[:12]
+    return private_dir(runtime_home() / digest)
+
+
+def local_hub_endpoint(state: Path) -> str:
+    """The ipc:// address of the hub of the topology whose state directory is `state`."""
+    return f"ipc://{topology_runtime_dir(state)}/hub"
+
+
+# The credential a process presents in its hello (roles: agents/launch/credentials.py).
+CREDENTIAL_ENV = "BUSCTL_CREDENTIAL_FILE"  # its path, set by `busctl up` for its children
+OWNER_CREDENTIAL = "owner.cred"  # beside a local topology's sockets: its owner's full rights
+MAX_CREDENTIAL = 256
+
+
+def credential_for(endpoint: str) -> str:
+    """What to present to the hub at `endpoint`, a local topology's ipc:// socket: the file named
+    by $BUSCTL_CREDENTIAL_FILE when it lies beside the socket (a credential is never sent to
+    another hub), else the owner's credential there, when it is this user's and private; ""
+    for any other hub, or when there is none."""
+    if not endpoint.startswith("ipc://"):
+        return ""
+    folder = Path(endpoint[6:]).parent
+    named = os.environ.get(CREDENTIAL_ENV, "")
+    if named:
+        path = Path(named)
+        if path.parent != folder:
+            return ""
+    else:
+        path = folder / OWNER_CREDENTIAL
+        if not (_ours(path.parent, private=True) and _ours(path, private=True)):
+            return ""
+    try:
+        return path.read_text()[:MAX_CREDENTIAL].strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+ATTACHED_WORKER_CREDENTIAL = "worker.cred"  # tool.* only: a worker attached by hand
+
+
+def claim_worker_credential(endpoint: str) -> None:
+    """For a tool worker attached by hand to a local topology: name the topology's worker
+    credential (serve tools only) as this process's, before its sandbox hides every other one
+    (the owner's full rights included). Does nothing when a credential is named already."""
+    if not endpoint.startswith("ipc://") or os.environ.get(CREDENTIAL_ENV):
+        return
+    path = Path(endpoint[6:]).parent / ATTACHED_WORKER_CREDENTIAL
+    if _ours(path.parent, private=True) and _ours(path, private=True):
+        os.environ[CREDENTIAL_ENV] = str(path)
+
+
+def loopback_port(endpoint: str) -> int | None:
+    """The port of a loopback tcp:// address (None for anything else, and for port 0)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[6:].rpartition(":")
+    if host not in LOCAL_HOSTS and not host.startswith("127."):
+        return None
+    return int(port) if port.isdigit() and int(port) else None
+
+
+def _alias_file(port: int) -> Path:
+    return runtime_home() / f"tcp-{port}"
+
+
+def set_tcp_alias(port: int, endpoint: str) -> None:
+    """Make `tcp://127.0.0.1:<port>` lead this user's clients to `endpoint` (0600)."""
+    path = _alias_file(port)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(endpoint)
+    os.replace(tmp, path)
+
+
+def remove_tcp_alias(port: int, endpoint: str) -> None:
+    """Remove the alias, unless it now leads to another hub."""
+    try:
+        if tcp_alias(port, live=False) == endpoint:
+            _alias_file(port).unlink(missing_ok=True)
+    except (OSError, ConfigError):
+        pass
+
+
+def tcp_alias(port: int, live: bool = True) -> str:
+    """The ipc:// address this user's local hub for `port` listens on ("" when none; with
+    `live`, also when its socket does not accept a connection: a topology that was killed)."""
+    base = _runtime_base()
+    path = base / f"tcp-{port}"
+    if not (_ours(base, private=True) and _ours(path, private=True)):
+        return ""
+    try:
+        endpoint = path.read_text().strip()
+    except OSError:
+        return ""
+    if not endpoint.startswith("ipc://"):
+        return ""
+    if live and not ipc_listening(endpoint[6:]):
+        return ""
+    return endpoint
+
+
+def remove_local_hub(endpoint: str) -> None:
+    """After its hub stopped: its socket files and private directory (if nothing listens)."""
+    path = Path(endpoint[6:])
+    for sock in (path, path.with_name(path.name + ".events")):
+        if sock.is_socket() and not ipc_listening(str(sock)):
+            sock.unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:
+        pass
+
+
+def ipc_listening(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def local_alias(endpoint: str) -> str:
+    """`endpoint`, or the ipc:// address it is an alias of (this user's local topology)."""
+    port = loopback_port(endpoint)
+    if port is None:
+        return endpoint
+    return tcp_alias(port) or endpoint

@@ -69,6 +69,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.backoff import Backoff
 from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
+from bus.paths import credential_for, local_alias
 from bus.rpc import REPLY_GRACE, Calls
 from bus.security import CurveClient
 from bus.serving import Handler, Served, Serving, body_limit
@@ -142,7 +143,8 @@ class Peer:
         connect_timeout: float = CONNECT_TIMEOUT,
         flush_timeout: float = FLUSH_TIMEOUT,
     ) -> None:
-        self.hub = hub
+        # `tcp://127.0.0.1:PORT` of this user's local topology leads to its private ipc socket
+        self.hub = local_alias(hub) if curve is None else hub
         self.name = name
         self.role = role
         self.curve = curve
@@ -432,7 +434,7 @@ class Peer:
 
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
-                       role=self.role)
+                       role=self.role, credential=credential_for(self.hub))
 
     async def _housekeeping(self, tg: anyio.abc.TaskGroup) -> None:
         hb = [_SIG, p.encode(p.Header(kind=p.HEARTBEAT))]

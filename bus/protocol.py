@@ -49,6 +49,7 @@ HANDLER_ERROR: Final = "handler_error"
 HUB_LOST: Final = "hub_lost"
 LOG_UNAVAILABLE: Final = "log_unavailable"  # hub -> publisher: event refused, log not writable
 UNAUTHORIZED: Final = "unauthorized"  # hub -> peer: its CURVE key is no longer authorised
+FORBIDDEN: Final = "forbidden"  # hub -> peer: its roles do not allow that register or event
 BAD_EVENT: Final = "bad_event"  # hub -> publisher: event refused (a hub-only type, or a lying header)
 
 # Services the hub serves itself.
@@ -101,6 +102,9 @@ class Hello(msgspec.Struct, omit_defaults=True):
     pid: int = 0
     host: str = ""
     role: str = ""
+    # A secret naming this process's roles in a hub given a credentials table (`busctl up`
+    # makes one per process kind; docs/protocol.md section 8, "Roles"). Never shown in status.
+    credential: str = ""
 
 
 class Welcome(msgspec.Struct, omit_defaults=True):

@@ -101,6 +101,17 @@ class PeerState:
     requested: set[str] = field(default_factory=set)  # ids of its requests the hub holds
     request_bytes: int = 0  # charged for its requests the hub holds (`peer_request_bytes`)
     user_id: str = ""  # the CURVE key (ZAP User-Id) this peer authenticated with
+    # Every service it registered on this connection, also since unregistered: whom it may
+    # speak for (a coordinator may end its runs after taking its agents off the bus).
+    served: set[str] = field(default_factory=set)
+    # Its `peer_service_bytes` token bucket (bytes it may still be answered, and when that was
+    # reckoned); starts full: the first reckoning fills it.
+    service_tokens: float = 0.0
+    service_at: float = 0.0
+    # Roles from a credential in its hello (the service patterns it may serve; None: full
+    # rights); `by_credential` False: its roles come from its CURVE key, or it has full rights.
+    roles: tuple[str, ...] | None = None
+    by_credential: bool = False
 
 
 class Counters(dict[str, int]):
@@ -170,6 +181,7 @@ class Registry:
             service.slots[peer.ident] = Slot(spec.capacity, old.load if old else 0,
                                              old.last if old else 0)
             peer.services.add(spec.name)
+            peer.served.add(spec.name)
             self.emit(ev.ServiceRegistered(service=spec.name, peer=peer.id,
                                            capacity=spec.capacity))
             self._dispatch_queued(service)

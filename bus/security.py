@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 import threading
+import tomllib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,34 @@ def curve_peer_id(user_id: str, routing_id: bytes) -> str:
     return f"key:{user_id[:KEY_ID_CHARS]}:{routing_id.hex()}"
 
 
+ROLES_FILE = "roles.toml"  # beside the authorised keys: what each key may do (docs/protocol.md §8)
+FULL_RIGHTS = "*"
+
+
+def read_roles(path: Path, keys_by_name: Mapping[str, bytes]) -> dict[bytes, tuple[str, ...]] | None:
+    """The roles file as {public key: service patterns}, or None when there is none (every key
+    keeps full rights). A file that cannot be read gives no key any right (never wider access)."""
+    if not path.exists():
+        return None
+    try:
+        table = tomllib.loads(path.read_text()).get("roles", {})
+        if not isinstance(table, dict):
+            raise ValueError("`roles` must be a table of key name = [service patterns]")
+        roles: dict[bytes, tuple[str, ...]] = {}
+        for name, patterns in table.items():
+            if not (isinstance(patterns, list) and all(isinstance(x, str) for x in patterns)):
+                raise ValueError(f"roles.{name} must be a list of service patterns (strings)")
+            if name not in keys_by_name:
+                log.warning("%s: no authorised key file %s.key for roles.%s", path, name, name)
+                continue
+            roles[keys_by_name[name]] = tuple(patterns)
+        return roles
+    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
+        log.error("cannot read %s: %s; no key may serve or speak for an agent until it is fixed",
+                  path, exc)
+        return {}
+
+
 class KeyDirAuthenticator:
     """ZAP handler admitting the CURVE keys in a directory; reloads it when it changes.
 
@@ -137,6 +166,7 @@ class KeyDirAuthenticator:
         self.directory = directory
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("bus.security.zap"))
         self._keys: frozenset[bytes] = frozenset()
+        self._roles: dict[bytes, tuple[str, ...]] | None = None  # None: no roles file
         self._stamp: object = None
         self._lock = threading.Lock()
         self._refused = 0
@@ -170,6 +200,7 @@ class KeyDirAuthenticator:
         with self._lock:
             stamp = self._dir_stamp()
             keys: set[bytes] = set()
+            names: dict[str, bytes] = {}
             try:
                 paths = sorted(self.directory.glob("*.key"))
             except OSError as exc:
@@ -183,6 +214,8 @@ class KeyDirAuthenticator:
                     log.warning("skipping authorised key file %s: %s", path, exc)
                     continue
                 keys.add(public)
+                names[path.stem] = public
+            self._roles = read_roles(self.directory / ROLES_FILE, names)
             if keys != self._keys or self._stamp is None:
                 log.info("authorised CURVE keys: %d (from %s)", len(keys), self.directory)
             if keys != self._keys:
@@ -201,6 +234,15 @@ class KeyDirAuthenticator:
     def is_authorized(self, user_id: str) -> bool:
         """Whether the key behind a ZAP User-Id (the client key in Z85) is still authorised."""
         return user_id.encode("ascii", "replace") in self._keys
+
+    def roles_for(self, user_id: str) -> tuple[str, ...] | None:
+        """The service patterns the key behind a ZAP User-Id may serve; None: full rights (no
+        roles file, or `*` among its patterns). A key the roles file leaves out has none."""
+        roles = self._roles
+        if roles is None:
+            return None
+        patterns = roles.get(user_id.encode("ascii", "replace"), ())
+        return None if FULL_RIGHTS in patterns else patterns
 
     def callback(self, domain: str, key: bytes) -> bool:
         """pyzmq credentials provider: called in the ZAP thread with the client's Z85 key."""
@@ -233,7 +275,7 @@ class KeyDirAuthenticator:
             entries = []
             with os.scandir(self.directory) as it:
                 for entry in it:
-                    if entry.name.endswith(".key"):
+                    if entry.name.endswith(".key") or entry.name == ROLES_FILE:
                         est = entry.stat()
                         entries.append((entry.name, est.st_mtime_ns, est.st_size, est.st_ino))
             return (st.st_mtime_ns, tuple(sorted(entries)))

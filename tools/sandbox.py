@@ -28,7 +28,7 @@ import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -63,6 +63,8 @@ class SandboxInfo(msgspec.Struct, omit_defaults=True):
     shell_network: bool = False
     reason: str = ""  # kind "none": why
     pid: int = 0  # the sandbox's own pid outside it (what a parent sees and signals)
+    # the hub address as resolved outside (a local alias's folder is hidden inside)
+    hub: str = ""
 
 
 # --- layer 1: the path filter ---------------------------------------------------------------
@@ -200,13 +202,14 @@ def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
 
 # --- run_shell: one nested sandbox per call ---------------------------------------------------
 
-_shell = {"mode": "auto", "network": False}
+_shell: dict[str, Any] = {"mode": "auto", "network": False, "hide": ()}
 
 
-def set_shell_sandbox(mode: SandboxMode, network: bool = False) -> None:
-    """The worker's `--sandbox` mode for its `run_shell` calls ("off": process group only), and
-    whether they have the network (`network = true` in the group, `--shell-network`)."""
-    _shell.update(mode=mode, network=network)
+def set_shell_sandbox(mode: SandboxMode, network: bool = False, hide: tuple[str, ...] = ()) -> None:
+    """The worker's `--sandbox` mode for its `run_shell` calls ("off": process group only),
+    whether they have the network (`network = true` in the group, `--shell-network`), and the
+    folders they do not see (a local hub's socket folder: `hub_folders`)."""
+    _shell.update(mode=mode, network=network, hide=hide)
     shell_prefix.cache_clear()
 
 
@@ -233,8 +236,9 @@ def shell_prefix() -> tuple[str, ...]:
         return ()
     net = () if _shell["network"] else ("--unshare-net",)
     for proc in (("--proc", "/proc"), ()):
-        prefix = (bwrap, "--dev-bind", "/", "/", *proc, "--unshare-pid", *net, "--die-with-parent",
-                  "--new-session", "--cap-drop", "ALL")
+        hidden = [arg for folder in _shell["hide"] for arg in ("--tmpfs", folder)]
+        prefix = (bwrap, "--dev-bind", "/", "/", *proc, *hidden, "--unshare-pid", *net,
+                  "--die-with-parent", "--new-session", "--cap-drop", "ALL")
         try:
             probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=10,
                                    stdin=subprocess.DEVNULL)
@@ -283,7 +287,7 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
                 '`sandbox = "required"` (`--sandbox required`); install bubblewrap (package '
                 '`bubblewrap`), allow user namespaces, or set `sandbox = "auto"` to run without')
         return SandboxInfo(kind="none", reason=why)
-    info.pid = os.getpid()  # exec keeps it: bwrap's
+    info.pid, info.hub = os.getpid(), hub  # exec keeps the pid: bwrap's
     os.environ[SANDBOX_ENV] = msgspec.json.encode(info).decode()
     os.execv(prefix[0], [*prefix, sys.executable, *sys.orig_argv[1:]])
     raise AssertionError("unreachable")  # pragma: no cover - execv does not return
@@ -337,6 +341,8 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
     for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
         # read-only is enough to connect (sockets are exempt), and nothing can be put there
         args += ["--ro-bind", str(path), str(path)]
+    for other in _others_credentials(hub):  # the owner's full rights, other processes' roles
+        args += ["--ro-bind", "/dev/null", str(other)]
     # --as-pid-1: the worker is the namespace's first process (see `_leave_with_bwrap`)
     args += ["--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
              "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]
@@ -346,9 +352,12 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
 
 
 def _state_dirs(hide: list[Path]) -> list[Path]:
-    from bus.paths import state_home
+    """Hidden from tools: the state directories, and the folder of local hubs' sockets,
+    credentials and tcp aliases (the hub's own socket folder is bound back in, read-only)."""
+    from bus.paths import runtime_home, state_home
 
-    return [p for p in {state_home().resolve(), *(h.resolve() for h in hide)} if p.is_dir()]
+    hidden = {state_home().resolve(), runtime_home().resolve(), *(h.resolve() for h in hide)}
+    return [p for p in hidden if p.is_dir()]
 
 
 def _ipc_paths(address: str) -> list[Path]:
@@ -363,6 +372,25 @@ def _ipc_paths(address: str) -> list[Path]:
     if inside_state_dir(folder) is None and folder.is_dir():
         return [folder]
     return [sock] if sock.exists() else []
+
+
+def _others_credentials(address: str) -> list[Path]:
+    """The credentials beside a local hub's socket that are not this worker's own (named by
+    $BUSCTL_CREDENTIAL_FILE): hidden in its sandbox, so neither its tools nor a shell can
+    present the owner's (full rights) or another process's credential to the hub."""
+    from bus.paths import CREDENTIAL_ENV
+
+    if not address.startswith("ipc://"):
+        return []
+    own = os.environ.get(CREDENTIAL_ENV, "")
+    folder = Path(address[len("ipc://"):]).expanduser().resolve().parent
+    return sorted(p for p in folder.glob("*.cred") if str(p) != own and p.resolve() != Path(own))
+
+
+def hub_folders(address: str) -> tuple[str, ...]:
+    """What a `run_shell` call must not see of a local hub: its socket folder (the socket and
+    the worker's credential: a shell is not a peer of the bus)."""
+    return tuple(str(p) for p in _ipc_paths(address) if p.is_dir())
 
 
 def required_problem(workspace: Path, hub: str) -> str:

@@ -27,6 +27,7 @@ import anyio.abc
 import msgspec
 
 from agents.gateway.wire import ModelConfig
+from agents.launch import credentials
 from agents.launch.supervisor import (
     Child,
     ChildFailed,
@@ -41,8 +42,18 @@ from agents.launch.supervisor import (
 from agents.launch.topology import Topology, WorkerGroup
 from bus import events as ev
 from bus.client import Peer, connect
-from bus.paths import ensure_state_dir, state_home
-from bus.security import CurveClient
+from bus.paths import (
+    ensure_state_dir,
+    ipc_listening,
+    local_hub_endpoint,
+    loopback_port,
+    remove_local_hub,
+    remove_tcp_alias,
+    set_tcp_alias,
+    state_home,
+    tcp_alias,
+)
+from bus.security import CurveClient, is_loopback_endpoint
 from tools.sandbox import SandboxInfo, describe, required_problem
 
 log = logging.getLogger("agents.launch.up")
@@ -103,6 +114,8 @@ def hub_argv(topo: Topology) -> list[str]:
         argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized]
     if hub.insecure:
         argv.append("--insecure")
+    if credentials.enabled(topo, state_dir(topo)):
+        argv += ["--credentials", str(state_dir(topo) / "hub" / "credentials.json")]
     return argv
 
 
@@ -127,14 +140,17 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     Gateways and coordinators read the topology from stdin (`--topology -`): the supervisor hands
     it over from memory at every restart, so no file a tool might reach can redirect them.
     """
-    specs = [_with_curve(spec, topo) for spec in _piece_specs(topo, endpoint)]
+    state = state_dir(topo)
+    specs = [credentials.attach(_with_curve(spec, topo), topo, state)
+             for spec in _piece_specs(topo, endpoint)]
     for proc in topo.all_processes():  # with the [ui] and [otel] children
         argv = proc.command
         if argv and argv[0] == "busctl":  # this installation's busctl, whatever PATH says
             argv = python_argv(*argv[1:])
         env = {"BUSCTL_HUB": endpoint, **proc.env}
-        specs.append(ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
-                               pass_env=proc.pass_env))
+        specs.append(credentials.attach(
+            ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
+                      pass_env=proc.pass_env), topo, state))
     return specs
 
 
@@ -256,19 +272,44 @@ async def _live_tools(peer: Peer) -> list[str]:
 async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -> int:
     """Run the topology until SIGINT/SIGTERM/SIGHUP. Returns the exit code."""
     topo = resolve(topology, options)
+    # Everything the topology writes (event log, conversations, logs, run files) is its user's
+    # alone: files 0600 in 0700 folders; the children inherit the umask.
+    os.umask(0o077)
     state = ensure_state_dir(state_dir(topo))
     topo.hub.state_dir = str(state)  # children resolve nothing relative to their own cwd
+    port = make_local(topo, state)
+    if credentials.enabled(topo, state):
+        credentials.make(topo, state)
     try:
         async with Supervisor(state / "logs", out, color) as sup:
             _claim_run_files(sup, state)
-            await _run(topo, options, sup, state, out)
+            await _run(topo, options, sup, state, out, port)
     finally:
         remove_run_files(state, os.getpid())
+        credentials.remove(state)
+        if port is not None:
+            remove_tcp_alias(port, topo.hub.endpoint)
+            remove_local_hub(topo.hub.endpoint)
     return 0
 
 
+def make_local(topo: Topology, state: Path) -> int | None:
+    """A hub on loopback tcp without CURVE would answer every local user: it listens on ipc://
+    sockets in a private runtime directory instead (bus/paths.py), and its tcp port becomes an
+    alias of them for this user's clients. Returns that port (None: no alias; the tcp address
+    is kept as given with CURVE, or `insecure`, or a non-loopback address)."""
+    hub = topo.hub
+    if hub.curve_secret or hub.insecure or not hub.endpoint.startswith("tcp://"):
+        return None
+    if not is_loopback_endpoint(hub.endpoint):
+        return None
+    port = loopback_port(hub.endpoint)
+    hub.endpoint, hub.events = local_hub_endpoint(state), ""
+    return port
+
+
 async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
-               out: TextIO) -> None:
+               out: TextIO, port: int | None = None) -> None:
     with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
@@ -277,6 +318,8 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
         # (`--hub tcp://127.0.0.1:0` would otherwise pick new ports on every restart).
         topo.hub.endpoint, topo.hub.events = endpoint, events
         hub.spec.argv = hub_argv(topo)
+        if port is not None:  # `--hub tcp://127.0.0.1:PORT` leads this user's clients here
+            set_tcp_alias(port, endpoint)
         sup.run_info.endpoint, sup.run_info.events = endpoint, events
         sup.save_run_file()
         if options.demo:
@@ -355,6 +398,12 @@ def preflight(topo: Topology) -> str:
         return (f"a topology is already up from this directory (supervisor pid {other.pid}, hub "
                 f"{other.endpoint or '?'}, state {state}); stop it with `busctl down`, or give "
                 f"this one its own state directory (`hub.state_dir` in the topology)")
+    port = loopback_port(topo.hub.endpoint)
+    alias = tcp_alias(port) if port is not None else ""
+    if alias:
+        return (f"{topo.hub.endpoint} is already the address of another topology of yours (its "
+                f"hub listens on {alias}); stop it with `busctl down` from its directory, or "
+                f"choose another address with `--hub tcp://127.0.0.1:PORT`")
     for address in (topo.hub.endpoint, topo.hub.events):
         if address and not _tcp_free(address):
             return (f"{address} is already in use{_owner(address)}; choose another address "
@@ -364,7 +413,10 @@ def preflight(topo: Topology) -> str:
 
 
 def _tcp_free(address: str) -> bool:
-    """False when something listens on a tcp:// address (port 0 and ipc:// are always free)."""
+    """False when something listens on a tcp:// address (port 0 is always free) or an ipc://
+    socket accepts a connection (a bind there would take another hub's socket file)."""
+    if address.startswith("ipc://"):
+        return not ipc_listening(address[6:])
     if not address.startswith("tcp://"):
         return True
     host, _, port = address[6:].rpartition(":")
@@ -542,8 +594,9 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
         await sup.remove(extra)
     used = {int(n.rpartition("-")[2]) for n in mine[:count]}
     free = (i for i in range(1, 10_000) if i not in used)
-    specs = [_with_curve(worker_spec(group, next(free), topo.hub.endpoint, str(state_dir(topo))),
-                         topo)
+    specs = [credentials.attach(
+                 _with_curve(worker_spec(group, next(free), topo.hub.endpoint, str(state_dir(topo))),
+                             topo), topo, state_dir(topo))
              for _ in range(count - len(mine))]
     await _start_all(sup, specs)
     group.count = count

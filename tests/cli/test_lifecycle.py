@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.paths import default_state_dir
+from bus.paths import default_state_dir, ipc_listening
 from tests.cli.conftest import json_lines, pid_alive, start_up
 from tests.support import Proc, busctl, wait_for
 
@@ -40,6 +40,8 @@ def cli(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProce
 
 
 def port_free(endpoint: str) -> bool:
+    if endpoint.startswith("ipc://"):  # a local topology's hub (bus/paths.py): nothing listens
+        return not ipc_listening(endpoint[len("ipc://"):])
     host, _, port = endpoint[len("tcp://"):].rpartition(":")
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

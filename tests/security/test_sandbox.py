@@ -343,3 +343,40 @@ def test_up_without_a_sandbox_says_so(tmp_path: Path) -> None:
             "status", "--hub", ready["endpoint"])
     finally:
         proc.stop(timeout=8)
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
+def test_the_hubs_credentials_stay_out_of_tools_reach(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local topology's socket folder holds the owner's credential (full rights) and each
+    process kind's: inside a worker's sandbox only the worker's own is readable, and a shell
+    call does not see the folder at all (a shell is not a peer of the bus)."""
+    import socket
+
+    from tools import sandbox
+
+    folder = tmp_path / "rt" / "0123456789ab"
+    folder.mkdir(parents=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(folder / "hub"))
+    listener.listen()
+    (folder / "owner.cred").write_text("OWNER-SECRET")
+    (folder / "gateway.cred").write_text("GATEWAY-SECRET")
+    (folder / "worker-tools.cred").write_text("WORKER-OWN")
+    monkeypatch.setenv("BUSCTL_CREDENTIAL_FILE", str(folder / "worker-tools.cred"))
+    hub = f"ipc://{folder / 'hub'}"
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    try:
+        prefix, _ = sandbox.worker_prefix(workspace, hub, [])
+        seen = subprocess.run([*prefix, "sh", "-c", f"cd {folder} && cat *.cred; ls"],
+                              capture_output=True, text=True, timeout=30)
+        assert "WORKER-OWN" in seen.stdout and "hub" in seen.stdout, seen
+        assert "OWNER-SECRET" not in seen.stdout and "GATEWAY-SECRET" not in seen.stdout
+        sandbox.set_shell_sandbox("auto", False, sandbox.hub_folders(hub))
+        shell = subprocess.run([*sandbox.shell_prefix(), "sh", "-c", f"ls -A {folder}"],
+                               capture_output=True, text=True, timeout=30)
+        assert shell.returncode == 0 and shell.stdout.strip() == "", shell
+    finally:
+        sandbox.set_shell_sandbox("auto")
+        listener.close()

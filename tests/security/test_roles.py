@@ -1,0 +1,64 @@
+"""Roles on identities (issue #28 item 6, issue #35 "at the door"): a peer whose CURVE key has
+roles in the hub's `roles.toml` serves only the services they name and publishes `agent` events
+only for the agents it serves. The forger is a raw peer written from docs/protocol.md
+(fixtures/forge_run.py: plain pyzmq and msgspec, in its own interpreter)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.multihost.conftest import Keys, generate
+from tests.support import Proc, busctl
+
+FORGE = Path(__file__).parent / "fixtures" / "forge_run.py"
+
+
+@pytest.fixture
+def curve_hub(tmp_path: Path) -> Iterator[tuple[dict, Keys]]:
+    generate(tmp_path / "keys", "owner", "worker", "coord")
+    keys = Keys(tmp_path / "keys", tmp_path / "keys")
+    (keys.authorized / "roles.toml").write_text(
+        '[roles]\nowner = ["*"]\nworker = ["tool.*"]\ncoord = ["agent.assistant", "agent.assistant@*"]\n')
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+                       *keys.hub_args()))
+    try:
+        yield proc.wait_ready(), keys
+    finally:
+        proc.stop()
+
+
+def forge(info: dict, keys: Keys, key: str, *args: str) -> dict[str, str]:
+    secret = (keys.dir / f"{key}.key_secret").read_text()
+    server = (keys.dir / "hub.key").read_text()
+    z85 = [line.split('"')[1] for text in (server, secret) for line in text.splitlines()
+           if "-key = " in line]  # pyzmq certificate files: public-key (and secret-key) lines
+    result = subprocess.run([sys.executable, str(FORGE), info["endpoint"], f"--curve={','.join(z85)}",
+                             *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_tool_worker_key_cannot_serve_an_agent_nor_forge_its_run(curve_hub) -> None:
+    info, keys = curve_hub
+    answers = forge(info, keys, "worker", "--serve", "agent.assistant", "--serve", "tool.x")
+    assert answers.pop("reg0") == "forbidden" and answers.pop("reg1") == "ok", answers
+    assert set(answers.values()) == {"forbidden"}, answers  # every event of the forged run
+    # the identity that serves `assistant` speaks for it, and only for it
+    assert set(forge(info, keys, "coord", "--serve", "agent.assistant").values()) == {"ok"}
+    other = forge(info, keys, "coord", "--serve", "agent.assistant", "--agent", "other")
+    assert other.pop("reg0") == "ok" and set(other.values()) == {"forbidden"}, other
+    # the owner's key keeps full rights
+    assert set(forge(info, keys, "owner").values()) == {"ok"}
+    status = subprocess.run(busctl("status", "--json", "--hub", info["endpoint"],
+                                   *keys.cli_args("owner")),
+                            capture_output=True, text=True, timeout=30)
+    counters = json.loads(status.stdout)["counters"]
+    assert counters["forbidden_registers"] == 1, counters
+    assert counters["forbidden_events"] == 12, counters
