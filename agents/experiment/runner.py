@@ -27,12 +27,13 @@ import anyio
 import msgspec
 
 from agents.client.remote import AgentBus, Run
+from agents.commands import RunResult
 from agents.experiment.scoring import ScorerError, score_all
 from agents.experiment.spec import Loaded, Sample, SpecError, Variant, experiment_tag, spec_digest
 from agents.replay import REPLAY_SERVICE, ReplayLoad
 from bus import events as ev
 from bus import protocol as p
-from bus.client import Peer
+from bus.client import Peer, Subscription
 from bus.errors import BusError
 from bus.messages import Usage
 from bus.watch import _replay_batch
@@ -156,32 +157,47 @@ class Progress:
             self.out.write("\n")
 
 
-class HelperUsage:
-    """The usage of the runs a cell's run asked for (`ask_<agent>`, and theirs in turn): a
-    team's tokens and cost are its whole tree's. Fed by one subscription to the agents no
-    variant prompts (a helper that is also a variant's agent is not counted)."""
+class RunTally:
+    """What a cell's result does not say, read from one subscription to every live agent's
+    events (not one per run: 50 runs reading their own would each get all 50 runs' events):
+    the turns of each run, and the usage of the runs it asked for (`ask_<agent>`, and theirs
+    in turn), so a team's tokens and cost are its whole tree's."""
 
     def __init__(self) -> None:
+        self.turns: dict[str, int] = {}
         self.children: dict[str, list[str]] = {}
         self.usage: dict[str, list[Usage]] = {}
+        self.ended: dict[str, anyio.Event] = {}
 
-    async def follow(self, peer: Peer, agents: list[str], since: int) -> None:
-        async with peer.subscribe([f"agent/{a}/" for a in agents], since=since) as events:
-            async for envelope in events:
-                if isinstance(envelope.event, ev.AgentEnd) and envelope.header.parent:
-                    run = envelope.header.run
-                    self.children.setdefault(envelope.header.parent, []).append(run)
-                    self.usage[run] = list(envelope.event.usage.values())
+    async def follow(self, events: Subscription) -> None:
+        async for envelope in events:
+            header, event = envelope.header, envelope.event
+            if isinstance(event, ev.TurnStart):
+                self.turns[header.run] = self.turns.get(header.run, 0) + 1
+            elif isinstance(event, ev.AgentEnd):
+                if header.parent:
+                    self.children.setdefault(header.parent, []).append(header.run)
+                    self.usage[header.run] = list(event.usage.values())
+                self._ended(header.run).set()
 
-    def of(self, run: str) -> list[Usage]:
-        """Every helper run's usage under `run` (forgotten once read: each tree is read once)."""
+    def _ended(self, run: str) -> anyio.Event:
+        return self.ended.setdefault(run, anyio.Event())
+
+    async def finished(self, run: str, timeout: float) -> tuple[int, list[Usage]]:
+        """`run`'s turns and its helpers' usage, once its agent_end was seen (at most `timeout`
+        seconds after its result: it is published just before); forgotten once read."""
+        with anyio.move_on_after(timeout):
+            await self._ended(run).wait()
+        self.ended.pop(run, None)
         found: list[Usage] = []
         stack = self.children.pop(run, [])
         while stack:
             child = stack.pop()
             found += self.usage.pop(child, [])
+            self.turns.pop(child, None)
+            self.ended.pop(child, None)
             stack += self.children.pop(child, [])
-        return found
+        return self.turns.pop(run, 0), found
 
 
 class Runner:
@@ -192,7 +208,7 @@ class Runner:
         self.experiment = experiment
         self.progress = progress
         self.samples = {s.key: s for s in loaded.samples}
-        self.helpers = HelperUsage()
+        self.tally = RunTally()
 
     async def start(self, resume: bool) -> Journal:
         """Check the journal against `resume` and publish the plan of a new experiment."""
@@ -254,16 +270,15 @@ class Runner:
         async def one(variant: Variant, sample: Sample, repeat: int) -> None:
             async with limiter:
                 result = await self.cell(variant, sample, repeat)
-                await self._publish(SAMPLE_TYPE, result)
-                journal.results[result.key] = result
-                self._count(result)
+            await self._publish(SAMPLE_TYPE, result)  # its slot is free for the next cell
+            journal.results[result.key] = result
+            self._count(result)
 
-        prompted = {v.agent for v in self.loaded.spec.variants}
-        helpers = [a for a in await self.bus.agents() if a not in prompted]
-        async with anyio.create_task_group() as tg:
-            if helpers and cells:
-                since = (await self.bus.peer.status()).seq
-                tg.start_soon(self.helpers.follow, self.bus.peer, helpers, since)
+        topics = [f"agent/{a}/" for a in await self.bus.agents()]
+        # entered (in place) before the first prompt: no run's events are missed
+        async with self.bus.peer.subscribe(topics) as events, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(self.tally.follow, events)
             async with anyio.create_task_group() as cells_tg:
                 for variant, sample, repeat in cells:
                     cells_tg.start_soon(one, variant, sample, repeat)
@@ -305,33 +320,25 @@ class Runner:
                        tag: str) -> SampleResult:
         started = time.monotonic()
         timeout = self.loaded.spec.run.timeout
-        turns = 0
         run: Run | None = None
-        with anyio.move_on_after(timeout if timeout else float("inf")) as limit:
+        outcome: RunResult | None = None
+        with anyio.move_on_after(timeout if timeout else float("inf")):
             run = await self.bus.prompt(variant.agent, sample.input, experiment=tag,
                                         max_turns=self.loaded.max_turns(variant))
-
-            async def count() -> None:
-                nonlocal turns
-                async for envelope in run.events():
-                    turns += isinstance(envelope.event, ev.TurnStart)
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(count)
-                await run.final_reply()
-                await run.end_seen(END_WAIT)
-                tg.cancel_scope.cancel()
+            try:
+                outcome = await run.result()
+            finally:  # an error or the limit: its subscription and stream go too
+                with anyio.CancelScope(shield=True):
+                    await run.close()
         wall = time.monotonic() - started
-        if limit.cancelled_caught:  # the wall-time limit: cancelling the prompt aborts the run
-            if run is not None:
-                await run.close()
+        if outcome is None:  # the wall-time limit: cancelling the prompt aborts the run
+            run_id = run.run_id if run is not None else ""
+            turns = (await self.tally.finished(run_id, END_WAIT))[0] if run_id else 0
             return msgspec.structs.replace(base, status="ok", stop_reason="timeout", wall=wall,
-                                           turns=turns, score=None, scores=self._scores("",
-                                                                                        sample),
-                                           run_id=run.run_id if run else "")
-        assert run is not None
-        outcome = await run.result()
-        usage = [*outcome.usage.values(), *self.helpers.of(outcome.run_id)]
+                                           turns=turns, scores=self._scores("", sample),
+                                           run_id=run_id)
+        turns, helpers = await self.tally.finished(outcome.run_id, END_WAIT)
+        usage = [*outcome.usage.values(), *helpers]
         done = msgspec.structs.replace(
             base, answer=outcome.final_text, stop_reason=outcome.stop_reason,
             tokens=sum(u.total or u.input + u.output for u in usage),
