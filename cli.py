@@ -1742,7 +1742,12 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
             except SpecError as exc:
                 return exc
 
-    journal = run_async(go)
+    try:
+        journal = run_async(go)
+    except KeyboardInterrupt:  # the runs in progress were aborted (their prompts cancelled)
+        click.echo(f"\nstopped; `busctl experiment run {spec} --resume {experiment}` runs "
+                   f"the rest", err=True)
+        raise click.exceptions.Exit(130) from None
     if isinstance(journal, SpecError):
         raise click.UsageError(str(journal))
     path = Path(results or f"{experiment}.results.jsonl")
