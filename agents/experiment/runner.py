@@ -28,7 +28,8 @@ import msgspec
 
 from agents.client.remote import AgentBus, Run
 from agents.commands import RunResult
-from agents.experiment.scoring import ScorerError, score_all
+from agents.coordinator.bus_adapters import BusLlmClient
+from agents.experiment.scoring import ScorerError, grade, score_all
 from agents.experiment.spec import Loaded, Sample, SpecError, Variant, experiment_tag, spec_digest
 from agents.replay import REPLAY_SERVICE, ReplayLoad
 from bus import events as ev
@@ -209,6 +210,8 @@ class Runner:
         self.progress = progress
         self.samples = {s.key: s for s in loaded.samples}
         self.tally = RunTally()
+        # `model` scorers' calls: tagged with the experiment, under an agent name of their own
+        self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
 
     async def start(self, resume: bool) -> Journal:
         """Check the journal against `resume` and publish the plan of a new experiment."""
@@ -347,7 +350,12 @@ class Runner:
         if outcome.stop_reason in FAILED:
             return done
         scores = self._scores(outcome.final_text, sample)
-        first = next(iter(scores.values()), None)
+        for scorer in self.loaded.spec.scorers:
+            if scorer.kind == "model":
+                scores[scorer.label] = await grade(self.grader, scorer, outcome.final_text,
+                                                   sample)
+        first = scores.get(self.loaded.spec.scorers[0].label) if self.loaded.spec.scorers \
+            else None
         return msgspec.structs.replace(done, status="ok", scores=scores, score=first)
 
     def _scores(self, answer: str, sample: Sample) -> dict[str, float | None]:

@@ -8,6 +8,9 @@
     json_field  the answer's JSON object (the first `{...}` in it) has `field` (a dotted path)
                 equal to the target
     python      fn = "module:function", called as function(answer, sample) -> float | bool
+    model       graded through the gateway (`grade`): the `template` prompt (DEFAULT_TEMPLATE)
+                to model alias `model`; its last `GRADE: C` / `P` / `I` gives 1 / 0.5 / 0, no
+                grade (or a failed call) None. Inspect's `model_graded_qa` convention.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from agents.coordinator.bus_adapters import BusLlmClient
 from agents.experiment.spec import Sample, Scorer
 from bus.errors import AgentBusError
+from bus.messages import LlmRequest, TextPart, user_text
 
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -63,11 +68,36 @@ def score(scorer: Scorer, answer: str, sample: Sample) -> float | None:
         return _number(answer, sample.target, scorer.tolerance)
     if scorer.kind == "json_field":
         return _json_field(answer, sample.target, scorer.field)
-    raise ScorerError(f"scorer kind `{scorer.kind}` is not built yet")
+    raise ScorerError(f"scorer kind `{scorer.kind}` is graded through the gateway (`grade`)")
 
 
 def score_all(scorers: list[Scorer], answer: str, sample: Sample) -> dict[str, float | None]:
-    return {s.label: score(s, answer, sample) for s in scorers}
+    """Every scorer's score but the `model` ones' (`grade`, which calls the gateway)."""
+    return {s.label: score(s, answer, sample) for s in scorers if s.kind != "model"}
+
+
+DEFAULT_TEMPLATE = """You are an impartial grader. Compare the submitted answer with the reference.
+[Question]: {input}
+[Reference answer]: {target}
+[Submitted answer]: {answer}
+Reason briefly, then end with one line: GRADE: C if the submission is correct, GRADE: P if it
+is partially correct, GRADE: I if it is incorrect."""
+GRADES = {"C": 1.0, "P": 0.5, "I": 0.0}
+GRADE = re.compile(r"GRADE\s*:\s*([CPI])\b")
+
+
+async def grade(llm: BusLlmClient, scorer: Scorer, answer: str, sample: Sample) -> float | None:
+    """A `model` scorer's grade of `answer` (None: no grade in the reply, or the call failed)."""
+    target = "" if sample.target is None else (
+        sample.target if isinstance(sample.target, str) else json.dumps(sample.target))
+    prompt = (scorer.template or DEFAULT_TEMPLATE).format(input=sample.input, answer=answer,
+                                                          target=target)
+    reply = await llm.complete(LlmRequest(messages=[user_text(prompt)], model=scorer.model))
+    if reply.stop_reason == "error":
+        return None
+    text = "".join(part.text for part in reply.content if isinstance(part, TextPart))
+    found = GRADE.findall(text)
+    return GRADES[found[-1]] if found else None
 
 
 def _fold(text: str, scorer: Scorer) -> str:

@@ -77,6 +77,8 @@ class Scorer(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     tolerance: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # number: absolute
     field: str = ""  # json_field: a dotted path into the answer's JSON object
     fn: str = ""  # python: "module:function" (answer, sample) -> float | bool
+    model: str = ""  # model: the grader's model alias ("": the gateway's default)
+    template: str = ""  # model: the grading prompt ({input}, {answer}, {target}); "": DEFAULT
 
     @property
     def label(self) -> str:
@@ -239,9 +241,12 @@ def _setting_problems(where: str, variant: Variant, name: str, value: Any) -> li
 
 
 def _scorer_problems(where: str, scorer: Scorer) -> list[str]:
-    if scorer.kind == "model":
-        return [f"{where}.kind: `model` (graded through the gateway) is not built yet; use "
-                f"`python` with fn = \"module:function\" meanwhile"]
+    if scorer.kind == "model" and scorer.template:
+        try:
+            scorer.template.format(input="", answer="", target="")
+        except (KeyError, IndexError, ValueError) as exc:
+            return [f"{where}.template: {exc!r}: the template may use {{input}}, {{answer}} "
+                    f"and {{target}} (double other braces: {{{{ }}}})"]
     if scorer.kind == "json_field" and not scorer.field:
         return [f"{where}.field: json_field needs the dotted path of the field to compare"]
     if scorer.kind == "regex" and scorer.pattern:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -144,8 +145,31 @@ def run_cli(ex_cwd: Path, endpoint: str, *args: str) -> subprocess.CompletedProc
                           text=True, timeout=60, cwd=ex_cwd)
 
 
+GRADED = """
+name = "graded"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "solo"
+agent = "solo"
+[[scorers]]
+kind = "model"
+name = "judge"
+template = "You are a strict GRADER. Answer {answer} to {input}, reference {target}."
+[[scorers]]
+kind = "number"
+"""
+
+
 def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
-    with example(tmp_path, "experiment") as ex:
+    copy = tmp_path / "examples" / "experiment"
+    shutil.copytree(ROOT / "examples" / "experiment", copy)
+    script = json.loads((copy / "fake_model.json").read_text())
+    script["rules"].insert(0, {"system": [], "contains": ["strict GRADER"],
+                               "reply": {"text": "Looks fine.\nGRADE: C"}})
+    (copy / "fake_model.json").write_text(json.dumps(script))
+    (copy / "graded.toml").write_text(GRADED)
+    with example(tmp_path, "experiment", copy=False) as ex:
         spec = "examples/experiment/spec.toml"
         out = run_cli(ex.cwd, ex.endpoint, "run", spec, "--name", "arith-1")
         assert out.returncode == 0, out.stdout + out.stderr
@@ -186,5 +210,14 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
                                       "--json").stdout)
         assert [(v["pairs"], v["better"], v["worse"]) for v in compared["variants"]] == \
             [(60, 0, 0), (60, 0, 0)]
+
+        # a `model` scorer, graded through the gateway (the script grades every answer C)
+        out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/graded.toml", "--name",
+                      "graded-1", "--limit", "4")
+        assert out.returncode == 0, out.stdout + out.stderr
+        [solo] = json.loads(run_cli(ex.cwd, ex.endpoint, "report", "graded-1",
+                                    "--json").stdout)["variants"]
+        assert (solo["n"], solo["score"]) == (4, 1.0)  # q03 is wrong, by number, not by judge
+        assert solo["scores"]["number"]["mean"] == 0.75
 
 
