@@ -273,7 +273,9 @@ class Runner:
         async def one(variant: Variant, sample: Sample, repeat: int) -> None:
             async with limiter:
                 result = await self.cell(variant, sample, repeat)
-            await self._publish(SAMPLE_TYPE, result)  # its slot is free for the next cell
+            # its slot is free for the next cell: the rest only waits
+            result = await self._completed(result)
+            await self._publish(SAMPLE_TYPE, result)
             journal.results[result.key] = result
             self._count(result)
 
@@ -336,17 +338,13 @@ class Runner:
         wall = time.monotonic() - started
         if outcome is None:  # the wall-time limit: cancelling the prompt aborts the run
             run_id = run.run_id if run is not None else ""
-            turns = (await self.tally.finished(run_id, END_WAIT))[0] if run_id else 0
             return msgspec.structs.replace(base, status="ok", stop_reason="timeout", wall=wall,
-                                           turns=turns, scores=self._scores("", sample),
-                                           run_id=run_id)
-        turns, helpers = await self.tally.finished(outcome.run_id, END_WAIT)
-        usage = [*outcome.usage.values(), *helpers]
+                                           scores=self._scores("", sample), run_id=run_id)
+        usage = list(outcome.usage.values())
         done = msgspec.structs.replace(
             base, answer=outcome.final_text, stop_reason=outcome.stop_reason,
-            tokens=sum(u.total or u.input + u.output for u in usage),
-            cost=sum(u.cost for u in usage), turns=turns, wall=wall, run_id=outcome.run_id,
-            session=outcome.session, error=outcome.error or "")
+            tokens=tokens_of(usage), cost=sum(u.cost for u in usage), wall=wall,
+            run_id=outcome.run_id, session=outcome.session, error=outcome.error or "")
         if outcome.stop_reason in FAILED:
             return done
         scores = self._scores(outcome.final_text, sample)
@@ -357,6 +355,15 @@ class Runner:
         first = scores.get(self.loaded.spec.scorers[0].label) if self.loaded.spec.scorers \
             else None
         return msgspec.structs.replace(done, status="ok", scores=scores, score=first)
+
+    async def _completed(self, result: SampleResult) -> SampleResult:
+        """`result` with its run's turns and its helpers' usage, once its agent_end is seen."""
+        if not result.run_id:
+            return result
+        turns, helpers = await self.tally.finished(result.run_id, END_WAIT)
+        return msgspec.structs.replace(result, turns=turns,
+                                       tokens=result.tokens + tokens_of(helpers),
+                                       cost=result.cost + sum(u.cost for u in helpers))
 
     def _scores(self, answer: str, sample: Sample) -> dict[str, float | None]:
         try:
@@ -370,6 +377,10 @@ class Runner:
     async def _publish(self, type_: str, entry: Plan | SampleResult) -> None:
         await self.bus.peer.publish_raw(type_, msgspec.msgpack.encode(entry),
                                         experiment=self.experiment, confirm=True)
+
+
+def tokens_of(usage: Iterable[Usage]) -> int:
+    return sum(u.total or u.input + u.output for u in usage)
 
 
 def result_rows(results: Iterable[SampleResult]) -> list[dict[str, Any]]:
