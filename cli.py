@@ -1707,8 +1707,8 @@ def experiment_check(spec: str) -> None:
 @experiment_group.command("run")
 @hub_options
 @click.argument("spec", type=click.Path(dir_okay=False))
-@click.option("--name", default="", metavar="E", help="The experiment's id [default: the "
-              "spec's name plus -<hex>].")
+@click.option("--name", default="", metavar="E", help="The experiment's id (checked unused "
+              "in the log) [default: the spec's name plus -<12 random hex>].")
 @click.option("--resume", default="", metavar="E",
               help="Run what experiment E (started from SPEC) has not finished yet.")
 @click.option("--limit", type=click.IntRange(0), default=0,
@@ -1730,7 +1730,7 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
     if name and resume:
         raise click.UsageError("--name starts an experiment, --resume finishes one: give one")
     loaded = _experiment_spec(spec, limit)
-    experiment = resume or name or f"{loaded.spec.name}-{uuid.uuid4().hex[:6]}"
+    experiment = resume or name or f"{loaded.spec.name}-{uuid.uuid4().hex[:12]}"
     if not re.fullmatch(NAME, experiment):
         raise click.UsageError(f"--name/--resume {experiment!r}: letters, digits, _ or -")
     progress = progress_for(sys.stderr, loaded.planned)
@@ -1738,7 +1738,8 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
     async def go() -> Any:
         async with connect_agents(hub, name="busctl-experiment", curve=curve) as bus:
             try:
-                return await Runner(bus, loaded, experiment, progress).run(resume=bool(resume))
+                return await Runner(bus, loaded, experiment, progress).run(
+                    resume=bool(resume), fresh=not (resume or name))
             except SpecError as exc:
                 return exc
 

@@ -1,7 +1,7 @@
 """What `busctl experiment run` adds over `run_many` (issue 30, acceptance 2).
 
     python bench/bench_experiment.py [--sessions 200] [--concurrency 50] [--rounds 2]
-                                     [--model-ms 0] [--tool-ms 0]
+                                     [--model-ms 0] [--tool-ms 0] [--named]
 
 One topology (bench_scale.Topology: hub with its log on disk, scripted model, gateway, 4 tool
 workers, coordinator), one agent. Each session is three turns: two turns of one `work` tool call,
@@ -12,6 +12,8 @@ then the answer. The same SESSIONS sessions at CONCURRENCY at once, in the same 
   without the process start and the results file): it also reads each run's events (turns), and
   publishes a confirmed journal event per session.
 Rounds alternate ABBA so drift hits both; prints each wall time and the ratio of the medians.
+With `--named` the runner starts as `--name E` does: it first reads the whole log for E's
+journal (`hub.replay` filters by topic, not by experiment), which grows with the log.
 Not run by pytest; every process is stopped at the end, even on error.
 """
 
@@ -58,8 +60,8 @@ async def with_run_many(endpoint: str, sessions: int, concurrency: int, tag: str
     return took
 
 
-async def with_runner(endpoint: str, spec: Path, tag: str,
-                      sessions: int) -> tuple[float, float]:
+async def with_runner(endpoint: str, spec: Path, tag: str, sessions: int,
+                      fresh: bool) -> tuple[float, float]:
     """(wall time, of which the start: reading the journal, publishing the plan)."""
     loaded = load_spec(spec)
     async with connect(endpoint, name="bench-runner") as bus:
@@ -69,15 +71,15 @@ async def with_runner(endpoint: str, spec: Path, tag: str,
 
         start = 0.0
 
-        async def timed_start(resume: bool) -> Journal:
+        async def timed_start(resume: bool, fresh: bool = False) -> Journal:
             nonlocal start
             begun = time.perf_counter()
-            journal = await original(resume)
+            journal = await original(resume, fresh)
             start = time.perf_counter() - begun
             return journal
 
         runner.start = timed_start  # type: ignore[method-assign]
-        journal = await runner.run()
+        journal = await runner.run(fresh=fresh)
         took = time.perf_counter() - started
     ok = [r for r in journal.results.values() if r.status == "ok"]
     assert len(ok) == sessions and all(r.turns == 3 for r in ok), list(journal.results.values())[:3]
@@ -91,6 +93,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="ABBA pairs")
     parser.add_argument("--model-ms", type=float, default=0.0)
     parser.add_argument("--tool-ms", type=float, default=0.0)
+    parser.add_argument("--named", action="store_true",
+                        help="as `--name E`: the runner first reads the log for E's journal "
+                             "(default: a fresh random id, as `busctl experiment run SPEC`)")
     args = parser.parse_args()
     scale = argparse.Namespace(turns=2, calls=1, model_ms=args.model_ms, tool_ms=args.tool_ms)
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -111,7 +116,7 @@ def main() -> None:
                                               args.concurrency, tag))
                     else:
                         took, start = anyio.run(with_runner, endpoint, spec, tag,
-                                                args.sessions)
+                                                args.sessions, not args.named)
                         runner.append(took)
                         starts.append(start)
                     print(f"{kind:>7}: {args.sessions} sessions at {args.concurrency}: "

@@ -213,9 +213,13 @@ class Runner:
         # `model` scorers' calls: tagged with the experiment, under an agent name of their own
         self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
 
-    async def start(self, resume: bool) -> Journal:
-        """Check the journal against `resume` and publish the plan of a new experiment."""
-        journal = await read_journal(self.bus.peer, self.experiment)
+    async def start(self, resume: bool, fresh: bool = False) -> Journal:
+        """Check the journal against `resume` and publish the plan of a new experiment.
+        `fresh`: the id was just made up (random): it has no journal, and reading the log to
+        make sure (a scan of the whole log: `hub.replay` filters by topic, not experiment)
+        is skipped."""
+        journal = Journal(None, {}) if fresh and not resume else \
+            await read_journal(self.bus.peer, self.experiment)
         digest = spec_digest(self.loaded)
         spec = self.loaded.spec
         if journal.plan is None and resume:
@@ -263,8 +267,8 @@ class Runner:
                 if (old := journal.results.get((variant.name, sample.key, repeat))) is None
                 or old.status != "ok"]
 
-    async def run(self, resume: bool = False) -> Journal:
-        journal = await self.start(resume)
+    async def run(self, resume: bool = False, fresh: bool = False) -> Journal:
+        journal = await self.start(resume, fresh)
         cells = self.missing(journal)
         if self.progress is not None:
             self.progress.done = self.progress.already = self.loaded.planned - len(cells)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -210,6 +211,13 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
                                       "--json").stdout)
         assert [(v["pairs"], v["better"], v["worse"]) for v in compared["variants"]] == \
             [(60, 0, 0), (60, 0, 0)]
+
+        # no --name: a fresh id (its journal is not looked for in the log)
+        out = run_cli(ex.cwd, ex.endpoint, "run", spec, "--limit", "1")
+        assert out.returncode == 0, out.stdout + out.stderr
+        fresh = re.search(r"6 results in (arith-[0-9a-f]{12})\.results\.jsonl", out.stderr)
+        assert fresh, out.stderr
+        assert journal_of(ex.endpoint, fresh.group(1)).plan is not None
 
         # a `model` scorer, graded through the gateway (the script grades every answer C)
         out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/graded.toml", "--name",
