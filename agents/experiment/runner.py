@@ -36,7 +36,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.client import Peer, Subscription
 from bus.errors import BusError
-from bus.messages import Usage
+from bus.messages import AssistantMessage, Usage
 from bus.watch import _replay_batch
 
 PLAN_TYPE = "experiment_plan"
@@ -44,6 +44,7 @@ SAMPLE_TYPE = "experiment_sample"
 JOURNAL_TOPIC = "ext///experiment_"  # both types, published with no agent and no run
 END_WAIT = 5.0  # seconds to wait for a run's agent_end (its turns) after its result
 FAILED = frozenset({"error", "aborted"})  # stop reasons that are errors, not answers
+LIMIT_REASON = "the experiment's run.token_limit / run.cost_limit for a sample was passed"
 
 
 class Plan(msgspec.Struct):
@@ -169,17 +170,45 @@ class RunTally:
         self.children: dict[str, list[str]] = {}
         self.usage: dict[str, list[Usage]] = {}
         self.ended: dict[str, anyio.Event] = {}
+        # per-sample limits on tokens and cost: usage so far of each tree (by its top run),
+        # and the trees watched: top run -> (token limit, cost limit, set when passed)
+        self.top: dict[str, str] = {}
+        self.used: dict[str, Usage] = {}
+        self.limits: dict[str, tuple[int, float, anyio.Event]] = {}
 
     async def follow(self, events: Subscription) -> None:
         async for envelope in events:
             header, event = envelope.header, envelope.event
             if isinstance(event, ev.TurnStart):
                 self.turns[header.run] = self.turns.get(header.run, 0) + 1
+            elif isinstance(event, ev.AgentStart) and header.parent:
+                self.top[header.run] = self.top.get(header.parent, header.parent)
+            elif isinstance(event, ev.MessageEnd) and isinstance(event.message,
+                                                                 AssistantMessage):
+                top = self.top.get(header.run, header.run)
+                self.used[top] = self.used.get(top, Usage()) + event.message.usage
+                self._check(top)
             elif isinstance(event, ev.AgentEnd):
                 if header.parent:
                     self.children.setdefault(header.parent, []).append(header.run)
                     self.usage[header.run] = list(event.usage.values())
                 self._ended(header.run).set()
+
+    def limit(self, run: str, tokens: int, cost: float) -> anyio.Event:
+        """An event set once `run`'s tree has used more than `tokens` / `cost` (0: no limit)."""
+        passed = anyio.Event()
+        if tokens or cost:
+            self.limits[run] = (tokens, cost, passed)
+            self._check(run)
+        return passed
+
+    def _check(self, top: str) -> None:
+        watched, used = self.limits.get(top), self.used.get(top)
+        if watched is None or used is None:
+            return
+        tokens, cost, passed = watched
+        if (tokens and tokens_of([used]) > tokens) or (cost and used.cost > cost):
+            passed.set()
 
     def _ended(self, run: str) -> anyio.Event:
         return self.ended.setdefault(run, anyio.Event())
@@ -190,6 +219,8 @@ class RunTally:
         with anyio.move_on_after(timeout):
             await self._ended(run).wait()
         self.ended.pop(run, None)
+        self.used.pop(run, None)
+        self.limits.pop(run, None)
         found: list[Usage] = []
         stack = self.children.pop(run, [])
         while stack:
@@ -197,6 +228,7 @@ class RunTally:
             found += self.usage.pop(child, [])
             self.turns.pop(child, None)
             self.ended.pop(child, None)
+            self.top.pop(child, None)
             stack += self.children.pop(child, [])
         return self.turns.pop(run, 0), found
 
@@ -331,11 +363,12 @@ class Runner:
         timeout = self.loaded.spec.run.timeout
         run: Run | None = None
         outcome: RunResult | None = None
+        limited = False
         with anyio.move_on_after(timeout if timeout else float("inf")):
             run = await self.bus.prompt(variant.agent, sample.input, experiment=tag,
                                         max_turns=self.loaded.max_turns(variant))
             try:
-                outcome = await run.result()
+                outcome, limited = await self._result(run)
             finally:  # an error or the limit: its subscription and stream go too
                 with anyio.CancelScope(shield=True):
                     await run.close()
@@ -349,7 +382,9 @@ class Runner:
             base, answer=outcome.final_text, stop_reason=outcome.stop_reason,
             tokens=tokens_of(usage), cost=sum(u.cost for u in usage), wall=wall,
             run_id=outcome.run_id, session=outcome.session, error=outcome.error or "")
-        if outcome.stop_reason in FAILED:
+        if limited and outcome.stop_reason == "aborted":  # our abort: an answer, at its limit
+            done = msgspec.structs.replace(done, stop_reason="limit", error="")
+        elif outcome.stop_reason in FAILED:
             return done
         scores = self._scores(outcome.final_text, sample)
         for scorer in self.loaded.spec.scorers:
@@ -359,6 +394,24 @@ class Runner:
         first = scores.get(self.loaded.spec.scorers[0].label) if self.loaded.spec.scorers \
             else None
         return msgspec.structs.replace(done, status="ok", scores=scores, score=first)
+
+    async def _result(self, run: Run) -> tuple[RunResult, bool]:
+        """The run's result; with run.token_limit / cost_limit, the run is aborted once its
+        tree passes one (then true)."""
+        limits = self.loaded.spec.run
+        if not (limits.token_limit or limits.cost_limit):
+            return await run.result(), False
+        passed = self.tally.limit(run.run_id, limits.token_limit, limits.cost_limit)
+
+        async def enforce() -> None:
+            await passed.wait()
+            await run.abort(LIMIT_REASON)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enforce)
+            outcome = await run.result()
+            tg.cancel_scope.cancel()
+        return outcome, passed.is_set()
 
     async def _completed(self, result: SampleResult) -> SampleResult:
         """`result` with its run's turns and its helpers' usage, once its agent_end is seen."""

@@ -64,6 +64,10 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2  # errors, not wrong answers
     max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall seconds per sample
+    # per sample, the whole run tree (helpers asked included): past it the run is aborted and
+    # its answer so far scored, stop reason `limit` (0: none)
+    token_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cost_limit: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
 ScorerKind = Literal["exact", "includes", "regex", "number", "json_field", "python", "model"]

@@ -162,6 +162,20 @@ kind = "number"
 """
 
 
+LIMITED = """
+name = "limited"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "team"
+agent = "solver"
+[run]
+token_limit = 150
+[[scorers]]
+kind = "number"
+"""
+
+
 def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
     copy = tmp_path / "examples" / "experiment"
     shutil.copytree(ROOT / "examples" / "experiment", copy)
@@ -170,6 +184,7 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
                                "reply": {"text": "Looks fine.\nGRADE: C"}})
     (copy / "fake_model.json").write_text(json.dumps(script))
     (copy / "graded.toml").write_text(GRADED)
+    (copy / "limited.toml").write_text(LIMITED)
     with example(tmp_path, "experiment", copy=False) as ex:
         spec = "examples/experiment/spec.toml"
         out = run_cli(ex.cwd, ex.endpoint, "run", spec, "--name", "arith-1")
@@ -227,5 +242,15 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
                                     "--json").stdout)["variants"]
         assert (solo["n"], solo["score"]) == (4, 1.0)  # q03 is wrong, by number, not by judge
         assert solo["scores"]["number"]["mean"] == 0.75
+
+        # run.token_limit: the solver's first call (100 tokens) and the critic's (70) pass 150,
+        # so the solver is aborted before its answer; an answer at its limit, not an error
+        out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/limited.toml", "--name",
+                      "limited-1", "--limit", "2")
+        assert out.returncode == 0, out.stdout + out.stderr
+        [team] = json.loads(run_cli(ex.cwd, ex.endpoint, "report", "limited-1",
+                                    "--json").stdout)["variants"]
+        assert (team["n"], team["failures"], team["stop_reasons"]) == (2, 0, {"limit": 2})
+        assert team["tokens"] == 2 * 170 and team["score"] == 0.0
 
 
