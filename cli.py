@@ -1777,16 +1777,29 @@ def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> li
 @click.argument("experiment")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (variants: [{name, n, "
               "score, ci95, ...}]).")
+@click.option("--plot", "plot_dir", default="", metavar="DIR",
+              help="Also write score.png, cost.png and time.png into DIR (needs matplotlib: "
+                   "the `plot` extra).")
 def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
-                      as_json: bool) -> None:
+                      as_json: bool, plot_dir: str) -> None:
     """Per variant: n, mean score with a 95% interval (Wilson for 0/1 scores, else t), tokens,
     cost, p50/p95 wall time, stop reasons, failures; from the journal in the hub's log."""
     import json
 
     from agents.experiment.report import report, report_text
+    from agents.experiment.spec import SpecError
 
-    data = report(_journals(hub, curve, (experiment,))[0], experiment)
+    journal = _journals(hub, curve, (experiment,))[0]
+    data = report(journal, experiment)
     click.echo(json.dumps(data) if as_json else report_text(data))
+    if plot_dir:
+        from agents.experiment.plot import plot
+
+        try:
+            written = plot(data, journal, Path(plot_dir))
+        except SpecError as exc:
+            raise click.UsageError(f"--plot: {exc}") from None
+        click.echo(f"wrote {', '.join(map(str, written))}", err=True)
 
 
 @experiment_group.command("compare")

@@ -254,3 +254,13 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
         assert team["tokens"] == 2 * 170 and team["score"] == 0.0
 
 
+
+
+def test_plot_writes_three_pngs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from agents.experiment.plot import plot
+
+    journal = _cells("p", [1, 0, 1, 1])
+    written = plot(rep.report(journal, "p"), journal, tmp_path / "plots")
+    assert [p.name for p in written] == ["score.png", "cost.png", "time.png"]
+    assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
