@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -264,3 +266,33 @@ def test_plot_writes_three_pngs(tmp_path: Path) -> None:
     written = plot(rep.report(journal, "p"), journal, tmp_path / "plots")
     assert [p.name for p in written] == ["score.png", "cost.png", "time.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+
+
+def test_inspect_eval_through_the_bridge_scores_as_the_report(tmp_path: Path) -> None:
+    """Issue 30, acceptance 4: `inspect eval` of the example task on the bus completes, and its
+    per-sample scores equal the report's (the `number` scorer and Inspect's numeric `match`
+    agree on this dataset)."""
+    pytest.importorskip("inspect_ai")
+    from inspect_ai.log import read_eval_log
+
+    with example(tmp_path, "experiment") as ex:
+        out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/spec.toml", "--name",
+                      "arith-1", "--limit", "6")
+        assert out.returncode == 0, out.stdout + out.stderr
+        ours = journal_of(ex.endpoint, "arith-1").results
+        inspect = Path(sys.executable).with_name("inspect")
+        done = subprocess.run(
+            [str(inspect), "eval", "examples/experiment/inspect_task.py", "--model",
+             "mockllm/model", "-T", "agent=solo", "-T", f"hub={ex.endpoint}", "-T",
+             "experiment=insp-1", "--limit", "6", "--log-dir", str(tmp_path / "logs"),
+             "--display", "none"], capture_output=True, text=True, timeout=120, cwd=ex.cwd,
+            env={**os.environ, **ENV})
+        assert done.returncode == 0, done.stdout + done.stderr
+        [log_file] = (tmp_path / "logs").glob("*.eval")
+        log = read_eval_log(str(log_file))
+        assert log.status == "success" and log.samples is not None and len(log.samples) == 6
+        theirs = {str(s.id): 1.0 if s.scores["match"].value == "C" else 0.0 for s in log.samples}
+        assert theirs == {sample: result.score for (variant, sample, repeat), result
+                          in ours.items() if variant == "solo" and repeat == 1}
+        assert sorted(theirs.values()) == [0.0] + [1.0] * 5  # q03: solo is wrong
+        assert all(s.metadata["bus"]["stop_reason"] == "stop" for s in log.samples)
