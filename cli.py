@@ -1802,6 +1802,49 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
         click.echo(f"wrote {', '.join(map(str, written))}", err=True)
 
 
+@experiment_group.command("replay")
+@hub_options
+@click.argument("experiment")
+@click.option("--sample", required=True, metavar="ID", help="The sample's id (dataset `id`).")
+@click.option("--variant", default="", help="Its variant [default: the experiment's first].")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--as", "target", default="", metavar="E2",
+              help="The replay's experiment id [default: the cell's tag plus .replay-<hex>].")
+def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, sample: str,
+                      variant: str, repeat: int, target: str) -> None:
+    """Replay one cell of EXPERIMENT (its session, and the runs it asked) from the log, as
+    `busctl replay` does a whole experiment: "identical" or the first divergence (exit 1)."""
+    import uuid
+
+    from agents.client.remote import connect as connect_agents
+    from agents.replay import replay_experiment
+
+    journal = _journals(hub, curve, (experiment,))[0]
+    variant = variant or (journal.plan.variants[0] if journal.plan else "")
+    cell = journal.results.get((variant, sample, repeat))
+    if cell is None or not cell.run_id:
+        raise click.UsageError(f"--sample {sample} --variant {variant} --repeat {repeat}: no "
+                               f"finished cell of experiment `{experiment}` (`busctl experiment "
+                               f"report {experiment}` lists its variants)")
+    target = target or f"{cell.tag}.replay-{uuid.uuid4().hex[:6]}"
+
+    async def go() -> object:
+        async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
+            try:
+                return await replay_experiment(bus, cell.tag, target, only={cell.run_id})
+            except ValueError as exc:
+                return exc
+
+    divergence = run_async(go)
+    if isinstance(divergence, ValueError):
+        raise click.UsageError(str(divergence))
+    if divergence is not None:
+        raise click.ClickException(f"{experiment} {variant}/{sample}/r{repeat} (run "
+                                   f"{cell.run_id}) replayed as {target}: {divergence}")
+    click.echo(f"{experiment} {variant}/{sample}/r{repeat} (run {cell.run_id}) replayed as "
+               f"{target}: identical")
+
+
 @experiment_group.command("compare")
 @hub_options
 @click.argument("first")

@@ -205,6 +205,12 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
         assert (solo["tokens"], team["tokens"]) == (60 * 48, 60 * 302)
         assert solo["stop_reasons"] == {"stop": 60} and team["turns_mean"] == 2.0
 
+        # one cell (the team's session and the critic run it asked) replays identical
+        out = run_cli(ex.cwd, ex.endpoint, "replay", "arith-1", "--sample", "q03", "--variant",
+                      "team", "--repeat", "2")
+        assert out.returncode == 0 and "replayed as arith-1.team.r2.replay-" in out.stdout \
+            and out.stdout.rstrip().endswith(": identical"), out.stdout + out.stderr
+
         runner = Proc(busctl("experiment", "run", spec, "--name", "arith-2", "--hub",
                              ex.endpoint), cwd=ex.cwd, env=ENV)
         try:
@@ -275,7 +281,11 @@ def test_inspect_eval_through_the_bridge_scores_as_the_report(tmp_path: Path) ->
     pytest.importorskip("inspect_ai")
     from inspect_ai.log import read_eval_log
 
-    with example(tmp_path, "experiment") as ex:
+    copy = tmp_path / "examples" / "experiment"
+    shutil.copytree(ROOT / "examples" / "experiment", copy)
+    spec = (copy / "spec.toml").read_text().replace("repeats = 3", "repeats = 1")
+    (copy / "spec.toml").write_text(spec)
+    with example(tmp_path, "experiment", copy=False) as ex:
         out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/spec.toml", "--name",
                       "arith-1", "--limit", "6")
         assert out.returncode == 0, out.stdout + out.stderr
