@@ -1736,7 +1736,8 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
     progress = progress_for(sys.stderr, loaded.planned)
 
     async def go() -> Any:
-        async with connect_agents(hub, name="busctl-experiment", curve=curve) as bus:
+        async with connect_agents(hub, name="busctl-experiment", curve=curve,
+                                  resume_wait=loaded.spec.run.resume_wait) as bus:
             try:
                 return await Runner(bus, loaded, experiment, progress).run(
                     resume=bool(resume), fresh=not (resume or name))

@@ -68,6 +68,9 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # its answer so far scored, stop reason `limit` (0: none)
     token_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
     cost_limit: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # seconds a cell whose coordinator died waits for its run to resume there (`busctl up`
+    # restarts it) before it is retried elsewhere (agents.client.remote.RESUME_WAIT)
+    resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 30.0
 
 
 ScorerKind = Literal["exact", "includes", "regex", "number", "json_field", "python", "model"]
