@@ -35,7 +35,7 @@ from agents.replay import REPLAY_SERVICE, ReplayLoad
 from bus import events as ev
 from bus import protocol as p
 from bus.client import Peer, Subscription
-from bus.errors import BusError
+from bus.errors import BusError, RemoteError
 from bus.messages import AssistantMessage, Usage
 from bus.watch import _replay_batch
 
@@ -240,7 +240,6 @@ class Runner:
         self.loaded = loaded
         self.experiment = experiment
         self.progress = progress
-        self.samples = {s.key: s for s in loaded.samples}
         self.tally = RunTally()
         # `model` scorers' calls: tagged with the experiment, under an agent name of their own
         self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
@@ -265,14 +264,31 @@ class Runner:
             raise SpecError(f"--resume {self.experiment}: the spec or dataset (or --limit) "
                             f"differs from the one the experiment started with "
                             f"({journal.plan.spec}); resume with the same")
+        await self._check_topology()
         if journal.plan is None:
             journal.plan = Plan(self.experiment, digest, self.loaded.source,
                                 len(self.loaded.samples), [v.name for v in spec.variants],
                                 spec.run.repeats, self.loaded.planned,
                                 [s.label for s in spec.scorers])
             await self._publish(PLAN_TYPE, journal.plan)
-        await self._overlays()
         return journal
+
+    async def _check_topology(self) -> None:
+        """Before anything is journaled: every variant's agent is served, and the gateway
+        takes every variant's model settings (an unknown alias is refused, code `invalid`)."""
+        live = await self.bus.agents()
+        for i, variant in enumerate(self.loaded.spec.variants):
+            if variant.agent not in live:
+                raise SpecError(f"{self.loaded.source}: variants[{i}].agent: no live "
+                                f"coordinator serves agent `{variant.agent}` (live agents: "
+                                f"{', '.join(live) or 'none'})")
+        try:
+            await self._overlays()
+        except RemoteError as exc:
+            if exc.code != "invalid":
+                raise
+            raise SpecError(f"{self.loaded.source}: variants (model / set.model): "
+                            f"{exc.message}") from None
 
     async def _overlays(self) -> None:
         """Load each cell's model settings into the gateway (see agents.experiment.spec)."""

@@ -187,6 +187,9 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
     (copy / "fake_model.json").write_text(json.dumps(script))
     (copy / "graded.toml").write_text(GRADED)
     (copy / "limited.toml").write_text(LIMITED)
+    (copy / "nobody.toml").write_text(LIMITED.replace('agent = "solver"', 'agent = "nobody"'))
+    (copy / "alias.toml").write_text(LIMITED.replace('agent = "solver"',
+                                                     'agent = "solver"\nmodel = "nosuch"'))
     with example(tmp_path, "experiment", copy=False) as ex:
         spec = "examples/experiment/spec.toml"
         out = run_cli(ex.cwd, ex.endpoint, "run", spec, "--name", "arith-1")
@@ -204,6 +207,15 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
         # tokens from the script: solo 48 a sample; team 232 (solver) + 70 (critic, asked)
         assert (solo["tokens"], team["tokens"]) == (60 * 48, 60 * 302)
         assert solo["stop_reasons"] == {"stop": 60} and team["turns_mean"] == 2.0
+
+        # what the running topology refuses exits 2 naming the key, before anything is logged
+        for file, key in (("nobody", "variants[0].agent: no live coordinator serves agent "
+                                     "`nobody`"),
+                          ("alias", "variants (model / set.model): model alias nosuch")):
+            out = run_cli(ex.cwd, ex.endpoint, "run", f"examples/experiment/{file}.toml",
+                          "--name", file)
+            assert out.returncode == 2 and key in out.stderr, out.stderr
+            assert journal_of(ex.endpoint, file).plan is None
 
         # one cell (the team's session and the critic run it asked) replays identical
         out = run_cli(ex.cwd, ex.endpoint, "replay", "arith-1", "--sample", "q03", "--variant",
