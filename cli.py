@@ -1732,5 +1732,205 @@ main.command("abort", help="Abort AGENT's live run (model call and tool calls); 
     _agent_verb("abort"))
 
 
+# --- busctl experiment (agents.experiment) -------------------------------------------------
+
+
+@main.group("experiment")
+def experiment_group() -> None:
+    """Experiments as a workflow: a dataset × variants × repeats, each cell one session on the
+    running topology, scored, journaled in the event log, resumable, reported.
+
+    \b
+    Examples:
+      busctl experiment check examples/experiment/spec.toml
+      busctl experiment run examples/experiment/spec.toml --name qa-1
+      busctl experiment run examples/experiment/spec.toml --resume qa-1
+      busctl experiment report qa-1 --json
+      busctl experiment compare qa-1 qa-2
+    """
+
+
+def _experiment_spec(spec: str, limit: int = 0) -> Any:
+    from agents.experiment.spec import SpecError, load_spec
+
+    try:
+        return load_spec(spec, limit=limit)
+    except SpecError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        raise click.exceptions.Exit(2) from None
+
+
+@experiment_group.command("check")
+@click.argument("spec", type=click.Path(dir_okay=False))
+def experiment_check(spec: str) -> None:
+    """Validate SPEC and its dataset; print what a run would do as JSON (exit 2 naming the
+    bad key or dataset line)."""
+    import json
+
+    from agents.experiment.spec import summary
+
+    click.echo(json.dumps(summary(_experiment_spec(spec))))
+
+
+@experiment_group.command("run")
+@hub_options
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--name", default="", metavar="E", help="The experiment's id (checked unused "
+              "in the log) [default: the spec's name plus -<12 random hex>].")
+@click.option("--resume", default="", metavar="E",
+              help="Run what experiment E (started from SPEC) has not finished yet.")
+@click.option("--limit", type=click.IntRange(0), default=0,
+              help="Only the first N samples (0: all); a resume needs the same.")
+@click.option("--results", default="", metavar="FILE",
+              help="The results file (JSON Lines) [default: E.results.jsonl].")
+def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, resume: str,
+                   limit: int, results: str) -> None:
+    """Run every sample × variant × repeat of SPEC as a session on the running topology
+    (Ctrl-C stops; `--resume E` runs the rest); then write the results file and the report."""
+    import re
+    import uuid
+
+    from agents.client.remote import connect as connect_agents
+    from agents.experiment.report import report, report_text
+    from agents.experiment.runner import Runner, progress_for, write_results
+    from agents.experiment.spec import NAME, SpecError
+
+    if name and resume:
+        raise click.UsageError("--name starts an experiment, --resume finishes one: give one")
+    loaded = _experiment_spec(spec, limit)
+    experiment = resume or name or f"{loaded.spec.name}-{uuid.uuid4().hex[:12]}"
+    if not re.fullmatch(NAME, experiment):
+        raise click.UsageError(f"--name/--resume {experiment!r}: letters, digits, _ or -")
+    progress = progress_for(sys.stderr, loaded.planned)
+
+    async def go() -> Any:
+        async with connect_agents(hub, name="busctl-experiment", curve=curve,
+                                  resume_wait=loaded.spec.run.resume_wait) as bus:
+            try:
+                return await Runner(bus, loaded, experiment, progress).run(
+                    resume=bool(resume), fresh=not (resume or name))
+            except SpecError as exc:
+                return exc
+
+    try:
+        journal = run_async(go)
+    except KeyboardInterrupt:  # the runs in progress were aborted (their prompts cancelled)
+        click.echo(f"\nstopped; `busctl experiment run {spec} --resume {experiment}` runs "
+                   f"the rest", err=True)
+        raise click.exceptions.Exit(130) from None
+    if isinstance(journal, SpecError):
+        raise click.UsageError(str(journal))
+    path = Path(results or f"{experiment}.results.jsonl")
+    rows = write_results(path, journal.results.values())
+    click.echo(report_text(report(journal, experiment)))
+    click.echo(f"{rows} results in {path}", err=True)
+
+
+def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> list[Any]:
+    from agents.experiment.runner import read_journal
+
+    async def go() -> list[Any]:
+        async with connect(hub, name="busctl-experiment", role="client", curve=curve) as peer:
+            return [await read_journal(peer, name) for name in names]
+
+    journals = run_async(go)
+    for name, journal in zip(names, journals, strict=True):
+        if journal.plan is None and not journal.results:
+            raise click.UsageError(f"no experiment `{name}` in the hub's log (`busctl experiment "
+                                   f"run SPEC --name {name}` starts one)")
+    return journals
+
+
+@experiment_group.command("report")
+@hub_options
+@click.argument("experiment")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (variants: [{name, n, "
+              "score, ci95, ...}]).")
+@click.option("--plot", "plot_dir", default="", metavar="DIR",
+              help="Also write score.png, cost.png and time.png into DIR (needs matplotlib: "
+                   "the `plot` extra).")
+def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
+                      as_json: bool, plot_dir: str) -> None:
+    """Per variant: n, mean score with a 95% interval (Wilson for 0/1 scores, else t), tokens,
+    cost, p50/p95 wall time, stop reasons, failures; from the journal in the hub's log."""
+    import json
+
+    from agents.experiment.report import report, report_text
+    from agents.experiment.spec import SpecError
+
+    journal = _journals(hub, curve, (experiment,))[0]
+    data = report(journal, experiment)
+    click.echo(json.dumps(data) if as_json else report_text(data))
+    if plot_dir:
+        from agents.experiment.plot import plot
+
+        try:
+            written = plot(data, journal, Path(plot_dir))
+        except SpecError as exc:
+            raise click.UsageError(f"--plot: {exc}") from None
+        click.echo(f"wrote {', '.join(map(str, written))}", err=True)
+
+
+@experiment_group.command("replay")
+@hub_options
+@click.argument("experiment")
+@click.option("--sample", required=True, metavar="ID", help="The sample's id (dataset `id`).")
+@click.option("--variant", default="", help="Its variant [default: the experiment's first].")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--as", "target", default="", metavar="E2",
+              help="The replay's experiment id [default: the cell's tag plus .replay-<hex>].")
+def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, sample: str,
+                      variant: str, repeat: int, target: str) -> None:
+    """Replay one cell of EXPERIMENT (its session, and the runs it asked) from the log, as
+    `busctl replay` does a whole experiment: "identical" or the first divergence (exit 1)."""
+    import uuid
+
+    from agents.client.remote import connect as connect_agents
+    from agents.replay import replay_experiment
+
+    journal = _journals(hub, curve, (experiment,))[0]
+    variant = variant or (journal.plan.variants[0] if journal.plan else "")
+    cell = journal.results.get((variant, sample, repeat))
+    if cell is None or not cell.run_id:
+        raise click.UsageError(f"--sample {sample} --variant {variant} --repeat {repeat}: no "
+                               f"finished cell of experiment `{experiment}` (`busctl experiment "
+                               f"report {experiment}` lists its variants)")
+    target = target or f"{cell.tag}.replay-{uuid.uuid4().hex[:6]}"
+
+    async def go() -> object:
+        async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
+            try:
+                return await replay_experiment(bus, cell.tag, target, only={cell.run_id})
+            except ValueError as exc:
+                return exc
+
+    divergence = run_async(go)
+    if isinstance(divergence, ValueError):
+        raise click.UsageError(str(divergence))
+    if divergence is not None:
+        raise click.ClickException(f"{experiment} {variant}/{sample}/r{repeat} (run "
+                                   f"{cell.run_id}) replayed as {target}: {divergence}")
+    click.echo(f"{experiment} {variant}/{sample}/r{repeat} (run {cell.run_id}) replayed as "
+               f"{target}: identical")
+
+
+@experiment_group.command("compare")
+@hub_options
+@click.argument("first")
+@click.argument("second")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def experiment_compare(hub: str, curve: CurveClient | None, first: str, second: str,
+                       as_json: bool) -> None:
+    """Pair the cells (variant, sample, repeat) of FIRST and SECOND: which flipped, and an
+    exact paired test (McNemar's for 0/1 scores, else the sign test)."""
+    import json
+
+    from agents.experiment.report import compare, compare_text
+
+    a, b = _journals(hub, curve, (first, second))
+    data = compare(a, b, (first, second))
+    click.echo(json.dumps(data) if as_json else compare_text(data))
+
+
 if __name__ == "__main__":
     main(prog_name="busctl")  # `python cli.py` is busctl too: its help and completion say so

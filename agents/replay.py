@@ -43,7 +43,7 @@ import hashlib
 import json
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -691,17 +691,23 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
 
 
 async def replay_experiment(bus: AgentBus, source: str, target: str, *, fork: Fork | None = None,
-                            live_tools: bool = False, tally: ev.EventTally | None = None
-                            ) -> Divergence | None:
+                            live_tools: bool = False, tally: ev.EventTally | None = None,
+                            only: Collection[str] = ()) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
     A `fork` replays part of each run and calls the live model for the rest (see `Fork`).
-    Logged events that do not decode are skipped and counted in `tally`."""
+    `only`: just these top-level runs (with the runs they asked), e.g. one sample of a
+    `busctl experiment`. Logged events that do not decode are skipped and counted in `tally`."""
     if await load_experiment(bus.peer, target, tally):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
     runs, plan = await prepare(bus.peer, source, target, fork=fork, live_tools=live_tools,
                                tally=tally)
+    if only:
+        runs = _trees(runs, only)
+        if not runs:
+            raise ValueError(f"experiment `{source}` has no top-level run "
+                             f"{', '.join(sorted(only))}")
     for run in runs:
         if run.parent:
             continue  # made again by the caller's ask_<agent> call
@@ -712,6 +718,18 @@ async def replay_experiment(bus: AgentBus, source: str, target: str, *, fork: Fo
             pass  # to its agent_end: then it is in the log
         await started.result()
     return compare(runs, await load_experiment(bus.peer, target, tally))
+
+
+def _trees(runs: Sequence[RecordedRun], tops: Collection[str]) -> list[RecordedRun]:
+    """The runs (in their order) whose top-level run is one of `tops`."""
+    parent = {r.run_id: r.parent for r in runs}
+
+    def top(run_id: str) -> str:
+        while parent.get(run_id):
+            run_id = parent[run_id]
+        return run_id
+
+    return [r for r in runs if top(r.run_id) in tops]
 
 
 def abort_reason(run: RecordedRun) -> str:

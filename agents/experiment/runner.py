@@ -1,0 +1,489 @@
+"""Run an experiment's missing cells on the running topology, journaling each finished one.
+
+Each sample × variant × repeat (a cell) is one fresh session of the variant's agent, prompted
+through `agents.client.remote.AgentBus` (as `run_many` does) with the experiment tag
+`E.<variant>.r<repeat>`; the hub routes each prompt to a coordinator serving the agent, by
+capacity. At most `run.concurrency` cells run at once.
+
+The journal is the event log: the runner publishes (with `confirm`: logged before it goes on)
+one `experiment_plan` event when an experiment starts and one `experiment_sample` event per
+finished cell, carrying its result and scores (both `ext` events of experiment `E`, agent and
+run empty, so no agent's lifecycle is spoken for). `--resume E` reads them back and runs only the
+cells with no `ok` result: a cell is never journaled twice as done, and one the runner did not
+journal (it was killed, Ctrl-C) runs again. Errors (a run that ended `error`/`aborted`, a bus
+error) are retried `run.retries` times; the last one is journaled with status `error`, and a
+resume runs that cell again (the latest entry of a cell wins).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import anyio
+import msgspec
+
+from agents.client.remote import AgentBus, Run
+from agents.commands import RunResult
+from agents.coordinator.bus_adapters import BusLlmClient
+from agents.experiment.scoring import ScorerError, grade, score_all
+from agents.experiment.spec import Loaded, Sample, SpecError, Variant, experiment_tag, spec_digest
+from agents.replay import REPLAY_SERVICE, ReplayLoad
+from bus import events as ev
+from bus import protocol as p
+from bus.client import Peer, Subscription
+from bus.errors import BusError, RemoteError
+from bus.messages import AssistantMessage, Usage
+from bus.watch import _replay_batch
+
+PLAN_TYPE = "experiment_plan"
+SAMPLE_TYPE = "experiment_sample"
+JOURNAL_TOPIC = "ext///experiment_"  # both types, published with no agent and no run
+END_WAIT = 5.0  # seconds to wait for a run's agent_end (its turns) after its result
+FAILED = frozenset({"error", "aborted"})  # stop reasons that are errors, not answers
+LIMIT_REASON = "the experiment's run.token_limit / run.cost_limit for a sample was passed"
+
+
+class Plan(msgspec.Struct):
+    """What an experiment set out to run (published once, when it starts)."""
+
+    experiment: str
+    digest: str  # `spec_digest`: a resume with another spec or dataset is refused
+    spec: str
+    samples: int
+    variants: list[str]
+    repeats: int
+    planned: int
+    scorers: list[str]
+    type: str = PLAN_TYPE
+
+
+class SampleResult(msgspec.Struct):
+    """One finished cell: the journal entry and a row of the results file."""
+
+    experiment: str
+    variant: str
+    sample: str
+    repeat: int
+    status: str  # "ok" (an answer, scored) or "error" (retries exhausted; not scored)
+    answer: str = ""
+    score: float | None = None  # the first scorer's
+    scores: dict[str, float | None] = msgspec.field(default_factory=dict)
+    tokens: int = 0
+    cost: float = 0.0
+    turns: int = 0
+    wall: float = 0.0  # seconds, prompt to result, of the last attempt
+    stop_reason: str = ""
+    run_id: str = ""
+    session: str = ""
+    tag: str = ""  # the experiment id the session's events carry
+    attempts: int = 1
+    error: str = ""
+    type: str = SAMPLE_TYPE
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.variant, self.sample, self.repeat)
+
+
+class Journal(msgspec.Struct):
+    plan: Plan | None
+    results: dict[tuple[str, str, int], SampleResult]  # the latest entry of each cell
+    bad: int = 0  # journal events that did not decode (skipped)
+    ok_entries: int = 0  # `ok` entries read: more than len(ok results) = a cell done twice
+
+
+async def read_journal(peer: Peer, experiment: str) -> Journal:
+    """The experiment's plan and latest result per cell, from the hub's log."""
+    journal = Journal(None, {})
+    cursor, end = 0, None
+    while end is None or cursor < end:
+        batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=[JOURNAL_TOPIC]))
+        end = batch.head if end is None else end
+        for header_bytes, body in batch.events:
+            _add_entry(journal, experiment, header_bytes, body)
+        if batch.upto >= batch.head or batch.upto <= cursor:
+            break
+        cursor = batch.upto
+    return journal
+
+
+def _add_entry(journal: Journal, experiment: str, header_bytes: bytes, body: bytes) -> None:
+    try:
+        header = p.decode_header(header_bytes)
+        if header.experiment != experiment:
+            return
+        if header.type == PLAN_TYPE:
+            journal.plan = journal.plan or msgspec.msgpack.decode(body, type=Plan)
+        elif header.type == SAMPLE_TYPE:
+            entry = msgspec.msgpack.decode(body, type=SampleResult)
+            journal.results[entry.key] = entry
+            journal.ok_entries += entry.status == "ok"
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        journal.bad += 1  # another version's or a broken entry: counted, never fatal
+
+
+class Progress:
+    """Counts for the progress line: done / running / failed, ETA, tokens, cost."""
+
+    def __init__(self, planned: int, already: int, out: TextIO | None) -> None:
+        self.planned, self.done, self.running, self.failed = planned, already, 0, 0
+        self.already = already
+        self.tokens, self.cost = 0, 0.0
+        self.started = time.monotonic()
+        self.out = out
+        self._shown = 0.0
+
+    def line(self) -> str:
+        ran = self.done - self.already
+        elapsed = time.monotonic() - self.started
+        left = self.planned - self.done
+        eta = f"{elapsed / ran * left:.0f}s" if ran else "?"
+        return (f"{self.done}/{self.planned} done, {self.running} running, {self.failed} failed,"
+                f" ETA {eta}, {self.tokens} tokens, ${self.cost:.4f}")
+
+    def show(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.out is None or (not force and now - self._shown < 0.2):
+            return
+        self._shown = now
+        self.out.write("\r\x1b[K" + self.line())
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.out is not None:
+            self.show(force=True)
+            self.out.write("\n")
+
+
+class RunTally:
+    """What a cell's result does not say, read from one subscription to every live agent's
+    events (not one per run: 50 runs reading their own would each get all 50 runs' events):
+    the turns of each run, and the usage of the runs it asked for (`ask_<agent>`, and theirs
+    in turn), so a team's tokens and cost are its whole tree's."""
+
+    def __init__(self) -> None:
+        self.turns: dict[str, int] = {}
+        self.children: dict[str, list[str]] = {}
+        self.usage: dict[str, list[Usage]] = {}
+        self.ended: dict[str, anyio.Event] = {}
+        # per-sample limits on tokens and cost: usage so far of each tree (by its top run),
+        # and the trees watched: top run -> (token limit, cost limit, set when passed)
+        self.top: dict[str, str] = {}
+        self.used: dict[str, Usage] = {}
+        self.limits: dict[str, tuple[int, float, anyio.Event]] = {}
+
+    async def follow(self, events: Subscription) -> None:
+        async for envelope in events:
+            header, event = envelope.header, envelope.event
+            if isinstance(event, ev.TurnStart):
+                self.turns[header.run] = self.turns.get(header.run, 0) + 1
+            elif isinstance(event, ev.AgentStart) and header.parent:
+                self.top[header.run] = self.top.get(header.parent, header.parent)
+            elif isinstance(event, ev.MessageEnd) and isinstance(event.message,
+                                                                 AssistantMessage):
+                top = self.top.get(header.run, header.run)
+                self.used[top] = self.used.get(top, Usage()) + event.message.usage
+                self._check(top)
+            elif isinstance(event, ev.AgentEnd):
+                if header.parent:
+                    self.children.setdefault(header.parent, []).append(header.run)
+                    self.usage[header.run] = list(event.usage.values())
+                self._ended(header.run).set()
+
+    def limit(self, run: str, tokens: int, cost: float) -> anyio.Event:
+        """An event set once `run`'s tree has used more than `tokens` / `cost` (0: no limit)."""
+        passed = anyio.Event()
+        if tokens or cost:
+            self.limits[run] = (tokens, cost, passed)
+            self._check(run)
+        return passed
+
+    def _check(self, top: str) -> None:
+        watched, used = self.limits.get(top), self.used.get(top)
+        if watched is None or used is None:
+            return
+        tokens, cost, passed = watched
+        if (tokens and tokens_of([used]) > tokens) or (cost and used.cost > cost):
+            passed.set()
+
+    def _ended(self, run: str) -> anyio.Event:
+        return self.ended.setdefault(run, anyio.Event())
+
+    async def finished(self, run: str, timeout: float) -> tuple[int, list[Usage]]:
+        """`run`'s turns and its helpers' usage, once its agent_end was seen (at most `timeout`
+        seconds after its result: it is published just before); forgotten once read."""
+        with anyio.move_on_after(timeout):
+            await self._ended(run).wait()
+        self.ended.pop(run, None)
+        self.used.pop(run, None)
+        self.limits.pop(run, None)
+        found: list[Usage] = []
+        stack = self.children.pop(run, [])
+        while stack:
+            child = stack.pop()
+            found += self.usage.pop(child, [])
+            self.turns.pop(child, None)
+            self.ended.pop(child, None)
+            self.top.pop(child, None)
+            stack += self.children.pop(child, [])
+        return self.turns.pop(run, 0), found
+
+
+class Runner:
+    def __init__(self, bus: AgentBus, loaded: Loaded, experiment: str,
+                 progress: Progress | None = None) -> None:
+        self.bus = bus
+        self.loaded = loaded
+        self.experiment = experiment
+        self.progress = progress
+        self.tally = RunTally()
+        # `model` scorers' calls: tagged with the experiment, under an agent name of their own
+        self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
+
+    async def start(self, resume: bool, fresh: bool = False) -> Journal:
+        """Check the journal against `resume` and publish the plan of a new experiment.
+        `fresh`: the id was just made up (random): it has no journal, and reading the log to
+        make sure (a scan of the whole log: `hub.replay` filters by topic, not experiment)
+        is skipped."""
+        journal = Journal(None, {}) if fresh and not resume else \
+            await read_journal(self.bus.peer, self.experiment)
+        digest = spec_digest(self.loaded)
+        spec = self.loaded.spec
+        if journal.plan is None and resume:
+            raise SpecError(f"--resume {self.experiment}: no experiment `{self.experiment}` in "
+                            f"the hub's log; start it with --name {self.experiment}")
+        if journal.plan is not None and not resume:
+            raise SpecError(f"--name {self.experiment}: experiment `{self.experiment}` is "
+                            f"already in the hub's log; finish it with --resume "
+                            f"{self.experiment}, or name a new one")
+        if journal.plan is not None and journal.plan.digest != digest:
+            raise SpecError(f"--resume {self.experiment}: the spec or dataset (or --limit) "
+                            f"differs from the one the experiment started with "
+                            f"({journal.plan.spec}); resume with the same")
+        await self._check_topology()
+        if journal.plan is None:
+            journal.plan = Plan(self.experiment, digest, self.loaded.source,
+                                len(self.loaded.samples), [v.name for v in spec.variants],
+                                spec.run.repeats, self.loaded.planned,
+                                [s.label for s in spec.scorers])
+            await self._publish(PLAN_TYPE, journal.plan)
+        return journal
+
+    async def _check_topology(self) -> None:
+        """Before anything is journaled: every variant's agent is served, and the gateway
+        takes every variant's model settings (an unknown alias is refused, code `invalid`)."""
+        live = await self.bus.agents()
+        for i, variant in enumerate(self.loaded.spec.variants):
+            if variant.agent not in live:
+                raise SpecError(f"{self.loaded.source}: variants[{i}].agent: no live "
+                                f"coordinator serves agent `{variant.agent}` (live agents: "
+                                f"{', '.join(live) or 'none'})")
+        try:
+            await self._overlays()
+        except RemoteError as exc:
+            if exc.code != "invalid":
+                raise
+            raise SpecError(f"{self.loaded.source}: variants (model / set.model): "
+                            f"{exc.message}") from None
+
+    async def _overlays(self) -> None:
+        """Load each cell's model settings into the gateway (see agents.experiment.spec)."""
+        for variant in self.loaded.spec.variants:
+            for repeat in range(1, self.loaded.spec.run.repeats + 1):
+                overrides = self.loaded.overrides(variant, repeat)
+                if not overrides:
+                    continue
+                load = ReplayLoad(experiment=experiment_tag(self.experiment, variant.name,
+                                                            repeat),
+                                  source=self.experiment, entries=[], overrides=overrides,
+                                  fork=True)
+                await self.bus.peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load),
+                                            timeout=10)
+
+    def missing(self, journal: Journal) -> list[tuple[Variant, Sample, int]]:
+        """The cells with no `ok` result, repeat by repeat, sample by sample, variant by variant
+        (so a partial run has every variant about as far along)."""
+        spec = self.loaded.spec
+        return [(variant, sample, repeat)
+                for repeat in range(1, spec.run.repeats + 1)
+                for sample in self.loaded.samples
+                for variant in spec.variants
+                if (old := journal.results.get((variant.name, sample.key, repeat))) is None
+                or old.status != "ok"]
+
+    async def run(self, resume: bool = False, fresh: bool = False) -> Journal:
+        journal = await self.start(resume, fresh)
+        cells = self.missing(journal)
+        if self.progress is not None:
+            self.progress.done = self.progress.already = self.loaded.planned - len(cells)
+        limiter = anyio.CapacityLimiter(self.loaded.spec.run.concurrency)
+
+        async def one(variant: Variant, sample: Sample, repeat: int) -> None:
+            async with limiter:
+                result = await self.cell(variant, sample, repeat)
+            # its slot is free for the next cell: the rest only waits
+            result = await self._completed(result)
+            await self._publish(SAMPLE_TYPE, result)
+            journal.results[result.key] = result
+            self._count(result)
+
+        topics = [f"agent/{a}/" for a in await self.bus.agents()]
+        # entered (in place) before the first prompt: no run's events are missed
+        async with self.bus.peer.subscribe(topics) as events, \
+                anyio.create_task_group() as tg:
+            tg.start_soon(self.tally.follow, events)
+            async with anyio.create_task_group() as cells_tg:
+                for variant, sample, repeat in cells:
+                    cells_tg.start_soon(one, variant, sample, repeat)
+            tg.cancel_scope.cancel()
+        if self.progress is not None:
+            self.progress.finish()
+        return journal
+
+    def _count(self, result: SampleResult) -> None:
+        if self.progress is None:
+            return
+        self.progress.done += 1
+        self.progress.failed += result.status != "ok"
+        self.progress.tokens += result.tokens
+        self.progress.cost += result.cost
+        self.progress.show()
+
+    async def cell(self, variant: Variant, sample: Sample, repeat: int) -> SampleResult:
+        """Run one cell, retrying errors; its result (status `error` once retries are spent)."""
+        tag = experiment_tag(self.experiment, variant.name, repeat)
+        base = SampleResult(self.experiment, variant.name, sample.key, repeat, "error", tag=tag)
+        result = base
+        for attempt in range(1, self.loaded.spec.run.retries + 2):
+            if self.progress is not None:
+                self.progress.running += 1
+            try:
+                result = await self._attempt(base, variant, sample, tag)
+            except BusError as exc:
+                result = msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                if self.progress is not None:
+                    self.progress.running -= 1
+            result.attempts = attempt
+            if result.status == "ok":
+                break
+        return result
+
+    async def _attempt(self, base: SampleResult, variant: Variant, sample: Sample,
+                       tag: str) -> SampleResult:
+        started = time.monotonic()
+        timeout = self.loaded.spec.run.timeout
+        run: Run | None = None
+        outcome: RunResult | None = None
+        limited = False
+        with anyio.move_on_after(timeout if timeout else float("inf")):
+            run = await self.bus.prompt(variant.agent, sample.input, experiment=tag,
+                                        max_turns=self.loaded.max_turns(variant))
+            try:
+                outcome, limited = await self._result(run)
+            finally:  # an error or the limit: its subscription and stream go too
+                with anyio.CancelScope(shield=True):
+                    await run.close()
+        wall = time.monotonic() - started
+        if outcome is None:  # the wall-time limit: cancelling the prompt aborts the run
+            run_id = run.run_id if run is not None else ""
+            return msgspec.structs.replace(base, status="ok", stop_reason="timeout", wall=wall,
+                                           scores=self._scores("", sample), run_id=run_id)
+        usage = list(outcome.usage.values())
+        done = msgspec.structs.replace(
+            base, answer=outcome.final_text, stop_reason=outcome.stop_reason,
+            tokens=tokens_of(usage), cost=sum(u.cost for u in usage), wall=wall,
+            run_id=outcome.run_id, session=outcome.session, error=outcome.error or "")
+        if limited and outcome.stop_reason == "aborted":  # our abort: an answer, at its limit
+            done = msgspec.structs.replace(done, stop_reason="limit", error="")
+        elif outcome.stop_reason in FAILED:
+            return done
+        scores = self._scores(outcome.final_text, sample)
+        for scorer in self.loaded.spec.scorers:
+            if scorer.kind == "model":
+                scores[scorer.label] = await grade(self.grader, scorer, outcome.final_text,
+                                                   sample)
+        first = scores.get(self.loaded.spec.scorers[0].label) if self.loaded.spec.scorers \
+            else None
+        return msgspec.structs.replace(done, status="ok", scores=scores, score=first)
+
+    async def _result(self, run: Run) -> tuple[RunResult, bool]:
+        """The run's result; with run.token_limit / cost_limit, the run is aborted once its
+        tree passes one (then true)."""
+        limits = self.loaded.spec.run
+        if not (limits.token_limit or limits.cost_limit):
+            return await run.result(), False
+        passed = self.tally.limit(run.run_id, limits.token_limit, limits.cost_limit)
+
+        async def enforce() -> None:
+            await passed.wait()
+            await run.abort(LIMIT_REASON)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enforce)
+            outcome = await run.result()
+            tg.cancel_scope.cancel()
+        return outcome, passed.is_set()
+
+    async def _completed(self, result: SampleResult) -> SampleResult:
+        """`result` with its run's turns and its helpers' usage, once its agent_end is seen."""
+        if not result.run_id:
+            return result
+        turns, helpers = await self.tally.finished(result.run_id, END_WAIT)
+        return msgspec.structs.replace(result, turns=turns,
+                                       tokens=result.tokens + tokens_of(helpers),
+                                       cost=result.cost + sum(u.cost for u in helpers))
+
+    def _scores(self, answer: str, sample: Sample) -> dict[str, float | None]:
+        try:
+            return score_all(self.loaded.spec.scorers, answer, sample)
+        except ScorerError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's python scorer: its failure is data
+            raise ScorerError(f"scoring sample {sample.key!r}: {type(exc).__name__}: "
+                              f"{exc}") from exc
+
+    async def _publish(self, type_: str, entry: Plan | SampleResult) -> None:
+        await self.bus.peer.publish_raw(type_, msgspec.msgpack.encode(entry),
+                                        experiment=self.experiment, confirm=True)
+
+
+def tokens_of(usage: Iterable[Usage]) -> int:
+    return sum(u.total or u.input + u.output for u in usage)
+
+
+def result_rows(results: Iterable[SampleResult]) -> list[dict[str, Any]]:
+    """One flat dict per cell (scores as `score_<name>` columns), in a stable order."""
+    rows = []
+    for entry in sorted(results, key=lambda r: (r.variant, r.sample, r.repeat)):
+        row = msgspec.to_builtins(entry)
+        row.pop("type", None)
+        for name, value in row.pop("scores").items():
+            row[f"score_{name}"] = value
+        rows.append(row)
+    return rows
+
+
+def write_results(path: Path, results: Iterable[SampleResult]) -> int:
+    """The results file: JSON Lines, one cell a line (`pandas.read_json(path, lines=True)`,
+    `polars.read_ndjson(path)`). Written whole to a temporary file, then renamed."""
+    rows = result_rows(results)
+    part = path.with_name(path.name + ".part")
+    with part.open("w") as out:
+        for row in rows:
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+    part.replace(path)
+    return len(rows)
+
+
+def progress_for(stream: TextIO, planned: int) -> Progress:
+    """A progress line on a terminal; counts only otherwise."""
+    return Progress(planned, 0, stream if stream.isatty() else None)
+
+
+__all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
+           "progress_for", "read_journal", "result_rows", "write_results"]

@@ -1,0 +1,331 @@
+"""The experiment spec (TOML) and its dataset (JSONL), checked with errors that name the key.
+
+    name = "qa"
+    [dataset]
+    path = "samples.jsonl"      # relative to the spec file; one JSON object a line
+    [[variants]]
+    name = "solo"
+    agent = "assistant"
+    set = { temperature = 0.7 } # the keys `busctl replay --set` takes (agents.replay.SETTABLE);
+                                # "AGENT.KEY" for another agent of a team
+    [run]
+    repeats = 3                 # each repeat gets seed + repeat when `seed` is given
+    concurrency = 8
+    [[scorers]]
+    kind = "number"
+
+A variant's changes reach the model the way a replay fork's do: the runner loads them into the
+gateway (`llm.replay` with no recorded replies, `fork = true`) for the experiment tag of each
+variant and repeat, `E.<variant>.r<repeat>`, which every session of that cell carries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from agents import replay
+from agents.launch.topology import Seed, TurnBound, _keypath_message
+from bus.errors import ConfigError
+
+NAME = r"[A-Za-z0-9_-]+"  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
+#: The gateway holds this many replays (overlays) at once (agents/gateway/process.py REPLAYS_KEPT).
+MAX_OVERLAYS = 16
+MAX_SAMPLE_BYTES = 1024 * 1024  # one dataset line; a larger one is a mistake, not a sample
+
+
+class SpecError(ConfigError):
+    """A spec or dataset problem; the text names the file and the key (or line)."""
+
+
+class DatasetSection(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+
+
+class Variant(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    agent: str
+    set: dict[str, Any] = msgspec.field(default_factory=dict)
+    system_prompt_file: str = ""
+    model: str = ""
+    # An agent's tools are fixed when its runs start, on its coordinator: a variant with other
+    # tools is another [[agents]] entry. Kept as a key so the error can say so.
+    tools: list[str] | None = None
+
+
+class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    repeats: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    concurrency: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 8
+    seed: Seed | None = None  # repeat r (from 1) sends seed + r - 1
+    retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2  # errors, not wrong answers
+    max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
+    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall seconds per sample
+    # per sample, the whole run tree (helpers asked included): past it the run is aborted and
+    # its answer so far scored, stop reason `limit` (0: none)
+    token_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cost_limit: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    # seconds a cell whose coordinator died waits for its run to resume there (`busctl up`
+    # restarts it) before it is retried elsewhere (agents.client.remote.RESUME_WAIT)
+    resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+
+
+ScorerKind = Literal["exact", "includes", "regex", "number", "json_field", "python", "model"]
+
+
+class Scorer(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    kind: ScorerKind
+    name: str = ""  # "" = the kind
+    ignore_case: bool = True  # exact, includes, regex
+    pattern: str = ""  # regex: the pattern ("" = the target, as a pattern)
+    tolerance: Annotated[float, msgspec.Meta(ge=0)] = 0.0  # number: absolute
+    field: str = ""  # json_field: a dotted path into the answer's JSON object
+    fn: str = ""  # python: "module:function" (answer, sample) -> float | bool
+    model: str = ""  # model: the grader's model alias ("": the gateway's default)
+    template: str = ""  # model: the grading prompt ({input}, {answer}, {target}); "": DEFAULT
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+
+class Spec(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    dataset: DatasetSection
+    variants: list[Variant]
+    scorers: list[Scorer] = msgspec.field(default_factory=list)
+    run: RunSection = msgspec.field(default_factory=RunSection)
+
+
+class Sample(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    id: str | int
+    input: str
+    target: Any = None
+    files: list[str] = msgspec.field(default_factory=list)
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return str(self.id)
+
+
+class Loaded(msgspec.Struct):
+    """A checked spec with what it refers to: its samples and each variant's gateway overlay."""
+
+    spec: Spec
+    samples: list[Sample]
+    source: str  # the spec file
+    prompts: dict[str, str]  # variant -> its system prompt file's text (if any)
+
+    def overrides(self, variant: Variant, repeat: int) -> dict[str, replay.LiveOverrides]:
+        """What the model calls of `variant`'s sessions in `repeat` change, by agent."""
+        by_agent: dict[str, dict[str, Any]] = {}
+        for name, value in variant.set.items():
+            agent, _, key = name.rpartition(".")
+            if key in replay.REQUEST_KEYS:
+                by_agent.setdefault(agent or variant.agent, {})[key] = _typed(key, value)
+        own = by_agent.setdefault(variant.agent, {})
+        if variant.model:
+            own["model"] = variant.model
+        if variant.name in self.prompts:
+            own["system_prompt"] = self.prompts[variant.name]
+        if self.spec.run.seed is not None and "seed" not in own:
+            own["seed"] = self.spec.run.seed + repeat - 1
+        return {agent: msgspec.convert(values, replay.LiveOverrides)
+                for agent, values in by_agent.items() if values}
+
+    def max_turns(self, variant: Variant) -> int:
+        for key in replay.TURN_KEYS:
+            if key in variant.set:
+                return int(variant.set[key])
+        return self.spec.run.max_turns or 0
+
+    @property
+    def planned(self) -> int:
+        return len(self.samples) * len(self.spec.variants) * self.spec.run.repeats
+
+
+def _typed(key: str, value: Any) -> Any:
+    return [value] if key == "stop" and isinstance(value, str) else value
+
+
+def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
+    """Read and check a spec and its dataset (the first `limit` samples when > 0)."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        spec = msgspec.toml.decode(data, type=Spec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(f"{path}: {_keypath_message(str(exc))}") from None
+    except msgspec.DecodeError as exc:
+        raise SpecError(f"{path}: not valid TOML: {exc}") from None
+    problems = check_spec(spec)
+    if problems:
+        raise SpecError(f"{path}: {problems[0]}")
+    base = path.parent
+    samples = load_dataset(base / spec.dataset.path, limit=limit)
+    prompts = {}
+    for i, variant in enumerate(spec.variants):
+        if variant.system_prompt_file:
+            file = base / variant.system_prompt_file
+            try:
+                prompts[variant.name] = file.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise SpecError(f"{path}: variants[{i}].system_prompt_file: cannot read "
+                                f"{str(file)!r}: {exc}") from None
+    return Loaded(spec, samples, str(path), prompts)
+
+
+def check_spec(spec: Spec) -> list[str]:
+    """Cross-field checks msgspec cannot express; each problem names its key."""
+    problems: list[str] = []
+    if not re.fullmatch(NAME, spec.name):
+        problems.append(f"name: {spec.name!r} must be letters, digits, _ or - (it names the "
+                        f"experiment in the event log)")
+    if not spec.variants:
+        problems.append("variants: give at least one [[variants]] table (name, agent)")
+    names = [v.name for v in spec.variants]
+    for i, variant in enumerate(spec.variants):
+        problems += _variant_problems(f"variants[{i}]", variant, names)
+    for i, scorer in enumerate(spec.scorers):
+        problems += _scorer_problems(f"scorers[{i}]", scorer)
+    labels = [s.label for s in spec.scorers]
+    for label in sorted({x for x in labels if labels.count(x) > 1}):
+        problems.append(f"scorers: two scorers are called {label!r}; give one a `name`")
+    overlays = len(spec.variants) * spec.run.repeats
+    if overlays > MAX_OVERLAYS and (spec.run.seed is not None or any(
+            v.set or v.model or v.system_prompt_file for v in spec.variants)):
+        problems.append(f"variants / run.repeats: {overlays} variant × repeat cells change model "
+                        f"settings, but a gateway holds {MAX_OVERLAYS} at once; use fewer "
+                        f"repeats or variants, or drop run.seed")
+    return problems
+
+
+def _variant_problems(where: str, variant: Variant, names: list[str]) -> list[str]:
+    problems: list[str] = []
+    if not re.fullmatch(NAME, variant.name):
+        problems.append(f"{where}.name: {variant.name!r} must be letters, digits, _ or -")
+    elif names.count(variant.name) > 1:
+        problems.append(f"{where}.name: variant {variant.name!r} is defined twice")
+    if not variant.agent:
+        problems.append(f"{where}.agent: name the agent (or a team's prompted agent) to run")
+    if variant.tools is not None:
+        problems.append(f"{where}.tools: an agent's tools are fixed where it is hosted; define "
+                        f"another [[agents]] entry with these tools in the topology and name it "
+                        f"in {where}.agent")
+    for name, value in variant.set.items():
+        problems += _setting_problems(f"{where}.set.{name}", variant, name, value)
+    return problems
+
+
+def _setting_problems(where: str, variant: Variant, name: str, value: Any) -> list[str]:
+    """One `set` entry, checked with the ranges `busctl replay --set` uses."""
+    agent, _, key = name.rpartition(".")
+    if key not in replay.SETTABLE:
+        return [f"{where}: unknown key `{key}`; a variant can set: {', '.join(replay.SETTABLE)}"]
+    if key in replay.TURN_KEYS:
+        if agent and agent != variant.agent:
+            return [f"{where}: `{key}` bounds the prompted agent's runs only (`{variant.agent}`)"]
+        try:
+            msgspec.convert(value, TurnBound)
+        except msgspec.ValidationError:
+            return [f"{where}: expected a whole number of turns from 1 to {2**31 - 1}"]
+        return []
+    try:
+        msgspec.convert({key: _typed(key, value)}, replay.LiveOverrides)
+    except msgspec.ValidationError as exc:
+        reason = str(exc).partition(" - at ")[0]
+        if "got `" in reason:
+            reason = f"expected {replay.KINDS.get(key, 'a string')}"
+        return [f"{where}: {reason}; e.g. {key} = {replay.EXAMPLES[key]}"]
+    return []
+
+
+def _scorer_problems(where: str, scorer: Scorer) -> list[str]:
+    if scorer.kind == "model" and scorer.template:
+        try:
+            scorer.template.format(input="", answer="", target="")
+        except (KeyError, IndexError, ValueError) as exc:
+            return [f"{where}.template: {exc!r}: the template may use {{input}}, {{answer}} "
+                    f"and {{target}} (double other braces: {{{{ }}}})"]
+    if scorer.kind == "json_field" and not scorer.field:
+        return [f"{where}.field: json_field needs the dotted path of the field to compare"]
+    if scorer.kind == "regex" and scorer.pattern:
+        try:
+            re.compile(scorer.pattern)
+        except re.error as exc:
+            return [f"{where}.pattern: not a regular expression: {exc}"]
+    if scorer.kind == "python":
+        from agents.experiment.scoring import ScorerError, load_function
+        try:
+            load_function(scorer.fn)
+        except ScorerError as exc:
+            return [f"{where}.fn: {exc}"]
+    return []
+
+
+def load_dataset(path: Path, *, limit: int = 0) -> list[Sample]:
+    """The samples of a JSONL file; every problem names the file, the line and the key."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise SpecError(f"dataset.path: cannot read {str(path)!r}: {exc.strerror}") from None
+    samples: list[Sample] = []
+    seen: dict[str, int] = {}
+    decoder = msgspec.json.Decoder(Sample)
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        if len(line) > MAX_SAMPLE_BYTES:
+            raise SpecError(f"{where}: a line of {len(line)} bytes (at most {MAX_SAMPLE_BYTES})")
+        try:
+            sample = decoder.decode(line)
+        except msgspec.ValidationError as exc:
+            raise SpecError(f"{where}: {_keypath_message(str(exc))}") from None
+        except msgspec.DecodeError as exc:
+            raise SpecError(f"{where}: not a JSON object: {exc}") from None
+        if sample.key in seen:
+            raise SpecError(f"{where}: id: {sample.key!r} is also the id on line "
+                            f"{seen[sample.key]}; ids must be unique")
+        if not sample.key or len(sample.key) > 200:
+            raise SpecError(f"{where}: id: give a non-empty id of at most 200 characters")
+        seen[sample.key] = number
+        for j, name in enumerate(sample.files):
+            if not (path.parent / name).is_file():
+                raise SpecError(f"{where}: files[{j}]: no file {name!r} next to the dataset")
+        samples.append(sample)
+        if limit and len(samples) >= limit:
+            break
+    if not samples:
+        raise SpecError(f"{path}: no samples (one JSON object a line: id, input, target, files, "
+                        f"metadata)")
+    return samples
+
+
+def summary(loaded: Loaded) -> dict[str, Any]:
+    """What `busctl experiment check` prints."""
+    spec = loaded.spec
+    return {"name": spec.name, "samples": len(loaded.samples),
+            "variants": [v.name for v in spec.variants], "repeats": spec.run.repeats,
+            "sessions": loaded.planned, "concurrency": spec.run.concurrency,
+            "scorers": [s.label for s in spec.scorers]}
+
+
+def experiment_tag(experiment: str, variant: str, repeat: int) -> str:
+    """The experiment id a cell's sessions carry: `E.<variant>.r<repeat>`."""
+    return f"{experiment}.{variant}.r{repeat}"
+
+
+def spec_digest(loaded: Loaded) -> str:
+    """Identifies what a run planned: `--resume` refuses a spec or dataset that changed."""
+    import hashlib
+    body = json.dumps([msgspec.to_builtins(loaded.spec), msgspec.to_builtins(loaded.samples),
+                       loaded.prompts], sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
