@@ -18,6 +18,7 @@ resume runs that cell again (the latest entry of a cell wins).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,6 +44,8 @@ PLAN_TYPE = "experiment_plan"
 SAMPLE_TYPE = "experiment_sample"
 JOURNAL_TOPIC = "ext///experiment_"  # both types, published with no agent and no run
 END_WAIT = 5.0  # seconds to wait for a run's agent_end (its turns) after its result
+log = logging.getLogger("agents.experiment.runner")
+
 FAILED = frozenset({"error", "aborted"})  # stop reasons that are errors, not answers
 LIMIT_REASON = "the experiment's run.token_limit / run.cost_limit for a sample was passed"
 
@@ -421,7 +424,10 @@ class Runner:
 
         async def enforce() -> None:
             await passed.wait()
-            await run.abort(LIMIT_REASON)
+            try:
+                await run.abort(LIMIT_REASON)
+            except RemoteError as exc:  # it ended by itself meanwhile: its result tells
+                log.debug("abort of %s at its limit: %s", run.run_id, exc)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(enforce)
