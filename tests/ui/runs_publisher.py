@@ -73,7 +73,7 @@ def live(n: int, streaming: bool) -> list[ev.Event]:
 
 async def main() -> None:
     endpoint, n_finished, n_live = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    async with connect(endpoint, name="worker-a") as peer:
+    async with connect(endpoint, name="worker-a", role="worker") as peer:
 
         async def fetch(req: IncomingRequest) -> bytes:
             await anyio.sleep_forever()  # never asked: the events say a call is open

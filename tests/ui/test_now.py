@@ -4,7 +4,8 @@ time; every run on its own time axis; a millisecond tool call still a visible ba
 connection state true: the hub stopped, the page says "hub unreachable since HH:MM:SS" within
 5 s with the peers greyed, and says "live" again by itself when the hub is back.
 
-Screenshots (idle, busy: 50 finished runs and 3 live, hub down) are left in the test's tmp_path.
+The topology (the hub, its peers by role, each with its services' load and a worker's sandbox)
+is on the same page. Screenshots (idle, busy: 50 finished runs and 3 live, hub down) are left in the test's tmp_path.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ async def test_what_runs_now_first_and_the_hub_state_is_true(tmp_path: Path) -> 
         assert geo["live"][0]["wait"].startswith("waits for model m streaming for "), geo
         assert "tool fetch on worker-a for " in geo["live"][1]["wait"], geo
         assert geo["finished"] == 20 and geo["ticks"] >= 2 * geo["lanes"], geo  # a page; axes
+        # the topology: the worker under the hub, with its service's load and its sandbox
+        worker = browser.evaluate("document.querySelector('#peers li.role[data-peer-role=\"worker\"] "
+                                  "li.peer[data-peer=\"worker-a\"]')?.innerText")
+        assert worker and "sandbox: bwrap" in worker and "tool.fetch 0/2" in worker, worker
 
         first.stop()  # the hub goes away: within 5 s the page says so, peers greyed
         stopped = time.monotonic()

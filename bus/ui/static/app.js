@@ -399,6 +399,42 @@ function renderList(id, items) {
   document.getElementById(id).replaceChildren(...items.map((t) => el("li", {}, t)));
 }
 
+const ROLES = ["gateway", "worker", "coordinator", "supervisor", "watcher"]; // drawn in this order
+
+function renderTopology(peers) {
+  // The hub and what hangs off it, by role: each peer with its services' load/capacity and, for
+  // a tool worker, its sandbox (the `sandbox` key its services' meta carries).
+  const groups = new Map();
+  for (const p of peers) {
+    const role = p.role || "peer";
+    if (!groups.has(role)) groups.set(role, []);
+    groups.get(role).push(p);
+  }
+  const order = [...groups.keys()].sort((a, b) => (ROLES.indexOf(a) + 1 || 99) - (ROLES.indexOf(b) + 1 || 99));
+  const items = order.map((role) => el("li", { class: "role", "data-peer-role": role },
+    el("span", { class: "role-name" }, `${role}s (${groups.get(role).length})`),
+    el("ul", {}, ...groups.get(role).map(peerItem))));
+  document.getElementById("peers").replaceChildren(
+    el("li", { class: "hub" }, `hub · ${peers.length} peers`, el("ul", {}, ...items)));
+}
+
+function peerItem(p) {
+  const services = p.services || [];
+  const load = services.reduce((n, s) => n + (s.load || 0), 0);
+  const cap = services.reduce((n, s) => n + (s.capacity || 0), 0);
+  const sandbox = services.map((s) => (s.meta || {}).sandbox).find((x) => x);
+  const head = el("div", { class: "peer-head", title: `${p.name} · ${p.role || "peer"} · `
+                  + `${p.host || ""} pid ${p.pid || "?"}` }, p.name,
+                  el("span", { class: "load" }, cap ? ` ${load}/${cap} busy` : ""));
+  const kids = [head];
+  if (sandbox) kids.push(el("div", { class: "sandbox", title: String(sandbox) }, "sandbox: " + sandbox));
+  if (services.length) {
+    kids.push(el("div", { class: "svcs", title: services.map((s) => s.name).join("\n") },
+                 services.map((s) => `${s.name} ${s.load || 0}/${s.capacity}`).join(", ")));
+  }
+  return el("li", { class: "peer", "data-peer": p.name }, ...kids);
+}
+
 function renderTranscript() {
   const r = state.runs.get(state.selected);
   const body = document.getElementById("transcript-body");
@@ -456,7 +492,7 @@ function redraw() {
   if (state.status) { // the hub's polled status: load and queues per service, peers by role
     renderList("services", state.status.services.map((s) =>
       `${s.name}: ${s.load || 0}/${s.capacity} busy, ${s.queued || 0} queued, ${s.peers} peers`));
-    renderList("peers", state.status.peers.map((p) => `${p.name} (${p.role || "peer"})`));
+    renderTopology(state.status.peers);
   } else {
     renderList("peers", [...state.peers.values()]);
     renderList("services", [...state.services.values()].map((s) => `${s.service} ×${s.capacity || 1}`));
