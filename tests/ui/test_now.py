@@ -11,11 +11,13 @@ is on the same page. Screenshots (idle, busy: 50 finished runs and 3 live, hub d
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.cli.conftest import start_up
 from tests.support import Proc, busctl, py, until
 from tests.ui.browser import Browser, find_chromium
 
@@ -112,3 +114,33 @@ async def test_what_runs_now_first_and_the_hub_state_is_true(tmp_path: Path) -> 
             browser.close()
         for proc in reversed(procs):
             proc.stop()
+
+
+async def test_after_busctl_down_the_page_says_the_hub_is_unreachable(tmp_path: Path) -> None:
+    """`busctl up` with `[ui]`, the page open, `busctl down`: the page stops saying "live"."""
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium: `.ci/run` installs it (apt-get install -y chromium)")
+    project = tmp_path / "project"  # the workspace: the hub's state is outside it
+    project.mkdir()
+    (project / "team.toml").write_text(f'[hub]\nstate_dir = "{tmp_path / "state"}"\n'
+                                       "[ui]\nport = 0\n")
+    up, _ = start_up(project, "-c", "team.toml")
+    browser: Browser | None = None
+    try:
+        url = up.wait_line(lambda s: s.startswith("ui "), 10).split()[1]
+        browser = Browser(binary, tmp_path / "profile")
+        browser.open(url)
+        await until(lambda: browser.evaluate(STATUS) == "live", 15, "the page's event stream")
+        down = subprocess.run(busctl("down", "-c", "team.toml"), cwd=project, timeout=30,
+                              capture_output=True, text=True)
+        assert down.returncode == 0, down.stderr
+        stopped = time.monotonic()
+        await until(lambda: browser.evaluate(STATUS).startswith("hub unreachable since "), 5,
+                    "the page saying the hub is unreachable after busctl down")
+        print(f"after busctl down: {browser.evaluate(STATUS)!r} in "
+              f"{time.monotonic() - stopped:.2f} s")
+    finally:
+        if browser is not None:
+            browser.close()
+        up.stop(timeout=10)

@@ -469,8 +469,9 @@ function renderConnection() {
   const node = document.getElementById("status");
   let text = "live";
   if (!state.stream.ok) {
-    text = state.stream.since ? `busctl ui unreachable since ${clock(state.stream.since)}`
-      : "connecting…";
+    // `busctl down` stops the page's server with the hub: from here neither answers
+    text = state.stream.since ? `hub unreachable since ${clock(state.stream.since)} (busctl ui `
+      + "does not answer either)" : "connecting…";
   } else if (state.hub && !state.hub.ok) {
     text = `hub unreachable since ${clock(state.hub.since)}`;
   } else if (!state.hub) {
