@@ -93,6 +93,23 @@ async def test_what_runs_now_first_and_the_hub_state_is_true(tmp_path: Path) -> 
         assert geo["live"][0]["wait"].startswith("waits for model m streaming for "), geo
         assert "tool fetch on worker-a for " in geo["live"][1]["wait"], geo
         assert geo["finished"] == 20 and geo["ticks"] >= 2 * geo["lanes"], geo  # a page; axes
+        # a bar's tooltip: name, worker, argument preview, duration
+        tip = browser.evaluate("document.querySelector('#timeline > .lane.live "
+                               ".bar[data-tool=\"fetch\"]').title")
+        assert tip.startswith("fetch on worker-a\n") and "https://x/" in tip and " ms" in tip, tip
+        # the wheel over a lane's axis zooms that lane alone; a double click resets it
+        ticks = ("[...document.querySelectorAll('#timeline > .lane.live')][1]"
+                 ".querySelector('.axis').innerText")
+        before = browser.evaluate(ticks)
+        browser.evaluate("(() => { const a = [...document.querySelectorAll('#timeline > "
+                         ".lane.live')][1].querySelector('.axis'); const b = a.getBoundingClientRect();"
+                         " a.dispatchEvent(new WheelEvent('wheel', {deltaY: -600, clientX: b.left"
+                         " + 10, clientY: b.top + 2, bubbles: true, cancelable: true})); })()")
+        assert browser.evaluate("state.zoom.size") == 1 and browser.evaluate(ticks) != before
+        browser.evaluate("[...document.querySelectorAll('#timeline > .lane.live')][1]"
+                         ".querySelector('.axis').dispatchEvent(new MouseEvent('dblclick', "
+                         "{bubbles: true}))")
+        assert browser.evaluate("state.zoom.size") == 0
         # the topology: the worker under the hub, with its service's load and its sandbox
         worker = browser.evaluate("document.querySelector('#peers li.role[data-peer-role=\"worker\"] "
                                   "li.peer[data-peer=\"worker-a\"]')?.innerText")
