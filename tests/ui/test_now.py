@@ -114,6 +114,15 @@ async def test_what_runs_now_first_and_the_hub_state_is_true(tmp_path: Path) -> 
         worker = browser.evaluate("document.querySelector('#peers li.role[data-peer-role=\"worker\"] "
                                   "li.peer[data-peer=\"worker-a\"]')?.innerText")
         assert worker and "sandbox: bwrap" in worker and "tool.fetch 0/2" in worker, worker
+        # the experiment view: its done / running / failed counts; a click shows only its runs
+        exp = "document.querySelector('#totals tr[data-key=\"exp:exp-b\"]')"
+        assert browser.evaluate(f"{exp}.innerText").endswith("0 done, 3 running, 0 failed")
+        heads = ("document.getElementById('live-head').textContent + ' / ' + "
+                 "document.getElementById('finished-head').textContent")
+        browser.evaluate(f"{exp}.click()")
+        assert browser.evaluate(heads).startswith("Running now: 3 / Finished: 0 ‹")
+        browser.evaluate(f"{exp}.click()")
+        assert browser.evaluate(heads).startswith("Running now: 3 / Finished: 50 ")
 
         first.stop()  # the hub goes away: within 5 s the page says so, peers greyed
         stopped = time.monotonic()

@@ -64,7 +64,7 @@ function typeMatches(types) {
 function experiment(name) {
   const key = name || "(none)";
   if (!state.experiments.has(key)) {
-    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0 });
+    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0, live: 0, failed: 0 });
   }
   return state.experiments.get(key);
 }
@@ -78,7 +78,8 @@ const handlers = {
     const r = run(ev);
     r.start = ev.ts; r.session = ev.session || "";
     state.totals.runs += 1;
-    experiment(r.experiment).runs += 1;
+    const x = experiment(r.experiment);
+    x.runs += 1; x.live += 1;
     const a = state.agents.get(ev.agent) || { runs: 0, live: 0, sessions: new Set(), nsessions: 0 };
     a.runs += 1; a.live += 1;
     if (r.session && !a.sessions.has(r.session)) {
@@ -133,6 +134,9 @@ const handlers = {
     const r = run(ev);
     r.end = ev.ts; r.stop = ev.stop_reason || "stop";
     state.totals.stops[r.stop] = (state.totals.stops[r.stop] || 0) + 1;
+    const x = experiment(r.experiment);
+    x.live = Math.max(0, x.live - 1);
+    if (r.stop === "error" || r.stop === "aborted") x.failed += 1;
     const a = state.agents.get(ev.agent);
     if (a) a.live = Math.max(0, a.live - 1);
     collapseOld();
@@ -459,9 +463,18 @@ function renderTotals() {
                 ["cost", "$" + t.cost.toFixed(4)],
                 ...Object.entries(t.stops).map(([k, v]) => ["stop:" + k, v]),
                 ...[...state.experiments.entries()].map(([k, e]) => ["exp:" + k,
-                  `${e.runs} runs, ${e.input}/${e.output} tok, $${e.cost.toFixed(4)}`])];
-  document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) =>
-    el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)))));
+                  `${e.runs} runs, ${e.input}/${e.output} tok, $${e.cost.toFixed(4)}; `
+                  + `${e.runs - e.live - e.failed} done, ${e.live} running, ${e.failed} failed`])];
+  document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) => {
+    const row = el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)));
+    if (k.startsWith("exp:") && k !== "exp:(none)") { // the experiment view: a click filters by it
+      const name = k.slice(4);
+      row.className = "exp" + (state.filter.experiment === name ? " chosen" : "");
+      row.title = "show only this experiment's runs (click again: all)";
+      row.onclick = () => setFilter("experiment", state.filter.experiment === name ? "" : name);
+    }
+    return row;
+  }));
 }
 
 function renderConnection() {
@@ -532,9 +545,15 @@ function connect() {
   };
 }
 
+function setFilter(key, value) {
+  document.getElementById("filter-" + key).value = value;
+  state.filter[key] = value; state.page = 0;
+  redraw();
+}
+
 for (const key of Object.keys(state.filter)) {
   document.getElementById("filter-" + key).addEventListener("input", (e) => {
-    state.filter[key] = e.target.value.trim();
+    state.filter[key] = e.target.value.trim(); state.page = 0;
     redraw();
   });
 }
