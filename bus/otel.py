@@ -278,8 +278,12 @@ class TraceBuilder:
             error = msg.error or ""
             if self.capture:
                 attrs["gen_ai.output.messages"] = json.dumps([_assistant_json(msg)])
+                attrs.update({"output.value": "".join(getattr(c, "text", "") for c in msg.content),
+                              "output.mime_type": "text/plain"})
         if self.capture:
             attrs["gen_ai.input.messages"] = json.dumps(_history(run, chat.index))
+            attrs.update({"input.value": attrs["gen_ai.input.messages"],
+                          "input.mime_type": "application/json"})
         name = f"chat {model}".rstrip()
         end = chat.end if msg is not None else run.last
         return self._span(name, trace_id, chat_span_id(run.run, chat.index), parent,

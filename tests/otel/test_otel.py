@@ -195,6 +195,8 @@ async def test_capture_content(stack: Stack, receiver: Receiver, tmp_path: Path)
     assert {(p["type"], p["id"], p["response"]) for p in history[2]["parts"]} == {
         ("tool_call_response", "call_0_echo", "a"), ("tool_call_response", "call_1_echo", "b"),
         ("tool_call_response", "call_2_ask_helper", "Bananas are yellow.")}
+    assert second.attrs["input.value"] == second.attrs["gen_ai.input.messages"]  # for Phoenix
+    assert second.attrs["output.value"] == "Done: a, b, yellow."
     assert json.loads(second.attrs["gen_ai.output.messages"]) == [{
         "role": "assistant", "parts": [{"type": "text", "content": "Done: a, b, yellow."}],
         "finish_reason": "stop"}]
