@@ -244,8 +244,13 @@ class TraceBuilder:
             "gen_ai.usage.output_tokens": usage["output"],
         }
         if self.capture:
+            final = end.final_text if end else ""
             attrs["gen_ai.input.messages"] = _messages("user", run.prompt)
-            attrs["gen_ai.output.messages"] = _messages("assistant", end.final_text if end else "")
+            attrs["gen_ai.output.messages"] = _messages("assistant", final)
+            # OpenInference's plain input/output: what Phoenix shows in its agent rows (it does
+            # not read the GenAI messages there)
+            attrs.update({"input.value": run.prompt, "input.mime_type": "text/plain",
+                          "output.value": final, "output.mime_type": "text/plain"})
         error = (end.error or end.stop_reason) if end and end.stop_reason in ("error", "aborted") \
             else ""
         spans = [self._span(f"invoke_agent {run.agent}", trace_id, run_id, parent, run.start,
@@ -273,6 +278,12 @@ class TraceBuilder:
             error = msg.error or ""
             if self.capture:
                 attrs["gen_ai.output.messages"] = json.dumps([_assistant_json(msg)])
+                attrs.update({"output.value": "".join(getattr(c, "text", "") for c in msg.content),
+                              "output.mime_type": "text/plain"})
+        if self.capture:
+            attrs["gen_ai.input.messages"] = json.dumps(_history(run, chat.index))
+            attrs.update({"input.value": attrs["gen_ai.input.messages"],
+                          "input.mime_type": "application/json"})
         name = f"chat {model}".rstrip()
         end = chat.end if msg is not None else run.last
         return self._span(name, trace_id, chat_span_id(run.run, chat.index), parent,
@@ -298,12 +309,37 @@ def _messages(role: str, text: str) -> str:
     return json.dumps([{"role": role, "parts": [{"type": "text", "content": text}]}])
 
 
+def _history(run: Run, index: int) -> list[dict[str, Any]]:
+    """What model call `index` of `run` was sent, as GenAI input messages: the user's prompt, then
+    each earlier reply with the results of the tools it called (role `tool`, `tool_call_response`
+    parts). The agent's system prompt is not in the events, so it is not here either."""
+    out = [{"role": "user", "parts": [{"type": "text", "content": run.prompt}]}]
+    for chat in run.chats[:index]:
+        if chat.message is None:
+            continue
+        out.append(_assistant_json(chat.message))
+        calls = [p for p in chat.message.content if isinstance(p, ToolCall)]
+        results = [{"type": "tool_call_response", "id": c.id,
+                    "response": run.tools[c.id].result} for c in calls if c.id in run.tools]
+        if results:
+            out.append({"role": "tool", "parts": results})
+    return out
+
+
+def _arguments(text: str) -> Any:
+    """A tool call's arguments as the object the conventions show (the raw text if not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _assistant_json(msg: AssistantMessage) -> dict[str, Any]:
     parts: list[dict[str, Any]] = []
     for part in msg.content:
         if isinstance(part, ToolCall):
             parts.append({"type": "tool_call", "id": part.id, "name": part.name,
-                          "arguments": part.arguments})
+                          "arguments": _arguments(part.arguments)})
         elif getattr(part, "text", ""):
             parts.append({"type": "text", "content": part.text})  # type: ignore[union-attr]
     return {"role": "assistant", "parts": parts, "finish_reason": msg.stop_reason}

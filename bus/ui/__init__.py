@@ -27,6 +27,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -203,15 +204,27 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
     return Handler
 
 
-async def _poll_status(peer: Peer, store: EventStore, interval: float = 1.0) -> None:
-    """Load and queues are not events: the hub's status, polled, goes to the pages as a snapshot."""
+async def _poll_status(peer: Peer, store: EventStore, interval: float = 0.5) -> None:
+    """Load and queues are not events: the hub's status, polled, goes to the pages as a snapshot,
+    with whether the hub answers (`hub.ok`) and since when it does not. The link's own liveness
+    (`peer.connected`: the hub's heartbeats) says "unreachable" without waiting for a request
+    to time out; the peers and services sent last stay on the page, greyed."""
+    last: dict[str, Any] = {}
+    down_since = 0.0
     while True:
-        try:
-            status = await peer.status()
-            store.set_status(msgspec.json.encode({"peers": status.peers,
-                                                  "services": status.services}).decode())
-        except AgentBusError as exc:  # a hub restarting: the next poll will do
-            log.info("ui: hub status unavailable: %s", exc)
+        status = None
+        if peer.connected:
+            try:
+                status = await peer.status(timeout=2.0)
+            except AgentBusError as exc:  # a hub restarting: the next poll will do
+                log.info("ui: hub status unavailable: %s", exc)
+        if status is not None:
+            down_since = 0.0
+            last = {"peers": status.peers, "services": status.services, "hub": {"ok": True}}
+        else:
+            down_since = down_since or time.time()
+            last = {**last, "hub": {"ok": False, "since": down_since}}
+        store.set_status(msgspec.json.encode(last).decode())
         await anyio.sleep(interval)
 
 

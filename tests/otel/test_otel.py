@@ -152,9 +152,13 @@ async def test_a_run_with_a_sub_agent_is_one_trace(stack: Stack, receiver: Recei
     assert helper_chat.parent_id == helper.span_id
     assert all(s.attrs["agent_bus.experiment.id"] == "exp-otel" for s in spans)
     # no content unless --capture-content; the --header reached the collector
-    assert not any(k.startswith(("gen_ai.input", "gen_ai.output", "gen_ai.tool.call.arg"))
-                   for s in spans for k in s.attrs)
+    assert not any(k.startswith(CONTENT) for s in spans for k in s.attrs)
     assert receiver.last_headers.get("x-team") == "bus"
+
+
+# the attributes that carry what was said: only with --capture-content
+CONTENT = ("gen_ai.input", "gen_ai.output", "gen_ai.tool.call.arg", "gen_ai.tool.call.result",
+           "input.", "output.")
 
 
 async def test_capture_content(stack: Stack, receiver: Receiver, tmp_path: Path) -> None:
@@ -171,6 +175,35 @@ async def test_capture_content(stack: Stack, receiver: Receiver, tmp_path: Path)
     assert json.loads(ask.attrs["gen_ai.tool.call.arguments"]) == {
         "prompt": "What colour is a banana?"}
     assert ask.attrs["gen_ai.tool.call.result"] == "Bananas are yellow."
+    # OpenInference's plain input/output on the agent span (Phoenix's agent rows)
+    assert boss.attrs["input.value"] == "use your tools and ask the helper"
+    assert boss.attrs["output.value"] == "Done: a, b, yellow."
+    # each model call: what it was sent (GenAI input messages) and what it answered
+    first, second = sorted((s for s in spans if s.name == "chat m"
+                            and s.parent_id == boss.span_id), key=lambda s: s.start)
+    prompt = {"role": "user", "parts": [{"type": "text",
+                                         "content": "use your tools and ask the helper"}]}
+    assert json.loads(first.attrs["gen_ai.input.messages"]) == [prompt]
+    (asked,) = json.loads(first.attrs["gen_ai.output.messages"])
+    assert asked["role"] == "assistant" and asked["finish_reason"] == "tool_use"
+    assert [(p["type"], p["name"], p["arguments"]) for p in asked["parts"]] == [
+        ("tool_call", "echo", {"text": "a"}), ("tool_call", "echo", {"text": "b"}),
+        ("tool_call", "ask_helper", {"prompt": "What colour is a banana?"})]
+    history = json.loads(second.attrs["gen_ai.input.messages"])
+    assert [m["role"] for m in history] == ["user", "assistant", "tool"]
+    assert history[:2] == [prompt, asked]
+    assert {(p["type"], p["id"], p["response"]) for p in history[2]["parts"]} == {
+        ("tool_call_response", "call_0_echo", "a"), ("tool_call_response", "call_1_echo", "b"),
+        ("tool_call_response", "call_2_ask_helper", "Bananas are yellow.")}
+    assert second.attrs["input.value"] == second.attrs["gen_ai.input.messages"]  # for Phoenix
+    assert second.attrs["output.value"] == "Done: a, b, yellow."
+    assert json.loads(second.attrs["gen_ai.output.messages"]) == [{
+        "role": "assistant", "parts": [{"type": "text", "content": "Done: a, b, yellow."}],
+        "finish_reason": "stop"}]
+    helper = one(spans, "invoke_agent helper")
+    (helper_chat,) = [s for s in spans if s.parent_id == helper.span_id]
+    assert json.loads(helper_chat.attrs["gen_ai.input.messages"])[0]["parts"][0]["content"] == \
+        "What colour is a banana?"
 
 
 async def test_collector_down_then_back_and_resume_after_restart(

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.anyio
 
 PUBLISHER = str(Path(__file__).with_name("soak_publisher.py"))
 RATE = 1_000
-MAX_DOM = 5_000       # elements: 100 lanes drawn at most, whatever has happened before
+MAX_DOM = 5_000       # elements: live lanes + 20 finished drawn, whatever happened before
 MAX_RUNS = 1_300      # app.js MAX_KEPT_RUNS x 1.25, plus the runs still open
 SAMPLE = ("JSON.stringify({seq: state.shownSeq, ts: state.shownTs, now: Date.now() / 1000, "
           "dom: document.getElementsByTagName('*').length, runs: state.runs.size})")

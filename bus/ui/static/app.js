@@ -5,7 +5,6 @@
 
 const REDRAW_MS = 200;
 const MAX_DETAILED_RUNS = 300;
-const MAX_LANES = 100; // older finished runs keep their lane but drop bars and transcript
 // Past this many runs the oldest finished top-level runs (with their sub-agent runs) are
 // forgotten: the totals keep counting them, so a page left open for hours stays the same size.
 const MAX_KEPT_RUNS = 1000;
@@ -16,6 +15,9 @@ const state = {
   order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, experiments: new Map(),
   status: null, selected: null, filter: { agent: "", experiment: "", run: "", type: "" },
   types: new Set(), // every event type seen: the type filter's suggestions
+  page: 0, zoom: new Map(), anyLive: false,
+  hub: null, // the hub as `busctl ui` sees it: {ok, since}
+  stream: { ok: false, since: 0 }, // this page's link to `busctl ui`
 
 };
 
@@ -62,7 +64,7 @@ function typeMatches(types) {
 function experiment(name) {
   const key = name || "(none)";
   if (!state.experiments.has(key)) {
-    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0 });
+    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0, live: 0, failed: 0 });
   }
   return state.experiments.get(key);
 }
@@ -76,7 +78,8 @@ const handlers = {
     const r = run(ev);
     r.start = ev.ts; r.session = ev.session || "";
     state.totals.runs += 1;
-    experiment(r.experiment).runs += 1;
+    const x = experiment(r.experiment);
+    x.runs += 1; x.live += 1;
     const a = state.agents.get(ev.agent) || { runs: 0, live: 0, sessions: new Set(), nsessions: 0 };
     a.runs += 1; a.live += 1;
     if (r.session && !a.sessions.has(r.session)) {
@@ -114,8 +117,11 @@ const handlers = {
     const chat = run(ev).chats.at(-1);
     if (chat && chat.end === null) { chat.retries = (chat.retries || 0) + 1; chat.text = ""; }
   },
+  turn_start(ev) { run(ev).turn = ev.turn; },
   tool_execution_start(ev) {
-    run(ev).tools.set(ev.tool_call_id, { name: ev.tool_name, start: ev.ts, end: null, error: false });
+    // the arguments, clipped: the bar's tooltip shows a preview, the transcript has them whole
+    run(ev).tools.set(ev.tool_call_id, { name: ev.tool_name, start: ev.ts, end: null, error: false,
+                                         args: clip(JSON.stringify(ev.args ?? null), 300) });
   },
   tool_execution_end(ev) {
     const r = run(ev);
@@ -128,6 +134,9 @@ const handlers = {
     const r = run(ev);
     r.end = ev.ts; r.stop = ev.stop_reason || "stop";
     state.totals.stops[r.stop] = (state.totals.stops[r.stop] || 0) + 1;
+    const x = experiment(r.experiment);
+    x.live = Math.max(0, x.live - 1);
+    if (r.stop === "error" || r.stop === "aborted") x.failed += 1;
     const a = state.agents.get(ev.agent);
     if (a) a.live = Math.max(0, a.live - 1);
     collapseOld();
@@ -160,7 +169,7 @@ function forgetOld() {
     const r = state.runs.get(id);
     if (r.end !== null && (!r.parent || !state.runs.has(r.parent))) drop(id);
   }
-  for (const id of gone) state.runs.delete(id);
+  for (const id of gone) { state.runs.delete(id); state.zoom.delete(id); }
   state.order = state.order.filter((id) => !gone.has(id));
   state.forgotten = (state.forgotten || 0) + gone.size;
 }
@@ -174,15 +183,47 @@ function el(tag, attrs, ...kids) {
   return node;
 }
 
-function bar(kind, item, t0, span, label, row) {
+const MIN_BAR_PX = 4;   // a 1 ms call stays visible and hoverable
+const PAGE = 20;        // finished runs per page: the DOM stays small however many ran
+
+function clip(t, n) {
+  t = String(t || "").replace(/\s+/g, " ");
+  return t.length <= n ? t : t.slice(0, n - 1) + "…";
+}
+
+function secs(d) {
+  // a duration for a person: 0.42 ms, 38 ms, 3.2 s, 2 m 05 s
+  if (d < 0.01) return (d * 1000).toFixed(2) + " ms";
+  if (d < 1) return (d * 1000).toFixed(0) + " ms";
+  if (d < 60) return d.toFixed(1) + " s";
+  return `${Math.floor(d / 60)} m ${String(Math.floor(d % 60)).padStart(2, "0")} s`;
+}
+
+function clock(ts) {
+  return new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
+}
+
+function workersOf(tool) {
+  // Tool events do not name the worker: the hub's status says which peers serve `tool.NAME`,
+  // and which of them are busy now.
+  if (!state.status) return "";
+  const offer = state.status.peers.map((p) => [p, (p.services || []).find((s) =>
+    s.name === "tool." + tool)]).filter(([, s]) => s);
+  const busy = offer.filter(([, s]) => s.load > 0);
+  return (busy.length ? busy : offer).map(([p]) => p.name).join(", ");
+}
+
+function bar(kind, item, scale, label, row, tip) {
   const end = item.end === null ? Date.now() / 1000 : item.end;
-  const left = ((item.start - t0) / span) * 100;
-  const width = Math.max(((end - item.start) / span) * 100, 0.2);
+  const left = ((item.start - scale.t0) / scale.span) * 100;
+  const width = ((end - item.start) / scale.span) * 100;
   const cls = `bar ${kind}${item.error ? " error" : ""}${item.end === null ? " open" : ""}`;
-  const node = el("div", { class: cls, title: `${label} ${(end - item.start).toFixed(3)} s`,
+  const node = el("div", { class: cls, title: tip + `\n${secs(end - item.start)}`,
                            "data-row": String(row), "data-start": String(item.start),
                            "data-end": String(end) }, label);
-  node.style.left = left + "%"; node.style.width = width + "%";
+  // At least MIN_BAR_PX wide, and never past the track's right edge.
+  node.style.left = `min(${left}%, calc(100% - ${MIN_BAR_PX}px))`;
+  node.style.width = `max(${width}%, ${MIN_BAR_PX}px)`;
   return node;
 }
 
@@ -199,17 +240,91 @@ function toolRows(tools) {
   return rows;
 }
 
-function lane(r, t0, span) {
-  const title = el("div", { class: "lane-title" }, `${r.agent} · ${r.id.slice(0, 8)}`,
-                   el("span", { class: "stop" }, r.end === null ? "running" : r.stop));
-  const node = el("div", { class: "lane" + (state.selected === r.id ? " selected" : ""),
-                           "data-run": r.id, "data-agent": r.agent, "data-parent": r.parent }, title);
+function treeEnd(r, now) {
+  let end = r.end === null ? now : r.end;
+  for (const id of r.children) {
+    const c = state.runs.get(id);
+    if (c) end = Math.max(end, treeEnd(c, now));
+  }
+  return end;
+}
+
+function niceStep(span) {
+  // ~6 ticks at 1, 2 or 5 × 10^k seconds
+  const raw = span / 6;
+  const pow = 10 ** Math.floor(Math.log10(raw));
+  return [1, 2, 5, 10].map((m) => m * pow).find((s) => s >= raw);
+}
+
+function axis(scale) {
+  const node = el("div", { class: "axis" });
+  const step = niceStep(scale.span);
+  const first = Math.ceil((scale.t0 - scale.start) / step) * step;
+  // the label's precision follows the step: +0.25 ms, +1.5 s, +2 m 00 s
+  const digits = Math.max(0, -Math.floor(Math.log10(step < 1 ? step * 1000 : step) + 1e-9));
+  for (let t = first; t <= scale.t0 - scale.start + scale.span * 0.93; t += step) {
+    const left = ((scale.start + t - scale.t0) / scale.span) * 100;
+    const tick = el("span", { class: "tick" }, "+" + (step < 1 ? `${(t * 1000).toFixed(digits)} ms`
+      : t < 60 ? `${t.toFixed(digits)} s` : secs(t)));
+    tick.style.left = left + "%";
+    node.append(tick);
+  }
+  return node;
+}
+
+function waiting(r, now) {
+  // What a live run waits for now: its open tool calls (by worker), else the model, else its
+  // sub-agent's wait.
+  const open = [...r.tools.values()].filter((t) => t.end === null);
+  const parts = open.map((t) => {
+    const w = t.worker || workersOf(t.name);
+    if (w) t.worker = w; // seen once, kept: the worker may be idle again by the next redraw
+    return `tool ${t.name}${w ? " on " + w : ""} for ${secs(now - t.start)}`;
+  });
+  const chat = r.chats.at(-1);
+  if (!parts.length && chat && chat.end === null) {
+    parts.push(`model ${chat.model || ""} ${chat.text ? "streaming" : "thinking"} for `
+               + secs(now - chat.start));
+  }
+  for (const id of r.children) {
+    const c = state.runs.get(id);
+    if (c && c.end === null) parts.push(`${c.agent}: ${waiting(c, now)}`);
+  }
+  return parts.join(" · ") || "between steps";
+}
+
+function titleOf(r, now) {
+  const bits = [r.agent];
+  if (r.experiment) bits.push("exp " + r.experiment);
+  if (r.turn) bits.push("turn " + r.turn);
+  bits.push(r.id.slice(0, 8));
+  const dur = secs((r.end === null ? now : r.end) - r.start);
+  const full = `${r.agent} · run ${r.id} · experiment ${r.experiment || "-"} · session `
+    + `${r.session || "-"} · started ${clock(r.start)} · ${dur}`;
+  const kids = [el("span", { class: "name", title: full }, bits.join(" · ")),
+                el("span", { class: "stop" }, r.end === null ? "running" : r.stop),
+                el("span", { class: "dur" }, dur)];
+  if (r.end === null && !r.parent) {
+    const wait = waiting(r, now);
+    kids.push(el("span", { class: "wait", title: wait }, "waits for " + wait));
+  }
+  return el("div", { class: "lane-title" }, ...kids);
+}
+
+function lane(r, scale, now) {
+  const node = el("div", { class: "lane" + (state.selected === r.id ? " selected" : "")
+                           + (r.end === null ? " live" : ""),
+                           "data-run": r.id, "data-agent": r.agent, "data-parent": r.parent },
+                  titleOf(r, now));
+  if (!r.parent || !scale.nested) node.append(axis(scale));
   const chats = el("div", { class: "track chats" });
   if (typeMatches(CHAT_TYPES)) r.chats.forEach((c) => {
     // the text streams into the bar as it arrives; retries of the call are marked ↻N
     const label = (c.retries ? `↻${c.retries} ` : "") + (c.model || "model")
       + (c.text ? ": " + c.text.slice(-60) : "");
-    const b = bar("chat" + (c.retries ? " retry" : ""), c, t0, span, label, 0);
+    const b = bar("chat" + (c.retries ? " retry" : ""), c, scale, label, 0,
+                  `model ${c.model || "?"}${c.retries ? ` (${c.retries} retries)` : ""}\n`
+                  + clip(c.text, 300));
     if (c.retries) b.setAttribute("data-retries", String(c.retries));
     chats.append(b);
   });
@@ -217,14 +332,17 @@ function lane(r, t0, span) {
   toolRows(typeMatches(TOOL_TYPES) ? r.tools : new Map()).forEach((row, i) => {
     const track = el("div", { class: "track tools" });
     for (const [id, t] of row.items) {
-      const b = bar("tool", t, t0, span, t.name, i);
+      const w = t.worker || workersOf(t.name);
+      const b = bar("tool", t, scale, t.name, i, `${t.name}${w ? " on " + w : ""}\n`
+                    + clip(t.args, 300));
       b.setAttribute("data-tool", t.name); b.setAttribute("data-call", id);
       track.append(b);
     }
     node.append(track);
   });
   const kids = el("div", { class: "children" });
-  r.children.forEach((id) => kids.append(lane(state.runs.get(id), t0, span)));
+  const inner = { ...scale, nested: true }; // a sub-agent on its caller's axis: they line up
+  r.children.forEach((id) => { if (state.runs.has(id)) kids.append(lane(state.runs.get(id), inner, now)); });
   node.append(kids);
   node.addEventListener("click", (e) => { e.stopPropagation(); state.selected = r.id; redraw(); });
   return node;
@@ -242,24 +360,83 @@ function treeHasType(r) {
   return r.children.some((id) => state.runs.has(id) && treeHasType(state.runs.get(id)));
 }
 
+function scaleOf(r, now) {
+  // Each run on its own axis, from its start to its end (a live run: to now).
+  const span = Math.max(treeEnd(r, now) - r.start, 1e-3);
+  const z = state.zoom.get(r.id);  // [from, to] as fractions of the run, set by the wheel
+  return z ? { start: r.start, t0: r.start + z[0] * span, span: (z[1] - z[0]) * span }
+    : { start: r.start, t0: r.start, span };
+}
+
 function renderTimeline() {
-  const roots = state.order.map((id) => state.runs.get(id))
-    .filter((r) => (!r.parent || !state.runs.has(r.parent)) && shown(r));
-  const starts = roots.slice(-MAX_LANES).map((r) => r.start);
-  const t0 = Math.min(...starts, Date.now() / 1000);
-  let t1 = t0 + 1e-3; // a loop, not Math.max(...all): the spread of a huge array overflows
-  for (const r of state.runs.values()) t1 = Math.max(t1, r.end || Date.now() / 1000);
-  // Only the newest MAX_LANES top-level runs are drawn: a redraw stays cheap however long the
-  // page is open; the totals still count every run.
-  const hidden = Math.max(0, roots.length - MAX_LANES);
+  const now = Date.now() / 1000;
+  const live = [];
+  const done = [];
+  for (const id of state.order) {
+    const r = state.runs.get(id);
+    if ((r.parent && state.runs.has(r.parent)) || !shown(r)) continue;
+    (r.end === null ? live : done).push(r);
+  }
+  live.sort((a, b) => b.start - a.start); // newest first
+  done.sort((a, b) => b.end - a.end);
+  const pages = Math.max(1, Math.ceil(done.length / PAGE));
+  state.page = Math.min(state.page, pages - 1);
+  const from = state.page * PAGE;
+  const older = el("button", { id: "older" }, "older ›");
+  const newer = el("button", { id: "newer" }, "‹ newer");
+  older.disabled = state.page >= pages - 1; newer.disabled = state.page === 0;
+  older.onclick = () => { state.page += 1; redraw(); };
+  newer.onclick = () => { state.page -= 1; redraw(); };
   const box = document.getElementById("timeline");
-  const lanes = roots.slice(hidden).map((r) => lane(r, t0, t1 - t0));
-  if (hidden) lanes.unshift(el("div", { class: "older" }, `${hidden} older runs not drawn`));
-  box.replaceChildren(...lanes);
+  box.replaceChildren(
+    el("h3", { class: "group", id: "live-head" }, `Running now: ${live.length}`),
+    ...(live.length ? live.map((r) => lane(r, scaleOf(r, now), now))
+      : [el("div", { class: "none" }, "nothing is running")]),
+    el("h3", { class: "group", id: "finished-head" }, `Finished: ${done.length} `
+       + (done.length ? `(${from + 1}–${Math.min(from + PAGE, done.length)}, newest first) ` : ""),
+       newer, " ", older),
+    ...done.slice(from, from + PAGE).map((r) => lane(r, scaleOf(r, now), now)));
+  state.anyLive = live.length > 0;
 }
 
 function renderList(id, items) {
   document.getElementById(id).replaceChildren(...items.map((t) => el("li", {}, t)));
+}
+
+const ROLES = ["gateway", "worker", "coordinator", "supervisor", "watcher"]; // drawn in this order
+
+function renderTopology(peers) {
+  // The hub and what hangs off it, by role: each peer with its services' load/capacity and, for
+  // a tool worker, its sandbox (the `sandbox` key its services' meta carries).
+  const groups = new Map();
+  for (const p of peers) {
+    const role = p.role || "peer";
+    if (!groups.has(role)) groups.set(role, []);
+    groups.get(role).push(p);
+  }
+  const order = [...groups.keys()].sort((a, b) => (ROLES.indexOf(a) + 1 || 99) - (ROLES.indexOf(b) + 1 || 99));
+  const items = order.map((role) => el("li", { class: "role", "data-peer-role": role },
+    el("span", { class: "role-name" }, `${role}s (${groups.get(role).length})`),
+    el("ul", {}, ...groups.get(role).map(peerItem))));
+  document.getElementById("peers").replaceChildren(
+    el("li", { class: "hub" }, `hub · ${peers.length} peers`, el("ul", {}, ...items)));
+}
+
+function peerItem(p) {
+  const services = p.services || [];
+  const load = services.reduce((n, s) => n + (s.load || 0), 0);
+  const cap = services.reduce((n, s) => n + (s.capacity || 0), 0);
+  const sandbox = services.map((s) => (s.meta || {}).sandbox).find((x) => x);
+  const head = el("div", { class: "peer-head", title: `${p.name} · ${p.role || "peer"} · `
+                  + `${p.host || ""} pid ${p.pid || "?"}` }, p.name,
+                  el("span", { class: "load" }, cap ? ` ${load}/${cap} busy` : ""));
+  const kids = [head];
+  if (sandbox) kids.push(el("div", { class: "sandbox", title: String(sandbox) }, "sandbox: " + sandbox));
+  if (services.length) {
+    kids.push(el("div", { class: "svcs", title: services.map((s) => s.name).join("\n") },
+                 services.map((s) => `${s.name} ${s.load || 0}/${s.capacity}`).join(", ")));
+  }
+  return el("li", { class: "peer", "data-peer": p.name }, ...kids);
 }
 
 function renderTranscript() {
@@ -286,21 +463,50 @@ function renderTotals() {
                 ["cost", "$" + t.cost.toFixed(4)],
                 ...Object.entries(t.stops).map(([k, v]) => ["stop:" + k, v]),
                 ...[...state.experiments.entries()].map(([k, e]) => ["exp:" + k,
-                  `${e.runs} runs, ${e.input}/${e.output} tok, $${e.cost.toFixed(4)}`])];
-  document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) =>
-    el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)))));
+                  `${e.runs} runs, ${e.input}/${e.output} tok, $${e.cost.toFixed(4)}; `
+                  + `${e.runs - e.live - e.failed} done, ${e.live} running, ${e.failed} failed`])];
+  document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) => {
+    const row = el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)));
+    if (k.startsWith("exp:") && k !== "exp:(none)") { // the experiment view: a click filters by it
+      const name = k.slice(4);
+      row.className = "exp" + (state.filter.experiment === name ? " chosen" : "");
+      row.title = "show only this experiment's runs (click again: all)";
+      row.onclick = () => setFilter("experiment", state.filter.experiment === name ? "" : name);
+    }
+    return row;
+  }));
+}
+
+function renderConnection() {
+  // True, not hopeful: "live" only while this page hears `busctl ui` and it hears the hub.
+  const node = document.getElementById("status");
+  let text = "live";
+  if (!state.stream.ok) {
+    // `busctl down` stops the page's server with the hub: from here neither answers
+    text = state.stream.since ? `hub unreachable since ${clock(state.stream.since)} (busctl ui `
+      + "does not answer either)" : "connecting…";
+  } else if (state.hub && !state.hub.ok) {
+    text = `hub unreachable since ${clock(state.hub.since)}`;
+  } else if (!state.hub) {
+    text = "connecting…";
+  }
+  node.textContent = text;
+  const down = text !== "live";
+  node.className = down ? "down" : "up";
+  document.getElementById("side").classList.toggle("stale", down); // last known, greyed
 }
 
 let pending = false;
 function redraw() {
   pending = false;
+  renderConnection();
   renderTimeline();
   renderTranscript();
   renderTotals();
   if (state.status) { // the hub's polled status: load and queues per service, peers by role
     renderList("services", state.status.services.map((s) =>
       `${s.name}: ${s.load || 0}/${s.capacity} busy, ${s.queued || 0} queued, ${s.peers} peers`));
-    renderList("peers", state.status.peers.map((p) => `${p.name} (${p.role || "peer"})`));
+    renderTopology(state.status.peers);
   } else {
     renderList("peers", [...state.peers.values()]);
     renderList("services", [...state.services.values()].map((s) => `${s.service} ×${s.capacity || 1}`));
@@ -317,9 +523,17 @@ function schedule() {
 
 function connect() {
   const source = new EventSource("/events");
-  source.onopen = () => { document.getElementById("status").textContent = "live"; };
-  source.onerror = () => { document.getElementById("status").textContent = "reconnecting…"; };
-  source.addEventListener("status", (msg) => { state.status = JSON.parse(msg.data); schedule(); });
+  source.onopen = () => { state.stream = { ok: true, since: 0 }; renderConnection(); };
+  source.onerror = () => { // the browser retries by itself; the page says since when
+    if (state.stream.ok || !state.stream.since) state.stream = { ok: false, since: Date.now() / 1000 };
+    renderConnection();
+  };
+  source.addEventListener("status", (msg) => {
+    const s = JSON.parse(msg.data);
+    state.hub = s.hub || { ok: true };
+    if (s.peers) state.status = s; // while the hub is away the last known peers stay, greyed
+    renderConnection(); schedule();
+  });
   source.onmessage = (msg) => {
     const ev = JSON.parse(msg.data);
     if (ev.seq <= state.lastSeq) return; // a replayed duplicate after a reconnect
@@ -331,10 +545,42 @@ function connect() {
   };
 }
 
+function setFilter(key, value) {
+  document.getElementById("filter-" + key).value = value;
+  state.filter[key] = value; state.page = 0;
+  redraw();
+}
+
 for (const key of Object.keys(state.filter)) {
   document.getElementById("filter-" + key).addEventListener("input", (e) => {
-    state.filter[key] = e.target.value.trim();
+    state.filter[key] = e.target.value.trim(); state.page = 0;
     redraw();
   });
 }
+// Wheel over a run's lane: zoom its axis around the pointer; shift+wheel pans; double click
+// resets. The zoom is kept per run, so the redraws (every REDRAW_MS) keep it.
+document.getElementById("timeline").addEventListener("wheel", (e) => {
+  const track = e.target.closest(".axis, .track"); // elsewhere the wheel scrolls the page
+  const laneNode = track && track.closest(".lane");
+  if (!laneNode) return;
+  e.preventDefault();
+  const root = laneNode.closest("#timeline > .lane") || laneNode;
+  const id = root.dataset.run;
+  const [a, b] = state.zoom.get(id) || [0, 1];
+  const box = track.getBoundingClientRect();
+  const at = a + ((e.clientX - box.left) / box.width) * (b - a);
+  let [na, nb] = e.shiftKey ? [a + (e.deltaY / 1000) * (b - a), b + (e.deltaY / 1000) * (b - a)]
+    : [at - (at - a) * Math.exp(e.deltaY / 500), at + (b - at) * Math.exp(e.deltaY / 500)];
+  if (nb - na >= 1) { state.zoom.delete(id); redraw(); return; }
+  if (na < 0) { nb -= na; na = 0; }
+  if (nb > 1) { na -= nb - 1; nb = 1; }
+  state.zoom.set(id, [Math.max(0, na), Math.min(1, nb)]);
+  redraw();
+}, { passive: false });
+document.getElementById("timeline").addEventListener("dblclick", (e) => {
+  const root = e.target.closest("#timeline > .lane");
+  if (root) { state.zoom.delete(root.dataset.run); redraw(); }
+});
+// Live runs' durations and waits move on without events: redraw once a second while any runs.
+setInterval(() => { if (state.anyLive) schedule(); }, 1000);
 connect();
