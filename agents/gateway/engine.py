@@ -62,7 +62,7 @@ from agents.gateway.providers.discovery import discover
 from agents.gateway.providers.llamacpp import DEFAULT_N_CTX
 from agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
 from agents.gateway.wire import ModelConfig
-from agents.loop.context import CONTEXT_EXCEEDED
+from agents.loop.context import context_exceeded_text
 from bus.errors import ConfigError
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
@@ -845,7 +845,7 @@ async def _status_failure(
     if status in (400, 413) and _CONTEXT_ERROR.search(text):
         # The marker lets the loop compact and retry once instead of failing the run.
         window = _reported_window(body)
-        text = f"{CONTEXT_EXCEEDED}: the conversation does not fit the model's context window: {text}"
+        text = context_exceeded_text(window, text)
     return _AttemptFailed(
         f"HTTP {status} from {response.request.url}: {text}",
         retryable=retryable,

@@ -26,6 +26,11 @@ SCRIPT = {
         # a long-winded answer: a few of these fill the 4,096-token window
         {"contains": ["essay"], "reply": {"text": "essay " + "blah " * 600}},
         {"contains": ["summarizing the conversation"], "reply": {"text": "<summary>essays were written</summary>"}},
+        # the issue's question over a file bigger than the window (issue 34, acceptance 1)
+        {"contains": ["last line"], "reply": {"text": "", "tool_calls": [
+            {"name": "read_file", "arguments": {"path": "mid3.txt"}}]}},
+        {"contains": ["last line"], "tool_result": True,
+         "reply": {"text": "From the file: {tool_results}"}},
     ],
     "echo": True,
 }
@@ -101,3 +106,27 @@ def test_a_conversation_that_outgrows_the_window_is_compacted_under_half_and_nev
     assert compactions and all(c["compacted"] for c in compactions)
     assert all(0 < c["tokens_after"] < 2048 for c in compactions), compactions
     assert llama_like.context_refusals == 0
+
+
+QUESTION = 'Call read_file with exactly these arguments: {"path": "mid3.txt"}. Then tell me the last line.'
+
+
+def test_a_file_bigger_than_the_window_keeps_the_question_and_a_cut_of_the_file(
+        topo: Topology, llama_like: FakeLLMServer) -> None:
+    """Issue 34 §1: a 13 KB read_file on a 4,096-token window. Every request after the tool
+    holds the question and a cut of the result, none exceeds the window, the answer is from it."""
+    lines = [f"line {i:04d}: " + "lorem ipsum dolor sit amet " * 3 for i in range(140)]
+    (topo.cwd / "mid3.txt").write_text("\n".join(lines) + "\n")
+    assert 12_000 < (topo.cwd / "mid3.txt").stat().st_size < 14_000
+    seen, refusals = len(llama_like.requests), llama_like.context_refusals
+    code, events = run(topo, "--new-session", QUESTION)
+    assert code == 0 and end_of(events).get("stop_reason", "stop") == "stop", events[-1]
+    bodies = [r.body for r in llama_like.requests[seen:]]
+    after_tool = [b for b in bodies if any(m.get("role") == "tool" for m in b["messages"])]
+    assert after_tool, bodies
+    for body in after_tool:
+        text = json.dumps(body["messages"])
+        assert "Then tell me the last line." in text and "line 0000: lorem" in text
+        assert len(json.dumps(body["messages"])) // 4 + 1 <= 4096  # the fake's own estimate
+    assert llama_like.context_refusals == refusals
+    assert "From the file: - line 0000" in end_of(events)["final_text"]
