@@ -35,6 +35,8 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
           | {"kind": "drop", "after_events": 3}      # stream a few events, then close the socket
           | {"kind": "malformed", "data": "{this is not json"}   # an SSE event, data not JSON
           | {"kind": "stream_error", "message": "..."}   # an error event inside a 200 stream
+          | {"kind": "server_error", "message": "..."}   # llama.cpp's: `event: error`, data
+                                                         # {"error": {"code": 500, "type": "server_error"}}
     RULE  = {"contains": ["word", ...],   # any of them in the last user text (case-insensitive); [] = any
              "tool_result": false,        # true: only right after tool results; null: either
              "system": ["word", ...],     # any of them in the system prompt (case-insensitive); [] = any
@@ -120,7 +122,7 @@ class Reply(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
         return self.finish or ("tool_calls" if self.tool_calls else "stop")
 
 
-FailKind = Literal["status", "drop", "malformed", "stream_error"]
+FailKind = Literal["status", "drop", "malformed", "stream_error", "server_error"]
 
 
 class Fail(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -735,6 +737,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._drop()
         elif fail.kind == "malformed":
             self._stream([*events[:2], f"data: {data}\n\n".encode(), *events[2:]], 0.0)
+        elif fail.kind == "server_error":
+            error = {"error": {"code": 500, "message": message, "type": "server_error"}}
+            self._stream([*events[:2], _sse(error, "error")], 0.0)
         else:
             self._stream([*events[:2], stream_error_event(api, message)], 0.0)
 
