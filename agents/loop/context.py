@@ -216,6 +216,18 @@ def cut_to_bytes(text: str, max_bytes: int) -> str:
     return "".join(kept)
 
 
+def tail_to_bytes(text: str, max_bytes: int) -> str:
+    """Longest suffix of whole lines within `max_bytes` ("" when even the last line is longer)."""
+    kept: list[str] = []
+    used = 0
+    for line in reversed(text.splitlines(keepends=True)):
+        used += _utf8_len(line)
+        if used > max_bytes:
+            break
+        kept.append(line)
+    return "".join(reversed(kept))
+
+
 class ToolOutputCache:
     """Applies `ToolOutputConfig` to tool-result messages, storing full texts in a `ToolOutputStore`."""
 
@@ -259,7 +271,14 @@ class ToolOutputCache:
             return _with_content(message, [TextPart(f"{cut}\n\n{note}")])
         ref = self._refs.get(message.tool_call_id) or self.store.put(text)
         self._refs[message.tool_call_id] = ref
-        return _with_content(message, [TextPart(f"{cut}\n\n[tool output truncated; ref={ref}]")])
+        # The head and the tail: an output's end (the last line, an error, an exit code) matters
+        # as often as its start, and a model asked about it must not read the cut note instead.
+        head = cut_to_bytes(text, limit * 3 // 5)
+        tail = tail_to_bytes(text[len(head):], limit - _utf8_len(head))
+        omitted = len(text) - len(head) - len(tail)
+        note = (f"[tool output truncated; ref={ref}: {omitted} of its {len(text)} characters are "
+                f"cut here to fit the context window; `{TOOL_OUTPUT_TOOL}` with this ref reads them]")
+        return _with_content(message, [TextPart(f"{head}\n{note}\n{tail}")])
 
     def trim(self, messages: list[Message]) -> int:
         """Replace the oldest tool outputs by a ref marker until all fit the budget; returns count.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anyio
@@ -76,10 +77,12 @@ def test_large_output_is_cut_with_ref_and_full_text_retrievable() -> None:
     text = "".join(f"line {i:06d} " + "x" * 90 + "\n" for i in range(1000))  # ~102 KB
     out = cache.process(tool_message("c1", text))
     cut = out.text
-    ref = cut.rsplit("ref=", 1)[1].rstrip("]")
-    assert cut.endswith(f"\n\n[tool output truncated; ref={ref}]")
-    body = cut[: -len(f"\n\n[tool output truncated; ref={ref}]")]
-    assert len(body.encode()) <= 51_200 and body.endswith("\n") and text.startswith(body)
+    ref = re.search(r"ref=([0-9a-f]+)", cut)[1]  # type: ignore[index]
+    head, note, tail = re.fullmatch(r"(.*\n)\n\[(tool output truncated; .*?)\]\n(.*)", cut, re.S).groups()  # type: ignore[union-attr]
+    assert note.startswith(f"tool output truncated; ref={ref}: ") and "`tool_output`" in note
+    assert len((head + tail).encode()) <= 51_200 and text.startswith(head) and text.endswith(tail)
+    assert head.endswith("\n") and tail.startswith("line ") and tail.endswith("x\n")  # whole lines
+    assert f"{len(text) - len(head) - len(tail)} of its {len(text)} characters" in note
     assert store.get(ref) == text
     small = cache.process(tool_message("c2", "short"))
     assert small.text == "short"
@@ -135,16 +138,16 @@ def test_the_newest_results_are_cut_to_the_budget_never_trimmed_away() -> None:
     history.append(cache.process(tool_message("old", "o" * 3000)))
     history.append(reply("", call("a", "t"), call("b", "t")))
     history += [cache.process(tool_message(k, f"{k}\n" * 3000)) for k in ("a", "b")]
-    assert len(history[-1].text) < 4200  # type: ignore[union-attr]  # cut to a quarter already
+    assert len(history[-1].text) < 4300  # type: ignore[union-attr]  # cut to a quarter already
     cache.trim(history)
     old, a, b = history[2], history[4], history[5]
     assert old.text.startswith("[tool output trimmed; ref=")  # type: ignore[union-attr]
     for message, key in ((a, "a"), (b, "b")):
         text = message.text  # type: ignore[union-attr]
         assert text.startswith(f"{key}\n{key}\n") and "[tool output truncated; ref=" in text
-        ref = text.rsplit("ref=", 1)[1].rstrip("]")
+        ref = re.search(r"ref=([0-9a-f]+)", text)[1]  # type: ignore[index]
         assert store.get(ref) == f"{key}\n" * 3000  # the full text stays retrievable
-    assert sum(len(m.text) for m in (a, b)) <= 2048 * 4 + 200  # type: ignore[union-attr]
+    assert sum(len(m.text) for m in (a, b)) <= 2048 * 4 + 400  # type: ignore[union-attr]  # + 2 notes
 
 
 async def test_loop_truncates_tool_results_in_history_and_events() -> None:
@@ -306,7 +309,7 @@ async def test_a_refused_prompt_adopts_the_reported_window_at_once_then_fails_sa
     retry = llm.requests[2].messages
     assert retry[0].content[0].text == "what is in it?"  # type: ignore[union-attr]
     result_text = retry[-1].text  # type: ignore[union-attr]
-    assert "[tool output truncated; ref=" in result_text and len(result_text) < 700  # 600 / 4 tokens
+    assert "[tool output truncated; ref=" in result_text and len(result_text) < 800  # 600 / 4 tokens
     assert result.stop_reason == "error" and "compaction_start" not in rec.types()
     error = result.error or ""
     assert "does not fit the model's context window (600 tokens)" in error

@@ -125,3 +125,63 @@ def test_compaction_on_the_discovered_window_keeps_history_under_half(topo: Topo
             break
     assert compactions, "12 runs never filled the 4,096-token window"
     assert all(c["compacted"] and c["tokens_after"] < 2048 for c in compactions), compactions
+
+
+# --- a file bigger than the window, through both providers (issue 34, acceptance 2) ----------
+
+FILE_QUESTION = ('Call read_file with exactly these arguments: {"path": "%s"}. '
+                 "Then tell me the last line.")
+TOO_SMALL = "does not fit the model's context window"
+
+
+def _numbered_file(lines: int) -> str:
+    """~95 bytes a line, each with its own code word (`cw0042`): an answer quoting any of them
+    comes from the file."""
+    return "".join(f"Line {i:04d} of {lines:04d}: the code word of this line is cw{i:04d}, "
+                   "nothing else matters here.\n" for i in range(1, lines + 1))
+
+
+@pytest.fixture(scope="module", params=["openai", "anthropic"])
+def provider_topo(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    """One topology per provider against the same server: OpenAI's /v1/chat/completions and
+    llama.cpp's Anthropic-compatible /v1/messages (its window discovered the same way)."""
+    cwd = tmp_path_factory.mktemp(f"real-{request.param}")
+    (cwd / "mid13.txt").write_text(_numbered_file(140))  # 13 KB
+    (cwd / "mid26.txt").write_text(_numbered_file(280))  # 26 KB
+    prefix = request.param.upper()
+    base = URL if request.param == "openai" else URL.removesuffix("/v1")
+    proc, ready = start_up(cwd, env={f"{prefix}_BASE_URL": base, f"{prefix}_API_KEY": "",
+                                     f"{prefix}_MAX_TOKENS": "600"})
+    topology = Topology(proc, cwd, ready)
+    pids = topology.child_pids()
+    try:
+        yield topology
+    finally:
+        proc.stop(timeout=8)
+        for pid in pids.values():
+            if pid_alive(pid):
+                os.kill(pid, 9)
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("name", ["mid13.txt", "mid26.txt"])
+def test_a_file_bigger_than_the_window_is_answered_from_it_or_fails_clearly(
+        provider_topo: Topology, name: str) -> None:
+    """Ten runs: each answers from the file (quotes a code word of it) or fails with the error
+    that says the question and the result do not fit; never an answer to another question."""
+    tally = {"from the file": 0, "clear error": 0}
+    for _ in range(10):
+        code, events, _ = run(provider_topo, "--new-session", FILE_QUESTION % name)
+        end = end_of(events)
+        words = "cw" in end["final_text"] and any(f"cw{i:04d}" in end["final_text"]
+                                                   for i in range(1, 281))
+        if code == 0 and words:
+            tally["from the file"] += 1
+        elif code != 0 and TOO_SMALL in (end.get("error") or ""):
+            tally["clear error"] += 1
+        else:
+            pytest.fail(f"neither from the file nor the clear error: exit {code}, {end}")
+        sent = [e for e in events if e["type"] == "tool_execution_start"]
+        assert any(e["tool_name"] == "read_file" for e in sent), sent
+    print(f"{name}: {tally}")
