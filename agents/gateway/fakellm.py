@@ -605,6 +605,9 @@ class RecordedRequest(msgspec.Struct):
     started: float
     ended: float | None = None
     client_closed: float | None = None
+    #: The usage a streamed reply sent, once all of it went out (None: none was sent, e.g. a
+    #: failure or a client that left first): what a test sums as "billed by the server".
+    usage: FakeUsage | None = None
 
 
 class _ClientGone(Exception):
@@ -712,6 +715,7 @@ class _Handler(BaseHTTPRequestHandler):
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
             self._stream(events, reply.chunk_delay, gzip=reply.gzip)
+            record.usage = None if reply.sse else _usage(reply, body)
             self._dead = self.server.owner.script.close_after_stream
         else:
             reply = step.reply or Reply()

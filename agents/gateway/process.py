@@ -50,7 +50,7 @@ from agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded,
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
-from bus.messages import AssistantDelta, AssistantMessage, LlmRequest
+from bus.messages import AssistantDelta, AssistantMessage, LlmRequest, Usage
 from bus.procsec import make_undumpable
 from bus.redact import log_redaction
 from bus.security import CurveClient
@@ -149,6 +149,10 @@ class Gateway:
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
 
+        # A compaction's summary is not the run's text: its deltas go only to the requester
+        # (`compaction_complete` carries its usage), never as the run's `message_update`s.
+        publish = request.purpose != "compaction"
+
         async def on_delta(delta: AssistantDelta) -> None:
             nonlocal described, streamed
             streamed = True
@@ -159,17 +163,20 @@ class Gateway:
             # as one message. Event first, a burst (the deltas of one read) went out as event,
             # partials, events: three sends and three hub messages where two do.
             await req.partial(_encoder.encode(partial))
-            await self.peer.publish(ev.MessageUpdate(delta=delta), agent=request.agent,
-                                    run=request.run_id, experiment=request.experiment)
+            if publish:
+                await self.peer.publish(ev.MessageUpdate(delta=delta), agent=request.agent,
+                                        run=request.run_id, experiment=request.experiment)
 
-        async def on_retry(attempt: int, delay: float, status: int, error: str) -> None:
+        async def on_retry(attempt: int, delay: float, status: int, error: str,
+                           usage: Usage) -> None:
             nonlocal streamed
             config = self.engine.model_config(request.model)
             await req.partial(_encoder.encode(LlmPartial(reset=True)))
-            discarded, streamed = streamed, False
+            discarded, streamed = streamed and publish, False
             await self.peer.publish(
                 ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
-                            provider=config.provider if config else "", discarded=discarded),
+                            provider=config.provider if config else "", discarded=discarded,
+                            usage=usage, model=config.model if config else ""),
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
         message = await self.engine.complete(request, on_delta, on_retry)

@@ -19,13 +19,16 @@ from typing import Any
 import msgspec
 
 from bus.messages import (
+    AssistantContent,
     AssistantMessage,
     BranchSummaryMessage,
     CompactionSummaryMessage,
     CustomMessage,
     LlmMessage,
+    LlmRequest,
     Message,
     TextPart,
+    ThinkingPart,
     ToolCallRequest,
     ToolInfo,
     ToolResult,
@@ -480,6 +483,23 @@ def messages_for_summary(messages: Sequence[Message], prompt: str) -> list[Messa
     return copy
 
 
+def estimate_usage(request: LlmRequest, content: Sequence[AssistantContent]) -> Usage:
+    """What a reply the server sent no usage for cost, estimated (4 bytes a token): the request
+    (messages, system prompt, tools) in, what streamed of the reply out. Nothing streamed:
+    nothing (the server generated nothing, or said nothing about it)."""
+    out = sum(_utf8_len(p.text) if isinstance(p, TextPart) else
+              _utf8_len(p.thinking) if isinstance(p, ThinkingPart) else
+              _utf8_len(p.name) + _utf8_len(p.arguments) for p in content)
+    if not out:
+        return Usage()
+    sent = (len(msgspec.json.encode(request.messages)) + _utf8_len(request.system_prompt)
+            + len(msgspec.json.encode(request.tools)))
+    usage = Usage(input=math.ceil(sent / BYTES_PER_TOKEN), output=math.ceil(out / BYTES_PER_TOKEN),
+                  estimated=True)
+    usage.total = usage.input + usage.output
+    return usage
+
+
 def estimate_tokens(message: Message) -> int:
     """A rough size (4 bytes a token of the message's JSON), enough to keep a request under a window."""
     return math.ceil(len(msgspec.json.encode(message)) / BYTES_PER_TOKEN)
@@ -650,6 +670,7 @@ __all__ = [
     "context_exceeded_text",
     "exceeded_window",
     "estimate_tokens",
+    "estimate_usage",
     "history_tokens",
     "fit_for_summary",
     "is_context_exceeded",

@@ -18,6 +18,7 @@ Event order of one run (see docs in the tests, tests/agents/test_loop.py):
     agent_end
 
 Run stop reasons (AgentEnd.stop_reason): "stop" (model finished, or should_stop_after_turn),
+"length" (the model's final answer was cut at its output token limit, `max_tokens`),
 "done" (a tool returned done), "denied" (BlockAndStop), "max_iterations", "error" (also: the
 repeat guard saw the same call 2 * repeat_limit times in a row), "aborted".
 """
@@ -48,6 +49,7 @@ from agents.loop.context import (
     compaction_prompt,
     default_convert_to_llm,
     estimate_tokens,
+    estimate_usage,
     exceeded_window,
     fit_for_summary,
     history_tokens,
@@ -345,6 +347,13 @@ def _aborted_end() -> _End:
     return _End("", "aborted", ABORTED_TEXT)
 
 
+def _answer_end(run: _Run) -> _End:
+    """The model answered: "length" when that answer was cut at the output token limit."""
+    last = next((m for m in reversed(run.messages) if isinstance(m, AssistantMessage)), None)
+    cut = last is not None and last.stop_reason == "length" and not last.tool_calls
+    return _End(run.last_text, "length" if cut else "stop")
+
+
 @dataclass
 class _Run:
     config: LoopConfig
@@ -475,7 +484,7 @@ async def _run_turns(run: _Run, prompts: list[Message], skip_initial_steering: b
         if prompt:
             pending = [user_text(prompt, hidden=True)]
         elif not run.config.require_done_tool:
-            return _End(run.last_text, "stop")
+            return _answer_end(run)
 
 
 async def _run_until_idle(run: _Run, pending: list[Message]) -> _End | None:
@@ -715,7 +724,8 @@ async def _complete(run: _Run, request: LlmRequest, on_delta: DeltaSink | None) 
     if reply is None:  # the abort cancelled the call: keep what streamed so far
         content: list[Any] = [TextPart("".join(partial))] if partial else []
         return AssistantMessage(
-            content=content, stop_reason="aborted", error=ABORTED_TEXT, model=request.model
+            content=content, stop_reason="aborted", error=ABORTED_TEXT, model=request.model,
+            usage=estimate_usage(request, content),  # the server did bill what it streamed
         )
     if not reply.model:
         reply.model = request.model
@@ -1075,13 +1085,15 @@ async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
         return False
     tokens = last.usage.total if last is not None and last.usage.total else history_tokens(run.messages)
     await run.emit(CompactionStart(tokens=tokens))
-    summary = await _compaction_summary(run, config, window, older)
+    reply = await _compaction_call(run, config, window, older)
+    summary = "" if reply.stop_reason in ("error", "aborted") else parse_compaction(reply.text)
     after = 0
     if summary:
         run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens,
                                             budget=window // 2, keep=run.pinned)
         after = history_tokens(run.messages)
-    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after))
+    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after,
+                                      usage=reply.usage, model=reply.model))
     return bool(summary)
 
 
@@ -1095,21 +1107,21 @@ def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage 
 
 
 
-async def _compaction_summary(run: _Run, config: CompactionConfig, window: int,
-                              older: list[Message]) -> str:
-    """The summary of `older` (the history before the kept tail), or "" when the call fails
-    (history then stays as it is).
+async def _compaction_call(run: _Run, config: CompactionConfig, window: int,
+                           older: list[Message]) -> AssistantMessage:
+    """The model's summary of `older` (the history before the kept tail); a failed reply leaves
+    history as it is. Its usage counts in the run's totals (and `compaction_complete`'s).
 
     The view is cut to half the window and the summary to an eighth: a history that already
-    overflowed must still be summarisable, and a long summary would refill the window."""
+    overflowed must still be summarisable, and a long summary would refill the window. The
+    request says `purpose="compaction"`: the gateway does not stream it as the run's text."""
     view = fit_for_summary(messages_for_summary(older, compaction_prompt(config)), window // 2)
     request = _request(run, await _convert(run, view), [], "none", model=config.model)
     request.max_tokens = min(request.max_tokens or window, max(256, window // 8))
+    request.purpose = "compaction"
     reply = await _complete(run, request, None)
     run.usage.add(reply)
-    if reply.stop_reason in ("error", "aborted"):
-        return ""
-    return parse_compaction(reply.text)
+    return reply
 
 
 async def _max_iterations_end(run: _Run) -> _End:

@@ -314,3 +314,12 @@ async def test_a_refused_prompt_adopts_the_reported_window_at_once_then_fails_sa
     error = result.error or ""
     assert "does not fit the model's context window (600 tokens)" in error
     assert "bigger window" in error and "`max_tokens`" in error and "smaller tool result" in error
+
+
+async def test_an_answer_cut_at_max_tokens_ends_the_run_with_length() -> None:
+    llm = ScriptedLlm(reply("a long answer that was cu", stop="length"))
+    rec = Recorder()
+    result = await run_loop([user_text("hi")], [], LoopConfig(), llm, FakeTools(), rec)
+    end = rec.of("agent_end")[0]
+    assert (result.stop_reason, end.stop_reason, end.error) == ("length", "length", None)
+    assert end.final_text == "a long answer that was cu"
