@@ -289,12 +289,11 @@ class RecordedRun:
     def tool_calls(self) -> list[str]:
         return [f"{c.name}({c.arguments})" for m in self.replies for c in m.tool_calls]
 
+    billed: Usage = field(default_factory=Usage)  # every billed model call (`events.billed`)
+
     @property
     def usage(self) -> Usage:
-        total = Usage()
-        for m in self.replies:
-            total = total + m.usage
-        return total
+        return self.billed
 
 
 async def load_experiment(peer: Peer, experiment: str,
@@ -426,6 +425,9 @@ def trusted(runs: Sequence[RecordedRun]) -> list[RecordedRun]:
 
 def _add(run: RecordedRun, event: ev.Event) -> None:
     kind = ev.event_type(event)
+    billed = ev.billed(event)
+    if billed is not None:
+        run.billed = run.billed + billed[1]
     if isinstance(event, ev.MessageEnd):
         run.messages.append(event.message)
     elif isinstance(event, ev.AgentEnd):

@@ -102,6 +102,9 @@ class CompactionComplete(_Event, tag="compaction_complete"):
     compacted: bool = False
     tokens_before: int = 0
     tokens_after: int = 0  # the history's estimated size after compaction (0: not compacted)
+    #: What the summary call billed, and its model (no call: empty); part of the run's totals.
+    usage: Usage = msgspec.field(default_factory=Usage)
+    model: str = ""
 
 
 class LlmRetry(_Event, tag="llm_retry"):
@@ -112,6 +115,10 @@ class LlmRetry(_Event, tag="llm_retry"):
     provider: str = ""
     #: The failed attempt had streamed `message_update`s: they are not part of the message.
     discarded: bool = False
+    #: What the failed attempt billed (estimated when its stream broke before the server sent
+    #: usage; empty when nothing was generated); part of the run's totals.
+    usage: Usage = msgspec.field(default_factory=Usage)
+    model: str = ""
 
 
 class ToolSkipped(_Event, tag="tool_skipped"):
@@ -332,3 +339,14 @@ class EventTally:
             return ""
         shown = ", ".join(map(str, self.bad_seqs[:10])) + (", ..." if self.bad > 10 else "")
         return f"{self.reader}: {self.bad} undecodable event(s) skipped (seq {shown})"
+
+
+def billed(event: Event) -> tuple[str, Usage] | None:
+    """(model, usage) of an event that records a billed model call: a model reply's
+    `message_end`, a compaction's summary call, an attempt that failed and was retried. The
+    totals of `busctl export`, `diff` and `status` are the sum of these."""
+    if isinstance(event, MessageEnd) and isinstance(event.message, AssistantMessage):
+        return event.message.model, event.message.usage
+    if isinstance(event, (CompactionComplete, LlmRetry)) and (event.usage.total or event.usage.cost):
+        return event.model, event.usage
+    return None

@@ -55,6 +55,9 @@ class Usage(msgspec.Struct, omit_defaults=True):
     cache_write: int = 0
     total: int = 0
     cost: float = 0.0
+    #: Some of it is an estimate (4 characters a token of the request and of the streamed
+    #: reply): the server sent no usage for a reply it did bill (an aborted or broken stream).
+    estimated: bool = False
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(
@@ -64,6 +67,7 @@ class Usage(msgspec.Struct, omit_defaults=True):
             cache_write=self.cache_write + other.cache_write,
             total=self.total + other.total,
             cost=self.cost + other.cost,
+            estimated=self.estimated or other.estimated,
         )
 
 
@@ -211,6 +215,9 @@ class LlmRequest(msgspec.Struct, omit_defaults=True):
     #: The trace context (None, as older peers send: the gateway's `traceparent` names the run's
     #: `invoke_agent` span in the run's own trace).
     trace: LlmTrace | None = None
+    #: "compaction": a summary call of the loop's compaction, whose deltas the gateway does not
+    #: publish as the run's `message_update`s (its usage is in `compaction_complete`).
+    purpose: Literal["", "compaction"] = ""
 
 
 DeltaKind = Literal["text", "thinking", "tool_call"]

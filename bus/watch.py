@@ -18,7 +18,7 @@ from bus import protocol as p
 from bus.backoff import Backoff, retry
 from bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
 from bus.errors import Overloaded, ProtocolError
-from bus.messages import AssistantMessage, Usage
+from bus.messages import Usage
 from bus.render import HumanPrinter, json_line, to_json_obj
 from bus.security import CurveClient
 
@@ -169,7 +169,8 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
 
 
 class Totals(msgspec.Struct):
-    """Token and cost totals of an export, from each assistant message's usage."""
+    """Token and cost totals of an export: every billed model call (`events.billed`: replies,
+    compaction summaries, retried attempts)."""
 
     events: int = 0
     #: events of the experiment that were skipped because they do not decode, and their seqs
@@ -185,10 +186,10 @@ class Totals(msgspec.Struct):
         self.events += 1
         if header.run and header.run not in self.runs:  # runs are few; events are many
             self.runs.append(header.run)
-        if not isinstance(event, ev.MessageEnd) or not isinstance(event.message, AssistantMessage):
+        billed = ev.billed(event)
+        if billed is None:
             return
-        usage = event.message.usage
-        model = event.message.model or "?"
+        model, usage = billed[0] or "?", billed[1]
         self.by_agent[header.agent] = self.by_agent.get(header.agent, Usage()) + usage
         self.by_model[model] = self.by_model.get(model, Usage()) + usage
         self.total = self.total + usage

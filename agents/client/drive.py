@@ -1,6 +1,7 @@
 """`busctl run` and `busctl chat`: prompt an agent and show its run as it happens.
 
-Exit codes of `busctl run`: 0 normal stop, 1 error, 130 aborted. The first SIGINT aborts the run
+Exit codes of `busctl run`: 0 normal stop (also an answer cut at `max_tokens`: stop reason
+`length`, said on stderr), 1 error, 130 aborted. The first SIGINT aborts the run
 (the agent ends it with `agent_end` / aborted); a second one exits at once.
 """
 
@@ -23,6 +24,8 @@ from bus.render import HumanPrinter, color_wanted, json_line
 from bus.security import CurveClient
 
 EXIT_OK, EXIT_ERROR, EXIT_ABORTED = 0, 1, 130
+LENGTH_NOTE = ("length: the answer was cut at the model's output token limit; raise `max_tokens` "
+               "(the agent's, or the model's `[models.x] max_tokens` / `*_MAX_TOKENS`) for all of it")
 
 
 def exit_code(result: cmd.RunResult) -> int:
@@ -86,6 +89,8 @@ class RunView:
             line = f"{result.stop_reason}: {result.error}"
             sys.stderr.write((click.style(line, fg="red") if color_wanted(sys.stderr) else line)
                              + "\n")
+        elif result.stop_reason == "length":
+            sys.stderr.write(f"{LENGTH_NOTE}\n")
 
 
 def _is_tty(stream: TextIO) -> bool:

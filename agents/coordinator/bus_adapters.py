@@ -28,7 +28,7 @@ import msgspec
 
 from agents.gateway.providers.base import MessageBuilder
 from agents.gateway.wire import LlmPartial
-from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore
+from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore, estimate_usage
 from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink, cancel_on_abort
 from bus.backoff import Backoff
 from bus.client import Peer
@@ -83,8 +83,9 @@ class _Streamed:
     all of it, so a streamed delta costs the coordinator a list append, not a decode and a
     builder step (~20 deltas per reply)."""
 
-    def __init__(self, model: str) -> None:
-        self.model = model
+    def __init__(self, request: LlmRequest) -> None:
+        self.request = request
+        self.model = request.model
         self.bodies: list[bytes] = []
 
     async def aborted(self) -> AssistantMessage:
@@ -100,9 +101,11 @@ class _Streamed:
                 builder = MessageBuilder()
             model, provider = partial.model or model, partial.provider or provider
             await _add_delta(builder, partial.delta)
-        return AssistantMessage(content=builder.content(), stop_reason="aborted",
-                                usage=builder.usage, model=model, provider=provider,
-                                error=ABORTED_TEXT)
+        content = builder.content()
+        # No usage came (the gateway sends it with the final reply): what streamed was billed
+        return AssistantMessage(content=content, stop_reason="aborted",
+                                usage=estimate_usage(self.request, content), model=model,
+                                provider=provider, error=ABORTED_TEXT)
 
 
 async def _add_delta(builder: MessageBuilder, delta: AssistantDelta | None) -> None:
@@ -170,7 +173,7 @@ class BusLlmClient:
             changes["trace"] = msgspec.structs.replace(trace, root_run_id=self.trace_root)
         if changes:
             request = msgspec.structs.replace(request, **changes)
-        streamed = _Streamed(request.model)
+        streamed = _Streamed(request)
         reply: AssistantMessage | None = None
         scope = anyio.CancelScope()  # abort: leave the stream (the hub cancels the call)
         if abort is None or cancel_on_abort(abort, scope):  # the loop's abort: no watcher task

@@ -10,14 +10,17 @@ Contract of `complete()` (it never raises for provider trouble, and never hangs 
   `error` naming the provider, the HTTP status (when there was one) and the provider's error text;
 - retries 429/5xx (`request.retry.retry_statuses`), connection errors, timeouts and streams that
   break midway, from scratch, with exponential backoff and jitter, honouring `Retry-After` and
-  `retry-after-ms`; every retry is reported through `on_retry(attempt, delay, status, error)`
-  (`attempt` is the 1-based attempt that just failed, `status` 0 when there was no HTTP status).
+  `retry-after-ms`; every retry is reported through `on_retry(attempt, delay, status, error,
+  usage)` (`attempt` is the 1-based attempt that just failed, `status` 0 when there was no HTTP
+  status, `usage` what it billed: the server's figures, or an estimate from what streamed).
   Deltas of a failed attempt were already sent: after `on_retry`, consumers should discard the
   partial message they were building — deltas restart at index 0;
 - cancellation: set the `abort` event to stop the call at once — the HTTP stream is closed and the
   result is a message with `stop_reason="aborted"` holding the text/thinking streamed so far (never
-  tool calls, which may be cut off). Cancelling the task that runs `complete()` (an anyio cancel
-  scope) also closes the stream at once, but then nothing is returned: the cancellation propagates.
+  tool calls, which may be cut off) and its usage (estimated when the server had sent none).
+  Cancelling the task that runs `complete()` (an anyio cancel scope) also closes the stream at
+  once, but then nothing is returned: the cancellation propagates;
+- every attempt's usage counts in `stats()`: retried and failed attempts, aborted replies.
 
 API keys are read from the environment variable each model names (`api_key_env`) at call time and
 go only into request headers. They never appear in errors, logs, reprs or `stats()`: every error
@@ -62,7 +65,7 @@ from agents.gateway.providers.discovery import discover
 from agents.gateway.providers.llamacpp import DEFAULT_N_CTX
 from agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
 from agents.gateway.wire import ModelConfig
-from agents.loop.context import CONTEXT_EXCEEDED
+from agents.loop.context import context_exceeded_text, estimate_usage
 from bus.errors import ConfigError
 from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
 from bus.redact import Redactor, clip
@@ -70,7 +73,9 @@ from bus.tracecontext import traceparent
 
 log = logging.getLogger("agents.gateway.engine")
 
-RetryCallback = Callable[[int, float, int, str], "Awaitable[None] | None"]
+#: (attempt, delay, status, error, usage): `usage` is what the failed attempt billed (estimated
+#: when its stream broke before the server sent any; empty when nothing was generated).
+RetryCallback = Callable[[int, float, int, str, Usage], "Awaitable[None] | None"]
 
 DEFAULT_OPENAI_MODEL = "gpt-4o-mini"
 DEFAULT_ANTHROPIC_MODEL = "claude-sonnet-4-5"
@@ -234,8 +239,24 @@ class _ModelRuntime:
 class _Call:
     """Mutable state of one `complete()` call: the builder of the attempt in progress."""
 
-    def __init__(self) -> None:
+    def __init__(self, request: LlmRequest) -> None:
+        self.request = request
         self.builder: MessageBuilder | None = None
+
+    def spent(self) -> Usage:
+        """What the attempt in progress billed so far: the server's usage, else an estimate
+        from what streamed (nothing streamed: nothing)."""
+        builder = self.builder
+        if builder is None:
+            return Usage()
+        server, guess = builder.usage, estimate_usage(self.request, builder.content())
+        if not server.total:
+            return guess
+        if guess.output <= server.output:
+            return msgspec.structs.replace(server)
+        # the server said what it read (Anthropic's message_start) but not yet what it wrote
+        total = server.input + guess.output + server.cache_read + server.cache_write
+        return msgspec.structs.replace(server, output=guess.output, total=total, estimated=True)
 
 
 # --- the engine ---------------------------------------------------------------------------
@@ -447,11 +468,12 @@ class LlmEngine:
         if problem:
             return _error_message(runtime.config.provider, "", problem)
         runtime.stats.requests += 1
-        call = _Call()
+        call = _Call(request)
         try:
             message = await self._run_abortable(runtime, request, on_delta, on_retry, call, abort)
         except anyio.get_cancelled_exc_class():
-            runtime.stats.aborted += 1  # a hub cancel (the requester aborted) cancels the handler
+            # a hub cancel (the requester aborted) cancels the handler: what streamed was billed
+            self._account(runtime, request, self._aborted(runtime, call))
             raise
         self._account(runtime, request, message)
         return message
@@ -535,10 +557,12 @@ class LlmEngine:
     def _aborted(self, runtime: _ModelRuntime, call: _Call) -> AssistantMessage:
         runtime.stats.aborted += 1
         builder = call.builder
+        usage = call.spent()
+        usage.cost = runtime.cost(usage)
         return AssistantMessage(
             content=builder.partial_content() if builder else [],
             stop_reason="aborted",
-            usage=builder.usage if builder else Usage(),
+            usage=usage,
             model=runtime.config.model,
             provider=runtime.config.provider,
             error="request aborted by the caller",
@@ -558,9 +582,15 @@ class LlmEngine:
             try:
                 return await self._attempt(runtime, request, on_delta, call)
             except _AttemptFailed as failure:
+                spent = call.spent()
+                spent.cost = runtime.cost(spent)
+                call.builder = None
                 if not failure.retryable or attempt == attempts:
-                    return self._failed(runtime, failure, attempt)
-                await self._before_retry(runtime, policy, attempt, failure, on_retry)
+                    message = self._failed(runtime, failure, attempt)
+                    message.usage = spent  # accounted with the message
+                    return message
+                self._account(runtime, request, AssistantMessage(usage=spent))
+                await self._before_retry(runtime, policy, attempt, failure, spent, on_retry)
         raise AssertionError("unreachable: the loop returns on its last attempt")
 
     async def _before_retry(
@@ -569,6 +599,7 @@ class LlmEngine:
         policy: RetryPolicy,
         attempt: int,
         failure: _AttemptFailed,
+        spent: Usage,
         on_retry: RetryCallback | None,
     ) -> None:
         delay = backoff_delay(policy, attempt, failure.retry_after)
@@ -582,7 +613,7 @@ class LlmEngine:
             delay,
         )
         if on_retry is not None:
-            await _maybe_await(on_retry(attempt, delay, failure.status, failure.message))
+            await _maybe_await(on_retry(attempt, delay, failure.status, failure.message, spent))
         await anyio.sleep(delay)
 
     def _failed(self, runtime: _ModelRuntime, failure: _AttemptFailed, attempts: int) -> AssistantMessage:
@@ -845,7 +876,7 @@ async def _status_failure(
     if status in (400, 413) and _CONTEXT_ERROR.search(text):
         # The marker lets the loop compact and retry once instead of failing the run.
         window = _reported_window(body)
-        text = f"{CONTEXT_EXCEEDED}: the conversation does not fit the model's context window: {text}"
+        text = context_exceeded_text(window, text)
     return _AttemptFailed(
         f"HTTP {status} from {response.request.url}: {text}",
         retryable=retryable,

@@ -18,8 +18,11 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
                                # `exceed_context_size_error` with `n_ctx`
      "close_after_stream": false,  # true: like llama.cpp, the connection is dead after a stream
                                # (without saying so): the next request on it gets no answer
-     "close_idle_after": 0.0}  # >0: a keep-alive connection idle this many seconds is closed
+     "close_idle_after": 0.0,  # >0: a keep-alive connection idle this many seconds is closed
                                # (a server's keep-alive timeout)
+     "close_delimited": false}  # true: streams go out with `Connection: close`, no length and
+                               # no chunking, and end when the server closes (legal HTTP/1.1;
+                               # simple servers and proxies do it). `busctl fake-llm --close-delimited`
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -32,6 +35,8 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
           | {"kind": "drop", "after_events": 3}      # stream a few events, then close the socket
           | {"kind": "malformed", "data": "{this is not json"}   # an SSE event, data not JSON
           | {"kind": "stream_error", "message": "..."}   # an error event inside a 200 stream
+          | {"kind": "server_error", "message": "..."}   # llama.cpp's: `event: error`, data
+                                                         # {"error": {"code": 500, "type": "server_error"}}
     RULE  = {"contains": ["word", ...],   # any of them in the last user text (case-insensitive); [] = any
              "tool_result": false,        # true: only right after tool results; null: either
              "system": ["word", ...],     # any of them in the system prompt (case-insensitive); [] = any
@@ -117,7 +122,7 @@ class Reply(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
         return self.finish or ("tool_calls" if self.tool_calls else "stop")
 
 
-FailKind = Literal["status", "drop", "malformed", "stream_error"]
+FailKind = Literal["status", "drop", "malformed", "stream_error", "server_error"]
 
 
 class Fail(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -157,6 +162,7 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     context_window: int = 0  # >0: reported by /v1/models and /props; longer prompts get HTTP 400
     close_after_stream: bool = False  # drop the next request on a connection that streamed
     close_idle_after: float = 0.0  # >0: close a keep-alive connection idle this long (seconds)
+    close_delimited: bool = False  # streams end by closing the connection (no length, no chunks)
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -599,6 +605,9 @@ class RecordedRequest(msgspec.Struct):
     started: float
     ended: float | None = None
     client_closed: float | None = None
+    #: The usage a streamed reply sent, once all of it went out (None: none was sent, e.g. a
+    #: failure or a client that left first): what a test sums as "billed by the server".
+    usage: FakeUsage | None = None
 
 
 class _ClientGone(Exception):
@@ -620,6 +629,7 @@ class _Handler(BaseHTTPRequestHandler):
     _record: RecordedRequest | None = None
     _dead = False  # set after a stream when the script says `close_after_stream`
     _served = False  # a request was answered on this connection
+    _raw_body = False  # this stream is close-delimited: body bytes as they are, then close
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read srv.requests
         return
@@ -705,6 +715,7 @@ class _Handler(BaseHTTPRequestHandler):
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
             self._stream(events, reply.chunk_delay, gzip=reply.gzip)
+            record.usage = None if reply.sse else _usage(reply, body)
             self._dead = self.server.owner.script.close_after_stream
         else:
             reply = step.reply or Reply()
@@ -730,6 +741,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._drop()
         elif fail.kind == "malformed":
             self._stream([*events[:2], f"data: {data}\n\n".encode(), *events[2:]], 0.0)
+        elif fail.kind == "server_error":
+            error = {"error": {"code": 500, "message": message, "type": "server_error"}}
+            self._stream([*events[:2], _sse(error, "error")], 0.0)
         else:
             self._stream([*events[:2], stream_error_event(api, message)], 0.0)
 
@@ -751,12 +765,17 @@ class _Handler(BaseHTTPRequestHandler):
         if gzip:
             self.send_header("content-encoding", "gzip")
         self.send_header("cache-control", "no-cache")
-        self.send_header("transfer-encoding", "chunked")
+        self._raw_body = self.server.owner.script.close_delimited
+        if self._raw_body:  # the body ends when this connection closes (RFC 9112 6.3, rule 8)
+            self.send_header("connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("transfer-encoding", "chunked")
         self.end_headers()
-        self.wfile.flush()
+        self.wfile.flush()  # the head alone first: a client must not need body bytes with it
 
     def _chunk(self, data: bytes) -> None:
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.write(data if self._raw_body else f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
 
     def _stream(self, events: list[bytes], delay: float, *, gzip: bool = False) -> None:
@@ -768,7 +787,7 @@ class _Handler(BaseHTTPRequestHandler):
         for event in events:
             self._chunk(event)
             self._pause(delay)
-        self._last_write(b"0\r\n\r\n")
+        self._last_write(b"" if self._raw_body else b"0\r\n\r\n")
 
     def _last_write(self, data: bytes) -> None:
         """The response ends here: count it as ended before the client can see the last byte."""
@@ -807,6 +826,9 @@ def _peer_closed(conn: socket.socket) -> bool:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    # socketserver's listen backlog is 5: a burst of new connections (8 close-delimited streams at
+    # once) overflows it, and the dropped SYN is resent a second later, serialising the burst.
+    request_queue_size = 128
     owner: FakeLLMServer
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -960,9 +982,14 @@ class FakeLLMServer:
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to bind.")
 @click.option("--port", default=0, show_default=True, type=int, help="Port to bind (0: any free port).")
-def fake_llm_command(script_path: str | None, host: str, port: int) -> None:
+@click.option("--close-delimited", is_flag=True, default=False,
+              help="Stream replies with `Connection: close` and end each by closing the connection "
+                   "(no length, no chunking), as simple servers and proxies do.")
+def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool) -> None:
     """Serve a scripted fake OpenAI + Anthropic API (for demos and tests)."""
     script = load_script(script_path) if script_path else demo_script()
+    if close_delimited:
+        script = msgspec.structs.replace(script, close_delimited=True)
     server = FakeLLMServer(script, host=host, port=port)
     # One JSON ready line first (`busctl up` and tests wait for it), then a human line.
     click.echo(json.dumps({"ready": "fake-llm", "base_url": server.base_url}))

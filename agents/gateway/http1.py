@@ -255,11 +255,16 @@ class _Body(httpx.AsyncByteStream):
             yield data
 
     async def _until_eof(self) -> AsyncIterator[bytes]:
+        """Everything up to the server's close. The read that completed the head may have
+        carried no body bytes: an empty buffer is not the end, only a read of b"" is."""
         conn = self._conn
         data, conn.buf = conn.buf, b""
-        while data:
-            yield data
+        while True:
+            if data:
+                yield data
             data = await conn.read(self._timeout)
+            if not data:
+                return
 
     async def _chunked(self) -> AsyncIterator[bytes]:
         """Every chunk a read completes (or the part of a chunk it holds), joined per read."""

@@ -51,7 +51,7 @@ from agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded,
 from bus import events as ev
 from bus.client import IncomingRequest, Peer, connect
 from bus.errors import RemoteError
-from bus.messages import AssistantDelta, AssistantMessage, LlmRequest
+from bus.messages import AssistantDelta, AssistantMessage, LlmRequest, Usage
 from bus.procsec import make_undumpable
 from bus.redact import log_redaction
 from bus.security import CurveClient
@@ -175,6 +175,10 @@ class Gateway:
         streamed = False  # this attempt streamed something (a retry then discards it)
         sent = 0  # bytes of this attempt's partials: about what the reply will weigh
 
+        # A compaction's summary is not the run's text: its deltas go only to the requester
+        # (`compaction_complete` carries its usage), never as the run's `message_update`s.
+        publish = request.purpose != "compaction"
+
         async def on_delta(delta: AssistantDelta) -> None:
             nonlocal described, streamed, sent
             streamed = True
@@ -189,18 +193,21 @@ class Gateway:
             # as one message. Event first, a burst (the deltas of one read) went out as event,
             # partials, events: three sends and three hub messages where two do.
             await req.partial(body)
-            for piece in _event_pieces(delta):
-                await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
-                                        run=request.run_id, experiment=request.experiment)
+            if publish:
+                for piece in _event_pieces(delta):
+                    await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
+                                            run=request.run_id, experiment=request.experiment)
 
-        async def on_retry(attempt: int, delay: float, status: int, error: str) -> None:
+        async def on_retry(attempt: int, delay: float, status: int, error: str,
+                           usage: Usage) -> None:
             nonlocal streamed, sent
             config = self.engine.model_config(request.model)
             await req.partial(_encoder.encode(LlmPartial(reset=True)))
-            discarded, streamed, sent = streamed, False, 0
+            discarded, streamed, sent = streamed and publish, False, 0
             await self.peer.publish(
                 ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
-                            provider=config.provider if config else "", discarded=discarded),
+                            provider=config.provider if config else "", discarded=discarded,
+                            usage=usage, model=config.model if config else ""),
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
         try:

@@ -19,13 +19,16 @@ from typing import Any
 import msgspec
 
 from bus.messages import (
+    AssistantContent,
     AssistantMessage,
     BranchSummaryMessage,
     CompactionSummaryMessage,
     CustomMessage,
     LlmMessage,
+    LlmRequest,
     Message,
     TextPart,
+    ThinkingPart,
     ToolCallRequest,
     ToolInfo,
     ToolResult,
@@ -41,8 +44,25 @@ DEFAULT_CONTEXT_WINDOW = 128_000
 CONTEXT_EXCEEDED = "context_exceeded"
 
 
+_EXCEEDED_WINDOW = re.compile(re.escape(CONTEXT_EXCEEDED) + r": [^:]*?\(window (\d+) tokens\)")
+
+
 def is_context_exceeded(message: AssistantMessage) -> bool:
     return message.stop_reason == "error" and CONTEXT_EXCEEDED in (message.error or "")
+
+
+def context_exceeded_text(window: int, text: str) -> str:
+    """The gateway's error text for a prompt the server refused as too long (`window`: the
+    server's window when its error said, else 0)."""
+    size = f" (window {window} tokens)" if window > 0 else ""
+    return (f"{CONTEXT_EXCEEDED}: the conversation does not fit the model's context "
+            f"window{size}: {text}")
+
+
+def exceeded_window(message: AssistantMessage) -> int:
+    """The window a context-exceeded error reports (0: it does not say)."""
+    match = _EXCEEDED_WINDOW.search(message.error or "") if is_context_exceeded(message) else None
+    return int(match[1]) if match else 0
 
 # --- usage --------------------------------------------------------------------------------
 
@@ -90,22 +110,37 @@ BYTES_PER_TOKEN = 4
 
 @dataclass(frozen=True)
 class ToolOutputConfig:
-    """Limits for tool outputs kept in history.
+    """Limits for tool outputs kept in history; both scale with the context window, so a small
+    window (llama.cpp's 4,096 tokens) keeps the question and a cut of the newest result.
 
-    `max_message_bytes` cuts any single result; `budget_tokens` bounds all tool outputs in history
-    together (None: 25% of the context window, clamped to [20000, 60000] tokens).
+    `max_message_bytes` cuts any single result, and so does `result_ratio` of the window (one
+    result is at most a quarter of it); `budget_tokens` bounds all tool outputs in history
+    together (None: 25% of the context window, clamped to [20000, 60000] tokens, and never over
+    half the window).
     """
 
     max_message_bytes: int = 51_200
     budget_tokens: int | None = None
     context_ratio: float = 0.25
+    result_ratio: float = 0.25
+
+    def message_bytes(self, context_window: int | None) -> int:
+        """The most one result may hold in history, in bytes."""
+        if not context_window:
+            return self.max_message_bytes
+        share = math.floor(context_window * self.result_ratio) * BYTES_PER_TOKEN
+        return max(MIN_RESULT_BYTES, min(self.max_message_bytes, share))
 
     def budget(self, context_window: int | None) -> int:
         if self.budget_tokens is not None:
             return self.budget_tokens
         if not context_window:
             return 60_000
-        return max(20_000, min(60_000, math.floor(context_window * self.context_ratio)))
+        floor = min(20_000, context_window // 2)
+        return max(floor, min(60_000, math.floor(context_window * self.context_ratio)))
+
+
+MIN_RESULT_BYTES = 256  # a result is never cut shorter than this: the model needs something
 
 
 class ToolOutputStore:
@@ -184,6 +219,18 @@ def cut_to_bytes(text: str, max_bytes: int) -> str:
     return "".join(kept)
 
 
+def tail_to_bytes(text: str, max_bytes: int) -> str:
+    """Longest suffix of whole lines within `max_bytes` ("" when even the last line is longer)."""
+    kept: list[str] = []
+    used = 0
+    for line in reversed(text.splitlines(keepends=True)):
+        used += _utf8_len(line)
+        if used > max_bytes:
+            break
+        kept.append(line)
+    return "".join(reversed(kept))
+
+
 class ToolOutputCache:
     """Applies `ToolOutputConfig` to tool-result messages, storing full texts in a `ToolOutputStore`."""
 
@@ -198,6 +245,7 @@ class ToolOutputCache:
         self.context_window = context_window
         self._refs: dict[str, str] = {}  # tool_call_id -> ref
         self._trimmed: set[str] = set()
+        self._cut_to: dict[str, int] = {}  # tool_call_id -> the bytes its result was cut to
         self._sizes = SizeMemo(_tokens)  # tool outputs' tokens, each history message measured once
 
     def process(self, message: ToolResultMessage) -> ToolResultMessage:
@@ -207,25 +255,72 @@ class ToolOutputCache:
         stores it if it ever replaces it by a marker (a ref is stored before anyone sees it).
         Storing every output cost a store write per tool call (a row in the coordinator's
         database) and kept every text in memory for the agent's lifetime."""
-        if message.tool_name == TOOL_OUTPUT_TOOL or not _has_text(message):
+        if not _has_text(message):
             return message
-        text = message.text
-        if _utf8_len(text) <= self.config.max_message_bytes:
-            return message
-        ref = self.store.put(text)
-        self._refs[message.tool_call_id] = ref
-        cut = cut_to_bytes(text, self.config.max_message_bytes)
+        return self._cut(message, self.config.message_bytes(self.context_window))
 
-        content = [TextPart(f"{cut}\n\n[tool output truncated; ref={ref}]")]
-        return _with_content(message, content)
+    def _cut(self, message: ToolResultMessage, limit: int) -> ToolResultMessage:
+        """`message` within `limit` bytes: a prefix of its text and where the rest is."""
+        if self._cut_to.get(message.tool_call_id, limit + 1) <= limit:
+            return message  # cut already, as short or shorter (its note makes it look longer)
+        text = message.text
+        if _utf8_len(text) <= limit:
+            return message
+        self._cut_to[message.tool_call_id] = limit
+        cut = cut_to_bytes(text, limit)
+        if message.tool_name == TOOL_OUTPUT_TOOL:  # a page of a stored output: page on instead
+            note = (f"[cut at {len(cut)} of {len(text)} characters: call `{TOOL_OUTPUT_TOOL}` "
+                    "again with a larger `offset` and a smaller `limit` for the rest]")
+            return _with_content(message, [TextPart(f"{cut}\n\n{note}")])
+        ref = self._refs.get(message.tool_call_id) or self.store.put(text)
+        self._refs[message.tool_call_id] = ref
+        # The head and the tail: an output's end (the last line, an error, an exit code) matters
+        # as often as its start, and a model asked about it must not read the cut note instead.
+        head = cut_to_bytes(text, limit * 3 // 5)
+        tail = tail_to_bytes(text[len(head):], limit - _utf8_len(head))
+        omitted = len(text) - len(head) - len(tail)
+        note = (f"[tool output truncated; ref={ref}: {omitted} of its {len(text)} characters are "
+                f"cut here to fit the context window; `{TOOL_OUTPUT_TOOL}` with this ref reads them]")
+        return _with_content(message, [TextPart(f"{head}\n{note}\n{tail}")])
 
     def trim(self, messages: list[Message]) -> int:
-        """Replace the oldest tool outputs by a ref marker until all fit the budget; returns count."""
+        """Replace the oldest tool outputs by a ref marker until all fit the budget; returns count.
+
+        The newest results (those after the last assistant message: what the model is about to
+        read) are never replaced: when they alone are over the budget, each is cut to its share
+        of it instead, with its ref."""
         budget = self.config.budget(self.context_window)
+        newest = next((i + 1 for i in range(len(messages) - 1, -1, -1)  # (no reply: none is)
+                       if isinstance(messages[i], AssistantMessage)), len(messages))
+        # The window may have shrunk since they were cut (the server reported a smaller one)
+        trimmed = self._cut_newest(messages, newest, self.config.message_bytes(self.context_window))
         used = self._sizes.total(messages)
         if used <= budget:
-            return 0
-        indexes = [i for i, m in enumerate(messages) if isinstance(m, ToolResultMessage)]
+            return trimmed
+        indexes = [i for i, m in enumerate(messages[:newest]) if isinstance(m, ToolResultMessage)]
+        trimmed += self._trim_older(messages, indexes, budget, used)
+        used = self._sizes.total(messages)
+        if used > budget:
+            own = sum(_tokens(m) for m in messages[newest:] if isinstance(m, ToolResultMessage))
+            results = sum(isinstance(m, ToolResultMessage) for m in messages[newest:])
+            share = max(0, budget - (used - own)) // max(1, results) * BYTES_PER_TOKEN
+            trimmed += self._cut_newest(messages, newest, share)
+        return trimmed
+
+    def _cut_newest(self, messages: list[Message], newest: int, limit: int) -> int:
+        """Cut each result after index `newest` to `limit` bytes; how many were cut."""
+        cut = 0
+        for i in range(newest, len(messages)):
+            message = messages[i]
+            if not isinstance(message, ToolResultMessage):
+                continue
+            shorter = self._cut(message, max(MIN_RESULT_BYTES, limit))
+            if shorter is not message:
+                messages[i] = shorter
+                cut += 1
+        return cut
+
+    def _trim_older(self, messages: list[Message], indexes: list[int], budget: int, used: int) -> int:
         trimmed = 0
         for i in indexes:
             if used <= budget:
@@ -388,6 +483,23 @@ def messages_for_summary(messages: Sequence[Message], prompt: str) -> list[Messa
     return copy
 
 
+def estimate_usage(request: LlmRequest, content: Sequence[AssistantContent]) -> Usage:
+    """What a reply the server sent no usage for cost, estimated (4 bytes a token): the request
+    (messages, system prompt, tools) in, what streamed of the reply out. Nothing streamed:
+    nothing (the server generated nothing, or said nothing about it)."""
+    out = sum(_utf8_len(p.text) if isinstance(p, TextPart) else
+              _utf8_len(p.thinking) if isinstance(p, ThinkingPart) else
+              _utf8_len(p.name) + _utf8_len(p.arguments) for p in content)
+    if not out:
+        return Usage()
+    sent = (len(msgspec.json.encode(request.messages)) + _utf8_len(request.system_prompt)
+            + len(msgspec.json.encode(request.tools)))
+    usage = Usage(input=math.ceil(sent / BYTES_PER_TOKEN), output=math.ceil(out / BYTES_PER_TOKEN),
+                  estimated=True)
+    usage.total = usage.input + usage.output
+    return usage
+
+
 def estimate_tokens(message: Message) -> int:
     """A rough size (4 bytes a token of the message's JSON), enough to keep a request under a window."""
     return math.ceil(len(msgspec.json.encode(message)) / BYTES_PER_TOKEN)
@@ -427,20 +539,47 @@ def last_turns_start(messages: Sequence[Message], turns: int) -> int:
 
 def compacted_history(
     messages: Sequence[Message], summary: str, retain_last_turns: int, tokens_before: int = 0,
-    budget: int = 0,
+    budget: int = 0, keep: Sequence[Message] = (),
 ) -> list[Message]:
-    """[CompactionSummaryMessage(summary)] + the messages of the last `retain_last_turns` turns.
-
-    With a `budget` (tokens, estimated), fewer turns are kept while the result is over it: a
-    history still at the threshold after compaction would be compacted again on the next call.
-    With no turn left to drop the result is returned as it is (the summary covers the rest)."""
+    """[CompactionSummaryMessage(summary)] + the `keep` messages (the current run's prompts, by
+    identity) found before the tail + the tail: the messages of the last `retain_last_turns`
+    turns, fewer while over `budget` (see `retained_start`)."""
     head: Message = CompactionSummaryMessage(summary=summary, tokens_before=tokens_before)
-    for turns in range(retain_last_turns, -1, -1):
+    start = retained_start(messages, retain_last_turns, budget, keep)
+    return [head, *pinned(messages[:start], keep),
+            *(m for m in messages[start:] if not isinstance(m, CompactionSummaryMessage))]
+
+
+def retained_start(messages: Sequence[Message], retain_last_turns: int, budget: int = 0,
+                   keep: Sequence[Message] = ()) -> int:
+    """Where the tail a compaction keeps verbatim begins.
+
+    The last `retain_last_turns` turns; with a `budget` (tokens, estimated), fewer while the tail
+    and the pinned `keep` messages are over it (a history still at the threshold after compaction
+    would be compacted again on the next call). Never fewer than the newest turn while history
+    ends in its tool results: the model has not read them yet, and a summary of them written by
+    the model before reading them would be invented."""
+    floor = 1 if messages and isinstance(messages[-1], ToolResultMessage) else 0
+    start = last_turns_start(messages, floor)
+    for turns in range(max(retain_last_turns, floor), floor - 1, -1):
         start = last_turns_start(messages, turns)
-        history = [head, *(m for m in messages[start:] if not isinstance(m, CompactionSummaryMessage))]
-        if not budget or history_tokens(history) < budget:
-            return history
-    return history
+        tail = [*pinned(messages[:start], keep), *messages[start:]]
+        if not budget or history_tokens(tail) < budget:
+            return start
+    return start
+
+
+def pinned(messages: Sequence[Message], keep: Sequence[Message]) -> list[Message]:
+    """The messages of `keep` (by identity) among `messages`, in order."""
+    ids = {id(m) for m in keep}
+    return [m for m in messages if id(m) in ids] if ids else []
+
+
+def summarisable(messages: Sequence[Message], keep: Sequence[Message] = ()) -> bool:
+    """Whether `messages` hold anything a summary would replace: not only kept messages and an
+    earlier summary (a compaction call over nothing invents a conversation)."""
+    ids = {id(m) for m in keep}
+    return any(id(m) not in ids and not isinstance(m, CompactionSummaryMessage) for m in messages)
 
 
 def history_tokens(messages: Sequence[Message]) -> int:
@@ -528,7 +667,10 @@ def _close_calls(open_calls: Sequence[tuple[str, str]]) -> list[LlmMessage]:
 
 __all__ = [
     "CONTEXT_EXCEEDED",
+    "context_exceeded_text",
+    "exceeded_window",
     "estimate_tokens",
+    "estimate_usage",
     "history_tokens",
     "fit_for_summary",
     "is_context_exceeded",
@@ -542,6 +684,9 @@ __all__ = [
     "UsageTracker",
     "common_prefix",
     "compacted_history",
+    "pinned",
+    "retained_start",
+    "summarisable",
     "default_convert_to_llm",
 
     "should_compact",

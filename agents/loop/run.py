@@ -18,6 +18,7 @@ Event order of one run (see docs in the tests, tests/agents/test_loop.py):
     agent_end
 
 Run stop reasons (AgentEnd.stop_reason): "stop" (model finished, or should_stop_after_turn),
+"length" (the model's final answer was cut at its output token limit, `max_tokens`),
 "done" (a tool returned done), "denied" (BlockAndStop), "max_iterations", "error" (also: the
 repeat guard saw the same call 2 * repeat_limit times in a row), "aborted".
 """
@@ -43,16 +44,21 @@ from agents.loop.context import (
     ToolOutputConfig,
     ToolOutputStore,
     UsageTracker,
+    common_prefix,
     compacted_history,
     compaction_prompt,
     default_convert_to_llm,
     estimate_tokens,
+    estimate_usage,
+    exceeded_window,
     fit_for_summary,
     history_tokens,
     is_context_exceeded,
     messages_for_summary,
     parse_compaction,
+    retained_start,
     should_compact,
+    summarisable,
 )
 from agents.loop.hooks import (
     KEEP,
@@ -106,6 +112,7 @@ from bus.messages import (
     ToolSpec,
     Usage,
     UserContent,
+    UserMessage,
     error_result,
     user_text,
 )
@@ -132,6 +139,13 @@ REPEAT_STOP_TEXT = (
     "Stopped: the model called `{name}` with the same arguments {count} times in a row (the "
     "repeat limit is {limit}: a note at {limit}, a stop at twice that). Set the agent's "
     "`repeat_limit` higher, or 0 to turn the guard off."
+)
+CONTEXT_TOO_SMALL_TEXT = (
+    "The request does not fit the model's context window ({window} tokens) even with older turns "
+    "compacted: the question and the newest tool results alone need about {needed} tokens "
+    "(estimated; the system prompt and the tool schemas come on top). Use a bigger window (the "
+    "server's context size, e.g. llama.cpp's --ctx-size, and the model's `context_window`), a "
+    "lower `max_tokens`, or ask for a smaller tool result. The server said: {error}"
 )
 MAX_ITERATIONS_PREFIX = "[Max Iterations Reached]\n\n"
 MAX_ITERATIONS_FALLBACK = "Summary unavailable due to an internal error."
@@ -333,6 +347,13 @@ def _aborted_end() -> _End:
     return _End("", "aborted", ABORTED_TEXT)
 
 
+def _answer_end(run: _Run) -> _End:
+    """The model answered: "length" when that answer was cut at the output token limit."""
+    last = next((m for m in reversed(run.messages) if isinstance(m, AssistantMessage)), None)
+    cut = last is not None and last.stop_reason == "length" and not last.tool_calls
+    return _End(run.last_text, "length" if cut else "stop")
+
+
 @dataclass
 class _Run:
     config: LoopConfig
@@ -361,6 +382,10 @@ class _Run:
     sizes: SizeMemo = field(default_factory=lambda: SizeMemo(estimate_tokens))
     #: Whether `llm.complete` takes `abort` (looked up once: `inspect.signature` is slow).
     takes_abort: bool | None = None
+    #: The user's messages of this run (its prompt, follow-ups, steering): compaction keeps them.
+    pinned: list[Message] = field(default_factory=list)
+    #: The window a context-exceeded error reported: it applies at once (0: none).
+    window_hint: int = 0
 
     @property
     def last_text(self) -> str:
@@ -459,7 +484,7 @@ async def _run_turns(run: _Run, prompts: list[Message], skip_initial_steering: b
         if prompt:
             pending = [user_text(prompt, hidden=True)]
         elif not run.config.require_done_tool:
-            return _End(run.last_text, "stop")
+            return _answer_end(run)
 
 
 async def _run_until_idle(run: _Run, pending: list[Message]) -> _End | None:
@@ -505,6 +530,8 @@ async def _run_turn(run: _Run, pending: list[Message]) -> tuple[TurnInfo | None,
     if not await _compact_before_call(run):
         return None, _aborted_end()
     for message in pending:
+        if isinstance(message, UserMessage) and not message.hidden:
+            run.pinned.append(message)
         await _add_message(run, message)
     assistant, catalog = await _assistant_response(run)
     if assistant.stop_reason in ("error", "aborted"):
@@ -570,8 +597,7 @@ async def _should_stop(run: _Run, info: TurnInfo) -> bool:
 
 async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInfo]]:
     """Build the request from history, call the model, record usage, add the reply to history."""
-    if run.cache is not None:
-        run.cache.trim(run.messages)
+    _fit_tool_outputs(run)
     view = list(run.messages)
     if run.config.transform_context is not None:
         view = list(await call_hook(run.config.transform_context, view))
@@ -582,19 +608,48 @@ async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInf
                        call=call)
     await run.emit(MessageStart(message=AssistantMessage(model=run.model)))
     reply = await _complete(run, request, _emit_delta(run))
-    if is_context_exceeded(reply) and await _maybe_compact(run, force=True):
-        # The server refused the prompt as too long: compacted now, the call is retried once.
-        llm_messages = await _convert_history(run, list(run.messages))
-        request = _request(run, llm_messages, request.tools, request.tool_choice, call=call)
-        reply = await _complete(run, request, _emit_delta(run))
+    if is_context_exceeded(reply):
+        reply = await _refit_and_retry(run, request, reply, call)
     run.usage.add(reply)
     await _end_message(run, reply)
     return reply, catalog
 
 
+async def _refit_and_retry(run: _Run, request: LlmRequest, reply: AssistantMessage,
+                           call: int) -> AssistantMessage:
+    """The server refused the prompt as too long: adopt the window its error reported, cut the
+    tool outputs to it, compact older turns, and retry the call once. When the prompt still
+    does not fit, the reply's error says why and what to change."""
+    run.window_hint = exceeded_window(reply) or run.window_hint
+    before = list(run.messages)
+    _fit_tool_outputs(run)
+    await _maybe_compact(run, force=True)
+    retried = reply
+    if common_prefix(run.messages, before) != len(before) or len(run.messages) != len(before):
+        run.usage.add(reply)  # the refused attempt (a server may bill it); the retry is the reply
+        llm_messages = await _convert_history(run, list(run.messages))
+        request = _request(run, llm_messages, request.tools, request.tool_choice, call=call)
+        retried = await _complete(run, request, _emit_delta(run))
+        if not is_context_exceeded(retried):
+            return retried
+    window = exceeded_window(retried) or _context_window(run)
+    retried.error = CONTEXT_TOO_SMALL_TEXT.format(
+        window=window, needed=history_tokens(run.messages), error=retried.error)
+    return retried
+
+
+def _fit_tool_outputs(run: _Run) -> None:
+    """Cut and trim the tool outputs in history to the window as now known."""
+    if run.cache is not None:
+        run.cache.context_window = _context_window(run)
+        run.cache.trim(run.messages)
+
+
 def _context_window(run: _Run) -> int:
-    """The window the model client reports (the gateway learns it from the server), else the
-    configured one."""
+    """The window a context-exceeded error of this run reported, else the one the model client
+    reports (the gateway learns it from the server), else the configured one."""
+    if run.window_hint:
+        return run.window_hint
     known = getattr(run.llm, "context_window", None)
     window = known(run.model) if callable(known) else 0
     return window or run.config.context_window or DEFAULT_CONTEXT_WINDOW
@@ -669,7 +724,8 @@ async def _complete(run: _Run, request: LlmRequest, on_delta: DeltaSink | None) 
     if reply is None:  # the abort cancelled the call: keep what streamed so far
         content: list[Any] = [TextPart("".join(partial))] if partial else []
         return AssistantMessage(
-            content=content, stop_reason="aborted", error=ABORTED_TEXT, model=request.model
+            content=content, stop_reason="aborted", error=ABORTED_TEXT, model=request.model,
+            usage=estimate_usage(request, content),  # the server did bill what it streamed
         )
     if not reply.model:
         reply.model = request.model
@@ -1020,16 +1076,24 @@ async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
     window = _context_window(run)
     if not force and not _over_threshold(run, config, last, window):
         return False
+    # What stays verbatim: the newest turns (under half the window, or the next call would
+    # compact again at once; the unread tool results always) and this run's prompts. Only what
+    # is older is summarised; with nothing older there is no summary call (it would invent one).
+    start = retained_start(run.messages, config.retain_last_turns, window // 2, run.pinned)
+    older = run.messages[:start]
+    if not summarisable(older, run.pinned):
+        return False
     tokens = last.usage.total if last is not None and last.usage.total else history_tokens(run.messages)
     await run.emit(CompactionStart(tokens=tokens))
-    summary = await _compaction_summary(run, config, window)
+    reply = await _compaction_call(run, config, window, older)
+    summary = "" if reply.stop_reason in ("error", "aborted") else parse_compaction(reply.text)
     after = 0
     if summary:
-        # under half the window, or the next call would compact again at once
         run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens,
-                                            budget=window // 2)
+                                            budget=window // 2, keep=run.pinned)
         after = history_tokens(run.messages)
-    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after))
+    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after,
+                                      usage=reply.usage, model=reply.model))
     return bool(summary)
 
 
@@ -1043,19 +1107,21 @@ def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage 
 
 
 
-async def _compaction_summary(run: _Run, config: CompactionConfig, window: int) -> str:
-    """The summary text, or "" when the call fails (history then stays as it is).
+async def _compaction_call(run: _Run, config: CompactionConfig, window: int,
+                           older: list[Message]) -> AssistantMessage:
+    """The model's summary of `older` (the history before the kept tail); a failed reply leaves
+    history as it is. Its usage counts in the run's totals (and `compaction_complete`'s).
 
     The view is cut to half the window and the summary to an eighth: a history that already
-    overflowed must still be summarisable, and a long summary would refill the window."""
-    view = fit_for_summary(messages_for_summary(run.messages, compaction_prompt(config)), window // 2)
+    overflowed must still be summarisable, and a long summary would refill the window. The
+    request says `purpose="compaction"`: the gateway does not stream it as the run's text."""
+    view = fit_for_summary(messages_for_summary(older, compaction_prompt(config)), window // 2)
     request = _request(run, await _convert(run, view), [], "none", model=config.model)
     request.max_tokens = min(request.max_tokens or window, max(256, window // 8))
+    request.purpose = "compaction"
     reply = await _complete(run, request, None)
     run.usage.add(reply)
-    if reply.stop_reason in ("error", "aborted"):
-        return ""
-    return parse_compaction(reply.text)
+    return reply
 
 
 async def _max_iterations_end(run: _Run) -> _End:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import anyio
@@ -14,6 +15,7 @@ from agents.loop.context import (
     ToolOutputStore,
     UsageTracker,
     compacted_history,
+    context_exceeded_text,
     default_convert_to_llm,
     history_tokens,
     parse_compaction,
@@ -75,10 +77,12 @@ def test_large_output_is_cut_with_ref_and_full_text_retrievable() -> None:
     text = "".join(f"line {i:06d} " + "x" * 90 + "\n" for i in range(1000))  # ~102 KB
     out = cache.process(tool_message("c1", text))
     cut = out.text
-    ref = cut.rsplit("ref=", 1)[1].rstrip("]")
-    assert cut.endswith(f"\n\n[tool output truncated; ref={ref}]")
-    body = cut[: -len(f"\n\n[tool output truncated; ref={ref}]")]
-    assert len(body.encode()) <= 51_200 and body.endswith("\n") and text.startswith(body)
+    ref = re.search(r"ref=([0-9a-f]+)", cut)[1]  # type: ignore[index]
+    head, note, tail = re.fullmatch(r"(.*\n)\n\[(tool output truncated; .*?)\]\n(.*)", cut, re.S).groups()  # type: ignore[union-attr]
+    assert note.startswith(f"tool output truncated; ref={ref}: ") and "`tool_output`" in note
+    assert len((head + tail).encode()) <= 51_200 and text.startswith(head) and text.endswith(tail)
+    assert head.endswith("\n") and tail.startswith("line ") and tail.endswith("x\n")  # whole lines
+    assert f"{len(text) - len(head) - len(tail)} of its {len(text)} characters" in note
     assert store.get(ref) == text
     small = cache.process(tool_message("c2", "short"))
     assert small.text == "short"
@@ -102,10 +106,11 @@ def test_oldest_outputs_trimmed_to_budget() -> None:
     cache = ToolOutputCache(store, ToolOutputConfig(budget_tokens=300))
     history: list[Message] = [user_text("go")]
     for i in range(3):
+        history.append(reply("", call(f"c{i}", "t")))
         history.append(cache.process(tool_message(f"c{i}", "y" * 800)))  # 200 tokens each
     trimmed = cache.trim(history)
     assert trimmed == 2
-    texts = [m.text for m in history[1:]]  # type: ignore[union-attr]
+    texts = [m.text for m in history[2::2]]  # type: ignore[union-attr]
     assert texts[0].startswith("[tool output trimmed; ref=") and texts[1].startswith("[tool output trimmed; ref=")
     assert texts[2] == "y" * 800
     ref = texts[0].removeprefix("[tool output trimmed; ref=").rstrip("]")
@@ -116,8 +121,33 @@ def test_oldest_outputs_trimmed_to_budget() -> None:
 def test_budget_defaults_from_context_window() -> None:
     cfg = ToolOutputConfig()
     assert (cfg.budget(128_000), cfg.budget(10_000), cfg.budget(1_000_000), cfg.budget(None)) == (
-        32_000, 20_000, 60_000, 60_000,
+        32_000, 5_000, 60_000, 60_000,
     )  # fmt: skip
+    assert (cfg.budget(40_000), cfg.budget(4096)) == (20_000, 2048)  # never over half the window
+    # one result: at most a quarter of the window (4 bytes a token), 51,200 bytes at most
+    assert (cfg.message_bytes(4096), cfg.message_bytes(128_000), cfg.message_bytes(None)) == (
+        4096, 51_200, 51_200)
+
+
+def test_the_newest_results_are_cut_to_the_budget_never_trimmed_away() -> None:
+    """A small window: the results the model is about to read keep a cut each, with their ref;
+    older ones go first."""
+    store = ToolOutputStore()
+    cache = ToolOutputCache(store, ToolOutputConfig(), context_window=4096)  # budget 2,048 tokens
+    history: list[Message] = [user_text("go"), reply("", call("old", "t"))]
+    history.append(cache.process(tool_message("old", "o" * 3000)))
+    history.append(reply("", call("a", "t"), call("b", "t")))
+    history += [cache.process(tool_message(k, f"{k}\n" * 3000)) for k in ("a", "b")]
+    assert len(history[-1].text) < 4300  # type: ignore[union-attr]  # cut to a quarter already
+    cache.trim(history)
+    old, a, b = history[2], history[4], history[5]
+    assert old.text.startswith("[tool output trimmed; ref=")  # type: ignore[union-attr]
+    for message, key in ((a, "a"), (b, "b")):
+        text = message.text  # type: ignore[union-attr]
+        assert text.startswith(f"{key}\n{key}\n") and "[tool output truncated; ref=" in text
+        ref = re.search(r"ref=([0-9a-f]+)", text)[1]  # type: ignore[index]
+        assert store.get(ref) == f"{key}\n" * 3000  # the full text stays retrievable
+    assert sum(len(m.text) for m in (a, b)) <= 2048 * 4 + 400  # type: ignore[union-attr]  # + 2 notes
 
 
 async def test_loop_truncates_tool_results_in_history_and_events() -> None:
@@ -159,6 +189,7 @@ def _compaction_config(**kw: Any) -> LoopConfig:
 
 async def test_compaction_replaces_history_when_threshold_reached() -> None:
     llm = ScriptedLlm(
+        reply("", call("c0", "echo"), total=300),
         reply("", call("c1", "echo"), total=850),
         reply("<summary>user asked; tool ran</summary>"),
         reply("after", total=100),
@@ -166,22 +197,40 @@ async def test_compaction_replaces_history_when_threshold_reached() -> None:
     rec, messages = Recorder(), []  # type: ignore[var-annotated]
     with anyio.fail_after(5):
         await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
-    second_turn = rec.types().index("turn_start", rec.types().index("turn_end"))
-    assert rec.types()[second_turn : second_turn + 4] == [
+    types = rec.types()
+    third_turn = [i for i, t in enumerate(types) if t == "turn_start"][2]
+    assert types[third_turn : third_turn + 4] == [
         "turn_start", "compaction_start", "compaction_complete", "message_start",
     ]  # fmt: skip: compaction comes before the next model call, not after the last one
     assert rec.of("compaction_start")[0].tokens == 850
     assert rec.of("compaction_complete")[0].compacted is True
-    summary_request = llm.requests[1]
+    summary_request = llm.requests[2]
     assert (summary_request.tools, summary_request.tool_choice) == ([], "none")
+    # only the older turn is summarised: the newest one (its results unread) stays verbatim
+    assert [type(m).__name__ for m in summary_request.messages] == [
+        "UserMessage", "AssistantMessage", "ToolResultMessage", "UserMessage"]
     prompt = summary_request.messages[-1].content[0].text  # type: ignore[union-attr]
     assert prompt.startswith("You are summarizing the conversation for context compaction.")
     assert isinstance(messages[0], CompactionSummaryMessage) and messages[0].summary == "user asked; tool ran"
+    # the run's question stays, after the summary, with the newest turn and the answer
     assert [type(m).__name__ for m in messages[1:]] == [
         "UserMessage", "AssistantMessage", "ToolResultMessage", "AssistantMessage",
     ]  # fmt: skip
-    third = llm.requests[2].messages
+    assert messages[1].content[0].text == "hi" and messages[2].tool_calls[0].id == "c1"  # type: ignore[union-attr]
+    third = llm.requests[3].messages
     assert isinstance(third[0], UserMessage) and "user asked; tool ran" in third[0].content[0].text  # type: ignore[union-attr]
+
+
+async def test_nothing_older_than_the_question_and_its_results_means_no_summary_call() -> None:
+    """The issue's case: a window filled by the prompt and one tool result. No compaction call
+    (it would summarise nothing and invent the rest); the question and result go to the model."""
+    llm = ScriptedLlm(reply("", call("c1", "echo"), total=850), reply("after", total=100))
+    rec, messages = Recorder(), []  # type: ignore[var-annotated]
+    with anyio.fail_after(5):
+        await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
+    assert "compaction_start" not in rec.types() and len(llm.requests) == 2
+    assert [type(m).__name__ for m in llm.requests[1].messages] == [
+        "UserMessage", "AssistantMessage", "ToolResultMessage"]
 
 
 async def test_a_full_history_is_compacted_by_the_next_run_not_after_the_answer() -> None:
@@ -190,7 +239,9 @@ async def test_a_full_history_is_compacted_by_the_next_run_not_after_the_answer(
     with anyio.fail_after(5):
         await run_loop([user_text("hi")], messages, _compaction_config(), llm, FakeTools(), first)
         assert first.types()[-2:] == ["turn_end", "agent_end"]  # the answer is not held back
-        await run_loop([user_text("again")], messages, _compaction_config(), llm, FakeTools(), second)
+        # retain no turn: the first run's one turn is what there is to summarise
+        await run_loop([user_text("again")], messages, _compaction_config(retain_last_turns=0), llm,
+                       FakeTools(), second)
     assert second.types()[:4] == ["agent_start", "turn_start", "compaction_start", "compaction_complete"]
     assert second.of("compaction_complete")[0].compacted is False  # the summary call failed
     assert [type(m).__name__ for m in messages] == ["UserMessage", "AssistantMessage"] * 2
@@ -205,7 +256,14 @@ def test_compacted_history_keeps_fewer_turns_to_fit_half_the_window() -> None:
     ]  # fmt: skip
     kept = compacted_history(history, "S", retain_last_turns=3, budget=1500)
     assert kept[1:] == history[3:] and history_tokens(kept) < 1500  # two turns fit, three do not
-    assert len(compacted_history(history, "S", retain_last_turns=3, budget=500)) == 1  # summary only
+    # over any budget, the newest turn stays while history ends in its unread tool results ...
+    assert compacted_history(history, "S", retain_last_turns=3, budget=500)[1:] == history[4:]
+    # ... and goes once it was answered: the summary and the short answer
+    answered = [*history, reply("done")]
+    assert compacted_history(answered, "S", retain_last_turns=3, budget=500)[1:] == [answered[-1]]
+    # the current run's prompt (kept by identity) stays, after the summary
+    kept = compacted_history(answered, "S", retain_last_turns=0, keep=[history[0]])
+    assert kept[1:] == [history[0]]
     assert compacted_history(history, "S", retain_last_turns=3)[1:] == history  # no budget
 
 
@@ -225,8 +283,43 @@ async def test_compaction_starts_at_exactly_the_threshold(total: int, compacts: 
     if not compacts:
         llm.script.pop(1)  # no summary call
     rec = Recorder()
+    earlier: list[Message] = [user_text("before"), reply("earlier")]  # something to summarise
     with anyio.fail_after(5):
-        await run_loop([user_text("hi")], [], _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
+        await run_loop([user_text("hi")], earlier, _compaction_config(), llm, FakeTools({"echo": lambda a, u: "r"}), rec)
     starts = rec.of("compaction_start")
     assert [s.tokens for s in starts] == ([total] if compacts else [])
     assert len(llm.requests) == (3 if compacts else 2) and not llm.script
+
+
+def _too_long(window: int) -> AssistantMessage:
+    return AssistantMessage(stop_reason="error", model="m",
+                            error=context_exceeded_text(window, "request (9000 tokens) exceeds n_ctx"))
+
+
+async def test_a_refused_prompt_adopts_the_reported_window_at_once_then_fails_saying_what_to_change() -> None:
+    """The server's window (in its context-exceeded error) sizes the tool outputs and compaction
+    of the same call; when the question and the newest results still do not fit, the run ends
+    with an error that says why and what to change, never with an answer to something else."""
+    llm = ScriptedLlm(reply("", call("c1", "echo")), _too_long(600), _too_long(600))
+    rec, messages = Recorder(), []  # type: ignore[var-annotated]
+    config = LoopConfig(context_window=128_000)  # what the loop believed before the error
+    with anyio.fail_after(5):
+        result = await run_loop([user_text("what is in it?")], messages, config, llm,
+                                FakeTools({"echo": lambda a, u: "w\n" * 20_000}), rec)
+    retry = llm.requests[2].messages
+    assert retry[0].content[0].text == "what is in it?"  # type: ignore[union-attr]
+    result_text = retry[-1].text  # type: ignore[union-attr]
+    assert "[tool output truncated; ref=" in result_text and len(result_text) < 800  # 600 / 4 tokens
+    assert result.stop_reason == "error" and "compaction_start" not in rec.types()
+    error = result.error or ""
+    assert "does not fit the model's context window (600 tokens)" in error
+    assert "bigger window" in error and "`max_tokens`" in error and "smaller tool result" in error
+
+
+async def test_an_answer_cut_at_max_tokens_ends_the_run_with_length() -> None:
+    llm = ScriptedLlm(reply("a long answer that was cu", stop="length"))
+    rec = Recorder()
+    result = await run_loop([user_text("hi")], [], LoopConfig(), llm, FakeTools(), rec)
+    end = rec.of("agent_end")[0]
+    assert (result.stop_reason, end.stop_reason, end.error) == ("length", "length", None)
+    assert end.final_text == "a long answer that was cu"

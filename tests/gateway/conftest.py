@@ -9,7 +9,7 @@ import pytest
 
 from agents.gateway.engine import LlmEngine, ModelConfig
 from agents.gateway.fakellm import FakeLLMServer, ScriptLike
-from bus.messages import AssistantDelta, LlmRequest, RetryPolicy, ToolSpec, user_text
+from bus.messages import AssistantDelta, LlmRequest, RetryPolicy, ToolSpec, Usage, user_text
 
 FAKE_KEY = "sk-FAKE-7f3a9c1e-do-not-leak-0x5EC12E7"
 FAST_RETRY = RetryPolicy(base_delay=0.01, max_delay=0.05)
@@ -95,9 +95,12 @@ class DeltaLog:
 class RetryLog:
     def __init__(self) -> None:
         self.calls: list[tuple[int, float, int, str]] = []
+        self.usage: list[Usage] = []  # what each failed attempt billed
 
-    async def __call__(self, attempt: int, delay: float, status: int, error: str) -> None:
+    async def __call__(self, attempt: int, delay: float, status: int, error: str,
+                       usage: Usage) -> None:
         self.calls.append((attempt, delay, status, error))
+        self.usage.append(usage)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -3,6 +3,7 @@ scripted bytes (well-formed, quirky, hostile), plain and over TLS, and the engin
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import ssl
@@ -18,10 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.gateway.engine import _LeanClient, _new_client, environment_names_a_proxy
+from agents.gateway.engine import LlmEngine, ModelConfig, _LeanClient, _new_client, environment_names_a_proxy
 from agents.gateway.fakellm import FakeLLMServer
 from agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
-from tests.support import until
+from tests.support import busctl, running, until
 
 from .conftest import engine_for, request
 
@@ -515,3 +516,66 @@ async def test_a_header_value_with_a_newline_is_refused_before_sending(
             await c.get(server.url(), headers={"Authorization": "Bearer sk-1\r\nX-Evil: 1"})
     assert server.request_lines == []
 
+
+
+# --- every framing, at concurrency (issue 34, acceptance 0) -----------------------------------
+
+# A stream whose head goes out alone (the fake flushes it before the first event, and each event
+# waits a little): the read that completes the head carries no body byte.
+STREAM = {"text": "every word of this answer must arrive, in order, whole.", "chunk_size": 8,
+          "chunk_delay": 0.001}
+
+
+@pytest.mark.parametrize("close_delimited", [True, False], ids=["close-delimited", "keep-alive"])
+async def test_streams_of_every_framing_arrive_whole_at_any_concurrency(
+        fake_server: Callable[..., FakeLLMServer], close_delimited: bool) -> None:
+    server = fake_server({"rules": [{"contains": [], "reply": STREAM}],
+                          "close_delimited": close_delimited})
+    async with engine_for(server, max_concurrency=64) as engine:
+        for concurrency in (8, 64):
+            limit = anyio.Semaphore(concurrency)
+            texts: list[str] = []
+
+            async def one() -> None:
+                async with limit:
+                    message = await engine.complete(request("go"))
+                texts.append(message.text if message.stop_reason == "stop" else repr(message))
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(200):
+                    tg.start_soon(one)
+            assert texts == [STREAM["text"]] * 200, concurrency
+        stats = engine.stats().models["fake-openai"]
+    assert (stats.retries, stats.resent, stats.errors, stats.attempts) == (0, 0, 0, 400)
+    assert server.max_in_flight > 8  # the calls did overlap
+
+
+async def test_eight_concurrent_close_delimited_runs_take_about_as_long_as_one(tmp_path: Path) -> None:
+    """A one-second stream (100 events 10 ms apart), alone then 8 at once: <= 1.5x (no retry, no
+    backoff, no serialisation). The server is `busctl fake-llm --close-delimited` in its own
+    process: in this one, its threads and the client would queue on one GIL."""
+    slow = {"text": "x" * 100, "chunk_size": 1, "chunk_delay": 0.01}
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({"rules": [{"contains": ["warm"], "reply": {"text": "up"}},
+                                            {"contains": [], "reply": slow}]}))
+    with running(busctl("fake-llm", "--script", str(script), "--close-delimited")) as proc:
+        config = ModelConfig(alias="m", provider="openai", model="m",
+                             base_url=proc.wait_ready()["base_url"])
+        async with LlmEngine([config]) as engine:
+            async def one(text: str = "go") -> None:
+                message = await engine.complete(request(text))
+                assert message.text == (slow["text"] if text == "go" else "up"), message
+
+            async with anyio.create_task_group() as tg:  # the server's threads, the client pool
+                for _ in range(8):
+                    tg.start_soon(one, "warm")
+            start = anyio.current_time()
+            await one()
+            alone = anyio.current_time() - start
+            start = anyio.current_time()
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(one)
+            together = anyio.current_time() - start
+            assert engine.stats().models["m"].retries == 0
+    assert together <= 1.5 * alone, (together, alone)

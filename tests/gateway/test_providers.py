@@ -180,6 +180,20 @@ async def test_malformed_sse_and_stream_errors_are_retried(fake_server: StartSer
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
+async def test_llamacpp_sse_error_event_is_the_server_message(fake_server: StartServer,
+                                                             provider: str) -> None:
+    """llama.cpp's `event: error` (data `{"error": {"type": "server_error", ...}}`, no top-level
+    type) reaches the user as the server's message, not as a stream that ended early."""
+    said = "Failed to parse input: does not match the expected format"
+    srv = fake_server([{"fail": {"kind": "server_error", "message": said}}] * 2)
+    async with engine_for(srv, provider) as engine:
+        msg = await engine.complete(request(retry=RetryPolicy(max_attempts=2, base_delay=0.01)))
+    assert msg.stop_reason == "error" and "error event in stream: " in (msg.error or "")
+    assert said in (msg.error or "")
+    assert "ended before completion" not in (msg.error or "") and "after 2 attempts" in (msg.error or "")
+
+
+@pytest.mark.parametrize("provider", ["openai", "anthropic"])
 async def test_abort_during_streaming_closes_the_connection_and_returns_aborted(
     fake_server: StartServer, provider: str
 ) -> None:

@@ -125,3 +125,74 @@ def test_compaction_on_the_discovered_window_keeps_history_under_half(topo: Topo
             break
     assert compactions, "12 runs never filled the 4,096-token window"
     assert all(c["compacted"] and c["tokens_after"] < 2048 for c in compactions), compactions
+
+
+# --- a file bigger than the window, through both providers (issue 34, acceptance 2) ----------
+
+FILE_QUESTION = ('Call read_file with exactly these arguments: {"path": "%s"}. '
+                 "Then tell me the last line.")
+TOO_SMALL = "does not fit the model's context window"
+
+
+def _numbered_file(lines: int) -> str:
+    """~95 bytes a line, each with its own code word (`cw0042`): an answer quoting any of them
+    comes from the file."""
+    return "".join(f"Line {i:04d} of {lines:04d}: the code word of this line is cw{i:04d}, "
+                   "nothing else matters here.\n" for i in range(1, lines + 1))
+
+
+@pytest.fixture(scope="module", params=["openai", "anthropic"])
+def provider_topo(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    """One topology per provider against the same server: OpenAI's /v1/chat/completions and
+    llama.cpp's Anthropic-compatible /v1/messages (its window discovered the same way)."""
+    cwd = tmp_path_factory.mktemp(f"real-{request.param}")
+    (cwd / "mid13.txt").write_text(_numbered_file(140))  # 13 KB
+    (cwd / "mid26.txt").write_text(_numbered_file(280))  # 26 KB
+    prefix = request.param.upper()
+    base = URL if request.param == "openai" else URL.removesuffix("/v1")
+    proc, ready = start_up(cwd, env={f"{prefix}_BASE_URL": base, f"{prefix}_API_KEY": "",
+                                     f"{prefix}_MAX_TOKENS": "600"})
+    topology = Topology(proc, cwd, ready)
+    pids = topology.child_pids()
+    try:
+        yield topology
+    finally:
+        proc.stop(timeout=8)
+        for pid in pids.values():
+            if pid_alive(pid):
+                os.kill(pid, 9)
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("name", ["mid13.txt", "mid26.txt"])
+def test_a_file_bigger_than_the_window_is_answered_from_it_or_fails_clearly(
+        provider_topo: Topology, name: str) -> None:
+    """Ten runs (AGENT_BUS_REAL_LLM_RUNS): a run answers from the file (quotes a code word of it)
+    or fails with the error that says the question and the result do not fit; the others are
+    the weak model's slips, counted and shown (e.g. a read_file call with arguments it made up)."""
+    tally = {"from the file": 0, "clear error": 0, "model misused read_file": 0}
+    others: list[str] = []
+    for _ in range(int(os.environ.get("AGENT_BUS_REAL_LLM_RUNS", "10"))):
+        code, events, _ = run(provider_topo, "--new-session", FILE_QUESTION % name)
+        end = end_of(events)
+        # not the arguments it was given (an invented offset/limit: past the end, out of range)
+        misused = any(e["type"] == "tool_execution_start" and e["tool_name"] == "read_file"
+                      and e.get("args") != {"path": name} for e in events)
+        if code == 0 and any(f"cw{i:04d}" in end["final_text"] for i in range(1, 281)):
+            tally["from the file"] += 1
+        elif code != 0 and TOO_SMALL in (end.get("error") or ""):
+            tally["clear error"] += 1
+        elif misused:
+            tally["model misused read_file"] += 1
+        else:
+            called = [(e["tool_name"], e.get("args")) for e in events
+                      if e["type"] == "tool_execution_start"]
+            others.append(f"exit {code}, calls {called}, {end.get('stop_reason')}: "
+                          f"{end['final_text'][:150]!r} {end.get('error') or ''}"[:400])
+    print(f"{name}: {tally}, others: {len(others)}", *others, sep="\n  ")
+    # Measured (issue 34): 3-8 of 5-10 runs per case quote the file; the rest are the 0.5B
+    # model's own slips (it reads the cut note as the last line, or says "past the end"), never
+    # a refused prompt or a lost question. Half is the floor a regression would break.
+    runs = sum(tally.values()) + len(others)
+    assert tally["from the file"] + tally["clear error"] >= runs / 2, (tally, others)

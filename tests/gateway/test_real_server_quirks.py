@@ -39,6 +39,23 @@ async def test_base_url_alone_picks_the_one_model_and_its_window(fake_server: Ca
     assert reply.stop_reason == "stop" and server.bodies[-1]["model"] == "qwen-local"
 
 
+@pytest.mark.parametrize("base", ["url", "base_url"])
+async def test_an_anthropic_compatible_server_reports_its_window_before_the_first_call(
+        fake_server: Callable[..., FakeLLMServer], base: str) -> None:
+    """llama.cpp's `/v1/messages` side: `ANTHROPIC_BASE_URL` with or without /v1, `meta.n_ctx`."""
+    server = fake_server({"models": ["qwen-local"], "context_window": 4096})
+    source = {"ANTHROPIC_BASE_URL": getattr(server, base)}
+    async with LlmEngine(models_from_env(source), env=source) as engine:
+        await engine.discover()  # what the gateway does at start, before any call
+        stats = engine.stats().models["anthropic"]
+        reply = await engine.complete(request("hi"))
+    assert reply.stop_reason == "stop" and server.requests[-1].path == "/v1/messages"
+    assert [r.path for r in server.requests] == ["/v1/messages"]  # the GETs are not recorded
+    assert (stats.model, stats.context_window) == ("qwen-local", 4096)
+    assert stats.context_window_from == "server /v1/models meta.n_ctx"
+    assert server.bodies[0]["model"] == "qwen-local"
+
+
 async def test_llamacpp_props_gives_the_window_when_the_listing_does_not(
         fake_server: Callable[..., FakeLLMServer]) -> None:
     server = fake_server({"context_window": 2048})

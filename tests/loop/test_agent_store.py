@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from agents.loop.agent import Agent
@@ -25,5 +27,5 @@ async def test_a_cut_output_is_kept_in_the_store_given_even_when_it_was_empty() 
     await agent.prompt("go")
     assert agent.output_store is store
     cut = llm.requests[1].messages[-1].text  # type: ignore[union-attr]
-    ref = cut.rsplit("ref=", 1)[1].rstrip("]")
+    ref = re.search(r"ref=([0-9a-f]+)", cut)[1]  # type: ignore[index]
     assert store.get(ref) == "z" * 60_000

@@ -44,7 +44,8 @@ _STOP_REASONS: dict[str, StopReason] = {
     "model_context_window_exceeded": "length",
     "refusal": "error",
 }
-_RETRYABLE_STREAM_ERRORS = {"overloaded_error", "api_error", "rate_limit_error"}
+# `server_error`: llama.cpp's (its HTTP 500 in a stream), retried as an HTTP 500 would be
+_RETRYABLE_STREAM_ERRORS = {"overloaded_error", "api_error", "rate_limit_error", "server_error"}
 
 
 class AnthropicProvider(Provider):
@@ -97,6 +98,11 @@ class AnthropicProvider(Provider):
             payload = decode_json(event.data)
             if not isinstance(payload, dict):
                 raise StreamError(f"malformed event (expected an object): {event.data!r}")
+            if event.event == "error" or (isinstance(payload.get("error"), dict)
+                                          and "type" not in payload):
+                # llama.cpp's `/v1/messages` sends `event: error` with data `{"error": {...}}`
+                # and no top-level type; Anthropic's data says `"type": "error"` as well
+                _raise_stream_error(payload.get("error") or payload)
             _apply_event(payload, builder, state)
             await builder.flush()
             if state.stopped:

@@ -8,8 +8,10 @@ out or answers garbage simply reports nothing, and the caller falls back to the 
     found.models          # ids from GET /v1/models ([] when not listed)
     found.context_window  # (tokens, "where it came from") or None
 
-Sources of the context window, most specific first: the `/v1/models` entry of the model
-(`max_model_len` of vLLM, `context_length`/`context_window` of OpenRouter-style servers,
+Both providers are probed the same way (an Anthropic-compatible local server, such as llama.cpp's
+`/v1/messages`, reports its window like its OpenAI side); only Anthropic's own API, whose list
+carries no window, is not. Sources of the context window, most specific first: the `/v1/models`
+entry of the model (`max_model_len` of vLLM, `context_length`/`context_window` of OpenRouter-style servers,
 `meta.n_ctx` of llama.cpp's running server), llama.cpp's `GET /props` (`n_ctx` of the running
 server), then the model's training length (`meta.n_ctx_train`), then Ollama's `POST /api/show`.
 The running server's `n_ctx` beats the training length: a 32k model served with `--ctx 4096`
@@ -39,12 +41,16 @@ async def discover(
     """Probe `base_url` for its model list and `model`'s context window (the one model listed
     when `model` is "")."""
     found = Discovery()
+    # The Anthropic adapter posts to `<base>/v1/messages` whether or not the base ends in /v1:
+    # its model list is at `<base>/v1/models` the same way (llama.cpp's serves `meta.n_ctx` there).
+    if provider == "anthropic" and not base_url.endswith("/v1"):
+        base_url = f"{base_url}/v1"
     listing = await _get_json(client, f"{base_url}/models", headers)
     entries = _entries(listing)
     found.reachable = listing is not None
     found.models = [str(e["id"]) for e in entries if isinstance(e.get("id"), str)]
-    if provider != "openai":
-        return found  # Anthropic's model list carries no window; the env or config gives it
+    if provider == "anthropic" and _root(base_url) == "https://api.anthropic.com":
+        return found  # Anthropic's own list carries no window: the provider's default applies
     name = model or (found.models[0] if len(found.models) == 1 else "")
     entry = next((e for e in entries if e.get("id") == name), {})
     found.context_window = (

@@ -51,6 +51,13 @@ function noteType(ev) {
 
 // The event types behind each kind of drawn item: the type filter keeps the items whose events
 // match it (a model call's bar: message_* and llm_retry; a tool call's: tool_execution_*).
+// Every billed model call counts in the totals, as in `busctl export` (bus/events.py `billed`).
+function bill(r, u) {
+  for (const t of [state.totals, experiment(r.experiment)]) {
+    t.input += u.input || 0; t.output += u.output || 0; t.cost += u.cost || 0;
+  }
+}
+
 const CHAT_TYPES = ["message_start", "message_update", "message_end", "llm_retry"];
 const TOOL_TYPES = ["tool_execution_start", "tool_execution_update", "tool_execution_end"];
 const TRANSCRIPT_TYPES = { user: ["message_start"], assistant: ["message_end"],
@@ -109,13 +116,15 @@ const handlers = {
     const calls = (m.content || []).filter((p) => p.type === "tool_call");
     const u = m.usage || {};
     r.transcript.push({ role: "assistant", text: text(m.content), calls, usage: u, model: m.model });
-    for (const t of [state.totals, experiment(r.experiment)]) {
-      t.input += u.input || 0; t.output += u.output || 0; t.cost += u.cost || 0;
-    }
+    bill(r, u);
   },
   llm_retry(ev) {
     const chat = run(ev).chats.at(-1);
     if (chat && chat.end === null) { chat.retries = (chat.retries || 0) + 1; chat.text = ""; }
+    bill(run(ev), ev.usage || {});  // the failed attempt was billed too
+  },
+  compaction_complete(ev) {
+    bill(run(ev), ev.usage || {});  // the summary call (its text is not the run's)
   },
   turn_start(ev) { run(ev).turn = ev.turn; },
   tool_execution_start(ev) {
