@@ -541,13 +541,20 @@ class Hub:
         peer = self.peers.get(ident)
         if peer is None or kind == _HELLO:  # the rare cases, off the routing path
             return self._handle_stranger(ident, peer, header, frames, handler)
-        if peer.user_id and self._user_id != peer.user_id:
-            # the ROUTER refuses duplicate ids, so the key's own connection is gone
-            self._drop_peer(peer, "its routing id was taken by another key")
-            return self._reject("key_mismatch", ident, "routing id reused by another key")
+        if peer.user_id and self._key_mismatch(peer, ident):
+            return None
         peer.last_seen = time.monotonic()
         handler(self, ident, peer, header, frames)
         return None
+
+    def _key_mismatch(self, peer: PeerState, ident: bytes) -> bool:
+        """With CURVE: whether a known routing id now speaks with another key (then it is dropped:
+        the ROUTER refuses duplicate ids, so the key's own connection is gone)."""
+        if self._user_id == peer.user_id:
+            return False
+        self._drop_peer(peer, "its routing id was taken by another key")
+        self._reject("key_mismatch", ident, "routing id reused by another key")
+        return True
 
     def _handle_stranger(self, ident: bytes, peer: PeerState | None, header: p.Header,
                          frames: list[bytes], handler: Any) -> None:
@@ -568,10 +575,8 @@ class Hub:
             self._send([ident, p.SIGNATURE, self._reconnect_header])
             return
         if peer is not None:
-            if peer.user_id and self._user_id != peer.user_id:
-                # the ROUTER refuses duplicate ids, so the key's own connection is gone
-                self._drop_peer(peer, "its routing id was taken by another key")
-                return self._reject("key_mismatch", ident, "routing id reused by another key")
+            if peer.user_id and self._key_mismatch(peer, ident):
+                return
             peer.last_seen = time.monotonic()
         handler(self, ident, peer, header, frames)
 
