@@ -69,7 +69,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.backoff import Backoff
 from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
-from bus.paths import credential_for, local_alias
+from bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
 from bus.rpc import REPLY_GRACE, Calls
 from bus.security import CurveClient
 from bus.serving import Handler, Served, Serving, body_limit
@@ -144,6 +144,12 @@ class Peer:
         flush_timeout: float = FLUSH_TIMEOUT,
     ) -> None:
         # `tcp://127.0.0.1:PORT` of this user's local topology leads to its private ipc socket
+        # (`HOST:PORT` and `PORT` are read as busctl reads them; a malformed address is left for
+        # `_check_endpoint` to refuse with HubUnreachable.)
+        try:
+            hub = parse_hub_address(hub)
+        except ValueError:
+            pass
         self.hub = local_alias(hub) if curve is None else hub
         self.name = name
         self.role = role
@@ -265,7 +271,7 @@ class Peer:
             ok = ":" in rest and port.isdigit() and 0 < int(port) < 65536
         if not ok:
             self.ctx.term()
-            raise HubUnreachable(f"bad hub address {self.hub!r} (use tcp://HOST:PORT or ipc://PATH)")
+            raise HubUnreachable(f"bad hub address {self.hub!r} (use {HUB_FORMS})")
         if self.hub.startswith("ipc://"):
             path = self.hub[6:]
             if path and not path.startswith("@") and not os.path.exists(path):
