@@ -1655,8 +1655,9 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
     captures exactly the answer; `--json` prints every event of the run on stdout instead.
 
     \b
-    Exit status: 0 on a normal stop, 1 on error, 130 when aborted (Ctrl-C aborts the run; a
-    second Ctrl-C exits at once).
+    Exit status: 0 on a normal stop, 1 on error, 3 when stopped at its turn limit (--max-turns
+    or the agent's max_iterations; a line on stderr says so), 130 when aborted (Ctrl-C aborts
+    the run; a second Ctrl-C exits at once).
     Example:
       busctl run --agent assistant "summarise README.md"
       busctl run -q "list the files" > files.txt
@@ -1690,7 +1691,7 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     \b
     Every prompt continues the chat's one session. `/abort` aborts the current run,
     `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
-    Ctrl-D quits.
+    `/help` lists these, Ctrl-D quits.
     Examples:
       busctl chat
       busctl chat --agent reviewer --session coordinator-1.3f0c9a   # go on with a run's session

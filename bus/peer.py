@@ -462,8 +462,10 @@ class Peer:
                 # (which take the edge of ZeroMQ's fd) may not have drained it yet.
                 self._drain()
             if now - self._last_heard > expiry:
-                first = self._state is PeerState.CONNECTING
-                say = log.debug if first else log.warning  # the first connect: quiet
+                # Said once, when a ready link is lost: the first connect and each retry while
+                # the hub stays down are quiet (a WARNING every few seconds told nothing new);
+                # `_on_welcome` says when it is back.
+                say = log.warning if self._state is PeerState.READY else log.debug
                 say("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
                     self.hub, expiry)
                 self._lost.set()
@@ -608,6 +610,8 @@ class Peer:
         frames = self._serving.reregister_frames()
         if frames is not None and not self._send_now(frames):
             log.warning("%s: could not re-register (send queue full)", self.name)
+        if self._state is PeerState.RECONNECTING:
+            log.warning("%s: the hub at %s is back; reconnected", self.name, self.hub)
         if self._state is PeerState.CONNECTING or self._state is PeerState.RECONNECTING:
             self._state = PeerState.READY
         self._changed()

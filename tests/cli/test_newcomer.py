@@ -144,3 +144,94 @@ def test_short_addresses_run_prefixes_and_ps(tmp_path: Path, fake_llm: FakeLLMSe
         for pid in pids.values():
             if pid_alive(pid):
                 os.kill(pid, 9)
+
+
+def _run_on_a_terminal(args: list[str], timeout: float = 30) -> tuple[int, str, str]:
+    """`args` with stdout on a pseudo-terminal (stderr a pipe): exit code, stdout, stderr."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(args, stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True)
+    os.close(slave)
+    chunks: list[bytes] = []
+    try:
+        while True:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, b"".join(chunks).decode(), err
+
+
+def test_run_on_a_terminal_max_turns_and_a_quiet_shutdown(up_default: Topology) -> None:
+    """Defect 9: on a terminal the answer is printed once; a run stopped by --max-turns exits 3
+    with a line on stderr; `busctl down` leaves no ERROR in the hub's log (its replay reader is
+    no longer killed by the signal meant for the hub)."""
+    topo = up_default
+    code, out, err = _run_on_a_terminal(busctl("run", "--hub", topo.endpoint, "say tangerine"))
+    assert code == 0, out + err
+    assert out.count("say tangerine") == 1, (out, err)
+
+    bounded = cli("run", "--hub", topo.endpoint, "--max-turns", "1", "explore here", cwd=topo.cwd)
+    assert bounded.returncode == 3, bounded.stdout + bounded.stderr
+    assert "stopped at its turn limit" in bounded.stderr and "exit 3" in bounded.stderr
+
+    replayed = cli("watch", "--hub", topo.endpoint, "--no-follow", "--since", "0", cwd=topo.cwd)
+    assert replayed.returncode == 0, replayed.stderr  # the hub's replay reader has work
+    down = cli("down", cwd=topo.cwd)
+    assert down.returncode == 0, down.stderr
+    topo.proc.popen.wait(15)
+    logs = cli("logs", "hub", cwd=topo.cwd)
+    assert logs.returncode == 0 and "hub" in logs.stdout, logs
+    assert " ERROR " not in logs.stdout, logs.stdout
+
+
+def test_chat_answers_help_and_says_once_that_the_hub_went_and_came_back(tmp_path: Path) -> None:
+    """Defect 9: `/help` lists chat's commands (no prompt is sent: no agent exists here); the hub
+    going away is one WARNING however long it stays away (retries are DEBUG), and its return
+    one more line."""
+    from tests.bus.helpers import kill_hub, start_hub
+    from tests.support import Proc
+
+    port = free_port()
+    hub = start_hub(port, port + 1, tmp_path / "hub")
+    chat = Proc(busctl("-v", "chat", "--hub", f"tcp://127.0.0.1:{port}"), stdin=subprocess.PIPE)
+    try:
+        chat.wait_line(lambda s: s.startswith("chatting with"), 20)
+        assert chat.popen.stdin is not None
+        chat.popen.stdin.write("/help\n")
+        chat.popen.stdin.flush()
+        chat.wait_line(lambda s: "/follow TEXT" in s and "follow-up" in s, 10)
+        kill_hub(hub, port, port + 1)
+        hub.stop()  # (its pipe closed)
+        # Two tries without an answer: the second is logged at DEBUG, not WARNING.
+        retries = 0
+
+        def second_try(line: str) -> bool:
+            nonlocal retries
+            retries += "no word from the hub" in line
+            return retries == 2
+
+        chat.wait_line(second_try, 30)
+        hub = start_hub(port, port + 1, tmp_path / "hub")
+        chat.wait_line(lambda s: "is back; reconnected" in s, 20)
+        chat.popen.stdin.close()
+        assert chat.popen.wait(15) == 0, chat.output()
+        lines = chat.output().splitlines()
+        warned = [line for line in lines if " WARNING " in line and "no word from the hub" in line]
+        back = [line for line in lines if " WARNING " in line and "is back" in line]
+        assert len(warned) == 1 and len(back) == 1, chat.output()
+        assert "NoAgent" not in chat.output() and "no agent" not in chat.output().lower()
+    finally:
+        chat.stop()
+        hub.stop()
