@@ -39,6 +39,7 @@ import msgspec
 from bus import protocol as p
 from bus.client import DEFAULT_HUB, HUB_ENV, connect
 from bus.errors import AgentBusError, HubUnreachable
+from bus.paths import HUB_FORMS, parse_hub_address
 from bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
 
 T = TypeVar("T")
@@ -209,18 +210,12 @@ def curve_client(server_key: str | None, key: str | None) -> CurveClient | None:
         raise click.UsageError(str(exc)) from None
 
 
-HUB_FORMS = "tcp://HOST:PORT, ipc://PATH, HOST:PORT or PORT (on 127.0.0.1)"
-
-
 def hub_address(value: str | None) -> str | None:
-    """`tcp://…` and `ipc://…` as given; `HOST:PORT` and a bare `PORT` (loopback) are shorthands
-    for tcp, the way people type an address (`--hub localhost:7400`, `--hub 7400`)."""
-    if not value or "://" in value:
-        return value
-    host, _, port = value.rpartition(":")
-    if port.isdigit() and int(port) <= 65535 and (host or ":" not in value):
-        return f"tcp://{host or '127.0.0.1'}:{port}"
-    raise click.BadParameter(f"{value!r} is not an address: give {HUB_FORMS}")
+    """`--hub`/`BUSCTL_HUB` read by the one parser `connect()` uses too (bus.paths)."""
+    try:
+        return parse_hub_address(value) if value else value
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def _hub_address_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -270,7 +265,7 @@ def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 @click.group(cls=BusctlGroup,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-v", "--verbose", is_flag=True, help="Log debug output to stderr.")
-@click.version_option(package_name="agent-bus", prog_name="busctl")
+@click.version_option(package_name="agent-bus")
 def main(verbose: bool) -> None:
     """busctl — run and watch an agent-bus topology.
 
@@ -525,7 +520,9 @@ def _cost_text(model: dict[str, Any]) -> str:
 @click.option("--no-follow", is_flag=True, help="Print what the log holds (from --since) and exit.")
 @click.option("--type", "types", multiple=True, help="Only these event types (repeatable).")
 @click.option("--agent", "agents", multiple=True, help="Only events of these agents (repeatable).")
-@click.option("--run", "runs", multiple=True, help="Only events of these run ids (repeatable).")
+@click.option("--run", "runs", multiple=True,
+              help="Only events of these runs: an id or its prefix (the 8 characters watch "
+                   "prints; repeatable).")
 @click.option("--experiment", "experiments", multiple=True,
               help="Only events of these experiments (repeatable).")
 def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None, last: int | None,
@@ -875,7 +872,14 @@ def _load_topology_or_exit(path: str | None) -> Any:
             return parse_topology(sys.stdin.buffer.read(), "<stdin>", as_json=True)
         return load_topology(path)
     except TopologyError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise ConfigExit(str(exc)) from None
+
+
+class ConfigExit(click.ClickException):
+    """A topology that cannot run, named by its key: exit 2 (bad use), from `config check` and
+    `up` alike (they share `check_topology`)."""
+
+    exit_code = 2
 
 
 @main.command()
@@ -1034,7 +1038,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
 
     problems = check_topology(resolve(topology, options))
     if problems:
-        raise click.ClickException(f"{config_file or 'embedded default'}: {problems[0]}")
+        raise ConfigExit(f"{config_file or 'embedded default'}: {problems[0]}")
     _refuse_insecure_bind(resolve(topology, options))
     from agents.launch.up import preflight
 
@@ -1167,7 +1171,8 @@ def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bo
     """List the topology's processes: state, pid, uptime, restarts and last exit.
 
     The processes come from the supervisor of the topology started from this directory; with
-    an explicit `--hub` (or none up here), from the peers connected to that hub.
+    `--hub` on the command line (or none up here), from the peers connected to that hub.
+    (`BUSCTL_HUB` alone does not switch: it names where to look when nothing is up here.)
 
     \b
     Examples:
@@ -1176,7 +1181,7 @@ def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bo
     """
     from click.core import ParameterSource
 
-    explicit = click.get_current_context().get_parameter_source("hub") != ParameterSource.DEFAULT
+    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
     rows = None if explicit else _supervisor_table(_state_of(config_file))
     if rows is None:
         rows = _hub_table(hub, curve)
@@ -1333,7 +1338,8 @@ def config() -> None:
 @config.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
 def config_check(file: str) -> None:
-    """Validate FILE and print the resolved topology as JSON (exit 1 naming the bad key).
+    """Validate FILE and print the resolved topology as JSON (exit 2 naming the bad key; the
+    same checks `busctl up` makes before it starts anything).
 
     \b
     Example:
@@ -1370,7 +1376,9 @@ def keys() -> None:
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--client", "clients", multiple=True, default=("client",), show_default=True,
               help="Name of a client key pair to make and authorise (repeatable).")
-def keys_generate(directory: str, clients: tuple[str, ...]) -> None:
+@click.option("--force", is_flag=True,
+              help="Replace key files that already exist (every hub and client using them must change).")
+def keys_generate(directory: str, clients: tuple[str, ...], force: bool) -> None:
     """Make a hub key pair and client key pairs in DIRECTORY (files 0600, directory 0700).
 
     \b
@@ -1385,6 +1393,12 @@ def keys_generate(directory: str, clients: tuple[str, ...]) -> None:
     from bus.security import generate_keys
 
     root = Path(directory)
+    # New keys lock out every peer holding the old ones: replacing them is asked for, never a rerun.
+    existing = [p.name for n in ("hub", *clients) for p in (root / f"{n}.key", root / f"{n}.key_secret")
+                if p.exists()]
+    if existing and not force:
+        raise click.UsageError(f"{root} already holds {', '.join(existing)}: keep them, or give --force "
+                               "to replace them (clients with the old keys are then refused)")
     generate_keys(root, "hub")
     authorized = root / "authorized"
     authorized.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -1641,8 +1655,9 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
     captures exactly the answer; `--json` prints every event of the run on stdout instead.
 
     \b
-    Exit status: 0 on a normal stop, 1 on error, 130 when aborted (Ctrl-C aborts the run; a
-    second Ctrl-C exits at once).
+    Exit status: 0 on a normal stop, 1 on error, 3 when stopped at its turn limit (--max-turns
+    or the agent's max_iterations; a line on stderr says so), 130 when aborted (Ctrl-C aborts
+    the run; a second Ctrl-C exits at once).
     Example:
       busctl run --agent assistant "summarise README.md"
       busctl run -q "list the files" > files.txt
@@ -1676,7 +1691,7 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     \b
     Every prompt continues the chat's one session. `/abort` aborts the current run,
     `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
-    Ctrl-D quits.
+    `/help` lists these, Ctrl-D quits.
     Examples:
       busctl chat
       busctl chat --agent reviewer --session coordinator-1.3f0c9a   # go on with a run's session
@@ -1764,7 +1779,12 @@ def _experiment_spec(spec: str, limit: int = 0) -> Any:
 @click.argument("spec", type=click.Path(dir_okay=False))
 def experiment_check(spec: str) -> None:
     """Validate SPEC and its dataset; print what a run would do as JSON (exit 2 naming the
-    bad key or dataset line)."""
+    bad key or dataset line).
+
+    \b
+    Examples:
+      busctl experiment check examples/experiment/spec.toml
+    """
     import json
 
     from agents.experiment.spec import summary
@@ -1786,7 +1806,13 @@ def experiment_check(spec: str) -> None:
 def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, resume: str,
                    limit: int, results: str) -> None:
     """Run every sample × variant × repeat of SPEC as a session on the running topology
-    (Ctrl-C stops; `--resume E` runs the rest); then write the results file and the report."""
+    (Ctrl-C stops; `--resume E` runs the rest); then write the results file and the report.
+
+    \b
+    Examples:
+      busctl experiment run examples/experiment/spec.toml --name arith-1
+      busctl experiment run examples/experiment/spec.toml --resume arith-1
+    """
     import re
     import uuid
 
@@ -1852,7 +1878,13 @@ def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> li
 def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
                       as_json: bool, plot_dir: str) -> None:
     """Per variant: n, mean score with a 95% interval (Wilson for 0/1 scores, else t), tokens,
-    cost, p50/p95 wall time, stop reasons, failures; from the journal in the hub's log."""
+    cost, p50/p95 wall time, stop reasons, failures; from the journal in the hub's log.
+
+    \b
+    Examples:
+      busctl experiment report arith-1
+      busctl experiment report arith-1 --json --plot plots/
+    """
     import json
 
     from agents.experiment.report import report, report_text
@@ -1882,7 +1914,12 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
 def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, sample: str,
                       variant: str, repeat: int, target: str) -> None:
     """Replay one cell of EXPERIMENT (its session, and the runs it asked) from the log, as
-    `busctl replay` does a whole experiment: "identical" or the first divergence (exit 1)."""
+    `busctl replay` does a whole experiment: "identical" or the first divergence (exit 1).
+
+    \b
+    Examples:
+      busctl experiment replay arith-1 --sample q07 --variant team --repeat 2
+    """
     import uuid
 
     from agents.client.remote import connect as connect_agents
@@ -1922,7 +1959,12 @@ def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, samp
 def experiment_compare(hub: str, curve: CurveClient | None, first: str, second: str,
                        as_json: bool) -> None:
     """Pair the cells (variant, sample, repeat) of FIRST and SECOND: which flipped, and an
-    exact paired test (McNemar's for 0/1 scores, else the sign test)."""
+    exact paired test (McNemar's for 0/1 scores, else the sign test).
+
+    \b
+    Examples:
+      busctl experiment compare arith-1 arith-2 --json
+    """
     import json
 
     from agents.experiment.report import compare, compare_text

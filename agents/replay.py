@@ -43,9 +43,9 @@ import hashlib
 import json
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 
@@ -69,8 +69,24 @@ from bus.messages import (
 from bus.protocol import Header
 from bus.watch import replay as logged
 
-if TYPE_CHECKING:  # agents.client.remote imports this module (`connect(replay_from=...)`)
-    from agents.client.remote import AgentBus
+
+class StartedRun(Protocol):
+    """What `replay_experiment` needs of a started run (agents.client.remote `Run`)."""
+
+    def events(self) -> AsyncIterator[Any]: ...
+
+    async def result(self) -> Any: ...
+
+
+class PromptingBus(Protocol):
+    """What `replay_experiment` needs of its bus: agents.client.remote's `AgentBus`, named by
+    this protocol since that module imports this one (`connect(replay_from=...)`): the imports
+    go one way."""
+
+    peer: Peer
+
+    async def prompt(self, agent: str, text: str = "", *, experiment: str = "",
+                     max_turns: int = 0, abort_reason: str = "") -> StartedRun: ...
 
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.
@@ -692,7 +708,7 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
     return runs, plan
 
 
-async def replay_experiment(bus: AgentBus, source: str, target: str, *, fork: Fork | None = None,
+async def replay_experiment(bus: PromptingBus, source: str, target: str, *, fork: Fork | None = None,
                             live_tools: bool = False, tally: ev.EventTally | None = None,
                             only: Collection[str] = ()) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.

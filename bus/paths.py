@@ -264,6 +264,26 @@ def ipc_listening(path: str) -> bool:
     return True
 
 
+HUB_FORMS = "tcp://HOST:PORT, ipc://PATH, HOST:PORT or PORT (on 127.0.0.1)"
+
+
+def parse_hub_address(value: str) -> str:
+    """`tcp://…` and `ipc://…` as given; `HOST:PORT` and a bare `PORT` (loopback) are shorthands
+    for tcp, the way people type an address (`--hub localhost:7400`, `--hub 7400`,
+    `connect("7400")`). The one parser of hub addresses: busctl's `--hub`/`BUSCTL_HUB` and
+    `connect()` in Python accept the same forms. Raises ValueError naming the forms."""
+    if value.startswith("tcp://"):  # the port is checked here too: 99999 overflowed a bind
+        port = value.rpartition(":")[2]
+        if port.isdigit() and int(port) > 65535:
+            raise ValueError(f"{value!r}: the port must be from 0 to 65535")
+    if "://" in value:
+        return value
+    host, _, port = value.rpartition(":")
+    if port.isdigit() and int(port) <= 65535 and (host or ":" not in value):
+        return f"tcp://{host or '127.0.0.1'}:{port}"
+    raise ValueError(f"{value!r} is not an address: give {HUB_FORMS}")
+
+
 def local_alias(endpoint: str) -> str:
     """`endpoint`, or the ipc:// address it is an alias of (this user's local topology)."""
     port = loopback_port(endpoint)

@@ -69,7 +69,7 @@ from bus import events as ev
 from bus import protocol as p
 from bus.backoff import Backoff
 from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
-from bus.paths import credential_for, local_alias
+from bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
 from bus.rpc import REPLY_GRACE, Calls
 from bus.security import CurveClient
 from bus.serving import Handler, Served, Serving, body_limit
@@ -144,6 +144,12 @@ class Peer:
         flush_timeout: float = FLUSH_TIMEOUT,
     ) -> None:
         # `tcp://127.0.0.1:PORT` of this user's local topology leads to its private ipc socket
+        # (`HOST:PORT` and `PORT` are read as busctl reads them; a malformed address is left for
+        # `_check_endpoint` to refuse with HubUnreachable.)
+        try:
+            hub = parse_hub_address(hub)
+        except ValueError:
+            pass
         self.hub = local_alias(hub) if curve is None else hub
         self.name = name
         self.role = role
@@ -265,7 +271,7 @@ class Peer:
             ok = ":" in rest and port.isdigit() and 0 < int(port) < 65536
         if not ok:
             self.ctx.term()
-            raise HubUnreachable(f"bad hub address {self.hub!r} (use tcp://HOST:PORT or ipc://PATH)")
+            raise HubUnreachable(f"bad hub address {self.hub!r} (use {HUB_FORMS})")
         if self.hub.startswith("ipc://"):
             path = self.hub[6:]
             if path and not path.startswith("@") and not os.path.exists(path):
@@ -456,8 +462,10 @@ class Peer:
                 # (which take the edge of ZeroMQ's fd) may not have drained it yet.
                 self._drain()
             if now - self._last_heard > expiry:
-                first = self._state is PeerState.CONNECTING
-                say = log.debug if first else log.warning  # the first connect: quiet
+                # Said once, when a ready link is lost: the first connect and each retry while
+                # the hub stays down are quiet (a WARNING every few seconds told nothing new);
+                # `_on_welcome` says when it is back.
+                say = log.warning if self._state is PeerState.READY else log.debug
                 say("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
                     self.hub, expiry)
                 self._lost.set()
@@ -602,6 +610,8 @@ class Peer:
         frames = self._serving.reregister_frames()
         if frames is not None and not self._send_now(frames):
             log.warning("%s: could not re-register (send queue full)", self.name)
+        if self._state is PeerState.RECONNECTING:
+            log.warning("%s: the hub at %s is back; reconnected", self.name, self.hub)
         if self._state is PeerState.CONNECTING or self._state is PeerState.RECONNECTING:
             self._state = PeerState.READY
         self._changed()

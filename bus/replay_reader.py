@@ -402,7 +402,10 @@ class ReplayReader:
                 "--priority", priority]
         self._class = priority
         self._started = time.monotonic()
-        self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        # A process group of its own: a signal to the hub's group (Ctrl-C on a terminal, `busctl
+        # down`) stops the hub, which stops its reader (the stop job; the kernel, on Linux, if
+        # the hub dies) — it must not kill the reader first and be logged as a crash.
+        self._proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, process_group=0)
 
 
 def lower_priority(priority: str) -> None:

@@ -23,7 +23,7 @@ from bus import protocol as p
 from bus.errors import RequestError, error_for
 
 if TYPE_CHECKING:
-    from bus.peer import Peer
+    from bus.link import PeerLink
 
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
 _SIG = p.SIGNATURE
@@ -113,7 +113,7 @@ class Replies:
 class Calls:
     """The requests `peer` has in flight, keyed by id (ids are its session plus a counter)."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: PeerLink) -> None:
         self._peer = peer
         self.pending: dict[str, Call] = {}
         self._ids = itertools.count(1)

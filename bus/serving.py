@@ -36,7 +36,7 @@ from bus import protocol as p
 from bus.errors import HubLost, RequestError
 
 if TYPE_CHECKING:
-    from bus.peer import Peer
+    from bus.link import PeerLink
 
 log = logging.getLogger("bus.client")
 
@@ -59,7 +59,7 @@ class IncomingRequest:
     header: p.Header
     body: bytes
     deadline: float  # unix time; 0 when none
-    _peer: Peer
+    _peer: PeerLink
     # Cancelled on a CANCEL from the hub. Made before the handler's task starts, so a CANCEL
     # that arrives first still lands: the scope is entered already cancelled.
     _scope: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
@@ -104,7 +104,7 @@ class IncomingRequest:
 Handler = Callable[[IncomingRequest], Awaitable[bytes]]
 
 
-def body_limit(peer: Peer) -> int:
+def body_limit(peer: PeerLink) -> int:
     """The most the bodies of one message may weigh to go through `peer`'s hub: its
     `max_message_bytes` (from the welcome) less room for the signature and header frames; 0
     while not known (between connections)."""
@@ -130,7 +130,7 @@ def error_header(req_id: str, code: str, text: str) -> bytes:
 class Serving:
     """The services `peer` offers (re-registered on every welcome) and the requests in service."""
 
-    def __init__(self, peer: Peer) -> None:
+    def __init__(self, peer: PeerLink) -> None:
         self._peer = peer
         self.services: dict[str, Served] = {}
         self.in_service: dict[str, IncomingRequest] = {}  # by id; each until its task ends

@@ -26,7 +26,7 @@ from bus.errors import HubLost, Overloaded, ProtocolError
 from bus.transport import FdWaiter, PollWaiter, Waiter, transport_kind
 
 if TYPE_CHECKING:
-    from bus.peer import Peer
+    from bus.link import PeerLink
 
 log = logging.getLogger("bus.client")
 
@@ -73,7 +73,7 @@ class Subscription:
     from the log when `fill_gaps`, or reported as a `Gap` event otherwise.
     """
 
-    def __init__(self, peer: Peer, topics: list[str], since: int | None, fill_gaps: bool) -> None:
+    def __init__(self, peer: PeerLink, topics: list[str], since: int | None, fill_gaps: bool) -> None:
         self.peer = peer
         self.topics = topics
         self.since = since

@@ -55,9 +55,16 @@ class WatchFilter:
     def accepts_where(self, header: p.Header) -> bool:
         if self.agents and header.agent not in self.agents:
             return False
-        if self.runs and header.run not in self.runs:
+        # A run is named by its id or a prefix of it: the 8 characters `watch` prints.
+        if self.runs and not (header.run and any(header.run.startswith(r) for r in self.runs)):
             return False
         return not (self.experiments and header.experiment not in self.experiments)
+
+    def describe(self) -> str:
+        """The filter as its flags, for the line that says it matched nothing."""
+        flags = [("--type", self.types), ("--agent", self.agents), ("--run", self.runs),
+                 ("--experiment", self.experiments)]
+        return " ".join(f"{flag} {v}" for flag, values in flags for v in sorted(values))
 
     def accepts(self, header: p.Header, event: ev.Event) -> bool:
         if self.types and ev.event_type(event) not in self.types and not isinstance(event, ev.Gap):
@@ -139,9 +146,17 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
     out = sys.stdout
     printer = HumanPrinter(out, color)
 
+    shown = 0
+    runs: dict[str, set[str]] = {prefix: set() for prefix in filt.runs}
+
     def show(envelope: Envelope) -> None:
+        nonlocal shown
         if not filt.accepts(envelope.header, envelope.event):
             return
+        shown += 1
+        for prefix, matched in runs.items():
+            if envelope.header.run.startswith(prefix):
+                matched.add(envelope.header.run)
         if as_json:
             out.write(json_line(envelope.header, envelope.event) + "\n")
             out.flush()
@@ -158,6 +173,7 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
                 show(envelope)
             if tally.bad:
                 to_stderr(tally.summary())
+            _say_what_matched(filt, shown, runs)
             return
         # Everything, filtered here: a topic-filtered stream has holes in its seqs by design,
         # so a lost message could not be told from a filtered one; on the full stream every
@@ -166,6 +182,18 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
             sub.tally = tally
             async for envelope in sub:
                 show(envelope)
+
+
+def _say_what_matched(filt: WatchFilter, shown: int, runs: dict[str, set[str]]) -> None:
+    """A filter that matched nothing, or a --run prefix that matched several runs, is said on
+    stderr: an empty output alone looks like a log with nothing in it (or a wrong id)."""
+    if not shown and filt.describe():
+        to_stderr(f"busctl watch: no event matched {filt.describe()} (a run is named by its id "
+                  "or a prefix of it, as `busctl watch` prints it)")
+    for prefix, matched in sorted(runs.items()):
+        if len(matched) > 1:
+            to_stderr(f"busctl watch: --run {prefix} matched {len(matched)} runs "
+                      f"({', '.join(sorted(matched))}); give more of the id to pick one")
 
 
 class Totals(msgspec.Struct):

@@ -51,6 +51,13 @@ def test_plain_install_into_a_fresh_venv(tmp_path: Path) -> None:
                            cwd=tmp_path, env=VENV_ENV)
     assert help_.returncode == 0, help_.stderr
     assert {"up", "run", "watch", "worker", "hub", "status", "down"} <= _commands(help_.stdout)
+    # `agent-bus` is the command the README gives (`busctl` is also systemd's D-Bus tool); the
+    # alias `busctl` is the same program.
+    agent_bus = subprocess.run([str(env_dir / "bin" / "agent-bus"), "--help"], capture_output=True,
+                               text=True, timeout=30, cwd=tmp_path, env=VENV_ENV)
+    assert agent_bus.returncode == 0, agent_bus.stderr
+    assert _commands(agent_bus.stdout) == _commands(help_.stdout)
+    assert agent_bus.stdout.startswith("Usage: agent-bus "), agent_bus.stdout[:200]
     version = subprocess.run([str(busctl), "--version"], capture_output=True, text=True,
                              timeout=30, cwd=tmp_path, env=VENV_ENV)
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

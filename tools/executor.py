@@ -34,7 +34,8 @@ from bus.errors import (
 )
 from bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
 from bus.toolnames import tool_meta_fault, tool_name_fault
-from tools.worker import SERVICE_PREFIX, decode_reply, service_name
+from tools._calls import SERVICE_PREFIX, service_name
+from tools.worker import decode_reply
 
 log = logging.getLogger("tools.executor")
 

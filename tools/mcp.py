@@ -46,6 +46,7 @@ from bus.messages import (
     error_result,
 )
 from bus.toolnames import tool_name_fault
+from tools._calls import decode_call
 from tools._exceptions import ToolDefinitionError
 from tools._runner import traceparent_of
 from tools._schema import _inline, _normalize, check_provider_schema
@@ -359,8 +360,6 @@ class McpBridge:
 
     def _handler(self, bus_name: str) -> Handler:
         async def handle(req: IncomingRequest) -> bytes:
-            from tools.worker import decode_call
-
             call = decode_call(bus_name, req.body)
             return p.encode(await self.host.guarded(bus_name, req,
                                                     lambda: self._call(bus_name, call, req)))

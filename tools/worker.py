@@ -40,6 +40,7 @@ from bus.errors import HubLost, RequestError
 from bus.messages import ToolCallRequest, ToolInfo, ToolResult
 from bus.paths import inside_state_dir
 from bus.security import CurveClient
+from tools._calls import decode_call, service_name
 from tools._exceptions import ToolLoadError
 from tools._loader import load_tools
 from tools._runner import CANCEL_GRACE, run_tool
@@ -50,14 +51,12 @@ from tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_n
 
 log = logging.getLogger("tools.worker")
 
-SERVICE_PREFIX = "tool."
 #: Seconds in-flight calls get to finish after SIGINT/SIGTERM before they are cancelled.
 SHUTDOWN_GRACE = 2.0
 
 #: A partial reply body: `("progress", partial ToolResult)`.
 Progress = tuple[Literal["progress"], ToolResult]
 _reply_decoder = msgspec.msgpack.Decoder(Union[ToolResult, Progress])
-_call_decoder = msgspec.msgpack.Decoder(ToolCallRequest)
 
 
 class WorkerSettings(msgspec.Struct, kw_only=True):
@@ -80,10 +79,6 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
 
 
 # --- reply codec (shared with tools.executor) ----------------------------------------------
-
-
-def service_name(tool_name: str) -> str:
-    return SERVICE_PREFIX + tool_name
 
 
 def encode_progress(partial: ToolResult) -> bytes:
@@ -314,17 +309,6 @@ class ToolWorker:
                 log.debug("progress of %s dropped: %s", call.call_id, exc)
 
         return on_progress
-
-
-def decode_call(name: str, body: bytes) -> ToolCallRequest:
-    """The `ToolCallRequest` of a call to `tool.<name>`; a `bad_request` error otherwise."""
-    try:
-        return _call_decoder.decode(body)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise RequestError(
-            f"Malformed request to `{service_name(name)}`: expected a msgpack ToolCallRequest "
-            f"({exc})", p.BAD_REQUEST,
-        ) from None
 
 
 # --- the process ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """`busctl run` and `busctl chat`: prompt an agent and show its run as it happens.
 
 Exit codes of `busctl run`: 0 normal stop (also an answer cut at `max_tokens`: stop reason
-`length`, said on stderr), 1 error, 130 aborted. The first SIGINT aborts the run
-(the agent ends it with `agent_end` / aborted); a second one exits at once.
+`length`, said on stderr), 1 error, 3 stopped by its turn limit (`--max-turns` or the agent's
+`max_iterations`: the answer is a summary, not the end of the work), 130 aborted. The first
+SIGINT aborts the run (the agent ends it with `agent_end` / aborted); a second one exits at once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bus.errors import BusError
 from bus.render import HumanPrinter, color_wanted, json_line
 from bus.security import CurveClient
 
-EXIT_OK, EXIT_ERROR, EXIT_ABORTED = 0, 1, 130
+EXIT_OK, EXIT_ERROR, EXIT_MAX_TURNS, EXIT_ABORTED = 0, 1, 3, 130
 LENGTH_NOTE = ("length: the answer was cut at the model's output token limit; raise `max_tokens` "
                "(the agent's, or the model's `[models.x] max_tokens` / `*_MAX_TOKENS`) for all of it")
 
@@ -31,6 +32,8 @@ LENGTH_NOTE = ("length: the answer was cut at the model's output token limit; ra
 def exit_code(result: cmd.RunResult) -> int:
     if result.stop_reason == "aborted":
         return EXIT_ABORTED
+    if result.stop_reason == "max_iterations":  # (2 is click's bad usage)
+        return EXIT_MAX_TURNS
     if result.stop_reason == "error" or result.error:
         return EXIT_ERROR
     return EXIT_OK
@@ -51,6 +54,7 @@ class RunView:
         self.trace = None if quiet or as_json else HumanPrinter(err, color_wanted(err))
         self.stream_answer = not as_json and _is_tty(out)
         self._open = False  # an answer line is being streamed on stdout
+        self._streamed = ""  # the text of the last message streamed on stdout
 
     def show(self, envelope: ev.Event | object) -> None:
         header, event = envelope.header, envelope.event  # type: ignore[attr-defined]
@@ -58,10 +62,13 @@ class RunView:
             self.out.write(json_line(header, event) + "\n")
             self.out.flush()
             return
+        if isinstance(event, ev.MessageStart):
+            self._streamed = ""
         if isinstance(event, (ev.MessageStart, ev.MessageEnd, ev.TurnStart, ev.AgentEnd)):
             return  # the human view shows text, tools and the answer; watch shows everything
         if (self.stream_answer and isinstance(event, ev.MessageUpdate)
                 and event.delta.kind == "text"):
+            self._streamed += event.delta.delta
             self.out.write(event.delta.delta)
             self.out.flush()
             self._open = True
@@ -80,9 +87,12 @@ class RunView:
         """The answer (unless it was streamed) on stdout; an error, in red, on stderr."""
         if self.as_json:
             return
+        # A trace line (the turn's end) may have closed the streamed answer: it is on the
+        # terminal already, so it is not written again.
+        streamed = bool(self._streamed) and result.final_text.strip() == self._streamed.strip()
         if self._open:
             self._close()
-        elif result.final_text:
+        elif result.final_text and not streamed:
             self.out.write(result.final_text + "\n")
             self.out.flush()
         if result.error and (self.trace is not None or not result.final_text):
@@ -182,6 +192,11 @@ async def drive_run(hub: str, curve: CurveClient | None, agent: str, text: str, 
         if result is None:
             return EXIT_ABORTED
         view.finish(result)
+        if result.stop_reason == "max_iterations":
+            sys.stderr.write(f"run {run.run_id} stopped at its turn limit (--max-turns, or the "
+                             f"agent's max_iterations): the answer above is a summary of unfinished "
+                             f"work; exit {EXIT_MAX_TURNS}\n")
+            sys.stderr.flush()
         return exit_code(result)
 
 
@@ -203,7 +218,7 @@ async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool,
     state = ChatState(agent, session)
     async with connect(hub, name="busctl-chat", curve=curve) as bus, \
             anyio.create_task_group() as tg:
-        out.write(f"chatting with `{agent}` — /abort, /follow TEXT, /reset, Ctrl-D to quit\n> ")
+        out.write(f"chatting with `{agent}` — /abort, /follow TEXT, /reset, /help, Ctrl-D to quit\n> ")
         out.flush()
         while True:
             line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
@@ -219,6 +234,15 @@ async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool,
         # End of input: let a run in progress finish (Ctrl-C still aborts it) before leaving.
 
 
+#: What `/help` prints (chat answers it itself: it is no prompt for the model).
+CHAT_HELP = """commands (anything else is a prompt, or steers the run in progress):
+  /abort          abort the run in progress
+  /follow TEXT    queue TEXT as a follow-up of the run in progress
+  /reset          start a new conversation with your next prompt (not during a run)
+  /help           this list
+  Ctrl-D          quit (a run in progress finishes first; Ctrl-C aborts it)"""
+
+
 async def _chat_line(bus: AgentBus, line: str, state: ChatState, view: RunView,
                      tg: anyio.abc.TaskGroup) -> str:
     """Act on one line; returns a note for the user ("" when none)."""
@@ -226,6 +250,8 @@ async def _chat_line(bus: AgentBus, line: str, state: ChatState, view: RunView,
         return ""
     run = state.running[0] if state.running else None
     ids = {"run": run.run_id, "session": run.session} if run is not None else {}
+    if line in ("/help", "/?"):
+        return CHAT_HELP
     if line == "/abort":
         return "aborting…" if run is not None and await bus.abort(state.agent, "chat", **ids) \
             else "no run in progress: nothing to abort"

@@ -30,8 +30,16 @@ import msgspec
 from agents.client.remote import AgentBus, Run
 from agents.commands import RunResult
 from agents.coordinator.bus_adapters import BusLlmClient
-from agents.experiment.scoring import ScorerError, grade, score_all
-from agents.experiment.spec import Loaded, Sample, SpecError, Variant, experiment_tag, spec_digest
+from agents.experiment.scoring import grade, score_all
+from agents.experiment.spec import (
+    Loaded,
+    Sample,
+    ScorerError,
+    SpecError,
+    Variant,
+    experiment_tag,
+    spec_digest,
+)
 from agents.replay import REPLAY_SERVICE, ReplayLoad
 from bus import events as ev
 from bus import protocol as p

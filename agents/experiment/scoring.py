@@ -15,38 +15,16 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
-from collections.abc import Callable
 from typing import Any
 
 from agents.coordinator.bus_adapters import BusLlmClient
-from agents.experiment.spec import Sample, Scorer
-from bus.errors import AgentBusError
+from agents.experiment.spec import Sample, Scorer, ScorerError, load_function
 from bus.messages import LlmRequest, TextPart, user_text
 
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
-
-
-class ScorerError(AgentBusError):
-    pass
-
-
-def load_function(ref: str) -> Callable[..., Any]:
-    module, colon, name = ref.partition(":")
-    if not colon or not module or not name:
-        raise ScorerError(f"{ref!r}: expected \"module:function\", e.g. \"my_scorers:grade\"")
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except ImportError as exc:
-        raise ScorerError(f"{ref!r}: cannot import module `{module}`: {exc}") from None
-    except AttributeError:
-        raise ScorerError(f"{ref!r}: module `{module}` has no `{name}`") from None
-    if not callable(found):
-        raise ScorerError(f"{ref!r}: `{name}` is not a function")
-    return found  # type: ignore[no-any-return]
 
 
 def score(scorer: Scorer, answer: str, sample: Sample) -> float | None:

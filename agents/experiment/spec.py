@@ -21,8 +21,10 @@ variant and repeat, `E.<variant>.r<repeat>`, which every session of that cell ca
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -30,7 +32,7 @@ import msgspec
 
 from agents import replay
 from agents.launch.topology import Seed, TurnBound, _keypath_message
-from bus.errors import ConfigError
+from bus.errors import AgentBusError, ConfigError
 
 NAME = r"[A-Za-z0-9_-]+"  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
 #: The gateway holds this many replays (overlays) at once (agents/gateway/process.py REPLAYS_KEPT).
@@ -247,6 +249,27 @@ def _setting_problems(where: str, variant: Variant, name: str, value: Any) -> li
     return []
 
 
+class ScorerError(AgentBusError):
+    pass
+
+
+def load_function(ref: str) -> Callable[..., Any]:
+    """A python scorer's `fn` ("module:function"). Here, below agents/experiment/scoring.py
+    (which calls it), because checking a spec resolves it too: the imports go one way."""
+    module, colon, name = ref.partition(":")
+    if not colon or not module or not name:
+        raise ScorerError(f"{ref!r}: expected \"module:function\", e.g. \"my_scorers:grade\"")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ScorerError(f"{ref!r}: cannot import module `{module}`: {exc}") from None
+    except AttributeError:
+        raise ScorerError(f"{ref!r}: module `{module}` has no `{name}`") from None
+    if not callable(found):
+        raise ScorerError(f"{ref!r}: `{name}` is not a function")
+    return found  # type: ignore[no-any-return]
+
+
 def _scorer_problems(where: str, scorer: Scorer) -> list[str]:
     if scorer.kind == "model" and scorer.template:
         try:
@@ -262,7 +285,6 @@ def _scorer_problems(where: str, scorer: Scorer) -> list[str]:
         except re.error as exc:
             return [f"{where}.pattern: not a regular expression: {exc}"]
     if scorer.kind == "python":
-        from agents.experiment.scoring import ScorerError, load_function
         try:
             load_function(scorer.fn)
         except ScorerError as exc:

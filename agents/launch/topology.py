@@ -278,6 +278,7 @@ def check_topology(topology: Topology) -> list[str]:
         if group.count < 0 or group.concurrency < 1:
             problems.append(f"workers[{i}]: count must be >= 0 and concurrency >= 1")
     hub = topology.hub
+    problems += hub_problems(hub)
     if bool(hub.curve_secret) != bool(hub.curve_authorized):
         problems.append("hub.curve_secret / hub.curve_authorized: give both to turn CURVE on")
     if hub.curve_secret and not (hub.curve_server_key and hub.curve_client_key):
@@ -289,6 +290,45 @@ def check_topology(topology: Topology) -> list[str]:
     problems += _state_dir_problems(topology)
     problems += _watcher_problems(topology)
     return problems
+
+
+#: What the hub binds: a TCP port or a unix socket file (bus.security refuses an open tcp bind).
+HUB_SCHEMES = ("tcp", "ipc")
+
+
+def hub_problems(hub: HubSection) -> list[str]:
+    """Ranges and schemes of [hub], checked before anything starts: a value the hub would
+    refuse at its start (or overflow on) must be named here, not found in a restart loop."""
+    problems = _address_problems("hub.endpoint", hub.endpoint, events_next=not hub.events)
+    if hub.events:
+        problems += _address_problems("hub.events", hub.events, events_next=False)
+    if not 0.01 <= hub.heartbeat_interval <= 3600:
+        problems.append(f"hub.heartbeat_interval: {hub.heartbeat_interval} is out of range "
+                        "(seconds between heartbeats, from 0.01 to 3600; default 1.0)")
+    if not 1 <= hub.liveness <= 1000:
+        problems.append(f"hub.liveness: {hub.liveness} is out of range (missed heartbeats before a "
+                        "peer is lost, from 1 to 1000; default 3)")
+    if not 1024 <= hub.max_message_bytes <= 2**31 - 1:
+        problems.append(f"hub.max_message_bytes: {hub.max_message_bytes} is out of range (from 1024 "
+                        f"to {2**31 - 1}; default {16 * 1024 * 1024})")
+    return problems
+
+
+def _address_problems(key: str, address: str, *, events_next: bool) -> list[str]:
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in HUB_SCHEMES or not rest:
+        return [f"{key}: {address!r} is not an address the hub can bind: give "
+                "tcp://HOST:PORT or ipc://PATH"]
+    if scheme != "tcp":
+        return []
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        return [f"{key}: {address!r} needs a host and a port from 0 to 65535 (tcp://HOST:PORT; "
+                "0 picks a free port)"]
+    if events_next and int(port) == 65535:
+        return [f"{key}: port 65535 leaves no port for the events (port + 1): choose a lower "
+                "port or set hub.events"]
+    return []
 
 
 def _watcher_problems(topology: Topology) -> list[str]:

@@ -404,12 +404,28 @@ def preflight(topo: Topology) -> str:
         return (f"{topo.hub.endpoint} is already the address of another topology of yours (its "
                 f"hub listens on {alias}); stop it with `busctl down` from its directory, or "
                 f"choose another address with `--hub tcp://127.0.0.1:PORT`")
-    for address in (topo.hub.endpoint, topo.hub.events):
+    events = _events_bound(topo)
+    for address in (topo.hub.endpoint, events):
+        what = " (the hub's events port)" if address == events else ""
         if address and not _tcp_free(address):
-            return (f"{address} is already in use{_owner(address)}; choose another address "
+            return (f"{address}{what} is already in use{_owner(address)}; choose another address "
                     f"with `--hub tcp://127.0.0.1:PORT` (or `--hub tcp://127.0.0.1:0` for any "
                     f"free port)")
     return ""
+
+
+def _events_bound(topo: Topology) -> str:
+    """The events address the hub will bind on tcp: hub.events, or port + 1 when the hub keeps
+    its tcp address (CURVE, `insecure`, not loopback; a local hub listens on ipc:// instead,
+    `make_local`). A busy events port would otherwise surface as a hub restart loop."""
+    hub = topo.hub
+    if hub.events or not hub.endpoint.startswith("tcp://"):
+        return hub.events
+    if not (hub.curve_secret or hub.insecure or not is_loopback_endpoint(hub.endpoint)):
+        return ""
+    from bus.hub import default_events_endpoint
+
+    return default_events_endpoint(hub.endpoint)
 
 
 def _tcp_free(address: str) -> bool:

@@ -271,7 +271,9 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
         [team] = json.loads(run_cli(ex.cwd, ex.endpoint, "report", "limited-1",
                                     "--json").stdout)["variants"]
         assert (team["n"], team["failures"], team["stop_reasons"]) == (2, 0, {"limit": 2})
-        assert team["tokens"] == 2 * 170 and team["score"] == 0.0
+        # the abort races the solver's next call (132 tokens): when that call had begun, its
+        # reply is aborted and billed as estimated (issue 34: totals are what was billed)
+        assert 2 * 170 <= team["tokens"] <= 2 * 302 and team["score"] == 0.0
 
 
 

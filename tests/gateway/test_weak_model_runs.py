@@ -77,7 +77,7 @@ def tool_texts(events: list[dict]) -> list[str]:
 
 def test_max_turns_bounds_the_run(topo: Topology) -> None:
     code, events = run(topo, "--new-session", "--max-turns", "2", "loop over the files")
-    assert code == 0 and end_of(events)["stop_reason"] == "max_iterations"
+    assert code == 3 and end_of(events)["stop_reason"] == "max_iterations"  # busctl run: exit 3
     assert sum(e["type"] == "turn_start" for e in events) == 2
 
 

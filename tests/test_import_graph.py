@@ -1,0 +1,83 @@
+"""The imports of the product go one way: no module imports, even lazily or only for the type
+checker, a module that (through others) imports it. A circle makes the import order matter and
+ties the modules into one piece; the shared part goes down into a module both use."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.support import ROOT
+
+PACKAGES = ("bus", "agents", "tools")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {"cli": ROOT / "cli.py"}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            found[_module_name(path)] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports anywhere in its file (top level, functions,
+    `if TYPE_CHECKING:`); `from pkg import mod` counts as importing `pkg.mod` when it is one."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in out if m in known and m != name}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle (as a path that ends where it starts), or [] when there is none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start)
+            if found:
+                return found
+    return []
+
+
+def test_the_product_has_no_import_circle() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+    # A package's __init__ re-exporting its modules is not a circle of its own making: a module
+    # importing its package's __init__ is (the edge from `pkg` to `pkg.mod` is dropped).
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
+    circle = _cycle(graph)
+    assert not circle, "import circle: " + " -> ".join(circle)
