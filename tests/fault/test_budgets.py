@@ -50,7 +50,12 @@ def start_hub(tmp_path: Path, *flags: str) -> Proc:
 
 def event_body(type_: str, size: int) -> bytes:
     """An event body of about `size` bytes whose `type` matches the header's (the hub refuses
-    a body that does not say its type)."""
+    a body that does not say its type, and one that does not match its type's schema)."""
+    if type_ == "message_end":  # its `message` is required
+        return msgspec.msgpack.encode({"type": type_, "message": {
+            "role": "assistant", "content": [{"type": "text", "text": "e" * size}]}})
+    if type_ == "message_update":  # its `delta` is required
+        return msgspec.msgpack.encode({"type": type_, "delta": {"kind": "text", "delta": "e" * size}})
     return msgspec.msgpack.encode({"type": type_, "data": "e" * size})
 
 

@@ -131,8 +131,15 @@ async def test_a_connection_closed_after_each_stream_is_resent_without_an_attemp
 async def test_cancelling_a_call_counts_as_an_abort(fake_server: Callable[..., FakeLLMServer]) -> None:
     server = fake_server({"steps": [{"reply": {"text": "slow " * 50, "chunk_delay": 0.05}}]})
     async with engine_for(server) as engine:
-        with anyio.move_on_after(0.5):
-            await engine.complete(request("hi"))
+        streaming = anyio.Event()
+
+        async def on_delta(_delta: object) -> None:
+            streaming.set()
+
+        async with anyio.create_task_group() as tg:  # cancelled once the reply streams (not
+            tg.start_soon(engine.complete, request("hi"), on_delta)  # during window discovery)
+            await streaming.wait()
+            tg.cancel_scope.cancel()
         assert engine.stats().models["fake-openai"].aborted == 1
 
 
