@@ -1,8 +1,10 @@
 """Round-trip latency and throughput: raw pyzmq baselines, then the same through the hub + client.
 
-    /tmp/v/bin/python bench/bench_bus.py [--quick]
+    python bench/bench_bus.py [--quick] [--rounds 3] [--transports tcp,ipc] [--no-replay]
 
-Prints each figure and its ratio to the raw baseline. Not run by pytest. Processes are started with
+Prints each figure and its ratio to the raw baseline measured in the same round (the raw
+baseline, then the hub on TCP and on ipc://, alternated; the ratios are medians over the
+rounds, as issue 32 asks). Not run by pytest. Processes are started with
 the `spawn` method; every one is stopped at the end, even on error.
 """
 
@@ -172,10 +174,11 @@ def raw_peers_round_trip(endpoint: str, n: int) -> tuple[float, float]:
         ctx.term()
 
 
-def start_hub(state: str) -> tuple[subprocess.Popen[str], dict]:
-    # BENCH_HUB=ipc: the hub on an ipc:// socket, as a local topology's (`busctl up`) listens
-    address = (f"ipc://{state}/hub" if os.environ.get("BENCH_HUB") == "ipc"
-               else "tcp://127.0.0.1:0")
+def start_hub(state: str, transport: str = "") -> tuple[subprocess.Popen[str], dict]:
+    # ipc (or BENCH_HUB=ipc): the hub on an ipc:// socket, as a local topology's (`busctl up`)
+    # listens; tcp: on loopback TCP, as a multi-host one does
+    transport = transport or os.environ.get("BENCH_HUB", "tcp")
+    address = f"ipc://{state}/hub" if transport == "ipc" else "tcp://127.0.0.1:0"
     argv = [sys.executable, "-m", "cli", "hub", "--hub", address, "--state-dir", state]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stdout is not None
@@ -194,7 +197,8 @@ def _cpu_per(before: tuple[float, ...], after: tuple[float, ...], n: int) -> tup
     return tuple((b - a) / max(n, 1) for a, b in zip(before, after, strict=True))
 
 
-def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
+def hub_figures(n_rtt: int, seconds: float, n_events: int,
+                transport: str = "") -> dict[str, float]:
     import anyio
 
     from bus.client import connect
@@ -202,7 +206,7 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int) -> dict[str, float]:
     spawn = mp.get_context("spawn")
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as state:
-        hub, info = start_hub(state)
+        hub, info = start_hub(state, transport)
         procs: list = []
         try:
             endpoint = info["endpoint"]
@@ -425,52 +429,100 @@ def replay_figures(n_log: int, n_rtt: int, decode: bool = False) -> dict[str, fl
     return out
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def one_round(quick: bool, transports: list[str]) -> dict[str, dict[str, float]]:
+    """The raw baselines, then the hub on each transport, one after the other within seconds:
+    the ratios of one round share the machine's speed of those seconds."""
+    n = 2000 if quick else 10_000
+    raw: dict[str, float] = {}
+    raw["rtt_p50"], raw["rtt_p99"] = raw_round_trip(n)
+    raw["events_per_s"] = raw_pubsub(50_000 if quick else 300_000)
+    raw["req_per_s"] = raw_throughput(3 if quick else 8)
+    out = {"raw": raw}
+    for transport in transports:
+        out[transport] = hub_figures(n_rtt=n, seconds=3 if quick else 8,
+                                     n_events=30_000 if quick else 200_000, transport=transport)
+    return out
+
+
+# (figure, key, higher is better, issue 32's target for hub / raw)
+RATIOS = [("round trip p50, hub / raw blocking broker", "rtt_p50", False, 1.1),
+          ("  the hub alone between raw peers / raw broker", "raw_peers_p50", False, 1.1),
+          ("requests/s, 4 serving peers / raw broker with 4 raw workers", "req_per_s", True, 0.9),
+          ("events/s logged + published / raw PUB->SUB", "events_per_s", True, 0.85)]
+
+
+def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[str]) -> None:
+    us = 1e6
+    for i, r in enumerate(rounds, 1):
+        raw = r["raw"]
+        print(f"round {i}: raw p50 {raw['rtt_p50'] * us:.0f} us, {raw['req_per_s']:,.0f} req/s, "
+              f"{raw['events_per_s']:,.0f} events/s | " + " | ".join(
+                  f"{t}: p50 {r[t]['rtt_p50'] * us:.0f} us (raw peers "
+                  f"{r[t]['raw_peers_p50'] * us:.0f}), {r[t]['req_per_s']:,.0f} req/s, "
+                  f"{r[t]['events_per_s']:,.0f} events/s" for t in transports), flush=True)
+    print(f"ratios, median of {len(rounds)} alternated rounds (each round's hub over the same "
+          "round's raw baseline; per round in brackets):")
+    for label, key, higher, target in RATIOS:
+        raw_key = "rtt_p50" if key == "raw_peers_p50" else key
+        cells = []
+        for t in transports:
+            per = [r[t][key] / r["raw"][raw_key] for r in rounds]
+            m = median(per)
+            met = m >= target if higher else m <= target
+            cells.append(f"{t} {m:.2f}x [{', '.join(f'{x:.2f}' for x in per)}] "
+                         f"{'met' if met else 'NOT met'}")
+        sign = ">=" if higher else "<="
+        print(f"  {label} (target {sign} {target}x): " + "; ".join(cells))
+    if len(transports) == 2:
+        a, b = transports
+        for label, key, _, _ in RATIOS:
+            per = [r[b][key] / r[a][key] for r in rounds]
+            print(f"  {b} / {a}, {label.split(',')[0].strip()}: {median(per):.2f}x "
+                  f"[{', '.join(f'{x:.2f}' for x in per)}]")
+    cpu = [r[t] for r in rounds for t in transports]
+
+    def mid(key: str) -> float:
+        return median([c[key] for c in cpu]) * us
+
+    print("CPU per request (us; user + system, all threads; /proc, 10 ms ticks; median over rounds "
+          f"and transports): round trip hub {mid('rtt_cpu_hub'):.0f}, server "
+          f"{mid('rtt_cpu_servers'):.0f}, requester {mid('rtt_cpu_client'):.0f}; 256 concurrent: "
+          f"hub {mid('thr_cpu_hub'):.1f}, 4 servers {mid('thr_cpu_servers'):.1f}, requester "
+          f"{mid('thr_cpu_client'):.1f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternated rounds of raw baseline then hub(s); ratios are medians")
+    parser.add_argument("--transports", default="tcp,ipc",
+                        help="the hub's transports, each measured in every round (default tcp,ipc)")
+    parser.add_argument("--no-replay", action="store_true", help="skip the replay figure")
     parser.add_argument("--replay-only", action="store_true",
                         help="only the replay-beside-traffic figure")
     parser.add_argument("--replayer-decodes", action="store_true",
                         help="the replayer decodes every event, as `busctl watch` does")
     args = parser.parse_args()
-    n = 2000 if args.quick else 10_000
     if args.replay_only:
         print_replay(args.quick, args.replayer_decodes)
         return
-    raw_p50, raw_p99 = raw_round_trip(n)
-    print(f"raw blocking DEALER->ROUTER->DEALER round trip: p50 {raw_p50 * 1e6:.0f} us, "
-          f"p99 {raw_p99 * 1e6:.0f} us", flush=True)
-    raw_ev = raw_pubsub(50_000 if args.quick else 300_000)
-    print(f"raw PUB->SUB: {raw_ev:,.0f} msg/s", flush=True)
-    raw_rps = raw_throughput(3 if args.quick else 8)
-    print(f"raw broker, 4 raw workers, 256 in flight: {raw_rps:,.0f} requests/s", flush=True)
-    hub = hub_figures(n_rtt=2000 if args.quick else 10_000, seconds=3 if args.quick else 8,
-                      n_events=30_000 if args.quick else 200_000)
-    # This machine is shared: measure the raw baseline again and compare with the faster run
-    # (the hub's round trip is also the faster of two runs).
-    again_p50, again_p99 = raw_round_trip(n)
-    print(f"raw round trip again: p50 {again_p50 * 1e6:.0f} us, p99 {again_p99 * 1e6:.0f} us "
-          f"(ratios below use the faster of the two)", flush=True)
-    if again_p50 < raw_p50:
-        raw_p50, raw_p99 = again_p50, again_p99
-    print(f"hub request round trip: p50 {hub['rtt_p50'] * 1e6:.0f} us "
-          f"({hub['rtt_p50'] / raw_p50:.2f}x raw; target <= 1.2x), "
-          f"p99 {hub['rtt_p99'] * 1e6:.0f} us ({hub['rtt_p99'] / raw_p99:.2f}x raw)")
-    print(f"  the hub's own share: the same through the hub between raw blocking peers (no bus "
-          f"client at either end): p50 {hub['raw_peers_p50'] * 1e6:.0f} us "
-          f"({hub['raw_peers_p50'] / raw_p50:.2f}x raw), p99 {hub['raw_peers_p99'] * 1e6:.0f} us "
-          f"({hub['raw_peers_p99'] / raw_p99:.2f}x raw)")
-    print(f"hub requests/s, 4 serving peers, 256 concurrent: {hub['req_per_s']:,.0f} "
-          f"({hub['req_per_s'] / raw_rps:.2f}x the raw broker's; target >= 25,000)")
-    print("CPU per request (us; user + system, all threads; /proc, 10 ms ticks): round trip "
-          f"hub {hub['rtt_cpu_hub'] * 1e6:.0f}, server {hub['rtt_cpu_servers'] * 1e6:.0f}, "
-          f"requester {hub['rtt_cpu_client'] * 1e6:.0f}; 256 concurrent: hub "
-          f"{hub['thr_cpu_hub'] * 1e6:.1f}, 4 servers {hub['thr_cpu_servers'] * 1e6:.1f}, "
-          f"requester {hub['thr_cpu_client'] * 1e6:.1f}")
-    print(f"hub events/s logged + published to a subscriber: {hub['events_per_s']:,.0f} "
-          f"({hub['events_per_s'] / raw_ev:.2f}x raw PUB->SUB; target >= 100,000; "
-          f"{hub['events_filled']:.0f} filled from the log)")
-    print_replay(args.quick, args.replayer_decodes)
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    if not transports or any(t not in ("tcp", "ipc") for t in transports):
+        parser.error(f"--transports: expected tcp, ipc or tcp,ipc, got {args.transports!r}")
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected 1 or more, got {args.rounds}")
+    rounds = []
+    for i in range(args.rounds):
+        # alternate the hubs' order too, so neither transport always follows the raw baseline
+        rounds.append(one_round(args.quick, transports if i % 2 == 0 else transports[::-1]))
+    report_rounds(rounds, transports)
+    if not args.no_replay:
+        print_replay(args.quick, args.replayer_decodes)
 
 
 def print_replay(quick: bool, decode: bool = False) -> None:

@@ -1,6 +1,6 @@
 """N concurrent sessions of one agent through the whole process topology.
 
-    python bench/bench_scale.py [--sessions 1,10,100,1000] [--pure N] [--count-sends DIR]
+    python bench/bench_scale.py [--sessions 1,10,100,1000] [--rounds 3] [--count-sends DIR]
 
 Each session is one run of TURNS tool turns (default 3), each turn a model reply asking for CALLS
 (default 4) parallel `work` calls that sleep TOOL_MS (default 20 ms), then the final answer.
@@ -20,8 +20,10 @@ runs, coordinator RSS per session (growth over its RSS before the prompts, divid
 sessions are idle and stored by then, only IDLE_SESSIONS_KEPT of them stay in memory), and a
 loss check: every prompt got a result and every run has exactly one `agent_end` in the log.
 
-`--pure` (default on): the same runs with `asyncio.gather` over the pure loop in this process
-(in-memory model sleeping MODEL_MS, in-process tool): the no-bus limit. Not run by pytest;
+Per N, ROUNDS times (default 3), alternated: the same N runs with `asyncio.gather` over the pure
+loop in this process (in-memory model sleeping MODEL_MS, in-process tool; the no-bus limit),
+then N through the topology; the ratio printed is the median of the rounds' ratios (issue 32:
+<= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is checked for loss. Not run by pytest;
 every process is stopped at the end, even on error.
 """
 
@@ -47,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from agents import commands as cmd  # noqa: E402
 from agents.loop.run import LoopConfig, run_loop  # noqa: E402
 from bench import bench_loop  # noqa: E402
-from bench.baseline import cpu_s, pct  # noqa: E402
+from bench.baseline import cpu_s, pct, tree_cpu_s  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
 from bus.client import connect  # noqa: E402
 from bus.errors import AgentBusError  # noqa: E402
@@ -61,6 +63,8 @@ from bus.messages import (  # noqa: E402
 )
 
 WORKERS = 4
+#: issue 32: N sessions through the topology / the pure loop at the same N
+TARGETS = {100: 1.3, 1000: 1.5}
 
 TOOLS_PY = '''
 import anyio
@@ -157,7 +161,7 @@ class Topology:
         return {name: rss_kb(proc.popen.pid) for name, proc in self.procs.items()}
 
     def cpu(self) -> dict[str, float]:
-        return {name: cpu_s(proc.popen.pid) for name, proc in self.procs.items()}
+        return {name: tree_cpu_s(proc.popen.pid) for name, proc in self.procs.items()}
 
     def stop(self) -> None:
         for proc in reversed(list(self.procs.values())):
@@ -239,38 +243,60 @@ def wait_logged(db_path: Path, runs: set[str], deadline_s: float = 10.0) -> None
         time.sleep(0.05)
 
 
+def lost_runs(results: list[cmd.RunResult], failures: int, ends: dict[str, int]) -> int:
+    """Prompts without a result, runs without exactly one agent_end in the log, wrong answers."""
+    return (failures + sum(1 for r in results if ends.get(r.run_id, 0) != 1)
+            + sum(1 for r in results if r.final_text != "All done."))
+
+
 def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """N sessions through the topology, alternated with N over the pure loop in this process
+    (`asyncio.gather`, no bus) ROUNDS times: each round's ratio shares the machine's speed of
+    those seconds. The first topology wave is the one measured in detail."""
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmpdir:
         topo = Topology(Path(tmpdir), n, args)
+        tools_py = Path(tmpdir) / "scale_tools_pure.py"
+        tools_py.write_text(TOOLS_PY.format(tool_s=args.tool_ms / 1000))
+        tools = LocalTools(str(tools_py))
+        pure: list[float] = []
+        walls: list[float] = []
         try:
             endpoint = topo.start()
             anyio.run(prompt_all, endpoint, 1)  # warm-up: imports, connections, the store
+            asyncio.run(pure_gather(1, args, tools))
+            pure.append(asyncio.run(pure_gather(n, args, tools)))
             before, cpu_before = topo.rss(), topo.cpu()
             since, until, results, failures = anyio.run(prompt_all, endpoint, n)
+            walls.append(until - since)
             cpu = {k: v - cpu_before[k] for k, v in topo.cpu().items()}
             db_path = Path(tmpdir) / "hub" / "events.db"
             wait_logged(db_path, {r.run_id for r in results})
             after = topo.rss()
             log = read_log(db_path, since, until)
+            lost = lost_runs(results, failures, log["ends"])
             # A second wave of N fresh sessions: the first wave's N are idle and stored now, and
             # the memory its peak freed is reused, so this wave's growth is what N more idle
             # stored sessions cost (the first wave's growth also holds the allocator's peak).
             second = after["coordinator"]
             if n <= args.second_wave_max:
                 _, _, more, more_failures = anyio.run(prompt_all, endpoint, n)
-                failures += more_failures
                 wait_logged(db_path, {r.run_id for r in more})
                 second = topo.rss()["coordinator"]
+                lost += lost_runs(more, more_failures, read_log(db_path, 0, time.time())["ends"])
+            for _ in range(args.rounds - 1):
+                pure.append(asyncio.run(pure_gather(n, args, tools)))
+                t0, t1, more, more_failures = anyio.run(prompt_all, endpoint, n)
+                walls.append(t1 - t0)
+                wait_logged(db_path, {r.run_id for r in more})
+                lost += lost_runs(more, more_failures, read_log(db_path, t0, t1)["ends"])
         finally:
             topo.stop()
-    runs = {r.run_id for r in results}
     ends = log["ends"]
-    lost = (failures + sum(1 for r in runs if ends.get(r, 0) != 1)
-            + sum(1 for r in results if r.final_text != "All done."))
-    return {"n": n, "wall": until - since, "results": len(results), "failures": failures,
-            "lost": lost, "events": log["events"], "latencies": log["latencies"],
-            "before": before, "after": after, "gaps": log["gaps"], "cpu": cpu,
-            "second_wave_kb": second - after["coordinator"], "extra_ends": sum(ends.values()) - len(ends)}
+    return {"n": n, "wall": walls[0], "walls": walls, "pure": pure, "results": len(results),
+            "failures": failures, "lost": lost, "events": log["events"],
+            "latencies": log["latencies"], "before": before, "after": after, "gaps": log["gaps"],
+            "cpu": cpu, "second_wave_kb": second - after["coordinator"],
+            "extra_ends": sum(ends.values()) - len(ends)}
 
 
 # --- the no-bus limit: asyncio.gather over the pure loop -------------------------------------
@@ -401,7 +427,17 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"         results {r['results']}/{n}, prompt failures {r['failures']}, "
           f"runs without exactly one agent_end or wrong answer: {r['lost']}, "
           f"duplicate agent_ends {r['extra_ends']}  -> "
-          + ("nothing lost" if r["lost"] == 0 and r["results"] == n else "LOST"))
+          + ("nothing lost" if r["lost"] == 0 and r["results"] == n else "LOST")
+          + f" (all {len(r['walls']) + (n <= args.second_wave_max)} waves checked: {r['lost']} lost)")
+    per = [w / p for w, p in zip(r["walls"], r["pure"], strict=True)]
+    ratio = sorted(per)[len(per) // 2]
+    target = TARGETS.get(n)
+    verdict = "" if target is None else (
+        f"; target <= {target}x: {'met' if ratio <= target else 'NOT met'}")
+    print(f"         topology / pure loop (asyncio.gather, same N), median of {len(per)} "
+          f"alternated rounds: {ratio:.2f}x [{', '.join(f'{x:.2f}' for x in per)}]{verdict}; "
+          f"walls ms: topology {' '.join(f'{w * ms:.0f}' for w in r['walls'])}, pure "
+          f"{' '.join(f'{w * ms:.0f}' for w in r['pure'])}")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
     # (deltas left out), summed per kind of step; the largest few.
     spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)
@@ -427,11 +463,16 @@ def main() -> None:
                     help="run a second wave (idle stored session memory) for N up to this")
     ap.add_argument("--http-probe", action="store_true",
                     help="also time bare httpx.AsyncClients (the gateway's HTTP client) at each N")
-    ap.add_argument("--pure", type=int, default=100, metavar="N",
-                    help="sessions for the asyncio.gather pure-loop limit (0: skip; default 100)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="per N, alternated rounds of the pure loop (asyncio.gather) then the "
+                         "topology; the ratio is their median (default 3)")
+    ap.add_argument("--pure", type=int, default=0, metavar="N",
+                    help="also the pure loop alone at N sessions, after the rest (0: skip)")
     ap.add_argument("--count-sends", default="", metavar="DIR",
                     help="count the messages each process sends, by kind (files in DIR/nN)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected 1 or more, got {args.rounds}")
     bench_loop.PROFILE_DIR = args.profile  # read by `busctl()`
     if args.gateway_clients:
         try:

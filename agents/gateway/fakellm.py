@@ -699,7 +699,9 @@ class _Handler(BaseHTTPRequestHandler):
         stream = bool(body.get("stream"))
         model = str(body.get("model") or "fake-model")
         window = self.server.owner.script.context_window
-        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1
+        # Sized only against a window: re-encoding the whole conversation per request was 30%
+        # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
+        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1 if window else 0
         if window and prompt > window:
             message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
                        "try increasing it")
