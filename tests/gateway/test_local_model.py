@@ -81,7 +81,7 @@ def test_model_file_builds_a_hosted_default_model(tmp_path: Path) -> None:
 def test_up_with_a_missing_model_file_fails_before_starting_anything(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["up", "--hub", "tcp://127.0.0.1:0",
                                        "--model-file", str(tmp_path / "missing.gguf")])
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a configuration error, as `config check` says it
     assert "models.local.gguf: no such file" in result.output and "missing.gguf" in result.output
 
 
@@ -95,7 +95,7 @@ def test_a_gateway_given_a_bad_local_model_exits_with_the_key() -> None:
     topology = {"models": {"mine": {"provider": "llamacpp", "gguf": "/no/such/model.gguf"}}}
     done = subprocess.run(busctl("gateway", "--hub", "tcp://127.0.0.1:9", "--topology", "-"),
                           input=json.dumps(topology), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     assert "models.mine.gguf: no such file '/no/such/model.gguf'" in done.stderr
 
 
