@@ -22,7 +22,7 @@ from tests.fault.test_fuzz import RawPeer
 
 INTERVAL = 0.5  # the hub's heartbeat interval here (seconds)
 LIVENESS = 3  # the default: a peer declares the hub lost after this many silent intervals
-EVENTS = 3000  # x 64 KiB: ~190 MiB, all readable in one pass before the fix
+EVENTS = 8000  # x 64 KiB: ~500 MiB, ~2 s of logging on a quiet machine (over LIVENESS intervals)
 
 
 def test_a_backlog_of_big_events_never_silences_the_hub(tmp_path: Path) -> None:
@@ -50,6 +50,7 @@ def test_a_backlog_of_big_events_never_silences_the_hub(tmp_path: Path) -> None:
     try:
         flooder.hello()
         listener.hello()
+        started = time.monotonic()
         thread.start()
         beats: list[float] = []
         while not done.is_set():
@@ -58,14 +59,18 @@ def test_a_backlog_of_big_events_never_silences_the_hub(tmp_path: Path) -> None:
             frames = listener.sock.recv_multipart()
             if p.decode_header(frames[1]).kind == p.HEARTBEAT:
                 beats.append(time.monotonic())
+        ended = time.monotonic()
         thread.join(30)
         assert not failed, failed
-        # Before the fix: at most one heartbeat in the whole flood (several seconds).
-        assert len(beats) >= 2, f"{len(beats)} heartbeats while logging {EVENTS} x 64 KiB"
-        gaps = [b - a for a, b in zip(beats, beats[1:], strict=False)]
-        print(f"{len(beats)} heartbeats while logging {EVENTS} x 64 KiB; longest gap "
-              f"{max(gaps):.2f} s")
-        assert max(gaps) < LIVENESS * INTERVAL, gaps
+        # Before the fix: at most one heartbeat in the whole flood (seconds on a loaded
+        # machine). The requirement is the peers': never LIVENESS intervals without a beat, from
+        # the flood's start to its end (a quiet machine logs it all in about a second: then a
+        # single beat is right, and a silenced hub still shows as a gap over the bound).
+        marks = [started, *beats, ended]
+        gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+        print(f"{len(beats)} heartbeats in {ended - started:.2f} s of logging {EVENTS} x 64 KiB; "
+              f"longest silence {max(gaps):.2f} s")
+        assert beats and max(gaps) < LIVENESS * INTERVAL, gaps
     finally:
         done.set()
         thread.join(30)
