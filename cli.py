@@ -36,11 +36,11 @@ import anyio
 import click
 import msgspec
 
-from bus import protocol as p
-from bus.client import DEFAULT_HUB, HUB_ENV, connect
-from bus.errors import AgentBusError, HubUnreachable
-from bus.paths import HUB_FORMS, parse_hub_address
-from bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import DEFAULT_HUB, HUB_ENV, connect
+from agent_bus.bus.errors import AgentBusError, HubUnreachable
+from agent_bus.bus.paths import HUB_FORMS, parse_hub_address
+from agent_bus.bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
 
 T = TypeVar("T")
 # A turn count on the command line: the topology file's bound (agents/launch/topology.py,
@@ -149,8 +149,8 @@ def _crash_log(exc: BaseException) -> str:
     is refused, not written through); secrets from the command line are redacted."""
     import traceback
 
-    from bus.paths import state_home
-    from bus.redact import Redactor
+    from agent_bus.bus.paths import state_home
+    from agent_bus.bus.redact import Redactor
 
     shown, secrets = _redacted_argv(sys.argv[1:])
     redact = Redactor(secrets)
@@ -172,7 +172,7 @@ def _crash_log(exc: BaseException) -> str:
 def _redacted_argv(argv: list[str]) -> tuple[str, list[str]]:
     """The command line with the values of `_SECRET_OPTIONS` masked (`K=***` for a header),
     and those values (for redacting them from the traceback too)."""
-    from bus.redact import MARK
+    from agent_bus.bus.redact import MARK
 
     shown: list[str] = []
     secrets: list[str] = []
@@ -194,7 +194,7 @@ def _redacted_argv(argv: list[str]) -> tuple[str, list[str]]:
 
 
 def use_color(stream: Any = None) -> bool:
-    from bus.render import color_wanted
+    from agent_bus.bus.render import color_wanted
 
     return color_wanted(stream or sys.stdout)
 
@@ -244,7 +244,7 @@ def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """One `--NAME` option per hub memory budget (bus.hub.BUDGETS), passed on as `budgets`."""
-    from bus.hub import BUDGETS, HubConfig
+    from agent_bus.bus.hub import BUDGETS, HubConfig
 
     defaults = HubConfig()
     names = list(BUDGETS)
@@ -343,7 +343,7 @@ def _hub_command() -> click.Command:
         Example:
           busctl hub --hub tcp://127.0.0.1:7400 --state-dir /var/lib/agent-bus/hub
         """
-        from bus.hub import HubConfig, serve
+        from agent_bus.bus.hub import HubConfig, serve
 
         curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
         config = HubConfig(endpoint=endpoint, events=events,
@@ -402,7 +402,7 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
       busctl status --json | jq '.services[].name'
     """
 
-    from agents.client.remote import topology_status
+    from agent_bus.agents.client.remote import topology_status
 
     async def fetch() -> dict[str, Any]:
         async with connect(hub, name="busctl-status", role="cli", curve=curve) as peer:
@@ -537,7 +537,7 @@ def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None,
       busctl watch --agent assistant --type tool_execution_end
       busctl watch --no-follow --since 0 --json > events.jsonl
     """
-    from bus.watch import EVENT_TYPES, WatchFilter, unknown_types, watch_events
+    from agent_bus.bus.watch import EVENT_TYPES, WatchFilter, unknown_types, watch_events
 
     if since is not None and last is not None:
         raise click.UsageError("--since and --last are alternatives; give one")
@@ -587,7 +587,7 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
     import hashlib
 
     try:
-        from bus import otel as bus_otel
+        from agent_bus.bus import otel as bus_otel
     except ImportError as exc:
         raise click.ClickException(str(exc)) from None
     try:
@@ -597,7 +597,7 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
     if not headers and os.environ.get("OTEL_EXPORTER_OTLP_HEADERS"):
         headers = bus_otel.parse_headers(os.environ["OTEL_EXPORTER_OTLP_HEADERS"].split(","))
     if state_file is None:
-        from bus.paths import ensure_state_dir, state_home
+        from agent_bus.bus.paths import ensure_state_dir, state_home
 
         digest = hashlib.sha256(hub.encode()).hexdigest()[:12]
         state_file = str(ensure_state_dir(state_home() / "otel") / f"{digest}.json")
@@ -631,7 +631,7 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token: str, si
       busctl ui --port 0       # any free port; the first line names the URL
       busctl ui --bind 0.0.0.0 # other machines too: open the printed URL (it holds the token)
     """
-    from bus.ui import serve_ui
+    from agent_bus.bus.ui import serve_ui
 
     if token and len(token) < 16:
         raise click.BadParameter("a token shorter than 16 characters is guessable; leave it "
@@ -694,11 +694,11 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
       busctl worker --hub tcp://10.0.0.5:7400 --tools ./my_tools.py --workspace /data
       busctl worker --mcp "python -m mcp_server_time" --mcp "uvx mcp-server-git"
     """
-    from bus.paths import claim_worker_credential, local_alias
-    from bus.procsec import drop_root_powers
-    from tools import ToolLoadError
-    from tools.sandbox import SandboxUnavailable, enter, hub_folders, set_shell_sandbox
-    from tools.worker import WorkerSettings, run_worker
+    from agent_bus.bus.paths import claim_worker_credential, local_alias
+    from agent_bus.bus.procsec import drop_root_powers
+    from agent_bus.tools import ToolLoadError
+    from agent_bus.tools.sandbox import SandboxUnavailable, enter, hub_folders, set_shell_sandbox
+    from agent_bus.tools.worker import WorkerSettings, run_worker
 
     if curve is None:  # `--hub 7400`: the local topology's socket, which the sandbox exposes
         hub = local_alias(hub)
@@ -714,7 +714,7 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
                + _mcp_json_specs(mcp_json))
     if servers:
         _require_mcp_sdk("--mcp")
-    modules = list(tool_modules) or ([] if servers else ["tools.builtin"])
+    modules = list(tool_modules) or ([] if servers else ["agent_bus.tools.builtin"])
     settings = WorkerSettings(hub=hub, tool_modules=modules, concurrency=concurrency,
                               # the pid outside the sandbox (inside, every worker is pid 1)
                               workspace=workspace, name=name or f"worker-{jail.pid or os.getpid()}",
@@ -732,7 +732,7 @@ def _mcp_specs(commands: tuple[str, ...], prefix: str) -> list[Any]:
     """`--mcp` values as server specs; a usage error naming the flag when one is not usable."""
     if not commands:
         return []
-    from tools.mcp import parse_mcp_command
+    from agent_bus.tools.mcp import parse_mcp_command
 
     specs = []
     for text in commands:
@@ -755,7 +755,7 @@ def _loopback_addr(addr: str) -> tuple[str, int]:
 
 def _mcp_url_specs(urls: tuple[str, ...], headers: tuple[str, ...], prefix: str) -> list[Any]:
     """`--mcp-url` values (with every `--mcp-header K=V`) as server specs."""
-    from tools.mcp import McpServerSpec
+    from agent_bus.tools.mcp import McpServerSpec
 
     pairs = {}
     for item in headers:
@@ -780,7 +780,7 @@ def _require_mcp_sdk(flag: str) -> None:
 def _mcp_json_specs(source: Any) -> list[Any]:
     if source is None:
         return []
-    from tools.mcp import McpServerSpec
+    from agent_bus.tools.mcp import McpServerSpec
 
     try:
         return msgspec.json.decode(source.read(), type=list[McpServerSpec])
@@ -822,7 +822,7 @@ def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
       busctl mcp serve --http 127.0.0.1:8765
     """
     _require_mcp_sdk("busctl mcp serve")
-    from agents.client.mcp_server import serve_http, serve_stdio
+    from agent_bus.agents.client.mcp_server import serve_http, serve_stdio
 
     try:
         if http_addr:
@@ -839,7 +839,7 @@ def mcp_serve(hub: str, curve: CurveClient | None, agents: tuple[str, ...],
 
 def _state_dir(given: str | None, part: str) -> Path:
     """A process's state folder, marked so that tools refuse it (see bus.paths)."""
-    from bus.paths import default_state_dir, ensure_state_dir
+    from agent_bus.bus.paths import default_state_dir, ensure_state_dir
 
     try:
         if given:
@@ -863,7 +863,12 @@ def _read_secrets_line() -> dict[str, str]:
 def _load_topology_or_exit(path: str | None) -> Any:
     """The topology from `path`, from stdin as JSON (`-`, how `busctl up` hands it to its
     children), or the embedded default."""
-    from agents.launch.topology import TopologyError, default_topology, load_topology, parse_topology
+    from agent_bus.agents.launch.topology import (
+        TopologyError,
+        default_topology,
+        load_topology,
+        parse_topology,
+    )
 
     if path is None:
         return default_topology()
@@ -902,8 +907,8 @@ def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name
     Example:
       OPENAI_BASE_URL=http://127.0.0.1:8080/v1 busctl gateway
     """
-    from agents.gateway.process import GatewaySettings, run_gateway
-    from bus.procsec import make_undumpable
+    from agent_bus.agents.gateway.process import GatewaySettings, run_gateway
+    from agent_bus.bus.procsec import make_undumpable
 
     make_undumpable()  # before the keys are read: no same-user process reads this memory
     secrets = _read_secrets_line() if secrets_on_stdin else {}
@@ -936,7 +941,7 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
     Example:
       busctl coordinator --topology team.toml --agent researcher --agent writer
     """
-    from agents.coordinator.process import CoordinatorError, CoordinatorSettings, run_coordinator
+    from agent_bus.agents.coordinator.process import CoordinatorError, CoordinatorSettings, run_coordinator
 
     topology = _load_topology_or_exit(topology_file)
     known = {a.name for a in topology.agents}
@@ -967,7 +972,7 @@ Examples:
 
 
 def _fake_llm_command() -> click.Command:
-    from agents.gateway.fakellm import fake_llm_command
+    from agent_bus.agents.gateway.fakellm import fake_llm_command
 
     # The examples name busctl, so they are added where busctl mounts the command.
     if "Examples:" not in (fake_llm_command.help or ""):
@@ -1015,13 +1020,13 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up -d --json | jq -r .endpoint    # a script: the ready line, as JSON
     Ctrl-C stops everything in order.
     """
-    from agents.launch.up import UpOptions
-    from agents.launch.up import up as run_up
-    from bus.procsec import make_undumpable
+    from agent_bus.agents.launch.up import UpOptions
+    from agent_bus.agents.launch.up import up as run_up
+    from agent_bus.bus.procsec import make_undumpable
 
     make_undumpable()  # the keys are in this process's environment: no same-user process reads it
     topology = _load_topology_or_exit(config_file)
-    from agents.launch.supervisor import SECRET_NAME_RE, scrub_environ_block
+    from agent_bus.agents.launch.supervisor import SECRET_NAME_RE, scrub_environ_block
 
     # The keys stay in this process's memory (os.environ); its environment block, which
     # /proc/PID/environ shows, loses them: children get theirs from the supervisor's memory.
@@ -1033,14 +1038,14 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
                         detach_ready_file=ready_file, model_file=model_file or "",
                         topology_file=config_file or "",
                         ready_json=as_json and not detach)
-    from agents.launch.topology import check_topology
-    from agents.launch.up import resolve
+    from agent_bus.agents.launch.topology import check_topology
+    from agent_bus.agents.launch.up import resolve
 
     problems = check_topology(resolve(topology, options))
     if problems:
         raise ConfigExit(f"{config_file or 'embedded default'}: {problems[0]}")
     _refuse_insecure_bind(resolve(topology, options))
-    from agents.launch.up import preflight
+    from agent_bus.agents.launch.up import preflight
 
     busy = preflight(resolve(topology, options))  # before any file of another topology is touched
     if busy:
@@ -1048,7 +1053,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     if detach:
         _detach(topology, options, as_json)
         return
-    from agents.launch.supervisor import ChildFailed
+    from agent_bus.agents.launch.supervisor import ChildFailed
 
     try:
         console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
@@ -1075,7 +1080,7 @@ def _detach(topology: Any, options: Any, as_json: bool) -> None:
     import subprocess
     import time
 
-    from agents.launch.up import pid_file, resolve, state_dir
+    from agent_bus.agents.launch.up import pid_file, resolve, state_dir
 
     topo = resolve(topology, options)
     state = state_dir(topo)
@@ -1085,7 +1090,7 @@ def _detach(topology: Any, options: Any, as_json: bool) -> None:
     ready.unlink(missing_ok=True)
     argv = [a for a in sys.argv[1:] if a not in ("-d", "--detach")]
     with open(state / "logs" / "up.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", *argv, "--ready-file", str(ready)],
+        proc = subprocess.Popen([sys.executable, "-m", "agent_bus.cli", *argv, "--ready-file", str(ready)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True,
                                 env=dict(os.environ))  # the keys: the block lost them (above)
@@ -1134,7 +1139,7 @@ def topology_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _state_of(config_file: str | None) -> Path:
-    from agents.launch.up import state_dir
+    from agent_bus.agents.launch.up import state_dir
 
     return state_dir(_load_topology_or_exit(config_file))
 
@@ -1154,7 +1159,7 @@ def down(config_file: str | None, timeout: float) -> None:
     Example:
       busctl up -d && busctl run "hi" && busctl down
     """
-    from agents.launch.up import stop_topology
+    from agent_bus.agents.launch.up import stop_topology
 
     state = _state_of(config_file)
     report, failed = stop_topology(state, timeout)
@@ -1193,8 +1198,8 @@ def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bo
 
 
 def _supervisor_table(state: Path) -> list[dict[str, Any]] | None:
-    from agents.launch.supervisor import ChildFailed
-    from agents.launch.up import ControlRequest, control, running_here
+    from agent_bus.agents.launch.supervisor import ChildFailed
+    from agent_bus.agents.launch.up import ControlRequest, control, running_here
 
     if running_here(state) is None:
         return None
@@ -1254,7 +1259,7 @@ def restart(config_file: str | None, names: tuple[str, ...]) -> None:
     Example:
       busctl restart tools-1 gateway-1
     """
-    from agents.launch.up import ControlRequest
+    from agent_bus.agents.launch.up import ControlRequest
 
     for name in names:
         click.echo(_control(config_file, ControlRequest(op="restart", name=name)))
@@ -1271,7 +1276,7 @@ def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
       busctl scale workers=3
       busctl scale tools=2 search=0
     """
-    from agents.launch.up import ControlRequest
+    from agent_bus.agents.launch.up import ControlRequest
 
     for target in targets:
         group, _, count = target.partition("=")
@@ -1282,7 +1287,7 @@ def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
 
 
 def _control(config_file: str | None, request: Any) -> str:
-    from agents.launch.up import control
+    from agent_bus.agents.launch.up import control
 
     reply = run_async(control, _state_of(config_file), request)
     if not reply.ok:
@@ -1307,7 +1312,7 @@ def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[s
       busctl logs --tail 20
       busctl logs -f gateway-1 tools-1
     """
-    from agents.launch.supervisor import LogTail
+    from agent_bus.agents.launch.supervisor import LogTail
 
     folder = _state_of(config_file) / "logs"
     known = sorted(path.stem for path in folder.glob("*.log"))
@@ -1357,7 +1362,7 @@ def config_show() -> None:
     Example:
       busctl config show > team.toml && busctl up -c team.toml
     """
-    from agents.launch.topology import EXAMPLE
+    from agent_bus.agents.launch.topology import EXAMPLE
 
     click.echo(EXAMPLE, nl=False)
 
@@ -1390,7 +1395,7 @@ def keys_generate(directory: str, clients: tuple[str, ...], force: bool) -> None
     """
     import shutil
 
-    from bus.security import generate_keys
+    from agent_bus.bus.security import generate_keys
 
     root = Path(directory)
     # New keys lock out every peer holding the old ones: replacing them is asked for, never a rerun.
@@ -1434,8 +1439,8 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
     """
     from click.core import ParameterSource
 
-    from bus.paths import default_state_dir
-    from bus.watch import log_file
+    from agent_bus.bus.paths import default_state_dir
+    from agent_bus.bus.watch import log_file
 
     try:
         out_file = click.open_file(output, "wb")
@@ -1465,7 +1470,7 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
     answers and there is one (a stopped topology's log)."""
     import sqlite3
 
-    from bus.watch import export_events, export_from_log
+    from agent_bus.bus.watch import export_events, export_from_log
 
     if not only_local:
         try:
@@ -1526,10 +1531,10 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     """
     import uuid
 
-    from agents.client.remote import connect as connect_agents
-    from agents.replay import Fork, ForkError, parse_setting, replay_experiment
-    from bus.events import EventTally
-    from bus.watch import to_stderr
+    from agent_bus.agents.client.remote import connect as connect_agents
+    from agent_bus.agents.replay import Fork, ForkError, parse_setting, replay_experiment
+    from agent_bus.bus.events import EventTally
+    from agent_bus.bus.watch import to_stderr
 
     try:
         fork = Fork(live_from=live_from or 0, live_from_seq=live_from_seq or 0, model=model,
@@ -1599,10 +1604,10 @@ def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: st
       busctl diff debate-3 debate-3-again
       busctl diff debate-3 debate-3-b --json | jq .total
     """
-    from agents.replay import diff, diff_text, load_experiment
-    from bus.client import connect as connect_peer
-    from bus.events import EventTally
-    from bus.watch import to_stderr
+    from agent_bus.agents.replay import diff, diff_text, load_experiment
+    from agent_bus.bus.client import connect as connect_peer
+    from agent_bus.bus.events import EventTally
+    from agent_bus.bus.watch import to_stderr
 
     tally = EventTally("busctl diff", to_stderr)  # logged events that do not decode
 
@@ -1664,7 +1669,7 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
       busctl run -c "and the tests?"              # continues the last session
       busctl run -c coordinator-1.3f0c9a "again"  # continues that session
     """
-    from agents.client.drive import drive_run
+    from agent_bus.agents.client.drive import drive_run
 
     if prompt is None and cont not in (None, LAST_SESSION):
         prompt, cont = cont, LAST_SESSION  # `-c "text"`: click took the prompt for SESSION
@@ -1696,7 +1701,7 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
       busctl chat
       busctl chat --agent reviewer --session coordinator-1.3f0c9a   # go on with a run's session
     """
-    from agents.client.drive import chat as run_chat
+    from agent_bus.agents.client.drive import chat as run_chat
 
     run_async(run_chat, hub, curve, agent, use_color(), session)
 
@@ -1710,12 +1715,13 @@ def _agent_verb(verb: str) -> Callable[..., None]:
     @click.argument("text", required=verb in ("steer", "follow_up"))
     def command(hub: str, curve: CurveClient | None, run_id: str, session: str, agent: str,
                 text: str | None = None) -> None:
-        from agents.client.remote import connect as connect_agents
+        from agent_bus.agents.client.remote import connect as connect_agents
 
         async def go() -> str:
             async with connect_agents(hub, name=f"busctl-{verb}", curve=curve) as bus:
                 method = getattr(bus, verb)
-                return await method(agent, text or "", run=run_id, session=session)
+                detail: str = await method(agent, text or "", run=run_id, session=session)
+                return detail
 
         detail = run_async(go)
         click.echo(f"{verb.replace('_', '-')} sent to {agent}: {detail}")
@@ -1766,7 +1772,7 @@ def experiment_group() -> None:
 
 
 def _experiment_spec(spec: str, limit: int = 0) -> Any:
-    from agents.experiment.spec import SpecError, load_spec
+    from agent_bus.agents.experiment.spec import SpecError, load_spec
 
     try:
         return load_spec(spec, limit=limit)
@@ -1787,7 +1793,7 @@ def experiment_check(spec: str) -> None:
     """
     import json
 
-    from agents.experiment.spec import summary
+    from agent_bus.agents.experiment.spec import summary
 
     click.echo(json.dumps(summary(_experiment_spec(spec))))
 
@@ -1816,10 +1822,10 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
     import re
     import uuid
 
-    from agents.client.remote import connect as connect_agents
-    from agents.experiment.report import report, report_text
-    from agents.experiment.runner import Runner, progress_for, write_results
-    from agents.experiment.spec import NAME, SpecError
+    from agent_bus.agents.client.remote import connect as connect_agents
+    from agent_bus.agents.experiment.report import report, report_text
+    from agent_bus.agents.experiment.runner import Runner, progress_for, write_results
+    from agent_bus.agents.experiment.spec import NAME, SpecError
 
     if name and resume:
         raise click.UsageError("--name starts an experiment, --resume finishes one: give one")
@@ -1853,7 +1859,7 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
 
 
 def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> list[Any]:
-    from agents.experiment.runner import read_journal
+    from agent_bus.agents.experiment.runner import read_journal
 
     async def go() -> list[Any]:
         async with connect(hub, name="busctl-experiment", role="client", curve=curve) as peer:
@@ -1887,14 +1893,14 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
     """
     import json
 
-    from agents.experiment.report import report, report_text
-    from agents.experiment.spec import SpecError
+    from agent_bus.agents.experiment.report import report, report_text
+    from agent_bus.agents.experiment.spec import SpecError
 
     journal = _journals(hub, curve, (experiment,))[0]
     data = report(journal, experiment)
     click.echo(json.dumps(data) if as_json else report_text(data))
     if plot_dir:
-        from agents.experiment.plot import plot
+        from agent_bus.agents.experiment.plot import plot
 
         try:
             written = plot(data, journal, Path(plot_dir))
@@ -1922,8 +1928,8 @@ def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, samp
     """
     import uuid
 
-    from agents.client.remote import connect as connect_agents
-    from agents.replay import replay_experiment
+    from agent_bus.agents.client.remote import connect as connect_agents
+    from agent_bus.agents.replay import replay_experiment
 
     journal = _journals(hub, curve, (experiment,))[0]
     variant = variant or (journal.plan.variants[0] if journal.plan else "")
@@ -1967,7 +1973,7 @@ def experiment_compare(hub: str, curve: CurveClient | None, first: str, second: 
     """
     import json
 
-    from agents.experiment.report import compare, compare_text
+    from agent_bus.agents.experiment.report import compare, compare_text
 
     a, b = _journals(hub, curve, (first, second))
     data = compare(a, b, (first, second))

@@ -1,6 +1,6 @@
 """Agents on the bus: the loop, the Agent actor, and the client API for scripts.
 
-    from agents import connect
+    from agent_bus import connect
 
     async with connect("tcp://127.0.0.1:7400") as bus:
         result = await bus.run("assistant", "list the files", experiment="e1")
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from agents.loop.agent import Agent, AgentError
-from agents.loop.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn
-from agents.loop.run import LlmClient, LoopConfig, ToolExecutor, run_loop
+from agent_bus.agents.loop.agent import Agent, AgentError
+from agent_bus.agents.loop.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn
+from agent_bus.agents.loop.run import LlmClient, LoopConfig, ToolExecutor, run_loop
 
 if TYPE_CHECKING:
-    from agents.client.remote import AgentBus, BlockingBus, Run, connect, connect_blocking
+    from agent_bus.agents.client.remote import AgentBus, BlockingBus, Run, connect, connect_blocking
 
 # The client API needs the transport (pyzmq); the loop must not. Importing `agents.loop.run` runs this
 # file first, so the client names are imported on first use instead of here.
@@ -24,10 +24,10 @@ _CLIENT_NAMES = frozenset({"AgentBus", "BlockingBus", "Run", "connect", "connect
 
 def __getattr__(name: str) -> Any:
     if name in _CLIENT_NAMES:
-        from agents.client import remote
+        from agent_bus.agents.client import remote
 
         return getattr(remote, name)
-    raise AttributeError(f"module 'agents' has no attribute {name!r}")
+    raise AttributeError(f"module 'agent_bus.agents' has no attribute {name!r}")
 
 
 __all__ = [

@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-from bus.messages import Message, Usage
+from agent_bus.bus.messages import Message, Usage
 
 
 class _Command(msgspec.Struct, tag_field="command", omit_defaults=True):

@@ -49,12 +49,12 @@ from typing import Annotated, Any, Protocol
 
 import msgspec
 
-from agents.launch.topology import AgentSpec, MaxTokens, Seed, Temperature, TopP, TurnBound
-from agents.loop.run import ABORTED_TEXT, ToolExecutor, UpdateSink
-from bus import events as ev
-from bus.client import Peer
-from bus.errors import ConfigError, RemoteError
-from bus.messages import (
+from agent_bus.agents.launch.topology import AgentSpec, MaxTokens, Seed, Temperature, TopP, TurnBound
+from agent_bus.agents.loop.run import ABORTED_TEXT, ToolExecutor, UpdateSink
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Peer
+from agent_bus.bus.errors import ConfigError, RemoteError
+from agent_bus.bus.messages import (
     AssistantMessage,
     LlmRequest,
     Message,
@@ -66,8 +66,8 @@ from bus.messages import (
     Usage,
     error_result,
 )
-from bus.protocol import Header
-from bus.watch import replay as logged
+from agent_bus.bus.protocol import Header
+from agent_bus.bus.watch import replay as logged
 
 
 class StartedRun(Protocol):

@@ -89,7 +89,7 @@ def raw_pubsub(n: int) -> float:
 def _serving_peer(endpoint: str, capacity: int, ready: mp.Queue[int]) -> None:
     import anyio
 
-    from bus.client import connect
+    from agent_bus.bus.client import connect
 
     async def main() -> None:
         async with connect(endpoint, name=f"bench-echo-{os.getpid()}") as peer:
@@ -107,11 +107,11 @@ def _serving_peer(endpoint: str, capacity: int, ready: mp.Queue[int]) -> None:
 def _publisher(endpoint: str, n: int, start: mp.Event) -> None:
     import anyio
 
-    from bus.client import connect
+    from agent_bus.bus.client import connect
 
     async def main() -> None:
         async with connect(endpoint, name="bench-pub") as peer:
-            from bus import events as ev
+            from agent_bus.bus import events as ev
 
             body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
             start.wait()
@@ -125,7 +125,7 @@ def _publisher(endpoint: str, n: int, start: mp.Event) -> None:
 def _raw_echo_peer(endpoint: str) -> None:
     """A serving peer written from docs/protocol.md with plain blocking pyzmq (no `bus` client):
     says hello, registers `echo-raw`, answers each request with its body, each heartbeat too."""
-    from bus import protocol as p
+    from agent_bus.bus import protocol as p
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -149,7 +149,7 @@ def raw_peers_round_trip(endpoint: str, n: int) -> tuple[float, float]:
     """(p50, p99) of lone round trips through the hub between raw blocking pyzmq peers at both
     ends (`_raw_echo_peer` and a requester here): the hub's own share of the bus round trip,
     without the `bus` client's asyncio wake-ups at either end."""
-    from bus import protocol as p
+    from agent_bus.bus import protocol as p
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -179,7 +179,7 @@ def start_hub(state: str, transport: str = "") -> tuple[subprocess.Popen[str], d
     # listens; tcp: on loopback TCP, as a multi-host one does
     transport = transport or os.environ.get("BENCH_HUB", "tcp")
     address = f"ipc://{state}/hub" if transport == "ipc" else "tcp://127.0.0.1:0"
-    argv = [sys.executable, "-m", "cli", "hub", "--hub", address, "--state-dir", state]
+    argv = [sys.executable, "-m", "agent_bus.cli", "hub", "--hub", address, "--state-dir", state]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     assert proc.stdout is not None
     info = json.loads(proc.stdout.readline())
@@ -201,7 +201,7 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                 transport: str = "") -> dict[str, float]:
     import anyio
 
-    from bus.client import connect
+    from agent_bus.bus.client import connect
 
     spawn = mp.get_context("spawn")
     out: dict[str, float] = {}
@@ -310,9 +310,9 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
 
 def write_log(state: str, n: int) -> None:
     """A log of `n` small events written straight into SQLite (as the hub would stamp them)."""
-    from bus import events as ev
-    from bus import protocol as p
-    from bus.eventlog import EventLog
+    from agent_bus.bus import events as ev
+    from agent_bus.bus import protocol as p
+    from agent_bus.bus.eventlog import EventLog
 
     log = EventLog(Path(state) / "events.db")
     body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
@@ -342,9 +342,9 @@ def _replayer(endpoint: str, report: mp.Queue[tuple[int, float]], decode: bool =
     against ~50 us, on this CPU, beside the requests)."""
     import anyio
 
-    from bus import events as ev
-    from bus import protocol as p
-    from bus.client import connect
+    from agent_bus.bus import events as ev
+    from agent_bus.bus import protocol as p
+    from agent_bus.bus.client import connect
 
     async def main() -> None:
         async with connect(endpoint, name="bench-replayer") as peer:
@@ -374,7 +374,7 @@ def replay_figures(n_log: int, n_rtt: int, decode: bool = False) -> dict[str, fl
 
     import anyio
 
-    from bus.client import connect
+    from agent_bus.bus.client import connect
 
     spawn = mp.get_context("spawn")
     out: dict[str, float] = {}

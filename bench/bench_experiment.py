@@ -32,9 +32,9 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.client.remote import connect  # noqa: E402
-from agents.experiment.runner import Journal, Runner  # noqa: E402
-from agents.experiment.spec import load_spec  # noqa: E402
+from agent_bus.agents.client.remote import connect  # noqa: E402
+from agent_bus.agents.experiment.runner import Journal, Runner  # noqa: E402
+from agent_bus.agents.experiment.spec import load_spec  # noqa: E402
 from bench.bench_scale import Topology  # noqa: E402
 
 

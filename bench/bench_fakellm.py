@@ -50,7 +50,7 @@ def conversation(turn: int, calls: int) -> list[dict[str, Any]]:
 
 def serve(source: str | None, script_file: Path) -> tuple[subprocess.Popen[str], str]:
     """This tree's fake (`cli.py fake-llm`), or the fake in file `source` run as a script."""
-    argv = [str(ROOT / "cli.py"), "fake-llm"] if source is None else [source]
+    argv = ["-m", "agent_bus.cli", "fake-llm"] if source is None else [source]
     proc = subprocess.Popen([sys.executable, *argv, "--script", str(script_file)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True)
     assert proc.stdout is not None

@@ -25,12 +25,12 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
-from agents.gateway.fakellm import FakeLLMServer  # noqa: E402
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
+from agent_bus.agents.gateway.fakellm import FakeLLMServer  # noqa: E402
+from agent_bus.bus import events as ev  # noqa: E402
+from agent_bus.bus.client import connect  # noqa: E402
+from agent_bus.bus.messages import AssistantMessage, LlmRequest, ToolSpec, user_text  # noqa: E402
 from bench.baseline import cpu_s, pct  # noqa: E402
-from bus import events as ev  # noqa: E402
-from bus.client import connect  # noqa: E402
-from bus.messages import AssistantMessage, LlmRequest, ToolSpec, user_text  # noqa: E402
 
 SHORT = {"text": "ok", "chunk_size": 2}
 # bench_loop.py's model turn: 4 tool calls, their arguments streamed 4 characters at a time
@@ -41,7 +41,7 @@ LONG_CHUNKS = 2000
 
 def _start(args: list[str],
            env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "agent_bus.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT,
                             env={**os.environ, **(env or {})})
     assert proc.stdout is not None

@@ -28,8 +28,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
-from bus.messages import LlmRequest, ToolSpec, user_text  # noqa: E402
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
+from agent_bus.bus.messages import LlmRequest, ToolSpec, user_text  # noqa: E402
 
 TOOLS = {"tool_calls": [{"name": "echo", "arguments": {"text": f"turn 7 call {k}"}, "id": f"c7_{k}"}
                         for k in range(4)], "usage": {"input": 10, "output": 5}, "chunk_size": 4}
@@ -38,7 +38,7 @@ SCRIPT = {"rules": [{"contains": ["tools"], "reply": TOOLS}, {"contains": [], "r
 
 
 def serve(script: Path, *extra: str) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "fake-llm", "--script", str(script),
+    proc = subprocess.Popen([sys.executable, "-m", "agent_bus.cli", "fake-llm", "--script", str(script),
                              *extra], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     return proc, json.loads(proc.stdout.readline())["base_url"]

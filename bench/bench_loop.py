@@ -41,11 +41,10 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents import commands as cmd  # noqa: E402
-from agents.loop.run import LoopConfig, run_loop  # noqa: E402
-from bench.baseline import tree_cpu_s  # noqa: E402
-from bus.client import connect  # noqa: E402
-from bus.messages import (  # noqa: E402
+from agent_bus.agents import commands as cmd  # noqa: E402
+from agent_bus.agents.loop.run import LoopConfig, run_loop  # noqa: E402
+from agent_bus.bus.client import connect  # noqa: E402
+from agent_bus.bus.messages import (  # noqa: E402
     AssistantMessage,
     LlmRequest,
     TextPart,
@@ -56,9 +55,10 @@ from bus.messages import (  # noqa: E402
     Usage,
     error_result,
 )
+from bench.baseline import tree_cpu_s  # noqa: E402
 
 TOOLS_PY = '''
-from tools import tool
+from agent_bus.tools import tool
 
 @tool
 def echo(text: str) -> str:
@@ -113,7 +113,7 @@ class LocalTools:
     """The loop's ToolExecutor running the tools in this process (`run_tool`)."""
 
     def __init__(self, module: str) -> None:
-        from tools import load_tools
+        from agent_bus.tools import load_tools
 
         self.tools = {t.name: t for t in load_tools(module)}
 
@@ -121,7 +121,7 @@ class LocalTools:
         return [t.info for t in self.tools.values()]
 
     async def execute(self, request: ToolCallRequest, on_update: Any = None) -> ToolResult:
-        from tools import run_tool
+        from agent_bus.tools import run_tool
 
         t = self.tools.get(request.name)
         if t is None:
@@ -142,7 +142,7 @@ async def pure_loop(llm: Any, tools: LocalTools) -> tuple[float, str]:
 
 
 def _user(text: str) -> Any:
-    from bus.messages import user_text
+    from agent_bus.bus.messages import user_text
 
     return user_text(text)
 
@@ -196,9 +196,9 @@ class Timed:
 
 
 async def bus_loop(endpoint: str, runs: int) -> list[tuple[float, float, float]]:
-    from agents.coordinator.bus_adapters import AgentTools, BusLlmClient
-    from agents.loop.context import ToolOutputStore
-    from tools.executor import BusToolExecutor
+    from agent_bus.agents.coordinator.bus_adapters import AgentTools, BusLlmClient
+    from agent_bus.agents.loop.context import ToolOutputStore
+    from agent_bus.tools.executor import BusToolExecutor
 
     out = []
     async with connect(endpoint, name="bench-loop") as peer:
@@ -279,7 +279,7 @@ def busctl(*args: str) -> list[str]:
     if GATEWAY_POOL is not None and args[0] == "gateway":
         # The pool's size is a class attribute, not a setting: set it in a wrapper for the bench.
         size, per = GATEWAY_POOL
-        code = ("import sys, runpy; from agents.gateway.engine import _ClientPool; "
+        code = ("import sys, runpy; from agent_bus.agents.gateway.engine import _ClientPool; "
                 f"_ClientPool.SIZE, _ClientPool.PER_CLIENT = {size}, {per}; "
                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
         cli = ["-c", code, *cli]
@@ -381,7 +381,7 @@ def main() -> None:
     steps = script_steps(turns, calls)
     model_turns, tool_calls = turns + 1, turns * calls
     runs = repeat + 1  # one warm-up
-    from agents.gateway.engine import LlmEngine, ModelConfig
+    from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
 
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmpdir:
         tmp = Path(tmpdir)

@@ -34,7 +34,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bus import protocol as p  # noqa: E402
+from agent_bus.bus import protocol as p  # noqa: E402
 from tests.bus.helpers import serving_peers  # noqa: E402
 from tests.fault import test_budgets as tb  # noqa: E402
 from tests.fault.test_fuzz import RawPeer  # noqa: E402

@@ -46,14 +46,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents import commands as cmd  # noqa: E402
-from agents.loop.run import LoopConfig, run_loop  # noqa: E402
-from bench import bench_loop  # noqa: E402
-from bench.baseline import cpu_s, pct, tree_cpu_s  # noqa: E402
-from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
-from bus.client import connect  # noqa: E402
-from bus.errors import AgentBusError  # noqa: E402
-from bus.messages import (  # noqa: E402
+from agent_bus.agents import commands as cmd  # noqa: E402
+from agent_bus.agents.loop.run import LoopConfig, run_loop  # noqa: E402
+from agent_bus.bus.client import connect  # noqa: E402
+from agent_bus.bus.errors import AgentBusError  # noqa: E402
+from agent_bus.bus.messages import (  # noqa: E402
     AssistantMessage,
     LlmRequest,
     TextPart,
@@ -61,6 +58,9 @@ from bus.messages import (  # noqa: E402
     Usage,
     user_text,
 )
+from bench import bench_loop  # noqa: E402
+from bench.baseline import cpu_s, pct, tree_cpu_s  # noqa: E402
+from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
 
 WORKERS = 4
 #: issue 32: N sessions through the topology / the pure loop at the same N
@@ -68,7 +68,7 @@ TARGETS = {100: 1.3, 1000: 1.5}
 
 TOOLS_PY = '''
 import anyio
-from tools import tool
+from agent_bus.tools import tool
 
 @tool
 async def work(text: str) -> str:

@@ -27,8 +27,8 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from agent_bus.tools import tool  # noqa: E402
 from bench.baseline import pct, raw_round_trip  # noqa: E402
-from tools import tool  # noqa: E402
 
 
 @tool
@@ -58,7 +58,7 @@ class Topology:
 
     def __init__(self, state: str) -> None:
         self.procs: list[subprocess.Popen[str]] = []
-        hub = self._spawn([sys.executable, "-m", "cli", "hub", "--hub", "tcp://127.0.0.1:0",
+        hub = self._spawn([sys.executable, "-m", "agent_bus.cli", "hub", "--hub", "tcp://127.0.0.1:0",
                            "--state-dir", state])
         self.endpoint = json.loads(self._ready(hub))["endpoint"]
 
@@ -77,7 +77,7 @@ class Topology:
         return line
 
     def workers(self, n: int, concurrency: int, sandbox: str = "auto") -> list[subprocess.Popen[str]]:
-        started = [self._spawn([sys.executable, str(ROOT / "cli.py"), "worker", "--hub",
+        started = [self._spawn([sys.executable, "-m", "agent_bus.cli", "worker", "--hub",
                                 self.endpoint, "--tools", str(Path(__file__).resolve()),
                                 "--concurrency", str(concurrency), "--sandbox", sandbox])
                    for _ in range(n)]
@@ -98,10 +98,10 @@ class Topology:
 
 
 async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:
-    from bus import protocol as p
-    from bus.client import connect
-    from bus.messages import ToolCallRequest
-    from tools.executor import BusToolExecutor
+    from agent_bus.bus import protocol as p
+    from agent_bus.bus.client import connect
+    from agent_bus.bus.messages import ToolCallRequest
+    from agent_bus.tools.executor import BusToolExecutor
 
     request = ToolCallRequest(call_id="c", name=name, arguments=json.dumps({"text": "x" * 40}))
     async with connect(endpoint, name="bench-client") as peer:
@@ -123,9 +123,9 @@ async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:
 
 
 async def tool_throughput(endpoint: str, seconds: float, in_flight: int) -> float:
-    from bus.client import connect
-    from bus.messages import ToolCallRequest
-    from tools.executor import BusToolExecutor
+    from agent_bus.bus.client import connect
+    from agent_bus.bus.messages import ToolCallRequest
+    from agent_bus.tools.executor import BusToolExecutor
 
     request = ToolCallRequest(call_id="c", name="echo", arguments='{"text": "hello"}')
     async with connect(endpoint, name="bench-client") as peer:
@@ -148,9 +148,9 @@ async def tool_throughput(endpoint: str, seconds: float, in_flight: int) -> floa
 
 
 async def batch_wall(endpoint: str, calls: int, seconds: float) -> float:
-    from bus.client import connect
-    from bus.messages import ToolCallRequest
-    from tools.executor import BusToolExecutor
+    from agent_bus.bus.client import connect
+    from agent_bus.bus.messages import ToolCallRequest
+    from agent_bus.tools.executor import BusToolExecutor
 
     batch = [ToolCallRequest(call_id=f"c{i}", name="nap", arguments=json.dumps({"seconds": seconds}))
              for i in range(calls)]
@@ -185,8 +185,8 @@ def main() -> None:
     n = 1000 if args.quick else 5000
     seconds = 2.0 if args.quick else 5.0
 
-    from bus import protocol as p
-    from bus.messages import ToolCallRequest
+    from agent_bus.bus import protocol as p
+    from agent_bus.bus.messages import ToolCallRequest
 
     body = p.encode(ToolCallRequest(call_id="c", name="echo", arguments=json.dumps({"text": "x" * 40})))
     raw_p50, raw_p99 = raw_round_trip(n, body)

@@ -21,7 +21,7 @@ This module is the public face; the parts, each with one job:
 
 from __future__ import annotations
 
-from bus.peer import (
+from agent_bus.bus.peer import (
     CONNECT_TIMEOUT,
     DEFAULT_HUB,
     FLUSH_TIMEOUT,
@@ -31,9 +31,9 @@ from bus.peer import (
     connect,
     default_hub,
 )
-from bus.rpc import REPLY_GRACE
-from bus.serving import Handler, IncomingRequest
-from bus.subscription import REPLAY_RETRY_FOR, Envelope, Subscription
+from agent_bus.bus.rpc import REPLY_GRACE
+from agent_bus.bus.serving import Handler, IncomingRequest
+from agent_bus.bus.subscription import REPLAY_RETRY_FOR, Envelope, Subscription
 
 __all__ = [
     "CONNECT_TIMEOUT",

@@ -27,7 +27,7 @@
 
 from __future__ import annotations
 
-from bus import protocol as p
+from agent_bus.bus import protocol as p
 
 
 class AgentBusError(Exception):

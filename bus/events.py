@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import msgspec
 
-from bus.messages import AssistantDelta, AssistantMessage, Message, ToolResultMessage, Usage
+from agent_bus.bus.messages import AssistantDelta, AssistantMessage, Message, ToolResultMessage, Usage
 
 
 class _Event(msgspec.Struct, tag_field="type", omit_defaults=True):

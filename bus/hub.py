@@ -31,15 +31,15 @@ import zmq
 from zmq.backend import Socket as _BackendSocket
 from zmq.utils.monitor import parse_monitor_message
 
-from bus import events as ev
-from bus import protocol as p
-from bus.errors import ConfigError
-from bus.eventlog import Row
-from bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
-from bus.probing import ProbeSchedule
-from bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
-from bus.replay_reader import REPLAY_PRIORITIES
-from bus.security import (
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.errors import ConfigError
+from agent_bus.bus.eventlog import Row
+from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
+from agent_bus.bus.probing import ProbeSchedule
+from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
+from agent_bus.bus.replay_reader import REPLAY_PRIORITIES
+from agent_bus.bus.security import (
     ROLES_FILE,
     CurveServer,
     InsecureBindError,

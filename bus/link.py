@@ -13,9 +13,9 @@ from typing import Any, Protocol
 
 import zmq.asyncio
 
-from bus import protocol as p
-from bus.security import CurveClient
-from bus.transport import Transport
+from agent_bus.bus import protocol as p
+from agent_bus.bus.security import CurveClient
+from agent_bus.bus.transport import Transport
 
 
 class PeerLink(Protocol):

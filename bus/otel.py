@@ -34,13 +34,13 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import events as ev
-from bus import protocol as p
-from bus.client import Peer, connect
-from bus.messages import AssistantMessage, ToolCall, UserMessage
-from bus.security import CurveClient
-from bus.tracecontext import chat_span_id, span_id, tool_span_id, trace_id
-from bus.ui import Drops, count_gap, serve_drops
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.messages import AssistantMessage, ToolCall, UserMessage
+from agent_bus.bus.security import CurveClient
+from agent_bus.bus.tracecontext import chat_span_id, span_id, tool_span_id, trace_id
+from agent_bus.bus.ui import Drops, count_gap, serve_drops
 
 try:  # the optional extra `otel`; the error below says how to install it
     from opentelemetry.sdk.resources import Resource

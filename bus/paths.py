@@ -17,7 +17,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from bus.errors import ConfigError
+from agent_bus.bus.errors import ConfigError
 
 STATE_HOME_ENV = "BUSCTL_STATE_HOME"
 STATE_MARKER = ".agent-bus-state"

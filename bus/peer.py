@@ -65,16 +65,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from bus import events as ev
-from bus import protocol as p
-from bus.backoff import Backoff
-from bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
-from bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
-from bus.rpc import REPLY_GRACE, Calls
-from bus.security import CurveClient
-from bus.serving import Handler, Served, Serving, body_limit
-from bus.subscription import Subscription
-from bus.transport import FastTransport, PortableTransport, Transport, transport_kind
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.backoff import Backoff
+from agent_bus.bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
+from agent_bus.bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
+from agent_bus.bus.rpc import REPLY_GRACE, Calls
+from agent_bus.bus.security import CurveClient
+from agent_bus.bus.serving import Handler, Served, Serving, body_limit
+from agent_bus.bus.subscription import Subscription
+from agent_bus.bus.transport import FastTransport, PortableTransport, Transport, transport_kind
 
 log = logging.getLogger("bus.client")
 

@@ -22,11 +22,11 @@ import msgspec
 import zmq
 from zmq.backend import Socket as _BackendSocket
 
-from bus import events as ev
-from bus import protocol as p
-from bus.eventlog import EventLog, Row
-from bus.replay_pacing import ReplayPacer
-from bus.replay_reader import REPLAY_QUEUE, ReplayReader
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.eventlog import EventLog, Row
+from agent_bus.bus.replay_pacing import ReplayPacer
+from agent_bus.bus.replay_reader import REPLAY_QUEUE, ReplayReader
 
 log = logging.getLogger("bus.hub")
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus import events as ev
-from bus import protocol as p
-from bus.toolnames import tool_service_fault
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.toolnames import tool_service_fault
 
 # A held request costs its frames plus about this much in Python objects (Pending, key,
 # dict/set/heap/deque entries; measured ~850 B), charged to the request budgets.

@@ -9,9 +9,9 @@ from typing import Any, TextIO
 
 import msgspec
 
-from bus import events as ev
-from bus.messages import AssistantMessage, ToolResultMessage, UserMessage
-from bus.protocol import Header
+from agent_bus.bus import events as ev
+from agent_bus.bus.messages import AssistantMessage, ToolResultMessage, UserMessage
+from agent_bus.bus.protocol import Header
 
 _json = msgspec.json.Encoder()
 

@@ -50,10 +50,10 @@ from typing import Any
 import msgspec
 import zmq
 
-import bus
-from bus import events as ev
-from bus import protocol as p
-from bus.eventlog import connect_reader, read_meta
+from agent_bus import bus
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.eventlog import connect_reader, read_meta
 
 log = logging.getLogger("bus.hub")
 
@@ -397,7 +397,7 @@ class ReplayReader:
         root = str(Path(bus.__file__).resolve().parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
-        argv = [sys.executable, "-m", "bus.replay_reader", "--uri", self._uri, "--endpoint",
+        argv = [sys.executable, "-m", "agent_bus.bus.replay_reader", "--uri", self._uri, "--endpoint",
                 self._address, "--budget", str(self._budget), "--parent", str(os.getpid()),
                 "--priority", priority]
         self._class = priority
@@ -419,7 +419,7 @@ def lower_priority(priority: str) -> None:
 
 
 def _child(uri: str, endpoint: str, budget: int, parent: int, priority: str) -> None:
-    from bus.procsec import die_with_parent, make_undumpable
+    from agent_bus.bus.procsec import die_with_parent, make_undumpable
 
     die_with_parent(parent)  # Linux: the kernel ends us with the hub, even on SIGKILL
     make_undumpable()  # like the hub: no other process of the user reads our memory

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from bus import protocol as p
-from bus.errors import RequestError, error_for
+from agent_bus.bus import protocol as p
+from agent_bus.bus.errors import RequestError, error_for
 
 if TYPE_CHECKING:
-    from bus.link import PeerLink
+    from agent_bus.bus.link import PeerLink
 
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
 _SIG = p.SIGNATURE

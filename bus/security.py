@@ -39,7 +39,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from bus.errors import ConfigError
+from agent_bus.bus.errors import ConfigError
 
 log = logging.getLogger("bus.security")
 

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import zmq
 
-from bus import protocol as p
-from bus.errors import HubLost, RequestError
+from agent_bus.bus import protocol as p
+from agent_bus.bus.errors import HubLost, RequestError
 
 if TYPE_CHECKING:
-    from bus.link import PeerLink
+    from agent_bus.bus.link import PeerLink
 
 log = logging.getLogger("bus.client")
 

@@ -19,14 +19,14 @@ import zmq
 import zmq.asyncio
 from zmq.backend import Socket as _BackendSocket
 
-from bus import events as ev
-from bus import protocol as p
-from bus.backoff import Backoff, retry
-from bus.errors import HubLost, Overloaded, ProtocolError
-from bus.transport import FdWaiter, PollWaiter, Waiter, transport_kind
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.backoff import Backoff, retry
+from agent_bus.bus.errors import HubLost, Overloaded, ProtocolError
+from agent_bus.bus.transport import FdWaiter, PollWaiter, Waiter, transport_kind
 
 if TYPE_CHECKING:
-    from bus.link import PeerLink
+    from agent_bus.bus.link import PeerLink
 
 log = logging.getLogger("bus.client")
 

@@ -13,14 +13,14 @@ from typing import BinaryIO
 
 import msgspec
 
-from bus import events as ev
-from bus import protocol as p
-from bus.backoff import Backoff, retry
-from bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
-from bus.errors import Overloaded, ProtocolError
-from bus.messages import Usage
-from bus.render import HumanPrinter, json_line, to_json_obj
-from bus.security import CurveClient
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.backoff import Backoff, retry
+from agent_bus.bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
+from agent_bus.bus.errors import Overloaded, ProtocolError
+from agent_bus.bus.messages import Usage
+from agent_bus.bus.render import HumanPrinter, json_line, to_json_obj
+from agent_bus.bus.security import CurveClient
 
 # Every event type a filter can name: the tags of the `Event` union (bus.events).
 EVENT_TYPES: tuple[str, ...] = tuple(sorted(

@@ -6,7 +6,7 @@
 
 import anyio
 
-from agents import connect
+from agent_bus import connect
 
 
 async def main() -> None:

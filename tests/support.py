@@ -113,7 +113,7 @@ def py(*args: str) -> list[str]:
 
 
 def busctl(*args: str) -> list[str]:
-    return [sys.executable, str(ROOT / "cli.py"), *args]
+    return [sys.executable, "-m", "agent_bus.cli", *args]
 
 
 async def until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:

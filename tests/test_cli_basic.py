@@ -67,10 +67,10 @@ def test_watch_follows_live_events(hub: dict) -> None:
 def test_every_error_is_mapped_in_one_place_and_a_bug_names_its_traceback_log() -> None:
     import click
 
-    from agents.launch.topology import TopologyError
-    from bus.errors import AgentBusError, ConfigError, HubUnreachable
-    from cli import HubUnreachableExit, _exit_for
-    from tools import ToolError
+    from agent_bus.agents.launch.topology import TopologyError
+    from agent_bus.bus.errors import AgentBusError, ConfigError, HubUnreachable
+    from agent_bus.cli import HubUnreachableExit, _exit_for
+    from agent_bus.tools import ToolError
 
     assert issubclass(TopologyError, ConfigError) and issubclass(ToolError, AgentBusError)
     assert isinstance(_exit_for(HubUnreachable("no hub at x")), HubUnreachableExit)
@@ -105,7 +105,7 @@ def test_a_closed_pipe_exits_quietly(hub: dict, tmp_path: Path) -> None:
 
 def _bug(message: str) -> str:
     """The crash log's path as `_exit_for` names it for an unexpected error."""
-    from cli import _exit_for
+    from agent_bus.cli import _exit_for
 
     try:
         raise ValueError(message)

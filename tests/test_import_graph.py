@@ -9,21 +9,23 @@ from pathlib import Path
 
 from tests.support import ROOT
 
-PACKAGES = ("bus", "agents", "tools")
+PACKAGE = ROOT / "agent_bus"  # bus/, agents/, tools/ and cli.py linked in (pyproject.toml)
 
 
 def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = ["agent_bus", *path.relative_to(PACKAGE).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 def _modules() -> dict[str, Path]:
-    found = {"cli": ROOT / "cli.py"}
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            found[_module_name(path)] = path
+    # rglob does not enter linked folders: walk each link's target under its package name
+    found = {_module_name(path): path.resolve() for path in PACKAGE.glob("*.py")}
+    for link in PACKAGE.iterdir():
+        if link.is_dir() and link.name != "__pycache__":
+            for path in link.resolve().rglob("*.py"):
+                found[_module_name(link / path.relative_to(link.resolve()))] = path
     return found
 
 
@@ -81,3 +83,17 @@ def test_the_product_has_no_import_circle() -> None:
         graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
     circle = _cycle(graph)
     assert not circle, "import circle: " + " -> ".join(circle)
+
+
+def test_the_product_imports_itself_only_as_agent_bus() -> None:
+    """`import bus` / `from tools import x` would load a second copy of a module (or another
+    distribution's `agents`): every import of our own code names `agent_bus`."""
+    modules = _modules()
+    wrong = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            wrong += [f"{name}: {n}" for n in names if n.split(".")[0] in ("bus", "agents", "tools", "cli")]
+    assert len(modules) > 90 and not wrong, wrong

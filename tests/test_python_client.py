@@ -5,12 +5,12 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from agents import connect
-from bus import events as ev
-from bus.client import connect as connect_peer
-from bus.messages import ToolCallRequest
+from agent_bus import connect
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import connect as connect_peer
+from agent_bus.bus.messages import ToolCallRequest
+from agent_bus.tools.executor import BusToolExecutor
 from tests.support import until
-from tools.executor import BusToolExecutor
 
 pytestmark = pytest.mark.anyio
 

@@ -1,6 +1,6 @@
 """The tool API: turn typed Python functions into tools that models can call over the bus.
 
-    from tools import tool, ToolContext
+    from agent_bus.tools import tool, ToolContext
 
     @tool(timeout=30)
     def count_words(text: str, ctx: ToolContext) -> int:
@@ -11,20 +11,20 @@ A tool worker finds tools with `load_tools("pkg.module")`, publishes each `Tool.
 each call with `await run_tool(t, request, workspace=..., allow_shell=...)`.
 """
 
-from bus.messages import ImagePart, TextPart, ToolInfo, ToolResult
-from tools._context import ProgressCallback, ToolContext
-from tools._exceptions import (
+from agent_bus.bus.messages import ImagePart, TextPart, ToolInfo, ToolResult
+from agent_bus.tools._context import ProgressCallback, ToolContext
+from agent_bus.tools._exceptions import (
     ArgumentsError,
     ToolDefinitionError,
     ToolError,
     ToolLoadError,
     WorkspaceError,
 )
-from tools._loader import load_tools
-from tools._results import Done, Image, TaskComplete, to_result
-from tools._runner import CANCEL_GRACE, run_tool
-from tools._schema import check_provider_schema
-from tools._tool import Tool, tool
+from agent_bus.tools._loader import load_tools
+from agent_bus.tools._results import Done, Image, TaskComplete, to_result
+from agent_bus.tools._runner import CANCEL_GRACE, run_tool
+from agent_bus.tools._schema import check_provider_schema
+from agent_bus.tools._tool import Tool, tool
 
 __all__ = [
     "ArgumentsError",

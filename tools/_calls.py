@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import msgspec
 
-from bus import protocol as p
-from bus.errors import RequestError
-from bus.messages import ToolCallRequest
+from agent_bus.bus import protocol as p
+from agent_bus.bus.errors import RequestError
+from agent_bus.bus.messages import ToolCallRequest
 
 SERVICE_PREFIX = "tool."
 

@@ -20,11 +20,11 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from bus.messages import ToolResult
-from bus.paths import inside_state_dir
-from tools._exceptions import WorkspaceError
-from tools._results import to_content
-from tools.sandbox import check_writable
+from agent_bus.bus.messages import ToolResult
+from agent_bus.bus.paths import inside_state_dir
+from agent_bus.tools._exceptions import WorkspaceError
+from agent_bus.tools._results import to_content
+from agent_bus.tools.sandbox import check_writable
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ are raised to the caller. `TaskComplete` (in `_results`) is a control-flow signa
 
 from __future__ import annotations
 
-from bus.errors import AgentBusError
+from agent_bus.bus.errors import AgentBusError
 
 
 class ToolError(AgentBusError):

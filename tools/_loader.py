@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from tools._exceptions import ToolLoadError
-from tools._tool import Tool
+from agent_bus.tools._exceptions import ToolLoadError
+from agent_bus.tools._tool import Tool
 
 
 def load_tools(spec: str) -> list[Tool]:
@@ -21,11 +21,17 @@ def load_tools(spec: str) -> list[Tool]:
     `sys.path`) or a path to a `.py` file. Raises ToolLoadError naming the module and the cause when
     the import fails, when it defines no tools, or when two of its tools share a name.
     """
+    spec = _RENAMED.get(spec, spec)
     module = _import_file(spec) if _looks_like_path(spec) else _import_dotted(spec)
     found = _collect(module)
     if not found:
         raise ToolLoadError(f"Tool module `{spec}` defines no @tool functions")
     return found
+
+
+# The built-ins' name before everything moved under `agent_bus` (issue 31): topology files and
+# scripts written for it keep working, whatever a `tools` package in the current folder holds.
+_RENAMED = {"tools.builtin": "agent_bus.tools.builtin"}
 
 
 def _looks_like_path(spec: str) -> bool:

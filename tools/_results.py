@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from bus.messages import ImagePart, TextPart, ToolResult, error_result
+from agent_bus.bus.messages import ImagePart, TextPart, ToolResult, error_result
 
 #: An image returned by a tool: `Image(data, mime_type="image/png")`. Same type as `ImagePart`.
 Image = ImagePart

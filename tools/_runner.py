@@ -22,13 +22,13 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from bus.messages import ToolCallRequest, ToolResult, error_result
-from bus.tracecontext import tool_traceparent
-from tools import _threads
-from tools._context import ProgressCallback, ToolContext
-from tools._exceptions import ArgumentsError
-from tools._results import exception_result, to_result
-from tools._tool import Tool
+from agent_bus.bus.messages import ToolCallRequest, ToolResult, error_result
+from agent_bus.bus.tracecontext import tool_traceparent
+from agent_bus.tools import _threads
+from agent_bus.tools._context import ProgressCallback, ToolContext
+from agent_bus.tools._exceptions import ArgumentsError
+from agent_bus.tools._results import exception_result, to_result
+from agent_bus.tools._tool import Tool
 
 #: Seconds a cancelled sync tool gets to notice `ctx.cancelled` before its thread is abandoned.
 CANCEL_GRACE = 1.0

@@ -17,7 +17,7 @@ from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import msgspec
 
-from tools._exceptions import ToolDefinitionError
+from agent_bus.tools._exceptions import ToolDefinitionError
 
 _SECTION_RE = re.compile(
     r"^(Args|Arguments|Parameters|Params|Keyword Args|Returns?|Yields?|Raises|Examples?|Notes?"

@@ -10,10 +10,10 @@ from typing import Any, overload
 
 import msgspec
 
-from bus.messages import ToolInfo
-from tools._context import ToolContext
-from tools._exceptions import ArgumentsError, ToolDefinitionError
-from tools._schema import build_args_struct, parse_docstring, provider_schema
+from agent_bus.bus.messages import ToolInfo
+from agent_bus.tools._context import ToolContext
+from agent_bus.tools._exceptions import ArgumentsError, ToolDefinitionError
+from agent_bus.tools._schema import build_args_struct, parse_docstring, provider_schema
 
 # Providers accept ^[a-zA-Z0-9_-]{1,64}$; the name is also the service `tool.<name>`.
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")

@@ -22,9 +22,9 @@ from typing import Any, Literal
 import anyio
 import msgspec
 
-from bus import protocol as p
-from bus.client import Peer
-from bus.errors import (
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Peer
+from agent_bus.bus.errors import (
     DeadlineExceeded,
     HubLost,
     NoService,
@@ -32,10 +32,10 @@ from bus.errors import (
     PeerLost,
     RequestError,
 )
-from bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
-from bus.toolnames import tool_meta_fault, tool_name_fault
-from tools._calls import SERVICE_PREFIX, service_name
-from tools.worker import decode_reply
+from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
+from agent_bus.bus.toolnames import tool_meta_fault, tool_name_fault
+from agent_bus.tools._calls import SERVICE_PREFIX, service_name
+from agent_bus.tools.worker import decode_reply
 
 log = logging.getLogger("tools.executor")
 

@@ -34,10 +34,10 @@ import anyio
 import anyio.abc
 import msgspec
 
-from bus import protocol as p
-from bus.backoff import Backoff
-from bus.client import Handler, IncomingRequest
-from bus.messages import (
+from agent_bus.bus import protocol as p
+from agent_bus.bus.backoff import Backoff
+from agent_bus.bus.client import Handler, IncomingRequest
+from agent_bus.bus.messages import (
     ImagePart,
     TextPart,
     ToolCallRequest,
@@ -45,11 +45,11 @@ from bus.messages import (
     ToolResult,
     error_result,
 )
-from bus.toolnames import tool_name_fault
-from tools._calls import decode_call
-from tools._exceptions import ToolDefinitionError
-from tools._runner import traceparent_of
-from tools._schema import _inline, _normalize, check_provider_schema
+from agent_bus.bus.toolnames import tool_name_fault
+from agent_bus.tools._calls import decode_call
+from agent_bus.tools._exceptions import ToolDefinitionError
+from agent_bus.tools._runner import traceparent_of
+from agent_bus.tools._schema import _inline, _normalize, check_provider_schema
 
 if TYPE_CHECKING:
     from mcp import ClientSession

@@ -97,9 +97,11 @@ def _bus_roots() -> dict[Path, str]:
     for name, module in list(sys.modules.items()):
         where = _module_root(name, module)
         if where is not None:
-            roots.setdefault(where, f"the code of module `{name}`, loaded by the bus")
+            for place in (where, *_linked_in(where)):
+                roots.setdefault(place, f"the code of module `{name}`, loaded by the bus")
     for name, where in _editable_sources():
-        roots.setdefault(where, f"the source of `{name}`, installed in editable mode")
+        for place in (where, *_linked_in(where)):
+            roots.setdefault(place, f"the source of `{name}`, installed in editable mode")
     home = Path.home()
     for name in HOME_STARTUP_FILES:  # matter when the workspace is (or holds) the home folder
         roots.setdefault(_resolved(home / name), "a start-up file of the user's shell, git or "
@@ -129,6 +131,14 @@ def _editable_sources() -> list[tuple[str, Path]]:
                 ([spec.origin] if spec.origin else [])
             found += [(name, _resolved(p)) for p in places if os.path.exists(p)]
     return found
+
+
+def _linked_in(package: Path) -> list[Path]:
+    """Where the links inside a package folder lead: agent-bus's own checkout links bus/, agents/,
+    tools/ and cli.py into agent_bus/ (pyproject.toml), so its sources live outside that folder."""
+    if not package.is_dir():
+        return []
+    return [_resolved(entry) for entry in package.iterdir() if entry.is_symlink()]
 
 
 def _module_root(name: str, module: object) -> Path | None:
@@ -354,7 +364,7 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
 def _state_dirs(hide: list[Path]) -> list[Path]:
     """Hidden from tools: the state directories, and the folder of local hubs' sockets,
     credentials and tcp aliases (the hub's own socket folder is bound back in, read-only)."""
-    from bus.paths import runtime_home, state_home
+    from agent_bus.bus.paths import runtime_home, state_home
 
     hidden = {state_home().resolve(), runtime_home().resolve(), *(h.resolve() for h in hide)}
     return [p for p in hidden if p.is_dir()]
@@ -367,7 +377,7 @@ def _ipc_paths(address: str) -> list[Path]:
         return []
     sock = Path(address[len("ipc://"):]).expanduser().resolve()
     folder = sock.parent
-    from bus.paths import inside_state_dir
+    from agent_bus.bus.paths import inside_state_dir
 
     if inside_state_dir(folder) is None and folder.is_dir():
         return [folder]
@@ -378,7 +388,7 @@ def _others_credentials(address: str) -> list[Path]:
     """The credentials beside a local hub's socket that are not this worker's own (named by
     $BUSCTL_CREDENTIAL_FILE): hidden in its sandbox, so neither its tools nor a shell can
     present the owner's (full rights) or another process's credential to the hub."""
-    from bus.paths import CREDENTIAL_ENV
+    from agent_bus.bus.paths import CREDENTIAL_ENV
 
     if not address.startswith("ipc://"):
         return []

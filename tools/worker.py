@@ -34,20 +34,20 @@ import anyio.abc
 import msgspec
 import zmq
 
-from bus import protocol as p
-from bus.client import Handler, IncomingRequest, Peer, connect
-from bus.errors import HubLost, RequestError
-from bus.messages import ToolCallRequest, ToolInfo, ToolResult
-from bus.paths import inside_state_dir
-from bus.security import CurveClient
-from tools._calls import decode_call, service_name
-from tools._exceptions import ToolLoadError
-from tools._loader import load_tools
-from tools._runner import CANCEL_GRACE, run_tool
-from tools._schema import check_provider_schema
-from tools._tool import Tool
-from tools.mcp import McpServerSpec, serve_mcp_servers
-from tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Handler, IncomingRequest, Peer, connect
+from agent_bus.bus.errors import HubLost, RequestError
+from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult
+from agent_bus.bus.paths import inside_state_dir
+from agent_bus.bus.security import CurveClient
+from agent_bus.tools._calls import decode_call, service_name
+from agent_bus.tools._exceptions import ToolLoadError
+from agent_bus.tools._loader import load_tools
+from agent_bus.tools._runner import CANCEL_GRACE, run_tool
+from agent_bus.tools._schema import check_provider_schema
+from agent_bus.tools._tool import Tool
+from agent_bus.tools.mcp import McpServerSpec, serve_mcp_servers
+from agent_bus.tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
 
 log = logging.getLogger("tools.worker")
 
@@ -63,7 +63,7 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     """What `busctl worker` passes to `run_worker`."""
 
     hub: str
-    tool_modules: list[str] = msgspec.field(default_factory=lambda: ["tools.builtin"])
+    tool_modules: list[str] = msgspec.field(default_factory=lambda: ["agent_bus.tools.builtin"])
     concurrency: int = 8
     workspace: str = "."
     name: str = ""  # default: worker-<pid>

@@ -17,12 +17,13 @@ import anyio.abc
 import anyio.to_thread
 import click
 
-from agents import commands as cmd
-from agents.client.remote import AgentBus, Run, connect
-from bus import events as ev
-from bus.errors import BusError
-from bus.render import HumanPrinter, color_wanted, json_line
-from bus.security import CurveClient
+from agent_bus.agents import commands as cmd
+from agent_bus.agents.client.remote import AgentBus, Run, connect
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Envelope
+from agent_bus.bus.errors import BusError
+from agent_bus.bus.render import HumanPrinter, color_wanted, json_line
+from agent_bus.bus.security import CurveClient
 
 EXIT_OK, EXIT_ERROR, EXIT_MAX_TURNS, EXIT_ABORTED = 0, 1, 3, 130
 LENGTH_NOTE = ("length: the answer was cut at the model's output token limit; raise `max_tokens` "
@@ -56,8 +57,8 @@ class RunView:
         self._open = False  # an answer line is being streamed on stdout
         self._streamed = ""  # the text of the last message streamed on stdout
 
-    def show(self, envelope: ev.Event | object) -> None:
-        header, event = envelope.header, envelope.event  # type: ignore[attr-defined]
+    def show(self, envelope: Envelope) -> None:
+        header, event = envelope.header, envelope.event
         if self.as_json:
             self.out.write(json_line(header, event) + "\n")
             self.out.flush()

@@ -24,11 +24,11 @@ from typing import Any
 import anyio
 import msgspec
 
-from agents.client.remote import AgentBus, Run
-from bus import events as ev
-from bus.client import Envelope
-from bus.messages import ImagePart, ToolCallRequest, ToolResult
-from tools.executor import BusToolExecutor
+from agent_bus.agents.client.remote import AgentBus, Run
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Envelope
+from agent_bus.bus.messages import ImagePart, ToolCallRequest, ToolResult
+from agent_bus.tools.executor import BusToolExecutor
 
 log = logging.getLogger("agents.client.mcp_server")
 
@@ -204,7 +204,7 @@ async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool)
     """Serve MCP on stdin/stdout until the client closes them."""
     from mcp.server.stdio import stdio_server
 
-    from agents.client.remote import connect
+    from agent_bus.agents.client.remote import connect
 
     async with connect(hub, name="mcp-serve", curve=curve) as bus:
         handlers = BusMcpServer(bus, agents, with_tools)
@@ -216,7 +216,7 @@ async def serve_stdio(hub: str, curve: Any, agents: list[str], with_tools: bool)
 def _host_guarded(app: Any, bind: str) -> Any:
     """`app` behind `bus.httpguard`'s Host/Origin check, the one every local HTTP surface uses
     (the SDK's own check for a loopback host stays on behind it)."""
-    from bus.httpguard import refusal
+    from agent_bus.bus.httpguard import refusal
 
     async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -242,7 +242,7 @@ async def serve_http(hub: str, curve: Any, agents: list[str], with_tools: bool, 
 
     import uvicorn
 
-    from agents.client.remote import connect
+    from agent_bus.agents.client.remote import connect
 
     async with connect(hub, name="mcp-serve", curve=curve) as bus:
         handlers = BusMcpServer(bus, agents, with_tools)

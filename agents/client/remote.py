@@ -34,17 +34,17 @@ import anyio
 import anyio.from_thread
 import msgspec
 
-from agents import commands as cmd
-from agents import replay
-from agents.coordinator.multiagent import publish_topic
-from bus import events as ev
-from bus.client import Envelope, Peer, Subscription
-from bus.client import connect as connect_peer
-from bus.errors import BusError, NoService, PeerLost, RemoteError
-from bus.protocol import Status
-from bus.security import CurveClient
-from tools import Tool, tool
-from tools.worker import ToolWorker, WorkerSettings
+from agent_bus.agents import commands as cmd
+from agent_bus.agents import replay
+from agent_bus.agents.coordinator.multiagent import publish_topic
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Envelope, Peer, Subscription
+from agent_bus.bus.client import connect as connect_peer
+from agent_bus.bus.errors import BusError, NoService, PeerLost, RemoteError
+from agent_bus.bus.protocol import Status
+from agent_bus.bus.security import CurveClient
+from agent_bus.tools import Tool, tool
+from agent_bus.tools.worker import ToolWorker, WorkerSettings
 
 NO_RUN, AMBIGUOUS = "no_run", "ambiguous"  # the coordinator's error codes (agents.coordinator.process)
 PROMPT_TIMEOUT = 24 * 3600.0  # a run may take long; abort is how a caller stops it

@@ -26,13 +26,13 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
-from agents.gateway.providers.base import MessageBuilder
-from agents.gateway.wire import LlmPartial
-from agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore, estimate_usage
-from agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink, cancel_on_abort
-from bus.backoff import Backoff
-from bus.client import Peer
-from bus.errors import (
+from agent_bus.agents.gateway.providers.base import MessageBuilder
+from agent_bus.agents.gateway.wire import LlmPartial
+from agent_bus.agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore, estimate_usage
+from agent_bus.agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink, cancel_on_abort
+from agent_bus.bus.backoff import Backoff
+from agent_bus.bus.client import Peer
+from agent_bus.bus.errors import (
     DeadlineExceeded,
     HubLost,
     NoService,
@@ -40,7 +40,7 @@ from bus.errors import (
     PeerLost,
     RequestError,
 )
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantDelta,
     AssistantMessage,
     LlmRequest,
@@ -51,8 +51,8 @@ from bus.messages import (
     ToolTrace,
     error_result,
 )
-from bus.toolnames import parameters_fault, tool_name_fault
-from tools.executor import BusToolExecutor
+from agent_bus.bus.toolnames import parameters_fault, tool_name_fault
+from agent_bus.tools.executor import BusToolExecutor
 
 LLM_SERVICE = "llm"
 #: Deadline of one model call; None = none. The call still always ends: the gateway bounds each

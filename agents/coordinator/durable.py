@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents.coordinator.persistence import JournaledCall
-from bus import events as ev
-from bus.messages import (
+from agent_bus.agents.coordinator.persistence import JournaledCall
+from agent_bus.bus import events as ev
+from agent_bus.bus.messages import (
     AssistantMessage,
     Message,
     TextPart,

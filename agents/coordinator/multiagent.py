@@ -53,21 +53,21 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.abc
 import msgspec
 
-from agents import commands as cmd
-from bus import events as ev
-from bus.backoff import Backoff
-from bus.client import Envelope, Peer
-from bus.errors import NoService, RemoteError, RequestError
-from bus.messages import TextPart, ToolCallRequest, ToolInfo, ToolResult, error_result
+from agent_bus.agents import commands as cmd
+from agent_bus.bus import events as ev
+from agent_bus.bus.backoff import Backoff
+from agent_bus.bus.client import Envelope, Peer
+from agent_bus.bus.errors import NoService, RemoteError, RequestError
+from agent_bus.bus.messages import TextPart, ToolCallRequest, ToolInfo, ToolResult, error_result
 
 if TYPE_CHECKING:
-    from agents.launch.topology import TopicSubscription
+    from agent_bus.agents.launch.topology import TopicSubscription
 
 log = logging.getLogger("agents.coordinator.multiagent")
 
@@ -356,13 +356,13 @@ class TopicPublisher:
         return _text_result(f"Published to topic '{topic.strip()}'.", {"topic": topic.strip()})
 
 
-class TopicSubscriber:
+class TopicSubscriber(Protocol):
     """What a `TopicRouter` delivers to: one hosted agent."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
-    def deliver_topic(self, message: ev.TopicMessage, mode: str, header_experiment: str) -> None:
-        raise NotImplementedError
+    def deliver_topic(self, message: ev.TopicMessage, mode: str, experiment: str) -> None: ...
 
 
 class TopicRouter:

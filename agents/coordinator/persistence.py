@@ -51,8 +51,8 @@ from pathlib import Path
 
 import msgspec
 
-from agents.loop.context import ToolOutputStore
-from bus.messages import Message, ToolResultMessage
+from agent_bus.agents.loop.context import ToolOutputStore
+from agent_bus.bus.messages import Message, ToolResultMessage
 
 DB_NAME = "conversations.sqlite"
 
@@ -217,8 +217,9 @@ class ConversationStore:
                                (agent, session)).fetchone() is not None
 
     def count_sessions(self, agent: str) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM sessions WHERE agent = ?",
-                               (agent,)).fetchone()[0]
+        count: int = self.db.execute("SELECT COUNT(*) FROM sessions WHERE agent = ?",
+                                     (agent,)).fetchone()[0]
+        return count
 
     def sessions(self, agent: str) -> list[str]:
         rows = self.db.execute("SELECT session FROM sessions WHERE agent = ? ORDER BY created",

@@ -85,10 +85,10 @@ import anyio
 import anyio.abc
 import msgspec
 
-from agents import commands as cmd
-from agents.coordinator import durable
-from agents.coordinator.bus_adapters import AgentTools, BusLlmClient
-from agents.coordinator.multiagent import (
+from agent_bus.agents import commands as cmd
+from agent_bus.agents.coordinator import durable
+from agent_bus.agents.coordinator.bus_adapters import AgentTools, BusLlmClient
+from agent_bus.agents.coordinator.multiagent import (
     PUBLISH_TOOL,
     AgentCalls,
     CallContext,
@@ -98,21 +98,21 @@ from agents.coordinator.multiagent import (
     first_line,
     topic_text,
 )
-from agents.coordinator.persistence import ConversationRecorder, ConversationStore, JournaledRun
-from agents.gateway.wire import ModelConfig
-from agents.launch.topology import HOOK_NAMES, AgentSpec
-from agents.loop.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
-from agents.loop.context import DEFAULT_CONTEXT_WINDOW
-from agents.loop.run import ABORTED_TEXT, LoopConfig, LoopResult, ToolExecutor
-from agents.replay import LoggedTools, RecordedTools, load_tool_book, replay_service
-from bus import events as ev
-from bus import protocol as p
-from bus.client import IncomingRequest, Peer, connect
-from bus.errors import ConfigError, RemoteError
-from bus.messages import Message
-from bus.paths import default_state_dir, ensure_state_dir
-from bus.security import CurveClient
-from tools.executor import BusToolExecutor
+from agent_bus.agents.coordinator.persistence import ConversationRecorder, ConversationStore, JournaledRun
+from agent_bus.agents.gateway.wire import ModelConfig
+from agent_bus.agents.launch.topology import HOOK_NAMES, AgentSpec
+from agent_bus.agents.loop.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
+from agent_bus.agents.loop.context import DEFAULT_CONTEXT_WINDOW
+from agent_bus.agents.loop.run import ABORTED_TEXT, LoopConfig, LoopResult, ToolExecutor
+from agent_bus.agents.replay import LoggedTools, RecordedTools, load_tool_book, replay_service
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import IncomingRequest, Peer, connect
+from agent_bus.bus.errors import ConfigError, RemoteError
+from agent_bus.bus.messages import Message
+from agent_bus.bus.paths import default_state_dir, ensure_state_dir
+from agent_bus.bus.security import CurveClient
+from agent_bus.tools.executor import BusToolExecutor
 
 log = logging.getLogger("agents.coordinator.process")
 
@@ -162,11 +162,13 @@ def resolve_hook(path: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise TypeError(f"{path} is a {type(obj).__name__}, not a callable")
-    return obj
+    hook: Callable[..., Any] = obj
+    return hook
 
 
-def resolve_hooks(spec: AgentSpec) -> dict[str, Callable[..., Any]]:
-    hooks: dict[str, Callable[..., Any]] = {}
+def resolve_hooks(spec: AgentSpec) -> dict[str, Any]:
+    """The hooks `spec` names, imported (keyword arguments of `LoopConfig`, checked by name)."""
+    hooks: dict[str, Any] = {}
     for hook, path in spec.hooks.items():
         if hook not in HOOK_NAMES:
             raise CoordinatorError(f"agent {spec.name!r}: unknown hook {hook!r} "
@@ -948,6 +950,7 @@ async def run_coordinator(
                     if stop is not None:
                         await stop.wait()
                     else:
+                        assert signals is not None  # (no `stop`: the signal receiver is open)
                         async for signum in signals:
                             log.info("%s: got signal %d; leaving", settings.name, signum)
                             break

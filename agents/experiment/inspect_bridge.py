@@ -1,7 +1,7 @@
 """Inspect AI bridge (`pip install 'agent-bus[inspect]'`): run each Inspect sample as one bus
 session of a named agent (or a team's prompted agent), so `inspect eval` runs on the bus.
 
-    from agents.experiment.inspect_bridge import bus_agent
+    from agent_bus.agents.experiment.inspect_bridge import bus_agent
 
     @task
     def arith() -> Task:
@@ -22,7 +22,7 @@ from typing import Any
 from inspect_ai.model import ChatMessageAssistant, ModelOutput, ModelUsage
 from inspect_ai.solver import Generate, Solver, TaskState, solver
 
-from agents.client.remote import connect
+from agent_bus.agents.client.remote import connect
 
 
 @solver

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agents.experiment.runner import Journal
-from agents.experiment.spec import SpecError
+from agent_bus.agents.experiment.runner import Journal
+from agent_bus.agents.experiment.spec import SpecError
 
 
 def _pyplot() -> Any:

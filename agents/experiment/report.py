@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agents.experiment.runner import Journal, SampleResult
+from agent_bus.agents.experiment.runner import Journal, SampleResult
 
 Z95 = 1.959963984540054
 #: t(0.975, df) for df 1-30; beyond, the values at 40, 60, 120 and the normal limit.

@@ -27,11 +27,11 @@ from typing import Any, TextIO
 import anyio
 import msgspec
 
-from agents.client.remote import AgentBus, Run
-from agents.commands import RunResult
-from agents.coordinator.bus_adapters import BusLlmClient
-from agents.experiment.scoring import grade, score_all
-from agents.experiment.spec import (
+from agent_bus.agents.client.remote import AgentBus, Run
+from agent_bus.agents.commands import RunResult
+from agent_bus.agents.coordinator.bus_adapters import BusLlmClient
+from agent_bus.agents.experiment.scoring import grade, score_all
+from agent_bus.agents.experiment.spec import (
     Loaded,
     Sample,
     ScorerError,
@@ -40,13 +40,13 @@ from agents.experiment.spec import (
     experiment_tag,
     spec_digest,
 )
-from agents.replay import REPLAY_SERVICE, ReplayLoad
-from bus import events as ev
-from bus import protocol as p
-from bus.client import Peer, Subscription
-from bus.errors import BusError, RemoteError
-from bus.messages import AssistantMessage, Usage
-from bus.watch import _replay_batch
+from agent_bus.agents.replay import REPLAY_SERVICE, ReplayLoad
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Peer, Subscription
+from agent_bus.bus.errors import BusError, RemoteError
+from agent_bus.bus.messages import AssistantMessage, Usage
+from agent_bus.bus.watch import _replay_batch
 
 PLAN_TYPE = "experiment_plan"
 SAMPLE_TYPE = "experiment_sample"

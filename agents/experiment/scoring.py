@@ -20,9 +20,9 @@ import math
 import re
 from typing import Any
 
-from agents.coordinator.bus_adapters import BusLlmClient
-from agents.experiment.spec import Sample, Scorer, ScorerError, load_function
-from bus.messages import LlmRequest, TextPart, user_text
+from agent_bus.agents.coordinator.bus_adapters import BusLlmClient
+from agent_bus.agents.experiment.spec import Sample, Scorer, ScorerError, load_function
+from agent_bus.bus.messages import LlmRequest, TextPart, user_text
 
 NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 

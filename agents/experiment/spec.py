@@ -30,9 +30,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from agents import replay
-from agents.launch.topology import Seed, TurnBound, _keypath_message
-from bus.errors import AgentBusError, ConfigError
+from agent_bus.agents import replay
+from agent_bus.agents.launch.topology import Seed, TurnBound, _keypath_message
+from agent_bus.bus.errors import AgentBusError, ConfigError
 
 NAME = r"[A-Za-z0-9_-]+"  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
 #: The gateway holds this many replays (overlays) at once (agents/gateway/process.py REPLAYS_KEPT).

@@ -51,8 +51,8 @@ import anyio
 import httpx
 import msgspec
 
-from agents.gateway.http1 import Http1Transport
-from agents.gateway.providers import (
+from agent_bus.agents.gateway.http1 import Http1Transport
+from agent_bus.agents.gateway.providers import (
     PROVIDERS,
     MessageBuilder,
     Provider,
@@ -60,16 +60,16 @@ from agents.gateway.providers import (
     StreamError,
     iter_sse,
 )
-from agents.gateway.providers.base import DeltaCallback
-from agents.gateway.providers.discovery import discover
-from agents.gateway.providers.llamacpp import DEFAULT_N_CTX
-from agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
-from agents.gateway.wire import ModelConfig
-from agents.loop.context import context_exceeded_text, estimate_usage
-from bus.errors import ConfigError
-from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
-from bus.redact import Redactor, clip
-from bus.tracecontext import traceparent
+from agent_bus.agents.gateway.providers.base import DeltaCallback
+from agent_bus.agents.gateway.providers.discovery import discover
+from agent_bus.agents.gateway.providers.llamacpp import DEFAULT_N_CTX
+from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
+from agent_bus.agents.gateway.wire import ModelConfig
+from agent_bus.agents.loop.context import context_exceeded_text, estimate_usage
+from agent_bus.bus.errors import ConfigError
+from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
+from agent_bus.bus.redact import Redactor, clip
+from agent_bus.bus.tracecontext import traceparent
 
 log = logging.getLogger("agents.gateway.engine")
 

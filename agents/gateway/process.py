@@ -44,18 +44,24 @@ from typing import NoReturn
 import anyio
 import msgspec
 
-from agents.gateway.engine import NO_MODEL_ERROR, LlmEngine, ModelConfig, ModelSetupError, models_from_env
-from agents.gateway.providers.llamacpp import LocalModelError, hosted_models
-from agents.gateway.wire import LlmPartial
-from agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded, request_key
-from bus import events as ev
-from bus.client import IncomingRequest, Peer, connect
-from bus.errors import RemoteError
-from bus.messages import AssistantDelta, AssistantMessage, LlmRequest, Usage
-from bus.procsec import make_undumpable
-from bus.redact import log_redaction
-from bus.security import CurveClient
-from bus.serving import HEADER_ROOM, body_limit
+from agent_bus.agents.gateway.engine import (
+    NO_MODEL_ERROR,
+    LlmEngine,
+    ModelConfig,
+    ModelSetupError,
+    models_from_env,
+)
+from agent_bus.agents.gateway.providers.llamacpp import LocalModelError, hosted_models
+from agent_bus.agents.gateway.wire import LlmPartial
+from agent_bus.agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded, request_key
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import IncomingRequest, Peer, connect
+from agent_bus.bus.errors import RemoteError
+from agent_bus.bus.messages import AssistantDelta, AssistantMessage, LlmRequest, Usage
+from agent_bus.bus.procsec import make_undumpable
+from agent_bus.bus.redact import log_redaction
+from agent_bus.bus.security import CurveClient
+from agent_bus.bus.serving import HEADER_ROOM, body_limit
 
 log = logging.getLogger("agents.gateway.process")
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from bus.messages import AssistantDelta
+from agent_bus.bus.messages import AssistantDelta
 
 ProviderName = Literal["openai", "anthropic", "llamacpp"]  # llamacpp: hosted, OpenAI-compatible
 

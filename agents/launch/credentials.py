@@ -19,9 +19,9 @@ from pathlib import Path
 
 import msgspec
 
-from agents.launch.supervisor import ChildSpec
-from agents.launch.topology import Topology
-from bus.paths import CREDENTIAL_ENV, OWNER_CREDENTIAL, topology_runtime_dir
+from agent_bus.agents.launch.supervisor import ChildSpec
+from agent_bus.agents.launch.topology import Topology
+from agent_bus.bus.paths import CREDENTIAL_ENV, OWNER_CREDENTIAL, topology_runtime_dir
 
 FULL = ["*"]
 

@@ -30,8 +30,8 @@ import anyio
 import anyio.abc
 import msgspec
 
-from bus.backoff import Backoff
-from bus.errors import AgentBusError
+from agent_bus.bus.backoff import Backoff
+from agent_bus.bus.errors import AgentBusError
 
 # 0.5, 1, 2, 4, 8 s (docs/architecture.md). No jitter: each child restarts on its own schedule,
 # and the exact delay is what the user is told ("restarting in 2s").
@@ -302,7 +302,7 @@ class Supervisor:
             stdin_data = json.dumps(secrets).encode() + b"\n" + stdin_data
         env = {**base, "PYTHONUNBUFFERED": "1", **spec.env}
         log = self.log_path(spec.name).open("a", buffering=1)
-        guarded = [sys.executable, "-P", "-m", "bus.procsec", str(os.getpid()), *spec.argv]
+        guarded = [sys.executable, "-P", "-m", "agent_bus.bus.procsec", str(os.getpid()), *spec.argv]
         try:
             process = await anyio.open_process(
                 guarded, stdin=subprocess.PIPE if stdin_data else subprocess.DEVNULL,
@@ -535,4 +535,4 @@ def python_argv(*args: str) -> list[str]:
 
     `-P`: the current directory (often the workspace, which tools write) is not put on the
     children's sys.path, so a file a tool wrote there cannot shadow a module the bus imports."""
-    return [sys.executable, "-P", "-m", "cli", *args]
+    return [sys.executable, "-P", "-m", "agent_bus.cli", *args]

@@ -14,11 +14,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from agents.gateway.providers.llamacpp import local_model_problems
-from agents.gateway.wire import ModelConfig
-from bus.errors import ConfigError
-from bus.paths import default_state_dir, inside_state_dir, overlaps
-from tools.mcp import McpServerSpec
+from agent_bus.agents.gateway.providers.llamacpp import local_model_problems
+from agent_bus.agents.gateway.wire import ModelConfig
+from agent_bus.bus.errors import ConfigError
+from agent_bus.bus.paths import default_state_dir, inside_state_dir, overlaps
+from agent_bus.tools.mcp import McpServerSpec
 
 QueueMode = Literal["one-at-a-time", "all"]
 
@@ -48,7 +48,7 @@ class GatewaySection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
 
 class WorkerGroup(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: str = "tools"
-    tools: list[str] = msgspec.field(default_factory=lambda: ["tools.builtin"])
+    tools: list[str] = msgspec.field(default_factory=lambda: ["agent_bus.tools.builtin"])
     count: int = 1
     concurrency: int = 8
     workspace: str = "."
@@ -405,7 +405,7 @@ count = 1                           # no [models]: configured from OPENAI_* / AN
 
 [[workers]]
 name = "tools"
-tools = ["tools.builtin"]           # dotted modules or .py files with @tool functions
+tools = ["agent_bus.tools.builtin"]           # dotted modules or .py files with @tool functions
 count = 1
 concurrency = 8
 workspace = "."

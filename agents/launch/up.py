@@ -26,9 +26,9 @@ import anyio
 import anyio.abc
 import msgspec
 
-from agents.gateway.wire import ModelConfig
-from agents.launch import credentials
-from agents.launch.supervisor import (
+from agent_bus.agents.gateway.wire import ModelConfig
+from agent_bus.agents.launch import credentials
+from agent_bus.agents.launch.supervisor import (
     Child,
     ChildFailed,
     ChildRecord,
@@ -39,10 +39,10 @@ from agents.launch.supervisor import (
     read_run_file,
     same_process,
 )
-from agents.launch.topology import Topology, WorkerGroup
-from bus import events as ev
-from bus.client import Peer, connect
-from bus.paths import (
+from agent_bus.agents.launch.topology import Topology, WorkerGroup
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.paths import (
     ensure_state_dir,
     ipc_listening,
     local_hub_endpoint,
@@ -53,8 +53,8 @@ from bus.paths import (
     state_home,
     tcp_alias,
 )
-from bus.security import CurveClient, is_loopback_endpoint
-from tools.sandbox import SandboxInfo, describe, required_problem
+from agent_bus.bus.security import CurveClient, is_loopback_endpoint
+from agent_bus.tools.sandbox import SandboxInfo, describe, required_problem
 
 log = logging.getLogger("agents.launch.up")
 
@@ -423,7 +423,7 @@ def _events_bound(topo: Topology) -> str:
         return hub.events
     if not (hub.curve_secret or hub.insecure or not is_loopback_endpoint(hub.endpoint)):
         return ""
-    from bus.hub import default_events_endpoint
+    from agent_bus.bus.hub import default_events_endpoint
 
     return default_events_endpoint(hub.endpoint)
 

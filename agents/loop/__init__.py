@@ -6,7 +6,7 @@ in-process, in tests, or inside the coordinator unchanged (`tests/agents/test_lo
 
 from __future__ import annotations
 
-from agents.loop.run import (
+from agent_bus.agents.loop.run import (
     ABORTED_TEXT,
     BLOCKED_TEXT,
     DENIED_TEXT,

@@ -21,9 +21,9 @@ from typing import Any
 import anyio
 import msgspec
 
-from agents.loop.context import ToolOutputCache, ToolOutputStore, UsageTracker
-from agents.loop.hooks import call_hook
-from agents.loop.run import (
+from agent_bus.agents.loop.context import ToolOutputCache, ToolOutputStore, UsageTracker
+from agent_bus.agents.loop.hooks import call_hook
+from agent_bus.agents.loop.run import (
     AbortSignal,
     LlmClient,
     LoopConfig,
@@ -33,9 +33,9 @@ from agents.loop.run import (
     UpdateSink,
     run_loop,
 )
-from bus.errors import AgentBusError
-from bus.events import AgentEnd, Event, MessageEnd, ToolExecutionEnd, ToolExecutionStart
-from bus.messages import (
+from agent_bus.bus.errors import AgentBusError
+from agent_bus.bus.events import AgentEnd, Event, MessageEnd, ToolExecutionEnd, ToolExecutionStart
+from agent_bus.bus.messages import (
     AssistantMessage,
     Message,
     ToolCallRequest,

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantContent,
     AssistantMessage,
     BranchSummaryMessage,

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantMessage,
     LlmMessage,
     Message,

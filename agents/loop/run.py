@@ -35,7 +35,7 @@ from typing import Any, Literal, Protocol
 import anyio
 import msgspec
 
-from agents.loop.context import (
+from agent_bus.agents.loop.context import (
     DEFAULT_CONTEXT_WINDOW,
     CompactionConfig,
     LlmView,
@@ -60,7 +60,7 @@ from agents.loop.context import (
     should_compact,
     summarisable,
 )
-from agents.loop.hooks import (
+from agent_bus.agents.loop.hooks import (
     KEEP,
     AfterToolCall,
     AfterToolResult,
@@ -79,7 +79,7 @@ from agents.loop.hooks import (
     TurnInfo,
     call_hook,
 )
-from bus.events import (
+from agent_bus.bus.events import (
     AgentEnd,
     AgentStart,
     CompactionComplete,
@@ -94,7 +94,7 @@ from bus.events import (
     TurnEnd,
     TurnStart,
 )
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantDelta,
     AssistantMessage,
     LlmMessage,

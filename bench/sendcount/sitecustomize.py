@@ -23,8 +23,8 @@ _real_import = builtins.__import__
 
 
 def _wrap() -> None:
-    import bus.transport as transport
-    from bus import protocol as p
+    from agent_bus.bus import protocol as p
+    from agent_bus.bus import transport as transport
 
     send = transport.send_frames
 
@@ -46,8 +46,8 @@ def _import(name: str, *args: Any, **kwargs: Any) -> Any:
     # Both fully imported (in sys.modules already while they run): their last names are there.
     # The outer frames of a nested import come here after the hook is gone: wrap only once.
     if (builtins.__import__ is _import
-            and hasattr(sys.modules.get("bus.transport"), "FastTransport")
-            and hasattr(sys.modules.get("bus.protocol"), "decode_header")):
+            and hasattr(sys.modules.get("agent_bus.bus.transport"), "FastTransport")
+            and hasattr(sys.modules.get("agent_bus.bus.protocol"), "decode_header")):
         builtins.__import__ = _real_import  # once: imports cost nothing extra from here on
         _wrap()
     return module

@@ -37,12 +37,12 @@ from typing import Any
 import anyio
 import msgspec
 
-from bus import events as ev
-from bus.client import IncomingRequest, Peer, Subscription, connect
-from bus.errors import AgentBusError
-from bus.httpguard import is_loopback, refusal
-from bus.render import json_line
-from bus.security import CurveClient
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import IncomingRequest, Peer, Subscription, connect
+from agent_bus.bus.errors import AgentBusError
+from agent_bus.bus.httpguard import is_loopback, refusal
+from agent_bus.bus.render import json_line
+from agent_bus.bus.security import CurveClient
 
 log = logging.getLogger("busctl.ui")
 
@@ -164,7 +164,7 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
             self.wfile.write(body)
 
         def _static(self, name: str, ctype: str) -> None:
-            body = resources.files("bus.ui").joinpath("static", name).read_bytes()
+            body = resources.files("agent_bus.bus.ui").joinpath("static", name).read_bytes()
             self._send(200, body, ctype)
 
         def _since(self) -> int:

@@ -14,9 +14,9 @@ import sys
 
 import anyio
 
-from agents import connect
-from bus import events as ev
-from bus.messages import AssistantMessage
+from agent_bus import connect
+from agent_bus.bus import events as ev
+from agent_bus.bus.messages import AssistantMessage
 
 MOTION = "Remote work is better than office work."
 

@@ -14,7 +14,7 @@ from inspect_ai import Task, task
 from inspect_ai.dataset import Sample, json_dataset
 from inspect_ai.scorer import match
 
-from agents.experiment.inspect_bridge import bus_agent
+from agent_bus.agents.experiment.inspect_bridge import bus_agent
 
 
 def record(row: dict[str, Any]) -> Sample:

@@ -14,8 +14,8 @@ import sys
 
 import anyio
 
-from agents import connect
-from bus import events as ev
+from agent_bus import connect
+from agent_bus.bus import events as ev
 
 TASK = "Should we launch a paid tier for our note-taking app?"
 

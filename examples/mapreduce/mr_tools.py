@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from tools import ToolContext, ToolError, tool
+from agent_bus.tools import ToolContext, ToolError, tool
 
 WORD = re.compile(r"[a-z][a-z']*")
 MAP_WORK_SECONDS = 0.2  # simulated per-file work, so the calls visibly overlap across hosts

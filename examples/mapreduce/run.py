@@ -14,9 +14,9 @@ import sys
 
 import anyio
 
-from agents import connect
-from bus import events as ev
-from bus.security import CurveClient
+from agent_bus import connect
+from agent_bus.bus import events as ev
+from agent_bus.bus.security import CurveClient
 
 PROMPT = "Count the words in the corpus."
 

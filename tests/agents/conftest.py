@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from agents.loop.hooks import call_hook
-from bus.events import Event, event_type
-from bus.messages import (
+from agent_bus.agents.loop.hooks import call_hook
+from agent_bus.bus.events import Event, event_type
+from agent_bus.bus.messages import (
     AssistantDelta,
     AssistantMessage,
     LlmRequest,

@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.loop.agent import Agent, AgentError
-from agents.loop.run import LoopConfig, LoopResult
-from bus.events import Event, event_type
-from bus.messages import (
+from agent_bus.agents.loop.agent import Agent, AgentError
+from agent_bus.agents.loop.run import LoopConfig, LoopResult
+from agent_bus.bus.events import Event, event_type
+from agent_bus.bus.messages import (
     AssistantDelta,
     AssistantMessage,
     LlmRequest,

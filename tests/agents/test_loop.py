@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.loop.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn, ToolCallContext
-from agents.loop.run import (
+from agent_bus.agents.loop.hooks import AfterToolResult, Allow, Block, BlockAndStop, NextTurn, ToolCallContext
+from agent_bus.agents.loop.run import (
     DENIED_TEXT,
     MAX_ITERATIONS_SUMMARY_PROMPT,
     TRUNCATED_CALL_TEXT,
@@ -17,7 +17,7 @@ from agents.loop.run import (
     LoopResult,
     run_loop,
 )
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantMessage,
     BranchSummaryMessage,
     CompactionSummaryMessage,

@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.loop.context import (
+from agent_bus.agents.loop.context import (
     CompactionConfig,
     ToolOutputCache,
     ToolOutputConfig,
@@ -20,8 +20,8 @@ from agents.loop.context import (
     history_tokens,
     parse_compaction,
 )
-from agents.loop.run import LoopConfig, run_loop
-from bus.messages import (
+from agent_bus.agents.loop.run import LoopConfig, run_loop
+from agent_bus.bus.messages import (
     AssistantMessage,
     CompactionSummaryMessage,
     Message,

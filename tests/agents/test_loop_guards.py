@@ -7,9 +7,9 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.loop.agent import Agent
-from agents.loop.run import REPEAT_STOP_TEXT, LoopConfig, LoopResult, run_loop
-from bus.messages import ToolResultMessage, user_text
+from agent_bus.agents.loop.agent import Agent
+from agent_bus.agents.loop.run import REPEAT_STOP_TEXT, LoopConfig, LoopResult, run_loop
+from agent_bus.bus.messages import ToolResultMessage, user_text
 from tests.agents.conftest import FakeTools, Recorder, ScriptedLlm, call, reply
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import anyio
 
-from tools import ToolContext, tool
+from agent_bus.tools import ToolContext, tool
 
 #: A sync tool gives up on its own after this long (a lost cancellation then shows as a result).
 SYNC_GIVE_UP = 30.0

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from bus.backoff import Backoff
+from agent_bus.bus.backoff import Backoff
 from tests.support import Proc, busctl, py, wait_for
 
 PEER = str(Path(__file__).with_name("peer_proc.py"))

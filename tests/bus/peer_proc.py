@@ -20,8 +20,8 @@ import anyio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bus.client import IncomingRequest, connect  # noqa: E402
-from bus.security import CurveClient  # noqa: E402
+from agent_bus.bus.client import IncomingRequest, connect  # noqa: E402
+from agent_bus.bus.security import CurveClient  # noqa: E402
 
 
 async def main() -> None:

@@ -9,7 +9,7 @@ import time
 import anyio
 import pytest
 
-from bus.backoff import Backoff, retry
+from agent_bus.bus.backoff import Backoff, retry
 
 
 def test_delays_double_up_to_the_cap_without_jitter() -> None:

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from bus import events as ev
-from bus.client import connect
-from bus.peer import PeerState
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import connect
+from agent_bus.bus.peer import PeerState
 
 
 @pytest.mark.anyio

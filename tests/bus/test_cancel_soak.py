@@ -23,12 +23,12 @@ from typing import Any
 import anyio
 import pytest
 
-from bus import protocol as p
-from bus.client import Peer, connect
-from bus.messages import ToolCallRequest, ToolResult
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.messages import ToolCallRequest, ToolResult
+from agent_bus.tools.executor import BusToolExecutor
 from tests.support import Proc, busctl, running, until
 from tests.tools.fixtures.procs import alive, call
-from tools.executor import BusToolExecutor
 
 pytestmark = pytest.mark.anyio
 
@@ -55,7 +55,7 @@ def soak_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     hub_args = busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp / "hub"))
     with running(hub_args) as hub:
         endpoint = hub.wait_ready()["endpoint"]
-        worker_args = busctl("worker", "--hub", endpoint, "--tools", "tools.builtin",
+        worker_args = busctl("worker", "--hub", endpoint, "--tools", "agent_bus.tools.builtin",
                              "--tools", "tests.bus.cancel_tools", "--shell",
                              "--sandbox", "off",  # follows the shells by host pid (see below)
                              "--workspace", str(tmp / "ws"), "--concurrency", str(CONCURRENCY))

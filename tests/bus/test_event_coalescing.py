@@ -18,11 +18,11 @@ import msgspec
 import pytest
 import zmq
 
-from bus import events as ev
-from bus import protocol as p
-from bus.client import connect
-from bus.errors import HubLost
-from bus.peer import COALESCE_BYTES, COALESCE_EVENTS
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
+from agent_bus.bus.errors import HubLost
+from agent_bus.bus.peer import COALESCE_BYTES, COALESCE_EVENTS
 from tests.support import until
 
 

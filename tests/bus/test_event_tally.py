@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus import events as ev
+from agent_bus.bus import events as ev
 
 
 def body(obj: dict[str, object]) -> bytes:

@@ -14,9 +14,9 @@ import anyio
 import pytest
 import zmq
 
-from bus import events as ev
-from bus import protocol as p
-from bus.client import connect
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
 from tests.bus.helpers import serving_peers
 from tests.support import ROOT, Proc, busctl, py, running, tight_timing, until
 

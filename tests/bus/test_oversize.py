@@ -8,8 +8,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bus.client import connect
-from bus.errors import RemoteError
+from agent_bus.bus.client import connect
+from agent_bus.bus.errors import RemoteError
 from tests.support import Proc, busctl
 
 pytestmark = pytest.mark.anyio

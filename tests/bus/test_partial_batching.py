@@ -10,7 +10,7 @@ import anyio
 import pytest
 import zmq
 
-from bus.client import IncomingRequest, connect
+from agent_bus.bus.client import IncomingRequest, connect
 from tests.bus.test_raw_contracts import RawPeer
 
 pytestmark = pytest.mark.anyio

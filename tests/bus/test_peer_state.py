@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import Peer, PeerState
-from bus.errors import HubUnreachable
+from agent_bus.bus.client import Peer, PeerState
+from agent_bus.bus.errors import HubUnreachable
 from tests.bus.helpers import kill_hub, restartable_ports, start_hub
 from tests.support import Proc, until
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import zmq
 
-from bus import probing
-from bus import protocol as p
-from bus.client import connect
-from bus.probing import ProbeSchedule
+from agent_bus.bus import probing
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
+from agent_bus.bus.probing import ProbeSchedule
 from tests.fault.test_fuzz import RawPeer
 from tests.support import Proc, busctl, py, wait_for
 

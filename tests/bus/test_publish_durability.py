@@ -12,9 +12,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bus import events as ev
-from bus.client import Peer, connect
-from bus.errors import HubLost
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.errors import HubLost
 from tests.bus.helpers import kill_hub, restartable_ports, start_hub
 from tests.support import Proc, py, running, until
 

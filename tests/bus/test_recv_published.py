@@ -8,8 +8,8 @@ import time
 
 import zmq
 
-from bus import protocol as p
-from bus.subscription import recv_published
+from agent_bus.bus import protocol as p
+from agent_bus.bus.subscription import recv_published
 
 EVENT = [b"agent/a/r/turn_start", p.SIGNATURE, b"\x81\xa4kind\xa5event", b"\x81\xa4type\xa1x"]
 BEAT = [p.HEARTBEAT_TOPIC, p.SIGNATURE, b"\x81\xa4kind\xa9heartbeat"]

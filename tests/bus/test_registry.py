@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from bus import events as ev
-from bus import protocol as p
-from bus.registry import Counters, Limits, PeerState, Registry
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.registry import Counters, Limits, PeerState, Registry
 
 WALL0 = 1_700_000_000.0  # the fake unix time at monotonic 0
 

@@ -18,11 +18,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from bus import events as ev
-from bus import protocol as p
-from bus.eventlog import EventLog, connect_reader
-from bus.pipeline import EventPipeline, Retention
-from bus.replay_reader import read_batch
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.eventlog import EventLog, connect_reader
+from agent_bus.bus.pipeline import EventPipeline, Retention
+from agent_bus.bus.replay_reader import read_batch
 
 BUDGET = 256 * 1024  # the default `replay_bytes`
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from bus.replay_pacing import BUSY_FOR, ReplayPacer
+from agent_bus.bus.replay_pacing import BUSY_FOR, ReplayPacer
 
 KIB = 1024
 RATE = 4096 * KIB  # 4 MiB/s: a 512 KiB answer pays 0.125 s, well under BUSY_FOR

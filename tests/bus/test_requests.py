@@ -9,8 +9,8 @@ import time
 import anyio
 import pytest
 
-from bus import errors
-from bus.client import PeerState, connect
+from agent_bus.bus import errors
+from agent_bus.bus.client import PeerState, connect
 from tests.bus.helpers import kill_hub, restartable_ports, serving_peers, start_hub, started_line
 from tests.support import tight_timing, until
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bus.transport import TRANSPORT_ENV, transport_kind
+from agent_bus.bus.transport import TRANSPORT_ENV, transport_kind
 from tests.support import ROOT
 
 # test_stubs: a subscription's SUB socket follows the transport too (PollWaiter when portable).

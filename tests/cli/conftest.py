@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.support import Proc, busctl, wait_for
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -17,7 +17,7 @@ def test_chat_prompts_and_prints_the_answer(up_default: Topology) -> None:
 
 def test_agent_verbs_and_ps(up_default: Topology) -> None:
     """steer / follow-up are queued on the running run, abort ends it; ps lists the children."""
-    from agents.client.remote import connect_blocking
+    from agent_bus.agents.client.remote import connect_blocking
 
     hub = up_default.endpoint
     tools = str(FIXTURES / "my_tools.py")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.paths import default_state_dir, ipc_listening
+from agent_bus.bus.paths import default_state_dir, ipc_listening
 from tests.cli.conftest import json_lines, pid_alive, start_up
 from tests.support import Proc, busctl, wait_for
 

@@ -20,9 +20,9 @@ import anyio
 import click
 import pytest
 
-from bus import events as ev
-from bus.client import CONNECT_TIMEOUT, connect
-from bus.paths import default_state_dir
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import CONNECT_TIMEOUT, connect
+from agent_bus.bus.paths import default_state_dir
 from tests.cli.conftest import pid_alive
 from tests.support import ROOT, Proc, busctl, wait_for
 
@@ -196,7 +196,7 @@ def test_an_error_line_is_red_from_end_to_end(hub: dict) -> None:
 HELP_WALK = """
 import json, click
 from click.testing import CliRunner
-from cli import main
+from agent_bus.cli import main
 
 def walk(group, path):
     # list_commands/get_command, as click's help does: busctl loads some commands lazily.

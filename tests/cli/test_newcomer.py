@@ -9,7 +9,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, json_lines, pid_alive, start_up
 from tests.support import ROOT, busctl, py
 
@@ -91,7 +91,7 @@ def test_up_refuses_a_busy_events_port_and_keys_are_not_overwritten(tmp_path: Pa
 
 CLIENT = """
 import asyncio, sys
-from agents import connect
+from agent_bus import connect
 
 async def main(hub):
     async with connect(hub or None) as bus:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
-from bus.client import CONNECT_TIMEOUT
-from bus.paths import default_state_dir
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus.client import CONNECT_TIMEOUT
+from agent_bus.bus.paths import default_state_dir
 from tests.cli.conftest import FIXTURES, Topology, json_lines, pid_alive, start_up
 from tests.support import busctl, running, wait_for
 
@@ -92,7 +92,7 @@ count = 2
 
 [[workers]]
 name = "files"
-tools = ["tools.builtin"]
+tools = ["agent_bus.tools.builtin"]
 
 [[workers]]
 name = "mine"

@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer, load_script
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, load_script
 from tests.support import Proc, busctl
 
 HERE = Path(__file__).resolve().parent

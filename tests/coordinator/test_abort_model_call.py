@@ -8,7 +8,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from agents.client.remote import connect
+from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack
 
 pytestmark = pytest.mark.anyio

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from agents.client.remote import connect
-from agents.loop.agent import PROMPT_BUSY, RESET_BUSY
-from agents.loop.run import ABORTED_TEXT
-from bus.errors import RemoteError
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.loop.agent import PROMPT_BUSY, RESET_BUSY
+from agent_bus.agents.loop.run import ABORTED_TEXT
+from agent_bus.bus.errors import RemoteError
 from tests.coordinator.conftest import Stack, calls, collapse, role, text, types
 from tests.support import until
 

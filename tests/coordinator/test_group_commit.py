@@ -10,8 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agents.coordinator.persistence import ConversationStore, JournaledRun
-from bus.messages import user_text
+from agent_bus.agents.coordinator.persistence import ConversationStore, JournaledRun
+from agent_bus.bus.messages import user_text
 
 pytestmark = pytest.mark.anyio
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from agents.client.remote import connect
-from agents.coordinator.process import IDLE_SESSIONS_KEPT
-from agents.gateway.fakellm import load_script
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.coordinator.process import IDLE_SESSIONS_KEPT
+from agent_bus.agents.gateway.fakellm import load_script
 from tests.coordinator.conftest import Stack
 
 pytestmark = pytest.mark.anyio

@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from agents.coordinator.persistence import ConversationStore, JournaledRun
-from bus import events as ev
-from bus import protocol as p
-from bus.client import connect
+from agent_bus.agents.coordinator.persistence import ConversationStore, JournaledRun
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
 from tests.bus.test_event_coalescing import RecordingHub, recording_hub
 from tests.coordinator.test_group_commit import stored_runs
 from tests.support import until

@@ -14,16 +14,16 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from agents import commands as cmd
-from agents.client.remote import connect
-from agents.coordinator.multiagent import CALL_CYCLE, CALL_DEPTH, call_problem, publish_topic
-from agents.gateway.fakellm import load_script
-from bus import events as ev
-from bus.client import Envelope, Peer
-from bus.client import connect as connect_peer
-from bus.errors import RemoteError
-from bus.messages import UserMessage
-from bus.watch import replay
+from agent_bus.agents import commands as cmd
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.coordinator.multiagent import CALL_CYCLE, CALL_DEPTH, call_problem, publish_topic
+from agent_bus.agents.gateway.fakellm import load_script
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Envelope, Peer
+from agent_bus.bus.client import connect as connect_peer
+from agent_bus.bus.errors import RemoteError
+from agent_bus.bus.messages import UserMessage
+from agent_bus.bus.watch import replay
 from tests.coordinator.conftest import Stack, calls, start_stack, text
 from tests.support import until
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import anyio
 import pytest
 
-from agents.client.remote import connect
+from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack, start_stack
 from tests.support import until
 

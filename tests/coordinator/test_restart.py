@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.client.remote import connect
+from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack, start_stack, text
 from tests.support import until
 

@@ -17,9 +17,9 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.client.remote import connect
-from agents.gateway.fakellm import load_script
-from bus.errors import PeerLost, RemoteError
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.gateway.fakellm import load_script
+from agent_bus.bus.errors import PeerLost, RemoteError
 from tests.coordinator.conftest import Stack, start_stack
 from tests.support import busctl, until
 

@@ -7,19 +7,19 @@ from typing import Any
 
 import pytest
 
-from agents.coordinator.bus_adapters import AgentTools
-from agents.coordinator.persistence import ConversationStore
-from agents.coordinator.process import (
+from agent_bus.agents.coordinator.bus_adapters import AgentTools
+from agent_bus.agents.coordinator.persistence import ConversationStore
+from agent_bus.agents.coordinator.process import (
     CoordinatorError,
     CoordinatorSettings,
     build_configs,
     loop_config,
     resolve_hook,
 )
-from agents.gateway.engine import ModelConfig
-from agents.launch.topology import AgentSpec
-from agents.loop.context import ToolOutputStore
-from bus.messages import (
+from agent_bus.agents.gateway.engine import ModelConfig
+from agent_bus.agents.launch.topology import AgentSpec
+from agent_bus.agents.loop.context import ToolOutputStore
+from agent_bus.bus.messages import (
     AssistantMessage,
     TextPart,
     ToolCallRequest,
@@ -27,9 +27,9 @@ from bus.messages import (
     ToolResult,
     user_text,
 )
-from bus.protocol import ServiceInfo
+from agent_bus.bus.protocol import ServiceInfo
+from agent_bus.tools.executor import _tool_info
 from tests.coordinator.fixtures.hooks import no_shouting
-from tools.executor import _tool_info
 
 pytestmark = pytest.mark.anyio
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agents.client.remote import connect
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.coordinator.conftest import Stack, start_stack
 from tests.support import busctl
 

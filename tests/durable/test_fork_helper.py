@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.client.remote import connect
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.coordinator.conftest import Stack, start_stack
 from tests.durable.test_replay import AGENTS, script
 from tests.support import busctl

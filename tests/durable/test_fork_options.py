@@ -15,10 +15,10 @@ from typing import Any
 import anyio
 import pytest
 
-from agents.client.remote import connect
-from agents.gateway.fakellm import FakeLLMServer
-from agents.launch.topology import TopologyError, parse_topology
-from agents.replay import Fork, ForkError, ForkPlan, _plan_agent
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.launch.topology import TopologyError, parse_topology
+from agent_bus.agents.replay import Fork, ForkError, ForkPlan, _plan_agent
 from tests.coordinator.conftest import Stack, start_stack
 from tests.durable.test_fork import SCRIPT_X, SCRIPT_Y
 from tests.support import busctl

@@ -6,10 +6,10 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from agents.coordinator.durable import MAY_HAVE_RUN, final_end, plan, recover, unanswered
-from agents.coordinator.persistence import JournaledCall
-from bus import events as ev
-from bus.messages import (
+from agent_bus.agents.coordinator.durable import MAY_HAVE_RUN, final_end, plan, recover, unanswered
+from agent_bus.agents.coordinator.persistence import JournaledCall
+from agent_bus.bus import events as ev
+from agent_bus.bus.messages import (
     AssistantMessage,
     TextPart,
     ToolCall,

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from agents.coordinator.durable import MAY_HAVE_RUN
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.coordinator.durable import MAY_HAVE_RUN
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.support import Proc, busctl
 

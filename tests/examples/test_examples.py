@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import start_up
 from tests.examples.helpers import corpus_word_count, stop_up
 from tests.support import ROOT, Proc, busctl
@@ -198,7 +198,7 @@ curve_client_key = "keys/local.key_secret"''')
     with example(tmp_path, "mapreduce", copy=False) as ex:
         curve = ["--curve-server-key", "keys/hub.key"]
         worker = Proc(busctl("worker", "--hub", ex.endpoint, *curve, "--curve-key",
-                             "keys/host-b.key_secret", "--tools", "tools.builtin", "--tools",
+                             "keys/host-b.key_secret", "--tools", "agent_bus.tools.builtin", "--tools",
                              "examples/mapreduce/mr_tools.py", "--workspace",
                              "examples/mapreduce/host-b", "--concurrency", "2",
                              "--name", "host-b-1"), cwd=tmp_path)

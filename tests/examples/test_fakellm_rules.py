@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 
 SCRIPT = {
     "rules": [

@@ -18,11 +18,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agents.experiment import report as rep
-from agents.experiment.runner import Journal, SampleResult, read_journal
-from agents.experiment.scoring import score
-from agents.experiment.spec import Sample, Scorer, SpecError, load_spec
-from bus.client import connect
+from agent_bus.agents.experiment import report as rep
+from agent_bus.agents.experiment.runner import Journal, SampleResult, read_journal
+from agent_bus.agents.experiment.scoring import score
+from agent_bus.agents.experiment.spec import Sample, Scorer, SpecError, load_spec
+from agent_bus.bus.client import connect
 from tests.examples.test_examples import ENV, example
 from tests.support import ROOT, Proc, busctl, wait_for
 
@@ -287,7 +287,7 @@ def test_example_report_then_sigkill_and_resume(tmp_path: Path) -> None:
 
 def test_plot_writes_three_pngs(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from agents.experiment.plot import plot
+    from agent_bus.agents.experiment.plot import plot
 
     journal = _cells("p", [1, 0, 1, 1])
     written = plot(rep.report(journal, "p"), journal, tmp_path / "plots")

@@ -16,9 +16,9 @@ import anyio
 import msgspec
 import pytest
 
-from agents import connect, connect_blocking
-from agents.gateway.fakellm import FakeLLMServer
-from bus import events as ev
+from agent_bus.agents import connect, connect_blocking
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus import events as ev
 from tests.cli.conftest import start_up
 from tests.examples.helpers import stop_up
 from tests.support import Proc, busctl
@@ -49,7 +49,7 @@ base_url = "{base_url}"
 
 [[workers]]
 name = "tools"
-tools = ["tools.builtin"]
+tools = ["agent_bus.tools.builtin"]
 workspace = "data"
 
 [[agents]]

@@ -26,7 +26,7 @@ import msgspec  # noqa: E402
 import pytest  # noqa: E402
 import zmq  # noqa: E402
 
-from bus import protocol as p  # noqa: E402
+from agent_bus.bus import protocol as p  # noqa: E402
 from tests.fault.conftest import FIXTURES, proc_rss_kb  # noqa: E402
 from tests.fault.test_fuzz import RawPeer  # noqa: E402
 from tests.support import Proc, busctl, py, wait_for  # noqa: E402
@@ -511,7 +511,7 @@ def test_requester_leaving_with_ten_thousand_queued_requests_is_quick(tmp_path: 
 
 
 def test_every_way_of_starting_a_hub_refuses_an_exposed_bind_without_curve() -> None:
-    from bus.hub import Hub, HubConfig, HubConfigError
+    from agent_bus.bus.hub import Hub, HubConfig, HubConfigError
 
     with pytest.raises(HubConfigError, match="refusing to bind `endpoint` tcp://0.0.0.0:0 "
                                               "without CURVE"):
@@ -547,8 +547,8 @@ def frozen(pid: int) -> bool:
 @pytest.mark.anyio
 async def test_a_call_that_hangs_its_workers_is_redispatched_at_most_n_times(
         tmp_path: Path, max_redispatch: int) -> None:
-    from bus.client import connect
-    from bus.errors import PeerLost
+    from agent_bus.bus.client import connect
+    from agent_bus.bus.errors import PeerLost
 
     hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
                       "--heartbeat-interval", str(HEARTBEAT), "--liveness", str(LIVENESS),

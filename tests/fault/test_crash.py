@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.fault.conftest import FAULT_TOOLS
 from tests.support import Proc, busctl, wait_for

@@ -18,9 +18,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bus import events as ev
-from bus.client import Envelope, IncomingRequest, Peer, Subscription, connect
-from tests.support import ROOT, Proc, busctl, until
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Envelope, IncomingRequest, Peer, Subscription, connect
+from tests.support import Proc, busctl, until
 
 pytestmark = pytest.mark.anyio
 
@@ -38,7 +38,7 @@ def tmpfs_namespaces_work(where: Path) -> bool:
 
 def hub_on_tmpfs(state: Path, size: str) -> Proc:
     """`busctl hub` with `state` a tmpfs of `size` that only the hub's mount namespace sees."""
-    hub = (f"exec {sys.executable} {ROOT / 'cli.py'} hub --hub tcp://127.0.0.1:0 "
+    hub = (f"exec {sys.executable} -m agent_bus.cli hub --hub tcp://127.0.0.1:0 "
            f"--state-dir {state} --heartbeat-interval 0.2")
     return Proc(["unshare", "-m", "sh", "-c",
                  f"mount -t tmpfs -o size={size} tmpfs {state} && {hub}"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from bus.client import connect
+from agent_bus.bus.client import connect
 from tests.support import ROOT, Proc, busctl, py, wait_for
 
 PUBLISHER = str(ROOT / "tests" / "fault" / "publisher_proc.py")

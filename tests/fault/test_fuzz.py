@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":  # the helper peer process: make `bus` and `tests` importable
     sys.path.insert(0, str(ROOT))
 
-from bus import protocol as p  # noqa: E402
+from agent_bus.bus import protocol as p  # noqa: E402
 from tests.support import busctl, until  # noqa: E402
 
 if __name__ != "__main__":
@@ -696,8 +696,8 @@ def test_services_survive_hostile_request_and_event_bodies(tmp_path: Path) -> No
     bad_request / handler_error (or the agent's own refusals), never a dead or hung process."""
     import anyio
 
-    from bus.client import connect
-    from bus.errors import RemoteError
+    from agent_bus.bus.client import connect
+    from agent_bus.bus.errors import RemoteError
     from tests.coordinator.conftest import start_stack
 
     stack = start_stack(tmp_path, coordinator=("fz", "listener"), agents=STACK_AGENTS)
@@ -743,7 +743,7 @@ def test_services_survive_hostile_request_and_event_bodies(tmp_path: Path) -> No
                     "model": "x"})
                 reply = msgspec.msgpack.decode(await peer.request("llm", llm, timeout=10))
                 assert "hello" in json.dumps(reply)
-                from agents.client.remote import connect as connect_agents
+                from agent_bus.agents.client.remote import connect as connect_agents
             async with connect_agents(stack.endpoint, name="checker") as bus:
                 async def idle() -> bool:  # a fuzzed run may still be ending
                     return not (await bus.state("fz")).is_running
@@ -771,7 +771,7 @@ def test_services_survive_hostile_request_and_event_bodies(tmp_path: Path) -> No
 async def _peer_main(endpoint: str) -> None:
     import anyio
 
-    from bus.client import connect
+    from agent_bus.bus.client import connect
 
     async with connect(endpoint, name="fuzzpeer", connect_timeout=10) as peer:
         async def echo(req: Any) -> bytes:

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from bus import protocol as p
+from agent_bus.bus import protocol as p
 from tests.fault.test_budgets import event_body, start_hub, status
 from tests.fault.test_fuzz import RawPeer
 

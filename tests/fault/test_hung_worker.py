@@ -14,11 +14,11 @@ import anyio
 import msgspec
 import pytest
 
-from bus.client import Peer, connect
-from bus.errors import PeerLost
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.errors import PeerLost
+from agent_bus.tools.worker import decode_reply
 from tests.fault.conftest import FAULT_TOOLS
 from tests.support import Proc, busctl, until
-from tools.worker import decode_reply
 
 pytestmark = pytest.mark.anyio
 

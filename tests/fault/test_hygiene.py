@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.client import connect
+from agent_bus.bus.client import connect
 from tests.cli.conftest import start_up
 from tests.fault.conftest import FAULT_TOOLS, proc_fds, proc_rss_kb
 from tests.support import Proc, busctl, until, wait_for

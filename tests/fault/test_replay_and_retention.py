@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from bus import events as ev
-from bus import protocol as p
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
 from tests.bus.helpers import serving_peers
 from tests.fault.test_budgets import event_body, start_hub, status
 from tests.fault.test_eventlog_durability import PUBLISHER, log_seqs

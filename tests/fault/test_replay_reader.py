@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import zmq
 
-from bus import protocol as p
-from bus.eventlog import EventLog, connect_reader
-from bus.replay_reader import PACE_SECONDS, REPLAY_LIMIT, ReplayReader, read_batch
+from agent_bus.bus import protocol as p
+from agent_bus.bus.eventlog import EventLog, connect_reader
+from agent_bus.bus.replay_reader import PACE_SECONDS, REPLAY_LIMIT, ReplayReader, read_batch
 from tests.fault.test_budgets import start_hub, status
 from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
@@ -36,7 +36,7 @@ def reader_pids(hub_pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == hub_pid and b"bus.replay_reader" in cmdline:
+        if ppid == hub_pid and b"agent_bus.bus.replay_reader" in cmdline:
             pids.append(int(entry))
     return pids
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
-from bus import events as ev
-from bus.client import connect
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import connect
 from tests.coordinator.conftest import Stack, topology_text
 from tests.fault.test_disk_full import fill, hub_on_tmpfs, tmpfs_namespaces_work
 from tests.support import busctl, until

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from agents.gateway.engine import LlmEngine, ModelConfig
-from agents.gateway.fakellm import FakeLLMServer, ScriptLike
-from bus.messages import AssistantDelta, LlmRequest, RetryPolicy, ToolSpec, Usage, user_text
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.bus.messages import AssistantDelta, LlmRequest, RetryPolicy, ToolSpec, Usage, user_text
 
 FAKE_KEY = "sk-FAKE-7f3a9c1e-do-not-leak-0x5EC12E7"
 FAST_RETRY = RetryPolicy(base_delay=0.01, max_delay=0.05)

@@ -8,7 +8,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from agents.gateway.engine import _ClientPool
+from agent_bus.agents.gateway.engine import _ClientPool
 
 pytestmark = pytest.mark.anyio
 

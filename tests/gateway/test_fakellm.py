@@ -11,8 +11,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer, ScriptLike, demo_script, load_script
-from bus.messages import AssistantMessage, LlmRequest, ToolResultMessage, tool_result_text, user_text
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike, demo_script, load_script
+from agent_bus.bus.messages import (
+    AssistantMessage,
+    LlmRequest,
+    ToolResultMessage,
+    tool_result_text,
+    user_text,
+)
 from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request
 
 StartServer = Callable[[ScriptLike], FakeLLMServer]
@@ -106,7 +112,7 @@ def test_toml_and_json_script_files(tmp_path: Path) -> None:
 
 def test_cli_serves_the_demo(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agents.gateway.fakellm", "--port", "0"], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "agent_bus.agents.gateway.fakellm", "--port", "0"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert proc.stdout is not None

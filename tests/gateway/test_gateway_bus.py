@@ -11,10 +11,10 @@ import anyio
 import msgspec
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
-from bus import events as ev
-from bus.client import connect
-from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, ToolSpec, user_text
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import connect
+from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, ToolSpec, user_text
 from tests.support import Proc, busctl
 
 pytestmark = pytest.mark.anyio

@@ -19,9 +19,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.gateway.engine import LlmEngine, ModelConfig, _LeanClient, _new_client, environment_names_a_proxy
-from agents.gateway.fakellm import FakeLLMServer
-from agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
+from agent_bus.agents.gateway.engine import (
+    LlmEngine,
+    ModelConfig,
+    _LeanClient,
+    _new_client,
+    environment_names_a_proxy,
+)
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
 from tests.support import busctl, running, until
 
 from .conftest import engine_for, request

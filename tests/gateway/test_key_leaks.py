@@ -25,12 +25,12 @@ import httpx
 import msgspec
 import pytest
 
-from agents.client.remote import connect as connect_agents
-from agents.gateway.engine import LlmEngine, ModelConfig
-from agents.gateway.fakellm import FakeLLMServer
-from bus.client import connect
-from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text
-from bus.redact import FRAGMENT, MARK, Redactor, clip, log_redaction
+from agent_bus.agents.client.remote import connect as connect_agents
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus.client import connect
+from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text
+from agent_bus.bus.redact import FRAGMENT, MARK, Redactor, clip, log_redaction
 from tests.gateway.conftest import FAST_RETRY, RetryLog, request
 from tests.support import Proc, busctl, py
 

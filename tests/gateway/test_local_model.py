@@ -15,11 +15,11 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from agents.gateway.engine import ModelConfig
-from agents.gateway.providers.llamacpp import LocalModelError, hosted_models, local_model_problems
-from agents.launch.topology import Topology, TopologyError, check_topology, parse_topology
-from agents.launch.up import LOCAL_MODEL_READY_TIMEOUT, UpOptions, child_specs, resolve
-from cli import main
+from agent_bus.agents.gateway.engine import ModelConfig
+from agent_bus.agents.gateway.providers.llamacpp import LocalModelError, hosted_models, local_model_problems
+from agent_bus.agents.launch.topology import Topology, TopologyError, check_topology, parse_topology
+from agent_bus.agents.launch.up import LOCAL_MODEL_READY_TIMEOUT, UpOptions, child_specs, resolve
+from agent_bus.cli import main
 from tests.support import busctl
 
 
@@ -54,8 +54,8 @@ def test_without_llama_cpp_installed_the_problem_says_how_to_install(tmp_path: P
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     code = ("import sys; sys.modules['xllamacpp'] = None\n"  # as if the extra were missing
-            "from agents.gateway.engine import ModelConfig\n"
-            "from agents.gateway.providers.llamacpp import local_model_problems\n"
+            "from agent_bus.agents.gateway.engine import ModelConfig\n"
+            "from agent_bus.agents.gateway.providers.llamacpp import local_model_problems\n"
             f"print(local_model_problems('m', ModelConfig(provider='llamacpp', gguf={str(gguf)!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout

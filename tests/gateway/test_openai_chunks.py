@@ -11,9 +11,9 @@ import anyio
 import msgspec
 import pytest
 
-from agents.gateway.providers import MessageBuilder, OpenAIProvider, SseEvent, StreamError
-from agents.gateway.providers.openai import _apply_chunk, _finish
-from bus.messages import AssistantDelta, AssistantMessage
+from agent_bus.agents.gateway.providers import MessageBuilder, OpenAIProvider, SseEvent, StreamError
+from agent_bus.agents.gateway.providers.openai import _apply_chunk, _finish
+from agent_bus.bus.messages import AssistantDelta, AssistantMessage
 
 
 def _choice(delta: Any, finish: Any = None) -> str:

@@ -14,11 +14,11 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from agents.gateway.engine import LlmEngine, ModelConfig
-from agents.gateway.fakellm import FakeLLMServer, ScriptLike
-from agents.gateway.providers.prices import ConfiguredPrices, is_local_host, price_model
-from bus.messages import Usage
-from cli import _cost_text
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, is_local_host, price_model
+from agent_bus.bus.messages import Usage
+from agent_bus.cli import _cost_text
 from tests.gateway.conftest import engine_for, request
 
 pytestmark = pytest.mark.anyio
@@ -77,7 +77,7 @@ def test_a_third_party_host_has_no_price_known() -> None:
 def test_without_the_extra_the_status_says_how_to_install_it() -> None:
     # A fresh interpreter where `genai_prices` cannot be imported, as without the extra.
     code = ("import sys; sys.modules['genai_prices'] = None\n"
-            "from agents.gateway.providers.prices import ConfiguredPrices, price_model\n"
+            "from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, price_model\n"
             "p = price_model('openai', 'gpt-4o-mini', base_url='', configured=ConfiguredPrices())\n"
             "print(p.known, p.source)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -11,9 +11,9 @@ import anyio
 import msgspec
 import pytest
 
-from agents.gateway.engine import LlmEngine, ModelConfig
-from agents.gateway.fakellm import FakeLLMServer, ScriptLike
-from bus.messages import AssistantDelta, RetryPolicy, TextPart, ThinkingPart, ToolCall
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.bus.messages import AssistantDelta, RetryPolicy, TextPart, ThinkingPart, ToolCall
 from tests.gateway.conftest import FAKE_KEY, TOOLS, DeltaLog, RetryLog, engine_for, request
 from tests.support import tight_timing
 

@@ -9,9 +9,14 @@ import httpx
 import msgspec
 import pytest
 
-from agents.gateway.engine import ModelConfig, backoff_delay, provider_error_text, retry_after_seconds
-from agents.gateway.providers import AnthropicProvider, OpenAIProvider, flatten_schema
-from bus.messages import (
+from agent_bus.agents.gateway.engine import (
+    ModelConfig,
+    backoff_delay,
+    provider_error_text,
+    retry_after_seconds,
+)
+from agent_bus.agents.gateway.providers import AnthropicProvider, OpenAIProvider, flatten_schema
+from agent_bus.bus.messages import (
     AssistantMessage,
     ImagePart,
     LlmMessage,

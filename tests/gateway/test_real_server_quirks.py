@@ -11,11 +11,11 @@ import anyio
 import msgspec
 import pytest
 
-from agents.coordinator.bus_adapters import BusLlmClient
-from agents.gateway.engine import LlmEngine, ModelSetupError, models_from_env
-from agents.gateway.fakellm import FakeLLMServer, ScriptLike
-from bus.client import connect
-from bus.messages import LlmRequest, user_text
+from agent_bus.agents.coordinator.bus_adapters import BusLlmClient
+from agent_bus.agents.gateway.engine import LlmEngine, ModelSetupError, models_from_env
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.bus.client import connect
+from agent_bus.bus.messages import LlmRequest, user_text
 from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request
 from tests.support import Proc, busctl, until
 

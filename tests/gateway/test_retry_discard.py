@@ -10,11 +10,11 @@ import anyio
 import msgspec
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
-from bus import events as ev
-from bus.client import Envelope, connect
-from bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text
-from bus.render import HumanPrinter
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import Envelope, connect
+from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, user_text
+from agent_bus.bus.render import HumanPrinter
 from tests.support import Proc, busctl
 
 pytestmark = pytest.mark.anyio

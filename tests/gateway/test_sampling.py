@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from agents.gateway.engine import LlmEngine, ModelSetupError, models_from_env
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.engine import LlmEngine, ModelSetupError, models_from_env
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.gateway.conftest import engine_for, request
 
 pytestmark = pytest.mark.anyio

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
 from tests.gateway.conftest import DeltaLog, engine_for, request
 
 pytestmark = pytest.mark.anyio

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, json_lines, pid_alive, start_up
 from tests.support import busctl, running
 

@@ -29,11 +29,11 @@ import anyio
 import msgspec
 import pytest
 
-from agents import commands as cmd
-from agents.gateway.fakellm import load_script
-from bus import events as ev
-from bus import protocol as p
-from bus.client import connect
+from agent_bus.agents import commands as cmd
+from agent_bus.agents.gateway.fakellm import load_script
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
 from tests.coordinator.conftest import start_stack
 from tests.support import busctl
 
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.anyio
 
 CALLS = 4
 STEP_TOOL = '''
-from tools import tool
+from agent_bus.tools import tool
 
 
 @tool

@@ -34,8 +34,8 @@ if __name__ == "__main__":
 
 import anyio  # noqa: E402
 
-from bus import events as ev  # noqa: E402
-from bus.client import connect  # noqa: E402
+from agent_bus.bus import events as ev  # noqa: E402
+from agent_bus.bus.client import connect  # noqa: E402
 
 RATE = 1_000  # events per second from the publisher, in every phase
 BURST = 20_000  # events published at once when the watchers connect: past their queues
@@ -69,7 +69,7 @@ if __name__ != "__main__":
     @pytest.fixture
     def small_hub(tmp_path: Path) -> Any:
         """A hub on ipc:// (small kernel buffers) with a PUB high-water mark of PUB_HWM."""
-        code = ("import sys; from bus.hub import HubConfig, serve; "
+        code = ("import sys; from agent_bus.bus.hub import HubConfig, serve; "
                 "serve(HubConfig(endpoint=sys.argv[1], state_dir=sys.argv[2], "
                 f"pub_hwm={PUB_HWM}))")
         proc = Proc(py("-c", code, f"ipc://{tmp_path}/hub.sock", str(tmp_path / "state")))
@@ -181,7 +181,7 @@ async def _publish(endpoint: str, rate: int, burst: int) -> None:
 async def _watch(endpoint: str, pause: float) -> None:
     import zmq
 
-    from bus.client import Subscription
+    from agent_bus.bus.client import Subscription
 
     # a small receive queue, so that this watcher falls behind within seconds
     original = zmq.Socket.setsockopt

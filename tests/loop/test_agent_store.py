@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from agents.loop.agent import Agent
-from agents.loop.context import ToolOutputStore
-from agents.loop.run import LoopConfig
+from agent_bus.agents.loop.agent import Agent
+from agent_bus.agents.loop.context import ToolOutputStore
+from agent_bus.agents.loop.run import LoopConfig
 from tests.agents.conftest import FakeTools, ScriptedLlm, call, reply
 
 

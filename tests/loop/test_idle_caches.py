@@ -9,10 +9,10 @@ import gc
 
 import pytest
 
-from agents.loop.agent import Agent
-from agents.loop.context import LlmView, SizeMemo, default_convert_to_llm
-from agents.loop.run import LoopConfig
-from bus.messages import Message
+from agent_bus.agents.loop.agent import Agent
+from agent_bus.agents.loop.context import LlmView, SizeMemo, default_convert_to_llm
+from agent_bus.agents.loop.run import LoopConfig
+from agent_bus.bus.messages import Message
 from tests.agents.conftest import FakeTools, ScriptedLlm, call, reply
 
 

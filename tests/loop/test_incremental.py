@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from agents.loop.context import (
+from agent_bus.agents.loop.context import (
     LlmView,
     SizeMemo,
     ToolOutputCache,
@@ -21,7 +21,7 @@ from agents.loop.context import (
     history_tokens,
     to_llm_message,
 )
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantMessage,
     CompactionSummaryMessage,
     CustomMessage,

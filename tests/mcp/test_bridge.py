@@ -14,13 +14,13 @@ import anyio
 import msgspec
 import pytest
 
-from bus import protocol as p
-from bus.messages import ImagePart, ToolResult, ToolTrace
-from bus.tracecontext import span_id, trace_id
+from agent_bus.bus import protocol as p
+from agent_bus.bus.messages import ImagePart, ToolResult, ToolTrace
+from agent_bus.bus.tracecontext import span_id, trace_id
+from agent_bus.tools import check_provider_schema
 from tests.mcp.conftest import DEMO, mcp_worker
 from tests.support import until
 from tests.tools.fixtures.procs import call, executor, run_busctl
-from tools import check_provider_schema
 
 pytestmark = pytest.mark.anyio
 

@@ -12,11 +12,10 @@ import anyio
 import pytest
 from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
 
-from agents.gateway.fakellm import FakeLLMServer
-from bus import events as ev
-from bus.client import connect
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import connect
 from tests.cli.conftest import Topology, start_up
-from tests.support import ROOT
 
 pytestmark = pytest.mark.anyio
 
@@ -40,7 +39,7 @@ def topology(tmp_path: Path) -> Iterator[Topology]:
 
 def serve_params(endpoint: str, *extra: str) -> StdioServerParameters:
     return StdioServerParameters(command=sys.executable,
-                                 args=[str(ROOT / "cli.py"), "mcp", "serve", "--hub", endpoint,
+                                 args=["-m", "agent_bus.cli", "mcp", "serve", "--hub", endpoint,
                                        *extra])
 
 

@@ -15,14 +15,13 @@ from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
 from mcp.types import INVALID_PARAMS
 
 from tests.mcp.conftest import DEMO, mcp_worker
-from tests.support import ROOT
 
 pytestmark = pytest.mark.anyio
 
 
 def serve_params(endpoint: str, *extra: str) -> StdioServerParameters:
     return StdioServerParameters(command=sys.executable,
-                                 args=[str(ROOT / "cli.py"), "mcp", "serve", "--hub", endpoint,
+                                 args=["-m", "agent_bus.cli", "mcp", "serve", "--hub", endpoint,
                                        *extra])
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import start_up
 from tests.support import busctl
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from bus.messages import ImagePart, TextPart
-from tools import ToolDefinitionError, check_provider_schema
-from tools.mcp import parse_mcp_command, provider_safe, to_tool_result
+from agent_bus.bus.messages import ImagePart, TextPart
+from agent_bus.tools import ToolDefinitionError, check_provider_schema
+from agent_bus.tools.mcp import parse_mcp_command, provider_safe, to_tool_result
 
 mt = pytest.importorskip("mcp.types")
 
@@ -77,7 +77,7 @@ def test_mcp_flag_parsing_names_the_flag() -> None:
 
 
 def test_a_topology_mcp_server_needs_a_command_or_a_url() -> None:
-    from agents.launch.topology import TopologyError, parse_topology
+    from agent_bus.agents.launch.topology import TopologyError, parse_topology
 
     base = '[[agents]]\nname = "a"\n[[workers]]\nname = "m"\ntools = []\n[[workers.mcp]]\n'
     topo = parse_topology((base + 'url = "http://127.0.0.1:9/mcp"\nprefix = "x_"\n').encode(),
@@ -90,7 +90,7 @@ def test_a_topology_mcp_server_needs_a_command_or_a_url() -> None:
 
 def test_a_tool_name_no_model_api_takes_is_left_out_by_the_bridge(
         caplog: pytest.LogCaptureFixture) -> None:
-    from tools.mcp import McpBridge, McpServerSpec
+    from agent_bus.tools.mcp import McpBridge, McpServerSpec
 
     bridge = McpBridge(McpServerSpec(command="srv", prefix="fs."), host=None)  # type: ignore[arg-type]
     schema = {"type": "object", "properties": {}}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from bus.security import CurveClient
+from agent_bus.bus.security import CurveClient
 from tests.support import busctl
 
 

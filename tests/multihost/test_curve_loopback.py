@@ -16,12 +16,12 @@ import anyio
 import pytest
 import zmq
 
-from bus import events as ev
-from bus import protocol as p
-from bus.client import Peer, connect
-from bus.errors import HubUnreachable
-from bus.hub import Hub, HubConfig
-from bus.security import generate_keys
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.errors import HubUnreachable
+from agent_bus.bus.hub import Hub, HubConfig
+from agent_bus.bus.security import generate_keys
 from tests.multihost.conftest import Keys
 from tests.support import Proc, busctl, py, until
 
@@ -176,10 +176,10 @@ async def _reloads_past(peer: Peer, n: int) -> bool:
 
 SIGHUP_HUB = """
 import sys
-import bus.security
-bus.security.RELOAD_POLL = 3600.0  # no polling: only SIGHUP reloads
-from bus.hub import HubConfig, serve
-from bus.security import CurveServer
+import agent_bus.bus.security
+agent_bus.bus.security.RELOAD_POLL = 3600.0  # no polling: only SIGHUP reloads
+from agent_bus.bus.hub import HubConfig, serve
+from agent_bus.bus.security import CurveServer
 serve(HubConfig(endpoint="tcp://127.0.0.1:0", heartbeat_interval=0.2,
                 curve=CurveServer(secret_key_file=sys.argv[1], authorized_dir=sys.argv[2])))
 """

@@ -13,12 +13,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agents.client.remote import connect as connect_agents
-from agents.experiment.runner import Journal, Runner, read_journal
-from agents.experiment.spec import load_spec
+from agent_bus.agents.client.remote import connect as connect_agents
+from agent_bus.agents.experiment.runner import Journal, Runner, read_journal
+from agent_bus.agents.experiment.spec import load_spec
 from tests.coordinator.conftest import topology_text
 from tests.multihost.test_netns import Cluster, cluster, net  # noqa: F401 - the fixtures
-from tests.support import ROOT, Proc, until
+from tests.support import Proc, until
 
 pytestmark = pytest.mark.anyio
 
@@ -53,7 +53,7 @@ async def test_experiment_spreads_over_hosts_and_survives_a_killed_coordinator(
     cluster.srv.set_script(SCRIPT)
     topology = tmp_path / "topology.toml"
     topology.write_text(topology_text(cluster.srv.base_url))
-    local = Proc([sys.executable, str(ROOT / "cli.py"), "coordinator", "--hub", cluster.endpoint,
+    local = Proc([sys.executable, "-m", "agent_bus.cli", "coordinator", "--hub", cluster.endpoint,
                   *cluster.keys.cli_args("driver"), "--topology", str(topology), "--agent", "a",
                   "--state-dir", str(tmp_path / "agents"), "--name", "local-coordinator"])
     try:

@@ -22,12 +22,12 @@ import anyio
 import msgspec
 import pytest
 
-from agents.client.remote import connect as connect_agents
-from agents.gateway.fakellm import FakeLLMServer, load_script
-from bus import events as ev
-from bus.client import connect
-from bus.errors import PeerLost
-from bus.messages import ToolCallRequest
+from agent_bus.agents.client.remote import connect as connect_agents
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, load_script
+from agent_bus.bus import events as ev
+from agent_bus.bus.client import connect
+from agent_bus.bus.errors import PeerLost
+from agent_bus.bus.messages import ToolCallRequest
 from tests.coordinator.conftest import TOOLS, calls, text, topology_text
 from tests.multihost.conftest import Keys, generate
 from tests.multihost.test_curve_loopback import until
@@ -150,7 +150,7 @@ def cluster(net: Net, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clus
                                    "--name", "remote-coordinator"],
         }
         for name in REMOTE:  # start all, then wait: the imports overlap
-            cluster.procs[name] = Proc(net.remote(sys.executable, str(ROOT / "cli.py"),
+            cluster.procs[name] = Proc(net.remote(sys.executable, "-m", "agent_bus.cli",
                                                   *argv[name]))
         for name in REMOTE:
             cluster.procs[name].wait_ready(20)
@@ -190,9 +190,9 @@ async def test_run_succeeds_across_hosts_with_key_identities(cluster: Cluster) -
 REMOTE_STRANGER = r"""
 import json, sys
 import anyio, zmq
-from bus.client import connect
-from bus.errors import HubUnreachable
-from bus.security import CurveClient
+from agent_bus.bus.client import connect
+from agent_bus.bus.errors import HubUnreachable
+from agent_bus.bus.security import CurveClient
 hub, events, hub_key, bad, good = sys.argv[1:6]
 clients = {"bad": CurveClient(server_public_key_file=hub_key, secret_key_file=bad),
            "good": CurveClient(server_public_key_file=hub_key, secret_key_file=good)}

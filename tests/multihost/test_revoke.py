@@ -18,10 +18,10 @@ import anyio
 import pytest
 import zmq
 
-from bus import events as ev
-from bus import protocol as p
-from bus.client import Peer, connect
-from bus.security import CurveClient
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import Peer, connect
+from agent_bus.bus.security import CurveClient
 from tests.multihost.conftest import Keys, generate
 from tests.support import ROOT, Proc, busctl, py, until
 

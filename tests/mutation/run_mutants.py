@@ -117,7 +117,7 @@ MUTANTS = [
 
 
 def _copy_tree(dest: Path) -> None:
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+    shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", "*.egg-info", "build", ".pytest_cache"))
 
 
@@ -135,7 +135,7 @@ def _run_tests(tree: Path, tests: tuple[str, ...]) -> bool:
 
 def _uses_the_copy(tree: Path) -> bool:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", "import agents; print(agents.__file__)"],
+    out = subprocess.run([sys.executable, "-c", "import agent_bus; print(agent_bus.__file__)"],
                          cwd=tree, env=env, capture_output=True, text=True, check=True)
     return out.stdout.strip().startswith(str(tree))
 

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from bus.otel import DEFAULT_ENDPOINT, OtelState, default_endpoint, load_state, parse_headers, save_state
+from agent_bus.bus.otel import (
+    DEFAULT_ENDPOINT,
+    OtelState,
+    default_endpoint,
+    load_state,
+    parse_headers,
+    save_state,
+)
 
 
 def test_endpoint_follows_the_otel_variables() -> None:

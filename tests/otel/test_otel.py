@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from agents.client.remote import connect
-from agents.gateway.fakellm import RecordedRequest
-from bus.tracecontext import parse_traceparent, trace_id
+from agent_bus.agents.client.remote import connect
+from agent_bus.agents.gateway.fakellm import RecordedRequest
+from agent_bus.bus.tracecontext import parse_traceparent, trace_id
 from tests.coordinator.conftest import Stack, calls, start_stack, text
 from tests.otel.receiver import Receiver, Span
 from tests.support import Proc, busctl, until
@@ -320,7 +320,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from tools import ToolContext, tool
+from agent_bus.tools import ToolContext, tool
 
 provider = TracerProvider(resource=Resource.create({"service.name": "user-tool"}))
 provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(timeout=5)))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
-from agents.launch.topology import TopologyError, parse_topology
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.launch.topology import TopologyError, parse_topology
 from tests.cli.conftest import start_up
 from tests.otel.receiver import Receiver
 from tests.support import busctl, wait_for

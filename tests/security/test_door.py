@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from bus import events as ev
+from agent_bus.bus import events as ev
 from tests.bus.test_raw_contracts import raw_peers, replay_all
 
 

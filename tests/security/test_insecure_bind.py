@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bus.errors import ConfigError
-from bus.security import InsecureBindError, check_bind
+from agent_bus.bus.errors import ConfigError
+from agent_bus.bus.security import InsecureBindError, check_bind
 
 FIX = "pass --curve-secret, or pass --insecure."
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.paths import default_state_dir, tcp_alias
+from agent_bus.bus.paths import default_state_dir, tcp_alias
 from tests.support import Proc, busctl
 
 FORGE = Path(__file__).parent / "fixtures" / "forge_run.py"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import msgspec
 
-from bus import protocol as p
-from bus.eventlog import EventLog
-from bus.paths import default_state_dir, ensure_state_dir
+from agent_bus.bus import protocol as p
+from agent_bus.bus.eventlog import EventLog
+from agent_bus.bus.paths import default_state_dir, ensure_state_dir
 from tests.cli.conftest import start_up
 from tests.security.fixtures.forge_run import forged_run
 from tests.support import busctl

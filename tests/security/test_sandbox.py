@@ -50,7 +50,7 @@ def readme_project(tmp_path: Path) -> tuple[Path, Path]:
 def project_worker(endpoint: str, project: Path, *extra: str,
                    env: dict[str, str] | None = None) -> Proc:
     python = project / ".venv" / "bin" / "python"
-    return Proc([str(python), "-m", "cli", "worker", "--hub", endpoint, "--workspace", ".",
+    return Proc([str(python), "-m", "agent_bus.cli", "worker", "--hub", endpoint, "--workspace", ".",
                  "--read-only", str(project / "busctl.toml"), *extra], cwd=project, env=env)
 
 
@@ -152,7 +152,7 @@ async def test_nothing_a_shell_call_starts_outlives_it(hub: dict, tmp_path: Path
     dial = (f"{sys.executable} -c \"import socket; "
             f"socket.create_connection(('127.0.0.1', {hub['endpoint'].rpartition(':')[2]}))\"")
     async with workers(hub["endpoint"], 1, "--shell", "--workspace", str(ws), "--sandbox",
-                       "auto", tools="tools.builtin") as [w], executor(hub["endpoint"]) as tools:
+                       "auto", tools="agent_bus.tools.builtin") as [w], executor(hub["endpoint"]) as tools:
         assert w.ready["sandbox"]["shell"] == "bwrap", w.ready  # type: ignore[attr-defined]
         result = await tools.execute(call("run_shell", command=escape))
         assert "started" in result.text, result.text
@@ -215,7 +215,7 @@ async def test_a_snooping_shell_never_sees_the_key_and_nothing_outlives_down(
     """Attacks 2 and 3 on `busctl up` with shell on: a shell reads every visible process's
     environment in a loop while the gateway restarts; then a call still running at `busctl
     down` (with a `setsid` child) leaves no process behind."""
-    from agents.gateway.fakellm import FakeLLMServer
+    from agent_bus.agents.gateway.fakellm import FakeLLMServer
     from tests.cli.conftest import Topology, start_up
     from tests.support import busctl
 
@@ -291,23 +291,26 @@ async def _loaded(tools: Any, service: str, load: int) -> bool:
 def test_an_editable_install_of_the_bus_is_read_only_for_tools() -> None:
     """Developing agent-bus in place (`pip install -e .`, the workspace = the checkout): the
     gateway's sources are refused though a worker never imports them."""
-    from tools._context import confine
-    from tools._exceptions import WorkspaceError
-    from tools.sandbox import _editable_sources
+    from agent_bus.tools._context import confine
+    from agent_bus.tools._exceptions import WorkspaceError
+    from agent_bus.tools.sandbox import _editable_sources
 
-    if ("agents", ROOT / "agents") not in _editable_sources():
+    if ("agent_bus", ROOT / "agent_bus") not in _editable_sources():
         pytest.skip("agent-bus is not installed in editable mode here")
-    with pytest.raises(WorkspaceError, match="read-only for tools"):
-        confine(ROOT, "agents/gateway/process.py")
+    # the sources themselves, not only the folder of links that makes them `agent_bus`
+    for path in ("agents/gateway/process.py", "bus/hub.py", "tools/new.py", "cli.py",
+                 "agent_bus/__init__.py"):
+        with pytest.raises(WorkspaceError, match="read-only for tools"):
+            confine(ROOT, path)
     assert confine(ROOT, "agents/gateway/process.py", write=False).is_file()  # reading is fine
 
 
 def test_shell_network_and_home_start_up_files() -> None:
     """`network = true` keeps the shell's network; a home folder as workspace keeps the user's
     shell start-up files read-only for tools."""
-    from tools._context import confine
-    from tools._exceptions import WorkspaceError
-    from tools.sandbox import set_shell_sandbox, shell_prefix
+    from agent_bus.tools._context import confine
+    from agent_bus.tools._exceptions import WorkspaceError
+    from agent_bus.tools.sandbox import set_shell_sandbox, shell_prefix
 
     try:
         set_shell_sandbox("auto", network=True)
@@ -353,7 +356,7 @@ def test_the_hubs_credentials_stay_out_of_tools_reach(tmp_path: Path,
     call does not see the folder at all (a shell is not a peer of the bus)."""
     import socket
 
-    from tools import sandbox
+    from agent_bus.tools import sandbox
 
     folder = tmp_path / "rt" / "0123456789ab"
     folder.mkdir(parents=True)

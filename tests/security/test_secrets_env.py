@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from agents.gateway.fakellm import FakeLLMServer, request_key
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, request_key
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.support import busctl
 
@@ -39,7 +39,7 @@ def _environ(pid: int) -> bytes:
 
 def test_key_only_in_the_gateway_and_tools_cannot_read_it(tmp_path: Path) -> None:
     config = tmp_path / "topology.toml"
-    config.write_text(f"[[workers]]\ntools = ['tools.builtin', '{SNOOP}']\nshell = true\n")
+    config.write_text(f"[[workers]]\ntools = ['agent_bus.tools.builtin', '{SNOOP}']\nshell = true\n")
     with FakeLLMServer(_script()) as llm:
         env = {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": KEY}
         proc, ready = start_up(tmp_path, "-c", str(config), env=env)

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from agents.gateway.fakellm import FakeLLMServer
-from bus.paths import STATE_MARKER, default_state_dir, ensure_state_dir
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus.paths import STATE_MARKER, default_state_dir, ensure_state_dir
+from agent_bus.tools import run_tool
+from agent_bus.tools.builtin import list_dir, read_file, search_files, write_file
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.support import busctl, wait_for
-from tools import run_tool
-from tools.builtin import list_dir, read_file, search_files, write_file
 
 KEY = "sk-test-state-dir-attack-0123456789"
 
@@ -112,7 +112,7 @@ def test_up_refuses_a_workspace_that_overlaps_the_state_dir(
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_tools_refuse_any_state_dir_even_inside_their_workspace(tmp_path: Path) -> None:
     """A worker started by hand with a wide workspace still cannot touch a state directory."""
-    from bus.messages import ToolCallRequest
+    from agent_bus.bus.messages import ToolCallRequest
 
     state = ensure_state_dir(tmp_path / "somewhere" / "state")
     (state / "topology.json").write_text("{}")

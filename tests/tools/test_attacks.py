@@ -27,14 +27,14 @@ from typing import Any
 import anyio
 import pytest
 
-from bus.messages import ToolCallRequest, ToolResult
-from bus.paths import ensure_state_dir
+from agent_bus.bus.messages import ToolCallRequest, ToolResult
+from agent_bus.bus.paths import ensure_state_dir
+from agent_bus.tools import Tool, run_tool
+from agent_bus.tools.builtin import fetch_url, read_file, search_files
+from agent_bus.tools.builtin._files import READ_CHUNK_CHARS, SEARCH_TIME_LIMIT
+from agent_bus.tools.builtin._netguard import ALLOW_ENV, parse_allow_list, pick_address
 from tests.tools.fixtures.procs import call as bus_call
 from tests.tools.fixtures.procs import executor, until, workers
-from tools import Tool, run_tool
-from tools.builtin import fetch_url, read_file, search_files
-from tools.builtin._files import READ_CHUNK_CHARS, SEARCH_TIME_LIMIT
-from tools.builtin._netguard import ALLOW_ENV, parse_allow_list, pick_address
 
 pytestmark = pytest.mark.anyio
 
@@ -409,7 +409,7 @@ def peak_rss_kib(pid: int) -> int:
 
 
 async def test_worker_keeps_serving_while_a_backtracking_search_runs_out(hub: dict, evil: Path) -> None:
-    async with workers(hub["endpoint"], 1, "--workspace", str(evil), tools="tools.builtin") as [w], \
+    async with workers(hub["endpoint"], 1, "--workspace", str(evil), tools="agent_bus.tools.builtin") as [w], \
             executor(hub["endpoint"]) as tools:
         t0 = time.monotonic()
         assert (await tools.execute(bus_call("read_file", "warm", path="evil.txt", offset=51))).text == "hello\n"
@@ -453,7 +453,7 @@ async def test_worker_reads_a_200_mb_line_in_bounded_memory(hub: dict, tmp_path:
         for i in range(size // (1024 * 1024)):
             f.write(chr(ord("a") + i % 26) * (1024 * 1024))
         f.write("\nend\n")
-    async with workers(hub["endpoint"], 1, "--workspace", str(ws), tools="tools.builtin") as [w], \
+    async with workers(hub["endpoint"], 1, "--workspace", str(ws), tools="agent_bus.tools.builtin") as [w], \
             executor(hub["endpoint"]) as tools:
         (ws / "small.txt").write_text("x" * 5000 + "\nend\n")  # the same code paths, warmed up
         warm = await tools.execute(bus_call("read_file", "warm", path="small.txt", offset=2))

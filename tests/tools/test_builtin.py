@@ -14,10 +14,9 @@ from typing import Any
 import anyio
 import pytest
 
-from bus.messages import ImagePart, ToolCallRequest, ToolResult
-from tests.support import until
-from tools import Tool, check_provider_schema, run_tool
-from tools.builtin import (
+from agent_bus.bus.messages import ImagePart, ToolCallRequest, ToolResult
+from agent_bus.tools import Tool, check_provider_schema, run_tool
+from agent_bus.tools.builtin import (
     BUILTIN_TOOLS,
     fetch_url,
     list_dir,
@@ -26,7 +25,8 @@ from tools.builtin import (
     search_files,
     write_file,
 )
-from tools.sandbox import set_shell_sandbox
+from agent_bus.tools.sandbox import set_shell_sandbox
+from tests.support import until
 
 pytestmark = pytest.mark.anyio
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tools import WorkspaceError
-from tools._context import confine
+from agent_bus.tools import WorkspaceError
+from agent_bus.tools._context import confine
 
 
 def test_a_sibling_sharing_the_workspace_prefix_is_refused(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import anyio
 import msgspec
 import pytest
 
-from bus.messages import ToolResult
+from agent_bus.bus.messages import ToolResult
+from agent_bus.tools.executor import BusToolExecutor, arguments_problem
 from tests.tools.fixtures.procs import (
     call,
     elapsed,
@@ -21,7 +22,6 @@ from tests.tools.fixtures.procs import (
     until,
     workers,
 )
-from tools.executor import BusToolExecutor, arguments_problem
 
 pytestmark = pytest.mark.anyio
 
@@ -124,9 +124,9 @@ async def test_hub_loss_mid_call_is_an_error_result(tmp_path: Path) -> None:
 
 
 async def test_a_call_refused_by_a_leaving_worker_is_sent_again(hub: dict) -> None:
-    from bus import protocol as p
-    from bus.client import IncomingRequest, connect
-    from bus.errors import RequestError
+    from agent_bus.bus import protocol as p
+    from agent_bus.bus.client import IncomingRequest, connect
+    from agent_bus.bus.errors import RequestError
     from tests.tools.fixtures.worker_tools import add
 
     async with connect(hub["endpoint"], name="leaving") as leaving:

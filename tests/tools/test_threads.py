@@ -6,9 +6,9 @@ import threading
 import anyio
 import pytest
 
-from bus.messages import ToolCallRequest, ToolResult
+from agent_bus.bus.messages import ToolCallRequest, ToolResult
+from agent_bus.tools import Tool, run_tool, tool
 from tests.support import until
-from tools import Tool, run_tool, tool
 
 pytestmark = pytest.mark.anyio
 

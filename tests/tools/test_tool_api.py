@@ -13,10 +13,10 @@ import msgspec
 import pytest
 from sniffio import current_async_library_cvar
 
-import tools
-from bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult, ToolTrace
-from bus.tracecontext import span_id, trace_id
-from tools import (
+from agent_bus import tools
+from agent_bus.bus.messages import ImagePart, TextPart, ToolCallRequest, ToolInfo, ToolResult, ToolTrace
+from agent_bus.bus.tracecontext import span_id, trace_id
+from agent_bus.tools import (
     Done,
     Image,
     TaskComplete,
@@ -549,7 +549,7 @@ async def test_async_tool_can_await_cancellation_and_finishes_normally_unflagged
 def test_load_tools_from_file_and_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = textwrap.dedent(
         '''
-        from tools import tool
+        from agent_bus.tools import tool
 
         @tool
         def alpha(x: int) -> int:
@@ -584,15 +584,15 @@ def test_load_tools_errors(tmp_path: Path) -> None:
     with pytest.raises(ToolLoadError, match="defines no @tool functions"):
         load_tools(str(empty))
     bad_tool = tmp_path / "bad_tool.py"
-    bad_tool.write_text("from tools import tool\n@tool\ndef f(x): pass\n")
+    bad_tool.write_text("from agent_bus.tools import tool\n@tool\ndef f(x): pass\n")
     with pytest.raises(ToolLoadError, match="ToolDefinitionError: parameter `x`"):
         load_tools(str(bad_tool))
 
 
 def test_load_builtin_tools() -> None:
-    from tools.builtin import BUILTIN_TOOLS
+    from agent_bus.tools.builtin import BUILTIN_TOOLS
 
-    loaded = load_tools("tools.builtin")
+    loaded = load_tools("agent_bus.tools.builtin")
     assert {t.name for t in loaded} == {t.name for t in BUILTIN_TOOLS} == {
         "read_file", "write_file", "list_dir", "search_files", "fetch_url", "run_shell"
     }
@@ -643,7 +643,7 @@ async def test_failing_progress_callback_does_not_fail_the_tool(caplog: pytest.L
 def test_load_tools_refuses_duplicate_names(tmp_path: Path) -> None:
     dup = tmp_path / "dup.py"
     dup.write_text(
-        "from tools import tool\n"
+        "from agent_bus.tools import tool\n"
         "@tool(name='same')\ndef a() -> None: ...\n"
         "@tool(name='same')\ndef b() -> None: ...\n"
     )

@@ -12,10 +12,11 @@ import anyio
 import msgspec
 import pytest
 
-from bus import events as ev
-from bus import protocol as p
-from bus.errors import RemoteError
-from bus.messages import ToolResult
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.errors import RemoteError
+from agent_bus.bus.messages import ToolResult
+from agent_bus.tools import check_provider_schema
 from tests.support import tight_timing
 from tests.tools.fixtures.procs import (
     alive,
@@ -28,7 +29,6 @@ from tests.tools.fixtures.procs import (
     until,
     workers,
 )
-from tools import check_provider_schema
 
 pytestmark = pytest.mark.anyio
 
@@ -244,7 +244,7 @@ async def test_cancelled_call_kills_the_shell_command(hub: dict, tmp_path: Path)
     ws = tmp_path / "ws"
     ws.mkdir()
     async with workers(hub["endpoint"], 1, "--shell", "--workspace", str(ws),
-                       tools="tools.builtin") as [w], executor(hub["endpoint"]) as tools:
+                       tools="agent_bus.tools.builtin") as [w], executor(hub["endpoint"]) as tools:
         command = "echo $$ > sh.pid; sleep 30 & echo $! > sleep.pid; wait"
         outcome: list[ToolResult] = []
         with anyio.CancelScope() as scope:
@@ -283,7 +283,7 @@ async def test_builtin_file_tools_stay_in_the_workspace(hub: dict, tmp_path: Pat
     ws.mkdir()
     (ws / "ok.txt").write_text("inside\n")
     (tmp_path / "secret.txt").write_text("outside\n")
-    async with workers(hub["endpoint"], 1, "--workspace", str(ws), tools="tools.builtin"), \
+    async with workers(hub["endpoint"], 1, "--workspace", str(ws), tools="agent_bus.tools.builtin"), \
             executor(hub["endpoint"]) as tools:
         refused = await tools.execute_all([
             call("read_file", "r1", path="../secret.txt"),
@@ -321,7 +321,7 @@ def test_worker_with_a_broken_tool_module_exits_non_zero() -> None:
 def test_worker_refuses_a_schema_providers_reject(tmp_path: Path) -> None:
     source = tmp_path / "titled.py"
     source.write_text(
-        "from tools import tool\n\n"
+        "from agent_bus.tools import tool\n\n"
         "@tool\ndef titled(x: int) -> int:\n    return x\n\n"
         "titled.parameters['title'] = 'Titled'\n"
     )

@@ -21,9 +21,9 @@ import anyio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bus import events as ev  # noqa: E402
-from bus.client import IncomingRequest, connect  # noqa: E402
-from bus.messages import (  # noqa: E402
+from agent_bus.bus import events as ev  # noqa: E402
+from agent_bus.bus.client import IncomingRequest, connect  # noqa: E402
+from agent_bus.bus.messages import (  # noqa: E402
     AssistantDelta,
     AssistantMessage,
     TextPart,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from bus.ui import EventStore
+from agent_bus.bus.ui import EventStore
 
 
 def test_after_resumes_past_a_seq_and_the_store_stays_bounded() -> None:

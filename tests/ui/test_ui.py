@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from agents.client.remote import connect
+from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack, calls, start_stack, text
 from tests.support import Proc, busctl, py, until
 from tests.ui.browser import Browser, find_chromium

@@ -9,13 +9,13 @@ unless the worker enabled shell access (`ToolContext.allow_shell`); `fetch_url` 
 public addresses unless the worker's `BUSCTL_FETCH_ALLOW` lists internal ones (`_netguard`).
 Searches and reads stop at a time limit of their own (`search_files` runs patterns on RE2, or
 Python's `re` in a killable child process, `_grep`). Serve them all with
-`load_tools("tools.builtin")`.
+`load_tools("agent_bus.tools.builtin")`.
 """
 
-from tools._tool import Tool
-from tools.builtin._files import list_dir, read_file, search_files, write_file
-from tools.builtin._shell import run_shell
-from tools.builtin._web import fetch_url
+from agent_bus.tools._tool import Tool
+from agent_bus.tools.builtin._files import list_dir, read_file, search_files, write_file
+from agent_bus.tools.builtin._shell import run_shell
+from agent_bus.tools.builtin._web import fetch_url
 
 BUILTIN_TOOLS: list[Tool] = [read_file, write_file, list_dir, search_files, fetch_url, run_shell]
 

@@ -20,11 +20,11 @@ from typing import Annotated, NamedTuple, TextIO
 import msgspec
 import re2  # no stubs (pyproject's [tool.mypy] overrides); used through `_grep.Matcher`
 
-from bus.messages import ImagePart
-from tools._context import ToolContext
-from tools._exceptions import ToolError, WorkspaceError
-from tools._tool import tool
-from tools.builtin import _grep
+from agent_bus.bus.messages import ImagePart
+from agent_bus.tools._context import ToolContext
+from agent_bus.tools._exceptions import ToolError, WorkspaceError
+from agent_bus.tools._tool import tool
+from agent_bus.tools.builtin import _grep
 
 MAX_READ_CHARS = 256 * 1024
 MAX_LINE_CHARS = 2000

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from tools._exceptions import ToolError
+from agent_bus.tools._exceptions import ToolError
 
 ALLOW_ENV = "BUSCTL_FETCH_ALLOW"
 

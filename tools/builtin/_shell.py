@@ -21,11 +21,11 @@ import anyio
 import anyio.abc
 import msgspec
 
-from bus.messages import TextPart, ToolResult
-from tools._context import ToolContext
-from tools._exceptions import ToolError
-from tools._tool import tool
-from tools.sandbox import shell_prefix
+from agent_bus.bus.messages import TextPart, ToolResult
+from agent_bus.tools._context import ToolContext
+from agent_bus.tools._exceptions import ToolError
+from agent_bus.tools._tool import tool
+from agent_bus.tools.sandbox import shell_prefix
 
 MAX_OUTPUT_BYTES = 100 * 1024
 #: After the shell exits and its group is killed, how long to wait for the pipe to drain.

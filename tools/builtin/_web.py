@@ -22,9 +22,9 @@ import anyio
 import httpx
 import msgspec
 
-from tools._exceptions import ToolError
-from tools._tool import tool
-from tools.builtin import _netguard
+from agent_bus.tools._exceptions import ToolError
+from agent_bus.tools._tool import tool
+from agent_bus.tools.builtin import _netguard
 
 MAX_FETCH_BYTES = 1024 * 1024
 FETCH_TIME_LIMIT = 20.0

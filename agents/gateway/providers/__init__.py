@@ -1,7 +1,7 @@
 """LLM provider adapters: build a provider's HTTP request, parse its SSE stream."""
 
-from agents.gateway.providers.anthropic import AnthropicProvider
-from agents.gateway.providers.base import (
+from agent_bus.agents.gateway.providers.anthropic import AnthropicProvider
+from agent_bus.agents.gateway.providers.base import (
     MessageBuilder,
     Provider,
     ProviderRequest,
@@ -10,7 +10,7 @@ from agents.gateway.providers.base import (
     flatten_schema,
     iter_sse,
 )
-from agents.gateway.providers.openai import OpenAIProvider
+from agent_bus.agents.gateway.providers.openai import OpenAIProvider
 
 # "llamacpp" is llama.cpp's server hosted by the gateway (agents.gateway.providers.llamacpp): it speaks
 # the OpenAI API.

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from agents.gateway.providers.base import (
+from agent_bus.agents.gateway.providers.base import (
     MessageBuilder,
     Provider,
     ProviderRequest,
@@ -17,7 +17,7 @@ from agents.gateway.providers.base import (
     decode_json,
     flatten_schema,
 )
-from bus.messages import (
+from agent_bus.bus.messages import (
     AssistantMessage,
     LlmMessage,
     LlmRequest,

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from bus.errors import AgentBusError
-from bus.messages import (
+from agent_bus.bus.errors import AgentBusError
+from agent_bus.bus.messages import (
     AssistantContent,
     AssistantDelta,
     AssistantMessage,

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from bus.errors import ConfigError
+from agent_bus.bus.errors import ConfigError
 
 if TYPE_CHECKING:
-    from agents.gateway.wire import ModelConfig
+    from agent_bus.agents.gateway.wire import ModelConfig
 
 log = logging.getLogger("agents.gateway.providers.llamacpp")
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from bus.messages import Usage
+from agent_bus.bus.messages import Usage
 
 #: The hosts of the providers' own APIs: only there does a public price list apply.
 PROVIDER_HOSTS: dict[str, str] = {"openai": "api.openai.com", "anthropic": "api.anthropic.com"}
