@@ -10,12 +10,14 @@ history size), not the model's wording.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -29,15 +31,10 @@ pytestmark = [pytest.mark.real_llm,
 RUN_TIMEOUT = 300  # a 0.5B model on 2 cores: ~45 tokens/s, prefill ~160 tokens/s
 
 
-@pytest.fixture(scope="module")
-def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
-    cwd = tmp_path_factory.mktemp("real")
-    (cwd / "alpha.txt").write_text("The secret word is PINEAPPLE.\n")
-    (cwd / "beta.txt").write_text("The other word is MANGO.\n")
-    # OPENAI_MAX_TOKENS: the 0.5B model now and then repeats itself until the window is full (one run of
-    # ten took 245 s that way); a reply cap is what a user of a small local model sets too.
-    proc, ready = start_up(cwd, env={"OPENAI_BASE_URL": URL, "OPENAI_API_KEY": "",
-                                     "OPENAI_MAX_TOKENS": "600"})
+@contextlib.contextmanager
+def _running(cwd: Path, env: dict[str, str]) -> Iterator[Topology]:
+    """`busctl up` in `cwd` with `env`, stopped after (and any child it left, killed)."""
+    proc, ready = start_up(cwd, env=env)
     topology = Topology(proc, cwd, ready)
     pids = topology.child_pids()
     try:
@@ -47,6 +44,18 @@ def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
         for pid in pids.values():
             if pid_alive(pid):
                 os.kill(pid, 9)
+
+
+@pytest.fixture(scope="module")
+def topo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
+    cwd = tmp_path_factory.mktemp("real")
+    (cwd / "alpha.txt").write_text("The secret word is PINEAPPLE.\n")
+    (cwd / "beta.txt").write_text("The other word is MANGO.\n")
+    # OPENAI_MAX_TOKENS: the 0.5B model now and then repeats itself until the window is full (one run of
+    # ten took 245 s that way); a reply cap is what a user of a small local model sets too.
+    with _running(cwd, {"OPENAI_BASE_URL": URL, "OPENAI_API_KEY": "",
+                        "OPENAI_MAX_TOKENS": "600"}) as topology:
+        yield topology
 
 
 def run(topo: Topology, *args: str) -> tuple[int, list[dict], float]:
@@ -151,17 +160,9 @@ def provider_topo(request: pytest.FixtureRequest,
     (cwd / "mid26.txt").write_text(_numbered_file(280))  # 26 KB
     prefix = request.param.upper()
     base = URL if request.param == "openai" else URL.removesuffix("/v1")
-    proc, ready = start_up(cwd, env={f"{prefix}_BASE_URL": base, f"{prefix}_API_KEY": "",
-                                     f"{prefix}_MAX_TOKENS": "600"})
-    topology = Topology(proc, cwd, ready)
-    pids = topology.child_pids()
-    try:
+    with _running(cwd, {f"{prefix}_BASE_URL": base, f"{prefix}_API_KEY": "",
+                        f"{prefix}_MAX_TOKENS": "600"}) as topology:
         yield topology
-    finally:
-        proc.stop(timeout=8)
-        for pid in pids.values():
-            if pid_alive(pid):
-                os.kill(pid, 9)
 
 
 @pytest.mark.timeout(3600)
