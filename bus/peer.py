@@ -439,7 +439,7 @@ class Peer:
         return dropped
 
     def _hello(self) -> p.Hello:
-        return p.Hello(name=self.name, session=self.session, pid=os.getpid(), host=p.hostname(),
+        return p.Hello(name=self.name, session=self.session, pid=p.host_pid(), host=p.hostname(),
                        role=self.role, credential=credential_for(self.hub))
 
     async def _housekeeping(self, tg: anyio.abc.TaskGroup) -> None:

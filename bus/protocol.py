@@ -8,6 +8,7 @@ normative description; keep the two in step.
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from typing import Any, Final, TypeVar
@@ -246,6 +247,22 @@ def new_session() -> str:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+_host_pid = 0  # `set_host_pid`'s: 0 while this process's own pid is the host's
+
+
+def host_pid() -> int:
+    """This process's pid as seen from its host (a hello's `pid`, what `busctl ps` shows and a
+    user can signal): `os.getpid()`, unless `set_host_pid` named another."""
+    return _host_pid or os.getpid()
+
+
+def set_host_pid(pid: int) -> None:
+    """A process in a PID namespace of its own (a sandboxed worker is pid 1 there) names the
+    pid the host knows it by: its sandbox's, whose signals reach it (tools/sandbox.py)."""
+    global _host_pid
+    _host_pid = pid
 
 
 def event_topic(family: str, agent: str, run: str, type_: str) -> bytes:

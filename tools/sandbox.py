@@ -284,8 +284,12 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
     protect(read_only, READ_ONLY_WHY)
     inside = os.environ.pop(SANDBOX_ENV, "")
     if inside:
+        from agent_bus.bus.protocol import set_host_pid
+
         _leave_with_bwrap()
-        return msgspec.json.decode(inside, type=SandboxInfo)
+        info = msgspec.json.decode(inside, type=SandboxInfo)
+        set_host_pid(info.pid)  # pid 1 in here: the hub and `busctl ps` show the sandbox's
+        return info
     if mode == "off":
         return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
     prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide])

@@ -10,6 +10,8 @@ use. Each must be refused with a clear tool error.
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import signal
@@ -23,7 +25,7 @@ import anyio
 import anyio.to_thread
 import pytest
 
-from tests.support import ROOT, Proc
+from tests.support import ROOT, Proc, busctl
 from tests.tools.fixtures.procs import call, executor, until, workers
 
 pytestmark = pytest.mark.anyio
@@ -282,6 +284,23 @@ async def test_sigterm_to_the_sandbox_alone_still_stops_the_worker_cleanly(hub: 
         assert not results["short"].is_error, results["short"].text
         assert "shut down while running `sleepy`" in results["long"].text
         assert "tool.sleepy" not in {s.name for s in (await tools.peer.status()).services}
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
+async def test_a_sandboxed_workers_pid_is_the_one_the_host_knows(hub: dict) -> None:
+    """Inside its PID namespace the worker is pid 1; its hello (so `busctl ps` and the hub's
+    status) carries its sandbox's pid on the host: the process a user can `kill`."""
+    async with workers(hub["endpoint"], 1, "--sandbox", "auto") as [w]:
+        assert w.ready["sandbox"]["kind"] == "bwrap"  # type: ignore[attr-defined]
+        ps = await anyio.to_thread.run_sync(functools.partial(
+            subprocess.run, busctl("ps", "--hub", hub["endpoint"], "--json"),
+            capture_output=True, text=True, timeout=30))
+        assert ps.returncode == 0, ps.stderr
+        rows = [json.loads(line) for line in ps.stdout.splitlines()]
+        [pid] = [row["pid"] for row in rows if row["name"] == w.ready["name"]]  # type: ignore[attr-defined]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert pid == w.popen.pid != 1, rows  # the busctl worker started here, become bwrap
+    assert os.path.basename(cmdline[0]) == b"bwrap" and b"worker" in cmdline, cmdline
 
 
 async def _loaded(tools: Any, service: str, load: int) -> bool:
