@@ -15,6 +15,7 @@
 
     BusError
     ├── HubUnreachable      no welcome from the hub within the connect timeout
+    ├── RegisterRefused     the hub refused to register a service (`.service`, `.code`, `.reason`)
     ├── ProtocolError       a frame we cannot make sense of (callers count and drop it)
     └── RequestError        a request ended with an error reply; `.code` names the case
         ├── NoService         no peer serves the service (code `no_service`)
@@ -48,6 +49,16 @@ class HubUnreachable(BusError):
 
 class ProtocolError(BusError):
     pass
+
+
+class RegisterRefused(BusError):
+    """The hub refused to register `service` (`Peer.serve`): `code` `forbidden` (this peer's
+    roles may not serve it; docs/protocol.md section 8, "Roles") or `bad_request` (a bad
+    spec); `reason` is the hub's text, which names the roles or what is wrong."""
+
+    def __init__(self, service: str, code: str, reason: str) -> None:
+        super().__init__(f"the hub refused to register `{service}` ({code}): {reason}")
+        self.service, self.code, self.reason = service, code, reason
 
 
 class RequestError(BusError):

@@ -68,7 +68,13 @@ import zmq.asyncio
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.backoff import Backoff
-from agent_bus.bus.errors import DeadlineExceeded, HubLost, HubUnreachable, RequestError
+from agent_bus.bus.errors import (
+    DeadlineExceeded,
+    HubLost,
+    HubUnreachable,
+    RegisterRefused,
+    RequestError,
+)
 from agent_bus.bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
 from agent_bus.bus.rpc import REPLY_GRACE, Calls
 from agent_bus.bus.security import CurveClient
@@ -106,6 +112,7 @@ _CONFIRM_BODY = p.encode(p.ReplayRequest(since=2**62, limit=1))
 _SIG = p.SIGNATURE
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
+_REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refusals (§5)
 # A held event's header fields but its id: (type, agent, run, experiment, parent). Held events
 # with equal keys, one after another, may share one message.
 _EventKey = tuple[str, str, str, str, str]
@@ -190,6 +197,10 @@ class Peer:
         self._last_heard = time.monotonic()
         self._calls = Calls(self)  # requests this peer made, in flight
         self._serving = Serving(self)  # services it offers, requests it serves (in `_tg`)
+        # `serve`'s registers awaiting the round trip that tells a refusal: id -> service, and
+        # the refusals that came meanwhile: id -> (code, the hub's text)
+        self._registering: dict[str, str] = {}
+        self._register_refusals: dict[str, tuple[str, str]] = {}
         self._sends = 0
         self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -596,7 +607,10 @@ class Peer:
             self._count("unknown_kind")
 
     def _on_unmatched(self, header: p.Header) -> None:
-        """An answer to no pending call: late (stale), or the hub refusing one of our events."""
+        """An answer to no pending call: late (stale), the hub refusing one of our registers, or
+        one of our events."""
+        if header.code in _REGISTER_REFUSED and self._on_register_refused(header):
+            return
         if header.code not in (p.LOG_UNAVAILABLE, p.BAD_EVENT):  # bad_event: docs/protocol.md §6
             self._count("stale_replies")
             return
@@ -604,6 +618,20 @@ class Peer:
         n = self.counters["events_refused"]
         if n == 1 or n % 1000 == 0:
             log.warning("%s: the hub refused an event (#%d): %s", self.name, n, header.error)
+
+    def _on_register_refused(self, header: p.Header) -> bool:
+        """The hub refused a service of a register (docs/protocol.md §5: `forbidden`, or
+        `bad_request` for a bad spec): logged, counted, and `serve` raises it. One without an id
+        answers a re-register after a welcome (no caller: logged alone). False: not a register's."""
+        service = self._registering.get(header.id)
+        if service is None and header.id:
+            return False
+        self._count("registers_refused")
+        if service is not None:
+            self._register_refusals[header.id] = (header.code, header.error)
+        log.error("%s: the hub at %s refused to register %s (%s): %s", self.name, self.hub,
+                  f"`{service}`" if service else "a service again", header.code, header.error)
+        return True
 
     def _on_welcome(self, welcome: p.Welcome) -> None:
         self.welcome = welcome
@@ -841,10 +869,30 @@ class Peer:
 
     async def serve(self, service: str, handler: Handler, *, capacity: int = 1,
                     idempotent: bool = False, meta: dict[str, Any] | None = None) -> None:
-        """Register `handler` for `service`; it stays registered across hub restarts."""
+        """Register `handler` for `service`; it stays registered across hub restarts.
+
+        Raises `RegisterRefused` when the hub refuses it (this peer's roles may not serve it, or
+        a bad spec); the service is then not served. A success has no answer (docs/protocol.md
+        §4), so this waits for one round trip to the hub after the register: the refusal, sent
+        at once, comes before its answer."""
         spec = p.ServiceSpec(service, capacity, idempotent, meta or {})
-        self._serving.services[service] = Served(spec, handler)
-        await self._send(self._serving.register_frames([spec])[1:])
+        served = self._serving.services[service] = Served(spec, handler)
+        reg_id = p.new_id()
+        self._registering[reg_id] = service
+        try:
+            await self._send([p.encode(p.Header(kind=p.REGISTER, id=reg_id)),
+                              p.encode(p.Register([spec]))])
+            with contextlib.suppress(RequestError):  # lost, or overloaded: see below
+                await self.request(p.HUB_REPLAY, _CONFIRM_BODY, timeout=CONNECT_TIMEOUT)
+        finally:
+            del self._registering[reg_id]
+            refusal = self._register_refusals.pop(reg_id, None)
+        # Without its round trip a refusal may come later: then it is logged and counted only
+        # (`_on_register_refused`), as one of a re-register after a reconnect is.
+        if refusal is not None:
+            if self._serving.services.get(service) is served:
+                del self._serving.services[service]  # not re-registered at the next welcome
+            raise RegisterRefused(service, *refusal)
 
     async def unserve(self, service: str) -> None:
         if self._serving.services.pop(service, None) is not None:
