@@ -39,6 +39,7 @@ reason (`abort_reason`).
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import logging
@@ -318,17 +319,18 @@ async def load_experiment(peer: Peer, experiment: str,
     does not decode is skipped and counted in `tally` (which names its seq)."""
     runs: dict[str, RecordedRun] = {}
 
-    def wanted(header: Header) -> bool:  # other experiments' bodies are never decoded
-        return ((header.experiment == experiment and bool(header.run))
-                or (header.type == "service_registered" and header.peer == HUB_PEER))
+    def registration(header: Header) -> bool:
+        return header.type == "service_registered" and header.peer == HUB_PEER
 
     servers: dict[str, set[str]] = {}  # peer id -> the agents it served
-    async for envelope in logged(peer, 0, [], tally, wanted):
+    # Two reads, each of what it needs from the hub: the bus events (few), then the
+    # experiment's own (the hub reads no other experiment's)
+    async for envelope in logged(peer, 0, ["bus/"], tally, registration):
+        if isinstance(envelope.event, ev.ServiceRegistered):
+            _note_server(servers, envelope.event.peer, envelope.event.service)
+    async for envelope in logged(peer, 0, [], tally, functools.partial(_of_run, experiment),
+                                 experiment):
         header, event = envelope.header, envelope.event
-        if isinstance(event, ev.ServiceRegistered) and header.peer == HUB_PEER:
-            _note_server(servers, event.peer, event.service)
-        if header.experiment != experiment or not header.run:
-            continue
         run = runs.get(header.run)
         if run is None:
             run = runs[header.run] = RecordedRun(header.run, header.agent, header.parent,
@@ -345,6 +347,12 @@ async def load_experiment(peer: Peer, experiment: str,
     for run in runs.values():
         run.distrust = distrust(run, servers)
     return in_call_order(list(runs.values()))
+
+
+def _of_run(experiment: str, header: Header) -> bool:
+    """An event of one of `experiment`'s runs (checked here too: a hub that predates
+    `ReplayRequest.experiment` sends every experiment's)."""
+    return header.experiment == experiment and bool(header.run)
 
 
 def in_call_order(runs: Sequence[RecordedRun]) -> list[RecordedRun]:

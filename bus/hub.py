@@ -38,7 +38,7 @@ from agent_bus.bus.eventlog import Row
 from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
 from agent_bus.bus.probing import ProbeSchedule
 from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
-from agent_bus.bus.replay_reader import REPLAY_PRIORITIES
+from agent_bus.bus.replay_reader import PEER_REPLAY_QUEUE, REPLAY_PRIORITIES
 from agent_bus.bus.security import (
     ROLES_FILE,
     CurveServer,
@@ -1027,6 +1027,13 @@ class Hub:
                 self.counters.bump("malformed")
                 self._send_error(ident, header.id, p.BAD_REQUEST, f"bad ReplayRequest: {exc}")
                 return
+            if peer.replays >= PEER_REPLAY_QUEUE:  # its share of the reader's queue
+                self.counters.bump("replay_overloaded_peer")
+                self._send_error(ident, header.id, p.OVERLOADED,
+                                 f"`{p.HUB_REPLAY}`: {PEER_REPLAY_QUEUE} replays of this peer are "
+                                 "already waiting for the log reader; ask again after one is "
+                                 "answered")
+                return
             try:
                 reply = self.events.replay(ident, header.id, request)
             except Overloaded as exc:
@@ -1034,7 +1041,8 @@ class Hub:
                 self._send_error(ident, header.id, p.OVERLOADED, str(exc))
                 return
             if reply is None:
-                return  # the reader answers; `_forward_replays` sends it
+                peer.replays += 1  # until `_forward_replays` sends the reader's answer
+                return
             body = reply
         else:
             self._send_error(ident, header.id, p.NO_SERVICE, self._no_service_text(header.service))
@@ -1055,7 +1063,11 @@ class Hub:
     def _forward_replays(self, answers: list[tuple[bytes, str, bytes, Any]]) -> None:
         """Send the reader's finished replays (a bounded number per pass); bodies are
         `zmq.Frame`s, forwarded without a copy."""
+        peers = self.peers
         for ident, req_id, code, body in answers:
+            waiting = peers.get(ident)
+            if waiting is not None and waiting.replays > 0:
+                waiting.replays -= 1
             if code:
                 self.counters.bump("replay_errors")
                 self._send_error(ident, req_id, code.decode(), bytes(body).decode())

@@ -135,6 +135,7 @@ class ReplayRequest(msgspec.Struct, omit_defaults=True):
     since: int = 0
     limit: int = 2000
     topics: list[str] = msgspec.field(default_factory=list)
+    experiment: str = ""  # only this experiment's events ("": every event); docs/protocol.md
 
 
 class ReplayGap(msgspec.Struct):

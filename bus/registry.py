@@ -108,6 +108,9 @@ class PeerState:
     # reckoned); starts full: the first reckoning fills it.
     service_tokens: float = 0.0
     service_at: float = 0.0
+    # Its `hub.replay` requests not answered yet (with the reader, or held for pacing): at most
+    # PEER_REPLAY_QUEUE (bus/replay_reader.py)
+    replays: int = 0
     # Roles from a credential in its hello (the service patterns it may serve; None: full
     # rights); `by_credential` False: its roles come from its CURVE key, or it has full rights.
     roles: tuple[str, ...] | None = None

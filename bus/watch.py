@@ -46,6 +46,10 @@ class WatchFilter:
             return [f"{family}/{a}/" for a in sorted(self.agents) for family in ("agent", "ext")]
         return []
 
+    def experiment(self) -> str:
+        """The one experiment the hub may filter a replay by ("" for none, or several)."""
+        return next(iter(self.experiments)) if len(self.experiments) == 1 else ""
+
     def accepts_header(self, header: p.Header) -> bool:
         """What the header alone decides (a logged event's body is decoded only when wanted)."""
         if self.types and header.type not in self.types:
@@ -95,8 +99,10 @@ async def _replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
 
 
 async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally | None = None,
-                 wanted: Callable[[p.Header], bool] | None = None) -> AsyncIterator[Envelope]:
-    """Logged events after `since` up to the head at the time of the first call, then stop.
+                 wanted: Callable[[p.Header], bool] | None = None,
+                 experiment: str = "") -> AsyncIterator[Envelope]:
+    """Logged events after `since` up to the head at the time of the first call, then stop;
+    with `experiment`, only its events (the hub reads no other: `ReplayRequest.experiment`).
 
     Finished only when a batch reaches its head (`upto >= head`): a short batch is not the end.
     A range that retention pruned from the log is yielded as one `Gap` naming the retention.
@@ -105,7 +111,8 @@ async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally
     tally = tally if tally is not None else ev.EventTally("replay")
     cursor, end = since, None
     while end is None or cursor < end:
-        batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=topics))
+        batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=topics,
+                                                          experiment=experiment))
         end = batch.head if end is None else end
         if batch.gap is not None and batch.gap.first <= end:
             gap = ev.Gap(first=batch.gap.first, last=min(batch.gap.last, end),
@@ -169,12 +176,22 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
             since = max(0, (await peer.status()).seq - last)
         if not follow:
             async for envelope in replay(peer, since or 0, filt.topics(), tally,
-                                         filt.accepts_header):
+                                         filt.accepts_header, filt.experiment()):
                 show(envelope)
             if tally.bad:
                 to_stderr(tally.summary())
             _say_what_matched(filt, shown, runs)
             return
+        if since is not None and filt.experiment():
+            # One experiment's logged events are picked by the hub (no other is read or sent);
+            # the subscription then starts where this left off. Every event of it up to the
+            # replay's end was shown, so no hole and no duplicate past the last one shown.
+            upto = (await peer.status()).seq
+            async for envelope in replay(peer, since, filt.topics(), tally,
+                                         filt.accepts_header, filt.experiment()):
+                upto = max(upto, envelope.header.seq)
+                show(envelope)
+            since = upto
         # Everything, filtered here: a topic-filtered stream has holes in its seqs by design,
         # so a lost message could not be told from a filtered one; on the full stream every
         # jump in seq is a loss, and the subscription fills it from the log.
@@ -247,14 +264,20 @@ async def export_events(hub: str, curve: CurveClient | None, experiment: str, ou
     tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
 
-    def wanted(header: p.Header) -> bool:  # the other experiments' bodies are never decoded
+    def seen_only(header: p.Header) -> bool:  # no body is decoded
         seen.add(header.experiment)
-        return header.experiment == experiment
+        return False
 
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
-        async for envelope in replay(peer, 0, [], tally, wanted):
+        # (the header is checked here too: a hub that predates `ReplayRequest.experiment`
+        # sends every experiment's events)
+        async for envelope in replay(peer, 0, [], tally, lambda h: h.experiment == experiment,
+                                     experiment):
             totals.add(envelope.header, envelope.event)
             _write(out, fmt, envelope, encoder)
+        if not totals.events:  # which experiments there are, to name them (a typo's rescue)
+            async for _ in replay(peer, 0, [], tally, seen_only):
+                pass
     out.flush()
     totals.skipped(tally)
     return Export(totals, sorted(seen - {""}))

@@ -17,7 +17,13 @@ import zmq
 
 from agent_bus.bus import protocol as p
 from agent_bus.bus.eventlog import EventLog, connect_reader
-from agent_bus.bus.replay_reader import PACE_SECONDS, REPLAY_LIMIT, ReplayReader, read_batch
+from agent_bus.bus.replay_reader import (
+    PACE_SECONDS,
+    PEER_REPLAY_QUEUE,
+    REPLAY_LIMIT,
+    ReplayReader,
+    read_batch,
+)
 from tests.fault.test_budgets import start_hub, status
 from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
@@ -163,7 +169,7 @@ def test_a_starved_idle_class_reader_is_replaced_and_its_replays_answered(tmp_pa
         [reader] = wait_for(lambda: reader_pids(hub.pid), 10, "the hub's replay reader")
         assert nice_and_policy(reader) == (10, os.SCHED_IDLE)
         os.kill(reader, signal.SIGSTOP)
-        ids = [p.new_id() for _ in range(5)]
+        ids = [p.new_id() for _ in range(PEER_REPLAY_QUEUE)]  # as many as one peer may
         started = time.monotonic()
         for rid in ids:
             peer.send([p.SIGNATURE, msgspec.msgpack.encode(
