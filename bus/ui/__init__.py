@@ -39,7 +39,7 @@ import msgspec
 
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import IncomingRequest, Peer, Subscription, connect
-from agent_bus.bus.errors import AgentBusError
+from agent_bus.bus.errors import AgentBusError, RegisterRefused
 from agent_bus.bus.httpguard import is_loopback, refusal
 from agent_bus.bus.render import json_line
 from agent_bus.bus.security import CurveClient
@@ -251,7 +251,10 @@ async def serve_drops(peer: Peer, drops: Drops, sub: Subscription,
             drops.extra = extra()
         return msgspec.msgpack.encode(drops)
 
-    await peer.serve(f"subscriber.{drops.name}", answer, capacity=4)
+    try:
+        await peer.serve(f"subscriber.{drops.name}", answer, capacity=4)
+    except RegisterRefused as exc:  # a key whose roles leave it out: the view works without it
+        log.warning("%s; this subscriber's losses are not shown in `busctl status`", exc)
 
 
 def resolve_token(host: str, token: str) -> tuple[str, bool]:
