@@ -1,5 +1,7 @@
 """Issue 8 §7: every CLI command given a wrong address, a dead hub, a malformed file or
-conflicting flags exits non-zero within 5 s with one clear line (no traceback, no hang)."""
+conflicting flags exits non-zero within 5 s with one clear line (no traceback, no hang). "5 s" on
+a quiet machine: the bound grows with the time `busctl --help` takes just before (the start-up
+every case pays), so a loaded machine does not fail it and a hang still does."""
 
 from __future__ import annotations
 
@@ -69,13 +71,17 @@ def test_bad_use_fails_fast_with_one_clear_line(name: str, tmp_path: Path) -> No
     (tmp_path / "malformed.toml").write_text("this is [[ not toml\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in CASES[name]]
     started = time.monotonic()
-    result = subprocess.run(busctl(*args), capture_output=True, text=True, timeout=15,
+    subprocess.run(busctl("--help"), capture_output=True, check=True, timeout=60, cwd=tmp_path)
+    start_up = time.monotonic() - started
+    bound = max(5.0, 6 * start_up)  # quiet: start-up ~0.4 s, the slowest case (a dead hub) ~2 s
+    started = time.monotonic()
+    result = subprocess.run(busctl(*args), capture_output=True, text=True, timeout=60,
                             cwd=tmp_path, stdin=subprocess.DEVNULL,
                             env={**os.environ, "NO_COLOR": "1"})
     took = time.monotonic() - started
     err = result.stderr
     assert result.returncode != 0, f"{name}: exit 0\n{result.stdout}{err}"
-    assert took < 5.0, f"{name}: took {took:.1f}s"
+    assert took < bound, f"{name}: took {took:.1f}s (busctl --help: {start_up:.1f}s)"
     assert "Traceback" not in err, f"{name}: traceback\n{err}"
     # one clear line: exactly one `Error: …` line (click's usage errors add their two
     # `Usage:`/`Try …` lines before it; nothing else, e.g. no log warnings)
