@@ -3,7 +3,9 @@
 Each sample × variant × repeat (a cell) is one fresh session of the variant's agent, prompted
 through `agents.client.remote.AgentBus` (as `run_many` does) with the experiment tag
 `E.<variant>.r<repeat>`; the hub routes each prompt to a coordinator serving the agent, by
-capacity. At most `run.concurrency` cells run at once.
+capacity. At most `run.concurrency` cells run at once, and at most `run.per_model[alias]` of
+the variants on that model (a cell waits for its model's slot first, then for one of the total,
+so cells waiting for a busy model hold none of the total).
 
 The journal is the event log: the runner publishes (with `confirm`: logged before it goes on)
 one `experiment_plan` event when an experiment starts and one `experiment_sample` event per
@@ -17,21 +19,25 @@ resume runs that cell again (the latest entry of a cell wins).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 import msgspec
 
+from agent_bus.agents import commands as cmd
 from agent_bus.agents.client.remote import AgentBus, Run
 from agent_bus.agents.commands import RunResult
 from agent_bus.agents.coordinator.bus_adapters import BusLlmClient
 from agent_bus.agents.experiment.scoring import grade, score_all
 from agent_bus.agents.experiment.spec import (
+    DEFAULT_MODEL_KEY,
     Loaded,
     Sample,
     ScorerError,
@@ -39,6 +45,7 @@ from agent_bus.agents.experiment.spec import (
     Variant,
     experiment_tag,
     spec_digest,
+    variant_model,
 )
 from agent_bus.agents.replay import REPLAY_SERVICE, ReplayLoad
 from agent_bus.bus import events as ev
@@ -254,6 +261,7 @@ class Runner:
         self.tally = RunTally()
         # `model` scorers' calls: tagged with the experiment, under an agent name of their own
         self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
+        self.models: dict[str, str] = {}  # variant -> its model alias (with run.per_model)
 
     async def start(self, resume: bool, fresh: bool = False) -> Journal:
         """Check the journal against `resume` and publish the plan of a new experiment.
@@ -293,6 +301,8 @@ class Runner:
                 raise SpecError(f"{self.loaded.source}: variants[{i}].agent: no live "
                                 f"coordinator serves agent `{variant.agent}` (live agents: "
                                 f"{', '.join(live) or 'none'})")
+        if self.loaded.spec.run.per_model:
+            await self._models()
         try:
             await self._overlays()
         except RemoteError as exc:
@@ -300,6 +310,25 @@ class Runner:
                 raise
             raise SpecError(f"{self.loaded.source}: variants (model / set.model): "
                             f"{exc.message}") from None
+
+    async def _models(self) -> None:
+        """Each variant's model alias, for run.per_model: the one it pins, else its agent's
+        (asked of a coordinator serving it); every per_model key must be one of them."""
+        for variant in self.loaded.spec.variants:
+            alias = variant_model(variant)
+            if not alias:
+                body = await self.bus.peer.request(cmd.agent_service(variant.agent),
+                                                   cmd.encode(cmd.GetState()), timeout=10)
+                alias = msgspec.msgpack.decode(body, type=cmd.AgentState).model
+            self.models[variant.name] = alias or DEFAULT_MODEL_KEY
+        used = sorted(set(self.models.values()))
+        for alias in self.loaded.spec.run.per_model:
+            if alias not in used:
+                raise SpecError(f"{self.loaded.source}: run.per_model.{alias}: no variant runs on "
+                                f"model `{alias}` (the variants' models here: "
+                                f"{', '.join(used)}; a variant's model is its `model` or "
+                                f"`set.model`, else its agent's, `{DEFAULT_MODEL_KEY}` when its "
+                                f"agent names none)")
 
     async def _overlays(self) -> None:
         """Load each cell's model settings into the gateway (see agents.experiment.spec)."""
@@ -332,9 +361,12 @@ class Runner:
         if self.progress is not None:
             self.progress.done = self.progress.already = self.loaded.planned - len(cells)
         limiter = anyio.CapacityLimiter(self.loaded.spec.run.concurrency)
+        per_model = {alias: anyio.CapacityLimiter(n)
+                     for alias, n in self.loaded.spec.run.per_model.items()}
 
         async def one(variant: Variant, sample: Sample, repeat: int) -> None:
-            async with limiter:
+            # its model's slot first: a cell waiting for a busy model holds none of the total
+            async with _held(per_model.get(self.models.get(variant.name, ""))), limiter:
                 result = await self.cell(variant, sample, repeat)
             # its slot is free for the next cell: the rest only waits
             result = await self._completed(result)
@@ -464,6 +496,10 @@ class Runner:
     async def _publish(self, type_: str, entry: Plan | SampleResult) -> None:
         await self.bus.peer.publish_raw(type_, msgspec.msgpack.encode(entry),
                                         experiment=self.experiment, confirm=True)
+
+
+def _held(limiter: anyio.CapacityLimiter | None) -> AbstractAsyncContextManager[Any]:
+    return limiter if limiter is not None else contextlib.nullcontext()
 
 
 def tokens_of(usage: Iterable[Usage]) -> int:

@@ -11,6 +11,8 @@
     [run]
     repeats = 3                 # each repeat gets seed + repeat when `seed` is given
     concurrency = 8
+    [run.per_model]             # at most this many sessions at once of the variants on a model
+    local = 2                   # (alias: the variant's model, else its agent's; `default`: none)
     [[scorers]]
     kind = "number"
 
@@ -62,6 +64,11 @@ class Variant(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     repeats: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     concurrency: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 8
+    # model alias -> sessions at once of the variants on it (besides `concurrency`, the total);
+    # which alias a variant uses is known only on the running topology (its agent's model):
+    # `experiment run` checks the keys, `check` only their form
+    per_model: dict[str, Annotated[int, msgspec.Meta(ge=1, le=10_000)]] = \
+        msgspec.field(default_factory=dict)
     seed: Seed | None = None  # repeat r (from 1) sends seed + r - 1
     retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2  # errors, not wrong answers
     max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
@@ -150,6 +157,16 @@ class Loaded(msgspec.Struct):
         return len(self.samples) * len(self.spec.variants) * self.spec.run.repeats
 
 
+def variant_model(variant: Variant) -> str:
+    """The model alias a variant pins (`model`, or `set.model` for its own agent); "" = its
+    agent's own."""
+    return variant.model or str(variant.set.get("model") or
+                                variant.set.get(f"{variant.agent}.model") or "")
+
+
+DEFAULT_MODEL_KEY = "default"  # run.per_model's key for an agent that names no model
+
+
 def _typed(key: str, value: Any) -> Any:
     return [value] if key == "stop" and isinstance(value, str) else value
 
@@ -200,6 +217,11 @@ def check_spec(spec: Spec) -> list[str]:
     labels = [s.label for s in spec.scorers]
     for label in sorted({x for x in labels if labels.count(x) > 1}):
         problems.append(f"scorers: two scorers are called {label!r}; give one a `name`")
+    for alias in spec.run.per_model:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", alias):
+            problems.append(f"run.per_model.{alias}: a model alias (letters, digits, _ . -), as "
+                            f"in the topology's [models.ALIAS]; `default` for the gateway's "
+                            f"default model")
     overlays = len(spec.variants) * spec.run.repeats
     if overlays > MAX_OVERLAYS and (spec.run.seed is not None or any(
             v.set or v.model or v.system_prompt_file for v in spec.variants)):
@@ -337,6 +359,7 @@ def summary(loaded: Loaded) -> dict[str, Any]:
     return {"name": spec.name, "samples": len(loaded.samples),
             "variants": [v.name for v in spec.variants], "repeats": spec.run.repeats,
             "sessions": loaded.planned, "concurrency": spec.run.concurrency,
+            **({"per_model": spec.run.per_model} if spec.run.per_model else {}),
             "scorers": [s.label for s in spec.scorers]}
 
 
