@@ -52,8 +52,9 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, Subscription
 from agent_bus.bus.errors import BusError, RemoteError
-from agent_bus.bus.messages import AssistantMessage, Usage
+from agent_bus.bus.messages import AssistantMessage, RunWorkspace, Usage
 from agent_bus.bus.watch import _replay_batch
+from agent_bus.tools.workspaces import WORKSPACES_META
 
 PLAN_TYPE = "experiment_plan"
 SAMPLE_TYPE = "experiment_sample"
@@ -98,6 +99,8 @@ class SampleResult(msgspec.Struct):
     run_id: str = ""
     session: str = ""
     tag: str = ""  # the experiment id the session's events carry
+    # its own folder on the tool workers, `.runs/<this>/` in each one's workspace ("": shared)
+    workspace: str = ""
     attempts: int = 1
     error: str = ""
     type: str = SAMPLE_TYPE
@@ -303,6 +306,8 @@ class Runner:
                                 f"{', '.join(live) or 'none'})")
         if self.loaded.spec.run.per_model:
             await self._models()
+        if self.loaded.spec.run.workspace == "sample":
+            await self._check_workers()
         try:
             await self._overlays()
         except RemoteError as exc:
@@ -310,6 +315,20 @@ class Runner:
                 raise
             raise SpecError(f"{self.loaded.source}: variants (model / set.model): "
                             f"{exc.message}") from None
+
+    async def _check_workers(self) -> None:
+        """Every live tool worker runs a call with a workspace in it: one that predates run
+        workspaces (no `workspaces` in its services' meta) would run it in its own."""
+        status = await self.bus.peer.status()
+        old = sorted(peer.name for peer in status.peers
+                     if any(s.name.startswith("tool.") for s in peer.services)
+                     and not any(s.meta.get(WORKSPACES_META) for s in peer.services))
+        if old:
+            raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "
+                            f"{', '.join(old)} cannot run a sample's tool calls in its own "
+                            f"workspace (they predate run workspaces); upgrade them, or set "
+                            f"run.workspace = \"shared\" to run every sample in the workers' "
+                            f"own workspace")
 
     async def _models(self) -> None:
         """Each variant's model alias, for run.per_model: the one it pins, else its agent's
@@ -399,13 +418,15 @@ class Runner:
     async def cell(self, variant: Variant, sample: Sample, repeat: int) -> SampleResult:
         """Run one cell, retrying errors; its result (status `error` once retries are spent)."""
         tag = experiment_tag(self.experiment, variant.name, repeat)
-        base = SampleResult(self.experiment, variant.name, sample.key, repeat, "error", tag=tag)
+        workspace = self.loaded.workspace(self.experiment, variant, sample, repeat)
+        base = SampleResult(self.experiment, variant.name, sample.key, repeat, "error", tag=tag,
+                            workspace=workspace.id if workspace is not None else "")
         result = base
         for attempt in range(1, self.loaded.spec.run.retries + 2):
             if self.progress is not None:
                 self.progress.running += 1
             try:
-                result = await self._attempt(base, variant, sample, tag)
+                result = await self._attempt(base, variant, sample, tag, workspace)
             except BusError as exc:
                 result = msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
             finally:
@@ -417,7 +438,7 @@ class Runner:
         return result
 
     async def _attempt(self, base: SampleResult, variant: Variant, sample: Sample,
-                       tag: str) -> SampleResult:
+                       tag: str, workspace: RunWorkspace | None) -> SampleResult:
         started = time.monotonic()
         timeout = self.loaded.spec.run.timeout
         run: Run | None = None
@@ -425,7 +446,8 @@ class Runner:
         limited = False
         with anyio.move_on_after(timeout if timeout else float("inf")):
             run = await self.bus.prompt(variant.agent, sample.input, experiment=tag,
-                                        max_turns=self.loaded.max_turns(variant))
+                                        max_turns=self.loaded.max_turns(variant),
+                                        workspace=workspace)
             try:
                 outcome, limited = await self._result(run)
             finally:  # an error or the limit: its subscription and stream go too

@@ -35,6 +35,7 @@ import msgspec
 from agent_bus.agents import replay
 from agent_bus.agents.launch.topology import Seed, TurnBound, _keypath_message
 from agent_bus.bus.errors import AgentBusError, ConfigError
+from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, workspace_problem
 
 NAME = r"[A-Za-z0-9_-]+"  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
 #: The gateway holds this many replays (overlays) at once (agents/gateway/process.py REPLAYS_KEPT).
@@ -80,6 +81,10 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # seconds a cell whose coordinator died waits for its run to resume there (`busctl up`
     # restarts it) before it is retried elsewhere (agents.client.remote.RESUME_WAIT)
     resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # "sample": each cell's tool calls run in a fresh folder of its own on the tool workers,
+    # with its sample's `files` (`.runs/E/<variant>.r<repeat>/<sample>/` in each worker's
+    # workspace, kept); "shared": in the workers' own workspace (no `files` then)
+    workspace: Literal["sample", "shared"] = "sample"
 
 
 ScorerKind = Literal["exact", "includes", "regex", "number", "json_field", "python", "model"]
@@ -113,12 +118,19 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     id: str | int
     input: str
     target: Any = None
-    files: list[str] = msgspec.field(default_factory=list)
+    # copied into the cell's workspace: names next to the dataset (kept as they are), or
+    # {name in the workspace: path next to the dataset}, as Inspect AI's `files`
+    files: list[str] | dict[str, str] = msgspec.field(default_factory=list)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def key(self) -> str:
         return str(self.id)
+
+    @property
+    def placed(self) -> dict[str, str]:
+        """Name in the workspace -> path relative to the dataset."""
+        return dict(self.files) if isinstance(self.files, dict) else {f: f for f in self.files}
 
 
 class Loaded(msgspec.Struct):
@@ -128,6 +140,18 @@ class Loaded(msgspec.Struct):
     samples: list[Sample]
     source: str  # the spec file
     prompts: dict[str, str]  # variant -> its system prompt file's text (if any)
+    dataset_dir: str = "."  # where the samples' `files` are
+
+    def workspace(self, experiment: str, variant: Variant, sample: Sample,
+                  repeat: int) -> RunWorkspace | None:
+        """A cell's own workspace (`run.workspace = "sample"`): id
+        `E/<variant>.r<repeat>/<sample>`, with its sample's files (read now)."""
+        if self.spec.run.workspace != "sample":
+            return None
+        base = Path(self.dataset_dir)
+        files = {name: (base / path).read_bytes() for name, path in sample.placed.items()}
+        return RunWorkspace(id=cell_folder(experiment, variant.name, repeat, sample.key),
+                            files=files)
 
     def overrides(self, variant: Variant, repeat: int) -> dict[str, replay.LiveOverrides]:
         """What the model calls of `variant`'s sessions in `repeat` change, by agent."""
@@ -189,6 +213,10 @@ def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
         raise SpecError(f"{path}: {problems[0]}")
     base = path.parent
     samples = load_dataset(base / spec.dataset.path, limit=limit)
+    if spec.run.workspace == "shared" and any(s.files for s in samples):
+        raise SpecError(f"{path}: run.workspace: \"shared\" runs every sample in the tool "
+                        f"workers' own workspace, where its `files` cannot go; use \"sample\" "
+                        f"(the default)")
     prompts = {}
     for i, variant in enumerate(spec.variants):
         if variant.system_prompt_file:
@@ -198,7 +226,8 @@ def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
             except (OSError, UnicodeDecodeError) as exc:
                 raise SpecError(f"{path}: variants[{i}].system_prompt_file: cannot read "
                                 f"{str(file)!r}: {exc}") from None
-    return Loaded(spec, samples, str(path), prompts)
+    return Loaded(spec, samples, str(path), prompts,
+                  str((base / spec.dataset.path).parent))
 
 
 def check_spec(spec: Spec) -> list[str]:
@@ -341,9 +370,7 @@ def load_dataset(path: Path, *, limit: int = 0) -> list[Sample]:
         if not sample.key or len(sample.key) > 200:
             raise SpecError(f"{where}: id: give a non-empty id of at most 200 characters")
         seen[sample.key] = number
-        for j, name in enumerate(sample.files):
-            if not (path.parent / name).is_file():
-                raise SpecError(f"{where}: files[{j}]: no file {name!r} next to the dataset")
+        _check_files(where, path.parent, sample)
         samples.append(sample)
         if limit and len(samples) >= limit:
             break
@@ -351,6 +378,40 @@ def load_dataset(path: Path, *, limit: int = 0) -> list[Sample]:
         raise SpecError(f"{path}: no samples (one JSON object a line: id, input, target, files, "
                         f"metadata)")
     return samples
+
+
+def _check_files(where: str, base: Path, sample: Sample) -> None:
+    """A sample's `files` exist, have names a workspace takes, and fit its limit in all."""
+    size = 0
+    for j, (name, source) in enumerate(sample.placed.items()):
+        key = f"files[{j}]" if isinstance(sample.files, list) else f"files.{name}"
+        file = base / source
+        if not file.is_file():
+            raise SpecError(f"{where}: {key}: no file {source!r} next to the dataset")
+        problem = workspace_problem(RunWorkspace(id="x", files={name: b""}))
+        if problem:
+            raise SpecError(f"{where}: {key}: {problem.partition(': ')[2]}")
+        size += len(name) + file.stat().st_size
+    if size > MAX_WORKSPACE_BYTES:
+        raise SpecError(f"{where}: files: {size} bytes in all, names included (at most "
+                        f"{MAX_WORKSPACE_BYTES}: a sample's files go with every tool call of "
+                        f"its session); keep big data in the tool workers' workspace and give "
+                        f"the sample its name instead")
+
+
+def cell_folder(experiment: str, variant: str, repeat: int, sample: str) -> str:
+    """A cell's workspace id, `E/<variant>.r<repeat>/<sample>`."""
+    return "/".join(map(_segment, (experiment, f"{variant}.r{repeat}", sample)))
+
+
+def _segment(name: str) -> str:
+    """`name` as one segment of a workspace id: as it is when it can be, else its safe
+    characters and a short hash (so two names never share one)."""
+    import hashlib
+    if "/" not in name and not workspace_problem(RunWorkspace(id=name)):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return "_" + re.sub(r"[^A-Za-z0-9_.=+,@-]", "_", name)[:100] + f"-{digest}"
 
 
 def summary(loaded: Loaded) -> dict[str, Any]:

@@ -11,9 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from agent_bus.agents import connect
+from agent_bus.agents.coordinator.persistence import ConversationStore, JournaledRun
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus.errors import RemoteError
+from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace
 from tests.cli.conftest import start_up
 from tests.examples.helpers import stop_up
 from tests.support import busctl
@@ -31,8 +36,16 @@ SCRIPT = {
         {"system": ["FILER"], "contains": ["list"], "tool_result": False,
          "reply": {"text": "Listing.", "tool_calls": [
              {"name": "list_dir", "arguments": {"path": "."}}]}},
+        {"system": ["FILER"], "contains": ["shell"], "tool_result": False,
+         "reply": {"text": "Shell.", "tool_calls": [{"name": "run_shell", "arguments": {
+             "command": "cat extra.txt; ls ..; echo mine > mine.txt; echo bad > ../../../../x"
+         }}]}},
         {"system": ["FILER"], "tool_result": True,
          "reply": {"text": "Saw: {tool_results_full}"}},
+        # a team: the lead asks the filer, whose tools run in the lead's sample's workspace
+        {"system": ["LEAD"], "tool_result": False, "reply": {"text": "Asking.", "tool_calls": [
+            {"name": "ask_filer", "arguments": {"prompt": "{last_user}"}}]}},
+        {"system": ["LEAD"], "tool_result": True, "reply": {"text": "Lead: {tool_results_full}"}},
         {"system": ["ALPHA", "BETA"], "delay": SLOW, "reply": {"text": "done: {last_user}"}},
     ],
 }
@@ -56,6 +69,7 @@ name = "tools"
 tools = ["agent_bus.tools.builtin"]
 workspace = "shared"
 concurrency = 4
+shell = true
 
 [[agents]]
 name = "alpha"
@@ -72,7 +86,13 @@ tools = []
 [[agents]]
 name = "filer"
 system_prompt = "You are the FILER."
-tools = ["read_file", "write_file", "list_dir"]
+tools = ["read_file", "write_file", "list_dir", "run_shell"]
+
+[[agents]]
+name = "lead"
+system_prompt = "You are the LEAD."
+tools = []
+agents = ["filer"]
 """
 
 
@@ -168,3 +188,99 @@ def test_per_model_limit_holds_while_the_other_variant_uses_the_rest(up: Up) -> 
     out = up.experiment("check", str(write(up.cwd / "pm-form", PER_MODEL.format(
         name="pmform", limits='"a b" = 1'), [{"id": "s", "input": "x"}])))
     assert out.returncode == 2 and "run.per_model.a b: a model alias" in out.stderr
+
+
+FILES = """
+name = "ws"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "f"
+agent = "filer"
+[[variants]]
+name = "team"
+agent = "lead"
+[run]
+concurrency = 2
+"""
+
+
+def test_each_sample_has_its_own_workspace_with_its_files(up: Up) -> None:
+    folder = up.cwd / "ws"
+    for sub, text in (("one", "first content"), ("two", "second content")):
+        (folder / sub).mkdir(parents=True)
+        (folder / sub / "input.txt").write_text(text)
+    (folder / "extra.txt").write_text("extra")
+    # two samples' files of the same name, different content; the third (after one of them:
+    # two at once) lists its own folder, where neither's files nor what they wrote are
+    spec = write(folder, FILES, [
+        {"id": "s1", "input": "read one", "files": {"input.txt": "one/input.txt"}},
+        {"id": "s2", "input": "read two", "files": {"input.txt": "two/input.txt"}},
+        {"id": "s3", "input": "list three", "files": ["extra.txt"]},
+        {"id": "s4", "input": "shell four", "files": ["extra.txt"]}])
+    out = up.experiment("run", str(spec), "--name", "ws-1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    every = [json.loads(line) for line in (up.cwd / "ws-1.results.jsonl").read_text()
+             .splitlines()]
+    rows = {r["sample"]: r for r in every if r["variant"] == "f"}
+    team = {r["sample"]: r for r in every if r["variant"] == "team"}
+    assert "Lead: Saw: " in team["s2"]["answer"] and "second content" in team["s2"]["answer"]
+    assert "first" not in team["s2"]["answer"]
+    assert "first content" in rows["s1"]["answer"] and "second" not in rows["s1"]["answer"]
+    assert "second content" in rows["s2"]["answer"] and "first" not in rows["s2"]["answer"]
+    listed = rows["s3"]["answer"]
+    assert "extra.txt" in listed and "written.txt" not in listed and "input.txt" not in listed
+    # run_shell runs in the cell's folder; under bubblewrap it sees no other cell's folder and
+    # cannot write the rest of the worker's workspace
+    shell = rows["s4"]["answer"]
+    assert shell.startswith("Saw: extras4\n") and "Read-only file system" in shell, shell
+    # the folders are kept, where the report says; the shared workspace is untouched
+    runs = up.cwd / "shared" / ".runs" / "ws-1" / "f.r1"
+    assert rows["s1"]["workspace"] == "ws-1/f.r1/s1"
+    assert (runs / "s1" / "written.txt").read_text() == "by read one"
+    assert (runs / "s2" / "input.txt").read_text() == "second content"
+    assert (runs / "s4" / "mine.txt").read_text() == "mine\n"
+    # the filer asked by the team's lead wrote in the lead's cell's folder
+    assert (runs.parent / "team.r1" / "s1" / "written.txt").read_text() == "by read one"
+    assert sorted(p.name for p in (up.cwd / "shared").iterdir()) == [".runs", "input.txt"]
+    assert (up.cwd / "shared" / "input.txt").read_text() == "the shared one\n"
+    report = up.experiment("report", "ws-1")
+    assert report.returncode == 0 and ".runs/ws-1/" in report.stdout + report.stderr
+
+
+def test_files_over_the_limit_are_refused_by_check_and_by_the_coordinator(up: Up) -> None:
+    folder = up.cwd / "big"
+    folder.mkdir()
+    (folder / "big.bin").write_bytes(b"x" * (MAX_WORKSPACE_BYTES + 1))
+    spec = write(folder, FILES, [{"id": "b", "input": "read", "files": ["big.bin"]}])
+    out = up.experiment("check", str(spec))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"samples.jsonl:1: files: {MAX_WORKSPACE_BYTES + 8} bytes in all" in out.stderr
+
+    async def prompt() -> None:
+        async with connect(up.endpoint) as bus:
+            big = RunWorkspace(id="x/y", files={"big.bin": b"x" * MAX_WORKSPACE_BYTES})
+            await bus.prompt("filer", "read", workspace=big)
+
+    with pytest.raises(RemoteError) as caught:
+        anyio.run(prompt)
+    assert caught.value.code == "invalid"
+    assert "workspace `x/y`: its files are" in str(caught.value)
+
+
+def test_a_journaled_run_keeps_its_workspace_across_a_restart(tmp_path: Path) -> None:
+    """The coordinator journals a run's workspace with it: a run resumed after a coordinator
+    restart (agents.coordinator.durable) goes on in the same folder."""
+    workspace = RunWorkspace(id="e/v.r1/s", files={"input.txt": b"mine"})
+    store = ConversationStore(tmp_path)
+    store.run_begin(JournaledRun("r1", "filer", "c.s1", "c", "e.v.r1", workspace=workspace))
+    store.run_begin(JournaledRun("r2", "filer", "c.s2", "c", "e.v.r1"))
+    store.close()
+    store = ConversationStore(tmp_path)  # the restarted coordinator's
+    try:
+        live = {run.run_id: run for run in store.live_runs("c")}
+        assert live["r1"].workspace == workspace and live["r2"].workspace is None
+        store.run_end("r1")
+        assert [run.run_id for run in store.live_runs("c")] == ["r2"]
+    finally:
+        store.close()
