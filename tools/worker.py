@@ -48,7 +48,7 @@ from agent_bus.tools._schema import check_provider_schema
 from agent_bus.tools._tool import Tool
 from agent_bus.tools.mcp import McpServerSpec, serve_mcp_servers
 from agent_bus.tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
-from agent_bus.tools.workspaces import WORKSPACES_META, run_folder
+from agent_bus.tools.workspaces import WORKSPACES_META, RunFolders
 
 log = logging.getLogger("tools.worker")
 
@@ -140,6 +140,7 @@ class ToolWorker:
         self.settings = settings
         self.tools = {t.name: t for t in tools}
         self.workspace = Path(settings.workspace).resolve()
+        self.folders = RunFolders()
         self.peer: Peer | None = None
         self._slots = anyio.Semaphore(settings.concurrency)
         self._threads = anyio.CapacityLimiter(settings.concurrency)
@@ -272,7 +273,7 @@ class ToolWorker:
             workspace = self.workspace
             if call.workspace is not None:  # the run's own folder (tools.workspaces)
                 try:
-                    workspace = run_folder(self.workspace, call.workspace)
+                    workspace = self.folders.get(self.workspace, call.workspace)
                 except (WorkspaceError, OSError) as exc:
                     return error_result(f"Error: cannot prepare this run's workspace on worker "
                                         f"`{self.settings.name}`: {exc}")

@@ -36,7 +36,8 @@ def run_folder(workspace: Path, spec: RunWorkspace) -> Path:
     problem = workspace_problem(spec)
     if problem:
         raise WorkspaceError(problem)
-    target = confine(workspace, f"{RUNS_DIR}/{spec.id}")
+    # not `write`: no protected path can be in `.runs/<id>` (its segments start with no dot)
+    target = confine(workspace, f"{RUNS_DIR}/{spec.id}", write=False)
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -53,7 +54,27 @@ def run_folder(workspace: Path, spec: RunWorkspace) -> Path:
             shutil.rmtree(fresh, ignore_errors=True)
     if not target.is_dir():
         raise WorkspaceError(f"the run workspace `{target}` could not be made")
-    return confine(workspace, f"{RUNS_DIR}/{spec.id}")
+    return target
 
 
-__all__ = ["RUNS_DIR", "WORKSPACES_META", "run_folder"]
+class RunFolders:
+    """The folders this worker made or found, by id: a run's later calls skip the checks and
+    the path resolution (a third of a trivial call's cost). The most recent `keep` are kept;
+    a folder is made or found again (as it is) once forgotten."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep = keep
+        self._known: dict[tuple[Path, str], Path] = {}
+
+    def get(self, workspace: Path, spec: RunWorkspace) -> Path:
+        key = (workspace, spec.id)
+        folder = self._known.pop(key, None)
+        if folder is None:
+            folder = run_folder(workspace, spec)
+            if len(self._known) >= self.keep:
+                del self._known[next(iter(self._known))]
+        self._known[key] = folder  # (re)inserted last: the oldest go first
+        return folder
+
+
+__all__ = ["RUNS_DIR", "WORKSPACES_META", "RunFolders", "run_folder"]
