@@ -68,8 +68,8 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # model alias -> sessions at once of the variants on it (besides `concurrency`, the total);
     # which alias a variant uses is known only on the running topology (its agent's model):
     # `experiment run` checks the keys, `check` only their form
-    per_model: dict[str, Annotated[int, msgspec.Meta(ge=1, le=10_000)]] = \
-        msgspec.field(default_factory=dict)
+    # (the range is checked in check_spec, where the error can name the key)
+    per_model: dict[str, int] = msgspec.field(default_factory=dict)
     seed: Seed | None = None  # repeat r (from 1) sends seed + r - 1
     retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2  # errors, not wrong answers
     max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
@@ -246,7 +246,10 @@ def check_spec(spec: Spec) -> list[str]:
     labels = [s.label for s in spec.scorers]
     for label in sorted({x for x in labels if labels.count(x) > 1}):
         problems.append(f"scorers: two scorers are called {label!r}; give one a `name`")
-    for alias in spec.run.per_model:
+    for alias, limit in spec.run.per_model.items():
+        if not 1 <= limit <= 10_000:
+            problems.append(f"run.per_model.{alias}: {limit} sessions at once; expected 1 to "
+                            f"10000")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", alias):
             problems.append(f"run.per_model.{alias}: a model alias (letters, digits, _ . -), as "
                             f"in the topology's [models.ALIAS]; `default` for the gateway's "
