@@ -6,6 +6,7 @@ sample's `files` land in a fresh workspace of its own on the tool worker, which 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,9 @@ from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from agent_bus.bus.errors import RemoteError
 from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace
 from tests.cli.conftest import start_up
+from tests.coordinator.conftest import calls, start_stack, text
 from tests.examples.helpers import stop_up
-from tests.support import busctl
+from tests.support import busctl, until
 
 SLOW = 0.4  # seconds each scripted reply waits: the sessions of a cell overlap
 
@@ -207,9 +209,9 @@ concurrency = 2
 
 def test_each_sample_has_its_own_workspace_with_its_files(up: Up) -> None:
     folder = up.cwd / "ws"
-    for sub, text in (("one", "first content"), ("two", "second content")):
+    for sub, content in (("one", "first content"), ("two", "second content")):
         (folder / sub).mkdir(parents=True)
-        (folder / sub / "input.txt").write_text(text)
+        (folder / sub / "input.txt").write_text(content)
     (folder / "extra.txt").write_text("extra")
     # two samples' files of the same name, different content; the third (after one of them:
     # two at once) lists its own folder, where neither's files nor what they wrote are
@@ -284,3 +286,45 @@ def test_a_journaled_run_keeps_its_workspace_across_a_restart(tmp_path: Path) ->
         assert [run.run_id for run in store.live_runs("c")] == ["r2"]
     finally:
         store.close()
+
+
+AGENT_W = """
+[[agents]]
+name = "w"
+model = "x"
+tools = ["write_file"]
+"""
+
+
+@pytest.mark.anyio
+async def test_a_run_resumed_after_a_coordinator_sigkill_keeps_its_workspace(
+        tmp_path: Path) -> None:
+    """Durable runs: the coordinator is SIGKILLed while the run waits for the model, after a
+    tool call ran in the run's folder; restarted, the run's next tool call runs there too."""
+    (tmp_path / "ws").mkdir()
+    stack = start_stack(tmp_path, worker=False, coordinator=None, agents=AGENT_W)
+    try:
+        stack.start("worker", busctl("worker", "--hub", stack.endpoint, "--tools",
+                                     "agent_bus.tools.builtin", "--workspace",
+                                     str(tmp_path / "ws"), "--name", "worker"))
+        stack.coordinator("w", name="coord-w", state="w-state")
+        stack.script([calls(("write_file", {"path": "before.txt", "content": "1"})),
+                      {"reply": {"text": "never sent"}, "delay": 30}])
+        folder = tmp_path / "ws" / ".runs" / "e" / "v.r1" / "s"
+        async with connect(stack.endpoint, name="test-ws-restart", resume_wait=30) as bus:
+            run = await bus.prompt("w", "go", workspace=RunWorkspace(
+                id="e/v.r1/s", files={"in.txt": b"mine"}))
+            await until(lambda: len(stack.srv.requests) == 2, 10, "the second model request")
+            assert (folder / "before.txt").read_text() == "1"
+            stack.procs["coord-w"].signal(signal.SIGKILL)
+            stack.stop("coord-w")
+            stack.script([calls(("write_file", {"path": "after.txt", "content": "2"})),
+                          text("done")])
+            stack.coordinator("w", name="coord-w", state="w-state")
+            with anyio.fail_after(30):
+                result = await run.result()
+        assert result.final_text == "done"
+        assert (folder / "after.txt").read_text() == "2"
+        assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == [".runs"]
+    finally:
+        stack.close()
