@@ -13,6 +13,8 @@
     concurrency = 8
     [run.per_model]             # at most this many sessions at once of the variants on a model
     local = 2                   # (alias: the variant's model, else its agent's; `default`: none)
+    # workspace = "sample"     # (default) each cell's tool calls in a folder of its own with
+                                # its sample's `files` (bus.messages.RunWorkspace); or "shared"
     [[scorers]]
     kind = "number"
 
