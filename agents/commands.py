@@ -19,7 +19,7 @@ from typing import Union
 
 import msgspec
 
-from agent_bus.bus.messages import Message, Usage
+from agent_bus.bus.messages import Message, RunWorkspace, Usage
 
 
 class _Command(msgspec.Struct, tag_field="command", omit_defaults=True):
@@ -50,6 +50,9 @@ class Prompt(_Command, tag="prompt"):
     #: the logged reply the replay serves; this is the reason the `agent_end` error gave, given
     #: again when this run ends aborted.
     abort_reason: str = ""
+    #: A folder of the run's own on the tool workers (`RunWorkspace`): every tool call of this
+    #: run, and of the runs it asks, runs in it. Refused (code `invalid`) when over its limits.
+    workspace: RunWorkspace | None = None
 
 
 class Continue(_Command, tag="continue"):

@@ -7,6 +7,7 @@ docs/protocol.md, "Schema evolution").
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal, Union
 
@@ -258,6 +259,52 @@ class ToolTrace(msgspec.Struct, omit_defaults=True):
     root_run_id: str = ""  # the tree's top-level run ("": this request's run is the top)
 
 
+#: A run workspace's files, names and contents together, at most (they ride on the prompt and
+#: on every tool call of the run: keep them small).
+MAX_WORKSPACE_BYTES = 1024 * 1024
+MAX_WORKSPACE_FILES = 1000
+#: One segment of a workspace id or file name: no `.`/`..`, no leading dot, no separator.
+_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+,@-]{0,127}")
+
+
+class RunWorkspace(msgspec.Struct, omit_defaults=True):
+    """A folder of its own for one run and the runs it asks (`busctl experiment`: one sample).
+
+    Sent in the prompt (`agent.<name>` `prompt` command); the coordinator attaches it to every
+    tool call of the run and of the runs it prompts through `ask_<agent>`. A worker runs such a
+    call in `<its workspace>/.runs/<id>/`, made with `files` written into it the first time any
+    call names `id` there (later calls reuse it as it is): `id` is 1 to 4 segments joined by
+    `/`, `files` maps relative paths (segments joined by `/`) to their bytes."""
+
+    id: str
+    files: dict[str, bytes] = msgspec.field(default_factory=dict)
+
+
+def workspace_problem(workspace: RunWorkspace) -> str:
+    """Why `workspace` is not acceptable ("" when it is): every peer checks (untrusted input)."""
+    if not 1 <= len(workspace.id.split("/")) <= 4 or not _segments_ok(workspace.id):
+        return (f"workspace id {workspace.id[:200]!r}: 1 to 4 segments joined by `/`, each "
+                f"letters, digits and _ . = + , @ - (not starting with a dot), at most 128 "
+                f"characters")
+    if len(workspace.files) > MAX_WORKSPACE_FILES:
+        return f"workspace `{workspace.id}`: {len(workspace.files)} files (at most " \
+               f"{MAX_WORKSPACE_FILES})"
+    size = sum(len(name) + len(data) for name, data in workspace.files.items())
+    if size > MAX_WORKSPACE_BYTES:
+        return (f"workspace `{workspace.id}`: its files are {size} bytes (names included; at "
+                f"most {MAX_WORKSPACE_BYTES}: they go with every tool call of the run)")
+    for name in workspace.files:
+        if not _segments_ok(name):
+            return (f"workspace `{workspace.id}`: file name {name[:200]!r}: a relative path, "
+                    f"segments joined by `/` (letters, digits and _ . = + , @ -, not starting "
+                    f"with a dot)")
+    return ""
+
+
+def _segments_ok(path: str) -> bool:
+    return all(_SEGMENT.fullmatch(part) for part in path.split("/"))
+
+
 class ToolCallRequest(msgspec.Struct, omit_defaults=True):
     """Body of a request to service `tool.<name>`; `arguments` is the model's raw JSON text."""
 
@@ -270,6 +317,10 @@ class ToolCallRequest(msgspec.Struct, omit_defaults=True):
     #: The trace context (None, as older peers send: the run is taken as its tree's top, which
     #: is right for every run but a sub-agent's).
     trace: ToolTrace | None = None
+    #: The run's own workspace (None: the worker's). A worker that serves tool calls must
+    #: honour it (docs/protocol.md); one that predates it ignores it, and says so by the
+    #: missing `workspaces` key in its services' registration meta.
+    workspace: RunWorkspace | None = None
 
 
 class ToolResult(msgspec.Struct, omit_defaults=True):

@@ -52,7 +52,9 @@ class ToolContext:
     `workspace` (resolved Path the file tools are confined to), `allow_shell` (whether the
     worker enabled shell commands) and `traceparent` (W3C trace context naming the call's
     `execute_tool` span in the run's trace, "" for a call outside any run; `trace_carrier`
-    holds it for `opentelemetry.propagate.extract`).
+    holds it for `opentelemetry.propagate.extract`), `run_workspace` (the id of the run's own
+    workspace, `<worker workspace>/.runs/<id>/`, when the call has one: `workspace` is then that
+    folder; "" otherwise).
     """
 
     def __init__(
@@ -67,8 +69,10 @@ class ToolContext:
         allow_shell: bool = False,
         on_progress: ProgressCallback | None = None,
         traceparent: str = "",
+        run_workspace: str = "",
     ) -> None:
         self.call_id = call_id
+        self.run_workspace = run_workspace
         self.tool_name = tool_name
         self.agent = agent
         self.run_id = run_id

@@ -87,6 +87,7 @@ def _make_context(
         allow_shell=allow_shell,
         on_progress=on_progress,
         traceparent=traceparent_of(request),
+        run_workspace=request.workspace.id if request.workspace is not None else "",
     )
     ctx._bind()
     return ctx

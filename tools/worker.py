@@ -37,17 +37,18 @@ import zmq
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Handler, IncomingRequest, Peer, connect
 from agent_bus.bus.errors import HubLost, RequestError
-from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult
+from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
 from agent_bus.bus.paths import inside_state_dir
 from agent_bus.bus.security import CurveClient
 from agent_bus.tools._calls import decode_call, service_name
-from agent_bus.tools._exceptions import ToolLoadError
+from agent_bus.tools._exceptions import ToolLoadError, WorkspaceError
 from agent_bus.tools._loader import load_tools
 from agent_bus.tools._runner import CANCEL_GRACE, run_tool
 from agent_bus.tools._schema import check_provider_schema
 from agent_bus.tools._tool import Tool
 from agent_bus.tools.mcp import McpServerSpec, serve_mcp_servers
 from agent_bus.tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
+from agent_bus.tools.workspaces import WORKSPACES_META, RunFolders
 
 log = logging.getLogger("tools.worker")
 
@@ -139,6 +140,7 @@ class ToolWorker:
         self.settings = settings
         self.tools = {t.name: t for t in tools}
         self.workspace = Path(settings.workspace).resolve()
+        self.folders = RunFolders()
         self.peer: Peer | None = None
         self._slots = anyio.Semaphore(settings.concurrency)
         self._threads = anyio.CapacityLimiter(settings.concurrency)
@@ -183,7 +185,9 @@ class ToolWorker:
                         f"`prefix`)")
         # the worker's sandbox rides along, for `busctl status` (ToolInfo ignores the key)
         jail = self.settings.sandbox
-        meta = {**msgspec.to_builtins(info), **({"sandbox": describe(jail)} if jail else {})}
+        meta = {**msgspec.to_builtins(info), **({"sandbox": describe(jail)} if jail else {}),
+                # calls with a `workspace` run in it (a requester may refuse workers without)
+                WORKSPACES_META: 1}
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
                               idempotent=idempotent, meta=meta)
         self.served[info.name] = (owner, info)
@@ -266,7 +270,14 @@ class ToolWorker:
         async def run() -> ToolResult:
             # Progress reaches the caller only through a ToolContext: none, no sink.
             sink = self.progress_sink(t.name, call, req) if t.context_param is not None else None
-            return await run_tool(t, call, workspace=self.workspace,
+            workspace = self.workspace
+            if call.workspace is not None:  # the run's own folder (tools.workspaces)
+                try:
+                    workspace = self.folders.get(self.workspace, call.workspace)
+                except (WorkspaceError, OSError) as exc:
+                    return error_result(f"Error: cannot prepare this run's workspace on worker "
+                                        f"`{self.settings.name}`: {exc}")
+            return await run_tool(t, call, workspace=workspace,
                                   allow_shell=self.settings.allow_shell, on_progress=sink,
                                   limiter=self._threads)
 

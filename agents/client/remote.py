@@ -41,6 +41,7 @@ from agent_bus.bus import events as ev
 from agent_bus.bus.client import Envelope, Peer, Subscription
 from agent_bus.bus.client import connect as connect_peer
 from agent_bus.bus.errors import BusError, NoService, PeerLost, RemoteError
+from agent_bus.bus.messages import RunWorkspace
 from agent_bus.bus.protocol import Status
 from agent_bus.bus.security import CurveClient
 from agent_bus.tools import Tool, tool
@@ -232,20 +233,23 @@ class AgentBus:
     async def prompt(self, agent: str, text: str = "", *, messages: Sequence[Any] = (),
                      experiment: str = "", session: str = "", continue_session: bool = False,
                      new_session: bool = False, parent_run_id: str = "",
-                     max_turns: int = 0, abort_reason: str = "") -> Run:
+                     max_turns: int = 0, abort_reason: str = "",
+                     workspace: RunWorkspace | None = None) -> Run:
         """Start a run; returns once the agent has accepted it (its run id is known).
 
         A fresh session unless `session` (continue it) or `continue_session` (the agent's last
         session) is given; `run.session` is the id. `new_session` with `session` starts that
         session over. `max_turns` > 0 bounds this run to that many turns (the agent's
         `max_iterations` otherwise); past it the run ends with stop reason `max_iterations`.
-        `abort_reason`: a replay's (see `cmd.Prompt.abort_reason`)."""
+        `abort_reason`: a replay's (see `cmd.Prompt.abort_reason`). `workspace`: a folder of the
+        run's own on the tool workers, with these files (`RunWorkspace`, docs/protocol.md)."""
         if max_turns < 0:
             raise ValueError(f"max_turns must be 0 (the agent's own bound) or more, not {max_turns}")
         command = cmd.Prompt(text=text, messages=list(messages), experiment=experiment,
                              session=session, continue_session=continue_session,
                              new_session=new_session, parent_run_id=parent_run_id,
-                             max_turns=max_turns, abort_reason=abort_reason)
+                             max_turns=max_turns, abort_reason=abort_reason,
+                             workspace=workspace)
         return await self._start(agent, command, session)
 
     async def continue_(self, agent: str, *, experiment: str = "", session: str = "") -> Run:

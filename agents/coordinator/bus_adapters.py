@@ -45,6 +45,7 @@ from agent_bus.bus.messages import (
     AssistantMessage,
     LlmRequest,
     LlmTrace,
+    RunWorkspace,
     ToolCallRequest,
     ToolInfo,
     ToolResult,
@@ -276,7 +277,9 @@ class AgentTools:
     (full text of truncated or trimmed outputs) is served from the agent's `ToolOutputStore` in
     this process whenever the agent has any tools at all. Calls get the run's `experiment` so
     workers tag their progress events with it, and `trace_root` (the top-level run of an asked
-    run's tree) in their `trace`, so the worker's `traceparent` puts the tool in that run's trace.
+    run's tree) in their `trace`, so the worker's `traceparent` puts the tool in that run's trace,
+    and the run's `workspace` (if its prompt gave one), so the worker runs them in its folder and
+    `ask_<agent>` prompts the callee with it.
 
     Progress: partial results go to the loop, which emits each as a `tool_execution_update`
     and the coordinator publishes it with the call's other events: so the progress of any tool,
@@ -300,6 +303,7 @@ class AgentTools:
         self.local = list(local)
         self.experiment = experiment  # the coordinator sets it per run
         self.trace_root = ""  # the coordinator sets it per run ("": the run is its tree's top)
+        self.workspace: RunWorkspace | None = None  # the run's own folder (set per run)
         self._all = "*" in self.allowed
         self._names = frozenset(self.allowed)
 
@@ -356,6 +360,8 @@ class AgentTools:
             request = msgspec.structs.replace(request, experiment=self.experiment)
         if self.trace_root and not (request.trace and request.trace.root_run_id):
             request = msgspec.structs.replace(request, trace=ToolTrace(self.trace_root))
+        if self.workspace is not None and request.workspace is None:
+            request = msgspec.structs.replace(request, workspace=self.workspace)
         provider = self._local_for(request.name)
         if provider is not None:
             return await provider.execute(request)

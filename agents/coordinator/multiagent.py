@@ -249,7 +249,8 @@ class AgentCalls:
             session = context.callee_sessions.get(callee, "")
         command = cmd.Prompt(text=prompt, experiment=context.experiment,
                              parent_run_id=request.run_id, session=session, call_chain=chain,
-                             root_run_id=context.root or request.run_id)
+                             root_run_id=context.root or request.run_id,
+                             workspace=request.workspace)  # the team shares the run's folder
         result = await self._call(callee, cmd.encode(command), request.run_id, session)
         if self.per_caller_session and isinstance(result.details, dict) and \
                 result.details.get("session"):

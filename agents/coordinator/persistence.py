@@ -52,7 +52,7 @@ from pathlib import Path
 import msgspec
 
 from agent_bus.agents.loop.context import ToolOutputStore
-from agent_bus.bus.messages import Message, ToolResultMessage
+from agent_bus.bus.messages import Message, RunWorkspace, ToolResultMessage
 
 DB_NAME = "conversations.sqlite"
 
@@ -94,6 +94,10 @@ CREATE TABLE IF NOT EXISTS run_calls (
     result  BLOB,
     PRIMARY KEY (run_id, call_id)
 );
+CREATE TABLE IF NOT EXISTS run_workspaces (
+    run_id  TEXT PRIMARY KEY,
+    body    BLOB NOT NULL
+);
 CREATE TABLE IF NOT EXISTS tool_outputs (
     agent   TEXT NOT NULL,
     ref     TEXT NOT NULL,
@@ -117,6 +121,9 @@ class JournaledRun(msgspec.Struct):
     parent: str = ""
     turn: int = 0  # the last turn begun
     max_turns: int = 0  # 0: the agent's own bound
+    #: the run's own folder on the tool workers (its prompt's); a table of its own
+    #: (`run_workspaces`), so a journal from before it opens as it is
+    workspace: RunWorkspace | None = None
 
 
 class JournaledCall(msgspec.Struct):
@@ -125,6 +132,23 @@ class JournaledCall(msgspec.Struct):
     call_id: str
     tool: str
     result: ToolResultMessage | None = None
+
+
+def _workspace(body: bytes | None) -> RunWorkspace | None:
+    """A journaled run's workspace. One that no longer decodes is logged and replaced by one
+    with an empty id, which every worker refuses: the run's tool calls then fail, and never run
+    in the workers' own workspaces instead."""
+    if body is None:
+        return None
+    try:
+        return _workspace_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("a journaled run's workspace does not decode (%s): its tool calls will fail",
+                    exc)
+        return RunWorkspace(id="")
+
+
+_workspace_decoder = msgspec.msgpack.Decoder(RunWorkspace)
 
 
 class ConversationStore:
@@ -274,6 +298,9 @@ class ConversationStore:
                 "parent, turn, max_turns, started) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run.run_id, run.agent, run.session, run.coordinator, run.experiment, run.parent,
                  run.turn, run.max_turns, time.time()))
+            if run.workspace is not None:
+                self.db.execute("INSERT OR REPLACE INTO run_workspaces (run_id, body) VALUES "
+                                "(?, ?)", (run.run_id, _encoder.encode(run.workspace)))
 
     def run_turn(self, run_id: str, turn: int) -> None:
         with self._tx():
@@ -293,13 +320,17 @@ class ConversationStore:
         with self._tx():
             self.db.execute("DELETE FROM run_calls WHERE run_id = ?", (run_id,))
             self.db.execute("DELETE FROM runs WHERE run_id = ?", (run_id,))
+            self.db.execute("DELETE FROM run_workspaces WHERE run_id = ?", (run_id,))
 
     def live_runs(self, coordinator: str) -> list[JournaledRun]:
         """The runs `coordinator` had in progress when it stopped without ending them."""
         rows = self.db.execute(
-            "SELECT run_id, agent, session, coordinator, experiment, parent, turn, max_turns "
-            "FROM runs WHERE coordinator = ? ORDER BY started", (coordinator,)).fetchall()
-        return [JournaledRun(*row) for row in rows]
+            "SELECT runs.run_id, agent, session, coordinator, experiment, parent, turn, "
+            "max_turns, run_workspaces.body FROM runs LEFT JOIN run_workspaces USING (run_id) "
+            "WHERE coordinator = ? ORDER BY started", (coordinator,)).fetchall()
+        return [JournaledRun(run_id=row[0], agent=row[1], session=row[2], coordinator=row[3],
+                             experiment=row[4], parent=row[5], turn=row[6], max_turns=row[7],
+                             workspace=_workspace(row[8])) for row in rows]
 
     def run_calls(self, run_id: str) -> dict[str, JournaledCall]:
         rows = self.db.execute("SELECT call_id, tool, result FROM run_calls WHERE run_id = ?",

@@ -109,7 +109,7 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import IncomingRequest, Peer, connect
 from agent_bus.bus.errors import ConfigError, RemoteError
-from agent_bus.bus.messages import Message
+from agent_bus.bus.messages import Message, RunWorkspace, workspace_problem
 from agent_bus.bus.paths import default_state_dir, ensure_state_dir
 from agent_bus.bus.security import CurveClient
 from agent_bus.tools.executor import BusToolExecutor
@@ -245,6 +245,7 @@ class Session:
         self.agent.subscribe(self._on_event)
         self.experiment = spec.experiment
         self.parent = ""
+        self.workspace: RunWorkspace | None = None  # the live run's (journaled with it)
         self.current: _Run | None = None
         self._started: anyio.abc.TaskStatus[str] | None = None
         self.abort_reason = ""
@@ -339,7 +340,7 @@ class Session:
                 self._journal_write(store.run_begin, JournaledRun(
                     run_id=run_id, agent=self.host.name, session=self.id,
                     coordinator=self.host.coordinator, experiment=self.experiment,
-                    parent=self.parent, max_turns=self.max_turns))
+                    parent=self.parent, max_turns=self.max_turns, workspace=self.workspace))
             case ev.TurnStart():
                 self._journal_write(store.run_turn, run_id, event.turn)
             case ev.ToolExecutionStart():
@@ -434,13 +435,16 @@ class Session:
             run.done.set()
             self.host.after_run(self)
 
-    def begin(self, experiment: str, parent: str, chain: Sequence[str], root: str = "") -> _Run:
+    def begin(self, experiment: str, parent: str, chain: Sequence[str], root: str = "",
+              workspace: RunWorkspace | None = None) -> _Run:
         """Claim the session for a new run (synchronously) and set the run's context (`root`:
-        the top-level run of the tree an asked run joins, for the trace context)."""
+        the top-level run of the tree an asked run joins, for the trace context; `workspace`:
+        the run's own folder on the tool workers, which its tool calls carry)."""
         run = _Run()
         self.current = run
         self.experiment = experiment or self.host.spec.experiment
         self.parent = parent
+        self.workspace = self.tools.workspace = workspace
         self.llm.experiment = self.tools.experiment = self.experiment
         self.llm.trace_root = self.tools.trace_root = root
         self.call_context = CallContext(chain=list(chain), experiment=self.experiment,
@@ -606,7 +610,8 @@ class HostedAgent:
                         journaled.run_id, journaled.session)
             self.store.run_end(journaled.run_id)
             return
-        run = session.begin(journaled.experiment, journaled.parent, ())
+        run = session.begin(journaled.experiment, journaled.parent, (),
+                            workspace=journaled.workspace)
         run.run_id = journaled.run_id
         session.max_turns = journaled.max_turns
 
@@ -633,11 +638,11 @@ class HostedAgent:
 
     async def _start_run(self, req: IncomingRequest, session: Session, start: Callable[[], Any],
                          experiment: str, parent: str, chain: Sequence[str] = (),
-                         root: str = "") -> bytes:
+                         root: str = "", workspace: RunWorkspace | None = None) -> bytes:
         if session.busy:
             raise RemoteError(f"{PROMPT_BUSY} (session `{session.id}` of agent `{self.name}` "
                               f"has run {session.run_id or '(starting)'} in progress)", BUSY)
-        run = session.begin(experiment, parent, chain, root)
+        run = session.begin(experiment, parent, chain, root, workspace)
         try:
             with run.wait:
                 await self._admit(session, run)
@@ -704,6 +709,8 @@ class HostedAgent:
             problem = call_problem(command.call_chain, self.name)
             if problem is not None:
                 raise RemoteError(problem[1], problem[0])
+        if command.workspace is not None and (why := workspace_problem(command.workspace)):
+            raise RemoteError(f"prompt to agent `{self.name}`: {why}", INVALID)
         session = self._prompt_session(command.session, command.continue_session,
                                        command.new_session)
         if command.new_session and command.session and not session.busy:
@@ -721,7 +728,7 @@ class HostedAgent:
 
         return await self._start_run(req, session, start, command.experiment,
                                      command.parent_run_id, command.call_chain,
-                                     command.root_run_id)
+                                     command.root_run_id, command.workspace)
 
     def _target(self, run_id: str, session_id: str) -> Session | None:
         """The session a steer/follow-up/abort addresses; None: nothing live to act on.

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from agent_bus.agents.experiment.runner import Journal, SampleResult
+from agent_bus.tools.workspaces import RUNS_DIR
 
 Z95 = 1.959963984540054
 #: t(0.975, df) for df 1-30; beyond, the values at 40, 60, 120 and the normal limit.
@@ -111,7 +112,17 @@ def report(journal: Journal, experiment: str) -> dict[str, Any]:
     return {"experiment": experiment, "planned": plan.planned if plan else None,
             "done": sum(v["n"] for v in variants), "scorers": scorers, "variants": variants,
             "unreadable_entries": journal.bad,
-            "duplicates": journal.ok_entries - sum(v["n"] for v in variants)}
+            "duplicates": journal.ok_entries - sum(v["n"] for v in variants),
+            **_workspaces(experiment, results)}
+
+
+def _workspaces(experiment: str, results: list[SampleResult]) -> dict[str, str]:
+    """Where the cells' own workspaces are kept (what the agents wrote is part of the
+    result): on the tool workers' hosts, one folder a cell (its results row's `workspace`)."""
+    if not any(r.workspace for r in results):
+        return {}
+    return {"workspaces": f"<each tool worker's workspace>/{RUNS_DIR}/{experiment}/"
+                          f"<variant>.r<repeat>/<sample>/"}
 
 
 def mcnemar_exact(b: int, c: int) -> float:
@@ -170,6 +181,9 @@ def report_text(data: dict[str, Any]) -> str:
     methods = sorted({v["ci_method"] for v in data["variants"] if v["ci_method"]})
     if methods:
         lines.append(f"(95% CI: {', '.join(methods)}; score = the first scorer's mean)")
+    if data.get("workspaces"):
+        lines.append(f"each cell's files, as its tools left them: {data['workspaces']} "
+                     f"(on the hosts of the tool workers it used)")
     return "\n".join(lines)
 
 

@@ -3,7 +3,9 @@
 Each sample × variant × repeat (a cell) is one fresh session of the variant's agent, prompted
 through `agents.client.remote.AgentBus` (as `run_many` does) with the experiment tag
 `E.<variant>.r<repeat>`; the hub routes each prompt to a coordinator serving the agent, by
-capacity. At most `run.concurrency` cells run at once.
+capacity. At most `run.concurrency` cells run at once, and at most `run.per_model[alias]` of
+the variants on that model (a cell waits for its model's slot first, then for one of the total,
+so cells waiting for a busy model hold none of the total).
 
 The journal is the event log: the runner publishes (with `confirm`: logged before it goes on)
 one `experiment_plan` event when an experiment starts and one `experiment_sample` event per
@@ -17,21 +19,25 @@ resume runs that cell again (the latest entry of a cell wins).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
 import msgspec
 
+from agent_bus.agents import commands as cmd
 from agent_bus.agents.client.remote import AgentBus, Run
 from agent_bus.agents.commands import RunResult
 from agent_bus.agents.coordinator.bus_adapters import BusLlmClient
 from agent_bus.agents.experiment.scoring import grade, score_all
 from agent_bus.agents.experiment.spec import (
+    DEFAULT_MODEL_KEY,
     Loaded,
     Sample,
     ScorerError,
@@ -39,14 +45,16 @@ from agent_bus.agents.experiment.spec import (
     Variant,
     experiment_tag,
     spec_digest,
+    variant_model,
 )
 from agent_bus.agents.replay import REPLAY_SERVICE, ReplayLoad
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, Subscription
 from agent_bus.bus.errors import BusError, RemoteError
-from agent_bus.bus.messages import AssistantMessage, Usage
+from agent_bus.bus.messages import AssistantMessage, RunWorkspace, Usage
 from agent_bus.bus.watch import _replay_batch
+from agent_bus.tools.workspaces import WORKSPACES_META
 
 PLAN_TYPE = "experiment_plan"
 SAMPLE_TYPE = "experiment_sample"
@@ -91,6 +99,8 @@ class SampleResult(msgspec.Struct):
     run_id: str = ""
     session: str = ""
     tag: str = ""  # the experiment id the session's events carry
+    # its own folder on the tool workers, `.runs/<this>/` in each one's workspace ("": shared)
+    workspace: str = ""
     attempts: int = 1
     error: str = ""
     type: str = SAMPLE_TYPE
@@ -254,6 +264,7 @@ class Runner:
         self.tally = RunTally()
         # `model` scorers' calls: tagged with the experiment, under an agent name of their own
         self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
+        self.models: dict[str, str] = {}  # variant -> its model alias (with run.per_model)
 
     async def start(self, resume: bool, fresh: bool = False) -> Journal:
         """Check the journal against `resume` and publish the plan of a new experiment.
@@ -293,6 +304,10 @@ class Runner:
                 raise SpecError(f"{self.loaded.source}: variants[{i}].agent: no live "
                                 f"coordinator serves agent `{variant.agent}` (live agents: "
                                 f"{', '.join(live) or 'none'})")
+        if self.loaded.spec.run.per_model:
+            await self._models()
+        if self.loaded.spec.run.workspace == "sample":
+            await self._check_workers()
         try:
             await self._overlays()
         except RemoteError as exc:
@@ -300,6 +315,39 @@ class Runner:
                 raise
             raise SpecError(f"{self.loaded.source}: variants (model / set.model): "
                             f"{exc.message}") from None
+
+    async def _check_workers(self) -> None:
+        """Every live tool worker runs a call with a workspace in it: one that predates run
+        workspaces (no `workspaces` in its services' meta) would run it in its own."""
+        status = await self.bus.peer.status()
+        old = sorted(peer.name for peer in status.peers
+                     if any(s.name.startswith("tool.") for s in peer.services)
+                     and not any(s.meta.get(WORKSPACES_META) for s in peer.services))
+        if old:
+            raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "
+                            f"{', '.join(old)} cannot run a sample's tool calls in its own "
+                            f"workspace (they predate run workspaces); upgrade them, or set "
+                            f"run.workspace = \"shared\" to run every sample in the workers' "
+                            f"own workspace")
+
+    async def _models(self) -> None:
+        """Each variant's model alias, for run.per_model: the one it pins, else its agent's
+        (asked of a coordinator serving it); every per_model key must be one of them."""
+        for variant in self.loaded.spec.variants:
+            alias = variant_model(variant)
+            if not alias:
+                body = await self.bus.peer.request(cmd.agent_service(variant.agent),
+                                                   cmd.encode(cmd.GetState()), timeout=10)
+                alias = msgspec.msgpack.decode(body, type=cmd.AgentState).model
+            self.models[variant.name] = alias or DEFAULT_MODEL_KEY
+        used = sorted(set(self.models.values()))
+        for alias in self.loaded.spec.run.per_model:
+            if alias not in used:
+                raise SpecError(f"{self.loaded.source}: run.per_model.{alias}: no variant runs on "
+                                f"model `{alias}` (the variants' models here: "
+                                f"{', '.join(used)}; a variant's model is its `model` or "
+                                f"`set.model`, else its agent's, `{DEFAULT_MODEL_KEY}` when its "
+                                f"agent names none)")
 
     async def _overlays(self) -> None:
         """Load each cell's model settings into the gateway (see agents.experiment.spec)."""
@@ -332,9 +380,12 @@ class Runner:
         if self.progress is not None:
             self.progress.done = self.progress.already = self.loaded.planned - len(cells)
         limiter = anyio.CapacityLimiter(self.loaded.spec.run.concurrency)
+        per_model = {alias: anyio.CapacityLimiter(n)
+                     for alias, n in self.loaded.spec.run.per_model.items()}
 
         async def one(variant: Variant, sample: Sample, repeat: int) -> None:
-            async with limiter:
+            # its model's slot first: a cell waiting for a busy model holds none of the total
+            async with _held(per_model.get(self.models.get(variant.name, ""))), limiter:
                 result = await self.cell(variant, sample, repeat)
             # its slot is free for the next cell: the rest only waits
             result = await self._completed(result)
@@ -367,13 +418,15 @@ class Runner:
     async def cell(self, variant: Variant, sample: Sample, repeat: int) -> SampleResult:
         """Run one cell, retrying errors; its result (status `error` once retries are spent)."""
         tag = experiment_tag(self.experiment, variant.name, repeat)
-        base = SampleResult(self.experiment, variant.name, sample.key, repeat, "error", tag=tag)
+        workspace = self.loaded.workspace(self.experiment, variant, sample, repeat)
+        base = SampleResult(self.experiment, variant.name, sample.key, repeat, "error", tag=tag,
+                            workspace=workspace.id if workspace is not None else "")
         result = base
         for attempt in range(1, self.loaded.spec.run.retries + 2):
             if self.progress is not None:
                 self.progress.running += 1
             try:
-                result = await self._attempt(base, variant, sample, tag)
+                result = await self._attempt(base, variant, sample, tag, workspace)
             except BusError as exc:
                 result = msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
             finally:
@@ -385,7 +438,7 @@ class Runner:
         return result
 
     async def _attempt(self, base: SampleResult, variant: Variant, sample: Sample,
-                       tag: str) -> SampleResult:
+                       tag: str, workspace: RunWorkspace | None) -> SampleResult:
         started = time.monotonic()
         timeout = self.loaded.spec.run.timeout
         run: Run | None = None
@@ -393,7 +446,8 @@ class Runner:
         limited = False
         with anyio.move_on_after(timeout if timeout else float("inf")):
             run = await self.bus.prompt(variant.agent, sample.input, experiment=tag,
-                                        max_turns=self.loaded.max_turns(variant))
+                                        max_turns=self.loaded.max_turns(variant),
+                                        workspace=workspace)
             try:
                 outcome, limited = await self._result(run)
             finally:  # an error or the limit: its subscription and stream go too
@@ -464,6 +518,10 @@ class Runner:
     async def _publish(self, type_: str, entry: Plan | SampleResult) -> None:
         await self.bus.peer.publish_raw(type_, msgspec.msgpack.encode(entry),
                                         experiment=self.experiment, confirm=True)
+
+
+def _held(limiter: anyio.CapacityLimiter | None) -> AbstractAsyncContextManager[Any]:
+    return limiter if limiter is not None else contextlib.nullcontext()
 
 
 def tokens_of(usage: Iterable[Usage]) -> int:

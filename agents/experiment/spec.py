@@ -11,6 +11,10 @@
     [run]
     repeats = 3                 # each repeat gets seed + repeat when `seed` is given
     concurrency = 8
+    [run.per_model]             # at most this many sessions at once of the variants on a model
+    local = 2                   # (alias: the variant's model, else its agent's; `default`: none)
+    # workspace = "sample"     # (default) each cell's tool calls in a folder of its own with
+                                # its sample's `files` (bus.messages.RunWorkspace); or "shared"
     [[scorers]]
     kind = "number"
 
@@ -33,6 +37,7 @@ import msgspec
 from agent_bus.agents import replay
 from agent_bus.agents.launch.topology import Seed, TurnBound, _keypath_message
 from agent_bus.bus.errors import AgentBusError, ConfigError
+from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, workspace_problem
 
 NAME = r"[A-Za-z0-9_-]+"  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
 #: The gateway holds this many replays (overlays) at once (agents/gateway/process.py REPLAYS_KEPT).
@@ -62,6 +67,11 @@ class Variant(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     repeats: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     concurrency: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 8
+    # model alias -> sessions at once of the variants on it (besides `concurrency`, the total);
+    # which alias a variant uses is known only on the running topology (its agent's model):
+    # `experiment run` checks the keys, `check` only their form
+    # (the range is checked in check_spec, where the error can name the key)
+    per_model: dict[str, int] = msgspec.field(default_factory=dict)
     seed: Seed | None = None  # repeat r (from 1) sends seed + r - 1
     retries: Annotated[int, msgspec.Meta(ge=0, le=100)] = 2  # errors, not wrong answers
     max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
@@ -73,6 +83,10 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # seconds a cell whose coordinator died waits for its run to resume there (`busctl up`
     # restarts it) before it is retried elsewhere (agents.client.remote.RESUME_WAIT)
     resume_wait: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # "sample": each cell's tool calls run in a fresh folder of its own on the tool workers,
+    # with its sample's `files` (`.runs/E/<variant>.r<repeat>/<sample>/` in each worker's
+    # workspace, kept); "shared": in the workers' own workspace (no `files` then)
+    workspace: Literal["sample", "shared"] = "sample"
 
 
 ScorerKind = Literal["exact", "includes", "regex", "number", "json_field", "python", "model"]
@@ -106,12 +120,19 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     id: str | int
     input: str
     target: Any = None
-    files: list[str] = msgspec.field(default_factory=list)
+    # copied into the cell's workspace: names next to the dataset (kept as they are), or
+    # {name in the workspace: path next to the dataset}, as Inspect AI's `files`
+    files: list[str] | dict[str, str] = msgspec.field(default_factory=list)
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
 
     @property
     def key(self) -> str:
         return str(self.id)
+
+    @property
+    def placed(self) -> dict[str, str]:
+        """Name in the workspace -> path relative to the dataset."""
+        return dict(self.files) if isinstance(self.files, dict) else {f: f for f in self.files}
 
 
 class Loaded(msgspec.Struct):
@@ -121,6 +142,18 @@ class Loaded(msgspec.Struct):
     samples: list[Sample]
     source: str  # the spec file
     prompts: dict[str, str]  # variant -> its system prompt file's text (if any)
+    dataset_dir: str = "."  # where the samples' `files` are
+
+    def workspace(self, experiment: str, variant: Variant, sample: Sample,
+                  repeat: int) -> RunWorkspace | None:
+        """A cell's own workspace (`run.workspace = "sample"`): id
+        `E/<variant>.r<repeat>/<sample>`, with its sample's files (read now)."""
+        if self.spec.run.workspace != "sample":
+            return None
+        base = Path(self.dataset_dir)
+        files = {name: (base / path).read_bytes() for name, path in sample.placed.items()}
+        return RunWorkspace(id=cell_folder(experiment, variant.name, repeat, sample.key),
+                            files=files)
 
     def overrides(self, variant: Variant, repeat: int) -> dict[str, replay.LiveOverrides]:
         """What the model calls of `variant`'s sessions in `repeat` change, by agent."""
@@ -150,6 +183,16 @@ class Loaded(msgspec.Struct):
         return len(self.samples) * len(self.spec.variants) * self.spec.run.repeats
 
 
+def variant_model(variant: Variant) -> str:
+    """The model alias a variant pins (`model`, or `set.model` for its own agent); "" = its
+    agent's own."""
+    return variant.model or str(variant.set.get("model") or
+                                variant.set.get(f"{variant.agent}.model") or "")
+
+
+DEFAULT_MODEL_KEY = "default"  # run.per_model's key for an agent that names no model
+
+
 def _typed(key: str, value: Any) -> Any:
     return [value] if key == "stop" and isinstance(value, str) else value
 
@@ -172,6 +215,10 @@ def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
         raise SpecError(f"{path}: {problems[0]}")
     base = path.parent
     samples = load_dataset(base / spec.dataset.path, limit=limit)
+    if spec.run.workspace == "shared" and any(s.files for s in samples):
+        raise SpecError(f"{path}: run.workspace: \"shared\" runs every sample in the tool "
+                        f"workers' own workspace, where its `files` cannot go; use \"sample\" "
+                        f"(the default)")
     prompts = {}
     for i, variant in enumerate(spec.variants):
         if variant.system_prompt_file:
@@ -181,7 +228,8 @@ def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
             except (OSError, UnicodeDecodeError) as exc:
                 raise SpecError(f"{path}: variants[{i}].system_prompt_file: cannot read "
                                 f"{str(file)!r}: {exc}") from None
-    return Loaded(spec, samples, str(path), prompts)
+    return Loaded(spec, samples, str(path), prompts,
+                  str((base / spec.dataset.path).parent))
 
 
 def check_spec(spec: Spec) -> list[str]:
@@ -200,6 +248,14 @@ def check_spec(spec: Spec) -> list[str]:
     labels = [s.label for s in spec.scorers]
     for label in sorted({x for x in labels if labels.count(x) > 1}):
         problems.append(f"scorers: two scorers are called {label!r}; give one a `name`")
+    for alias, limit in spec.run.per_model.items():
+        if not 1 <= limit <= 10_000:
+            problems.append(f"run.per_model.{alias}: {limit} sessions at once; expected 1 to "
+                            f"10000")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", alias):
+            problems.append(f"run.per_model.{alias}: a model alias (letters, digits, _ . -), as "
+                            f"in the topology's [models.ALIAS]; `default` for the gateway's "
+                            f"default model")
     overlays = len(spec.variants) * spec.run.repeats
     if overlays > MAX_OVERLAYS and (spec.run.seed is not None or any(
             v.set or v.model or v.system_prompt_file for v in spec.variants)):
@@ -319,9 +375,7 @@ def load_dataset(path: Path, *, limit: int = 0) -> list[Sample]:
         if not sample.key or len(sample.key) > 200:
             raise SpecError(f"{where}: id: give a non-empty id of at most 200 characters")
         seen[sample.key] = number
-        for j, name in enumerate(sample.files):
-            if not (path.parent / name).is_file():
-                raise SpecError(f"{where}: files[{j}]: no file {name!r} next to the dataset")
+        _check_files(where, path.parent, sample)
         samples.append(sample)
         if limit and len(samples) >= limit:
             break
@@ -331,12 +385,47 @@ def load_dataset(path: Path, *, limit: int = 0) -> list[Sample]:
     return samples
 
 
+def _check_files(where: str, base: Path, sample: Sample) -> None:
+    """A sample's `files` exist, have names a workspace takes, and fit its limit in all."""
+    size = 0
+    for j, (name, source) in enumerate(sample.placed.items()):
+        key = f"files[{j}]" if isinstance(sample.files, list) else f"files.{name}"
+        file = base / source
+        if not file.is_file():
+            raise SpecError(f"{where}: {key}: no file {source!r} next to the dataset")
+        problem = workspace_problem(RunWorkspace(id="x", files={name: b""}))
+        if problem:
+            raise SpecError(f"{where}: {key}: {problem.partition(': ')[2]}")
+        size += len(name) + file.stat().st_size
+    if size > MAX_WORKSPACE_BYTES:
+        raise SpecError(f"{where}: files: {size} bytes in all, names included (at most "
+                        f"{MAX_WORKSPACE_BYTES}: a sample's files go with every tool call of "
+                        f"its session); keep big data in the tool workers' workspace and give "
+                        f"the sample its name instead")
+
+
+def cell_folder(experiment: str, variant: str, repeat: int, sample: str) -> str:
+    """A cell's workspace id, `E/<variant>.r<repeat>/<sample>`."""
+    return "/".join(map(_segment, (experiment, f"{variant}.r{repeat}", sample)))
+
+
+def _segment(name: str) -> str:
+    """`name` as one segment of a workspace id: as it is when it can be, else its safe
+    characters and a short hash (so two names never share one)."""
+    import hashlib
+    if "/" not in name and not workspace_problem(RunWorkspace(id=name)):
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return "_" + re.sub(r"[^A-Za-z0-9_.=+,@-]", "_", name)[:100] + f"-{digest}"
+
+
 def summary(loaded: Loaded) -> dict[str, Any]:
     """What `busctl experiment check` prints."""
     spec = loaded.spec
     return {"name": spec.name, "samples": len(loaded.samples),
             "variants": [v.name for v in spec.variants], "repeats": spec.run.repeats,
             "sessions": loaded.planned, "concurrency": spec.run.concurrency,
+            **({"per_model": spec.run.per_model} if spec.run.per_model else {}),
             "scorers": [s.label for s in spec.scorers]}
 
 

@@ -62,6 +62,13 @@ def write_spec(tmp_path: Path, extra: str = "", samples: str = "") -> Path:
     ("", '{"id": "a", "input": 3}\n', "samples.jsonl:1: input: Expected `str`"),
     ("", '{"id": "a", "input": "x", "files": ["gone.txt"]}\n', "samples.jsonl:1: files[0]: no "
      "file 'gone.txt'"),
+    ("", '{"id": "a", "input": "x", "files": {"in.txt": "gone.txt"}}\n', "samples.jsonl:1: "
+     "files.in.txt: no file 'gone.txt'"),
+    ("", '{"id": "a", "input": "x", "files": {"../up.txt": "samples.jsonl"}}\n', "samples.jsonl:1:"
+     " files.../up.txt: file name '../up.txt': a relative path"),
+    ('[run]\nworkspace = "shared"', '{"id": "a", "input": "x", "files": ["samples.jsonl"]}\n',
+     'run.workspace: "shared" runs every sample'),
+    ('[run.per_model]\nlocal = 0', "", "run.per_model.local: 0 sessions at once; expected 1 to"),
 ])
 def test_spec_errors_name_the_key(tmp_path: Path, extra: str, samples: str, message: str) -> None:
     with pytest.raises(SpecError) as caught:

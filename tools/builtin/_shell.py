@@ -26,6 +26,7 @@ from agent_bus.tools._context import ToolContext
 from agent_bus.tools._exceptions import ToolError
 from agent_bus.tools._tool import tool
 from agent_bus.tools.sandbox import shell_prefix
+from agent_bus.tools.workspaces import RUNS_DIR
 
 MAX_OUTPUT_BYTES = 100 * 1024
 #: After the shell exits and its group is killed, how long to wait for the pipe to drain.
@@ -154,8 +155,24 @@ def _result(output: _Output, code: int | None, timed_out: bool, timeout: float) 
 
 
 def _chdir(ctx: ToolContext) -> list[str]:
-    """bwrap's own `--chdir` (it would otherwise keep the cwd only if it exists inside)."""
-    return ["--chdir", str(ctx.workspace)] if shell_prefix() else []
+    """bwrap's own `--chdir` (it would otherwise keep the cwd only if it exists inside); in a
+    run's own workspace (tools.workspaces), also what the call sees of the worker's: the rest
+    of it read-only, no other run's folder."""
+    if not shell_prefix():
+        return []
+    return [*_run_view(ctx), "--chdir", str(ctx.workspace)]
+
+
+def _run_view(ctx: ToolContext) -> list[str]:
+    if not ctx.run_workspace:
+        return []
+    folder = ctx.workspace
+    runs = folder.parents[len(ctx.run_workspace.split("/")) - 1]
+    if runs.name != RUNS_DIR:  # not laid out as tools.workspaces makes it: leave the view
+        return []
+    shared = str(runs.parent)
+    return ["--ro-bind", shared, shared, "--tmpfs", str(runs), "--bind", str(folder),
+            str(folder)]
 
 
 def _scrubbed_env() -> dict[str, str]:
