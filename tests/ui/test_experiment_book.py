@@ -1,0 +1,62 @@
+"""The experiment page's bookkeeping (bus/ui/experiments.py), fed journal entries and run events
+as the view gets them: progress (done / running / failed of planned), the ETA at the current
+stretch's pace, and a report equal to `report.report` over the same journal."""
+
+from __future__ import annotations
+
+import msgspec
+
+from agent_bus.agents.experiment.report import report
+from agent_bus.agents.experiment.runner import PLAN_TYPE, SAMPLE_TYPE, Plan, SampleResult
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.ui.experiments import ExperimentBook
+
+
+def entry(type_: str, body: Plan | SampleResult, ts: float, experiment: str = "e"
+          ) -> tuple[bytes, bytes]:
+    header = p.Header(kind=p.EVENT, type=type_, experiment=experiment, ts=ts)
+    return p.encode(header), msgspec.msgpack.encode(body)
+
+
+def run_event(event: ev.Event, run: str, ts: float, tag: str = "e.v.r1", parent: str = ""
+              ) -> tuple[p.Header, ev.Event]:
+    return p.Header(kind=p.EVENT, type=ev.event_type(event), run=run, experiment=tag, ts=ts,
+                    parent=parent), event
+
+
+def test_progress_eta_and_report() -> None:
+    book = ExperimentBook()
+    plan = Plan("e", "d", "spec.toml", samples=4, variants=["v"], repeats=1, planned=4,
+                scorers=["x"])
+    book.add_entries([entry(PLAN_TYPE, plan, 100.0),
+                      entry(PLAN_TYPE, plan, 100.0, experiment="other"),
+                      (b"not a header", b""),           # counted, skipped
+                      entry("experiment_other", plan, 100.0)])  # another type: not an entry
+    assert book.bad == 1 and [x["name"] for x in book.summary()] == ["e", "other"]
+    for run in ("r1", "r2"):
+        book.note_event(*run_event(ev.AgentStart(), run, 110.0))
+    book.note_event(*run_event(ev.AgentStart(), "child", 110.0, parent="r1"))  # not a cell
+    book.note_event(*run_event(ev.AgentStart(), "x", 110.0, tag="not-a-cell"))
+    cells = [SampleResult("e", "v", "s1", 1, "ok", score=1.0, scores={"x": 1.0}, wall=2.0,
+                          tokens=10, run_id="r1"),
+             SampleResult("e", "v", "s2", 1, "error", error="boom", run_id="r2")]
+    book.note_event(*run_event(ev.AgentEnd(), "r1", 112.0))
+    book.note_event(*run_event(ev.AgentEnd(stop_reason="error"), "r2", 112.0))
+    book.note_event(*run_event(ev.AgentStart(), "r3", 112.5))  # the next cell, running
+    book.add_entries([entry(SAMPLE_TYPE, c, 112.0) for c in cells])
+    x = book.experiments["e"]
+    assert (x.stretch_start, x.stretch_done) == (110.0, 2)
+    progress = x.progress(now=120.0)
+    # 2 cells in 10 s since the stretch began, 2 left: 10 s more
+    assert progress == {"planned": 4, "done": 1, "failed": 1, "running": 1, "left": 2,
+                        "eta": 10.0}
+    page = book.page("e")
+    assert page is not None and page["report"] == report(x.journal, "e")
+    assert [r["sample"] for r in page["samples"]] == ["s1", "s2"]
+    assert page["report"]["variants"][0]["failures"] == 1 and book.page("nope") is None
+    # a cell starting long after the last one ended (a resume): the pace is measured anew
+    book.note_event(*run_event(ev.AgentEnd(), "r3", 113.0))
+    book.note_event(*run_event(ev.AgentStart(), "r4", 200.0))
+    assert (x.stretch_start, x.stretch_done) == (200.0, 0)
+    assert x.progress(now=201.0)["eta"] is None  # nothing finished since: no pace yet
