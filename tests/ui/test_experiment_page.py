@@ -48,6 +48,16 @@ READ_PAGE = """(() => {
 })()"""
 
 
+# Every progress line the page draws, as it draws it (done, running, text).
+WATCH_PROGRESS = """(() => {
+  window.progressSeen = [];
+  new MutationObserver(() => {
+    const p = document.querySelector('#exp-progress [data-done]');
+    if (p) window.progressSeen.push([p.dataset.done, p.dataset.running, p.textContent]);
+  }).observe(document.getElementById('exp-progress'), {childList: true, subtree: true});
+})()"""
+
+
 def chromium() -> str:
     path = find_chromium()
     if path is None:
@@ -56,7 +66,8 @@ def chromium() -> str:
 
 
 def prepare(tmp_path: Path) -> None:
-    """The example, one repeat, no retries; solo's q04 ends `error` (a content filter)."""
+    """The example, one repeat, no retries; solo's q04 ends `error` (a content filter), and
+    solo's q06 answers after 2 s: the page shows the others done while it runs."""
     copy = tmp_path / "examples" / "experiment"
     shutil.copytree(ROOT / "examples" / "experiment", copy)
     spec = (copy / "spec.toml").read_text()
@@ -65,6 +76,9 @@ def prepare(tmp_path: Path) -> None:
     script = json.loads((copy / "fake_model.json").read_text())
     script["rules"].insert(0, {"system": ["SOLO"], "contains": ["[q04]"],
                                "reply": {"text": "no", "finish": "content_filter"}})
+    [slow] = [r for r in script["rules"] if r["system"] == ["SOLO"]
+              and r.get("contains") == ["[q06]"]]
+    slow["delay"] = 2.0
     (copy / "fake_model.json").write_text(json.dumps(script))
 
 
@@ -130,6 +144,7 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             wait_for(lambda: "no experiment ui-1 journaled" in (live.evaluate(
                 "document.getElementById('exp-progress').textContent") or ""), 15,
                 "the page saying the experiment is not there yet")
+            live.evaluate(WATCH_PROGRESS)
             with pytest.raises(urllib.error.HTTPError) as missing:
                 urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5)
             assert missing.value.code == 404
@@ -154,6 +169,9 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             shown = wait_for(lambda: drawn(live), 15, "the finished experiment on the page")
             check_page(shown, report)
             check_samples(shown, rows)
+            # live: drawn as the cells finished, not only at the end (solo q06 ran on alone)
+            seen = live.evaluate("window.progressSeen")
+            assert any(0 < int(d) < 11 and int(r) >= 1 and "ETA" in t for d, r, t in seen), seen
             live.screenshot(tmp_path / "experiment.png")
 
             # a view started afterwards replays the log: the same page
