@@ -40,6 +40,8 @@ CELL_TAG = re.compile(r"([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+\.r[0-9]+")
 # A cell starting this long after the experiment's last cell ended, none running: a runner
 # (re)started (`--resume`), and the ETA's pace is measured from there, not from the first run.
 IDLE = 30.0
+ANSWER_CHARS = 300  # of each answer on the page (its tooltip): a refetch stays small; the
+# results file and `busctl export` have them whole
 
 
 class Tracked:
@@ -136,12 +138,14 @@ class ExperimentBook:
 
     def page(self, name: str) -> dict[str, Any] | None:
         """The experiment page's data: `busctl experiment report --json`'s object, the progress,
-        and the per-sample rows (the results file's: `runner.result_rows`)."""
+        and the per-sample rows (the results file's: `runner.result_rows`, answers clipped)."""
         with self.lock:
             x = self.experiments.get(name)
             if x is None or not (x.journal.plan or x.journal.results):
                 return None
+            rows = result_rows(x.journal.results.values())
+            for row in rows:
+                row["answer"] = row["answer"][:ANSWER_CHARS]
             return {"experiment": name, "version": x.version,
                     "progress": x.progress(time.time()),
-                    "report": report(x.journal, name),
-                    "samples": result_rows(x.journal.results.values())}
+                    "report": report(x.journal, name), "samples": rows}

@@ -39,7 +39,7 @@ def test_progress_eta_and_report() -> None:
     book.note_event(*run_event(ev.AgentStart(), "child", 110.0, parent="r1"))  # not a cell
     book.note_event(*run_event(ev.AgentStart(), "x", 110.0, tag="not-a-cell"))
     cells = [SampleResult("e", "v", "s1", 1, "ok", score=1.0, scores={"x": 1.0}, wall=2.0,
-                          tokens=10, run_id="r1"),
+                          tokens=10, run_id="r1", answer="long " * 100),
              SampleResult("e", "v", "s2", 1, "error", error="boom", run_id="r2")]
     book.note_event(*run_event(ev.AgentEnd(), "r1", 112.0))
     book.note_event(*run_event(ev.AgentEnd(stop_reason="error"), "r2", 112.0))
@@ -54,6 +54,7 @@ def test_progress_eta_and_report() -> None:
     page = book.page("e")
     assert page is not None and page["report"] == report(x.journal, "e")
     assert [r["sample"] for r in page["samples"]] == ["s1", "s2"]
+    assert len(page["samples"][0]["answer"]) == 300
     assert page["report"]["variants"][0]["failures"] == 1 and book.page("nope") is None
     # a cell starting long after the last one ended (a resume): the pace is measured anew
     book.note_event(*run_event(ev.AgentEnd(), "r3", 113.0))
