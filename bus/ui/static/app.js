@@ -20,7 +20,7 @@ const state = {
   stream: { ok: false, since: 0 }, // this page's link to `busctl ui`
   journaled: [], // the experiments `busctl experiment run` journaled: [{name, version, done, ...}]
   // the experiment page open (`#experiment=E`): its data as `/experiment?name=E` served it
-  exp: { name: "", data: null, fetching: false, missing: false, drawn: null },
+  exp: { name: "", data: null, fetching: false, missing: false, drawn: null, page: 0 },
 
 };
 
@@ -595,7 +595,24 @@ function runLink(id) {
   return el("a", { href: "#run=" + encodeURIComponent(id), "data-run-link": id }, id.slice(0, 8));
 }
 
-function renderSamples(scorers, rows) {
+const SAMPLE_PAGE = 200; // rows per page: the DOM stays small however many cells there are
+
+function samplePager(total) {
+  const pages = Math.max(1, Math.ceil(total / SAMPLE_PAGE));
+  state.exp.page = Math.min(state.exp.page || 0, pages - 1);
+  const p = state.exp.page;
+  const go = (d) => () => { state.exp.page = p + d; state.exp.drawn = null; redraw(); };
+  const prev = el("button", {}, "‹ previous");
+  const next = el("button", {}, "next ›");
+  prev.disabled = p === 0; next.disabled = p >= pages - 1;
+  prev.onclick = go(-1); next.onclick = go(1);
+  document.getElementById("exp-pager").replaceChildren(...(pages > 1 ? [`${p * SAMPLE_PAGE + 1}`
+    + `–${Math.min((p + 1) * SAMPLE_PAGE, total)} of ${total} `, prev, " ", next] : []));
+  return (rows) => rows.slice(p * SAMPLE_PAGE, (p + 1) * SAMPLE_PAGE);
+}
+
+function renderSamples(scorers, all) {
+  const rows = samplePager(all.length)(all);
   document.querySelector("#exp-samples thead").replaceChildren(el("tr", {}, ...["sample",
     "variant", "repeat", ...scorers, "stop reason", "tokens", "cost", "turns", "time", "run"]
     .map((c) => el("th", {}, c))));
@@ -640,7 +657,7 @@ function route() {
   const [key, value] = location.hash.slice(1).split("=");
   const name = key === "experiment" ? decodeURIComponent(value || "") : "";
   if (name !== state.exp.name) {
-    state.exp = { name, data: null, fetching: false, missing: false, drawn: null };
+    state.exp = { name, data: null, fetching: false, missing: false, drawn: null, page: 0 };
     if (name) fetchExperiment();
   }
   if (key === "run" && value) {
