@@ -130,12 +130,11 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
     binary = chromium()
     prepare(tmp_path)
     procs: list[Proc] = []
-    browsers: list[Browser] = []
+    browser = Browser(binary, tmp_path / "profile")
 
     def open_page(url: str) -> Browser:
-        browsers.append(Browser(binary, tmp_path / f"profile-{len(browsers)}"))
-        browsers[-1].open(f"{url}#experiment={E}")
-        return browsers[-1]
+        browser.open(f"{url}#experiment={E}")  # a new tab: the browser talks to it from now
+        return browser
 
     try:
         with example(tmp_path, "experiment", copy=False) as ex:
@@ -148,6 +147,7 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             with pytest.raises(urllib.error.HTTPError) as missing:
                 urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5)
             assert missing.value.code == 404
+            missing.value.close()
             run = subprocess.run(busctl("experiment", "run", SPEC, "--name", E, "--limit", "6",
                                         "--hub", ex.endpoint), capture_output=True, text=True,
                                  timeout=60, cwd=tmp_path, env={**os.environ, **ENV})
@@ -156,8 +156,8 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             assert report["done"] == 11 and report["variants"][0]["failures"] == 1
             rows = [json.loads(line) for line in
                     (tmp_path / f"{E}.results.jsonl").read_text().splitlines()]
-            served = json.loads(urllib.request.urlopen(f"{url}experiment?name={E}",
-                                                       timeout=5).read())
+            with urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5) as answer:
+                served = json.loads(answer.read())
             assert served["report"] == report  # the server side computes it with report.py
 
             def drawn(page: Browser) -> dict[str, Any]:
@@ -179,8 +179,9 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             replayed = wait_for(lambda: drawn(later), 15, "the experiment replayed")
             check_page(replayed, report)
             assert replayed["samples"] == shown["samples"]
-            assert "ui-1" in later.evaluate("document.getElementById('experiments')"
-                                            ".textContent")
+            wait_for(lambda: later.evaluate(  # the list comes with the next status snapshot
+                "document.querySelector('#experiments [data-experiment=\"ui-1\"]')"
+                "?.textContent") == "ui-1 11/12, 1 failed", 10, "the experiment in the list")
 
             # a sample's run id opens that run in the runs view, with its transcript
             run_id = next(r["run_id"] for r in rows if r["variant"] == "team")
@@ -191,8 +192,7 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
                 f"'#transcript-body .msg[data-role]').length >= 2"), 15,
                 "the sample's run shown with its transcript")
     finally:
-        for browser in browsers:
-            browser.close()
+        browser.close()
         for proc in reversed(procs):
             proc.stop()
     assert (tmp_path / "experiment.png").stat().st_size > 1000

@@ -528,14 +528,20 @@ function fetchExperiment() {
   if (!x.name || x.fetching) return;
   x.fetching = true;
   const name = x.name;
+  let fresh = false;
   fetch("/experiment?name=" + encodeURIComponent(name)).then((r) => {
     if (r.status === 404) return null;
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     return r.json();
   }).then((data) => {
     if (state.exp.name !== name) return; // another page was opened meanwhile
-    x.data = data; x.missing = data === null;
-  }).catch(() => {}).finally(() => { x.fetching = false; schedule(); });
+    x.data = data; x.missing = data === null; fresh = data !== null;
+  }).catch(() => {}).finally(() => {
+    x.fetching = false;
+    // the experiment may have moved on while this was in flight (and no status may follow)
+    if (fresh) maybeRefetch();
+    schedule();
+  });
 }
 
 function maybeRefetch() {
