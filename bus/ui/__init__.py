@@ -14,6 +14,11 @@ refuses a DNS-rebinding page. On any other address (`--bind 0.0.0.0`) every
 request needs the token: `?token=T` once (answered with a cookie and a redirect that takes the
 token out of the address bar), then the cookie; or `Authorization: Bearer T`. Anything else: 401.
 
+Experiments: `GET /experiment?name=E` answers the experiment page's data (the report of
+`busctl experiment report E --json`, progress, the per-sample rows) from `experiments.py`; the
+list of experiments, with a version per experiment, rides in the status snapshot, so a page
+refetches an open experiment when it changed.
+
 Drops: the subscription's counts (events the live stream lost and the log filled in, gaps the
 log no longer had) are served as `subscriber.ui-<pid>`, which `busctl status` reads.
 """
@@ -33,6 +38,7 @@ from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
+from urllib.parse import unquote
 
 import anyio
 import msgspec
@@ -43,6 +49,7 @@ from agent_bus.bus.errors import AgentBusError, RegisterRefused
 from agent_bus.bus.httpguard import is_loopback, refusal
 from agent_bus.bus.render import json_line
 from agent_bus.bus.security import CurveClient
+from agent_bus.bus.ui.experiments import ExperimentBook
 
 log = logging.getLogger("busctl.ui")
 
@@ -113,8 +120,10 @@ def _query(path: str) -> dict[str, str]:
     return out
 
 
-def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
-             ) -> type[BaseHTTPRequestHandler]:
+def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1",
+             book: ExperimentBook | None = None) -> type[BaseHTTPRequestHandler]:
+    experiments = book or ExperimentBook()
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -129,6 +138,8 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
                 return
             if path == "/events":
                 self._events()
+            elif path == "/experiment":
+                self._experiment()
             elif path in STATIC:
                 self._static(*STATIC[path])
             else:
@@ -167,6 +178,16 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
             body = resources.files("agent_bus.bus.ui").joinpath("static", name).read_bytes()
             self._send(200, body, ctype)
 
+        def _experiment(self) -> None:
+            name = unquote(_query(self.path).get("name", ""))
+            data = experiments.page(name)
+            if data is None:
+                self._send(404, f"no experiment {name!r} journaled in the hub's log (`busctl "
+                                f"experiment run SPEC --name E` starts one)".encode(),
+                           "text/plain; charset=utf-8")
+                return
+            self._send(200, msgspec.json.encode(data), "application/json")
+
         def _since(self) -> int:
             last = self.headers.get("Last-Event-ID", "") or _query(self.path).get("since", "")
             try:
@@ -204,9 +225,11 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1"
     return Handler
 
 
-async def _poll_status(peer: Peer, store: EventStore, interval: float = 0.5) -> None:
+async def _poll_status(peer: Peer, store: EventStore, book: ExperimentBook,
+                       interval: float = 0.5) -> None:
     """Load and queues are not events: the hub's status, polled, goes to the pages as a snapshot,
-    with whether the hub answers (`hub.ok`) and since when it does not. The link's own liveness
+    with whether the hub answers (`hub.ok`) and since when it does not, and the experiments'
+    list (`_follow_journal` keeps it). The link's own liveness
     (`peer.connected`: the hub's heartbeats) says "unreachable" without waiting for a request
     to time out; the peers and services sent last stay on the page, greyed."""
     last: dict[str, Any] = {}
@@ -224,7 +247,20 @@ async def _poll_status(peer: Peer, store: EventStore, interval: float = 0.5) -> 
         else:
             down_since = down_since or time.time()
             last = {**last, "hub": {"ok": False, "since": down_since}}
+        last["experiments"] = book.summary()
         store.set_status(msgspec.json.encode(last).decode())
+        await anyio.sleep(interval)
+
+
+async def _follow_journal(peer: Peer, book: ExperimentBook, interval: float = 0.5) -> None:
+    """Read the experiments' journal events on from the log (`experiments.py` says why not
+    from the subscription), on its own so a slow replay never holds up the status."""
+    while True:
+        if peer.connected:
+            try:
+                await book.catch_up(peer)
+            except AgentBusError as exc:  # a hub restarting: the next poll reads on
+                log.info("ui: experiment journal unavailable: %s", exc)
         await anyio.sleep(interval)
 
 
@@ -268,7 +304,8 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
                    host: str = "127.0.0.1", token: str = "") -> None:
     token, made = resolve_token(host, token)
     store = EventStore()
-    server = ThreadingHTTPServer((host, port), _handler(store, token, host))
+    book = ExperimentBook()
+    server = ThreadingHTTPServer((host, port), _handler(store, token, host, book))
     server.daemon_threads = True  # an open page must not keep the process alive
     thread = threading.Thread(target=server.serve_forever, name="ui-http", daemon=True)
     thread.start()
@@ -283,7 +320,8 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
     try:
         async with connect(hub, name="busctl-ui", role="watcher", curve=curve) as peer, \
                 anyio.create_task_group() as tg:
-            tg.start_soon(_poll_status, peer, store)
+            tg.start_soon(_poll_status, peer, store, book)
+            tg.start_soon(_follow_journal, peer, book)
             async with peer.subscribe([], since=since, fill_gaps=True) as sub:
                 sub.tally = ev.EventTally("busctl ui", log.warning)  # skipped, counted, named
                 await serve_drops(peer, drops, sub, lambda: {"undecodable": sub.tally.bad})
@@ -296,6 +334,7 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
                         continue
                     last = drops.seq = envelope.header.seq
                     store.add(last, json_line(envelope.header, envelope.event))
+                    book.note_event(envelope.header, envelope.event)
             tg.cancel_scope.cancel()
     finally:
         store.close()

@@ -86,6 +86,7 @@ def test_loopback_refuses_a_foreign_host_or_origin(hub: str, procs: list[Proc]) 
     for host in ("attacker.example", f"attacker.example:{port}", f"127.0.0.1.attacker.example:{port}"):
         assert get(ready["url"] + "events", {"Host": host}).status == 421, host
         assert get(ready["url"], {"Host": host}).status == 421, host
+        assert get(ready["url"] + "experiment?name=e", {"Host": host}).status == 421, host
     for origin in ("http://attacker.example", f"http://attacker.example:{port}", "null",
                    f"https://localhost.attacker.example:{port}"):
         assert get(ready["url"] + "events", {"Origin": origin}).status == 403, origin
@@ -100,7 +101,7 @@ def test_any_other_address_needs_the_generated_token(hub: str, procs: list[Proc]
     token = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)["token"][0]
     base = url.split("?")[0]
     assert len(token) >= 24
-    for path in ("", "app.js", "events"):          # nothing without it
+    for path in ("", "app.js", "events", "experiment?name=e"):  # nothing without it
         refused = get(base + path)
         assert refused.status == 401, path
     assert get(base + "?token=wrong" + token[5:]).status == 401
@@ -111,6 +112,7 @@ def test_any_other_address_needs_the_generated_token(hub: str, procs: list[Proc]
     assert "HttpOnly" in first.getheader("Set-Cookie") and token in cookie
     assert get(base, {"Cookie": cookie}).status == 200
     assert get(base + "app.js", {"Cookie": cookie}).status == 200
+    assert get(base + "experiment?name=e", {"Cookie": cookie}).status == 404  # none journaled
     assert get(base, {"Authorization": f"Bearer {token}"}).status == 200
     # events too (the stream stays open: read its status line only)
     assert get(base + "events", {"Cookie": cookie}).status == 200

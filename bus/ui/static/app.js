@@ -18,6 +18,9 @@ const state = {
   page: 0, zoom: new Map(), anyLive: false,
   hub: null, // the hub as `busctl ui` sees it: {ok, since}
   stream: { ok: false, since: 0 }, // this page's link to `busctl ui`
+  journaled: [], // the experiments `busctl experiment run` journaled: [{name, version, done, ...}]
+  // the experiment page open (`#experiment=E`): its data as `/experiment?name=E` served it
+  exp: { name: "", data: null, fetching: false, missing: false, drawn: null, page: 0 },
 
 };
 
@@ -505,10 +508,178 @@ function renderConnection() {
   document.getElementById("side").classList.toggle("stale", down); // last known, greyed
 }
 
+// --- the experiment page ---------------------------------------------------------------------
+// Its numbers are computed by the server (bus/ui/experiments.py) with the very function
+// `busctl experiment report --json` uses; this draws them. Each value is also kept unrounded in
+// a data-* attribute, so what the page shows can be checked against the report exactly.
+
+function num(v, digits) { return v === null || v === undefined ? "-" : v.toFixed(digits); }
+function secsOrDash(v) { return v === null || v === undefined ? "-" : secs(v); }
+
+function renderExperimentList() {
+  document.getElementById("experiments").replaceChildren(...state.journaled.map((x) => el("li",
+    { "data-experiment": x.name }, el("a", { href: "#experiment=" + encodeURIComponent(x.name) },
+      x.name), ` ${x.done}/${x.planned ?? "?"}` + (x.failed ? `, ${x.failed} failed` : "")
+      + (x.running ? `, ${x.running} running` : ""))));
+}
+
+function fetchExperiment() {
+  const x = state.exp;
+  if (!x.name || x.fetching) return;
+  x.fetching = true;
+  const name = x.name;
+  let fresh = false;
+  fetch("/experiment?name=" + encodeURIComponent(name)).then((r) => {
+    if (r.status === 404) return null;
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    return r.json();
+  }).then((data) => {
+    if (state.exp.name !== name) return; // another page was opened meanwhile
+    x.data = data; x.missing = data === null; fresh = data !== null;
+  }).catch(() => {}).finally(() => {
+    x.fetching = false;
+    // the experiment may have moved on while this was in flight (and no status may follow)
+    if (fresh) maybeRefetch();
+    schedule();
+  });
+}
+
+function maybeRefetch() {
+  // the status snapshot carries each experiment's version: refetch the open one when it moved
+  const x = state.exp;
+  if (!x.name) return;
+  const listed = state.journaled.find((e) => e.name === x.name);
+  if (listed && (!x.data || x.data.version !== listed.version)) fetchExperiment();
+}
+
+function cell(value, attrs) { return el("td", attrs || {}, value); }
+
+function renderProgress(p) {
+  const planned = p.planned || 0;
+  const pct = (n) => `${planned ? (100 * n) / planned : 0}%`;
+  const meter = el("div", { class: "meter" }, el("span", { class: "ok" }), el("span",
+    { class: "failed" }), el("span", { class: "running" }));
+  [p.done, p.failed, p.running].forEach((n, i) => { meter.children[i].style.width = pct(n); });
+  const eta = p.eta !== null ? `, ETA ${secs(p.eta)}` : p.left ? ", stopped (resume runs the rest)" : "";
+  const node = el("div", {}, `${p.done} / ${p.planned ?? "?"} done, ${p.running} running, `
+                  + `${p.failed} failed${eta}`, meter);
+  for (const k of ["planned", "done", "running", "failed"]) node.setAttribute("data-" + k, String(p[k]));
+  document.getElementById("exp-progress").replaceChildren(node);
+}
+
+const VARIANT_COLUMNS = ["variant", "n", "score", "95% interval", "tokens", "cost", "p50 time",
+                         "p95 time", "stop reasons", "failures"];
+
+function renderVariants(report) {
+  const extra = report.scorers.slice(1); // the first scorer is the score; the others beside it
+  document.querySelector("#exp-variants thead").replaceChildren(el("tr", {},
+    ...[...VARIANT_COLUMNS, ...extra].map((c) => el("th", {}, c))));
+  document.querySelector("#exp-variants tbody").replaceChildren(...report.variants.map((v) => {
+    const ci = v.ci95;
+    const row = el("tr", { "data-variant": v.name, title: `interval: ${v.ci_method || "-"}` },
+      cell(v.name), cell(`${v.n}/${v.planned}`, { "data-n": String(v.n) }),
+      cell(num(v.score, 3), { "data-score": String(v.score) }),
+      cell(ci ? `[${num(ci[0], 3)}, ${num(ci[1], 3)}] ${v.ci_method}` : "-",
+           ci ? { "data-lo": String(ci[0]), "data-hi": String(ci[1]) } : {}),
+      cell(String(v.tokens), { "data-tokens": String(v.tokens) }),
+      cell("$" + v.cost.toFixed(4), { "data-cost": String(v.cost) }),
+      cell(secsOrDash(v.time_p50), { "data-p50": String(v.time_p50) }),
+      cell(secsOrDash(v.time_p95), { "data-p95": String(v.time_p95) }),
+      cell(Object.entries(v.stop_reasons).sort().map(([k, n]) => `${k} ${n}`).join(", "),
+           { "data-stops": JSON.stringify(v.stop_reasons) }),
+      cell(String(v.failures), { "data-failures": String(v.failures) }),
+      ...extra.map((s) => { const st = v.scores[s] || {}; return cell(num(st.mean, 3),
+        { "data-scorer": s, "data-mean": String(st.mean) }); }));
+    return row;
+  }));
+  document.getElementById("exp-failed").replaceChildren(...report.variants.flatMap((v) =>
+    v.failed.map((f) => el("li", {}, `${v.name} ${f.sample} r${f.repeat}: ${f.error}`))));
+}
+
+function runLink(id) {
+  if (!id) return "-";
+  return el("a", { href: "#run=" + encodeURIComponent(id), "data-run-link": id }, id.slice(0, 8));
+}
+
+const SAMPLE_PAGE = 200; // rows per page: the DOM stays small however many cells there are
+
+function samplePager(total) {
+  const pages = Math.max(1, Math.ceil(total / SAMPLE_PAGE));
+  state.exp.page = Math.min(state.exp.page || 0, pages - 1);
+  const p = state.exp.page;
+  const go = (d) => () => { state.exp.page = p + d; state.exp.drawn = null; redraw(); };
+  const prev = el("button", {}, "‹ previous");
+  const next = el("button", {}, "next ›");
+  prev.disabled = p === 0; next.disabled = p >= pages - 1;
+  prev.onclick = go(-1); next.onclick = go(1);
+  document.getElementById("exp-pager").replaceChildren(...(pages > 1 ? [`${p * SAMPLE_PAGE + 1}`
+    + `–${Math.min((p + 1) * SAMPLE_PAGE, total)} of ${total} `, prev, " ", next] : []));
+  return (rows) => rows.slice(p * SAMPLE_PAGE, (p + 1) * SAMPLE_PAGE);
+}
+
+function renderSamples(scorers, all) {
+  const rows = samplePager(all.length)(all);
+  document.querySelector("#exp-samples thead").replaceChildren(el("tr", {}, ...["sample",
+    "variant", "repeat", ...scorers, "stop reason", "tokens", "cost", "turns", "time", "run"]
+    .map((c) => el("th", {}, c))));
+  document.querySelector("#exp-samples tbody").replaceChildren(...rows.map((r) => el("tr", {
+    class: r.status === "ok" ? "" : "error", "data-sample": r.sample, "data-variant": r.variant,
+    "data-repeat": String(r.repeat), "data-status": r.status, "data-score": String(r.score),
+    title: r.error ? `${r.status}: ${r.error} (attempts ${r.attempts})` : clip(r.answer, 300) },
+    cell(r.sample), cell(r.variant), cell(String(r.repeat)),
+    ...scorers.map((s) => cell(num(r["score_" + s], 3), { "data-scorer": s })),
+    cell(r.status === "ok" || r.stop_reason === r.status ? r.stop_reason || r.status
+      : `${r.status} (${r.stop_reason || "-"})`),
+    cell(String(r.tokens)), cell("$" + r.cost.toFixed(4)), cell(String(r.turns)),
+    cell(secs(r.wall)), cell(runLink(r.run_id)))));
+}
+
+function renderExperiment() {
+  const x = state.exp;
+  const onPage = !!x.name;
+  document.getElementById("runs-view").hidden = onPage;
+  document.getElementById("experiment-view").hidden = !onPage;
+  if (!onPage) return;
+  document.getElementById("exp-name").textContent = x.name;
+  if (x.drawn === x.data && x.data) return; // a new fetch draws; the 5 Hz redraws do not
+  x.drawn = x.data;
+  if (!x.data) {
+    document.getElementById("exp-progress").textContent = x.missing
+      ? `no experiment ${x.name} journaled in the hub's log (yet)` : "loading…";
+    for (const id of ["exp-variants", "exp-samples"]) {
+      document.querySelector(`#${id} thead`).replaceChildren();
+      document.querySelector(`#${id} tbody`).replaceChildren();
+    }
+    document.getElementById("exp-failed").replaceChildren();
+    return;
+  }
+  renderProgress(x.data.progress);
+  renderVariants(x.data.report);
+  renderSamples(x.data.report.scorers, x.data.samples);
+}
+
+function route() {
+  // `#experiment=E`: its page; `#run=ID`: the runs, filtered to that one, its transcript shown
+  const [key, value] = location.hash.slice(1).split("=");
+  const name = key === "experiment" ? decodeURIComponent(value || "") : "";
+  if (name !== state.exp.name) {
+    state.exp = { name, data: null, fetching: false, missing: false, drawn: null, page: 0 };
+    if (name) fetchExperiment();
+  }
+  if (key === "run" && value) {
+    const id = decodeURIComponent(value);
+    state.selected = id;
+    setFilter("run", id);
+  }
+  redraw();
+}
+
 let pending = false;
 function redraw() {
   pending = false;
   renderConnection();
+  renderExperiment();
+  renderExperimentList();
   renderTimeline();
   renderTranscript();
   renderTotals();
@@ -541,6 +712,7 @@ function connect() {
     const s = JSON.parse(msg.data);
     state.hub = s.hub || { ok: true };
     if (s.peers) state.status = s; // while the hub is away the last known peers stay, greyed
+    if (s.experiments) { state.journaled = s.experiments; maybeRefetch(); }
     renderConnection(); schedule();
   });
   source.onmessage = (msg) => {
@@ -592,4 +764,6 @@ document.getElementById("timeline").addEventListener("dblclick", (e) => {
 });
 // Live runs' durations and waits move on without events: redraw once a second while any runs.
 setInterval(() => { if (state.anyLive) schedule(); }, 1000);
+window.addEventListener("hashchange", route);
 connect();
+route();
