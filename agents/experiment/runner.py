@@ -254,6 +254,15 @@ class RunTally:
         return self.turns.pop(run, 0), found
 
 
+async def old_tool_workers(peer: Peer) -> list[str]:
+    """The live peers serving a `tool.*` service that predate run workspaces (no `workspaces`
+    in their services' meta): they would run a call with a workspace in their own."""
+    status = await peer.status()
+    return sorted(live.name for live in status.peers
+                  if any(s.name.startswith("tool.") for s in live.services)
+                  and not any(s.meta.get(WORKSPACES_META) for s in live.services))
+
+
 class Runner:
     def __init__(self, bus: AgentBus, loaded: Loaded, experiment: str,
                  progress: Progress | None = None) -> None:
@@ -319,10 +328,7 @@ class Runner:
     async def _check_workers(self) -> None:
         """Every live tool worker runs a call with a workspace in it: one that predates run
         workspaces (no `workspaces` in its services' meta) would run it in its own."""
-        status = await self.bus.peer.status()
-        old = sorted(peer.name for peer in status.peers
-                     if any(s.name.startswith("tool.") for s in peer.services)
-                     and not any(s.meta.get(WORKSPACES_META) for s in peer.services))
+        old = await old_tool_workers(self.bus.peer)
         if old:
             raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "
                             f"{', '.join(old)} cannot run a sample's tool calls in its own "
@@ -558,4 +564,4 @@ def progress_for(stream: TextIO, planned: int) -> Progress:
 
 
 __all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
-           "progress_for", "read_journal", "result_rows", "write_results"]
+           "old_tool_workers", "progress_for", "read_journal", "result_rows", "write_results"]

@@ -6,8 +6,10 @@ sample's `files` land in a fresh workspace of its own on the tool worker, which 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace
 from tests.cli.conftest import start_up
 from tests.coordinator.conftest import calls, start_stack, text
 from tests.examples.helpers import stop_up
+from tests.examples.test_examples import ENV
 from tests.support import busctl, until
 
 SLOW = 0.4  # seconds each scripted reply waits: the sessions of a cell overlap
@@ -268,6 +271,70 @@ def test_files_over_the_limit_are_refused_by_check_and_by_the_coordinator(up: Up
         anyio.run(prompt)
     assert caught.value.code == "invalid"
     assert "workspace `x/y`: its files are" in str(caught.value)
+
+
+INSPECT_TASK = """
+from pathlib import Path
+
+from inspect_ai import Task, task
+from inspect_ai.dataset import json_dataset
+from inspect_ai.scorer import includes
+
+from agent_bus.agents.experiment.inspect_bridge import bus_agent
+
+
+@task
+def files(hub: str = "") -> Task:
+    return Task(dataset=json_dataset(str(Path(__file__).with_name("samples.jsonl"))),
+                solver=bus_agent("filer", hub, "insp-ws"), scorer=includes())
+"""
+
+
+def test_inspect_samples_files_land_in_their_own_workspace(up: Up) -> None:
+    """The Inspect bridge sends a sample's `files` (Inspect's form: a path next to the dataset,
+    or the content itself) as its run's workspace: each sample's tools read its own; one past
+    the limit fails, naming it, before any prompt."""
+    pytest.importorskip("inspect_ai")
+    from inspect_ai.log import read_eval_log
+
+    folder = up.cwd / "insp"
+    (folder / "one").mkdir(parents=True)
+    (folder / "one" / "input.txt").write_text("first content")
+    (folder / "big.bin").write_bytes(b"x" * MAX_WORKSPACE_BYTES)
+    (folder / "task.py").write_text(INSPECT_TASK)
+    write(folder, "", [
+        {"id": "s1", "input": "read one", "target": "first content",
+         "files": {"input.txt": "one/input.txt"}},
+        {"id": "s2", "input": "read two", "target": "second content",
+         "files": {"input.txt": "second content"}},
+        {"id": "big", "input": "read", "target": "x", "files": {"big.bin": "big.bin"}}])
+    inspect = Path(sys.executable).with_name("inspect")
+    done = subprocess.run(
+        [str(inspect), "eval", "task.py", "--model", "mockllm/model", "-T",
+         f"hub={up.endpoint}", "--log-dir", str(folder / "logs"), "--display", "none",
+         "--no-fail-on-error"], capture_output=True, text=True, timeout=120, cwd=folder,
+        env={**os.environ, **ENV})
+    assert done.returncode == 0, done.stdout + done.stderr
+    [log_file] = (folder / "logs").glob("*.eval")
+    log = read_eval_log(str(log_file))
+    assert log.samples is not None
+    samples = {str(s.id): s for s in log.samples}
+    assert samples["s1"].scores is not None and samples["s2"].scores is not None
+    assert samples["s1"].scores["includes"].value == "C"
+    assert "second" not in samples["s1"].output.completion
+    assert samples["s2"].scores["includes"].value == "C"
+    assert "first" not in samples["s2"].output.completion
+    error = samples["big"].error
+    assert error is not None and "sample big: files: more than 1048576 bytes" in error.message
+    # each sample's folder, a fresh one for this sample's attempt, kept with what it wrote
+    for sample, word, content in (("s1", "one", "first content"),
+                                  ("s2", "two", "second content")):
+        bus = samples[sample].metadata["bus"]
+        assert bus["workspace"].startswith(f"insp-ws/filer.r1/{sample}/")
+        kept = up.cwd / "shared" / ".runs" / bus["workspace"]
+        assert (kept / "input.txt").read_text() == content
+        assert (kept / "written.txt").read_text() == f"by read {word}"
+    assert not (up.cwd / "shared" / ".runs" / "insp-ws" / "filer.r1" / "big").exists()
 
 
 def test_a_journaled_run_keeps_its_workspace_across_a_restart(tmp_path: Path) -> None:
