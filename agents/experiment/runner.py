@@ -43,7 +43,9 @@ from agent_bus.agents.experiment.spec import (
     ScorerError,
     SpecError,
     Variant,
+    cell_folder,
     experiment_tag,
+    load_spec,
     spec_digest,
     variant_model,
 )
@@ -252,6 +254,41 @@ class RunTally:
             self.top.pop(child, None)
             stack += self.children.pop(child, [])
         return self.turns.pop(run, 0), found
+
+
+def cell_workspaces(journal: Journal, tag: str, target: str,
+                    spec: str = "") -> dict[str, RunWorkspace]:
+    """For a replay with live tools of the cells whose sessions carry experiment id `tag`:
+    the workspace each cell's run (by run id) is prompted with. A fresh folder,
+    `<target>/<variant>.r<repeat>/<sample>`, with the sample's files as the cell started with
+    them (not the cell's own folder: it holds what the cell's tools wrote since, and is a
+    result). The log has only the folder's id, so the files are read again from the dataset of
+    the spec the experiment ran (`spec`, else the path its plan names), which must be the one it
+    ran: same digest. A SpecError naming what to give otherwise."""
+    cells = [c for c in journal.results.values() if c.tag == tag and c.workspace and c.run_id]
+    if not cells or journal.plan is None:
+        return {}
+    plan = journal.plan
+    path = spec or plan.spec
+    try:
+        loaded = load_spec(path, limit=plan.samples)
+    except SpecError as exc:
+        raise SpecError(f"--spec: the sample files of experiment `{plan.experiment}` are read "
+                        f"again from its spec's dataset for live tools: {exc}") from None
+    if spec_digest(loaded) != plan.digest:
+        raise SpecError(f"--spec: {path} (or its dataset) is not what experiment "
+                        f"`{plan.experiment}` ran; give the spec it ran with (its sample files "
+                        f"are read again from its dataset for live tools)")
+    samples = {s.key: s for s in loaded.samples}
+    variants = {v.name: v for v in loaded.spec.variants}
+    found: dict[str, RunWorkspace] = {}
+    for cell in cells:
+        recorded = loaded.workspace(plan.experiment, variants[cell.variant],
+                                    samples[cell.sample], cell.repeat)
+        if recorded is not None:
+            folder = cell_folder(target, cell.variant, cell.repeat, cell.sample)
+            found[cell.run_id] = RunWorkspace(id=folder, files=recorded.files)
+    return found
 
 
 async def old_tool_workers(peer: Peer) -> list[str]:
@@ -564,4 +601,5 @@ def progress_for(stream: TextIO, planned: int) -> Progress:
 
 
 __all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
-           "old_tool_workers", "progress_for", "read_journal", "result_rows", "write_results"]
+           "cell_workspaces", "old_tool_workers", "progress_for", "read_journal", "result_rows",
+           "write_results"]

@@ -273,6 +273,50 @@ def test_files_over_the_limit_are_refused_by_check_and_by_the_coordinator(up: Up
     assert "workspace `x/y`: its files are" in str(caught.value)
 
 
+REPLAYED = """
+name = "wsr"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "f"
+agent = "filer"
+"""
+
+
+def test_a_cell_replayed_with_live_tools_gets_a_fresh_copy_of_its_workspace(up: Up) -> None:
+    """`busctl experiment replay --live-tools` (and `busctl replay --live-tools` of the cell's
+    tag) prompt the replayed run with a fresh folder holding the sample's files: its tools read
+    the sample's file (not the workers' own) and write beside it, and the replay is identical;
+    the cell's own folder is left as the cell left it."""
+    folder = up.cwd / "wsr"
+    (folder / "one").mkdir(parents=True)
+    (folder / "one" / "input.txt").write_text("first content")
+    spec = write(folder, REPLAYED, [{"id": "s1", "input": "read one",
+                                     "files": {"input.txt": "one/input.txt"}}])
+    out = up.experiment("run", str(spec), "--name", "wsr-1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = up.cwd / "shared" / ".runs"
+    (runs / "wsr-1" / "f.r1" / "s1" / "input.txt").write_text("changed by the cell")
+    out = up.experiment("replay", "wsr-1", "--sample", "s1", "--live-tools", "--as", "wsr-1-a")
+    assert out.returncode == 0 and "identical" in out.stdout, out.stdout + out.stderr
+    fresh = runs / "wsr-1-a" / "f.r1" / "s1"
+    assert (fresh / "input.txt").read_text() == "first content"
+    assert (fresh / "written.txt").read_text() == "by read one"
+    assert (runs / "wsr-1" / "f.r1" / "s1" / "input.txt").read_text() == "changed by the cell"
+    replayed = subprocess.run(busctl("replay", "--hub", up.endpoint, "--experiment", "wsr-1.f.r1",
+                                     "--live-tools", "--as", "wsr-1-b"),
+                              capture_output=True, text=True, timeout=60, cwd=up.cwd)
+    assert replayed.returncode == 0 and "identical" in replayed.stdout, replayed.stderr
+    assert (runs / "wsr-1-b" / "f.r1" / "s1" / "written.txt").read_text() == "by read one"
+    # the files are read again from the dataset: another spec than the one it ran is refused
+    other = write(up.cwd / "wsr-other", REPLAYED.replace('"f"', '"g"'), [{"id": "s1",
+                                                                          "input": "x"}])
+    out = up.experiment("replay", "wsr-1", "--sample", "s1", "--live-tools", "--spec",
+                        str(other))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"--spec: {other} (or its dataset) is not what experiment `wsr-1` ran" in out.stderr
+
+
 INSPECT_TASK = """
 from pathlib import Path
 
