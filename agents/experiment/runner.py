@@ -294,10 +294,29 @@ def cell_workspaces(journal: Journal, tag: str, target: str,
 async def old_tool_workers(peer: Peer) -> list[str]:
     """The live peers serving a `tool.*` service that predate run workspaces (no `workspaces`
     in their services' meta): they would run a call with a workspace in their own."""
-    status = await peer.status()
+    return old_workers(await peer.status())
+
+
+def old_workers(status: p.Status) -> list[str]:
     return sorted(live.name for live in status.peers
                   if any(s.name.startswith("tool.") for s in live.services)
                   and not any(s.meta.get(WORKSPACES_META) for s in live.services))
+
+
+def split_tools(status: p.Status) -> dict[str, list[str]]:
+    """The tools served by workers whose `.runs` differ (their `workspaces` meta, see
+    tools.workspaces.workspace_key), each with those workers (`name on host`). The hub routes
+    each call by capacity alone, so a run's calls of such a tool may be served by any of them
+    and its folder is split between them (docs/protocol.md, "Run workspaces")."""
+    by_tool: dict[str, dict[Any, list[str]]] = {}
+    for live in status.peers:
+        for service in live.services:
+            key = service.meta.get(WORKSPACES_META)
+            if service.name.startswith("tool.") and key and not isinstance(key, (dict, list)):
+                by_tool.setdefault(service.name.removeprefix("tool."), {}).setdefault(
+                    key, []).append(f"{live.name} on {live.host or '?'}")
+    return {tool: sorted(w for workers in keys.values() for w in workers)
+            for tool, keys in sorted(by_tool.items()) if len(keys) > 1}
 
 
 class Runner:
@@ -365,7 +384,14 @@ class Runner:
     async def _check_workers(self) -> None:
         """Every live tool worker runs a call with a workspace in it: one that predates run
         workspaces (no `workspaces` in its services' meta) would run it in its own."""
-        old = await old_tool_workers(self.bus.peer)
+        status = await self.bus.peer.status()
+        for tool, workers in split_tools(status).items():
+            log.warning("tool `%s` is served by workers whose run folders differ (%s): a "
+                        "cell's calls may land on any of them, and a file one call writes is "
+                        "not seen by a later call served by another (docs/protocol.md, \"Run "
+                        "workspaces\"); run one worker per tool, or give them one workspace on "
+                        "one host", tool, ", ".join(workers))
+        old = old_workers(status)
         if old:
             raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "
                             f"{', '.join(old)} cannot run a sample's tool calls in its own "
@@ -602,4 +628,4 @@ def progress_for(stream: TextIO, planned: int) -> Progress:
 
 __all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
            "cell_workspaces", "old_tool_workers", "progress_for", "read_journal", "result_rows",
-           "write_results"]
+           "split_tools", "write_results"]

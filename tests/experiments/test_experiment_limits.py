@@ -439,3 +439,49 @@ async def test_a_run_resumed_after_a_coordinator_sigkill_keeps_its_workspace(
         assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == [".runs"]
     finally:
         stack.close()
+
+
+SPLIT = """
+name = "split"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "v"
+agent = "w"
+"""
+
+
+def test_experiment_run_warns_when_a_tools_workers_keep_different_run_folders(
+        tmp_path: Path) -> None:
+    """The hub routes each tool call by capacity alone: with two workers on different
+    workspaces a cell's calls may be split between their `.runs`. `experiment run` says so,
+    naming the tool and the workers; two workers on one workspace are one `.runs`: no warning."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    spec = write(tmp_path / "spec", SPLIT, [{"id": "s", "input": "go"}])
+    stack = start_stack(tmp_path, worker=False, coordinator=None, agents=AGENT_W)
+    try:
+        stack.coordinator("w", name="coord-w")
+
+        def worker(name: str, folder: str) -> None:
+            stack.start(name, busctl("worker", "--hub", stack.endpoint, "--tools",
+                                     "agent_bus.tools.builtin", "--workspace",
+                                     str(tmp_path / folder), "--name", name))
+
+        def run(name: str) -> str:
+            stack.script([text("done")])
+            out = subprocess.run(busctl("experiment", "run", str(spec), "--name", name,
+                                        "--hub", stack.endpoint),
+                                 capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stderr
+
+        worker("wa", "a")
+        worker("wa2", "a")
+        assert "run folders differ" not in run("split-1")
+        worker("wb", "b")
+        warned = run("split-2")
+        assert "tool `write_file` is served by workers whose run folders differ" in warned
+        assert "wa on " in warned and "wa2 on " in warned and "wb on " in warned
+    finally:
+        stack.close()
