@@ -1511,10 +1511,16 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
                    "temperature, top_p, max_tokens, seed, stop; or max_turns (alias "
                    "max_iterations) for its prompted runs. Repeatable.")
 @click.option("--live-tools", is_flag=True,
-              help="Run the tools again [default: their results come from the log].")
+              help="Run the tools again [default: their results come from the log]; the "
+                   "runs of a `busctl experiment` cell (EXPERIMENT = E.<variant>.r<repeat>) "
+                   "in a fresh copy of their workspace.")
+@click.option("--spec", "spec_path", default="", metavar="SPEC",
+              help="With --live-tools, for a `busctl experiment` cell: the spec E ran, whose "
+                   "dataset has the samples' files [default: the path its plan names].")
 def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
            live_from: int | None, live_from_seq: int | None, model: str,
-           system_prompt_file: str | None, settings: tuple[str, ...], live_tools: bool) -> None:
+           system_prompt_file: str | None, settings: tuple[str, ...], live_tools: bool,
+           spec_path: str) -> None:
     """Re-execute every run of EXPERIMENT with the gateway serving each model reply from the
     log (no model is called) and each tool result too (unless --live-tools; `ask_<agent>`
     calls always run: the callee's run is replayed); report "identical" or the first
@@ -1533,6 +1539,7 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
 
     from agent_bus.agents.client.remote import connect as connect_agents
     from agent_bus.agents.replay import Fork, ForkError, parse_setting, replay_experiment
+    from agent_bus.bus.errors import ConfigError
     from agent_bus.bus.events import EventTally
     from agent_bus.bus.watch import to_stderr
 
@@ -1548,19 +1555,34 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
             try:
+                workspaces = await _cell_workspaces(bus.peer, experiment, target, spec_path) \
+                    if live_tools else {}
                 return await replay_experiment(bus, experiment, target, fork=fork,
-                                               live_tools=live_tools, tally=tally)
-            except ValueError as exc:  # ForkError too: checked before anything is replayed
+                                               live_tools=live_tools, tally=tally,
+                                               workspaces=workspaces)
+            except (ValueError, ConfigError) as exc:  # ForkError too: before anything is replayed
                 return exc  # raised here it would reach us inside an exception group
 
     divergence = run_async(go)
     if tally.bad:
         click.echo(tally.summary(), err=True)
-    if isinstance(divergence, ValueError):
+    if isinstance(divergence, (ValueError, ConfigError)):
         raise click.UsageError(str(divergence))
     if divergence is not None:
         raise click.ClickException(f"{experiment} replayed as {target}: {divergence}")
     click.echo(f"{experiment} replayed as {target}: identical")
+
+
+async def _cell_workspaces(peer: Any, experiment: str, target: str,
+                           spec: str) -> dict[str, Any]:
+    """`busctl replay --live-tools` of a `busctl experiment` cell's tag (`E.<variant>.r<N>`):
+    its runs' fresh workspaces (agents.experiment.runner.cell_workspaces); none for another."""
+    from agent_bus.agents.experiment.runner import cell_workspaces, read_journal
+
+    name, dot, _ = experiment.partition(".")
+    if not dot:
+        return {}
+    return cell_workspaces(await read_journal(peer, name), experiment, target, spec)
 
 
 SYSTEM_PROMPT_LIMIT = 1 << 20  # a prompt file larger than this is a mistake (or /dev/zero)
@@ -1917,18 +1939,30 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
 @click.option("--repeat", type=click.IntRange(1), default=1, show_default=True)
 @click.option("--as", "target", default="", metavar="E2",
               help="The replay's experiment id [default: the cell's tag plus .replay-<hex>].")
+@click.option("--live-tools", is_flag=True,
+              help="Run the tools again, in a fresh copy of the cell's workspace [default: "
+                   "their results come from the log].")
+@click.option("--spec", "spec_path", default="", metavar="SPEC",
+              help="With --live-tools: the spec the experiment ran, whose dataset has the "
+                   "sample's files [default: the path its plan names].")
 def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, sample: str,
-                      variant: str, repeat: int, target: str) -> None:
+                      variant: str, repeat: int, target: str, live_tools: bool,
+                      spec_path: str) -> None:
     """Replay one cell of EXPERIMENT (its session, and the runs it asked) from the log, as
     `busctl replay` does a whole experiment: "identical" or the first divergence (exit 1).
+    With --live-tools its tools run again in a fresh folder with the sample's files (read
+    again from the dataset), as the cell's own folder was when the cell started.
 
     \b
     Examples:
       busctl experiment replay arith-1 --sample q07 --variant team --repeat 2
+      busctl experiment replay arith-1 --sample q07 --live-tools
     """
     import uuid
 
     from agent_bus.agents.client.remote import connect as connect_agents
+    from agent_bus.agents.experiment.runner import cell_workspaces
+    from agent_bus.agents.experiment.spec import SpecError
     from agent_bus.agents.replay import replay_experiment
 
     journal = _journals(hub, curve, (experiment,))[0]
@@ -1939,11 +1973,17 @@ def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, samp
                                f"finished cell of experiment `{experiment}` (`busctl experiment "
                                f"report {experiment}` lists its variants)")
     target = target or f"{cell.tag}.replay-{uuid.uuid4().hex[:6]}"
+    try:
+        workspaces = cell_workspaces(msgspec.structs.replace(
+            journal, results={cell.key: cell}), cell.tag, target, spec_path) if live_tools else {}
+    except SpecError as exc:
+        raise click.UsageError(str(exc)) from None
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
             try:
-                return await replay_experiment(bus, cell.tag, target, only={cell.run_id})
+                return await replay_experiment(bus, cell.tag, target, only={cell.run_id},
+                                               live_tools=live_tools, workspaces=workspaces)
             except ValueError as exc:
                 return exc
 

@@ -59,6 +59,7 @@ from agent_bus.bus.messages import (
     AssistantMessage,
     LlmRequest,
     Message,
+    RunWorkspace,
     TextPart,
     ToolCallRequest,
     ToolInfo,
@@ -87,7 +88,8 @@ class PromptingBus(Protocol):
     peer: Peer
 
     async def prompt(self, agent: str, text: str = "", *, experiment: str = "",
-                     max_turns: int = 0, abort_reason: str = "") -> StartedRun: ...
+                     max_turns: int = 0, abort_reason: str = "",
+                     workspace: RunWorkspace | None = None) -> StartedRun: ...
 
 REPLAY_SERVICE = "llm.replay"
 #: Event fields that differ between two executions of the same experiment by nature.
@@ -718,12 +720,16 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
 
 async def replay_experiment(bus: PromptingBus, source: str, target: str, *, fork: Fork | None = None,
                             live_tools: bool = False, tally: ev.EventTally | None = None,
-                            only: Collection[str] = ()) -> Divergence | None:
+                            only: Collection[str] = (),
+                            workspaces: Mapping[str, RunWorkspace] | None = None
+                            ) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
     A `fork` replays part of each run and calls the live model for the rest (see `Fork`).
     `only`: just these top-level runs (with the runs they asked), e.g. one sample of a
-    `busctl experiment`. Logged events that do not decode are skipped and counted in `tally`."""
+    `busctl experiment`. `workspaces`: the workspace each top-level run (by its logged id) is
+    prompted with (a `busctl experiment` cell's, for live tools: the log has only its id).
+    Logged events that do not decode are skipped and counted in `tally`."""
     if await load_experiment(bus.peer, target, tally):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
@@ -739,7 +745,8 @@ async def replay_experiment(bus: PromptingBus, source: str, target: str, *, fork
             continue  # made again by the caller's ask_<agent> call
         started = await bus.prompt(run.agent, run.prompt, experiment=target,
                                    max_turns=plan.max_turns.get(run.agent, 0),
-                                   abort_reason=abort_reason(run))
+                                   abort_reason=abort_reason(run),
+                                   workspace=(workspaces or {}).get(run.run_id))
         async for _ in started.events():
             pass  # to its agent_end: then it is in the log
         await started.result()

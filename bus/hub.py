@@ -1083,7 +1083,7 @@ class Hub:
                 service = self.services[name]
                 slot = service.slots[peer.ident]
                 loads.append(p.ServiceLoad(name, slot.capacity, slot.load, service.idempotent,
-                                           service.meta))
+                                           slot.meta))
             h = peer.hello
             peers.append(p.PeerInfo(peer.id, h.name, h.host, h.pid, h.session, h.role, peer.since,
                                     time.time() - (time.monotonic() - peer.last_seen), loads))

@@ -74,6 +74,9 @@ class Slot:
     capacity: int
     load: int = 0
     last: int = 0  # the service's dispatch count when this slot was last picked (tie rotation)
+    # this peer's registration meta (the service's `meta` is the latest registration's): a
+    # peer's own, as `hub.status` shows it per peer (e.g. which workspace a tool worker uses)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -182,7 +185,7 @@ class Registry:
             service.meta = spec.meta
             old = service.slots.get(peer.ident)
             service.slots[peer.ident] = Slot(spec.capacity, old.load if old else 0,
-                                             old.last if old else 0)
+                                             old.last if old else 0, spec.meta)
             peer.services.add(spec.name)
             peer.served.add(spec.name)
             self.emit(ev.ServiceRegistered(service=spec.name, peer=peer.id,

@@ -48,7 +48,7 @@ from agent_bus.tools._schema import check_provider_schema
 from agent_bus.tools._tool import Tool
 from agent_bus.tools.mcp import McpServerSpec, serve_mcp_servers
 from agent_bus.tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
-from agent_bus.tools.workspaces import WORKSPACES_META, RunFolders
+from agent_bus.tools.workspaces import WORKSPACES_META, RunFolders, workspace_key
 
 log = logging.getLogger("tools.worker")
 
@@ -187,7 +187,7 @@ class ToolWorker:
         jail = self.settings.sandbox
         meta = {**msgspec.to_builtins(info), **({"sandbox": describe(jail)} if jail else {}),
                 # calls with a `workspace` run in it (a requester may refuse workers without)
-                WORKSPACES_META: 1}
+                WORKSPACES_META: workspace_key(self.workspace)}
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
                               idempotent=idempotent, meta=meta)
         self.served[info.name] = (owner, info)

@@ -12,8 +12,10 @@ are kept: what the agent wrote is part of an experiment's result.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -22,10 +24,21 @@ from agent_bus.tools._context import confine
 from agent_bus.tools._exceptions import WorkspaceError
 
 RUNS_DIR = ".runs"
-#: The key a worker adds to its tool services' registration meta (value 1): it honours
+#: The key a worker adds to its tool services' registration meta: it honours
 #: `ToolCallRequest.workspace`. A worker without it predates run workspaces and would run such
-#: a call in its own workspace: `busctl experiment run` refuses to start while one is live.
+#: a call in its own workspace: `busctl experiment run` refuses to start while one is live. Its
+#: value names where the worker's `.runs` is (`workspace_key`; 1 from the first workers that
+#: had it): workers with different values do not see each other's run folders.
 WORKSPACES_META = "workspaces"
+
+
+def workspace_key(workspace: Path) -> str:
+    """Which `.runs` a worker's calls use, as 12 hex digits of the host's name and the
+    workspace's resolved path (not the path itself: the hub shows meta to every peer). Equal
+    for workers sharing one workspace on one host; different across hosts, even on a shared
+    filesystem (which a host name and path cannot tell apart from a copy)."""
+    text = f"{socket.gethostname()}\0{workspace.resolve()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def run_folder(workspace: Path, spec: RunWorkspace) -> Path:
@@ -77,4 +90,4 @@ class RunFolders:
         return folder
 
 
-__all__ = ["RUNS_DIR", "WORKSPACES_META", "RunFolders", "run_folder"]
+__all__ = ["RUNS_DIR", "WORKSPACES_META", "RunFolders", "run_folder", "workspace_key"]

@@ -43,7 +43,9 @@ from agent_bus.agents.experiment.spec import (
     ScorerError,
     SpecError,
     Variant,
+    cell_folder,
     experiment_tag,
+    load_spec,
     spec_digest,
     variant_model,
 )
@@ -254,6 +256,69 @@ class RunTally:
         return self.turns.pop(run, 0), found
 
 
+def cell_workspaces(journal: Journal, tag: str, target: str,
+                    spec: str = "") -> dict[str, RunWorkspace]:
+    """For a replay with live tools of the cells whose sessions carry experiment id `tag`:
+    the workspace each cell's run (by run id) is prompted with. A fresh folder,
+    `<target>/<variant>.r<repeat>/<sample>`, with the sample's files as the cell started with
+    them (not the cell's own folder: it holds what the cell's tools wrote since, and is a
+    result). The log has only the folder's id, so the files are read again from the dataset of
+    the spec the experiment ran (`spec`, else the path its plan names), which must be the one it
+    ran: same digest. A SpecError naming what to give otherwise."""
+    cells = [c for c in journal.results.values() if c.tag == tag and c.workspace and c.run_id]
+    if not cells or journal.plan is None:
+        return {}
+    plan = journal.plan
+    path = spec or plan.spec
+    try:
+        loaded = load_spec(path, limit=plan.samples)
+    except SpecError as exc:
+        raise SpecError(f"--spec: the sample files of experiment `{plan.experiment}` are read "
+                        f"again from its spec's dataset for live tools: {exc}") from None
+    if spec_digest(loaded) != plan.digest:
+        raise SpecError(f"--spec: {path} (or its dataset) is not what experiment "
+                        f"`{plan.experiment}` ran; give the spec it ran with (its sample files "
+                        f"are read again from its dataset for live tools)")
+    samples = {s.key: s for s in loaded.samples}
+    variants = {v.name: v for v in loaded.spec.variants}
+    found: dict[str, RunWorkspace] = {}
+    for cell in cells:
+        recorded = loaded.workspace(plan.experiment, variants[cell.variant],
+                                    samples[cell.sample], cell.repeat)
+        if recorded is not None:
+            folder = cell_folder(target, cell.variant, cell.repeat, cell.sample)
+            found[cell.run_id] = RunWorkspace(id=folder, files=recorded.files)
+    return found
+
+
+async def old_tool_workers(peer: Peer) -> list[str]:
+    """The live peers serving a `tool.*` service that predate run workspaces (no `workspaces`
+    in their services' meta): they would run a call with a workspace in their own."""
+    return old_workers(await peer.status())
+
+
+def old_workers(status: p.Status) -> list[str]:
+    return sorted(live.name for live in status.peers
+                  if any(s.name.startswith("tool.") for s in live.services)
+                  and not any(s.meta.get(WORKSPACES_META) for s in live.services))
+
+
+def split_tools(status: p.Status) -> dict[str, list[str]]:
+    """The tools served by workers whose `.runs` differ (their `workspaces` meta, see
+    tools.workspaces.workspace_key), each with those workers (`name on host`). The hub routes
+    each call by capacity alone, so a run's calls of such a tool may be served by any of them
+    and its folder is split between them (docs/protocol.md, "Run workspaces")."""
+    by_tool: dict[str, dict[Any, list[str]]] = {}
+    for live in status.peers:
+        for service in live.services:
+            key = service.meta.get(WORKSPACES_META)
+            if service.name.startswith("tool.") and key and not isinstance(key, (dict, list)):
+                by_tool.setdefault(service.name.removeprefix("tool."), {}).setdefault(
+                    key, []).append(f"{live.name} on {live.host or '?'}")
+    return {tool: sorted(w for workers in keys.values() for w in workers)
+            for tool, keys in sorted(by_tool.items()) if len(keys) > 1}
+
+
 class Runner:
     def __init__(self, bus: AgentBus, loaded: Loaded, experiment: str,
                  progress: Progress | None = None) -> None:
@@ -320,9 +385,13 @@ class Runner:
         """Every live tool worker runs a call with a workspace in it: one that predates run
         workspaces (no `workspaces` in its services' meta) would run it in its own."""
         status = await self.bus.peer.status()
-        old = sorted(peer.name for peer in status.peers
-                     if any(s.name.startswith("tool.") for s in peer.services)
-                     and not any(s.meta.get(WORKSPACES_META) for s in peer.services))
+        for tool, workers in split_tools(status).items():
+            log.warning("tool `%s` is served by workers whose run folders differ (%s): a "
+                        "cell's calls may land on any of them, and a file one call writes is "
+                        "not seen by a later call served by another (docs/protocol.md, \"Run "
+                        "workspaces\"); run one worker per tool, or give them one workspace on "
+                        "one host", tool, ", ".join(workers))
+        old = old_workers(status)
         if old:
             raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "
                             f"{', '.join(old)} cannot run a sample's tool calls in its own "
@@ -558,4 +627,5 @@ def progress_for(stream: TextIO, planned: int) -> Progress:
 
 
 __all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
-           "progress_for", "read_journal", "result_rows", "write_results"]
+           "cell_workspaces", "old_tool_workers", "progress_for", "read_journal", "result_rows",
+           "split_tools", "write_results"]

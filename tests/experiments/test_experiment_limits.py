@@ -6,8 +6,10 @@ sample's `files` land in a fresh workspace of its own on the tool worker, which 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace
 from tests.cli.conftest import start_up
 from tests.coordinator.conftest import calls, start_stack, text
 from tests.examples.helpers import stop_up
+from tests.examples.test_examples import ENV
 from tests.support import busctl, until
 
 SLOW = 0.4  # seconds each scripted reply waits: the sessions of a cell overlap
@@ -270,6 +273,114 @@ def test_files_over_the_limit_are_refused_by_check_and_by_the_coordinator(up: Up
     assert "workspace `x/y`: its files are" in str(caught.value)
 
 
+REPLAYED = """
+name = "wsr"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "f"
+agent = "filer"
+"""
+
+
+def test_a_cell_replayed_with_live_tools_gets_a_fresh_copy_of_its_workspace(up: Up) -> None:
+    """`busctl experiment replay --live-tools` (and `busctl replay --live-tools` of the cell's
+    tag) prompt the replayed run with a fresh folder holding the sample's files: its tools read
+    the sample's file (not the workers' own) and write beside it, and the replay is identical;
+    the cell's own folder is left as the cell left it."""
+    folder = up.cwd / "wsr"
+    (folder / "one").mkdir(parents=True)
+    (folder / "one" / "input.txt").write_text("first content")
+    spec = write(folder, REPLAYED, [{"id": "s1", "input": "read one",
+                                     "files": {"input.txt": "one/input.txt"}}])
+    out = up.experiment("run", str(spec), "--name", "wsr-1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    runs = up.cwd / "shared" / ".runs"
+    (runs / "wsr-1" / "f.r1" / "s1" / "input.txt").write_text("changed by the cell")
+    out = up.experiment("replay", "wsr-1", "--sample", "s1", "--live-tools", "--as", "wsr-1-a")
+    assert out.returncode == 0 and "identical" in out.stdout, out.stdout + out.stderr
+    fresh = runs / "wsr-1-a" / "f.r1" / "s1"
+    assert (fresh / "input.txt").read_text() == "first content"
+    assert (fresh / "written.txt").read_text() == "by read one"
+    assert (runs / "wsr-1" / "f.r1" / "s1" / "input.txt").read_text() == "changed by the cell"
+    replayed = subprocess.run(busctl("replay", "--hub", up.endpoint, "--experiment", "wsr-1.f.r1",
+                                     "--live-tools", "--as", "wsr-1-b"),
+                              capture_output=True, text=True, timeout=60, cwd=up.cwd)
+    assert replayed.returncode == 0 and "identical" in replayed.stdout, replayed.stderr
+    assert (runs / "wsr-1-b" / "f.r1" / "s1" / "written.txt").read_text() == "by read one"
+    # the files are read again from the dataset: another spec than the one it ran is refused
+    other = write(up.cwd / "wsr-other", REPLAYED.replace('"f"', '"g"'), [{"id": "s1",
+                                                                          "input": "x"}])
+    out = up.experiment("replay", "wsr-1", "--sample", "s1", "--live-tools", "--spec",
+                        str(other))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"--spec: {other} (or its dataset) is not what experiment `wsr-1` ran" in out.stderr
+
+
+INSPECT_TASK = """
+from pathlib import Path
+
+from inspect_ai import Task, task
+from inspect_ai.dataset import json_dataset
+from inspect_ai.scorer import includes
+
+from agent_bus.agents.experiment.inspect_bridge import bus_agent
+
+
+@task
+def files(hub: str = "") -> Task:
+    return Task(dataset=json_dataset(str(Path(__file__).with_name("samples.jsonl"))),
+                solver=bus_agent("filer", hub, "insp-ws"), scorer=includes())
+"""
+
+
+def test_inspect_samples_files_land_in_their_own_workspace(up: Up) -> None:
+    """The Inspect bridge sends a sample's `files` (Inspect's form: a path next to the dataset,
+    or the content itself) as its run's workspace: each sample's tools read its own; one past
+    the limit fails, naming it, before any prompt."""
+    pytest.importorskip("inspect_ai")
+    from inspect_ai.log import read_eval_log
+
+    folder = up.cwd / "insp"
+    (folder / "one").mkdir(parents=True)
+    (folder / "one" / "input.txt").write_text("first content")
+    (folder / "big.bin").write_bytes(b"x" * MAX_WORKSPACE_BYTES)
+    (folder / "task.py").write_text(INSPECT_TASK)
+    write(folder, "", [
+        {"id": "s1", "input": "read one", "target": "first content",
+         "files": {"input.txt": "one/input.txt"}},
+        {"id": "s2", "input": "read two", "target": "second content",
+         "files": {"input.txt": "second content"}},
+        {"id": "big", "input": "read", "target": "x", "files": {"big.bin": "big.bin"}}])
+    inspect = Path(sys.executable).with_name("inspect")
+    done = subprocess.run(
+        [str(inspect), "eval", "task.py", "--model", "mockllm/model", "-T",
+         f"hub={up.endpoint}", "--log-dir", str(folder / "logs"), "--display", "none",
+         "--no-fail-on-error"], capture_output=True, text=True, timeout=120, cwd=folder,
+        env={**os.environ, **ENV})
+    assert done.returncode == 0, done.stdout + done.stderr
+    [log_file] = (folder / "logs").glob("*.eval")
+    log = read_eval_log(str(log_file))
+    assert log.samples is not None
+    samples = {str(s.id): s for s in log.samples}
+    assert samples["s1"].scores is not None and samples["s2"].scores is not None
+    assert samples["s1"].scores["includes"].value == "C"
+    assert "second" not in samples["s1"].output.completion
+    assert samples["s2"].scores["includes"].value == "C"
+    assert "first" not in samples["s2"].output.completion
+    error = samples["big"].error
+    assert error is not None and "sample big: files: more than 1048576 bytes" in error.message
+    # each sample's folder, a fresh one for this sample's attempt, kept with what it wrote
+    for sample, word, content in (("s1", "one", "first content"),
+                                  ("s2", "two", "second content")):
+        bus = samples[sample].metadata["bus"]
+        assert bus["workspace"].startswith(f"insp-ws/filer.r1/{sample}/")
+        kept = up.cwd / "shared" / ".runs" / bus["workspace"]
+        assert (kept / "input.txt").read_text() == content
+        assert (kept / "written.txt").read_text() == f"by read {word}"
+    assert not (up.cwd / "shared" / ".runs" / "insp-ws" / "filer.r1" / "big").exists()
+
+
 def test_a_journaled_run_keeps_its_workspace_across_a_restart(tmp_path: Path) -> None:
     """The coordinator journals a run's workspace with it: a run resumed after a coordinator
     restart (agents.coordinator.durable) goes on in the same folder."""
@@ -326,5 +437,51 @@ async def test_a_run_resumed_after_a_coordinator_sigkill_keeps_its_workspace(
         assert result.final_text == "done"
         assert (folder / "after.txt").read_text() == "2"
         assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == [".runs"]
+    finally:
+        stack.close()
+
+
+SPLIT = """
+name = "split"
+[dataset]
+path = "samples.jsonl"
+[[variants]]
+name = "v"
+agent = "w"
+"""
+
+
+def test_experiment_run_warns_when_a_tools_workers_keep_different_run_folders(
+        tmp_path: Path) -> None:
+    """The hub routes each tool call by capacity alone: with two workers on different
+    workspaces a cell's calls may be split between their `.runs`. `experiment run` says so,
+    naming the tool and the workers; two workers on one workspace are one `.runs`: no warning."""
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    spec = write(tmp_path / "spec", SPLIT, [{"id": "s", "input": "go"}])
+    stack = start_stack(tmp_path, worker=False, coordinator=None, agents=AGENT_W)
+    try:
+        stack.coordinator("w", name="coord-w")
+
+        def worker(name: str, folder: str) -> None:
+            stack.start(name, busctl("worker", "--hub", stack.endpoint, "--tools",
+                                     "agent_bus.tools.builtin", "--workspace",
+                                     str(tmp_path / folder), "--name", name))
+
+        def run(name: str) -> str:
+            stack.script([text("done")])
+            out = subprocess.run(busctl("experiment", "run", str(spec), "--name", name,
+                                        "--hub", stack.endpoint),
+                                 capture_output=True, text=True, timeout=60, cwd=tmp_path)
+            assert out.returncode == 0, out.stdout + out.stderr
+            return out.stderr
+
+        worker("wa", "a")
+        worker("wa2", "a")
+        assert "run folders differ" not in run("split-1")
+        worker("wb", "b")
+        warned = run("split-2")
+        assert "tool `write_file` is served by workers whose run folders differ" in warned
+        assert "wa on " in warned and "wa2 on " in warned and "wb on " in warned
     finally:
         stack.close()
