@@ -481,13 +481,14 @@ async def _subscriber_drops(peer: Any, report: dict[str, Any]) -> dict[str, Any]
 
 
 def _print_sandboxes(st: dict[str, Any]) -> None:
-    """Each tool worker's sandbox (tools/sandbox.py), from its tools' service metadata."""
+    """Each tool worker's sandbox (tools/sandbox.py), from its own registrations' metadata (a hub
+    that predates per-peer metadata gives only the service's, the latest registration's)."""
     meta = {s["name"]: s.get("meta", {}) for s in st["services"]}
     for peer in st["peers"]:
         if peer.get("role") != "worker":
             continue
-        jail = next((meta.get(s["name"], {}).get("sandbox") for s in peer.get("services", [])
-                     if meta.get(s["name"], {}).get("sandbox")), None)
+        jail = next((found for s in peer.get("services", [])
+                     if (found := (s.get("meta") or meta.get(s["name"], {})).get("sandbox"))), None)
         if jail:
             click.echo(f"  {peer['name']:<20} sandbox {jail}")
 

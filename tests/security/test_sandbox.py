@@ -165,6 +165,22 @@ async def test_nothing_a_shell_call_starts_outlives_it(hub: dict, tmp_path: Path
 
 
 @pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
+async def test_status_shows_each_workers_own_sandbox(hub: dict, tmp_path: Path) -> None:
+    """Two workers serving the same tools, one sandboxed and one not: `busctl status` says which
+    is which (from each one's own registration, not the service's latest)."""
+    async with workers(hub["endpoint"], 1, "--sandbox", "auto") as [jailed], \
+            workers(hub["endpoint"], 1) as [free]:
+        done = await anyio.to_thread.run_sync(functools.partial(
+            subprocess.run, busctl("status", "--hub", hub["endpoint"]), capture_output=True,
+            text=True, timeout=30, cwd=tmp_path))
+        assert done.returncode == 0, done.stderr
+        lines = {line.split()[0]: line for line in done.stdout.splitlines()
+                 if " sandbox " in line}
+        names = [w.ready["name"] for w in (jailed, free)]  # type: ignore[attr-defined]
+        assert "sandbox bwrap" in lines[names[0]] and "sandbox none" in lines[names[1]], lines
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="needs bubblewrap (.ci/run installs it)")
 async def test_an_mcp_server_the_worker_launches_is_sandboxed_too(hub: dict,
                                                                   tmp_path: Path) -> None:
     """Attack 4: a filesystem MCP server on the workspace cannot write into `.venv`."""
