@@ -102,7 +102,10 @@ async def test_read_file_ranges_and_continuation_note(ws: Path) -> None:
         "line 3\nline 4\n\n[Showing lines 3-4; more follow: call read_file with offset=5]"
     )
     assert (await call(read_file, ws, path="notes.md", offset=9)).text == "line 9\nline 10\n"
-    assert (await call(read_file, ws, path="notes.md", offset=50)).text == "[offset 50 is past the end of the file]"
+    past = (await call(read_file, ws, path="notes.md", offset=50)).text
+    assert past.startswith("[offset 50 is past the end of the file: it has "), past
+    last = (ws / "notes.md").read_text().splitlines()[-1]
+    assert past.rstrip("\n").endswith("]\n" + last), past  # and its last line, as read_file shows it
 
 
 async def test_read_file_images_binaries_dirs_and_missing(ws: Path) -> None:

@@ -109,11 +109,13 @@ def _read_lines(
     out: list[str] = []
     size = 0
     number = 0
+    last: _Line | None = None
     with target.open(encoding="utf-8", errors="replace", newline="") as f:
         try:
             while (line := _read_line(f, column - 1, stop)) is not None:
                 number += 1
                 if number < offset:
+                    last = line
                     continue
                 text = _shown(line, number, column)
                 if out and size + len(text) > MAX_READ_CHARS:
@@ -125,8 +127,17 @@ def _read_lines(
         except _OutOfTime:
             return _out_of_time(out, offset, number + 1)
     if not out and offset > 1:
-        return f"[offset {offset} is past the end of the file]"
+        return _past_the_end(offset, number, last, column)
     return "".join(out)
+
+
+def _past_the_end(offset: int, lines: int, last: _Line | None, column: int) -> str:
+    """Where the file ends, and its last line: a model that guessed an offset (a small one
+    often does, asked about a file's end) gets what it was after instead of only a refusal."""
+    if last is None:
+        return f"[offset {offset} is past the end of the file: it is empty]"
+    return (f"[offset {offset} is past the end of the file: it has {lines} lines; the last one "
+            f"is]\n{_shown(last, lines, column)}")
 
 
 def _read_line(f: TextIO, start: int, stop: Callable[[], bool]) -> _Line | None:
