@@ -199,7 +199,7 @@ class Peer:
         self._serving = Serving(self)  # services it offers, requests it serves (in `_tg`)
         # `serve`'s registers awaiting the round trip that tells a refusal: id -> service, and
         # the refusals that came meanwhile: id -> (code, the hub's text)
-        self._registering: dict[str, str] = {}
+        self._registering: dict[str, tuple[str, Served]] = {}
         self._register_refusals: dict[str, tuple[str, str]] = {}
         self._sends = 0
         self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -623,7 +623,8 @@ class Peer:
         """The hub refused a service of a register (docs/protocol.md §5: `forbidden`, or
         `bad_request` for a bad spec): logged, counted, and `serve` raises it. One without an id
         answers a re-register after a welcome (no caller: logged alone). False: not a register's."""
-        service = self._registering.get(header.id)
+        registering = self._registering.get(header.id)
+        service = registering[0] if registering else None
         if service is None and header.id:
             return False
         self._count("registers_refused")
@@ -868,31 +869,53 @@ class Peer:
     # --- serving -------------------------------------------------------------------------
 
     async def serve(self, service: str, handler: Handler, *, capacity: int = 1,
-                    idempotent: bool = False, meta: dict[str, Any] | None = None) -> None:
+                    idempotent: bool = False, meta: dict[str, Any] | None = None,
+                    confirm: bool = True) -> None:
         """Register `handler` for `service`; it stays registered across hub restarts.
 
         Raises `RegisterRefused` when the hub refuses it (this peer's roles may not serve it, or
         a bad spec); the service is then not served. A success has no answer (docs/protocol.md
         §4), so this waits for one round trip to the hub after the register: the refusal, sent
-        at once, comes before its answer."""
+        at once, comes before its answer. `confirm=False` sends the register alone: a peer
+        registering many services calls `confirm_registers()` once after them (one round trip)."""
         spec = p.ServiceSpec(service, capacity, idempotent, meta or {})
         served = self._serving.services[service] = Served(spec, handler)
         reg_id = p.new_id()
-        self._registering[reg_id] = service
+        self._registering[reg_id] = (service, served)
         try:
             await self._send([p.encode(p.Header(kind=p.REGISTER, id=reg_id)),
                               p.encode(p.Register([spec]))])
+        except BaseException:
+            del self._registering[reg_id]
+            raise
+        if confirm:
+            await self._confirm({reg_id: self._registering[reg_id]})
+
+    async def confirm_registers(self) -> None:
+        """One round trip to the hub after `serve(..., confirm=False)` calls: raises
+        `RegisterRefused` for the first service the hub refused (every refused one is dropped,
+        logged and counted)."""
+        await self._confirm(dict(self._registering))
+
+    async def _confirm(self, pending: dict[str, tuple[str, Served]]) -> None:
+        if not pending:
+            return
+        try:
             with contextlib.suppress(RequestError):  # lost, or overloaded: see below
                 await self.request(p.HUB_REPLAY, _CONFIRM_BODY, timeout=CONNECT_TIMEOUT)
         finally:
-            del self._registering[reg_id]
-            refusal = self._register_refusals.pop(reg_id, None)
+            for reg_id in pending:
+                self._registering.pop(reg_id, None)
+            refusals = [(pending[i], self._register_refusals.pop(i)) for i in pending
+                        if i in self._register_refusals]
         # Without its round trip a refusal may come later: then it is logged and counted only
         # (`_on_register_refused`), as one of a re-register after a reconnect is.
-        if refusal is not None:
+        for (service, served), _ in refusals:
             if self._serving.services.get(service) is served:
                 del self._serving.services[service]  # not re-registered at the next welcome
-            raise RegisterRefused(service, *refusal)
+        if refusals:
+            (service, _), (code, reason) = refusals[0]
+            raise RegisterRefused(service, code, reason)
 
     async def unserve(self, service: str) -> None:
         if self._serving.services.pop(service, None) is not None:

@@ -63,11 +63,18 @@ def test_plain_install_into_a_fresh_venv(tmp_path: Path) -> None:
     expected = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert version.stdout.split() == ["busctl,", "version", expected], version.stdout
     # The installed package (not this checkout) carries the demo model's script.
-    probe = "import agents, bus, tools; print(agents.__file__, bus.__file__, tools.__file__)"
+    probe = ("import agent_bus.agents as a, agent_bus.bus as b, agent_bus.tools as t\n"
+             "print(a.__file__, b.__file__, t.__file__)")
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=30,
                          cwd=tmp_path, env=VENV_ENV)
     assert out.returncode == 0, out.stderr
     assert all(path.startswith(purelib) for path in out.stdout.split()), out.stdout
+    # one top-level name: nothing generic that another distribution (openai-agents) also installs
+    generic = ("import importlib.util\n"
+               "print([n for n in ('agents', 'bus', 'tools', 'cli') if importlib.util.find_spec(n)])")
+    out = subprocess.run([str(python), "-c", generic], capture_output=True, text=True, timeout=30,
+                         cwd=tmp_path, env=VENV_ENV)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
     _demo_runs(env_dir / "bin", tmp_path / "project")
 
 

@@ -162,11 +162,13 @@ class ToolWorker:
         """Register `tool.<name>` for every tool; returns once the hub has them."""
         self.peer = peer
         for t in self.tools.values():
-            await self.register(t.info, self._handler(t), owner="@tool", idempotent=t.idempotent)
-        await peer.status()  # same connection, in order: the registrations are in place
+            await self.register(t.info, self._handler(t), owner="@tool", idempotent=t.idempotent,
+                                confirm=False)
+        # one round trip for them all (same connection, in order): in place, or refused
+        await peer.confirm_registers()
 
     async def register(self, info: ToolInfo, handler: Handler, *, owner: str,
-                       idempotent: bool = False) -> str | None:
+                       idempotent: bool = False, confirm: bool = True) -> str | None:
         """Serve `tool.<info.name>`; None when done, else why it was refused (a clash).
 
         `owner` names where the tool comes from (`@tool`, `MCP server `git``) for that message.
@@ -189,7 +191,7 @@ class ToolWorker:
                 # calls with a `workspace` run in it (a requester may refuse workers without)
                 WORKSPACES_META: workspace_key(self.workspace)}
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
-                              idempotent=idempotent, meta=meta)
+                              idempotent=idempotent, meta=meta, confirm=confirm)
         self.served[info.name] = (owner, info)
         return None
 

@@ -877,9 +877,12 @@ class Coordinator:
                     "coordinator": self.settings.name,
                     "description": first_line(spec.system_prompt)}
             for service in (hosted.service, hosted.affine_service):
-                await self.peer.serve(service, hosted.handle, capacity=capacity, meta=meta)
-        await self.peer.serve(replay_service(self.settings.name), self.handle_replay, capacity=4)
-        await self.peer.status()  # same connection, in order: the registrations are in place
+                await self.peer.serve(service, hosted.handle, capacity=capacity, meta=meta,
+                                      confirm=False)
+        await self.peer.serve(replay_service(self.settings.name), self.handle_replay, capacity=4,
+                              confirm=False)
+        # one round trip for them all (same connection, in order): in place, or refused
+        await self.peer.confirm_registers()
 
     def resume_runs(self, store: ConversationStore) -> int:
         """Resume every run the journal says this coordinator (by name) left live."""

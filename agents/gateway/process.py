@@ -346,9 +346,10 @@ def _exit_setup_error(exc: ModelSetupError | LocalModelError) -> NoReturn:
 async def _serve(settings: GatewaySettings, engine: LlmEngine, peer: Peer,
                  task_status: anyio.abc.TaskStatus[None]) -> None:
     gateway = Gateway(peer, engine)
-    await peer.serve(LLM_SERVICE, gateway.handle, capacity=LLM_CAPACITY)
-    await peer.serve(stats_service(settings.name), gateway.handle_stats, capacity=8)
-    await peer.serve(REPLAY_SERVICE, gateway.handle_replay, capacity=4)
+    await peer.serve(LLM_SERVICE, gateway.handle, capacity=LLM_CAPACITY, confirm=False)
+    await peer.serve(stats_service(settings.name), gateway.handle_stats, capacity=8, confirm=False)
+    await peer.serve(REPLAY_SERVICE, gateway.handle_replay, capacity=4, confirm=False)
+    await peer.confirm_registers()  # one round trip for the three: in place, or refused
     aliases = [m.alias for m in engine.models]
     if not aliases:
         print(f"WARNING: {NO_MODEL_ERROR}", file=sys.stderr, flush=True)
