@@ -675,6 +675,11 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        # SSE chunks must go out now, not after a 40 ms delayed ACK (Nagle). asyncio sets this
+        # itself only on sockets made with proto IPPROTO_TCP, which an accepted one is not.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.owner._connections.add(self)
         self.task = asyncio.get_running_loop().create_task(self._run())
 
