@@ -305,7 +305,7 @@ async def topology_run(endpoint: str, agent: str) -> tuple[float, cmd.RunResult]
     return elapsed, msgspec.msgpack.decode(last, type=cmd.RunResult)
 
 
-FAKELLM = ""  # a fakellm.py file to serve instead of this tree's (bench_scale --fakellm)
+FAKELLM = ""  # a fakellm.py file to serve instead of this tree's (--fakellm)
 
 
 def fake_argv() -> list[str]:
@@ -381,7 +381,14 @@ def main() -> None:
                     help="run the coordinator, gateway and hub under cProfile, dumping into DIR")
     ap.add_argument("--count-sends", default="", metavar="DIR",
                     help="count the messages each process sends, by kind (files in DIR)")
+    ap.add_argument("--fakellm", default="", metavar="FILE",
+                    help="serve the scripted model from this fakellm.py instead of the tree's "
+                         "(an A/B of the fake)")
     args = ap.parse_args()
+    if args.fakellm and not os.path.isfile(args.fakellm):
+        ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
+    global FAKELLM
+    FAKELLM = args.fakellm
     turns, calls, repeat = args.turns, args.calls, args.repeat
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or any(t not in ("tcp", "ipc") for t in transports):
