@@ -305,16 +305,28 @@ async def topology_run(endpoint: str, agent: str) -> tuple[float, cmd.RunResult]
     return elapsed, msgspec.msgpack.decode(last, type=cmd.RunResult)
 
 
+FAKELLM = ""  # a fakellm.py file to serve instead of this tree's (--fakellm)
+
+
+def fake_argv() -> list[str]:
+    """The scripted model's command: this tree's `busctl fake-llm` (asyncio; TCP_NODELAY, which
+    asyncio sets, so that Nagle + delayed ACK do not stall each SSE stream ~40 ms), or FAKELLM's
+    file, e.g. an older commit's, with the threaded server's listen backlog raised as before."""
+    if not FAKELLM:
+        return [sys.executable, "-m", "agent_bus.cli", "fake-llm"]
+    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('fakellm_ab', sys.argv[1]); "
+            "m = u.module_from_spec(s); sys.modules['fakellm_ab'] = m; s.loader.exec_module(m); "
+            "h = getattr(m, '_Handler', None); h and setattr(h, 'disable_nagle_algorithm', True); "
+            "v = getattr(m, '_Server', None); v and setattr(v, 'request_queue_size', 4096); "
+            "sys.exit(m.main(sys.argv[2:]))")
+    return [sys.executable, "-c", code, FAKELLM]
+
+
 def start_fake(steps: list[dict[str, Any]], tmp: Path, name: str) -> tuple[Proc, str]:
     script = tmp / f"{name}.json"
     script.write_text(json.dumps({"steps": steps, "echo": True}))
     port = free_port()
-    # The fake writes each SSE event with its own small send; without TCP_NODELAY, Nagle's
-    # algorithm and the client's delayed ACK stall the stream ~40 ms per response, which would
-    # swamp everything measured here. (Recommended fix upstream: `disable_nagle_algorithm`.)
-    code = ("import sys, agents.gateway.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
-            "sys.exit(f.main(sys.argv[1:]))")
-    proc = Proc([sys.executable, "-c", code, "--script", str(script), "--port", str(port)])
+    proc = Proc([*fake_argv(), "--script", str(script), "--port", str(port)])
     assert proc.popen.stdout is not None
     proc.popen.stdout.readline()  # "fake-llm listening on ..."
     return proc, f"http://127.0.0.1:{port}/v1"
@@ -369,7 +381,14 @@ def main() -> None:
                     help="run the coordinator, gateway and hub under cProfile, dumping into DIR")
     ap.add_argument("--count-sends", default="", metavar="DIR",
                     help="count the messages each process sends, by kind (files in DIR)")
+    ap.add_argument("--fakellm", default="", metavar="FILE",
+                    help="serve the scripted model from this fakellm.py instead of the tree's "
+                         "(an A/B of the fake)")
     args = ap.parse_args()
+    if args.fakellm and not os.path.isfile(args.fakellm):
+        ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
+    global FAKELLM
+    FAKELLM = args.fakellm
     turns, calls, repeat = args.turns, args.calls, args.repeat
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or any(t not in ("tcp", "ipc") for t in transports):

@@ -134,10 +134,7 @@ class Topology:
         script_file = tmp / "script.json"
         script_file.write_text(json.dumps(script(args.turns, args.calls, args.model_ms / 1000)))
         port = free_port()
-        # TCP_NODELAY: without it Nagle + delayed ACK stall each SSE stream ~40 ms (bench_loop).
-        code = ("import sys, agents.gateway.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
-                "f._Server.request_queue_size = 4096; sys.exit(f.main(sys.argv[1:]))")
-        fake = self.procs["fake-llm"] = Proc([sys.executable, "-c", code, "--script",
+        fake = self.procs["fake-llm"] = Proc([*bench_loop.fake_argv(), "--script",
                                               str(script_file), "--port", str(port)])
         fake.ready()
         topo = tmp / "topology.toml"
@@ -382,10 +379,8 @@ def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-scale-http-") as tmpdir:
         script_file = Path(tmpdir) / "script.json"
         script_file.write_text(json.dumps(script(1, args.calls, args.model_ms / 1000)))
-        code = ("import sys, agents.gateway.fakellm as f; f._Handler.disable_nagle_algorithm = True; "
-                "f._Server.request_queue_size = 4096; sys.exit(f.main(sys.argv[1:]))")
         port = free_port()
-        fake = Proc([sys.executable, "-c", code, "--script", str(script_file), "--port", str(port)])
+        fake = Proc([*bench_loop.fake_argv(), "--script", str(script_file), "--port", str(port)])
         try:
             fake.ready()
             for n in ns:
@@ -470,7 +465,13 @@ def main() -> None:
                     help="also the pure loop alone at N sessions, after the rest (0: skip)")
     ap.add_argument("--count-sends", default="", metavar="DIR",
                     help="count the messages each process sends, by kind (files in DIR/nN)")
+    ap.add_argument("--fakellm", default="", metavar="FILE",
+                    help="serve the scripted model from this fakellm.py instead of the tree's "
+                         "(e.g. `git show OLD:agents/gateway/fakellm.py > old.py`: an A/B of the fake)")
     args = ap.parse_args()
+    if args.fakellm and not os.path.isfile(args.fakellm):
+        ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
+    bench_loop.FAKELLM = args.fakellm
     if args.rounds < 1:
         ap.error(f"--rounds: expected 1 or more, got {args.rounds}")
     bench_loop.PROFILE_DIR = args.profile  # read by `busctl()`

@@ -65,11 +65,11 @@ CLI: `python -m agents.gateway.fakellm --script FILE --port N` (default script: 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
 import re
-import select
 import socket
 import sys
 import threading
@@ -77,7 +77,9 @@ import time
 import tomllib
 import zlib
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from email.utils import formatdate
+from html import escape
+from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -378,18 +380,15 @@ def _call_ids(reply: Reply, prefix: str) -> list[str]:
 
 def openai_events(reply: Reply, model: str, body: dict[str, Any]) -> list[bytes]:
     cid = _Ids.next("chatcmpl")
+    # The bytes json.dumps gives for the whole chunk, its fixed part encoded once per reply, not
+    # once per event (the largest Python cost of the fake per streamed call; issue 32).
+    head = (f'data: {{"id": {json.dumps(cid)}, "object": "chat.completion.chunk", '
+            f'"created": {int(time.time())}, "model": {json.dumps(model)}, '
+            '"choices": [{"index": 0, "delta": ')
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return _sse(
-            {
-                "id": cid,
-                "object": "chat.completion.chunk",
-                "created": int(time.time()),
-                "model": model,
-                "choices": [choice],
-            }
-        )
+        ending = "null" if finish is None else json.dumps(finish)
+        return f'{head}{json.dumps(delta)}, "finish_reason": {ending}}}]}}\n\n'.encode()
 
     events = [chunk({"role": "assistant", "content": ""})]
     events += [chunk({"reasoning_content": piece}) for piece in _split(reply.thinking, reply.chunk_size)]
@@ -621,32 +620,213 @@ _APIS = {
     "/messages": "anthropic",
 }
 
+# What `http.server` sent, so that replies look the same as when this was a ThreadingHTTPServer.
+_SERVER_HEADER = f"BaseHTTP/0.6 Python/{sys.version.split()[0]}"
+_REASONS = {status.value: status.phrase for status in HTTPStatus}
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+_MAX_HEAD = 64 * 1024 + 100 * 65536  # http.server's limits: a 64 KiB request line, 100 headers
+_log = logging.getLogger(__name__)
+# Not socketserver's 5: a burst of new connections (8 close-delimited streams at once; 1,000
+# sessions in bench_scale) overflowed it, and each dropped SYN was resent a second later,
+# serialising the burst. The kernel caps it at net.core.somaxconn.
+_BACKLOG = 4096
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # SSE chunks must go out now, not after a 40 ms ACK delay
-    server: _Server
-    _record: RecordedRequest | None = None
-    _dead = False  # set after a stream when the script says `close_after_stream`
-    _served = False  # a request was answered on this connection
-    _raw_body = False  # this stream is close-delimited: body bytes as they are, then close
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: tests read srv.requests
-        return
+class _Date:
+    """The `Date` header, formatted once a second (not once a response)."""
 
-    def handle_one_request(self) -> None:
+    second = -1
+    text = ""
+
+    @classmethod
+    def now(cls) -> str:
+        second = int(time.time())
+        if second != cls.second:
+            cls.second, cls.text = second, formatdate(second, usegmt=True)
+        return cls.text
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection, served on the fake's event loop: requests read and answered one
+    at a time (HTTP/1.1 keep-alive), as `http.server`'s handler did in a thread per connection.
+    An asyncio server because that thread per connection took most of the fake's CPU at 1,000
+    concurrent sessions (bench_scale, issue 32): the scale bench measured the fake, not the bus."""
+
+    def __init__(self, owner: FakeLLMServer) -> None:
+        self.owner = owner
+        self.transport: asyncio.Transport | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.path = ""
+        self.headers: dict[str, str] = {}
+        self.close_connection = False
+        self._buffer = bytearray()
+        self._eof = False  # the client closed its side, or the connection is gone
+        self._lost = False
+        self._input: asyncio.Future[bool] | None = None  # woken by data, EOF or loss
+        self._drained: asyncio.Future[None] | None = None  # while writing is paused
+        self._paused = False
+        self._record: RecordedRequest | None = None
+        self._dead = False  # set after a stream when the script says `close_after_stream`
+        self._served = False  # a request was answered on this connection
+        self._raw_body = False  # this stream is close-delimited: body bytes as they are, then close
+
+    # --- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        # SSE chunks must go out now, not after a 40 ms delayed ACK (Nagle). asyncio sets this
+        # itself only on sockets made with proto IPPROTO_TCP, which an accepted one is not.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.owner._connections.add(self)
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._wake(True)
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake(True)
+        return True  # half-closed: answers may still be written, as the threaded server could
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = self._lost = True
+        self._wake(True)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self.owner._connections.discard(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    def _wake(self, value: bool) -> None:
+        if self._input is not None and not self._input.done():
+            self._input.set_result(value)
+
+    # --- reading
+
+    async def _wait_input(self, timeout: float | None = None) -> bool:
+        """Wait for more bytes, EOF or loss (True), or `timeout` seconds (False)."""
+        loop = asyncio.get_running_loop()
+        self._input = waiter = loop.create_future()
+        timer = loop.call_later(timeout, self._wake, False) if timeout is not None else None
+        try:
+            woken: bool = await waiter
+            return woken
+        finally:
+            self._input = None
+            if timer is not None:
+                timer.cancel()
+
+    async def _read_head(self) -> bytes | None:
+        """The request line and headers; None at EOF (or past http.server's size limits)."""
+        start = 0
+        while (end := _HEAD_END.search(self._buffer, start)) is None:
+            if self._eof or len(self._buffer) > _MAX_HEAD:
+                return None
+            start = max(0, len(self._buffer) - 3)
+            await self._wait_input()
+        head = bytes(self._buffer[: end.start()])
+        del self._buffer[: end.end()]
+        return head
+
+    async def _read_body(self) -> Any:
+        length = int(self._header("content-length") or 0)
+        while len(self._buffer) < length and not self._eof:
+            await self._wait_input()
+        raw = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:
+            return None
+
+    def _header(self, name: str) -> str | None:
+        for key, value in self.headers.items():
+            if key.lower() == name:
+                return value
+        return None
+
+    # --- one request after another
+
+    async def _run(self) -> None:
+        try:
+            while not self.close_connection and not self._lost:
+                await self._one_request()
+        except (_ClientGone, ConnectionError) as error:
+            # a client that goes away (an aborted run) is normal: one debug line
+            _log.debug("client %s went away: %s", self._peer(), error)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            _log.exception("fake-llm: error serving %s", self._peer())
+        finally:
+            if self.transport is not None and not self._lost:
+                self.transport.close()
+
+    def _peer(self) -> Any:
+        return self.transport.get_extra_info("peername") if self.transport is not None else None
+
+    async def _one_request(self) -> None:
         # `close_idle_after`: a server's keep-alive timeout, counted from the end of a response
         # (not from the accept: a client may be slow to send its first request)
-        idle = self.server.owner.script.close_idle_after
-        if idle > 0 and self._served and not select.select([self.rfile], [], [], idle)[0]:
-            self.server.owner._count_idle_close()
+        idle = self.owner.script.close_idle_after
+        if idle > 0 and self._served and not self._buffer and not self._eof:
+            if not await self._wait_input(idle):
+                self.owner._count_idle_close()
+                self.close_connection = True
+                return
+        head = await self._read_head()
+        if head is None:
             self.close_connection = True
             return
-        super().handle_one_request()
+        method = self._parse(head)
+        if method is None:
+            return
+        if method == "GET":
+            self.do_GET()
+        elif method == "POST":
+            await self.do_POST()
+        else:
+            self._send_error(501, f"Unsupported method ({method!r})")
         self._served = True
 
+    def _parse(self, head: bytes) -> str | None:
+        """Method, path and headers, as http.server reads them; None after a 400 answer."""
+        lines = head.decode("iso-8859-1").split("\n")
+        words = lines[0].rstrip("\r").split()
+        if len(words) != 3 or not words[2].startswith("HTTP/1."):
+            self._send_error(400, f"Bad request version ({lines[0].rstrip()!r})")
+            return None
+        method, self.path, version = words
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, colon, value = line.rstrip("\r").partition(":")
+            if not colon:
+                self._send_error(400, "Bad request headers")
+                return None
+            headers[name] = value.strip()
+        self.headers = headers
+        # HTTP/1.1 keeps the connection unless it says close; HTTP/1.0 closes unless keep-alive
+        connection = (self._header("connection") or "").lower()
+        self.close_connection = connection == "close" or (
+            version == "HTTP/1.0" and connection != "keep-alive")
+        if (self._header("expect") or "").lower() == "100-continue" and version != "HTTP/1.0":
+            self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return method
+
+    # --- the routes
+
     def do_GET(self) -> None:
-        script = self.server.owner.script
+        script = self.owner.script
         window = script.context_window
         if self.path.rstrip("/") in ("/v1/models", "/models"):
             meta = {"n_ctx": window, "n_ctx_train": max(window, 32768)} if window else {}
@@ -658,47 +838,36 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send_json(404, {"error": {"message": f"no route for GET {self.path}"}})
 
-    def do_POST(self) -> None:
+    async def do_POST(self) -> None:
         api = _APIS.get(self.path.split("?")[0])
-        body = self._read_body()
+        body = await self._read_body()
         if self._dead:  # llama.cpp: the connection that streamed is closed, unannounced
-            self.server.owner._count_dropped()
-            self._drop()
+            self.owner._count_dropped()
+            await self._drop()
             return
         if api is None or not isinstance(body, dict):
             self._send_json(
                 404 if api is None else 400, error_body(api or "openai", 400, f"bad request to {self.path}")
             )
             return
-        owner = self.server.owner
-        record = self._record = owner._begin(self.path, dict(self.headers.items()), body)
+        owner = self.owner
+        record = self._record = owner._begin(self.path, dict(self.headers), body)
         try:
-            self._serve(api, body, owner._next_step(api, body), record)
-        except _ClientGone:
-            owner._closed(record)
-            self.close_connection = True
-        except (BrokenPipeError, ConnectionResetError):
+            await self._serve(api, body, owner._next_step(api, body), record)
+        except (_ClientGone, BrokenPipeError, ConnectionResetError):
             owner._closed(record)
             self.close_connection = True
         finally:
             owner._end(record)
             self._record = None
 
-    def _read_body(self) -> Any:
-        length = int(self.headers.get("content-length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        try:
-            return json.loads(raw or b"null")
-        except ValueError:
-            return None
-
     # --- steps
 
-    def _serve(self, api: str, body: dict[str, Any], step: Step, record: RecordedRequest) -> None:
-        self._pause(step.delay)
+    async def _serve(self, api: str, body: dict[str, Any], step: Step, record: RecordedRequest) -> None:
+        await self._pause(step.delay)
         stream = bool(body.get("stream"))
         model = str(body.get("model") or "fake-model")
-        window = self.server.owner.script.context_window
+        window = self.owner.script.context_window
         # Sized only against a window: re-encoding the whole conversation per request was 30%
         # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
         prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1 if window else 0
@@ -707,24 +876,24 @@ class _Handler(BaseHTTPRequestHandler):
                        "try increasing it")
             error = {"code": 400, "message": message, "type": "exceed_context_size_error",
                      "n_prompt_tokens": prompt, "n_ctx": window}
-            self.server.owner._count_refusal()
+            self.owner._count_refusal()
             self._send_json(400, {"error": error})
             return
         if step.fail is not None:
-            self._fail(api, step.fail, stream, model, body)
+            await self._fail(api, step.fail, stream, model, body)
         elif stream:
             reply = step.reply or Reply()
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
-            self._stream(events, reply.chunk_delay, gzip=reply.gzip)
+            await self._stream(events, reply.chunk_delay, gzip=reply.gzip)
             record.usage = None if reply.sse else _usage(reply, body)
-            self._dead = self.server.owner.script.close_after_stream
+            self._dead = self.owner.script.close_after_stream
         else:
             reply = step.reply or Reply()
             self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
 
-    def _fail(self, api: str, fail: Fail, stream: bool, model: str, body: dict[str, Any]) -> None:
-        key = request_key(dict(self.headers.items()))
+    async def _fail(self, api: str, fail: Fail, stream: bool, model: str, body: dict[str, Any]) -> None:
+        key = request_key(self.headers)
         message, data = echo_key(fail.message, key), echo_key(fail.data, key)
         if fail.kind == "status":
             headers = {}
@@ -739,112 +908,120 @@ class _Handler(BaseHTTPRequestHandler):
         if fail.kind == "drop":
             self._start_stream()
             for event in events[: fail.after_events]:
-                self._chunk(event)
-            self._drop()
+                await self._chunk(event)
+            await self._drop()
         elif fail.kind == "malformed":
-            self._stream([*events[:2], f"data: {data}\n\n".encode(), *events[2:]], 0.0)
+            await self._stream([*events[:2], f"data: {data}\n\n".encode(), *events[2:]], 0.0)
         elif fail.kind == "server_error":
             error = {"error": {"code": 500, "message": message, "type": "server_error"}}
-            self._stream([*events[:2], _sse(error, "error")], 0.0)
+            await self._stream([*events[:2], _sse(error, "error")], 0.0)
         else:
-            self._stream([*events[:2], stream_error_event(api, message)], 0.0)
+            await self._stream([*events[:2], stream_error_event(api, message)], 0.0)
 
     # --- low-level writing
 
+    def _head(self, status: int, headers: list[tuple[str, str]]) -> bytes:
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, '')}", f"Server: {_SERVER_HEADER}",
+                 f"Date: {_Date.now()}", *(f"{name}: {value}" for name, value in headers)]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "strict")
+
     def _send_json(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        self._last_write(data)
+        head = self._head(status, [("content-type", "application/json"), ("content-length", str(len(data))),
+                                   *(headers or {}).items()])
+        self._last_write(head + data)
+
+    def _send_error(self, status: int, message: str) -> None:
+        """http.server's `send_error`: a short HTML page, then the connection is closed."""
+        data = f"<html><body><h1>Error {status}</h1><p>{escape(message)}</p></body></html>\n".encode()
+        self.close_connection = True
+        self._write(self._head(status, [("Connection", "close"), ("Content-Type", "text/html;charset=utf-8"),
+                                        ("Content-Length", str(len(data)))]) + data)
 
     def _start_stream(self, *, gzip: bool = False) -> None:
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
+        headers = [("content-type", "text/event-stream")]
         if gzip:
-            self.send_header("content-encoding", "gzip")
-        self.send_header("cache-control", "no-cache")
-        self._raw_body = self.server.owner.script.close_delimited
+            headers.append(("content-encoding", "gzip"))
+        headers.append(("cache-control", "no-cache"))
+        self._raw_body = self.owner.script.close_delimited
         if self._raw_body:  # the body ends when this connection closes (RFC 9112 6.3, rule 8)
-            self.send_header("connection", "close")
+            headers.append(("connection", "close"))
             self.close_connection = True
         else:
-            self.send_header("transfer-encoding", "chunked")
-        self.end_headers()
-        self.wfile.flush()  # the head alone first: a client must not need body bytes with it
+            headers.append(("transfer-encoding", "chunked"))
+        self._write(self._head(200, headers))  # the head alone first: no body bytes needed with it
 
-    def _chunk(self, data: bytes) -> None:
-        self.wfile.write(data if self._raw_body else f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
+    async def _chunk(self, data: bytes) -> None:
+        self._write(data if self._raw_body else b"%x\r\n%b\r\n" % (len(data), data))
+        await self._flush()
 
-    def _stream(self, events: list[bytes], delay: float, *, gzip: bool = False) -> None:
+    async def _stream(self, events: list[bytes], delay: float, *, gzip: bool = False) -> None:
         self._start_stream(gzip=gzip)
         if gzip:  # a sync flush per chunk: each arrives decodable, as from a compressing proxy
             packer = zlib.compressobj(wbits=31)
             events = [packer.compress(e) + packer.flush(zlib.Z_SYNC_FLUSH) for e in events]
             events.append(packer.flush())
-        for event in events:
-            self._chunk(event)
-            self._pause(delay)
+        for event in events:  # one write each, as a server sends each token when it has it
+            self._write(event if self._raw_body else b"%x\r\n%b\r\n" % (len(event), event))
+            if self._paused:
+                await self._flush()
+            if delay > 0:
+                await self._pause(delay)
         self._last_write(b"" if self._raw_body else b"0\r\n\r\n")
+        await self._flush()
 
     def _last_write(self, data: bytes) -> None:
         """The response ends here: count it as ended before the client can see the last byte."""
         if self._record is not None:
-            self.server.owner._end(self._record)
-        self.wfile.write(data)
-        self.wfile.flush()
+            self.owner._end(self._record)
+        if data:
+            self._write(data)
 
-    def _drop(self) -> None:
+    def _write(self, data: bytes) -> None:
+        # what a blocking send() raised once the client had reset the connection
+        if self._lost or self.transport is None or self.transport.is_closing():
+            raise BrokenPipeError("the client closed the connection")
+        self.transport.write(data)
+
+    async def _flush(self, *, all_of_it: bool = False) -> None:
+        """Wait while the client reads slower than we write (or, `all_of_it`, until it has it all)."""
+        assert self.transport is not None
+        if all_of_it and self.transport.get_write_buffer_size() and not self._lost:
+            self.transport.set_write_buffer_limits(high=0)  # pauses until the buffer is empty
+        if self._paused and not self._lost:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+            self._drained = None
+
+    async def _drop(self) -> None:
         self.close_connection = True
+        await self._flush(all_of_it=True)  # what was written goes out first, as with a blocking socket
         try:
-            self.connection.shutdown(socket.SHUT_RDWR)
+            assert self.transport is not None
+            self.transport.get_extra_info("socket").shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
-    def _pause(self, seconds: float) -> None:
+    async def _pause(self, seconds: float) -> None:
         """Wait `seconds`, watching the socket: raise `_ClientGone` as soon as the client closes."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0 and not self.server.owner._stopping.is_set():
-            readable, _, _ = select.select([self.connection], [], [], min(left, 0.05))
-            if readable and _peer_closed(self.connection):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while (left := deadline - loop.time()) > 0 and not self.owner._stopping.is_set():
+            if self._eof:
                 raise _ClientGone()
-            if readable:
-                time.sleep(min(left, 0.01))
+            await self._wait_input(left)
 
 
-def _peer_closed(conn: socket.socket) -> bool:
-    try:
-        return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    # socketserver's listen backlog is 5: a burst of new connections (8 close-delimited streams at
-    # once) overflows it, and the dropped SYN is resent a second later, serialising the burst.
-    request_queue_size = 128
-    owner: FakeLLMServer
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that goes away (an aborted run) is normal: one debug line, not the 20-line
-        traceback socketserver prints into `busctl up`'s console; anything else as before."""
-        error = sys.exc_info()[1]
-        if isinstance(error, (BrokenPipeError, ConnectionResetError)):
-            logging.getLogger(__name__).debug("client %s went away: %s", client_address, error)
-            return
-        super().handle_error(request, client_address)
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class FakeLLMServer:
-    """A running fake; also a context manager. Thread-safe counters, readable from any thread."""
+    """A running fake; also a context manager. Thread-safe counters, readable from any thread.
+
+    It serves on an asyncio event loop: in a thread of its own after `start()`, or in the
+    calling thread with `serve_forever()`."""
 
     def __init__(self, script: ScriptLike = None, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.script = load_script(script)
@@ -858,8 +1035,20 @@ class FakeLLMServer:
         self._cursor = 0
         self._lock = threading.Condition()
         self._stopping = threading.Event()
-        self._httpd = _Server((host, port), _Handler)
-        self._httpd.owner = self
+        self._connections: set[_Connection] = set()
+        # Bound and listening now, as http.server did: the port is known and connections queue
+        # before serving starts.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._socket.bind((host, port))
+            self._socket.listen(_BACKLOG)
+        except OSError:
+            self._socket.close()
+            raise
+        self._address: tuple[str, int] = self._socket.getsockname()[:2]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped: asyncio.Future[None] | None = None
         self._thread: threading.Thread | None = None
 
     def set_script(self, script: ScriptLike, *, clear_requests: bool = False) -> None:
@@ -873,30 +1062,33 @@ class FakeLLMServer:
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return int(self._address[1])
 
     @property
     def url(self) -> str:
-        host = self._httpd.server_address[0]
-        return f"http://{host!s}:{self.port}"
+        return f"http://{self._address[0]!s}:{self.port}"
 
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
 
     def start(self) -> FakeLLMServer:
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, args=(0.05,), name="fakellm", daemon=True
-        )
+        loop = self._new_loop()
+        self._thread = threading.Thread(target=self._run, args=(loop,), name="fakellm", daemon=True)
         self._thread.start()
         return self
 
     def close(self) -> None:
         self._stopping.set()
+        loop, stopped = self._loop, self._stopped
+        if loop is not None and stopped is not None:
+            try:
+                loop.call_soon_threadsafe(_settle, stopped)
+            except RuntimeError:  # the loop has already closed
+                pass
         if self._thread is not None:
-            self._httpd.shutdown()
             self._thread.join(timeout=5)
-        self._httpd.server_close()
+        self._socket.close()
 
     def __enter__(self) -> FakeLLMServer:
         return self.start()
@@ -909,10 +1101,41 @@ class FakeLLMServer:
     def serve_forever(self) -> None:
         """Serve in the calling thread until interrupted (CLI use)."""
         try:
-            self._httpd.serve_forever()
+            self._run(self._new_loop())
         finally:
             self._stopping.set()
-            self._httpd.server_close()
+            self._socket.close()
+
+    def _new_loop(self) -> asyncio.AbstractEventLoop:
+        # made here, not in the serving thread, so that `close()` right after `start()` finds it
+        self._loop = asyncio.new_event_loop()
+        self._stopped = self._loop.create_future()
+        return self._loop
+
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.run_until_complete(self._serve())
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _serve(self) -> None:
+        assert self._stopped is not None
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _Connection(self), sock=self._socket, backlog=_BACKLOG)
+        try:
+            await self._stopped
+        finally:
+            server.close()
+            connections = list(self._connections)
+            for connection in connections:
+                assert connection.transport is not None
+                connection.transport.abort()
+            tasks = [c.task for c in connections if c.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await server.wait_closed()
 
     def wait_disconnect(self, timeout: float) -> float | None:
         """Block until a client has closed a connection mid-response; its monotonic time, or None."""
@@ -925,7 +1148,7 @@ class FakeLLMServer:
         with self._lock:
             return [r.body for r in self.requests]
 
-    # --- called by handler threads
+    # --- called by the connections (on the event loop's thread)
 
     def _next_step(self, api: str, body: dict[str, Any]) -> Step:
         with self._lock:

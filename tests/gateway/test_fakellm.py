@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -129,3 +130,16 @@ def test_cli_serves_the_demo(tmp_path: Path) -> None:
         proc.wait(timeout=5)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_streams_leave_without_nagle_delay(fake_server: StartServer) -> None:
+    """Every accepted connection has TCP_NODELAY: the fake writes each SSE event on its own, and
+    with Nagle's algorithm on, the client's delayed ACK held each stream ~40 ms (asyncio sets it
+    only on sockets made with proto IPPROTO_TCP, which an accepted one is not)."""
+    srv = fake_server([{"reply": {"text": "hello there"}}])
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    with httpx.Client() as client:
+        assert b"[DONE]" in client.post(srv.base_url + CHAT, json=body).read()
+        (connection,) = list(srv._connections)  # keep-alive: still open
+        sock = connection.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
