@@ -122,7 +122,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
 
 
 def exec_with_parent_death(argv: list[str]) -> None:
-    """`python -m bus.procsec PARENT_PID CMD…`: die with PARENT_PID, then become CMD.
+    """`python -m agent_bus.bus.procsec PARENT_PID CMD…`: die with PARENT_PID, then become CMD.
 
     The supervisor starts every child through this, so the guard covers any command, busctl
     pieces and a topology's own processes alike (anyio's `open_process` has no `preexec_fn`)."""

@@ -1,7 +1,7 @@
 """`hub.replay`'s reader: reads batches of logged events with its own SQLite connection, off the
 hub's routing loop, and hands each finished batch back to it.
 
-For a log on disk the reader is a child process (`python -m bus.replay_reader`): reading and
+For a log on disk the reader is a child process (`python -m agent_bus.bus.replay_reader`): reading and
 encoding a batch is Python work, and in a thread of the hub it would hold the GIL the routing loop
 needs (measured: a busy thread in the hub process took request p50 from 0.46 to 16 ms). The child
 dies with the hub, and is restarted if it dies. An in-memory log can only be read from inside the
@@ -454,7 +454,7 @@ def _child(uri: str, endpoint: str, budget: int, parent: int, priority: str) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bus.replay_reader",
+    parser = argparse.ArgumentParser(prog="python -m agent_bus.bus.replay_reader",
                                      description="The hub's replay reader (started by the hub).")
     parser.add_argument("--uri", required=True, help="the event log's SQLite URI")
     parser.add_argument("--endpoint", required=True, help="ipc:// address to bind")

@@ -60,7 +60,7 @@ tool calls' arguments; tool calls the request does not offer are dropped (so dem
 `DEMO_SCRIPT` (from `agents/demo/fakellm_demo.json`) makes an agent call `list_dir`, `read_file`
 and `search_files` in parallel, then summarise the results.
 
-CLI: `python -m agents.gateway.fakellm --script FILE --port N` (default script: the demo).
+CLI: `python -m agent_bus.agents.gateway.fakellm --script FILE --port N` (default script: the demo).
 """
 
 from __future__ import annotations
@@ -1227,7 +1227,8 @@ def fake_llm_command(script_path: str | None, host: str, port: int, close_delimi
 
 
 def main(argv: list[str] | None = None) -> int:
-    fake_llm_command.main(args=argv, prog_name="python -m agents.gateway.fakellm", standalone_mode=True)
+    fake_llm_command.main(args=argv, prog_name="python -m agent_bus.agents.gateway.fakellm",
+                          standalone_mode=True)
     return 0
 
 

@@ -5,7 +5,7 @@ output to `<log_dir>/<name>.log` and, in the foreground, to the terminal prefixe
 child announces readiness with one JSON line starting with `{"ready"` on stdout. A child that exits
 while the topology is up is restarted with exponential backoff; one that crash-loops is given up.
 
-Every child is started through `python -m bus.procsec SUPERVISOR_PID …`, which asks the kernel to
+Every child is started through `python -m agent_bus.bus.procsec SUPERVISOR_PID …`, which asks the kernel to
 SIGTERM it when the supervisor dies: a SIGKILLed supervisor leaves no orphan. The supervisor keeps
 a run file (`up.json`: its pid and each child's pid and start time) so `busctl down` can find and
 stop every process even when the supervisor itself is gone.

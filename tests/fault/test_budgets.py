@@ -1,5 +1,5 @@
 """Issue 12 §5, §3 (hub) and §11: the hub's memory budgets, the re-dispatch limit, and the hub's
-own refusals. Every test drives a real hub process (`python -m bus.hub`) over tcp and reads its
+own refusals. Every test drives a real hub process (`python -m agent_bus.cli hub`) over tcp and reads its
 RSS from /proc; attacks run at a reduced size here and at the issue's size under `-m slow`.
 
 Run as a script (`python tests/fault/test_budgets.py replay ENDPOINT`) it is the process that
