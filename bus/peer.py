@@ -113,6 +113,7 @@ _SIG = p.SIGNATURE
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 _REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refusals (§5)
+_EVENT_REFUSED = frozenset({p.LOG_UNAVAILABLE, p.BAD_EVENT, p.FORBIDDEN})  # an event's (§6, §8)
 # A held event's header fields but its id: (type, agent, run, experiment, parent). Held events
 # with equal keys, one after another, may share one message.
 _EventKey = tuple[str, str, str, str, str]
@@ -611,7 +612,9 @@ class Peer:
         one of our events."""
         if header.code in _REGISTER_REFUSED and self._on_register_refused(header):
             return
-        if header.code not in (p.LOG_UNAVAILABLE, p.BAD_EVENT):  # bad_event: docs/protocol.md §6
+        # bad_event: docs/protocol.md §6; forbidden not of a register: an event this peer's roles
+        # may not publish (§8; a request's answer matches its call, unless it is stale).
+        if header.code not in _EVENT_REFUSED:
             self._count("stale_replies")
             return
         self._count("events_refused")
