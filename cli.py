@@ -421,11 +421,12 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
         click.echo(f"EVENTS REFUSED: {st['log_error']} (retried by itself; free space or fix "
                    f"the state directory {st.get('state_dir') or ''})")
     click.echo("peers:")
+    meta = {s["name"]: s.get("meta", {}) for s in st["services"]}
     for peer in st["peers"]:
         services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
+        jail = _sandbox_of(peer, meta)
         click.echo(f"  {peer['name']:<20} {peer.get('role', '') or '-':<11} pid {peer.get('pid', 0)}"
-                   f"@{peer.get('host', '')}  {services}")
-    _print_sandboxes(st)
+                   f"@{peer.get('host', '')}  {services}{f'  sandbox {jail}' if jail else ''}")
     click.echo("services:")
     for svc in st["services"]:
         click.echo(f"  {svc['name']:<28} peers {svc['peers']}  load {svc['load']}/{svc['capacity']}"
@@ -480,17 +481,13 @@ async def _subscriber_drops(peer: Any, report: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _print_sandboxes(st: dict[str, Any]) -> None:
-    """Each tool worker's sandbox (tools/sandbox.py), from its own registrations' metadata (a hub
+def _sandbox_of(peer: dict[str, Any], meta: dict[str, Any]) -> str | None:
+    """A tool worker's sandbox (tools/sandbox.py), from its own registrations' metadata (a hub
     that predates per-peer metadata gives only the service's, the latest registration's)."""
-    meta = {s["name"]: s.get("meta", {}) for s in st["services"]}
-    for peer in st["peers"]:
-        if peer.get("role") != "worker":
-            continue
-        jail = next((found for s in peer.get("services", [])
-                     if (found := (s.get("meta") or meta.get(s["name"], {})).get("sandbox"))), None)
-        if jail:
-            click.echo(f"  {peer['name']:<20} sandbox {jail}")
+    if peer.get("role") != "worker":
+        return None
+    return next((found for s in peer.get("services", [])
+                 if (found := (s.get("meta") or meta.get(s["name"], {})).get("sandbox"))), None)
 
 
 def _drop_totals(st: dict[str, Any]) -> dict[str, int]:
