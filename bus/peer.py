@@ -17,14 +17,15 @@ waits for the socket to become writable. The fast transport's fd is edge-trigger
 `EVENTS` read may consume the edge, so after sending we check `EVENTS` and schedule a drain
 ourselves when input is waiting. This needs anyio's asyncio backend (pyzmq has no trio support).
 
-Published events, and the replies and partial replies of requests this peer serves, are held
-until the end of the current event-loop iteration and then sent back to back (`_hold`): on an
-idle socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than
-the send itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers
-of handlers that finished together) is cheaper sent together. Partial replies to one request
-held meanwhile go out as one `partial` message with a body frame each (`IncomingRequest.partial`),
-and consecutive held events that differ only by id (or, to a hub that takes mixed types, by id
-and type: header type `*`) as one `event` message with a body frame each
+Published events, and the replies and partial replies of requests this peer serves, are held until
+the end of the current event-loop iteration and then sent back to back (`_hold`): on an idle
+socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than the send
+itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers of handlers
+that finished together) is cheaper sent together. Events held alone linger a little longer
+(`EVENT_LINGER`, 2 ms) for the next request or answer to take them along. Partial replies to one
+request held meanwhile go out as one `partial` message with a body frame each
+(`IncomingRequest.partial`), and consecutive held events that differ only by id (or, to a hub that
+takes mixed types, by id and type: header type `*`) as one `event` message with a body frame each
 (docs/protocol.md §4; only to a hub whose welcome says it takes them): the hub still logs and
 publishes one event per body. `before_send` (the coordinator's journal commit) runs before held
 messages go out.
@@ -93,6 +94,12 @@ HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and clie
 HOUSEKEEPING_IDLE = REPLY_GRACE
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the loop iteration
+# Held *events* (only events) wait up to this long for company (`_hold`): the next request or
+# answer this peer sends takes them along, or more events join them. An agent's turn emits
+# its events over several loop iterations (each tool's end arrives on its own): sent at the end
+# of each, they cost the hub (and this peer) one wake-up each; lingering, they ride with the
+# turn's next request. Watchers see an event at most this much later.
+EVENT_LINGER = 0.002
 # Held events that differ only by id (and type, with a hub that takes mixed types) go out as one
 # multi-body `event` message (docs/protocol.md §4), up to this many bodies and bytes of bodies:
 # the hub pays one message, not one per event.
@@ -113,6 +120,7 @@ _SIG = p.SIGNATURE
 _S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 _REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refusals (§5)
+_EVENT_REFUSED = frozenset({p.LOG_UNAVAILABLE, p.BAD_EVENT, p.FORBIDDEN})  # an event's (§6, §8)
 # A held event's header fields but its id: (type, agent, run, experiment, parent). Held events
 # with equal keys, one after another, may share one message.
 _EventKey = tuple[str, str, str, str, str]
@@ -180,6 +188,7 @@ class Peer:
         self._held: list[tuple[list[Any], _EventKey | None]] = []
         self._held_gen = 0
         self._flush_scheduled = False
+        self._linger: asyncio.TimerHandle | None = None  # the flush of events held alone
         # Publish accounting: events handed to a socket, how many of those the hub confirmed
         # (the rest of the current socket's are in flight), and how many unconfirmed ones a
         # closed socket took with it (all; and, with the refused ones, as far as `confirm()` has
@@ -481,7 +490,7 @@ class Peer:
                     self.hub, expiry)
                 self._lost.set()
                 continue
-            if self._held and not self._flush_scheduled:
+            if self._held and not self._flush_scheduled and self._linger is None:
                 self._flush_soon()  # events held back by the HWM
             if now >= next_confirm and self._should_confirm():
                 next_confirm = now + CONFIRM_EVERY
@@ -575,7 +584,7 @@ class Peer:
                     # that same pass (scheduled after their tasks), instead of once per send.
                     self._check_scheduled = True
                     loop.call_soon(self._check_input)
-            if self._held and not self._flush_scheduled:
+            if self._held and not self._flush_scheduled and self._linger is None:
                 self._flush_held()
             if self._writable and sock.writable():
                 for waiter in self._writable:
@@ -611,7 +620,9 @@ class Peer:
         one of our events."""
         if header.code in _REGISTER_REFUSED and self._on_register_refused(header):
             return
-        if header.code not in (p.LOG_UNAVAILABLE, p.BAD_EVENT):  # bad_event: docs/protocol.md §6
+        # bad_event: docs/protocol.md §6; forbidden not of a register: an event this peer's roles
+        # may not publish (§8; a request's answer matches its call, unless it is stale).
+        if header.code not in _EVENT_REFUSED:
             self._count("stale_replies")
             return
         self._count("events_refused")
@@ -711,7 +722,10 @@ class Peer:
         if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
             assert key is not None or not event, "a held event needs its key"
             self._held.append((message, key))
-            self._schedule_flush()
+            if key is None:
+                self._schedule_flush()
+            else:
+                self._schedule_linger()
             return True
         return False
 
@@ -719,6 +733,15 @@ class Peer:
         if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush_soon)
+
+    def _schedule_linger(self) -> None:
+        """Flush held events `EVENT_LINGER` from now, unless something sends them sooner."""
+        if self._linger is None and not self._flush_scheduled and self._loop is not None:
+            self._linger = self._loop.call_later(EVENT_LINGER, self._linger_ended)
+
+    def _linger_ended(self) -> None:
+        self._linger = None
+        self._flush_soon()
 
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
@@ -812,6 +835,10 @@ class Peer:
             del self._held[:sent]
             self._held_gen += 1
             self._events_sent += events
+        linger = self._linger
+        if linger is not None and not self._held:  # what it waited for went out with another send
+            linger.cancel()
+            self._linger = None
 
     async def _send(self, frames: list[Any], *, wait: bool = True,
                     deadline: float = float("inf")) -> None:

@@ -9,6 +9,7 @@ ROUTER socket in a thread speaking the protocol — to see exactly what messages
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.errors import HubLost
-from agent_bus.bus.peer import COALESCE_BYTES, COALESCE_EVENTS
+from agent_bus.bus.peer import COALESCE_BYTES, COALESCE_EVENTS, EVENT_LINGER
 from tests.support import until
 
 
@@ -226,3 +227,31 @@ async def test_a_refused_body_is_reported_and_its_siblings_logged(hub: dict) -> 
         assert [h.id.rsplit(".", 1)[1] for h, _ in events] == ["0", "1", "2", "4", "5"]
         await peer.publish_raw("topic_message", body("topic_message", "6"), run="mixed",
                                confirm=True)  # nothing missing since: no error
+
+
+@pytest.mark.anyio
+async def test_events_of_several_loop_iterations_linger_into_one_message() -> None:
+    """Events held alone wait up to EVENT_LINGER for company: ones published a loop iteration
+    apart (a turn's tool results arrive one by one) share a message; a request sent meanwhile
+    takes them along before it; one held alone still goes out by itself."""
+    with recording_hub(p.MAX_EVENT_BODIES, mixed_types=True) as rec:
+        async with connect(rec.endpoint, name="lingerer") as peer:
+            sent = []
+            started = time.monotonic()
+            for i in range(4):
+                sent.append(body("topic_message", str(i)))
+                await peer.publish_raw("topic_message", sent[-1], agent="a", run="r")
+                await anyio.lowlevel.checkpoint()  # the next one comes in a later iteration
+            await peer.confirm()  # a request: the held events go out first
+            elapsed = time.monotonic() - started
+            assert rec.bodies() == sent
+            # One message, unless this machine took longer than a linger between publishes:
+            # each message but the last waited a whole linger (without it: 4 at once).
+            assert len(rec.events) <= 1 + int(elapsed / EVENT_LINGER), (len(rec.events), elapsed)
+            if elapsed < EVENT_LINGER:
+                assert len(rec.events) == 1
+            messages = len(rec.events)
+            sent.append(body("topic_message", "alone"))
+            await peer.publish_raw("topic_message", sent[-1], agent="a", run="r")
+            await until(lambda: rec.bodies() == sent, what="the lone event sent after its linger")
+            assert len(rec.events) == messages + 1

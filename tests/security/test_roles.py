@@ -62,3 +62,20 @@ def test_a_tool_worker_key_cannot_serve_an_agent_nor_forge_its_run(curve_hub) ->
     counters = json.loads(status.stdout)["counters"]
     assert counters["forbidden_registers"] == 1, counters
     assert counters["forbidden_events"] == 12, counters
+
+
+@pytest.mark.anyio
+async def test_the_bus_client_counts_a_forbidden_event_as_refused(curve_hub) -> None:
+    """The `bus` client with a tool worker's key publishes an event of an agent it does not
+    serve: the hub answers `forbidden`, and the client counts and logs it as a refused event
+    (`events_refused`), not as a stale reply to some request."""
+    from agent_bus.bus import events as ev
+    from agent_bus.bus.client import connect
+    from tests.support import until
+
+    info, keys = curve_hub
+    async with connect(info["endpoint"], name="w", curve=keys.client("worker")) as peer:
+        await peer.publish(ev.AgentStart(), agent="assistant", run="r1")
+        await until(lambda: peer.counters.get("events_refused", 0) == 1, 10,
+                    "the hub's forbidden answer counted as a refused event")
+        assert peer.counters.get("stale_replies", 0) == 0, peer.counters
