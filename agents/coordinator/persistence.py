@@ -12,7 +12,8 @@ An agent has any number of sessions (one per conversation, see `agents.coordinat
 "current" one is the session it used last.
 
 Messages are stored one row each as msgpack, in history order. `ConversationRecorder.sync` is
-called as each message ends (the Agent's `on_message_end`) and at turn and run boundaries: when
+called as messages end (the Agent's `on_message_end`) and at turn and run boundaries, by the
+coordinator once per group commit (`at_commit`: a turn's 4 tool results cost one sync): when
 the stored rows are still a prefix (by identity) of the history it appends the new tail,
 otherwise (compaction, `prepare_next_turn`, tool-output trimming, reset) it rewrites the session
 in one transaction. Writes are synchronous and small; WAL with `synchronous=NORMAL` keeps each
@@ -46,7 +47,7 @@ import operator
 import sqlite3
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -168,6 +169,8 @@ class ConversationStore:
         self.commits = 0  # transactions committed (for benchmarks and tests)
         self.lost_groups = 0  # group commits that failed (their writes are gone)
         self._group: asyncio.Event | None = None  # set once the open group is committed
+        #: Writes due just before the open group commits (`at_commit`), in order, once each.
+        self._at_commit: dict[Callable[[], None], None] = {}
 
     def close(self) -> None:
         if self._group is not None:
@@ -187,11 +190,26 @@ class ConversationStore:
         if group is not None:
             await group.wait()
 
+    def at_commit(self, write: Callable[[], None]) -> None:
+        """Run `write` in the open group just before it commits (once, however often it is
+        asked for in the group), or at once when writes are not grouped. A session's history
+        changes by several messages in one loop iteration (a turn's tool results): synced
+        once at commit, they cost one identity scan and one insert, not one per message.
+        `write` must not raise (it is the caller's to catch and log)."""
+        if self.deferred and self._open_group():
+            self._at_commit[write] = None
+        else:
+            write()
+
     def commit(self) -> None:
         """Commit the open group now (the end-of-iteration callback; also on close)."""
-        group, self._group = self._group, None
-        if group is None:  # nothing open (e.g. committed by `close` before this callback)
+        if self._group is None:  # nothing open (e.g. committed by `close` before this callback)
             return
+        while self._at_commit:  # inside the group: their writes commit with it
+            pending, self._at_commit = self._at_commit, {}
+            for write in pending:
+                write()
+        group, self._group = self._group, None
         try:
             self.db.execute("COMMIT")
             self.commits += 1

@@ -217,6 +217,11 @@ class _Run:
     wait: anyio.CancelScope = field(default_factory=anyio.CancelScope)  # abort cancels the wait
 
 
+#: Events a session publishes as they are: not journaled, not replaced (`Session._on_event`).
+_PASSED = frozenset({ev.MessageStart, ev.MessageEnd, ev.MessageUpdate, ev.ToolExecutionUpdate,
+                     ev.CompactionStart, ev.LlmRetry})
+
+
 class Session:
     """One conversation of a hosted agent: its own Agent (transcript, steering and follow-up
     queues, run state), recorder and call context. At most one run at a time."""
@@ -281,12 +286,20 @@ class Session:
         except Exception:  # a full disk must not kill the run; the next sync retries
             log.exception("%s: could not persist session %s", self.host.name, self.id)
 
+    def sync_soon(self) -> None:
+        """`sync` in the store's open group, once however many messages ended in it (the
+        group commits before the peer sends the events published meanwhile)."""
+        self.host.store.at_commit(self.sync)
+
     def _on_message_end(self, message: Message) -> None:
-        self.sync()
+        self.sync_soon()
 
     async def _on_event(self, event: ev.Event) -> None:
+        if type(event) in _PASSED:  # most of a turn's events: nothing to journal or change
+            await self._publish(event)
+            return
         if isinstance(event, (ev.TurnStart, ev.CompactionComplete, ev.AgentEnd)):
-            self.sync()  # history may have been replaced (compaction, prepare_next_turn, trim)
+            self.sync_soon()  # history may have been replaced (compaction, prepare_next_turn, trim)
         if isinstance(event, ev.AgentStart):
             if self.resuming:  # `run_resumed` was published in its place (resume_run)
                 self.resuming = False

@@ -8,6 +8,7 @@ tool or the model, so each hook's docstring below says what the loop does with a
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -211,6 +212,10 @@ Must not raise; each call removes what it returns from its queue.
 async def call_hook(hook: Callable[..., Any], *args: Any) -> Any:
     """Call a sync or async hook and return its (awaited) result."""
     result = hook(*args)
+    if result is None:  # a plain function hook with nothing to return (e.g. on_message_end)
+        return None
+    if type(result) is types.CoroutineType:  # an `async def` hook (every event listener): the
+        return await result  # general check below costs more than the call itself
     if inspect.isawaitable(result):
         result = await result
     return result

@@ -85,3 +85,38 @@ def test_outside_an_event_loop_each_write_commits_at_once(tmp_path: Path) -> Non
         assert stored_runs(store.path) == {"r1"}
     finally:
         store.close()
+
+
+async def test_a_history_grown_by_several_messages_is_synced_once_in_the_commit(
+        tmp_path: Path) -> None:
+    """`at_commit` (what the coordinator's sessions use at each message end): the recorder
+    syncs once per group, just before it commits, so the messages are durable with the group
+    and a turn's tool results cost one insert; outside a loop it syncs at once."""
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    try:
+        store.new_session("a", "s1")
+        await store.committed()
+        recorder = store.recorder("a", "s1")
+        history = []
+        for i in range(4):  # four messages ending in one iteration, each asking for a sync
+            history.append(user_text(f"result {i}"))
+            store.at_commit(lambda: recorder.sync(history))
+        assert recorder.appends == 0  # not yet: at the commit
+        await store.committed()
+        assert recorder.appends == 1
+        other = ConversationStore(tmp_path)  # another connection sees all four
+        try:
+            assert [m.content for m in other.messages("a", "s1")] == [m.content for m in history]
+        finally:
+            other.close()
+    finally:
+        store.close()
+    plain = ConversationStore(tmp_path)
+    try:
+        recorder = plain.recorder("a", "s1", history)
+        history.append(user_text("later"))
+        plain.at_commit(lambda: recorder.sync(history))  # no deferred commits: synced now
+        assert len(plain.messages("a", "s1")) == 5
+    finally:
+        plain.close()
