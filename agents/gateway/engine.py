@@ -643,7 +643,7 @@ class LlmEngine:
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
-            call.builder = MessageBuilder(on_delta)
+            call.builder = MessageBuilder(on_delta, per_read=True)
             with _errors_mapped(runtime.config, http.url, redactor):
                 return await self._stream(runtime, http, request.retry, call.builder, redactor)
 
@@ -703,7 +703,13 @@ class LlmEngine:
                 raise await _status_failure(response, policy, redactor)
             _check_content_type(response)
             chunks = _body(response)
-            message = await runtime.provider.parse_stream(iter_sse(chunks), builder)
+            try:
+                message = await runtime.provider.parse_stream(iter_sse(chunks, builder.release),
+                                                              builder)
+            except Exception:
+                await builder.release()  # what the failed read streamed went out, as before
+                raise
+            await builder.release()  # the last read's deltas: before the message they end
             await _drain(chunks)
         finally:
             if not response.is_closed:  # a body read to its end closed itself: no scope to pay
