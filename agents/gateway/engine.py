@@ -242,6 +242,7 @@ class _Call:
     def __init__(self, request: LlmRequest) -> None:
         self.request = request
         self.builder: MessageBuilder | None = None
+        self.on_last_read: Callable[[], None] | None = None  # `complete`'s
 
     def spent(self) -> Usage:
         """What the attempt in progress billed so far: the server's usage, else an estimate
@@ -459,8 +460,13 @@ class LlmEngine:
         on_retry: RetryCallback | None = None,
         *,
         abort: anyio.Event | None = None,
+        on_last_read: Callable[[], None] | None = None,
     ) -> AssistantMessage:
-        """Run `request` to a finished message (see the module docstring for the contract)."""
+        """Run `request` to a finished message (see the module docstring for the contract).
+
+        `on_last_read` is called when the stream's message is complete, just before the deltas
+        of its last read go to `on_delta`: those arrive with the finished message (the gateway
+        sends them as events only; its requester gets the message at once)."""
         runtime = self._resolve(request.model)
         if isinstance(runtime, AssistantMessage):
             return runtime
@@ -469,6 +475,7 @@ class LlmEngine:
             return _error_message(runtime.config.provider, "", problem)
         runtime.stats.requests += 1
         call = _Call(request)
+        call.on_last_read = on_last_read
         try:
             message = await self._run_abortable(runtime, request, on_delta, on_retry, call, abort)
         except anyio.get_cancelled_exc_class():
@@ -643,7 +650,7 @@ class LlmEngine:
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
-            call.builder = MessageBuilder(on_delta, per_read=True)
+            call.builder = MessageBuilder(on_delta, per_read=True, on_last_read=call.on_last_read)
             with _errors_mapped(runtime.config, http.url, redactor):
                 return await self._stream(runtime, http, request.retry, call.builder, redactor)
 
@@ -709,8 +716,10 @@ class LlmEngine:
             except Exception:
                 await builder.release()  # what the failed read streamed went out, as before
                 raise
-            await builder.release()  # the last read's deltas: before the message they end
             await _drain(chunks)
+            # The last read's deltas, before the message they end. After the drain: the gateway
+            # sends them with the reply only, so a cancel must not fall between the two.
+            await builder.release(last=True)
         finally:
             if not response.is_closed:  # a body read to its end closed itself: no scope to pay
                 with anyio.move_on_after(2, shield=True):

@@ -19,9 +19,12 @@ a live turn, or a run whose requests went another way) is live too, and so is th
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
 after which no reply can be sent) still holds everything streamed so far and keeps it as the
-aborted message. The peer sends the partials of one event-loop iteration (the deltas parsed from
-one read) as one message, a body each (`IncomingRequest.partial`), so a call costs the hub a few
-partial messages, not one per delta; the `message_update` events stay one per delta. A retry
+aborted message. A delta is what one read of the model's stream brought for one content part
+(`MessageBuilder(per_read=True)`), and the peer sends the partials of one event-loop iteration
+as one message, a body each (`IncomingRequest.partial`), so a call costs the hub a few partial
+messages and `message_update` events, not one per SSE event. The deltas of the stream's last
+read, which end the message, go only as events: the reply follows them at once and holds them
+(the first partial is sent even then: it describes the model). A retry
 sends `reset` first: what came before is discarded; the `llm_retry` event then says `discarded`
 when the failed attempt had streamed deltas, so watchers drop them.
 
@@ -180,6 +183,11 @@ class Gateway:
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
         sent = 0  # bytes of this attempt's partials: about what the reply will weigh
+        last_read = False  # the message is complete: its last read's deltas come with the reply
+
+        def on_last_read() -> None:
+            nonlocal last_read
+            last_read = True
 
         # A compaction's summary is not the run's text: its deltas go only to the requester
         # (`compaction_complete` carries its usage), never as the run's `message_update`s.
@@ -188,17 +196,21 @@ class Gateway:
         async def on_delta(delta: AssistantDelta) -> None:
             nonlocal described, streamed, sent
             streamed = True
-            partial = self._partial(request.model, delta=delta) if not described else LlmPartial(delta)
-            described = True
-            body = _encoder.encode(partial)
-            sent += len(body)
-            if self._over_limit(sent):  # the reply could not reach the requester: stop now
-                raise _OverLimit(sent, streaming=True)
-            # The partial first: the peer holds a burst's messages until the loop iteration
-            # ends, a request's partials join its first held one and a run's adjacent events go
-            # as one message. Event first, a burst (the deltas of one read) went out as event,
-            # partials, events: three sends and three hub messages where two do.
-            await req.partial(body)
+            # The last read's deltas are in the reply that follows at once: no partial for them
+            # (a message less through the hub per call), unless one must describe the model.
+            if not described or not last_read:
+                partial = (self._partial(request.model, delta=delta) if not described
+                           else LlmPartial(delta))
+                described = True
+                body = _encoder.encode(partial)
+                sent += len(body)
+                if self._over_limit(sent):  # the reply could not reach the requester: stop now
+                    raise _OverLimit(sent, streaming=True)
+                # The partial first: the peer holds a burst's messages until the loop iteration
+                # ends, a request's partials join its first held one and a run's adjacent events
+                # go as one message. Event first, a burst (the deltas of one read) went out as
+                # event, partials, events: three sends and three hub messages where two do.
+                await req.partial(body)
             if publish:
                 for piece in _event_pieces(delta):
                     await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
@@ -217,7 +229,8 @@ class Gateway:
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
         try:
-            body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry))
+            body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry,
+                                                              on_last_read=on_last_read))
             if self._over_limit(len(body)):
                 raise _OverLimit(len(body), streaming=False)
         except _OverLimit as over:

@@ -217,11 +217,14 @@ class MessageBuilder:
     events of one read arrived together, so nothing is later for it, and the part's deltas of
     one read are one delta: with a model's small chunks (a few characters each, ~30 a turn of
     tool calls) the gateway then sends and the hub logs a few `message_update`s and partial
-    replies a read instead of one per SSE event."""
+    replies a read instead of one per SSE event. `on_last_read` is called by `release(last=True)`
+    (the stream's end, the message complete) before it hands over the last read's deltas."""
 
-    def __init__(self, on_delta: DeltaCallback | None = None, *, per_read: bool = False) -> None:
+    def __init__(self, on_delta: DeltaCallback | None = None, *, per_read: bool = False,
+                 on_last_read: Callable[[], None] | None = None) -> None:
         self._on_delta = on_delta
         self._per_read = per_read
+        self._on_last_read = on_last_read
         # Waiting deltas: [part index, texts]; made into `AssistantDelta`s when handed over.
         self._pending: list[tuple[int, list[str]]] = []
         self._parts: list[_Part] = []
@@ -258,8 +261,10 @@ class MessageBuilder:
         if self._pending and not self._per_read:
             await self.release()
 
-    async def release(self) -> None:
+    async def release(self, *, last: bool = False) -> None:
         """Hand the waiting deltas to `on_delta`, in order, whatever `per_read` says."""
+        if last and self._on_last_read is not None:
+            self._on_last_read()
         if not self._pending:
             return
         pending, self._pending = self._pending, []
