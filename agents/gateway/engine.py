@@ -63,6 +63,7 @@ from agent_bus.agents.gateway.providers import (
 from agent_bus.agents.gateway.providers.base import DeltaCallback
 from agent_bus.agents.gateway.providers.discovery import discover
 from agent_bus.agents.gateway.providers.llamacpp import DEFAULT_N_CTX
+from agent_bus.agents.gateway.providers.openai import Histories, OpenAIProvider
 from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
 from agent_bus.agents.gateway.wire import ModelConfig
 from agent_bus.agents.loop.context import context_exceeded_text, estimate_usage
@@ -184,8 +185,9 @@ class _RateLimiter:
 
 
 class _ModelRuntime:
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, histories: Histories | None = None) -> None:
         self.stats = ModelStats(alias=config.alias, provider=config.provider, model=config.model)
+        self.histories = histories
         self.configure(config)
         self.limiter = anyio.CapacityLimiter(max(1, config.max_concurrency))
         self.rate = _RateLimiter(config.requests_per_minute) if config.requests_per_minute else None
@@ -202,6 +204,8 @@ class _ModelRuntime:
         self.config = config
         self.provider: Provider = PROVIDERS[config.provider](config.endpoint(), config.model)
         self.provider.parallel_tool_calls = config.parallel_tool_calls
+        if isinstance(self.provider, OpenAIProvider):
+            self.provider.histories = self.histories
         self.stats.model, self.stats.model_from = config.model, config.model_from
         self.stats.context_window = config.context_window
         self.stats.context_window_from = config.context_window_from
@@ -379,7 +383,9 @@ class LlmEngine:
 
     `models`: the configured models; the first (or `default`) answers requests with `model=""`.
     `env`: where API keys are looked up (default `os.environ`). `client`: an httpx client to use
-    instead of an owned one (not closed by `aclose()`)."""
+    instead of an owned one (not closed by `aclose()`). `fresh_requests`: every request and its
+    messages are objects of their own, decoded for this call, never changed after it (the
+    gateway's); a run's history is then converted only where it grew."""
 
     def __init__(
         self,
@@ -388,8 +394,12 @@ class LlmEngine:
         default: str | None = None,
         env: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
+        fresh_requests: bool = False,
     ) -> None:
-        self._models = {m.alias: _ModelRuntime(m) for m in models}
+        # Requests decoded anew for each call (the gateway's): OpenAI-style models convert
+        # only what each run's history added since its last call (`Histories`).
+        self._models = {m.alias: _ModelRuntime(m, Histories() if fresh_requests else None)
+                        for m in models}
         self._default = default or (models[0].alias if models else "")
         self._env = env if env is not None else os.environ
         self._owns_client = client is None

@@ -312,7 +312,7 @@ def build_engine(settings: GatewaySettings, models: list[ModelConfig] | None = N
     """`env`: where the keys are looked up (default: this process's environment)."""
     env = os.environ if env is None else env
     models = models if models is not None else settings.models or models_from_env(env)
-    return LlmEngine(models, default=settings.default_model or None, env=env)
+    return LlmEngine(models, default=settings.default_model or None, env=env, fresh_requests=True)
 
 
 async def run_gateway(settings: GatewaySettings, *, secrets: Mapping[str, str] | None = None,

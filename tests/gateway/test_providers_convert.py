@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from typing import Any
 
 import httpx
 import msgspec
@@ -16,6 +17,7 @@ from agent_bus.agents.gateway.engine import (
     retry_after_seconds,
 )
 from agent_bus.agents.gateway.providers import AnthropicProvider, OpenAIProvider, flatten_schema
+from agent_bus.agents.gateway.providers.openai import Histories, convert_messages
 from agent_bus.bus.messages import (
     AssistantMessage,
     ImagePart,
@@ -166,3 +168,27 @@ def test_provider_error_text() -> None:
     assert provider_error_text(b'{"error": {"type": "x", "message": "bad"}}') == "x: bad"
     assert provider_error_text(b"<html>oops</html>") == "<html>oops</html>"
     assert provider_error_text(b"") == "(empty body)"
+
+
+def test_a_runs_history_converted_piecewise_is_the_history_converted_whole() -> None:
+    """`Histories` (the gateway's) converts only what a run's history added since its last call,
+    and whole again when an earlier message differs, for another run, or for objects it saw."""
+    histories = Histories(kept=2)
+
+    def call(messages: list[LlmMessage], run: str = "r", system: str = "sys") -> list[Any]:
+        wire = msgspec.msgpack.encode(LlmRequest(messages=messages, run_id=run, system_prompt=system))
+        request = msgspec.msgpack.decode(wire, type=LlmRequest)  # decoded anew, as the gateway's
+        converted = histories.convert(request)
+        assert converted == convert_messages(system, request.messages)
+        return converted
+
+    more = [*HISTORY, AssistantMessage(content=[TextPart("done")]), user_text("again")]
+    first = call(HISTORY[:2])
+    assert call(HISTORY)[1] is first[1]  # grew: the rest converted, the start kept
+    call(more, system="")
+    call([user_text("compacted"), *more[2:]])  # an earlier message differs
+    call(more[:3], run="other")
+    call(more[:1], run="third")  # `kept=2`: run "r" goes
+    call(more)
+    request = LlmRequest(messages=more, run_id="r")  # the same objects again: converted whole
+    assert histories.convert(request) == histories.convert(request) == convert_messages("", more)
