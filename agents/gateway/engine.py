@@ -720,12 +720,16 @@ class LlmEngine:
                 raise await _status_failure(response, policy, redactor)
             _check_content_type(response)
             chunks = _body(response)
+            events = iter_sse(chunks, builder.release)
             try:
-                message = await runtime.provider.parse_stream(iter_sse(chunks, builder.release),
-                                                              builder)
+                message = await runtime.provider.parse_stream(events, builder)
             except Exception:
                 await builder.release()  # what the failed read streamed went out, as before
                 raise
+            # The provider stopped at the end marker, inside the generator: closed here, it
+            # costs no task (left to the garbage collector, asyncio's finalizer hook schedules
+            # a task per call to close it, and wakes the loop through its self-pipe).
+            await events.aclose()
             await _drain(chunks)
             # The last read's deltas, before the message they end. After the drain: the gateway
             # sends them with the reply only, so a cancel must not fall between the two.

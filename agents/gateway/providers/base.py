@@ -14,7 +14,7 @@ piece of an echoed key that redaction no longer recognises).
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import msgspec
@@ -158,7 +158,8 @@ class SseParser:
 
 
 async def iter_sse(chunks: AsyncIterator[bytes],
-                   after_read: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[SseEvent]:
+                   after_read: Callable[[], Awaitable[None]] | None = None
+                   ) -> AsyncGenerator[SseEvent, None]:
     """Group the body's SSE lines into events (`event:` + joined `data:` lines). `after_read`
     runs once the events of each read are consumed, before the next read is waited for (the
     engine hands a read's deltas over there: `MessageBuilder(per_read=True)`)."""
