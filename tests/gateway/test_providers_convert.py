@@ -192,3 +192,7 @@ def test_a_runs_history_converted_piecewise_is_the_history_converted_whole() -> 
     call(more)
     request = LlmRequest(messages=more, run_id="r")  # the same objects again: converted whole
     assert histories.convert(request) == histories.convert(request) == convert_messages("", more)
+    histories = Histories(messages=4)  # at most 4 messages held: run "a" goes for "b"
+    first = call(HISTORY[:2], run="a")
+    call(HISTORY[:3], run="b")
+    assert call(HISTORY[:3], run="a")[1] is not first[1]

@@ -241,6 +241,9 @@ def convert_messages(system_prompt: str, messages: list[LlmMessage]) -> list[dic
 
 
 HISTORIES_KEPT = 64  # runs whose converted history `Histories` keeps (the most recent calls')
+# and the most messages they hold together: the memory held between calls stays bounded (tens
+# of MB at a few kB a message) whatever the histories' length
+HISTORY_MESSAGES_KEPT = 20_000
 
 
 class Histories:
@@ -254,23 +257,27 @@ class Histories:
     call, which the comparison of those same objects would not see; such a call (its first
     message the very object seen last time) is converted whole."""
 
-    def __init__(self, kept: int = HISTORIES_KEPT) -> None:
-        self._kept = kept
+    def __init__(self, kept: int = HISTORIES_KEPT, messages: int = HISTORY_MESSAGES_KEPT) -> None:
+        self._kept, self._most = kept, messages
         self._runs: OrderedDict[str, tuple[list[LlmMessage], list[dict[str, Any]]]] = OrderedDict()
+        self._held = 0  # messages in `_runs`
 
     def convert(self, request: LlmRequest) -> list[dict[str, Any]]:
         messages, run = request.messages, request.run_id
         seen = self._runs.pop(run, None) if run else None
+        if seen is not None:
+            self._held -= len(seen[0])
         if seen is not None and messages and seen[0] and messages[0] is seen[0][0]:
             return convert_messages(request.system_prompt, messages)  # not decoded anew
         if seen is not None and len(seen[0]) <= len(messages) and messages[:len(seen[0])] == seen[0]:
             converted = _convert(messages[len(seen[0]):], list(seen[1]))
         else:
             converted = _convert(messages, [])
-        if run:
+        if run and len(messages) <= self._most:
             self._runs[run] = (list(messages), converted)
-            while len(self._runs) > self._kept:
-                self._runs.popitem(last=False)
+            self._held += len(messages)
+            while len(self._runs) > self._kept or self._held > self._most:
+                self._held -= len(self._runs.popitem(last=False)[1][0])
         system = request.system_prompt
         return [{"role": "system", "content": system}, *converted] if system else list(converted)
 
