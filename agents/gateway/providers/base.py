@@ -127,8 +127,19 @@ class SseParser:
         if tail:
             rest.append(tail)
         events: list[SseEvent] = []
+        data = self._data
         for line in lines:
-            self._line(line, events)
+            # The usual lines inline (a method call each was a fifth of the parsing's CPU):
+            # `data: ...` and the blank line that ends the event; `_line` does the rest.
+            if line.startswith(b"data: "):
+                data.append(line[6:].decode("utf-8", "replace"))
+            elif line:
+                self._line(line, events)
+            else:
+                if data:
+                    events.append(SseEvent(event=self._event or "message", data="\n".join(data)))
+                    data = self._data = []
+                self._event = ""
         return events
 
     def close(self) -> list[SseEvent]:
