@@ -383,9 +383,9 @@ class LlmEngine:
 
     `models`: the configured models; the first (or `default`) answers requests with `model=""`.
     `env`: where API keys are looked up (default `os.environ`). `client`: an httpx client to use
-    instead of an owned one (not closed by `aclose()`). `fresh_requests`: every request and its
-    messages are objects of their own, decoded for this call, never changed after it (the
-    gateway's); a run's history is then converted only where it grew."""
+    instead of an owned one (not closed by `aclose()`). `fresh_requests`: no request's messages
+    are changed in place after its call (the gateway's, decoded for it or kept from the run's
+    last call as they were); a run's history is then converted only where it grew."""
 
     def __init__(
         self,
@@ -396,7 +396,7 @@ class LlmEngine:
         client: httpx.AsyncClient | None = None,
         fresh_requests: bool = False,
     ) -> None:
-        # Requests decoded anew for each call (the gateway's): OpenAI-style models convert
+        # Messages never changed after their call (the gateway's): OpenAI-style models convert
         # only what each run's history added since its last call (`Histories`).
         self._models = {m.alias: _ModelRuntime(m, Histories() if fresh_requests else None)
                         for m in models}

@@ -251,11 +251,11 @@ class Histories:
 
     A run's next model call repeats its history and adds a turn: only the added messages are
     converted when the rest equals what was converted last time. That test compares the
-    decoded messages (msgspec's `==`, in C: about a quarter of converting them again, ~150 us
-    for a history of 25 tool-call turns). Only for requests decoded anew for each call (the
-    gateway's): a caller passing its own message objects may change one in place after the
-    call, which the comparison of those same objects would not see; such a call (its first
-    message the very object seen last time) is converted whole."""
+    messages (msgspec's `==`, in C: about a quarter of converting them again, ~150 us for a
+    history of 25 tool-call turns; nothing for the very objects seen last time, which the
+    gateway hands again for a run's unchanged messages). Only for messages never changed in
+    place after a call (the gateway's): a change to an object seen last time would go
+    unnoticed. A caller that keeps its own history objects must not use it."""
 
     def __init__(self, kept: int = HISTORIES_KEPT, messages: int = HISTORY_MESSAGES_KEPT) -> None:
         self._kept, self._most = kept, messages
@@ -267,8 +267,6 @@ class Histories:
         seen = self._runs.pop(run, None) if run else None
         if seen is not None:
             self._held -= len(seen[0])
-        if seen is not None and messages and seen[0] and messages[0] is seen[0][0]:
-            return convert_messages(request.system_prompt, messages)  # not decoded anew
         if seen is not None and len(seen[0]) <= len(messages) and messages[:len(seen[0])] == seen[0]:
             converted = _convert(messages[len(seen[0]):], list(seen[1]))
         else:
