@@ -89,21 +89,22 @@ async def gateway_cpu(endpoint: str, pid: int, text: str, n: int) -> float:
     return spent / n
 
 
-async def delta_rate(endpoint: str) -> tuple[int, float]:
+async def delta_rate(endpoint: str) -> tuple[int, int, float]:
     body = msgspec.msgpack.encode(LlmRequest(messages=[user_text("long")], agent="bench",
                                              run_id="long"))
     async with connect(endpoint, name="bench-long") as peer:
         async with peer.subscribe(["agent/bench/long/"]) as sub:
             t0 = time.perf_counter()
             await peer.request("llm", body, timeout=60)
-            count = 0
+            count = chars = 0  # events, and the characters they carried (a read's joined)
             with anyio.move_on_after(10):
                 async for envelope in sub:
                     if isinstance(envelope.event, ev.MessageUpdate):
                         count += 1
-                        if count == LONG_CHUNKS:
+                        chars += len(envelope.event.delta.delta)
+                        if chars == LONG_CHUNKS:
                             break
-            return count, time.perf_counter() - t0
+            return count, chars, time.perf_counter() - t0
 
 
 def main() -> None:
@@ -143,9 +144,10 @@ def main() -> None:
         gw, _ = _start(["gateway", "--hub", endpoint], {"OPENAI_BASE_URL": srv_long.base_url,
                                                         "OPENAI_API_KEY": ""})
         try:
-            count, seconds = anyio.run(delta_rate, endpoint)
-            print(f"streamed deltas published as message_update: {count} in {seconds * 1000:.0f} ms "
-                  f"= {count / seconds:,.0f} deltas/s (request to last event seen)")
+            count, chars, seconds = anyio.run(delta_rate, endpoint)
+            print(f"{LONG_CHUNKS} one-character SSE deltas streamed: {chars} characters in {count} "
+                  f"message_update events (a read's deltas joined) in {seconds * 1000:.0f} ms = "
+                  f"{chars / seconds:,.0f} deltas/s (request to last event seen)")
         finally:
             for proc in (gw, hub):
                 proc.terminate()

@@ -63,6 +63,7 @@ from agent_bus.agents.gateway.providers import (
 from agent_bus.agents.gateway.providers.base import DeltaCallback
 from agent_bus.agents.gateway.providers.discovery import discover
 from agent_bus.agents.gateway.providers.llamacpp import DEFAULT_N_CTX
+from agent_bus.agents.gateway.providers.openai import Histories, OpenAIProvider
 from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
 from agent_bus.agents.gateway.wire import ModelConfig
 from agent_bus.agents.loop.context import context_exceeded_text, estimate_usage
@@ -184,8 +185,9 @@ class _RateLimiter:
 
 
 class _ModelRuntime:
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, histories: Histories | None = None) -> None:
         self.stats = ModelStats(alias=config.alias, provider=config.provider, model=config.model)
+        self.histories = histories
         self.configure(config)
         self.limiter = anyio.CapacityLimiter(max(1, config.max_concurrency))
         self.rate = _RateLimiter(config.requests_per_minute) if config.requests_per_minute else None
@@ -202,6 +204,8 @@ class _ModelRuntime:
         self.config = config
         self.provider: Provider = PROVIDERS[config.provider](config.endpoint(), config.model)
         self.provider.parallel_tool_calls = config.parallel_tool_calls
+        if isinstance(self.provider, OpenAIProvider):
+            self.provider.histories = self.histories
         self.stats.model, self.stats.model_from = config.model, config.model_from
         self.stats.context_window = config.context_window
         self.stats.context_window_from = config.context_window_from
@@ -242,6 +246,7 @@ class _Call:
     def __init__(self, request: LlmRequest) -> None:
         self.request = request
         self.builder: MessageBuilder | None = None
+        self.on_last_read: Callable[[], None] | None = None  # `complete`'s
 
     def spent(self) -> Usage:
         """What the attempt in progress billed so far: the server's usage, else an estimate
@@ -378,7 +383,9 @@ class LlmEngine:
 
     `models`: the configured models; the first (or `default`) answers requests with `model=""`.
     `env`: where API keys are looked up (default `os.environ`). `client`: an httpx client to use
-    instead of an owned one (not closed by `aclose()`)."""
+    instead of an owned one (not closed by `aclose()`). `fresh_requests`: no request's messages
+    are changed in place after its call (the gateway's, decoded for it or kept from the run's
+    last call as they were); a run's history is then converted only where it grew."""
 
     def __init__(
         self,
@@ -387,8 +394,12 @@ class LlmEngine:
         default: str | None = None,
         env: Mapping[str, str] | None = None,
         client: httpx.AsyncClient | None = None,
+        fresh_requests: bool = False,
     ) -> None:
-        self._models = {m.alias: _ModelRuntime(m) for m in models}
+        # Messages never changed after their call (the gateway's): OpenAI-style models convert
+        # only what each run's history added since its last call (`Histories`).
+        self._models = {m.alias: _ModelRuntime(m, Histories() if fresh_requests else None)
+                        for m in models}
         self._default = default or (models[0].alias if models else "")
         self._env = env if env is not None else os.environ
         self._owns_client = client is None
@@ -459,8 +470,13 @@ class LlmEngine:
         on_retry: RetryCallback | None = None,
         *,
         abort: anyio.Event | None = None,
+        on_last_read: Callable[[], None] | None = None,
     ) -> AssistantMessage:
-        """Run `request` to a finished message (see the module docstring for the contract)."""
+        """Run `request` to a finished message (see the module docstring for the contract).
+
+        `on_last_read` is called when the stream's message is complete, just before the deltas
+        of its last read go to `on_delta`: those arrive with the finished message (the gateway
+        sends them as events only; its requester gets the message at once)."""
         runtime = self._resolve(request.model)
         if isinstance(runtime, AssistantMessage):
             return runtime
@@ -469,6 +485,7 @@ class LlmEngine:
             return _error_message(runtime.config.provider, "", problem)
         runtime.stats.requests += 1
         call = _Call(request)
+        call.on_last_read = on_last_read
         try:
             message = await self._run_abortable(runtime, request, on_delta, on_retry, call, abort)
         except anyio.get_cancelled_exc_class():
@@ -643,7 +660,7 @@ class LlmEngine:
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
-            call.builder = MessageBuilder(on_delta)
+            call.builder = MessageBuilder(on_delta, per_read=True, on_last_read=call.on_last_read)
             with _errors_mapped(runtime.config, http.url, redactor):
                 return await self._stream(runtime, http, request.retry, call.builder, redactor)
 
@@ -703,8 +720,20 @@ class LlmEngine:
                 raise await _status_failure(response, policy, redactor)
             _check_content_type(response)
             chunks = _body(response)
-            message = await runtime.provider.parse_stream(iter_sse(chunks), builder)
+            events = iter_sse(chunks, builder.release)
+            try:
+                message = await runtime.provider.parse_stream(events, builder)
+            except Exception:
+                await builder.release()  # what the failed read streamed went out, as before
+                raise
+            # The provider stopped at the end marker, inside the generator: closed here, it
+            # costs no task (left to the garbage collector, asyncio's finalizer hook schedules
+            # a task per call to close it, and wakes the loop through its self-pipe).
+            await events.aclose()
             await _drain(chunks)
+            # The last read's deltas, before the message they end. After the drain: the gateway
+            # sends them with the reply only, so a cancel must not fall between the two.
+            await builder.release(last=True)
         finally:
             if not response.is_closed:  # a body read to its end closed itself: no scope to pay
                 with anyio.move_on_after(2, shield=True):

@@ -45,6 +45,7 @@ _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: ([^\x00-\x08\x0a-\x1f\
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _CHUNK_SIZE = re.compile(rb"[ \t]*([0-9A-Fa-f]{1,16})[ \t]*(?:;.*)?")
 _CONTENT_LENGTH = re.compile(rb"[0-9]{1,18}")
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 _EOF_ERRORS = (anyio.EndOfStream,)
 _BROKEN_ERRORS = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 
@@ -420,10 +421,14 @@ def _parse_headers(lines: list[bytes]) -> list[tuple[bytes, bytes]]:
 
 
 def _chunk_size(line: bytes) -> int:
-    match = _CHUNK_SIZE.fullmatch(line.rstrip(b"\r"))
-    if match is None:
-        raise httpx.RemoteProtocolError(f"malformed chunk size {line[:40]!r}")
-    size = int(match[1], 16)
+    line = line.rstrip(b"\r")
+    if 0 < len(line) <= 16 and not line.strip(_HEX_DIGITS):  # the usual line: hex digits only
+        size = int(line, 16)
+    else:
+        match = _CHUNK_SIZE.fullmatch(line)
+        if match is None:
+            raise httpx.RemoteProtocolError(f"malformed chunk size {line[:40]!r}")
+        size = int(match[1], 16)
     if size > MAX_CHUNK:
         raise httpx.RemoteProtocolError(f"chunk size {size} too large")
     return size

@@ -19,9 +19,12 @@ a live turn, or a run whose requests went another way) is live too, and so is th
 The requester also gets each delta as a partial reply (`LlmPartial`, with the model in use and
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
 after which no reply can be sent) still holds everything streamed so far and keeps it as the
-aborted message. The peer sends the partials of one event-loop iteration (the deltas parsed from
-one read) as one message, a body each (`IncomingRequest.partial`), so a call costs the hub a few
-partial messages, not one per delta; the `message_update` events stay one per delta. A retry
+aborted message. A delta is what one read of the model's stream brought for one content part
+(`MessageBuilder(per_read=True)`), and the peer sends the partials of one event-loop iteration
+as one message, a body each (`IncomingRequest.partial`), so a call costs the hub a few partial
+messages and `message_update` events, not one per SSE event. The deltas of the stream's last
+read, which end the message, go only as events: the reply follows them at once and holds them
+(the first partial is sent even then: it describes the model). A retry
 sends `reset` first: what came before is discarded; the `llm_retry` event then says `discarded`
 when the failed attempt had streamed deltas, so watchers drop them.
 
@@ -37,7 +40,7 @@ import logging
 import os
 import signal
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Mapping
 from typing import NoReturn
 
@@ -57,7 +60,7 @@ from agent_bus.agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, Rep
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import IncomingRequest, Peer, connect
 from agent_bus.bus.errors import RemoteError
-from agent_bus.bus.messages import AssistantDelta, AssistantMessage, LlmRequest, Usage
+from agent_bus.bus.messages import AssistantDelta, AssistantMessage, LlmMessage, LlmRequest, Usage
 from agent_bus.bus.procsec import make_undumpable
 from agent_bus.bus.redact import log_redaction
 from agent_bus.bus.security import CurveClient
@@ -77,8 +80,59 @@ GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's 
 EVENT_DELTA_CHARS = 128 * 1024
 
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(LlmRequest)
 _replay_decoder = msgspec.msgpack.Decoder(ReplayLoad)
+RUNS_KEPT = 64  # runs whose last request `_Requests` keeps decoded (the most recent calls')
+MESSAGES_KEPT = 20_000  # and the most messages those hold together: bounded memory
+
+
+class _LazyRequest(LlmRequest):
+    """An `llm` request with its messages left encoded (`_Requests` decodes the new ones)."""
+
+    messages: list[msgspec.Raw]  # type: ignore[assignment]
+
+
+_lazy_decoder = msgspec.msgpack.Decoder(_LazyRequest)
+_message_decoder = msgspec.msgpack.Decoder(LlmMessage)
+_OTHER_FIELDS = tuple(f.name for f in msgspec.structs.fields(LlmRequest) if f.name != "messages")
+
+
+class _Requests:
+    """Decodes `llm` requests; of a run's history, only what it added since the run's last call.
+
+    Each call carries the run's whole history: decoding it was the gateway's largest cost that
+    grows with the run (~200 us at 25 tool-call turns). The messages are compared encoded
+    (bytes, in C: a few us) with the run's last request, and the unchanged ones are that
+    request's decoded objects, never changed by the gateway (which lets the engine's
+    `Histories` recognise them at once and convert only the new ones)."""
+
+    def __init__(self, runs: int = RUNS_KEPT, messages: int = MESSAGES_KEPT) -> None:
+        self._kept, self._most = runs, messages
+        self._runs: OrderedDict[str, tuple[list[msgspec.Raw], list[LlmMessage]]] = OrderedDict()
+        self._held = 0  # messages in `_runs`
+
+    def decode(self, body: bytes) -> LlmRequest:
+        """Raises `msgspec.DecodeError` or `msgspec.ValidationError` for a malformed request."""
+        lazy = _lazy_decoder.decode(body)
+        raws, run = lazy.messages, lazy.run_id
+        seen = self._runs.pop(run, None) if run else None
+        same = 0
+        if seen is not None:
+            self._held -= len(seen[0])
+            old = seen[0]
+            if len(old) <= len(raws) and raws[:len(old)] == old:
+                same = len(old)
+            else:  # an earlier message changed (a compaction): the common start still counts
+                while same < len(old) and same < len(raws) and raws[same] == old[same]:
+                    same += 1
+        messages = seen[1][:same] if seen is not None else []
+        messages += [_message_decoder.decode(raw) for raw in raws[same:]]
+        if run and len(raws) <= self._most:
+            self._runs[run] = (raws, messages)
+            self._held += len(raws)
+            while len(self._runs) > self._kept or self._held > self._most:
+                self._held -= len(self._runs.popitem(last=False)[1][0])
+        return LlmRequest(messages=list(messages),
+                          **{name: getattr(lazy, name) for name in _OTHER_FIELDS})
 
 
 class _OverLimit(Exception):
@@ -165,10 +219,11 @@ class Gateway:
         self.engine = engine
         self.replays: dict[str, _Replay] = {}  # by experiment (replay mode)
         self.replayed = 0
+        self.requests = _Requests()
 
     async def handle(self, req: IncomingRequest) -> bytes:
         try:
-            request = _request_decoder.decode(req.body)
+            request = self.requests.decode(req.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise RemoteError(f"malformed `llm` request: {exc}", "bad_request") from None
         replay = self.replays.get(request.experiment)
@@ -180,6 +235,11 @@ class Gateway:
         described = False
         streamed = False  # this attempt streamed something (a retry then discards it)
         sent = 0  # bytes of this attempt's partials: about what the reply will weigh
+        last_read = False  # the message is complete: its last read's deltas come with the reply
+
+        def on_last_read() -> None:
+            nonlocal last_read
+            last_read = True
 
         # A compaction's summary is not the run's text: its deltas go only to the requester
         # (`compaction_complete` carries its usage), never as the run's `message_update`s.
@@ -188,17 +248,21 @@ class Gateway:
         async def on_delta(delta: AssistantDelta) -> None:
             nonlocal described, streamed, sent
             streamed = True
-            partial = self._partial(request.model, delta=delta) if not described else LlmPartial(delta)
-            described = True
-            body = _encoder.encode(partial)
-            sent += len(body)
-            if self._over_limit(sent):  # the reply could not reach the requester: stop now
-                raise _OverLimit(sent, streaming=True)
-            # The partial first: the peer holds a burst's messages until the loop iteration
-            # ends, a request's partials join its first held one and a run's adjacent events go
-            # as one message. Event first, a burst (the deltas of one read) went out as event,
-            # partials, events: three sends and three hub messages where two do.
-            await req.partial(body)
+            # The last read's deltas are in the reply that follows at once: no partial for them
+            # (a message less through the hub per call), unless one must describe the model.
+            if not described or not last_read:
+                partial = (self._partial(request.model, delta=delta) if not described
+                           else LlmPartial(delta))
+                described = True
+                body = _encoder.encode(partial)
+                sent += len(body)
+                if self._over_limit(sent):  # the reply could not reach the requester: stop now
+                    raise _OverLimit(sent, streaming=True)
+                # The partial first: the peer holds a burst's messages until the loop iteration
+                # ends, a request's partials join its first held one and a run's adjacent events
+                # go as one message. Event first, a burst (the deltas of one read) went out as
+                # event, partials, events: three sends and three hub messages where two do.
+                await req.partial(body)
             if publish:
                 for piece in _event_pieces(delta):
                     await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
@@ -217,7 +281,8 @@ class Gateway:
                 agent=request.agent, run=request.run_id, experiment=request.experiment)
 
         try:
-            body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry))
+            body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry,
+                                                              on_last_read=on_last_read))
             if self._over_limit(len(body)):
                 raise _OverLimit(len(body), streaming=False)
         except _OverLimit as over:
@@ -299,7 +364,7 @@ def build_engine(settings: GatewaySettings, models: list[ModelConfig] | None = N
     """`env`: where the keys are looked up (default: this process's environment)."""
     env = os.environ if env is None else env
     models = models if models is not None else settings.models or models_from_env(env)
-    return LlmEngine(models, default=settings.default_model or None, env=env)
+    return LlmEngine(models, default=settings.default_model or None, env=env, fresh_requests=True)
 
 
 async def run_gateway(settings: GatewaySettings, *, secrets: Mapping[str, str] | None = None,

@@ -12,9 +12,17 @@ import msgspec
 import pytest
 
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.wire import LlmPartial
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import connect
-from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, ToolSpec, user_text
+from agent_bus.bus.messages import (
+    AssistantMessage,
+    LlmRequest,
+    RetryPolicy,
+    TextPart,
+    ToolSpec,
+    user_text,
+)
 from tests.support import Proc, busctl
 
 pytestmark = pytest.mark.anyio
@@ -127,3 +135,23 @@ async def test_the_key_never_appears_in_events_logs_or_status(
     haystacks += [p.read_text(errors="replace") for p in Path(hub["state"]).rglob("*") if p.is_file()]
     for hay in haystacks:
         assert SECRET not in hay
+
+
+async def test_the_requester_gets_a_describing_first_partial_and_prefixes_of_the_reply(
+        hub: dict, gateway: Proc) -> None:
+    """Partials are a read's deltas joined, and those of the last read come only with the reply
+    (which holds them): what they add up to is a prefix of each part of the reply."""
+    request = LlmRequest(messages=[user_text("go")], tools=TOOLS, agent="a1", run_id="run-p")
+    async with connect(hub["endpoint"], name="test") as peer:
+        async with peer.stream("llm", msgspec.msgpack.encode(request), timeout=20) as replies:
+            items = [item async for item in replies]
+    message = msgspec.msgpack.decode(items[-1], type=AssistantMessage)
+    partials = [msgspec.msgpack.decode(item, type=LlmPartial) for item in items[:-1]]
+    assert partials and (partials[0].model, partials[0].provider) == ("m", "openai")
+    streamed: dict[int, str] = {}
+    for partial in partials:
+        assert partial.delta is not None
+        streamed[partial.delta.index] = streamed.get(partial.delta.index, "") + partial.delta.delta
+    whole = [part.text if isinstance(part, TextPart) else getattr(part, "arguments", "")
+             for part in message.content]
+    assert all(whole[index].startswith(text) for index, text in streamed.items()), (streamed, whole)

@@ -27,7 +27,7 @@ from agent_bus.agents.gateway.engine import (
     environment_names_a_proxy,
 )
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
-from agent_bus.agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport
+from agent_bus.agents.gateway.http1 import MAX_HEAD, MAX_IDLE_PER_ORIGIN, Http1Transport, _chunk_size
 from tests.support import busctl, running, until
 
 from .conftest import engine_for, request
@@ -585,3 +585,17 @@ async def test_eight_concurrent_close_delimited_runs_take_about_as_long_as_one(t
             together = anyio.current_time() - start
             assert engine.stats().models["m"].retries == 0
     assert together <= 1.5 * alone, (together, alone)
+
+
+@pytest.mark.parametrize(("line", "size"), [
+    (b"1a\r", 26), (b"FF", 255), (b"0\r", 0), (b" 1a\t;name=value\r", 26), (b"1A;x", 26),
+    (b"0x1a", None), (b"1_0", None), (b"+1", None), (b"", None), (b"g", None),
+    (b"f" * 17, None), (b"f" * 11, None),  # 17 digits; 2**44: over MAX_CHUNK
+])
+def test_chunk_size_lines(line: bytes, size: int | None) -> None:
+    """The usual line (hex digits only) is read without the regex, with the same answers."""
+    if size is None:
+        with pytest.raises(httpx.RemoteProtocolError):
+            _chunk_size(line)
+    else:
+        assert _chunk_size(line) == size

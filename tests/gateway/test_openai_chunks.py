@@ -11,7 +11,13 @@ import anyio
 import msgspec
 import pytest
 
-from agent_bus.agents.gateway.providers import MessageBuilder, OpenAIProvider, SseEvent, StreamError
+from agent_bus.agents.gateway.providers import (
+    MessageBuilder,
+    OpenAIProvider,
+    SseEvent,
+    StreamError,
+    iter_sse,
+)
 from agent_bus.agents.gateway.providers.openai import _apply_chunk, _finish
 from agent_bus.bus.messages import AssistantDelta, AssistantMessage
 
@@ -88,3 +94,32 @@ def test_a_bad_chunk_fails_the_stream_with_the_same_text(data: str, message: str
     with pytest.raises(StreamError) as failure:
         anyio.run(_typed, [_choice({"content": "a"}), data])
     assert str(failure.value) == message
+
+
+async def _per_read(reads: list[list[str]]) -> tuple[list[AssistantDelta], list[int]]:
+    """The engine's way: a builder that hands deltas on once per read (`per_read`), the last
+    read's after `on_last_read` (told how many deltas went before it)."""
+    deltas: list[AssistantDelta] = []
+    marks: list[int] = []
+    builder = MessageBuilder(deltas.append, per_read=True,
+                             on_last_read=lambda: marks.append(len(deltas)))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for datas in reads:
+            yield "".join(f"data: {data}\n\n" for data in datas).encode()
+
+    await OpenAIProvider("http://x/v1", "m").parse_stream(iter_sse(chunks(), builder.release),
+                                                          builder)
+    await builder.release(last=True)
+    return deltas, marks
+
+
+def test_a_reads_deltas_are_one_per_part_in_order_and_the_last_read_is_announced() -> None:
+    calls = STREAMS["tool calls"]  # call_1 opens, gets `{"a"`, call_2 opens; call_1 gets `: 1}`
+    deltas, marks = anyio.run(_per_read, [calls[:3], [*calls[3:], "[DONE]"]])
+    assert [(d.index, d.delta, d.tool_call_id, d.tool_name) for d in deltas] == [
+        (0, '{"a"', "call_1", "f"), (1, "", "call_2", "g"), (0, ": 1}", "call_1", "f")]
+    assert marks == [2]  # before the last read's deltas, after the first read's
+    text = STREAMS["text and usage"]  # one read: the text's two events are one delta
+    deltas, marks = anyio.run(_per_read, [[*text, "[DONE]"]])
+    assert [(d.index, d.delta) for d in deltas] == [(0, "Hello")] and marks == [0]

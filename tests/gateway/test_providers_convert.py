@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
+from typing import Any
 
 import httpx
 import msgspec
@@ -15,7 +16,9 @@ from agent_bus.agents.gateway.engine import (
     provider_error_text,
     retry_after_seconds,
 )
+from agent_bus.agents.gateway.process import _Requests
 from agent_bus.agents.gateway.providers import AnthropicProvider, OpenAIProvider, flatten_schema
+from agent_bus.agents.gateway.providers.openai import Histories, convert_messages
 from agent_bus.bus.messages import (
     AssistantMessage,
     ImagePart,
@@ -166,3 +169,57 @@ def test_provider_error_text() -> None:
     assert provider_error_text(b'{"error": {"type": "x", "message": "bad"}}') == "x: bad"
     assert provider_error_text(b"<html>oops</html>") == "<html>oops</html>"
     assert provider_error_text(b"") == "(empty body)"
+
+
+def test_a_runs_history_converted_piecewise_is_the_history_converted_whole() -> None:
+    """`Histories` (the gateway's) converts only what a run's history added since its last call,
+    and whole again when an earlier message differs or for another run."""
+    histories = Histories(kept=2)
+
+    def call(messages: list[LlmMessage], run: str = "r", system: str = "sys") -> list[Any]:
+        wire = msgspec.msgpack.encode(LlmRequest(messages=messages, run_id=run, system_prompt=system))
+        request = msgspec.msgpack.decode(wire, type=LlmRequest)  # decoded anew, as the gateway's
+        converted = histories.convert(request)
+        assert converted == convert_messages(system, request.messages)
+        return converted
+
+    more = [*HISTORY, AssistantMessage(content=[TextPart("done")]), user_text("again")]
+    first = call(HISTORY[:2])
+    assert call(HISTORY)[1] is first[1]  # grew: the rest converted, the start kept
+    call(more, system="")
+    call([user_text("compacted"), *more[2:]])  # an earlier message differs
+    call(more[:3], run="other")
+    call(more[:1], run="third")  # `kept=2`: run "r" goes
+    call(more)
+    request = LlmRequest(messages=more, run_id="r")  # the same objects again (as the gateway's)
+    assert histories.convert(request) == histories.convert(request) == convert_messages("", more)
+    histories = Histories(messages=4)  # at most 4 messages held: run "a" goes for "b"
+    first = call(HISTORY[:2], run="a")
+    call(HISTORY[:3], run="b")
+    assert call(HISTORY[:3], run="a")[1] is not first[1]
+
+
+def test_the_gateways_requests_decode_only_what_a_runs_history_added() -> None:
+    """`_Requests` (the gateway's) gives what a whole decode gives, the unchanged messages of a
+    run's last request as the objects it decoded then; a malformed message fails as before."""
+    requests = _Requests(messages=8)
+
+    def decode(messages: list[LlmMessage], run: str = "r") -> LlmRequest:
+        body = msgspec.msgpack.encode(LlmRequest(messages=messages, run_id=run, agent="a", seed=7))
+        request = requests.decode(body)
+        assert request == msgspec.msgpack.decode(body, type=LlmRequest)
+        return request
+
+    first = decode(HISTORY[:2])
+    grown = decode(HISTORY)
+    assert grown.messages[1] is first.messages[1] and grown.seed == 7 and grown.agent == "a"
+    compacted = [user_text("compacted"), *HISTORY[1:]]
+    changed = decode(compacted)  # the first differs: decoded anew
+    assert changed.messages[1] is not grown.messages[1]
+    assert decode(compacted).messages[1] is changed.messages[1]
+    decode(HISTORY[:3], run="")  # no run: nothing kept
+    decode(HISTORY[:4], run="b")  # 6 + 4 > 8 messages: run "r" goes
+    assert decode(compacted).messages[1] is not changed.messages[1]
+    bad = msgspec.msgpack.encode({"messages": [{"role": "user", "content": 7}], "run_id": "r"})
+    with pytest.raises(msgspec.ValidationError):
+        requests.decode(bad)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,6 +44,9 @@ _STOP_REASONS: dict[str, StopReason] = {
 
 class OpenAIProvider(Provider):
     name = "openai"
+    #: Set by an engine whose requests are decoded anew for every call (the gateway's): each
+    #: run's converted history is kept, so a call converts only what it added.
+    histories: Histories | None = None
 
     def url(self) -> str:
         return f"{self.base_url}/chat/completions"
@@ -56,7 +60,8 @@ class OpenAIProvider(Provider):
     def build_body(self, request: LlmRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,
-            "messages": convert_messages(request.system_prompt, request.messages),
+            "messages": (convert_messages(request.system_prompt, request.messages)
+                         if self.histories is None else self.histories.convert(request)),
             "stream": True,
             "stream_options": {"include_usage": True},
         }
@@ -231,9 +236,55 @@ def parse_usage(raw: dict[str, Any]) -> Usage:
 
 
 def convert_messages(system_prompt: str, messages: list[LlmMessage]) -> list[dict[str, Any]]:
+    head: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return _convert(messages, head)
+
+
+HISTORIES_KEPT = 64  # runs whose converted history `Histories` keeps (the most recent calls')
+# and the most messages they hold together: the memory held between calls stays bounded (tens
+# of MB at a few kB a message) whatever the histories' length
+HISTORY_MESSAGES_KEPT = 20_000
+
+
+class Histories:
+    """The chat-completions form of the history of each recent run, by run id.
+
+    A run's next model call repeats its history and adds a turn: only the added messages are
+    converted when the rest equals what was converted last time. That test compares the
+    messages (msgspec's `==`, in C: about a quarter of converting them again, ~150 us for a
+    history of 25 tool-call turns; nothing for the very objects seen last time, which the
+    gateway hands again for a run's unchanged messages). Only for messages never changed in
+    place after a call (the gateway's): a change to an object seen last time would go
+    unnoticed. A caller that keeps its own history objects must not use it."""
+
+    def __init__(self, kept: int = HISTORIES_KEPT, messages: int = HISTORY_MESSAGES_KEPT) -> None:
+        self._kept, self._most = kept, messages
+        self._runs: OrderedDict[str, tuple[list[LlmMessage], list[dict[str, Any]]]] = OrderedDict()
+        self._held = 0  # messages in `_runs`
+
+    def convert(self, request: LlmRequest) -> list[dict[str, Any]]:
+        messages, run = request.messages, request.run_id
+        seen = self._runs.pop(run, None) if run else None
+        if seen is not None:
+            self._held -= len(seen[0])
+        if seen is not None and len(seen[0]) <= len(messages) and messages[:len(seen[0])] == seen[0]:
+            converted = _convert(messages[len(seen[0]):], list(seen[1]))
+        else:
+            converted = _convert(messages, [])
+        if run and len(messages) <= self._most:
+            self._runs[run] = (list(messages), converted)
+            self._held += len(messages)
+            while len(self._runs) > self._kept or self._held > self._most:
+                self._held -= len(self._runs.popitem(last=False)[1][0])
+        system = request.system_prompt
+        return [{"role": "system", "content": system}, *converted] if system else list(converted)
+
+
+def _convert(messages: list[LlmMessage], out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Append `messages` converted to `out`. Each message's form depends on it alone (so
+    `Histories` may convert a history piecewise)."""
     # Runs on the whole history at every model call: the common kinds come first, and each
     # message is walked once.
-    out: list[dict[str, Any]] = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for message in messages:
         if isinstance(message, ToolResultMessage):
             _tool_result(message, out)
@@ -310,4 +361,5 @@ def convert_tool_choice(choice: str) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": choice}}
 
 
-__all__ = ["OpenAIProvider", "convert_messages", "convert_tool", "convert_tool_choice", "parse_usage"]
+__all__ = ["Histories", "OpenAIProvider", "convert_messages", "convert_tool", "convert_tool_choice",
+           "parse_usage"]
