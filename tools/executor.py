@@ -7,9 +7,10 @@
                                                      arguments='{"path": "README.md"}'))
 
 Calls with a run `workspace` stick to one worker: the first call of a workspace is answered by
-some worker, and its later calls (of any tool) `prefer` that one, which the hub honours while it
-serves the tool and has a free slot (docs/protocol.md, "Run workspaces"), so a file one call
-writes is there for the next even when the tool's workers have different workspaces.
+some worker, and its later calls (of any tool it serves; other tools stick to the worker of
+their first call) `prefer` that one, which the hub honours while it serves the tool and has a
+free slot (docs/protocol.md, "Run workspaces"), so a file one call writes is there for the next
+even when the tool's workers have different workspaces.
 
 Tool failures never raise: they come back as `is_error` results (unknown tool, bad arguments,
 worker lost, timeout, hub lost, an exception in the tool). Only anyio cancellation propagates;
@@ -54,6 +55,8 @@ TIMEOUT_MARGIN = 5.0
 #: Workspaces whose worker is remembered while no run holds them (`hold_workspace`; an executor
 #: used outside a coordinator): at most this many, the oldest forgotten first.
 AFFINITY_LIMIT = 4096
+#: Workers remembered per workspace (its first, then one per set of tools the others lack).
+MAX_WORKSPACE_WORKERS = 8
 
 UpdateSink = Callable[[Any], Awaitable[None]]
 BatchMode = Literal["parallel", "sequential"]
@@ -82,13 +85,15 @@ class BusToolExecutor:
         #: Live tools left out of the catalog (name -> why), as of the last fetch.
         self.skipped: dict[str, str] = {}
         self._logged: set[tuple[str, str]] = set()
-        # Run workspaces: the peer id of the worker serving each (the first that answered one
-        # of its calls), the runs holding each, the first calls in flight (others wait for
-        # them, so a turn's parallel first calls land on one worker too), live peers' ids.
-        self._affinity: dict[str, str] = {}
+        # Run workspaces: for each, the peer ids of its workers (the first that answered one
+        # of its calls; then, for tools none of those serve, the first that answered one of
+        # them); the runs holding each; the calls in flight that prefer no worker (a call that
+        # would prefer none waits for it, so a turn's parallel first calls land on one worker
+        # too); the live peers' services, as of the last catalog fetch.
+        self._affinity: dict[str, list[str]] = {}
         self._holds: dict[str, int] = {}
         self._first: dict[str, anyio.Event] = {}
-        self._live: set[str] = set()
+        self._serves: dict[str, set[str]] = {}
 
     # --- catalog -------------------------------------------------------------------------
 
@@ -113,7 +118,8 @@ class BusToolExecutor:
                     raise
                 return self._catalog  # stale beats nothing while the hub is away
             self._catalog, self.skipped = {}, {}
-            self._live = {peer.peer for peer in status.peers}
+            self._serves = {peer.peer: {load.name for load in peer.services}
+                            for peer in status.peers}
             for service in status.services:
                 info = _tool_info(service)
                 if isinstance(info, ToolInfo):
@@ -214,18 +220,18 @@ class BusToolExecutor:
 
     async def _call_in_workspace(self, request: ToolCallRequest, workspace: str, timeout: float,
                                  on_update: UpdateSink | None) -> ToolResult:
-        """`_call` preferring the worker that serves `workspace`; the first call of a workspace
-        picks it (calls arriving meanwhile wait for that one to be answered)."""
-        first = self._first.get(workspace)
-        if first is not None:
-            await first.wait()
-        prefer = self._affinity.get(workspace, "")
+        """`_call` preferring the worker that serves `workspace` (see `_prefer`). A call that
+        would prefer none picks one: calls in need of one meanwhile wait for its answer."""
+        service = service_name(request.name)
+        prefer = self._prefer(workspace, service)
+        while not prefer and workspace in self._first:
+            await self._first[workspace].wait()
+            prefer = self._prefer(workspace, service)
         mine = None
-        if not prefer and workspace not in self._first:
+        if not prefer:
             mine = self._first[workspace] = anyio.Event()
         try:
-            body = p.encode(request)
-            async with self.peer.stream(service_name(request.name), body, timeout=timeout,
+            async with self.peer.stream(service, p.encode(request), timeout=timeout,
                                         prefer=prefer) as replies:
                 result = await self._result(request, replies, on_update)
                 self._served(workspace, prefer, replies.served_by)
@@ -235,22 +241,45 @@ class BusToolExecutor:
                 del self._first[workspace]
                 mine.set()
 
+    def _prefer(self, workspace: str, service: str) -> str:
+        """The first of `workspace`'s workers that serves `service` (or that joined since the
+        last catalog fetch: the hub ignores a `prefer` that does not serve it); "" when none."""
+        serves = self._serves
+        for peer in self._affinity.get(workspace, ()):
+            served = serves.get(peer)
+            if served is None or service in served:
+                return peer
+        return ""
+
     def _served(self, workspace: str, prefer: str, server: str) -> None:
-        """Remember `server` for `workspace` unless the preferred worker is still live (then it
-        was only full, or does not serve this tool: the workspace stays with it)."""
-        if not server or server == prefer or (prefer and prefer in self._live):
+        """`server` answered a call of `workspace` that preferred `prefer`: a worker of the
+        workspace from now on when it preferred none; in place of the preferred one when that
+        one is gone; nothing when that one is live (it was only full: the workspace stays)."""
+        if not server or server == prefer or (prefer and prefer in self._serves):
             return
         affinity = self._affinity
-        affinity[workspace] = server
-        if len(affinity) > self.affinity_limit + len(self._holds):
-            for key in affinity:  # the oldest no run holds
-                if key not in self._holds:
-                    del affinity[key]
-                    break
+        peers = affinity.get(workspace)
+        if peers is None:
+            affinity[workspace] = [server]
+            if len(affinity) > self.affinity_limit + len(self._holds):
+                for name in affinity:  # the oldest no run holds
+                    if name not in self._holds:
+                        del affinity[name]
+                        break
+        elif prefer:  # gone (unless another call has dealt with it already)
+            if prefer in peers and server in peers:
+                peers.remove(prefer)
+            elif prefer in peers:
+                peers[peers.index(prefer)] = server
+        elif server not in peers and len(peers) < MAX_WORKSPACE_WORKERS:
+            peers.append(server)
 
-    def worker_of(self, workspace: str) -> str:
-        """The peer id of the worker `workspace`'s calls prefer ("" when none yet)."""
-        return self._affinity.get(workspace, "")
+    def worker_of(self, workspace: str, tool: str = "") -> str:
+        """The peer id of the worker `workspace`'s calls prefer (of `tool`, given; else its
+        first worker); "" when none yet."""
+        if tool:
+            return self._prefer(workspace, service_name(tool))
+        return next(iter(self._affinity.get(workspace, ())), "")
 
     def hold_workspace(self, workspace: str) -> None:
         """A run with this workspace starts: keep its worker until `release_workspace`."""

@@ -200,3 +200,30 @@ async def _catalog_without(tools: BusToolExecutor, pid: int) -> bool:
         return False
     await tools._tools(refresh=True)
     return True
+
+
+async def test_tools_the_workspaces_worker_lacks_stay_on_one_worker_of_theirs(
+        hub: dict, tmp_path: Path) -> None:
+    """The workspace's first call goes to a worker of the test tools; its file tools are served
+    only by two built-in workers with different workspaces: the first file call picks one of
+    them, and every later file call (any file tool, several at once) goes there too."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    async with workers(hub["endpoint"], 1, "--concurrency", "4"), \
+            workers(hub["endpoint"], 1, "--workspace", str(tmp_path / "a"), "--concurrency", "4",
+                    tools="agent_bus.tools.builtin"), \
+            workers(hub["endpoint"], 1, "--workspace", str(tmp_path / "b"), "--concurrency", "4",
+                    tools="agent_bus.tools.builtin"), \
+            executor(hub["endpoint"]) as tools:
+        assert not (await tools.execute(_in("w/5", "s"))).is_error
+        files = [call("write_file", "w1", path="one.txt", content="1"),
+                 call("write_file", "w2", path="two.txt", content="2")]
+        reads = [call("read_file", f"r{i}", path=name) for i, name in
+                 enumerate(["one.txt", "two.txt"] * 2)]
+        for batch in (files, reads):
+            results = await tools.execute_all(
+                [msgspec.structs.replace(r, workspace=RunWorkspace(id="w/5")) for r in batch])
+            assert not any(r.is_error for r in results), [r.text for r in results]
+        assert tools.worker_of("w/5", "read_file") == tools.worker_of("w/5", "write_file")
+        assert tools.worker_of("w/5", "read_file") not in ("", tools.worker_of("w/5"))
+        assert len([f for f in ("a", "b") if (tmp_path / f / ".runs" / "w" / "5").exists()]) == 1
