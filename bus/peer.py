@@ -77,7 +77,7 @@ from agent_bus.bus.errors import (
     RequestError,
 )
 from agent_bus.bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
-from agent_bus.bus.rpc import REPLY_GRACE, Calls
+from agent_bus.bus.rpc import REPLY_GRACE, Calls, Replies
 from agent_bus.bus.security import CurveClient
 from agent_bus.bus.serving import Handler, Served, Serving, body_limit
 from agent_bus.bus.subscription import Subscription
@@ -876,19 +876,24 @@ class Peer:
     # --- requests ------------------------------------------------------------------------
 
     def stream(
-        self, service: str, body: bytes, *, timeout: float | None = 30.0, parent: str = ""
-    ) -> contextlib.AbstractAsyncContextManager[AsyncIterator[bytes]]:
+        self, service: str, body: bytes, *, timeout: float | None = 30.0, parent: str = "",
+        prefer: str = ""
+    ) -> contextlib.AbstractAsyncContextManager[Replies]:
         """Send a request; iterate its partial replies; the iterator ends after the final reply.
 
-        `async with peer.stream(...) as replies:` The final reply's body is yielded last. Leaving
-        the block early (or being cancelled) cancels the request at the hub and the serving peer.
+        `async with peer.stream(...) as replies:` The final reply's body is yielded last; then
+        `replies.served_by` names the peer that served it. Leaving the block early (or being
+        cancelled) cancels the request at the hub and the serving peer. `prefer`: a peer id the
+        hub sends the request to while that peer serves the service and has a free slot (else
+        to another, as usual; docs/protocol.md section 5, "Preferred server").
         """
-        return self._calls.stream(service, body, timeout, parent)
+        return self._calls.stream(service, body, timeout, parent, prefer)
 
     async def request(self, service: str, body: bytes, *, timeout: float | None = 30.0,
-                      parent: str = "") -> bytes:
-        """Send a request and return the final reply body (partials are discarded)."""
-        return await self._calls.request(service, body, timeout, parent)
+                      parent: str = "", prefer: str = "") -> bytes:
+        """Send a request and return the final reply body (partials are discarded); `prefer`
+        as for `stream`."""
+        return await self._calls.request(service, body, timeout, parent, prefer)
 
     async def status(self, timeout: float = 5.0) -> p.Status:
         return p.decode(await self.request(p.HUB_STATUS, b"", timeout=timeout), p.Status)

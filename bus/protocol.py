@@ -79,6 +79,9 @@ class Header(msgspec.Struct, omit_defaults=True):
     parent: str = ""
     service: str = ""
     deadline: float = 0.0
+    # requests: the peer id the requester would like to serve it (a preference: see
+    # docs/protocol.md section 5, "Preferred server")
+    prefer: str = ""
     code: str = ""
     error: str = ""
     # events

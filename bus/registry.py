@@ -67,6 +67,7 @@ class Pending:
     done: bool = False  # answered or dropped; any heap entry for it is stale
     size: int = 0  # bytes charged to the request budgets while the hub holds it
     lost: int = 0  # servers lost while serving it (see `max_redispatch`)
+    prefer: bytes = b""  # routing id of the server its requester prefers (header `prefer`)
 
 
 @dataclass(slots=True)
@@ -313,9 +314,21 @@ class Registry:
         self.request_bytes += size
         if deadline != math.inf:
             self._watch_deadline(req)
+        if header.prefer:
+            req.prefer = self._preferred(header.prefer)
         if not self._try_dispatch(service, req):
             self._enqueue(service, req)
         return False
+
+    def _preferred(self, peer_id: str) -> bytes:
+        """The routing id of live peer `peer_id` (ids end with their routing id's hex, see
+        bus/security.curve_peer_id), or b"": an unknown or malformed `prefer` is ignored."""
+        try:
+            ident = bytes.fromhex(peer_id.rpartition(":")[2])
+        except ValueError:
+            return b""
+        peer = self.peers.get(ident)
+        return ident if peer is not None and peer.id == peer_id else b""
 
     def _watch_deadline(self, req: Pending) -> None:
         """Put `req` on the deadline heap. Entries of ended requests stay until popped, so the
@@ -474,6 +487,8 @@ class Registry:
     def _try_dispatch(self, service: Service, req: Pending) -> bool:
         """Send `req` to the least-loaded slot (load / capacity); among equals, the one picked
         longest ago, so ties rotate instead of always landing on the first registered."""
+        if req.prefer and self._dispatch_preferred(service, req):
+            return True
         best: Slot | None = None
         best_ident = b""
         best_ratio = 2.0
@@ -492,6 +507,19 @@ class Registry:
         best.load += 1
         service.dispatched += 1
         best.last = service.dispatched
+        return True
+
+    def _dispatch_preferred(self, service: Service, req: Pending) -> bool:
+        """Send `req` to the server its requester prefers, when that one serves `service` and
+        has a free slot (False: it goes the usual way; a preference, not a pin)."""
+        slot = service.slots.get(req.prefer)
+        if slot is None or slot.load >= slot.capacity:
+            return False
+        if not self._forward(self.peers[req.prefer], req):
+            return False
+        slot.load += 1
+        service.dispatched += 1
+        slot.last = service.dispatched
         return True
 
     def _forward(self, server: PeerState, req: Pending) -> bool:

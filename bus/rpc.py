@@ -82,11 +82,14 @@ class Replies:
     """The iterator `Peer.stream` yields: partial bodies, then the final reply body.
 
     A `partial` message may carry several bodies, one frame each (a server sends the partials
-    of one event-loop iteration together): each is yielded in turn."""
+    of one event-loop iteration together): each is yielded in turn. After the final reply,
+    `served_by` is the peer id of the server that sent it ("" when it did not say: a server
+    from before the reply's `peer`), to `prefer` it for a later request."""
 
     def __init__(self, call: Call) -> None:
         self._call = call
         self._rest: deque[bytes] = deque()  # further bodies of the last `partial` message
+        self.served_by = ""
 
     def __aiter__(self) -> Replies:
         return self
@@ -105,6 +108,7 @@ class Replies:
             raise error_for(header.code, header.error or header.code)
         if kind == p.REPLY:
             call.done = True
+            self.served_by = header.peer
         elif len(frames) > 1:
             rest.extend(frames[1:])
         return frames[0] if frames else b""
@@ -153,14 +157,15 @@ class Calls:
         for req_id, call in pending.items():
             call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
 
-    async def start(self, service: str, body: bytes, timeout: float | None, parent: str) -> Call:
-        call = self.begin(service, body, timeout, parent)
+    async def start(self, service: str, body: bytes, timeout: float | None, parent: str,
+                    prefer: str = "") -> Call:
+        call = self.begin(service, body, timeout, parent, prefer)
         if isinstance(call, Call):
             return call
         return await self._start_waiting(*call)
 
-    def begin(self, service: str, body: bytes, timeout: float | None,
-              parent: str) -> Call | tuple[str, float, float, list[Any]]:
+    def begin(self, service: str, body: bytes, timeout: float | None, parent: str,
+              prefer: str = "") -> Call | tuple[str, float, float, list[Any]]:
         """Send the request now when the peer is welcomed and the socket takes it (its `Call`);
         else what `_start_waiting` needs to wait for the connection or room, then send it.
         (Synchronous: a request that goes out at once costs no coroutine of its own.)"""
@@ -170,7 +175,7 @@ class Calls:
         expires = now + timeout + REPLY_GRACE if timeout else float("inf")
         header = p.Header(kind=p.REQUEST, id=req_id, service=service,
                           deadline=time.time() + timeout if timeout else 0.0,
-                          parent=parent, peer=peer.peer_id, session=peer.session)
+                          parent=parent, peer=peer.peer_id, session=peer.session, prefer=prefer)
         frames = [_SIG, p.encode(header), body]
         deadline = now + timeout if timeout else float("inf")
         if peer.welcome is not None:
@@ -214,8 +219,9 @@ class Calls:
             except zmq.ZMQError:
                 pass
 
-    async def request(self, service: str, body: bytes, timeout: float | None, parent: str) -> bytes:
-        call = self.begin(service, body, timeout, parent)
+    async def request(self, service: str, body: bytes, timeout: float | None, parent: str,
+                      prefer: str = "") -> bytes:
+        call = self.begin(service, body, timeout, parent, prefer)
         if not isinstance(call, Call):
             call = await self._start_waiting(*call)
         try:
@@ -224,9 +230,9 @@ class Calls:
             self.end(call)
 
     @asynccontextmanager
-    async def stream(self, service: str, body: bytes, timeout: float | None,
-                     parent: str) -> AsyncIterator[AsyncIterator[bytes]]:
-        call = await self.start(service, body, timeout, parent)
+    async def stream(self, service: str, body: bytes, timeout: float | None, parent: str,
+                     prefer: str = "") -> AsyncIterator[Replies]:
+        call = await self.start(service, body, timeout, parent, prefer)
         try:
             yield Replies(call)
         finally:

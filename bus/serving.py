@@ -211,7 +211,9 @@ class Serving:
                     log.warning("%s: %s; answered %s instead", self._peer.name, text, TOO_LARGE)
                     self._peer._count("answers_too_large")
                     return [_SIG, error_header(req.id, TOO_LARGE, text)]
-                return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id)), body]
+                # `peer`: who served it, so the requester may prefer this peer next time
+                return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id,
+                                                peer=self._peer.peer_id)), body]
             except RequestError as exc:
                 return [_SIG, error_header(req.id, exc.code, str(exc))]
             except Exception as exc:

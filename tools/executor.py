@@ -6,6 +6,12 @@
         result = await tools.execute(ToolCallRequest(call_id="c1", name="read_file",
                                                      arguments='{"path": "README.md"}'))
 
+Calls with a run `workspace` stick to one worker: the first call of a workspace is answered by
+some worker, and its later calls (of any tool it serves; other tools stick to the worker of
+their first call) `prefer` that one, which the hub honours while it serves the tool and has a
+free slot (docs/protocol.md, "Run workspaces"), so a file one call writes is there for the next
+even when the tool's workers have different workspaces.
+
 Tool failures never raise: they come back as `is_error` results (unknown tool, bad arguments,
 worker lost, timeout, hub lost, an exception in the tool). Only anyio cancellation propagates;
 leaving the request cancels it at the hub, which tells the worker, which cancels the tool.
@@ -33,6 +39,7 @@ from agent_bus.bus.errors import (
     RequestError,
 )
 from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
+from agent_bus.bus.rpc import Replies
 from agent_bus.bus.toolnames import tool_meta_fault, tool_name_fault
 from agent_bus.tools._calls import SERVICE_PREFIX, service_name
 from agent_bus.tools.worker import decode_reply
@@ -45,6 +52,11 @@ CATALOG_TTL = 1.0
 DEFAULT_TIMEOUT = 600.0
 #: Added to a tool's own timeout (the worker enforces that one and answers with a result).
 TIMEOUT_MARGIN = 5.0
+#: Workspaces whose worker is remembered while no run holds them (`hold_workspace`; an executor
+#: used outside a coordinator): at most this many, the oldest forgotten first.
+AFFINITY_LIMIT = 4096
+#: Workers remembered per workspace (its first, then one per set of tools the others lack).
+MAX_WORKSPACE_WORKERS = 8
 
 UpdateSink = Callable[[Any], Awaitable[None]]
 BatchMode = Literal["parallel", "sequential"]
@@ -60,17 +72,28 @@ class BusToolExecutor:
         catalog_ttl: float = CATALOG_TTL,
         default_timeout: float = DEFAULT_TIMEOUT,
         timeout_margin: float = TIMEOUT_MARGIN,
+        affinity_limit: int = AFFINITY_LIMIT,
     ) -> None:
         self.peer = peer
         self.catalog_ttl = catalog_ttl
         self.default_timeout = default_timeout
         self.timeout_margin = timeout_margin
+        self.affinity_limit = affinity_limit
         self._catalog: dict[str, ToolInfo] = {}
         self._fetched = -math.inf
         self._lock = anyio.Lock()
         #: Live tools left out of the catalog (name -> why), as of the last fetch.
         self.skipped: dict[str, str] = {}
         self._logged: set[tuple[str, str]] = set()
+        # Run workspaces: for each, the peer ids of its workers (the first that answered one
+        # of its calls; then, for tools none of those serve, the first that answered one of
+        # them); the runs holding each; the calls in flight that prefer no worker (a call that
+        # would prefer none waits for it, so a turn's parallel first calls land on one worker
+        # too); the live peers' services, as of the last catalog fetch.
+        self._affinity: dict[str, list[str]] = {}
+        self._holds: dict[str, int] = {}
+        self._first: dict[str, anyio.Event] = {}
+        self._serves: dict[str, set[str]] = {}
 
     # --- catalog -------------------------------------------------------------------------
 
@@ -95,6 +118,8 @@ class BusToolExecutor:
                     raise
                 return self._catalog  # stale beats nothing while the hub is away
             self._catalog, self.skipped = {}, {}
+            self._serves = {peer.peer: {load.name for load in peer.services}
+                            for peer in status.peers}
             for service in status.services:
                 info = _tool_info(service)
                 if isinstance(info, ToolInfo):
@@ -170,19 +195,104 @@ class BusToolExecutor:
     async def _call(
         self, request: ToolCallRequest, timeout: float, on_update: UpdateSink | None
     ) -> ToolResult:
+        if request.workspace is not None:
+            return await self._call_in_workspace(request, request.workspace.id, timeout,
+                                                 on_update)
         body = p.encode(request)
         async with self.peer.stream(service_name(request.name), body, timeout=timeout) as replies:
-            async for reply in replies:
-                try:
-                    decoded = decode_reply(reply)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    return error_result(f"Error: the worker for '{request.name}' sent an "
-                                        f"unreadable reply: {exc}")
-                if isinstance(decoded, ToolResult):
-                    return decoded
-                if on_update is not None:
-                    await on_update(decoded[1])
+            return await self._result(request, replies, on_update)
+
+    async def _result(self, request: ToolCallRequest, replies: Replies,
+                      on_update: UpdateSink | None) -> ToolResult:
+        async for reply in replies:
+            try:
+                decoded = decode_reply(reply)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return error_result(f"Error: the worker for '{request.name}' sent an "
+                                    f"unreadable reply: {exc}")
+            if isinstance(decoded, ToolResult):
+                return decoded
+            if on_update is not None:
+                await on_update(decoded[1])
         return error_result(f"Error: the worker for '{request.name}' sent no result")
+
+    # --- run workspaces: one worker per workspace ----------------------------------------
+
+    async def _call_in_workspace(self, request: ToolCallRequest, workspace: str, timeout: float,
+                                 on_update: UpdateSink | None) -> ToolResult:
+        """`_call` preferring the worker that serves `workspace` (see `_prefer`). A call that
+        would prefer none picks one: calls in need of one meanwhile wait for its answer."""
+        service = service_name(request.name)
+        prefer = self._prefer(workspace, service)
+        while not prefer and workspace in self._first:
+            await self._first[workspace].wait()
+            prefer = self._prefer(workspace, service)
+        mine = None
+        if not prefer:
+            mine = self._first[workspace] = anyio.Event()
+        try:
+            async with self.peer.stream(service, p.encode(request), timeout=timeout,
+                                        prefer=prefer) as replies:
+                result = await self._result(request, replies, on_update)
+                self._served(workspace, prefer, replies.served_by)
+                return result
+        finally:
+            if mine is not None:
+                del self._first[workspace]
+                mine.set()
+
+    def _prefer(self, workspace: str, service: str) -> str:
+        """The first of `workspace`'s workers that serves `service` (or that joined since the
+        last catalog fetch: the hub ignores a `prefer` that does not serve it); "" when none."""
+        serves = self._serves
+        for peer in self._affinity.get(workspace, ()):
+            served = serves.get(peer)
+            if served is None or service in served:
+                return peer
+        return ""
+
+    def _served(self, workspace: str, prefer: str, server: str) -> None:
+        """`server` answered a call of `workspace` that preferred `prefer`: a worker of the
+        workspace from now on when it preferred none; in place of the preferred one when that
+        one is gone; nothing when that one is live (it was only full: the workspace stays)."""
+        if not server or server == prefer or (prefer and prefer in self._serves):
+            return
+        affinity = self._affinity
+        peers = affinity.get(workspace)
+        if peers is None:
+            affinity[workspace] = [server]
+            if len(affinity) > self.affinity_limit + len(self._holds):
+                for name in affinity:  # the oldest no run holds
+                    if name not in self._holds:
+                        del affinity[name]
+                        break
+        elif prefer:  # gone (unless another call has dealt with it already)
+            if prefer in peers and server in peers:
+                peers.remove(prefer)
+            elif prefer in peers:
+                peers[peers.index(prefer)] = server
+        elif server not in peers and len(peers) < MAX_WORKSPACE_WORKERS:
+            peers.append(server)
+
+    def worker_of(self, workspace: str, tool: str = "") -> str:
+        """The peer id of the worker `workspace`'s calls prefer (of `tool`, given; else its
+        first worker); "" when none yet."""
+        if tool:
+            return self._prefer(workspace, service_name(tool))
+        return next(iter(self._affinity.get(workspace, ())), "")
+
+    def hold_workspace(self, workspace: str) -> None:
+        """A run with this workspace starts: keep its worker until `release_workspace`."""
+        self._holds[workspace] = self._holds.get(workspace, 0) + 1
+
+    def release_workspace(self, workspace: str) -> None:
+        """A run with this workspace ended: the last one forgets its worker."""
+        held = self._holds.get(workspace, 0) - 1
+        if held > 0:
+            self._holds[workspace] = held
+            return
+        self._holds.pop(workspace, None)
+        self._affinity.pop(workspace, None)
 
     # --- batches -------------------------------------------------------------------------
 

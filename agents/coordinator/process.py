@@ -426,6 +426,7 @@ class Session:
         logged, for a `background` run nobody waits for).
         """
         self._started = task_status
+        held = self._hold_workspace()
         try:
             run.queued = False
             run.result = await start()
@@ -437,6 +438,8 @@ class Session:
                 raise
             log.exception("%s: run %s broke", self.host.name, run.run_id)  # should not raise
         finally:
+            if held is not None:
+                held[0].release_workspace(held[1])
             if run.run_id:  # ended (or broke): nothing to resume
                 self._journal_write(self.host.store.run_end, run.run_id)
             self.host.release(run)
@@ -447,6 +450,15 @@ class Session:
             self.last_used = anyio.current_time()
             run.done.set()
             self.host.after_run(self)
+
+    def _hold_workspace(self) -> tuple[BusToolExecutor, str] | None:
+        """The run's workspace keeps its tool worker while the run lives (tools/executor.py),
+        forgotten when the last run holding it (a team shares one) ends."""
+        executor = self.host.executor
+        if self.workspace is None or not isinstance(executor, BusToolExecutor):
+            return None
+        executor.hold_workspace(self.workspace.id)
+        return executor, self.workspace.id
 
     def begin(self, experiment: str, parent: str, chain: Sequence[str], root: str = "",
               workspace: RunWorkspace | None = None) -> _Run:

@@ -305,9 +305,9 @@ def old_workers(status: p.Status) -> list[str]:
 
 def split_tools(status: p.Status) -> dict[str, list[str]]:
     """The tools served by workers whose `.runs` differ (their `workspaces` meta, see
-    tools.workspaces.workspace_key), each with those workers (`name on host`). The hub routes
-    each call by capacity alone, so a run's calls of such a tool may be served by any of them
-    and its folder is split between them (docs/protocol.md, "Run workspaces")."""
+    tools.workspaces.workspace_key), each with those workers (`name on host`). A run's calls
+    prefer the worker that served its first one, but go to another when that one is full or
+    gone, splitting its folder (docs/protocol.md, "Run workspaces")."""
     by_tool: dict[str, dict[Any, list[str]]] = {}
     for live in status.peers:
         for service in live.services:
@@ -386,11 +386,12 @@ class Runner:
         workspaces (no `workspaces` in its services' meta) would run it in its own."""
         status = await self.bus.peer.status()
         for tool, workers in split_tools(status).items():
-            log.warning("tool `%s` is served by workers whose run folders differ (%s): a "
-                        "cell's calls may land on any of them, and a file one call writes is "
-                        "not seen by a later call served by another (docs/protocol.md, \"Run "
-                        "workspaces\"); run one worker per tool, or give them one workspace on "
-                        "one host", tool, ", ".join(workers))
+            log.warning("note: tool `%s` is served by workers whose run folders differ "
+                        "(%s): each cell's calls stay on the worker of its first call unless "
+                        "that worker is full or gone (then a file one call wrote is not seen "
+                        "by the next; docs/protocol.md, \"Run workspaces\"): give them "
+                        "`--concurrency` for the cells at once, or one workspace on one host",
+                        tool, ", ".join(workers))
         old = old_workers(status)
         if old:
             raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "

@@ -395,3 +395,78 @@ def test_answered_requests_do_not_pile_up_on_the_deadline_heap() -> None:
     bus.wire.take()
     assert len(bus.reg.deadlines) <= 2 * len(bus.reg.requests) + 65
     assert not bus.reg.requests and bus.reg.request_bytes == 0
+
+
+# --- preferred server (header `prefer`) ------------------------------------------------------
+
+
+def _hub_peer(bus: Bus, name: str, key: str = "") -> PeerState:
+    """A peer whose id is as the hub makes them: its routing id's hex (after `key:<key>:` with
+    CURVE, bus/security.curve_peer_id)."""
+    ident = b"\x00" + name.encode()
+    peer_id = f"key:{key}:{ident.hex()}" if key else ident.hex()
+    return bus.reg.add_peer(ident, peer_id, p.Hello(name=name, session="s"))
+
+
+def _prefer(bus: Bus, peer: PeerState, req_id: str, prefer: str) -> None:
+    header = p.Header(kind=p.REQUEST, id=req_id, service="svc", prefer=prefer)
+    bus.reg.request(peer, header, [peer.ident, p.SIGNATURE, p.encode(header), b"body"])
+
+
+def _served(bus: Bus, server: PeerState) -> list[str]:
+    return [h.id for h in bus.wire.take(server.ident) if h.kind == p.REQUEST]
+
+
+def test_prefer_sends_to_that_peer_while_it_has_room_else_to_another() -> None:
+    bus = Bus()
+    first, second = _hub_peer(bus, "first"), _hub_peer(bus, "second", key="Zk:3")
+    client = _hub_peer(bus, "client")
+    bus.serve(first, "svc")
+    bus.serve(second, "svc")
+    _prefer(bus, client, "r0", second.id)  # idle both: least loaded would pick `first`
+    assert _served(bus, second) == ["r0"]
+    _prefer(bus, client, "r1", second.id)  # `second` is full: no waiting for it
+    assert _served(bus, first) == ["r1"]
+    _prefer(bus, client, "r2", second.id)  # both full: queued, then the first slot to free
+    assert bus.reg.services["svc"].queued == 1
+    bus.answer(first, "r1")
+    assert _served(bus, first) == ["r2"]
+    bus.answer(second, "r0")
+    _prefer(bus, client, "r3", second.id)
+    assert _served(bus, second) == ["r3"]
+    assert finals(bus.wire.take(client.ident)) == [(p.REPLY, "r1", ""), (p.REPLY, "r0", "")]
+
+
+@pytest.mark.parametrize("prefer", ["", "00ff", "not hex", "key:x:zz", "key:wrong:006669727374",
+                                    "0063", "00" * 10_000])
+def test_unknown_or_malformed_prefer_is_ignored(prefer: str) -> None:
+    """Not a live peer's id (unknown, malformed, a CURVE id whose key part differs, a peer not
+    serving the service, huge): dispatched as usual, no error, nothing counted as refused."""
+    bus = Bus()
+    first, second = _hub_peer(bus, "first"), _hub_peer(bus, "second")
+    client = _hub_peer(bus, "c")  # id 0063: live, serves nothing
+    bus.serve(first, "svc")
+    bus.serve(second, "svc")
+    _prefer(bus, client, "r0", prefer)
+    _prefer(bus, client, "r1", prefer)
+    assert (_served(bus, first), _served(bus, second)) == (["r0"], ["r1"])
+    assert bus.wire.take(client.ident) == []
+
+
+def test_prefer_of_a_lost_peer_goes_elsewhere() -> None:
+    bus = Bus()
+    first, second = _hub_peer(bus, "first"), _hub_peer(bus, "second")
+    client = _hub_peer(bus, "client")
+    bus.serve(first, "svc")
+    bus.serve(second, "svc")
+    _prefer(bus, client, "r0", second.id)
+    _prefer(bus, client, "r1", first.id)
+    _prefer(bus, client, "r2", second.id)  # queued: both busy
+    bus.wire.take()
+    bus.reg.drop_peer(second, "gone")  # r0 fails peer_lost; r2 waits for `first`
+    bus.answer(first, "r1")
+    assert _served(bus, first) == ["r2"]
+    _prefer(bus, client, "r3", second.id)  # the id of a peer gone: ignored
+    assert bus.reg.services["svc"].queued == 1
+    assert finals(bus.wire.take(client.ident)) == [(p.ERROR, "r0", p.PEER_LOST),
+                                                   (p.REPLY, "r1", "")]

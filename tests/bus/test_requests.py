@@ -287,3 +287,27 @@ async def test_deadline_enforced_by_the_client_when_the_hub_is_frozen(hub: dict)
             assert peer.requests_in_flight == 0
         finally:
             hub["proc"].signal(signal.SIGCONT)
+
+
+async def test_prefer_keeps_requests_on_one_server_and_replies_say_who_served(hub: dict) -> None:
+    """`prefer` over a real hub: sequential requests that name one of two idle servers all go
+    to it (without it ties rotate between both), and each reply's `served_by` names it."""
+    async with connect(hub["endpoint"], name="one") as one, \
+            connect(hub["endpoint"], name="two") as two, \
+            connect(hub["endpoint"], name="requester") as peer:
+        for server in (one, two):
+            async def handler(req, name: str = server.name) -> bytes:  # type: ignore[no-untyped-def]
+                return name.encode()
+            await server.serve("pick", handler)
+
+        async def ask(prefer: str) -> tuple[bytes, str]:
+            async with peer.stream("pick", b"", timeout=10, prefer=prefer) as replies:
+                bodies = [body async for body in replies]
+            return bodies[-1], replies.served_by
+
+        rotated = {await ask("") for _ in range(4)}
+        assert rotated == {(b"one", one.peer_id), (b"two", two.peer_id)}
+        for target in (two, one):
+            assert {await ask(target.peer_id) for _ in range(4)} == {
+                (target.name.encode(), target.peer_id)}
+        assert await peer.request("pick", b"", prefer="not a peer") in (b"one", b"two")

@@ -453,9 +453,10 @@ agent = "w"
 
 def test_experiment_run_warns_when_a_tools_workers_keep_different_run_folders(
         tmp_path: Path) -> None:
-    """The hub routes each tool call by capacity alone: with two workers on different
-    workspaces a cell's calls may be split between their `.runs`. `experiment run` says so,
-    naming the tool and the workers; two workers on one workspace are one `.runs`: no warning."""
+    """With two workers on different workspaces a cell's calls stay on one of them unless it
+    is full or gone (worker affinity; tests/experiments/test_worker_affinity.py), when they are
+    split between their `.runs`. `experiment run` notes it, naming the tool and the workers;
+    two workers on one workspace are one `.runs`: no note."""
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
     spec = write(tmp_path / "spec", SPLIT, [{"id": "s", "input": "go"}])

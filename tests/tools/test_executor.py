@@ -11,7 +11,9 @@ import anyio
 import msgspec
 import pytest
 
-from agent_bus.bus.messages import ToolResult
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
+from agent_bus.bus.messages import RunWorkspace, ToolCallRequest, ToolResult
 from agent_bus.tools.executor import BusToolExecutor, arguments_problem
 from tests.tools.fixtures.procs import (
     call,
@@ -142,3 +144,86 @@ async def test_a_call_refused_by_a_leaving_worker_is_sent_again(hub: dict) -> No
         async with workers(hub["endpoint"]) as [_], executor(hub["endpoint"]) as tools:
             result = await tools.execute(call("add", a=20, b=22))
             assert (result.text, len(refused)) == ("42", 1)
+
+
+def _in(workspace: str, call_id: str, **args: object) -> ToolCallRequest:
+    return msgspec.structs.replace(call("sleepy", call_id, seconds=0.01, **args),
+                                   workspace=RunWorkspace(id=workspace))
+
+
+async def test_a_workspaces_calls_stay_on_the_worker_of_its_first_call(hub: dict) -> None:
+    """Two workers: calls without a workspace rotate over both; a workspace's calls, its first
+    batch of parallel calls included, all go to one worker, which `worker_of` names. When that
+    worker is gone the workspace moves to the one that served it next (not to each in turn);
+    a released workspace is forgotten, and unheld ones past `affinity_limit` oldest first."""
+    async with workers(hub["endpoint"], 2, "--concurrency", "4") as procs, \
+            connect(hub["endpoint"], name="test-client") as peer:
+        tools = BusToolExecutor(peer, affinity_limit=2)
+        pids = {await _pid(tools, call("sleepy", f"n{i}", seconds=0.01)) for i in range(4)}
+        assert pids == {p.pid for p in procs}
+        tools.hold_workspace("w/1")
+        for batch in range(3):
+            results = await tools.execute_all([_in("w/1", f"c{batch}.{i}") for i in range(3)])
+            pids = {json.loads(r.text)["pid"] for r in results}
+            assert len(pids) == 1, pids
+        [home] = [p for p in procs if p.pid in pids]
+        assert tools.worker_of("w/1") == _peer_id(await peer.status(), home.pid)
+        # its worker stops: a new one starts; the workspace moves to one of them and stays
+        other = next(p for p in procs if p is not home)
+        await anyio.to_thread.run_sync(home.stop)
+        async with workers(hub["endpoint"], 1, "--concurrency", "4") as [new]:
+            await until(lambda: _catalog_without(tools, home.pid), 10, "the catalog refreshed")
+            moved = {await _pid(tools, _in("w/1", f"m{i}")) for i in range(4)}
+            assert len(moved) == 1 and moved <= {other.pid, new.pid}, moved
+            for name in ("w/2", "w/3", "w/4"):  # unheld: at most 2 kept besides held ones
+                await tools.execute(_in(name, "x"))
+            assert [bool(tools.worker_of(n)) for n in ("w/1", "w/2", "w/3", "w/4")] == [
+                True, False, True, True]
+            tools.release_workspace("w/1")
+            assert tools.worker_of("w/1") == ""
+
+
+async def _pid(tools: BusToolExecutor, request: ToolCallRequest) -> int:
+    result = await tools.execute(request)
+    assert not result.is_error, result.text
+    return int(json.loads(result.text)["pid"])
+
+
+def _peer_id(status: p.Status, pid: int) -> str:
+    return next(peer.peer for peer in status.peers if peer.pid == pid)
+
+
+async def _catalog_without(tools: BusToolExecutor, pid: int) -> bool:
+    """The executor's catalog (and its live peers) fetched since `pid` left the hub."""
+    status = await tools.peer.status()
+    if any(peer.pid == pid for peer in status.peers):
+        return False
+    await tools._tools(refresh=True)
+    return True
+
+
+async def test_tools_the_workspaces_worker_lacks_stay_on_one_worker_of_theirs(
+        hub: dict, tmp_path: Path) -> None:
+    """The workspace's first call goes to a worker of the test tools; its file tools are served
+    only by two built-in workers with different workspaces: the first file call picks one of
+    them, and every later file call (any file tool, several at once) goes there too."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    async with workers(hub["endpoint"], 1, "--concurrency", "4"), \
+            workers(hub["endpoint"], 1, "--workspace", str(tmp_path / "a"), "--concurrency", "4",
+                    tools="agent_bus.tools.builtin"), \
+            workers(hub["endpoint"], 1, "--workspace", str(tmp_path / "b"), "--concurrency", "4",
+                    tools="agent_bus.tools.builtin"), \
+            executor(hub["endpoint"]) as tools:
+        assert not (await tools.execute(_in("w/5", "s"))).is_error
+        files = [call("write_file", "w1", path="one.txt", content="1"),
+                 call("write_file", "w2", path="two.txt", content="2")]
+        reads = [call("read_file", f"r{i}", path=name) for i, name in
+                 enumerate(["one.txt", "two.txt"] * 2)]
+        for batch in (files, reads):
+            results = await tools.execute_all(
+                [msgspec.structs.replace(r, workspace=RunWorkspace(id="w/5")) for r in batch])
+            assert not any(r.is_error for r in results), [r.text for r in results]
+        assert tools.worker_of("w/5", "read_file") == tools.worker_of("w/5", "write_file")
+        assert tools.worker_of("w/5", "read_file") not in ("", tools.worker_of("w/5"))
+        assert len([f for f in ("a", "b") if (tmp_path / f / ".runs" / "w" / "5").exists()]) == 1
