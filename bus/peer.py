@@ -450,10 +450,12 @@ class Peer:
         too; return how many events were dropped."""
         held = self._held
         kept = [item for item in held if item[1]] if not events else []
-        replies = sum(1 for item in held if not item[1])
+        # (a held request is no answer: its caller is failed with the connection, `_on_lost`)
+        replies = sum(1 for message, key in held
+                      if not key and p.decode_header(message[1]).kind != p.REQUEST)
         if replies:
             self.counters["reply_lost"] = self.counters.get("reply_lost", 0) + replies
-        dropped = len(held) - replies - len(kept)
+        dropped = sum(1 for _, key in held if key) - sum(1 for _, key in kept if key)
         held[:] = kept
         self._held_gen += 1
         return dropped
@@ -714,8 +716,9 @@ class Peer:
         deltas parsed from one read, a turn's lifecycle events, the answers of tool calls that
         ended together) costs one wake-up of ZeroMQ's I/O thread and of the hub instead of one
         per message, an isolated send being the costly kind. Any direct send flushes the held
-        messages first, so order is kept. (Requests are not held: sending them at once lets the
-        other side start sooner.) An event comes with its `key` and no header yet: events held
+        messages first, so order is kept. (A request is held only behind other held messages,
+        `Calls.begin`; alone it goes at once, so the other side starts sooner.) An event comes with
+        its `key` and no header yet: events held
         one after another with the same key (but perhaps the type) are sent as one multi-body
         message (`_flush_held`).
         """

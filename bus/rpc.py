@@ -182,7 +182,11 @@ class Calls:
             call = Call(req_id, expires)
             self.pending[req_id] = call  # before sending: the reply is read after it
             try:
-                sent = peer._send_now(frames)
+                # Behind held messages (a turn's events), the request joins them and goes out
+                # with them at the end of this loop iteration: the parallel tool calls a turn
+                # starts in one iteration then reach the hub as one burst (one wake-up of it
+                # and of ZeroMQ's I/O thread), not one send each. Alone, it goes at once.
+                sent = (bool(peer._held) and peer._hold(frames, event=False)) or peer._send_now(frames)
             except BaseException:
                 self.pending.pop(req_id, None)
                 raise
