@@ -104,7 +104,7 @@ def _serving_peer(endpoint: str, capacity: int, ready: mp.Queue[int]) -> None:
     anyio.run(main)
 
 
-def _publisher(endpoint: str, n: int, start: mp.Event) -> None:
+def _publisher(endpoint: str, n: int, start: mp.Event, ready: mp.Event) -> None:
     import anyio
 
     from agent_bus.bus.client import connect
@@ -114,6 +114,7 @@ def _publisher(endpoint: str, n: int, start: mp.Event) -> None:
             from agent_bus.bus import events as ev
 
             body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
+            ready.set()
             start.wait()
             for _ in range(n):
                 await peer.publish_raw("topic_message", body, agent="a", run="r")
@@ -278,11 +279,14 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                     # HWM) sees the seq jump and fills it from the log; with a topic filter the
                     # loss would be silent and the count never reached.
                     async with peer.subscribe() as sub:
-                        start = spawn.Event()
-                        pub = spawn.Process(target=_publisher, args=(endpoint, n_events, start),
-                                            daemon=True)
+                        start, ready = spawn.Event(), spawn.Event()
+                        pub = spawn.Process(target=_publisher,
+                                            args=(endpoint, n_events, start, ready), daemon=True)
                         procs.append(pub)
                         pub.start()
+                        assert pub.pid is not None
+                        await anyio.to_thread.run_sync(ready.wait, 30)
+                        cpu0 = _cpu(hub.pid, [pub.pid])
                         start.set()
                         count = 0
                         t0 = 0.0
@@ -297,6 +301,8 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                                     break
                         out["events_per_s"] = (count - 1) / (time.perf_counter() - t0)
                         out["events_filled"] = sub.filled
+                        out["ev_cpu_hub"], out["ev_cpu_pub"], out["ev_cpu_sub"] = _cpu_per(
+                            cpu0, _cpu(hub.pid, [pub.pid]), count)
 
             anyio.run(events)
         finally:
@@ -493,6 +499,9 @@ def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[st
           f"{mid('rtt_cpu_servers'):.0f}, requester {mid('rtt_cpu_client'):.0f}; 256 concurrent: "
           f"hub {mid('thr_cpu_hub'):.1f}, 4 servers {mid('thr_cpu_servers'):.1f}, requester "
           f"{mid('thr_cpu_client'):.1f}", flush=True)
+    print(f"CPU per event (us, as above): hub "
+          f"{mid('ev_cpu_hub'):.1f}, publisher {mid('ev_cpu_pub'):.1f}, subscriber "
+          f"{mid('ev_cpu_sub'):.1f}", flush=True)
 
 
 def main() -> None:

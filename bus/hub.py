@@ -159,6 +159,35 @@ def _typed_event_fault(type_: str, body: bytes) -> str:
     return f"header `type` `{type_[:64]}` differs from the body's `type` `{body_type[:64]}`"
 
 
+def _valid_body_check(type_: str) -> Callable[[bytes], bool] | None:
+    """A check that passes a body `_typed_event_fault(type_, body)` would pass ("") and fails
+    most others (then the caller asks `_typed_event_fault` why): the prebuilt decoder of a known
+    type, or the `type` field read of an unknown one. None for a hub-only type (always refused)."""
+    check = _VALID_CHECKS.get(type_)
+    if check is not None or type_ in HUB_EVENT_TYPES:
+        return check
+    return functools.partial(_has_type, type_)
+
+
+def _decodes(decode: Callable[[bytes], Any], body: bytes) -> bool:
+    try:
+        decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return False
+    return True
+
+
+def _has_type(type_: str, body: bytes) -> bool:
+    return _body_type(body) == type_
+
+
+# A valid body of each known type that peers may publish passes its prebuilt decoder.
+_VALID_CHECKS: dict[str, Callable[[bytes], bool]] = {
+    type_: functools.partial(_decodes, decode) for type_, decode in _EVENT_DECODERS.items()
+    if type_ not in HUB_EVENT_TYPES
+}
+
+
 def _mixed_body_type(body: bytes) -> tuple[str, str]:
     """A body of a message of mixed types (header `type` "*"): (its own `type`, "") when it
     may be published as that, else ("*", why not)."""
@@ -193,10 +222,11 @@ def _recv_frames(sock: zmq.Socket[Any], flags: int = _NOBLOCK) -> list[Any]:
 
 def _send_frames(sock: zmq.Socket[Any], frames: list[Any]) -> None:
     """Send a multipart message without blocking (EAGAIN is raised on the first frame only)."""
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        _bsend(sock, frame, _MORE_NOBLOCK if i < last else _NOBLOCK,
-               not (len(frame) >= _COPY_THRESHOLD))
+    last = frames[-1]
+    for i in range(len(frames) - 1):  # (no enumerate, no per-frame flag choice: ~0.3 us less)
+        frame = frames[i]
+        _bsend(sock, frame, _MORE_NOBLOCK, len(frame) < _COPY_THRESHOLD)
+    _bsend(sock, last, _NOBLOCK, len(last) < _COPY_THRESHOLD)
 
 
 class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -766,21 +796,29 @@ class Hub:
             return
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
         mixed = header.type == p.MIXED_TYPES
+        # What is the same for every body of the message is looked up once: the check that
+        # passes a valid body of the header's type (anything else takes the slow path, which
+        # says why), and whether the speaker check applies.
+        valid = None if mixed else _valid_body_check(header.type)
         if count == 1:
-            self._stamp_body(ident, peer, header, frames[3], 0, 1, mixed)
+            self._stamp_body(ident, peer, header, frames[3], 0, 1, mixed, valid)
             return
         base = header.id
+        stamp_body = self._stamp_body
         for i in range(count):
             header.id = f"{base}.{i}"  # each event's own id (its `error`, if refused, names it)
             if mixed:
                 header.type = p.MIXED_TYPES  # the previous body's type is not this one's
-            self._stamp_body(ident, peer, header, frames[3 + i], i, count, mixed)
+            stamp_body(ident, peer, header, frames[3 + i], i, count, mixed, valid)
 
     def _stamp_body(self, ident: bytes, peer: PeerState, header: p.Header, body: bytes,
-                    index: int, count: int, mixed: bool) -> None:
+                    index: int, count: int, mixed: bool,
+                    valid: Callable[[bytes], bool] | None = None) -> None:
         """Check body `index` of `count` and add it to the pass's batch, or refuse it. In a
-        message of `mixed` types, the body's own `type` is set into the header first."""
-        if self.events.refusing:
+        message of `mixed` types, the body's own `type` is set into the header first. `valid`
+        (from `_valid_body_check`) passes a valid body without building the refusal's reason."""
+        events = self.events
+        if events.refusing:
             self.counters.bump("events_refused")
             self._send_error(ident, header.id, p.LOG_UNAVAILABLE, self._log_refusal())
             return
@@ -792,12 +830,13 @@ class Hub:
                                 f"({self.config.max_event_bytes})")
         if not isinstance(body, bytes):
             body = body.bytes
-        if self._refuse_event(ident, header, body, index, count, mixed):
+        if (valid is None or not valid(body)) and self._refuse_event(ident, header, body, index,
+                                                                     count, mixed):
             return
         if self._restricted and self._refuse_speaker(ident, peer, header):
             return
         self._batch_bytes += len(body)
-        self.events.stamp(header, body)
+        events.stamp(header, body)
 
     def _refuse_event(self, ident: bytes, header: p.Header, body: bytes, index: int = 0,
                       count: int = 1, mixed: bool = False) -> bool:
