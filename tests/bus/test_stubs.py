@@ -13,6 +13,7 @@ import zmq
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
+from tests.support import until
 
 pytestmark = pytest.mark.anyio
 
@@ -25,8 +26,13 @@ async def test_subscription_gets_large_events_whole_and_in_order(hub: dict[str, 
     raw = ctx.socket(zmq.SUB)
     raw.linger = 0
     raw.setsockopt(zmq.SUBSCRIBE, b"ext/")
+    raw.setsockopt(zmq.SUBSCRIBE, p.HEARTBEAT_TOPIC)
     raw.connect(hub["events"])
     try:
+        # Subscribed once the hub's heartbeat reaches it (sent soon after each new subscription):
+        # an event published before that would not reach this socket (ZeroMQ's slow joiner).
+        await until(lambda: raw.poll(0) and raw.recv_multipart()[0] == p.HEARTBEAT_TOPIC, 10,
+                    "the raw subscriber's subscription reached the hub (its heartbeat)")
         async with connect(hub["endpoint"], name="stubs") as peer, \
                 peer.subscribe(["ext/"]) as events:
             for text in texts:
