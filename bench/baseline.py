@@ -3,14 +3,18 @@
 A blocking DEALER -> ROUTER broker -> DEALER worker echo, with no framing beyond a kind frame:
 the physical limit of one broker hop on this machine. `raw_round_trip` times one request at a
 time; `raw_throughput` keeps many in flight over several workers (taken in turn), the ceiling
-for requests per second through one Python broker here.
+for requests per second through one Python broker here. `RawTurns` sends the hops of agent turns
+(a model round trip, then the turn's tool calls at once) through the same broker to as many
+workers: the floor of any topology of separate processes that talks through a broker.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import resource
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,6 +63,7 @@ def _raw_broker(endpoint: str) -> None:
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
+    router.sndhwm = router.rcvhwm = 0  # a ROUTER drops at the HWM: thousands may be in flight
     router.bind(endpoint)
     workers: list[bytes] = []
     turn = 0
@@ -87,6 +92,7 @@ def _raw_worker(endpoint: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    sock.sndhwm = sock.rcvhwm = 0
     sock.connect(endpoint)
     sock.send_multipart([b"ready"])
     while True:
@@ -94,9 +100,9 @@ def _raw_worker(endpoint: str) -> None:
         sock.send_multipart([b"rep", *frames[1:]])
 
 
-def _start(workers: int) -> tuple[str, list[mp.process.BaseProcess]]:
-    """A raw broker and `workers` raw workers, each its own process."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+def _start(workers: int, endpoint: str = "") -> tuple[str, list[mp.process.BaseProcess]]:
+    """A raw broker and `workers` raw workers, each its own process (on TCP by default)."""
+    endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
     spawn = mp.get_context("spawn")
     procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True)]
     procs += [spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)
@@ -119,6 +125,7 @@ def _requester(endpoint: str, body: bytes, workers: int) -> tuple[zmq.Context, z
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    sock.sndhwm = sock.rcvhwm = 0
     sock.connect(endpoint)
     answered = 0
     while answered < workers * 2:  # two turns of the rotation: every worker answers
@@ -178,3 +185,65 @@ def raw_round_trip(n: int, body: bytes = b"x" * 64) -> tuple[float, float]:
         return pct(times, 0.5), pct(times, 0.99)
     finally:
         _stop(sock, ctx, procs)
+
+
+def _own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class RawTurns:
+    """The hops of agent turns through raw pyzmq, nothing done at either end: the floor.
+
+    A raw broker and `workers` raw echo workers, each its own process, and a blocking DEALER
+    here. A session's turn is one round trip (the model call), then `calls` round trips at
+    once (the tool calls); the broker hands requests to the workers in turn, so with `workers`
+    = `calls` + 1 a turn of one session reaches every process once, as a turn through the
+    topology reaches the gateway and each tool worker. What a turn costs here, any topology of
+    separate processes talking through a Python broker pays on top of the loop and the model.
+    On `transport` tcp or ipc; `close()` stops every process.
+    """
+
+    def __init__(self, workers: int, transport: str = "tcp", body: bytes = b"x" * 256) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="raw-turns-")
+        endpoint = (f"ipc://{self._tmp.name}/broker.sock" if transport == "ipc"
+                    else f"tcp://127.0.0.1:{free_port()}")
+        self._body = body[4:]
+        self._endpoint, self._procs = _start(workers, endpoint)
+        self._ctx, self._sock = _requester(self._endpoint, body, workers)
+
+    def run(self, sessions: int, turns: int, calls: int) -> tuple[float, float]:
+        """`sessions` sessions at once, each `turns` turns of a model round trip and `calls`
+        tool round trips, then a final model round trip. Returns wall seconds and CPU seconds
+        (user + system of every process, this one included) per model round trip."""
+        sock, body = self._sock, self._body
+        tools_left = [0] * sessions
+        turns_left = [turns] * sessions
+        cpu0 = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s()
+        started = time.perf_counter()
+        for s in range(sessions):
+            sock.send_multipart([b"req", s.to_bytes(4, "little") + body])
+        active = sessions
+        while active:
+            answer = sock.recv_multipart()[1]
+            s = int.from_bytes(answer[:4], "little")
+            if tools_left[s]:  # a tool call's answer
+                tools_left[s] -= 1
+                if not tools_left[s]:  # the batch is done: the next model call
+                    sock.send_multipart([b"req", answer])
+                continue
+            if not turns_left[s]:  # the final answer
+                active -= 1
+                continue
+            turns_left[s] -= 1
+            tools_left[s] = calls
+            for _ in range(calls):
+                sock.send_multipart([b"req", answer])
+        wall = time.perf_counter() - started
+        cpu = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s() - cpu0
+        model_calls = sessions * (turns + 1)
+        return wall / model_calls, cpu / model_calls
+
+    def close(self) -> None:
+        _stop(self._sock, self._ctx, self._procs)
+        self._tmp.cleanup()

@@ -14,6 +14,12 @@ answer turn, against a zero-latency scripted model. Three ways:
      AgentTools over BusToolExecutor): C - D is what the coordinator process itself adds
      (event publishing, persistence, the command path); D also times each model call and each
      tool batch, which splits the bus overhead between the `llm` path and the tool path.
+  F  the floor: the same turns' hops through raw pyzmq (bench/baseline.py `RawTurns`: a
+     blocking raw broker and CALLS + 1 raw echo processes, one model round trip then CALLS tool
+     round trips at once per turn, nothing done at either end), on each transport. B + F is the
+     least any topology of separate processes talking through a Python broker can take, so
+     (B + F) / B is the floor of C/B on this machine in this run, and C - B - F is what the
+     bus's own code adds on top of its hops.
 
 Bus overhead per turn = (C - A) / turns (the target is < 2 ms); (C - B) / turns is the part
 that is neither the model's HTTP stream nor the loop itself. Per tool call divides the same
@@ -55,7 +61,7 @@ from agent_bus.bus.messages import (  # noqa: E402
     Usage,
     error_result,
 )
-from bench.baseline import tree_cpu_s  # noqa: E402
+from bench.baseline import RawTurns, tree_cpu_s  # noqa: E402
 
 TOOLS_PY = '''
 from agent_bus.tools import tool
@@ -415,7 +421,10 @@ def main() -> None:
             fake_c, base_url_c = start_fake(steps * runs * (len(transports) + 1), tmp, "fake-c")
             procs.append(fake_c)
             tops = {t: start_topology(tmp, t, base_url_c, tools_py, procs) for t in transports}
+            raws = {t: RawTurns(calls + 1, t) for t in transports}
             times: dict[str, list[float]] = {k: [] for k in ["A", "B", *transports]}
+            floor: dict[str, list[float]] = {t: [] for t in transports}
+            floor_cpu: dict[str, list[float]] = {t: [] for t in transports}
             cpu: dict[str, dict[str, float]] = {t: {} for t in transports}
 
             async def alternated() -> None:
@@ -440,10 +449,15 @@ def main() -> None:
                                 for name, pid in pids.items():
                                     cpu[t][name] = (cpu[t].get(name, 0.0) + tree_cpu_s(pid)
                                                     - before[name])
+                            wall, cpu_turn = raws[t].run(1, turns, calls)
+                            floor[t].append(wall * model_turns)
+                            floor_cpu[t].append(cpu_turn)
 
             anyio.run(alternated)
             d_runs = anyio.run(bus_loop, tops[transports[0]][0], runs)
         finally:
+            for raw in locals().get("raws", {}).values():
+                raw.close()
             for proc in reversed(procs):
                 proc.stop()
 
@@ -470,6 +484,17 @@ def main() -> None:
               f"in one process: {m:.2f}x [{', '.join(f'{x:.2f}' for x in per)}] (target <= "
               f"{target:g}x: {'met' if m <= target else 'NOT met'}); C/A "
               f"{median([ct / at for ct, at in zip(times[t][1:], times['A'][1:], strict=True)]):.2f}x")
+    for t in transports:
+        f = median(floor[t][1:])
+        per = [(bt + ft) / bt for bt, ft in zip(times["B"][1:], floor[t][1:], strict=True)]
+        over = [(ct - bt - ft) / model_turns
+                for ct, bt, ft in zip(times[t][1:], times["B"][1:], floor[t][1:], strict=True)]
+        print(f"  F the same turns' hops through raw pyzmq on {t} (a raw broker, {calls + 1} raw "
+              f"echo processes, nothing done at either end): {f / model_turns * ms:.3f} ms/turn, "
+              f"CPU {median(floor_cpu[t][1:]) * ms:.3f} ms/turn (all its processes)")
+        print(f"    the floor of C/B on {t}, (B + F) / B: {median(per):.2f}x "
+              f"[{', '.join(f'{x:.2f}' for x in per)}]; C above that floor, (C - B - F): "
+              f"{median(over) * ms:.3f} ms/turn, what the bus's own code adds to its hops")
     if len(transports) == 2:
         x, y = transports
         per = [cy / cx for cx, cy in zip(times[x][1:], times[y][1:], strict=True)]

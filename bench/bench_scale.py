@@ -23,7 +23,14 @@ loss check: every prompt got a result and every run has exactly one `agent_end` 
 Per N, ROUNDS times (default 3), alternated: the same N runs with `asyncio.gather` over the pure
 loop in this process (in-memory model sleeping MODEL_MS, in-process tool; the no-bus limit),
 then N through the topology; the ratio printed is the median of the rounds' ratios (issue 32:
-<= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is checked for loss. Not run by pytest;
+<= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is checked for loss.
+
+Each round also measures the floor of that ratio: the same N sessions' hops through raw pyzmq
+(bench/baseline.py `RawTurns`: a raw broker and WORKERS + 1 raw echo processes, nothing done at
+either end), whose CPU, with the pure loop's own CPU (the coordinator runs the same loop) and the
+scripted model's CPU in the topology's window, no topology of separate processes on this
+machine's cores can spend in less wall time than their sum over the cores (nor in less than the
+pure loop's wall). The floor / pure is printed beside the ratio. Not run by pytest;
 every process is stopped at the end, even on error.
 """
 
@@ -59,12 +66,13 @@ from agent_bus.bus.messages import (  # noqa: E402
     user_text,
 )
 from bench import bench_loop  # noqa: E402
-from bench.baseline import cpu_s, pct, tree_cpu_s  # noqa: E402
+from bench.baseline import RawTurns, cpu_s, pct, tree_cpu_s  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
 
 WORKERS = 4
 #: issue 32: N sessions through the topology / the pure loop at the same N
 TARGETS = {100: 1.3, 1000: 1.5}
+CORES = os.cpu_count() or 1
 
 TOOLS_PY = '''
 import anyio
@@ -257,15 +265,35 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
         tools = LocalTools(str(tools_py))
         pure: list[float] = []
         walls: list[float] = []
+        floors: list[float] = []
+        raw: RawTurns | None = None
+
+        def pure_round() -> None:
+            """The pure loop at N, then the raw hops of the same N sessions: the round's floor
+            needs the topology's scripted-model CPU too (`floor_round`)."""
+            cpu0 = cpu_self()
+            pure.append(asyncio.run(pure_gather(n, args, tools)))
+            pure_cpu.append(cpu_self() - cpu0)
+            assert raw is not None
+            raw_cpu.append(raw.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
+
+        def floor_round(model_cpu: float) -> None:
+            spent = pure_cpu[-1] + raw_cpu[-1] + model_cpu
+            floors.append(max(pure[-1], spent / CORES))
+
+        pure_cpu: list[float] = []
+        raw_cpu: list[float] = []
         try:
+            raw = RawTurns(WORKERS + 1)
             endpoint = topo.start()
             anyio.run(prompt_all, endpoint, 1)  # warm-up: imports, connections, the store
             asyncio.run(pure_gather(1, args, tools))
-            pure.append(asyncio.run(pure_gather(n, args, tools)))
+            pure_round()
             before, cpu_before = topo.rss(), topo.cpu()
             since, until, results, failures = anyio.run(prompt_all, endpoint, n)
             walls.append(until - since)
             cpu = {k: v - cpu_before[k] for k, v in topo.cpu().items()}
+            floor_round(cpu["fake-llm"])
             db_path = Path(tmpdir) / "hub" / "events.db"
             wait_logged(db_path, {r.run_id for r in results})
             after = topo.rss()
@@ -281,15 +309,20 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 second = topo.rss()["coordinator"]
                 lost += lost_runs(more, more_failures, read_log(db_path, 0, time.time())["ends"])
             for _ in range(args.rounds - 1):
-                pure.append(asyncio.run(pure_gather(n, args, tools)))
+                pure_round()
+                model_cpu = topo.cpu()["fake-llm"]
                 t0, t1, more, more_failures = anyio.run(prompt_all, endpoint, n)
                 walls.append(t1 - t0)
+                floor_round(topo.cpu()["fake-llm"] - model_cpu)
                 wait_logged(db_path, {r.run_id for r in more})
                 lost += lost_runs(more, more_failures, read_log(db_path, t0, t1)["ends"])
         finally:
             topo.stop()
+            if raw is not None:
+                raw.close()
     ends = log["ends"]
-    return {"n": n, "wall": walls[0], "walls": walls, "pure": pure, "results": len(results),
+    return {"n": n, "wall": walls[0], "walls": walls, "pure": pure, "floors": floors,
+            "pure_cpu": pure_cpu, "raw_cpu": raw_cpu, "results": len(results),
             "failures": failures, "lost": lost, "events": log["events"],
             "latencies": log["latencies"], "before": before, "after": after, "gaps": log["gaps"],
             "cpu": cpu, "second_wave_kb": second - after["coordinator"],
@@ -433,6 +466,14 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"alternated rounds: {ratio:.2f}x [{', '.join(f'{x:.2f}' for x in per)}]{verdict}; "
           f"walls ms: topology {' '.join(f'{w * ms:.0f}' for w in r['walls'])}, pure "
           f"{' '.join(f'{w * ms:.0f}' for w in r['pure'])}")
+    floor = [f / p for f, p in zip(r["floors"], r["pure"], strict=True)]
+    above = [w / f for w, f in zip(r["walls"], r["floors"], strict=True)]
+    print(f"         the floor of that ratio, (pure loop CPU + the same sessions' hops through "
+          f"raw pyzmq + the scripted model's CPU) / {CORES} cores, or the pure wall if longer, "
+          f"/ pure: {sorted(floor)[len(floor) // 2]:.2f}x [{', '.join(f'{x:.2f}' for x in floor)}]"
+          f"; topology / floor {sorted(above)[len(above) // 2]:.2f}x; CPU s per wave: pure loop "
+          f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
+          f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
     # (deltas left out), summed per kind of step; the largest few.
     spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)
