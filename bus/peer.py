@@ -880,7 +880,7 @@ class Peer:
 
     def stream(
         self, service: str, body: bytes, *, timeout: float | None = 30.0, parent: str = "",
-        prefer: str = ""
+        prefer: str = "", wait: float = 0.0
     ) -> contextlib.AbstractAsyncContextManager[Replies]:
         """Send a request; iterate its partial replies; the iterator ends after the final reply.
 
@@ -888,15 +888,18 @@ class Peer:
         `replies.served_by` names the peer that served it. Leaving the block early (or being
         cancelled) cancels the request at the hub and the serving peer. `prefer`: a peer id the
         hub sends the request to while that peer serves the service and has a free slot (else
-        to another, as usual; docs/protocol.md section 5, "Preferred server").
+        to another, as usual; docs/protocol.md section 5, "Preferred server"). `wait`: when no
+        peer serves the service, how long (s) the hub holds the request for one to register
+        before it fails `no_service` (0: until the timeout; docs/protocol.md section 5, "Waiting
+        for a server").
         """
-        return self._calls.stream(service, body, timeout, parent, prefer)
+        return self._calls.stream(service, body, timeout, parent, prefer, wait)
 
     async def request(self, service: str, body: bytes, *, timeout: float | None = 30.0,
-                      parent: str = "", prefer: str = "") -> bytes:
+                      parent: str = "", prefer: str = "", wait: float = 0.0) -> bytes:
         """Send a request and return the final reply body (partials are discarded); `prefer`
-        as for `stream`."""
-        return await self._calls.request(service, body, timeout, parent, prefer)
+        and `wait` as for `stream`."""
+        return await self._calls.request(service, body, timeout, parent, prefer, wait)
 
     async def status(self, timeout: float = 5.0) -> p.Status:
         return p.decode(await self.request(p.HUB_STATUS, b"", timeout=timeout), p.Status)

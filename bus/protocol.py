@@ -82,6 +82,9 @@ class Header(msgspec.Struct, omit_defaults=True):
     # requests: the peer id the requester would like to serve it (a preference: see
     # docs/protocol.md section 5, "Preferred server")
     prefer: str = ""
+    # requests: seconds it may wait for a server of its service to register while none serves
+    # it (0: until the deadline; see docs/protocol.md section 5, "Waiting for a server")
+    wait: float = 0.0
     code: str = ""
     error: str = ""
     # events

@@ -68,6 +68,7 @@ class Pending:
     size: int = 0  # bytes charged to the request budgets while the hub holds it
     lost: int = 0  # servers lost while serving it (see `max_redispatch`)
     prefer: bytes = b""  # routing id of the server its requester prefers (header `prefer`)
+    wait_until: float = math.inf  # monotonic: unserved by then, it fails (header `wait`)
 
 
 @dataclass(slots=True)
@@ -300,6 +301,8 @@ class Registry:
             return False
         req = Pending(req_id, ident, header.service, deadline, frames[2], frames[3:],
                       size=REQUEST_OVERHEAD + sum(map(len, frames)))
+        if header.wait > 0:  # (False for NaN: ignored, as a wait of 0)
+            req.wait_until = self.clock() + header.wait
         service = self._service_for(req)
         if service is None:
             return False
@@ -312,7 +315,7 @@ class Registry:
         size = req.size
         peer.request_bytes += size
         self.request_bytes += size
-        if deadline != math.inf:
+        if deadline != math.inf or req.wait_until != math.inf:
             self._watch_deadline(req)
         if header.prefer:
             req.prefer = self._preferred(header.prefer)
@@ -331,14 +334,16 @@ class Registry:
         return ident if peer is not None and peer.id == peer_id else b""
 
     def _watch_deadline(self, req: Pending) -> None:
-        """Put `req` on the deadline heap. Entries of ended requests stay until popped, so the
-        heap is rebuilt from the live ones once they are outnumbered: memory follows the requests
-        held, not the request rate times the deadlines (amortised O(log n) per request)."""
+        """Put `req` on the deadline heap, at the end of its `wait` for a server when that comes
+        first (`expire` then puts it back at its deadline if it is served or queued behind busy
+        servers). Entries of ended requests stay until popped, so the heap is rebuilt from the
+        live ones once they are outnumbered: memory follows the requests held, not the request
+        rate times the deadlines (amortised O(log n) per request)."""
         heap = self.deadlines
         if len(heap) > 2 * len(self.requests) + 64:
             heap[:] = [entry for entry in heap if not entry[2].done]
             heapq.heapify(heap)
-        heapq.heappush(heap, (req.deadline, next(self._order), req))
+        heapq.heappush(heap, (min(req.deadline, req.wait_until), next(self._order), req))
 
     def _deadline(self, ident: bytes, header: p.Header) -> float:
         """The request's deadline on the monotonic clock; NaN after refusing it."""
@@ -359,7 +364,7 @@ class Registry:
         service = self.services.get(req.service)
         if service is not None and service.slots:
             return service
-        if req.deadline == math.inf:  # nobody serves it and it would wait forever
+        if req.deadline == math.inf and req.wait_until == math.inf:  # it would wait forever
             self._error(req, p.NO_SERVICE, no_service_text(req.service))
             return None
         if service is not None:
@@ -456,12 +461,16 @@ class Registry:
         """Answer requests past their deadline (`deadline_exceeded`, or `no_service` when nobody
         serves it) and cancelled ones whose server let the grace period pass."""
         while self.deadlines and self.deadlines[0][0] <= now:
-            req = heapq.heappop(self.deadlines)[2]
+            at, _, req = heapq.heappop(self.deadlines)
             if req.done or req.cancelling:  # a cancelled one is answered at its grace's end
                 continue
-            self.counters.bump("expired_requests")
             service = self.services.get(req.service)
-            if req.server is None and (service is None or not service.slots):
+            unserved = req.server is None and (service is None or not service.slots)
+            if at < req.deadline:  # the end of its `wait` for a server
+                self._end_wait(req, unserved)
+                continue
+            self.counters.bump("expired_requests")
+            if unserved:
                 self._error(req, p.NO_SERVICE, no_service_text(req.service))
             else:
                 where = "in the queue" if req.server is None else "while being served"
@@ -476,6 +485,18 @@ class Registry:
             self._answer_cancelled(req, f"cancelled; the server did not answer the cancel within "
                                         f"{self.limits.cancel_grace:g} s")
         self.prune_services()
+
+    def _end_wait(self, req: Pending, unserved: bool) -> None:
+        """`req`'s `wait` is over: still nobody to serve it, it fails `no_service`; otherwise
+        (served, or queued behind busy servers) it is watched until its deadline again."""
+        if not unserved:
+            if req.deadline != math.inf:
+                heapq.heappush(self.deadlines, (req.deadline, next(self._order), req))
+            return
+        self.counters.bump("waits_expired")
+        self._error(req, p.NO_SERVICE, f"{no_service_text(req.service)}; the request waited "
+                                       "its `wait` for one to register")
+        self._withdraw(req)
 
     def prune_services(self) -> None:
         empty = [n for n, s in self.services.items() if not s.slots and not s.queued]

@@ -158,14 +158,14 @@ class Calls:
             call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
 
     async def start(self, service: str, body: bytes, timeout: float | None, parent: str,
-                    prefer: str = "") -> Call:
-        call = self.begin(service, body, timeout, parent, prefer)
+                    prefer: str = "", wait: float = 0.0) -> Call:
+        call = self.begin(service, body, timeout, parent, prefer, wait)
         if isinstance(call, Call):
             return call
         return await self._start_waiting(*call)
 
     def begin(self, service: str, body: bytes, timeout: float | None, parent: str,
-              prefer: str = "") -> Call | tuple[str, float, float, list[Any]]:
+              prefer: str = "", wait: float = 0.0) -> Call | tuple[str, float, float, list[Any]]:
         """Send the request now when the peer is welcomed and the socket takes it (its `Call`);
         else what `_start_waiting` needs to wait for the connection or room, then send it.
         (Synchronous: a request that goes out at once costs no coroutine of its own.)"""
@@ -175,7 +175,8 @@ class Calls:
         expires = now + timeout + REPLY_GRACE if timeout else float("inf")
         header = p.Header(kind=p.REQUEST, id=req_id, service=service,
                           deadline=time.time() + timeout if timeout else 0.0,
-                          parent=parent, peer=peer.peer_id, session=peer.session, prefer=prefer)
+                          parent=parent, peer=peer.peer_id, session=peer.session, prefer=prefer,
+                          wait=wait)
         frames = [_SIG, p.encode(header), body]
         deadline = now + timeout if timeout else float("inf")
         if peer.welcome is not None:
@@ -224,8 +225,8 @@ class Calls:
                 pass
 
     async def request(self, service: str, body: bytes, timeout: float | None, parent: str,
-                      prefer: str = "") -> bytes:
-        call = self.begin(service, body, timeout, parent, prefer)
+                      prefer: str = "", wait: float = 0.0) -> bytes:
+        call = self.begin(service, body, timeout, parent, prefer, wait)
         if not isinstance(call, Call):
             call = await self._start_waiting(*call)
         try:
@@ -235,8 +236,8 @@ class Calls:
 
     @asynccontextmanager
     async def stream(self, service: str, body: bytes, timeout: float | None, parent: str,
-                     prefer: str = "") -> AsyncIterator[Replies]:
-        call = await self.start(service, body, timeout, parent, prefer)
+                     prefer: str = "", wait: float = 0.0) -> AsyncIterator[Replies]:
+        call = await self.start(service, body, timeout, parent, prefer, wait)
         try:
             yield Replies(call)
         finally:

@@ -12,6 +12,10 @@ their first call) `prefer` that one, which the hub honours while it serves the t
 free slot (docs/protocol.md, "Run workspaces"), so a file one call writes is there for the next
 even when the tool's workers have different workspaces.
 
+A call waits at the hub for a worker of its tool at most `server_wait` (header `wait`; 30 s)
+while none serves it: a call made from the cached catalog after the tool's last worker left ends
+as an unknown tool then, not at the tool's timeout; a worker restarting within it serves it.
+
 Tool failures never raise: they come back as `is_error` results (unknown tool, bad arguments,
 worker lost, timeout, hub lost, an exception in the tool). Only anyio cancellation propagates;
 leaving the request cancels it at the hub, which tells the worker, which cancels the tool.
@@ -52,6 +56,10 @@ CATALOG_TTL = 1.0
 DEFAULT_TIMEOUT = 600.0
 #: Added to a tool's own timeout (the worker enforces that one and answers with a result).
 TIMEOUT_MARGIN = 5.0
+#: How long a call waits at the hub for a worker of its tool when none serves it (header `wait`):
+#: long enough for a supervised worker to restart, and the bound on a call made from a catalog
+#: fetched before the tool's last worker left (it fails as an unknown tool, not at its timeout).
+SERVER_WAIT = 30.0
 #: Workspaces whose worker is remembered while no run holds them (`hold_workspace`; an executor
 #: used outside a coordinator): at most this many, the oldest forgotten first.
 AFFINITY_LIMIT = 4096
@@ -73,9 +81,11 @@ class BusToolExecutor:
         default_timeout: float = DEFAULT_TIMEOUT,
         timeout_margin: float = TIMEOUT_MARGIN,
         affinity_limit: int = AFFINITY_LIMIT,
+        server_wait: float = SERVER_WAIT,
     ) -> None:
         self.peer = peer
         self.catalog_ttl = catalog_ttl
+        self.server_wait = server_wait
         self.default_timeout = default_timeout
         self.timeout_margin = timeout_margin
         self.affinity_limit = affinity_limit
@@ -199,7 +209,8 @@ class BusToolExecutor:
             return await self._call_in_workspace(request, request.workspace.id, timeout,
                                                  on_update)
         body = p.encode(request)
-        async with self.peer.stream(service_name(request.name), body, timeout=timeout) as replies:
+        async with self.peer.stream(service_name(request.name), body, timeout=timeout,
+                                    wait=self.server_wait) as replies:
             return await self._result(request, replies, on_update)
 
     async def _result(self, request: ToolCallRequest, replies: Replies,
@@ -232,7 +243,7 @@ class BusToolExecutor:
             mine = self._first[workspace] = anyio.Event()
         try:
             async with self.peer.stream(service, p.encode(request), timeout=timeout,
-                                        prefer=prefer) as replies:
+                                        prefer=prefer, wait=self.server_wait) as replies:
                 result = await self._result(request, replies, on_update)
                 self._served(workspace, prefer, replies.served_by)
                 return result

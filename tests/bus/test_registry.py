@@ -69,9 +69,9 @@ class Bus:
         self.reg.register(peer, p.Register([spec]), "reg")
 
     def request(self, peer: PeerState, req_id: str, service: str = "svc",
-                timeout: float = 0.0) -> bool:
+                timeout: float = 0.0, wait: float = 0.0) -> bool:
         header = p.Header(kind=p.REQUEST, id=req_id, service=service,
-                          deadline=self.clock.wall() + timeout if timeout else 0.0)
+                          deadline=self.clock.wall() + timeout if timeout else 0.0, wait=wait)
         frames = [peer.ident, p.SIGNATURE, p.encode(header), b"body-" + req_id.encode()]
         return self.reg.request(peer, header, frames)
 
@@ -177,6 +177,62 @@ def test_deadline_in_queue_in_service_and_without_a_server() -> None:
     bus.answer(server, "served", p.ERROR, p.CANCELLED)
     assert bus.wire.take() == [] and bus.counters["stale_replies"] == 1
     assert bus.counters["expired_requests"] == 3 and not bus.reg.requests
+
+
+def test_wait_bounds_the_time_a_request_waits_for_a_server() -> None:
+    """`wait`: a request nobody serves fails `no_service` once it has waited that long (not at
+    its far deadline); one a server took, or that waits behind busy servers, is watched until
+    its deadline; without a deadline, `wait` alone lets it wait for a server."""
+    bus = Bus()
+    server, client = bus.peer("server"), bus.peer("client")
+    bus.serve(server, "svc", capacity=1)
+    bus.request(client, "served", timeout=600.0, wait=1.0)
+    bus.request(client, "behind", timeout=600.0, wait=1.0)
+    bus.request(client, "gone", service="left", timeout=600.0, wait=1.0)
+    bus.request(client, "no-deadline", service="left", wait=1.0)
+    bus.request(client, "arrives", service="later", timeout=600.0, wait=1.0)
+    bus.request(client, "at-once", service="left")  # neither: refused at once, as before
+    sent = bus.wire.take()
+    assert finals(sent) == [(p.ERROR, "at-once", p.NO_SERVICE)]
+    assert [h.id for h in sent if h.kind == p.REQUEST] == ["served"]
+    bus.clock.now = 0.5
+    bus.serve(bus.peer("late"), "later")  # a server registers within the wait: dispatched
+    bus.reg.expire(bus.clock.now)
+    assert [h.id for h in bus.wire.take() if h.kind == p.REQUEST] == ["arrives"]
+    bus.clock.now = 1.0
+    bus.reg.expire(bus.clock.now)
+    answers = bus.wire.take(client.ident)
+    assert finals(answers) == [(p.ERROR, "gone", p.NO_SERVICE),
+                               (p.ERROR, "no-deadline", p.NO_SERVICE)]
+    assert "`wait`" in answers[0].error and bus.counters["waits_expired"] == 2
+    # the served one and the one queued behind it keep their deadline
+    bus.clock.now = 599.0
+    bus.reg.expire(bus.clock.now)
+    assert bus.wire.take() == []
+    bus.answer(server, "served")
+    assert [h.id for h in bus.wire.take(server.ident)] == ["behind"]
+    bus.clock.now = 600.0
+    bus.reg.expire(bus.clock.now)
+    assert finals(bus.wire.take(client.ident)) == [(p.REPLY, "served", ""),
+                                                   (p.ERROR, "behind", p.DEADLINE),
+                                                   (p.ERROR, "arrives", p.DEADLINE)]
+    assert not bus.reg.requests
+
+
+@pytest.mark.parametrize("wait", [float("nan"), -1.0, 0.0])
+def test_a_wait_that_is_not_positive_is_none(wait: float) -> None:
+    bus = Bus()
+    client = bus.peer("client")
+    bus.request(client, "a", service="nobody", wait=wait)
+    assert finals(bus.wire.take(client.ident)) == [(p.ERROR, "a", p.NO_SERVICE)]
+    bus.request(client, "b", service="nobody", timeout=5.0, wait=wait)
+    bus.clock.now = 4.9
+    bus.reg.expire(bus.clock.now)
+    assert bus.wire.take() == []
+    bus.clock.now = 5.0
+    bus.reg.expire(bus.clock.now)
+    assert finals(bus.wire.take(client.ident)) == [(p.ERROR, "b", p.NO_SERVICE)]
+    assert "waits_expired" not in bus.counters
 
 
 def test_past_deadline_is_refused_at_once() -> None:

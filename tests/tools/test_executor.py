@@ -21,6 +21,7 @@ from tests.tools.fixtures.procs import (
     executor,
     fast_hub,
     service_load,
+    start_worker,
     until,
     workers,
 )
@@ -105,6 +106,52 @@ async def test_executor_timeout_becomes_a_timed_out_result(hub: dict) -> None:
         assert quick.timeout_for(info["add"]) == 35  # the tool's own 30 s + margin
         assert (await tools.execute(call("add", a=2, b=2))).text == "4"
         assert w.popen.poll() is None
+
+
+async def _served(peer: object, service: str) -> bool:
+    status = await peer.status()  # type: ignore[attr-defined]
+    return any(s.name == service and s.peers for s in status.services)
+
+
+async def test_a_call_from_a_stale_catalog_waits_for_a_worker_only_server_wait(hub: dict) -> None:
+    """The catalog is cached: a call made from it after the tool's last worker left is held by
+    the hub for a worker only `server_wait` (header `wait`), then fails as an unknown tool, not
+    at its timeout (`add`: 35 s). A worker that comes back within the wait serves it."""
+    endpoint = hub["endpoint"]
+    async with executor(endpoint) as shared:
+        peer = shared.peer
+
+        async def stale_catalog(server_wait: float) -> BusToolExecutor:
+            tools = BusToolExecutor(peer, catalog_ttl=300, server_wait=server_wait)
+            worker = await start_worker(endpoint)
+            try:
+                assert "add" in [t.name for t in await tools.catalog()]
+            finally:
+                await anyio.to_thread.run_sync(worker.stop)
+            await until(lambda: not_served(), what="the hub to drop tool.add")
+            return tools
+
+        async def not_served() -> bool:
+            return not await _served(peer, "tool.add")
+
+        tools = await stale_catalog(server_wait=0.5)
+        t0 = time.monotonic()
+        result = await tools.execute(call("add", a=1, b=2))
+        assert result.is_error and result.text == "Error: Unknown tool 'add'"
+        assert elapsed(t0) < 10.0  # its wait, 0.5 s, and the hub's 0.1 s expiry scan
+        assert (await peer.status()).counters.get("waits_expired") == 1
+
+        tools = await stale_catalog(server_wait=60)
+        async with anyio.create_task_group() as tg:
+            results: list[ToolResult] = []
+
+            async def run() -> None:
+                results.append(await tools.execute(call("add", a=2, b=3)))
+
+            tg.start_soon(run)
+            back = await start_worker(endpoint)
+        await anyio.to_thread.run_sync(back.stop)
+        assert results[0].text == "5"
 
 
 async def test_hub_loss_mid_call_is_an_error_result(tmp_path: Path) -> None:
