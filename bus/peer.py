@@ -708,7 +708,7 @@ class Peer:
             self._drain()
 
     def _hold(self, message: list[Any], *, event: bool = True,
-              key: _EventKey | None = None) -> bool:
+              key: _EventKey | None = None, linger: bool = False) -> bool:
         """Queue an event, reply or partial reply for the end of this event-loop iteration
         (False: send it now).
 
@@ -720,12 +720,13 @@ class Peer:
         `Calls.begin`; alone it goes at once, so the other side starts sooner.) An event comes with
         its `key` and no header yet: events held
         one after another with the same key (but perhaps the type) are sent as one multi-body
-        message (`_flush_held`).
+        message (`_flush_held`). Events, and messages held with `linger` (partial replies),
+        wait up to `EVENT_LINGER` for the next send instead of going at the iteration's end.
         """
         if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
             assert key is not None or not event, "a held event needs its key"
             self._held.append((message, key))
-            if key is None:
+            if key is None and not linger:
                 self._schedule_flush()
             else:
                 self._schedule_linger()

@@ -79,8 +79,10 @@ class IncomingRequest:
         return self._cancelled
 
     async def partial(self, body: bytes) -> None:
-        """Send a partial reply: held until the end of the loop iteration, together with the
-        request's other partials of that iteration (one message, a body frame each)."""
+        """Send a partial reply: held up to `EVENT_LINGER` (2 ms), together with the request's
+        other partials meanwhile (one message, a body frame each), for the next send to take
+        it along: a fast stream's partials then reach the requester with its reply, one wake-up
+        of the hub and of the requester instead of two."""
         peer = self._peer
         limit = body_limit(peer)
         if limit and len(body) > limit:
@@ -93,7 +95,7 @@ class IncomingRequest:
             self._held_bytes += len(body)
             return
         message = [_SIG, p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body]
-        if peer._hold(message, event=False):
+        if peer._hold(message, event=False, linger=True):
             self._held_partial, self._held_gen = message, peer._held_gen
             self._held_bytes = len(body)
             return
