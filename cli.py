@@ -39,6 +39,7 @@ import msgspec
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import DEFAULT_HUB, HUB_ENV, connect
 from agent_bus.bus.errors import AgentBusError, HubUnreachable
+from agent_bus.bus.gcpolicy import tune_gc
 from agent_bus.bus.paths import HUB_FORMS, parse_hub_address
 from agent_bus.bus.security import CurveClient, CurveServer, InsecureBindError, check_bind
 
@@ -355,6 +356,7 @@ def _hub_command() -> click.Command:
                            curve=curve, insecure=insecure, credentials=credentials or "",
                            **budgets)
         logging.getLogger().setLevel(log_level.upper())
+        tune_gc()
         try:
             serve(config)
         except Exception as exc:  # a bind failure is the usual cause; say which address
@@ -718,6 +720,7 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
                               workspace=workspace, name=name or f"worker-{jail.pid or os.getpid()}",
                               allow_shell=allow_shell, curve=curve, mcp=servers,
                               read_only=list(read_only), sandbox=jail)
+    tune_gc()
     try:
         run_async(run_worker, settings)
     except ToolLoadError as exc:
@@ -915,6 +918,7 @@ def gateway(hub: str, curve: CurveClient | None, topology_file: str | None, name
                                default_model=topology.gateways.default_model,
                                name=name or f"gateway-{os.getpid()}", curve=curve)
     try:
+        tune_gc()
         run_async(functools.partial(run_gateway, settings, secrets=secrets))
     except KeyboardInterrupt:
         pass
@@ -952,6 +956,7 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
                                    state_dir=str(_state_dir(state_dir, "agents")),
                                    name=name or f"coordinator-{os.getpid()}", curve=curve,
                                    models=topology.model_configs())
+    tune_gc()
     try:
         run_async(run_coordinator, settings)
     except CoordinatorError as exc:

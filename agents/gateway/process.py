@@ -34,7 +34,6 @@ window; see `LlmEngine.discover`) and exits with the reason when the choice is a
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -72,7 +71,6 @@ LLM_SERVICE = "llm"
 REPLAYS_KEPT = 16  # experiments in replay mode held at once
 INVALID = "invalid"  # error code: a replay that cannot apply (e.g. an unknown model alias)
 LLM_CAPACITY = 256  # requests taken at once; the engine's per-model limits queue the rest
-GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (CPython's default: 700)
 
 # A `message_update` event carries at most this many characters of a delta (4 bytes each at
 # most in UTF-8): a bigger delta is published as several, in order, under the hub's
@@ -347,18 +345,6 @@ class Gateway:
         return _encoder.encode(self.engine.stats())
 
 
-def tune_gc() -> None:
-    """Fewer cyclic-GC passes in this process: it allocates many short-lived containers per
-    streamed chunk (events, deltas, partials), nearly all freed by reference counting. With
-    CPython's default thresholds (700, 10, 10) the collector took 6.6% of the gateway's CPU at
-    1,000 concurrent sessions (bench_scale: ~750 young collections, 6 full ones over the
-    startup's tens of thousands of objects); with GC_YOUNG_THRESHOLD and those objects frozen
-    (never scanned again), 1.4%. The cost: up to that many container objects more may wait
-    for a collection."""
-    gc.freeze()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-
-
 def build_engine(settings: GatewaySettings, models: list[ModelConfig] | None = None,
                  env: Mapping[str, str] | None = None) -> LlmEngine:
     """`env`: where the keys are looked up (default: this process's environment)."""
@@ -376,7 +362,6 @@ async def run_gateway(settings: GatewaySettings, *, secrets: Mapping[str, str] |
     `provider = "llamacpp"` models are served by llama.cpp inside this process, started before
     the ready line and stopped after the last request (see `agents.gateway.providers.llamacpp`)."""
     make_undumpable()  # first: keys given in the environment (`busctl gateway`) are there already
-    tune_gc()
     env: Mapping[str, str] = {**os.environ, **secrets} if secrets else os.environ
     try:
         models = settings.models or models_from_env(env)
