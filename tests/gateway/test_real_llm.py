@@ -29,6 +29,11 @@ pytestmark = [pytest.mark.real_llm,
               pytest.mark.skipif(not URL, reason="set AGENT_BUS_REAL_LLM to a running OpenAI-compatible "
                                                  "server's base URL (see ../shared/local-llm/README.md)")]
 RUN_TIMEOUT = 300  # a 0.5B model on 2 cores: ~45 tokens/s, prefill ~160 tokens/s
+# How a long answer that ran its course ends: `stop`, or `length` when the model wrote up to the
+# topology's reply cap (OPENAI_MAX_TOKENS below): asked for "about 250 words", the 0.5B model wrote
+# past 600 tokens on its first run, on 2026-12-02, with that session's tree and the one before.
+# Anything else (`error`, `aborted`) fails.
+RAN_ITS_COURSE = ("stop", "length")
 
 
 @contextlib.contextmanager
@@ -128,7 +133,8 @@ def test_compaction_on_the_discovered_window_keeps_history_under_half(topo: Topo
     for i in range(12):
         code, events, _ = run(topo, *(["-c"] if i else []),
                               f"Write about 250 words on topic number {i}: the history of bread.")
-        assert code == 0 and end_of(events).get("stop_reason", "stop") == "stop", events[-1:]
+        assert code == 0 and end_of(events).get("stop_reason", "stop") in RAN_ITS_COURSE, \
+            events[-1:]
         compactions += [e for e in events if e["type"] == "compaction_complete"]
         if compactions:
             break
