@@ -135,10 +135,9 @@ async def test_a_call_from_a_stale_catalog_waits_for_a_worker_only_server_wait(h
             return not await _served(peer, "tool.add")
 
         tools = await stale_catalog(server_wait=0.5)
-        t0 = time.monotonic()
         result = await tools.execute(call("add", a=1, b=2))
+        # (without the wait, the hub holds it to its deadline: "timed out after 35s")
         assert result.is_error and result.text == "Error: Unknown tool 'add'"
-        assert elapsed(t0) < 10.0  # its wait, 0.5 s, and the hub's 0.1 s expiry scan
         assert (await peer.status()).counters.get("waits_expired") == 1
 
         tools = await stale_catalog(server_wait=60)
