@@ -32,7 +32,6 @@ from agent_bus.agents.client.remote import connect
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.eventlog import EventLog
-from agent_bus.tools.executor import CATALOG_TTL
 from tests.coordinator.conftest import Stack, start_stack
 from tests.otel.receiver import Receiver
 from tests.support import Proc, busctl, until
@@ -270,16 +269,14 @@ async def test_replay_ignores_the_order_parallel_calls_finish_in(seeded: Seeded)
     assert json.loads(same.stdout)["identical"] is True, same.stdout
 
     stack.stop("worker")  # a changed tool result still diverges, and names the call
-    # The coordinator's tool catalog is cached for CATALOG_TTL: a call it makes within that time
-    # still goes to `tool.slow`, and the hub holds a request to a service nobody serves until a
-    # server comes back or its deadline passes (605 s here); after it, the call is answered
-    # "unknown tool" at once. So: once the hub has dropped the worker's services, one TTL more.
+    # The coordinator's tool catalog is cached for a second: a call it makes within that time
+    # still goes to `tool.slow`, and the hub holds it for a worker only its `wait` (30 s), then it
+    # ends "unknown tool" as a call made after the cache would at once: no pause needed here.
     def slow_gone() -> bool:
         out = cli(stack, "status", "--json")
         return all(s["name"] != "tool.slow" for s in json.loads(out.stdout)["services"])
 
     await until(lambda: anyio.to_thread.run_sync(slow_gone), 15, "the hub dropped tool.slow")
-    await anyio.sleep(CATALOG_TTL + 0.2)  # stands for the catalog's TTL, not for a condition
     live = await anyio.to_thread.run_sync(cli, stack, "replay", "--experiment", EXPERIMENT,
                                           "--as", "exp3", "--live-tools")
     assert live.returncode == 1, live.stdout + live.stderr
