@@ -413,6 +413,7 @@ def main() -> None:
         tools_py = tmp / "bench_tools.py"
         tools_py.write_text(TOOLS_PY)
         procs: list[Proc] = []
+        raws: dict[str, RawTurns] = {}
         try:
             local = LocalTools(str(tools_py))
             fake, base_url = start_fake(steps * runs, tmp, "fake-b")
@@ -421,7 +422,7 @@ def main() -> None:
             fake_c, base_url_c = start_fake(steps * runs * (len(transports) + 1), tmp, "fake-c")
             procs.append(fake_c)
             tops = {t: start_topology(tmp, t, base_url_c, tools_py, procs) for t in transports}
-            raws = {t: RawTurns(calls + 1, t) for t in transports}
+            raws.update((t, RawTurns(calls + 1, t)) for t in transports)
             times: dict[str, list[float]] = {k: [] for k in ["A", "B", *transports]}
             floor: dict[str, list[float]] = {t: [] for t in transports}
             floor_cpu: dict[str, list[float]] = {t: [] for t in transports}
@@ -456,7 +457,7 @@ def main() -> None:
             anyio.run(alternated)
             d_runs = anyio.run(bus_loop, tops[transports[0]][0], runs)
         finally:
-            for raw in locals().get("raws", {}).values():
+            for raw in raws.values():
                 raw.close()
             for proc in reversed(procs):
                 proc.stop()
