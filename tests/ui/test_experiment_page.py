@@ -156,9 +156,16 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             assert report["done"] == 11 and report["variants"][0]["failures"] == 1
             rows = [json.loads(line) for line in
                     (tmp_path / f"{E}.results.jsonl").read_text().splitlines()]
-            with urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5) as answer:
-                served = json.loads(answer.read())
-            assert served["report"] == report  # the server side computes it with report.py
+
+            def served_report() -> dict[str, Any] | None:
+                with urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5) as answer:
+                    served: dict[str, Any] = json.loads(answer.read())["report"]
+                return served if served["done"] + sum(
+                    v["failures"] for v in served["variants"]) == 12 else None
+
+            # the view reads the journal each 0.5 s: wait for the last cell, then compare
+            served = wait_for(served_report, 15, "the view's report with every cell")
+            assert served == report  # the server side computes it with report.py
 
             def drawn(page: Browser) -> dict[str, Any]:
                 shown: dict[str, Any] = page.evaluate(READ_PAGE)
