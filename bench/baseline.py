@@ -6,6 +6,9 @@ time; `raw_throughput` keeps many in flight over several workers (taken in turn)
 for requests per second through one Python broker here. `RawTurns` sends the hops of agent turns
 (a model round trip, then the turn's tool calls at once) through the same broker to as many
 workers: the floor of any topology of separate processes that talks through a broker.
+`raw_forwarded_rate` is the same for events: a raw publisher, a Python forwarder that passes
+each message on to an XPUB and does nothing else, a raw subscriber (`raw_subscribed_rate`, which
+also times a raw publisher and subscriber through the hub).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import zmq
 
 
@@ -247,3 +252,169 @@ class RawTurns:
     def close(self) -> None:
         _stop(self._sock, self._ctx, self._procs)
         self._tmp.cleanup()
+
+
+# --- events: raw publisher -> (raw forwarder | hub) -> raw subscriber ---------------------------
+
+EVENT_TYPE = b"topic_message"
+END_TYPE = b"bench_end"  # the last event of a run: the subscriber stops at it
+QUIET = 3.0  # s without an event: the subscriber stops (the end marker was lost)
+# Events a raw publisher may be ahead of its subscriber (credit it gets back in steps of CREDIT):
+# a hub's PUB drops what a subscriber falls behind by more than its SNDHWM (8,192 messages by
+# default, docs/protocol.md section 7), and a raw subscriber does not fill what it lost.
+WINDOW = 4096
+CREDIT = 1024
+
+
+def _raw_forwarder(front: str, back: str) -> None:
+    """The least a Python event broker does: each body of a message in from a publisher's DEALER
+    goes out on an XPUB as its own 4-frame event (the publisher sends the topic frame too), as
+    the hub publishes the bodies of an event message, but nothing read, logged or stamped; a new
+    subscription is answered with a heartbeat, as the hub answers one."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    router.rcvhwm = 0
+    router.bind(front)
+    xpub = ctx.socket(zmq.XPUB)
+    xpub.linger = 0
+    xpub.sndhwm = 0
+    xpub.bind(back)
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(xpub, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll():
+            if sock is xpub:
+                xpub.recv_multipart()
+                xpub.send_multipart([b"hb", b"", b""])
+                continue
+            while True:
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                head = frames[1:4]  # topic, signature, header: each body is its own event
+                for body in frames[4:]:
+                    xpub.send_multipart([*head, body])
+
+
+def _raw_event_publisher(endpoint: str, credits: str, n: int, to_hub: bool, ready: Any,
+                         start: Any, batch: int) -> None:
+    """`n` events, `batch` bodies per message (as the `bus` client coalesces a burst), from a
+    blocking DEALER, then one `bench_end`: to the hub as docs/protocol.md says (hello, then
+    `event` messages: signature, header, bodies), or to the raw forwarder with the topic frame
+    it publishes first. It stays at most WINDOW events ahead of the subscriber, which sends
+    CREDIT back on `credits` each time it has read that many."""
+    from agent_bus.bus import events as ev
+    from agent_bus.bus import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.sndhwm = 0
+    sock.connect(endpoint)
+    if to_hub:
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HELLO, id="h")),
+                             p.encode(p.Hello(name="bench-raw-publisher", session="raw"))])
+        sock.recv_multipart()  # welcome
+    body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
+    end = msgspec.msgpack.encode({"type": END_TYPE.decode()})
+
+    def message(type_: bytes, i: int, bodies: list[bytes]) -> list[bytes]:
+        header = p.encode(p.Header(kind=p.EVENT, id=f"e{i}", type=type_.decode(), agent="a",
+                                   run="r"))
+        frames = [p.SIGNATURE, header, *bodies]
+        return frames if to_hub else [b"ext/a/r/" + type_, *frames]
+
+    full, last = divmod(n, batch)
+    messages = [message(EVENT_TYPE, i, [body] * batch) for i in range(min(full, 100))]
+    credit = ctx.socket(zmq.PULL)
+    credit.connect(credits)
+    window = WINDOW
+    ready.set()
+    start.wait()
+    for i in range(full):
+        while window < batch:
+            credit.recv()
+            window += CREDIT
+        sock.send_multipart(messages[i % len(messages)])
+        window -= batch
+    if last:
+        sock.send_multipart(message(EVENT_TYPE, full, [body] * last))
+    sock.send_multipart(message(END_TYPE, full + 1, [end]))
+    time.sleep(600)  # stopped by `raw_subscribed_rate` (a close could drop what is queued)
+
+
+def raw_subscribed_rate(publish_to: str, events: str, n: int, to_hub: bool, batch: int = 256,
+                        cpu_of: list[int] | None = None) -> tuple[float, int, list[float]]:
+    """Start `_raw_event_publisher` towards `publish_to`, subscribe a raw SUB here to `events`
+    (after the heartbeat that answers the subscription, so none is missed), and count its
+    `topic_message`s up to the `bench_end`: (events/s from the first to the end, events lost
+    on the way, CPU seconds per event of each pid in `cpu_of` and of this process)."""
+    spawn = mp.get_context("spawn")
+    ready, start = spawn.Event(), spawn.Event()
+    ctx = zmq.Context()
+    credit = ctx.socket(zmq.PUSH)
+    credit.linger = 0
+    port = credit.bind_to_random_port("tcp://127.0.0.1")
+    proc = spawn.Process(target=_raw_event_publisher, daemon=True, args=(
+        publish_to, f"tcp://127.0.0.1:{port}", n, to_hub, ready, start, batch))
+    proc.start()
+    sub = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.rcvhwm = 0
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events)
+    try:
+        while sub.recv_multipart()[0] != b"hb":
+            pass
+        if not ready.wait(30):
+            raise RuntimeError("the raw publisher did not start")
+        pids = [*(cpu_of or []), proc.pid or 0]
+        cpu0 = [cpu_s(pid) for pid in pids] + [_own_cpu_s()]
+        start.set()
+        count, first, last = 0, 0.0, 0.0
+        suffix, end = b"/" + EVENT_TYPE, b"/" + END_TYPE
+        # Until the end marker, or QUIET s without an event: a hub's PUB drops what a subscriber
+        # does not read in time (docs/protocol.md section 7), and the marker may be among them.
+        while sub.poll(QUIET * 1000) and (not last or time.perf_counter() - last < QUIET):
+            topic = sub.recv_multipart()[0]  # (heartbeats too: the quiet is counted in events)
+            if topic.endswith(suffix):
+                count += 1
+                last = time.perf_counter()
+                if count == 1:
+                    first = last
+                if count % CREDIT == 0:
+                    credit.send(b"")
+            elif topic.endswith(end):
+                last = time.perf_counter()
+                break
+        if count < 2:
+            raise RuntimeError(f"the raw subscriber got {count} of {n} events")
+        rate = (count - 1) / (last - first)
+        cpu = [cpu_s(pid) for pid in pids] + [_own_cpu_s()]
+        return rate, n - count, [(b - a) / max(count, 1) for a, b in zip(cpu0, cpu, strict=True)]
+    finally:
+        sub.close()
+        credit.close()
+        ctx.term()
+        proc.kill()
+        proc.join()
+
+
+def raw_forwarded_rate(n: int, transport: str = "tcp") -> float:
+    """Events/s from a raw publisher through `_raw_forwarder` to a raw subscriber: the floor of
+    `bench_bus`'s events/s through the hub, set against raw PUB->SUB."""
+    with tempfile.TemporaryDirectory(prefix="raw-fwd-") as tmp:
+        if transport == "ipc":
+            front, back = f"ipc://{tmp}/in", f"ipc://{tmp}/out"
+        else:
+            front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        spawn = mp.get_context("spawn")
+        forwarder = spawn.Process(target=_raw_forwarder, args=(front, back), daemon=True)
+        forwarder.start()
+        try:
+            return raw_subscribed_rate(front, back, n, to_hub=False)[0]
+        finally:
+            forwarder.kill()
+            forwarder.join()

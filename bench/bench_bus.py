@@ -8,8 +8,16 @@ rounds, as issue 32 asks). The round-trip ratios come from a finer alternation
 (`round_trips`): every system stays up, and slices of lone round trips take turns between the raw
 broker, the hub with the `bus` client at both ends and the hub between raw peers, on each
 transport, so each ratio compares slices measured within a second of each other; a ratio is
-the median over the slice groups of each group's ratio. Not run by pytest. Processes are started with
-the `spawn` method; every one is stopped at the end, even on error.
+the median over the slice groups of each group's ratio.
+
+Under each throughput ratio, the hub's own share: the same load through the hub between raw
+blocking pyzmq peers written from docs/protocol.md (a requester keeping 256 requests out and 4
+raw serving peers; a publisher sending 256 event bodies per message, as the `bus` client
+coalesces them, and a SUB socket), so what the `bus` client at the ends adds shows apart; and
+for events, the floor: the same publisher through a raw Python forwarder that publishes each
+body as its own message and does nothing else (bench/baseline.py `raw_forwarded_rate`). Not
+run by pytest. Processes are started with the `spawn` method; every one is stopped at the end,
+even on error.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -38,7 +47,9 @@ from bench.baseline import (  # noqa: E402
     cpu_s,
     free_port,
     pct,
+    raw_forwarded_rate,
     raw_round_trip,
+    raw_subscribed_rate,
     raw_throughput,
 )
 
@@ -137,19 +148,24 @@ def _publisher(endpoint: str, n: int, start: mp.Event, ready: mp.Event) -> None:
     anyio.run(main)
 
 
-def _raw_echo_peer(endpoint: str) -> None:
+def _raw_echo_peer(endpoint: str, capacity: int = 4, ready: Any = None) -> None:
     """A serving peer written from docs/protocol.md with plain blocking pyzmq (no `bus` client):
-    says hello, registers `echo-raw`, answers each request with its body, each heartbeat too."""
+    says hello, registers `echo-raw`, answers each request with its body, each heartbeat too.
+    With `ready`, sets it once the hub has taken the register (a `hub.status` answered after it:
+    the hub handles a peer's messages in order)."""
     from agent_bus.bus import protocol as p
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
+    sock.sndhwm = sock.rcvhwm = 0
     sock.connect(endpoint)
     sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HELLO, id="h")),
                          p.encode(p.Hello(name="bench-raw-echo", session="raw"))])
     sock.recv_multipart()  # welcome
     sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REGISTER, id="r")),
-                         p.encode(p.Register([p.ServiceSpec("echo-raw", capacity=4)]))])
+                         p.encode(p.Register([p.ServiceSpec("echo-raw", capacity=capacity)]))])
+    sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REQUEST, id="s",
+                                                        service=p.HUB_STATUS))])
     while True:
         frames = sock.recv_multipart()
         header = p.decode_header(frames[1])
@@ -158,6 +174,57 @@ def _raw_echo_peer(endpoint: str) -> None:
                                  *frames[2:3]])
         elif header.kind == p.HEARTBEAT:
             sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HEARTBEAT))])
+        elif header.id == "s" and ready is not None:
+            ready.set()
+
+
+def raw_peers_throughput(endpoint: str, seconds: float, inflight: int = 256) -> float:
+    """Requests/s through the hub to the `echo-raw` servers (`_raw_echo_peer`) from a raw
+    blocking requester keeping `inflight` requests out, as `raw_throughput` does through the raw
+    broker: the hub's own requests/s, without the `bus` client at either end."""
+    from agent_bus.bus import protocol as p
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.sndhwm = sock.rcvhwm = 0
+    sock.connect(endpoint)
+    body = b"x" * 64
+    sent = 0
+
+    def send() -> None:  # ids unique among the requests out, as docs/protocol.md asks
+        nonlocal sent
+        sent += 1
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REQUEST, id=str(sent),
+                                                            service="echo-raw")), body])
+
+    try:
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HELLO, id="h")),
+                             p.encode(p.Hello(name="bench-raw-requester", session="raw"))])
+        sock.recv_multipart()  # welcome
+        for _ in range(inflight):
+            send()
+        done = 0
+        started = time.perf_counter()
+        stop = started + seconds
+        while time.perf_counter() < stop:
+            frames = [sock.recv_multipart()]
+            while True:
+                try:
+                    frames.append(sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            for message in frames:
+                kind = p.decode_header(message[1]).kind
+                if kind == p.ERROR:
+                    raise RuntimeError(f"the hub refused a request: {message[1]!r}")
+                if kind == p.REPLY:  # one out for each one in
+                    send()
+                    done += 1
+        return done / (time.perf_counter() - started)
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def raw_peers_round_trip(endpoint: str, n: int) -> tuple[float, float]:
@@ -393,9 +460,12 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
 
             anyio.run(rtt)
             anyio.run(rtt)
-            procs.append(spawn.Process(target=_raw_echo_peer, args=(endpoint,), daemon=True))
-            procs[-1].start()
+            raw_echo = spawn.Process(target=_raw_echo_peer, args=(endpoint,), daemon=True)
+            procs.append(raw_echo)
+            raw_echo.start()
             out["raw_peers_p50"], out["raw_peers_p99"] = raw_peers_round_trip(endpoint, n_rtt)
+            raw_echo.kill()  # the raw servers of the throughput below take its place
+            raw_echo.join()
             for _ in range(3):
                 procs.append(spawn.Process(target=_serving_peer, args=(endpoint, 64, ready),
                                            daemon=True))
@@ -425,6 +495,14 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                         cpu0, _cpu(hub.pid, servers), done)
 
             anyio.run(throughput)
+            raw_ready = [spawn.Event() for _ in range(4)]
+            for event in raw_ready:
+                procs.append(spawn.Process(target=_raw_echo_peer, args=(endpoint, 64, event),
+                                           daemon=True))
+                procs[-1].start()
+            for event in raw_ready:
+                assert event.wait(20), "a raw echo server did not register"
+            out["raw_peers_req_per_s"] = raw_peers_throughput(endpoint, seconds)
             for proc in procs:
                 proc.kill()
                 proc.join()
@@ -462,6 +540,8 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                             cpu0, _cpu(hub.pid, [pub.pid]), count)
 
             anyio.run(events)
+            out["raw_peers_events_per_s"], out["raw_peers_events_lost"], _ = raw_subscribed_rate(
+                endpoint, info["events"], n_events, to_hub=True)
         finally:
             for proc in procs:
                 proc.kill()
@@ -606,15 +686,26 @@ def one_round(quick: bool, transports: list[str]) -> dict[str, dict[str, float]]
     raw["req_per_s"] = raw_throughput(3 if quick else 8)
     out = {"raw": raw}
     for transport in transports:
+        raw[f"forwarded_{transport}"] = raw_forwarded_rate(50_000 if quick else 300_000, transport)
         out[transport] = hub_figures(n_rtt=n, seconds=3 if quick else 8,
                                      n_events=30_000 if quick else 200_000, transport=transport)
     return out
 
 
-# (figure, key, higher is better, issue 32's target for hub / raw); the round trip's are
+# (figure, key, the raw baseline's key ("" for the transport's raw forwarder), issue 32's target
+# for the ratio (None: what the target is set against), higher is better); the round trip's are
 # `round_trips`'s, interleaved finer than rounds
-RATIOS = [("requests/s, 4 serving peers / raw broker with 4 raw workers", "req_per_s", True, 0.9),
-          ("events/s logged + published / raw PUB->SUB", "events_per_s", True, 0.85)]
+RATIOS = [
+    ("requests/s, 4 serving peers / raw broker with 4 raw workers", "req_per_s", "req_per_s",
+     0.9),
+    ("  the hub alone, a raw requester and 4 raw serving peers / raw broker", "raw_peers_req_per_s",
+     "req_per_s", None),
+    ("events/s logged + published / raw PUB->SUB", "events_per_s", "events_per_s", 0.85),
+    ("  the hub alone, a raw publisher and subscriber / raw PUB->SUB", "raw_peers_events_per_s",
+     "events_per_s", None),
+    ("  the floor: a raw Python forwarder that passes each body on / raw PUB->SUB", "",
+     "events_per_s", None),
+]
 
 
 def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[str]) -> None:
@@ -622,26 +713,30 @@ def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[st
     for i, r in enumerate(rounds, 1):
         raw = r["raw"]
         print(f"round {i}: raw p50 {raw['rtt_p50'] * us:.0f} us, {raw['req_per_s']:,.0f} req/s, "
-              f"{raw['events_per_s']:,.0f} events/s | " + " | ".join(
+              f"{raw['events_per_s']:,.0f} events/s (forwarded " + ", ".join(
+                  f"{t} {raw[f'forwarded_{t}']:,.0f}" for t in transports) + ") | " + " | ".join(
                   f"{t}: p50 {r[t]['rtt_p50'] * us:.0f} us (raw peers "
-                  f"{r[t]['raw_peers_p50'] * us:.0f}), {r[t]['req_per_s']:,.0f} req/s, "
-                  f"{r[t]['events_per_s']:,.0f} events/s" for t in transports), flush=True)
+                  f"{r[t]['raw_peers_p50'] * us:.0f}), {r[t]['req_per_s']:,.0f} req/s (raw peers "
+                  f"{r[t]['raw_peers_req_per_s']:,.0f}), {r[t]['events_per_s']:,.0f} events/s "
+                  f"(raw peers {r[t]['raw_peers_events_per_s']:,.0f}, lost "
+                  f"{r[t]['raw_peers_events_lost']:.0f})" for t in transports), flush=True)
     print(f"ratios, median of {len(rounds)} alternated rounds (each round's hub over the same "
           "round's raw baseline; per round in brackets):")
-    for label, key, higher, target in RATIOS:
-        raw_key = "rtt_p50" if key == "raw_peers_p50" else key
+    for label, key, raw_key, target in RATIOS:
         cells = []
         for t in transports:
-            per = [r[t][key] / r["raw"][raw_key] for r in rounds]
+            per = [(r["raw"][f"forwarded_{t}"] if not key else r[t][key]) / r["raw"][raw_key]
+                   for r in rounds]
             m = median(per)
-            met = m >= target if higher else m <= target
-            cells.append(f"{t} {m:.2f}x [{', '.join(f'{x:.2f}' for x in per)}] "
-                         f"{'met' if met else 'NOT met'}")
-        sign = ">=" if higher else "<="
-        print(f"  {label} (target {sign} {target}x): " + "; ".join(cells))
+            verdict = "" if target is None else " met" if m >= target else " NOT met"
+            cells.append(f"{t} {m:.2f}x [{', '.join(f'{x:.2f}' for x in per)}]{verdict}")
+        goal = "" if target is None else f" (target >= {target}x)"
+        print(f"  {label}{goal}: " + "; ".join(cells))
     if len(transports) == 2:
         a, b = transports
-        for label, key, _, _ in RATIOS:
+        for label, key, _, target in RATIOS:
+            if target is None:
+                continue
             per = [r[b][key] / r[a][key] for r in rounds]
             print(f"  {b} / {a}, {label.split(',')[0].strip()}: {median(per):.2f}x "
                   f"[{', '.join(f'{x:.2f}' for x in per)}]")

@@ -30,14 +30,20 @@ Each round also measures the floor of that ratio: the same N sessions' hops thro
 either end), whose CPU, with the pure loop's own CPU (the coordinator runs the same loop) and the
 scripted model's CPU in the topology's window, no topology of separate processes on this
 machine's cores can spend in less wall time than their sum over the cores (nor in less than the
-pure loop's wall). The floor / pure is printed beside the ratio. Not run by pytest;
-every process is stopped at the end, even on error.
+pure loop's wall). The floor / pure is printed beside the ratio.
+
+The topology must also call its model over HTTP, which the pure loop does not: each round also
+runs the pure loop with the model over HTTP (the gateway's own `LlmEngine` in this process,
+against the topology's scripted model), and its CPU in place of the pure loop's gives the floor
+of a topology whose model is an HTTP server; topology / that loop's wall is the ratio at N of
+`bench_loop.py`'s C / B. Not run by pytest; every process is stopped at the end, even on error.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sqlite3
@@ -54,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent_bus.agents import commands as cmd  # noqa: E402
+from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig  # noqa: E402
 from agent_bus.agents.loop.run import LoopConfig, run_loop  # noqa: E402
 from agent_bus.bus.client import connect  # noqa: E402
 from agent_bus.bus.errors import AgentBusError  # noqa: E402
@@ -134,6 +141,7 @@ class Topology:
     def __init__(self, tmp: Path, n: int, args: argparse.Namespace) -> None:
         self.tmp, self.n, self.args = tmp, n, args
         self.procs: dict[str, Proc] = {}
+        self.base_url = ""  # the scripted model's, once started
 
     def start(self) -> str:
         tmp, args = self.tmp, self.args
@@ -146,7 +154,8 @@ class Topology:
                                               str(script_file), "--port", str(port)])
         fake.ready()
         topo = tmp / "topology.toml"
-        topo.write_text(topology_toml(f"http://127.0.0.1:{port}/v1", self.n))
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+        topo.write_text(topology_toml(self.base_url, self.n))
         hub = self.procs["hub"] = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0",
                                               "--state-dir", str(tmp / "hub")))
         endpoint = str(hub.ready()["endpoint"])
@@ -269,20 +278,29 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
         raw: RawTurns | None = None
 
         def pure_round() -> None:
-            """The pure loop at N, then the raw hops of the same N sessions: the round's floor
-            needs the topology's scripted-model CPU too (`floor_round`)."""
+            """The pure loop at N, then the raw hops of the same N sessions, then the pure loop
+            with the model over HTTP: the round's floors need the topology's scripted-model CPU
+            too (`floor_round`)."""
             cpu0 = cpu_self()
             pure.append(asyncio.run(pure_gather(n, args, tools)))
             pure_cpu.append(cpu_self() - cpu0)
             assert raw is not None
             raw_cpu.append(raw.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
+            cpu0 = cpu_self()
+            http_walls.append(asyncio.run(pure_gather(n, args, tools, topo.base_url)))
+            http_cpu.append(cpu_self() - cpu0)
 
         def floor_round(model_cpu: float) -> None:
             spent = pure_cpu[-1] + raw_cpu[-1] + model_cpu
             floors.append(max(pure[-1], spent / CORES))
+            spent = http_cpu[-1] + raw_cpu[-1] + model_cpu
+            http_floors.append(max(pure[-1], spent / CORES))
 
         pure_cpu: list[float] = []
         raw_cpu: list[float] = []
+        http_cpu: list[float] = []  # the pure loop's with the model over HTTP (its engine's)
+        http_walls: list[float] = []
+        http_floors: list[float] = []
         try:
             raw = RawTurns(WORKERS + 1)
             endpoint = topo.start()
@@ -322,7 +340,8 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 raw.close()
     ends = log["ends"]
     return {"n": n, "wall": walls[0], "walls": walls, "pure": pure, "floors": floors,
-            "pure_cpu": pure_cpu, "raw_cpu": raw_cpu, "results": len(results),
+            "pure_cpu": pure_cpu, "raw_cpu": raw_cpu, "http_cpu": http_cpu,
+            "http_floors": http_floors, "http_walls": http_walls, "results": len(results),
             "failures": failures, "lost": lost, "events": log["events"],
             "latencies": log["latencies"], "before": before, "after": after, "gaps": log["gaps"],
             "cpu": cpu, "second_wave_kb": second - after["coordinator"],
@@ -355,20 +374,28 @@ class SleepyLlm:
         return AssistantMessage(content=content, stop_reason="tool_use", usage=usage, model="m")
 
 
-async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools) -> float:
-    llm = SleepyLlm(args.turns, args.calls, args.model_ms / 1000)
+async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools,
+                      base_url: str = "") -> float:
+    """N runs of the pure loop at once: the model from memory, or with `base_url` over HTTP
+    through the gateway's own engine (`LlmEngine`, as the topology's gateway holds it)."""
+    async with contextlib.AsyncExitStack() as stack:
+        llm: Any = SleepyLlm(args.turns, args.calls, args.model_ms / 1000)
+        if base_url:
+            model = ModelConfig(alias="x", provider="openai", model="m", base_url=base_url,
+                                max_concurrency=max(8, n), timeout=600)
+            llm = bench_loop.EngineLlm(await stack.enter_async_context(LlmEngine([model])))
 
-    async def emit(event: Any) -> None:
-        return None
+        async def emit(event: Any) -> None:
+            return None
 
-    async def one() -> None:
-        result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
-                                llm, tools, emit)
-        assert result.final_text == "All done.", result.final_text
+        async def one() -> None:
+            result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
+                                    llm, tools, emit)
+            assert result.final_text == "All done.", result.final_text
 
-    started = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(n)))
-    return time.perf_counter() - started
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(n)))
+        return time.perf_counter() - started
 
 
 # --- the gateway's HTTP client alone -----------------------------------------------------------
@@ -425,6 +452,10 @@ def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
             fake.stop()
 
 
+def median_of(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     ms = 1000.0
     n, wall = r["n"], r["wall"]
@@ -474,6 +505,14 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"; topology / floor {sorted(above)[len(above) // 2]:.2f}x; CPU s per wave: pure loop "
           f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
           f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
+    floor = [f / p for f, p in zip(r["http_floors"], r["pure"], strict=True)]
+    per_http = [w / h for w, h in zip(r["walls"], r["http_walls"], strict=True)]
+    print(f"         with the model over HTTP (the pure loop's CPU measured with the gateway's "
+          f"engine in its process: {' '.join(f'{x:.1f}' for x in r['http_cpu'])} s per wave), "
+          f"the floor / pure: {sorted(floor)[len(floor) // 2]:.2f}x "
+          f"[{', '.join(f'{x:.2f}' for x in floor)}]; topology / that pure loop (walls ms "
+          f"{' '.join(f'{w * ms:.0f}' for w in r['http_walls'])}): {median_of(per_http):.2f}x "
+          f"[{', '.join(f'{x:.2f}' for x in per_http)}]")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
     # (deltas left out), summed per kind of step; the largest few.
     spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)
