@@ -105,6 +105,26 @@ def _raw_worker(endpoint: str) -> None:
         sock.send_multipart([b"rep", *frames[1:]])
 
 
+def _asyncio_worker(endpoint: str) -> None:
+    """`_raw_worker` on an asyncio loop with pyzmq's own asyncio sockets (`zmq.asyncio`) and
+    nothing else: what answering costs any asyncio program on this machine."""
+    import asyncio
+
+    import zmq.asyncio
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.connect(endpoint)
+        await sock.send_multipart([b"ready"])
+        while True:
+            frames = await sock.recv_multipart()
+            await sock.send_multipart([b"rep", *frames[1:]])
+
+    asyncio.run(main())
+
+
 def _start(workers: int, endpoint: str = "") -> tuple[str, list[mp.process.BaseProcess]]:
     """A raw broker and `workers` raw workers, each its own process (on TCP by default)."""
     endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"

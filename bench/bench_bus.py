@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.baseline import (  # noqa: E402
+    _asyncio_worker,
     _requester,
     _start,
     _stop,
@@ -292,9 +293,12 @@ class _RawHubRequester:
 def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str, list[float]]:
     """p50 of each slice of `per_slice` lone round trips, per system: `raw T` (the raw
     blocking broker and worker of bench/baseline.py on transport T), `hub T` (the hub, the
-    `bus` client at both ends) and `raw peers T` (the hub between raw blocking peers). All stay
-    up; `groups` times, one slice of each in turn (the order rotated every group)."""
+    `bus` client at both ends), `raw peers T` (the hub between raw blocking peers) and `asyncio
+    T` (the raw broker between pyzmq's own asyncio sockets, a requester here and
+    `_asyncio_worker`: what asyncio at both ends costs without any bus code). All stay up;
+    `groups` times, one slice of each in turn (the order rotated every group)."""
     import anyio
+    import zmq.asyncio
 
     from agent_bus.bus.client import connect
 
@@ -305,6 +309,7 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
     hubs: list[subprocess.Popen[str]] = []
     requesters: dict[str, _RawHubRequester] = {}
     endpoints: dict[str, str] = {}
+    asyncio_endpoints: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for t in transports:
@@ -326,6 +331,13 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                 procs[-1].start()
                 ready.get(timeout=20)
                 requesters[t] = _RawHubRequester(endpoints[t])
+                asyncio_endpoints[t] = (f"ipc://{tmp}/asyncio-{t}" if t == "ipc"
+                                        else f"tcp://127.0.0.1:{free_port()}")
+                _, asyncio_procs = _start(0, asyncio_endpoints[t])
+                procs += asyncio_procs
+                procs.append(spawn.Process(target=_asyncio_worker, args=(asyncio_endpoints[t],),
+                                           daemon=True))
+                procs[-1].start()
             slices: dict[str, list[float]] = {}
 
             async def main() -> None:
@@ -339,6 +351,17 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                         sock.send_multipart([b"req", body])
                         sock.recv_multipart()
 
+                    actx = zmq.asyncio.Context()
+                    stack.callback(actx.term)
+                    asocks = {t: actx.socket(zmq.DEALER) for t in transports}
+                    for t, asock in asocks.items():
+                        stack.callback(asock.close, 0)
+                        asock.connect(asyncio_endpoints[t])
+
+                    async def asyncio_one(t: str) -> None:
+                        await asocks[t].send_multipart([b"req", body])
+                        await asocks[t].recv_multipart()
+
                     for t in transports:  # warm up; `echo-raw` may not be registered yet
                         for _ in range(200):
                             await peers[t].request("echo", body)
@@ -346,7 +369,15 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                         deadline = time.monotonic() + 20
                         while not requesters[t].one():
                             assert time.monotonic() < deadline, "echo-raw never registered"
-                    systems = [(kind, t) for t in transports for kind in ("raw", "hub", "raw peers")]
+                        while True:  # the broker drops requests until the worker said ready
+                            await asocks[t].send_multipart([b"req", body])
+                            if await asocks[t].poll(200):
+                                break
+                            assert time.monotonic() < deadline, "the asyncio worker never came"
+                        while await asocks[t].poll(200):  # answers to the tries above
+                            await asocks[t].recv_multipart()
+                    systems = [(kind, t) for t in transports
+                               for kind in ("raw", "hub", "raw peers", "asyncio")]
                     for g in range(groups):
                         k = g % len(systems)
                         for kind, t in systems[k:] + systems[:k]:
@@ -357,6 +388,8 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                                     await peers[t].request("echo", body)
                                 elif kind == "raw":
                                     raw_one(t)
+                                elif kind == "asyncio":
+                                    await asyncio_one(t)
                                 else:
                                     requesters[t].one()
                                 times.append(time.perf_counter() - t0)
@@ -385,14 +418,18 @@ def report_round_trips(slices: dict[str, list[float]], transports: list[str]) ->
     for t in transports:
         raw = slices[f"raw {t}"]
         cells = []
-        for kind, label in (("hub", "hub / raw blocking broker"),
-                            ("raw peers", "the hub alone between raw peers / raw broker")):
+        for kind, label, target in (
+                ("hub", "hub / raw blocking broker", True),
+                ("raw peers", "the hub alone between raw peers / raw broker", True),
+                ("asyncio", "the raw broker between zmq.asyncio sockets (asyncio at both ends, "
+                 "no bus code) / raw broker", False)):
             per = [x / r for x, r in zip(slices[f"{kind} {t}"], raw, strict=True)]
             m = median(per)
-            cells.append(f"{label} {m:.2f}x (target <= 1.1x: {'met' if m <= 1.1 else 'NOT met'};"
-                         f" groups {min(per):.2f}-{max(per):.2f})")
+            verdict = f"target <= 1.1x: {'met' if m <= 1.1 else 'NOT met'}; " if target else ""
+            cells.append(f"{label} {m:.2f}x ({verdict}groups {min(per):.2f}-{max(per):.2f})")
         print(f"  {t}: p50 raw {median(raw) * us:.0f} us, hub {median(slices[f'hub {t}']) * us:.0f}"
-              f" us, raw peers {median(slices[f'raw peers {t}']) * us:.0f} us; " + "; ".join(cells))
+              f" us, raw peers {median(slices[f'raw peers {t}']) * us:.0f} us, asyncio "
+              f"{median(slices[f'asyncio {t}']) * us:.0f} us; " + "; ".join(cells))
     if len(transports) == 2:
         a, b = transports
         per = [y / x for x, y in zip(slices[f"hub {a}"], slices[f"hub {b}"], strict=True)]
