@@ -288,9 +288,10 @@ CREDIT = 1024
 
 def _raw_forwarder(front: str, back: str) -> None:
     """The least a Python event broker does: each body of a message in from a publisher's DEALER
-    goes out on an XPUB as its own 4-frame event (the publisher sends the topic frame too), as
-    the hub publishes the bodies of an event message, but nothing read, logged or stamped; a new
-    subscription is answered with a heartbeat, as the hub answers one."""
+    goes out on an XPUB as its own 4-frame event (the publisher sends the topic frame too), sent
+    frame by frame with pyzmq's backend `send` as the hub publishes the bodies of an event
+    message, but nothing read, logged or stamped; a new subscription is answered with a
+    heartbeat, as the hub answers one."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
@@ -303,6 +304,7 @@ def _raw_forwarder(front: str, back: str) -> None:
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(xpub, zmq.POLLIN)
+    send = zmq.backend.Socket.send
     while True:
         for sock, _ in poller.poll():
             if sock is xpub:
@@ -314,9 +316,12 @@ def _raw_forwarder(front: str, back: str) -> None:
                     frames = router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                head = frames[1:4]  # topic, signature, header: each body is its own event
-                for body in frames[4:]:
-                    xpub.send_multipart([*head, body])
+                topic, sig, header = frames[1:4]  # each body is its own event
+                for body in frames[4:]:  # frame by frame, below pyzmq's sugar, as the hub does
+                    send(xpub, topic, zmq.SNDMORE)
+                    send(xpub, sig, zmq.SNDMORE)
+                    send(xpub, header, zmq.SNDMORE)
+                    send(xpub, body, 0)
 
 
 def _raw_event_publisher(endpoint: str, credits: str, n: int, to_hub: bool, ready: Any,

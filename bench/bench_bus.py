@@ -15,9 +15,9 @@ blocking pyzmq peers written from docs/protocol.md (a requester keeping 256 requ
 raw serving peers; a publisher sending 256 event bodies per message, as the `bus` client
 coalesces them, and a SUB socket), so what the `bus` client at the ends adds shows apart; and
 for events, the floor: the same publisher through a raw Python forwarder that publishes each
-body as its own message and does nothing else (bench/baseline.py `raw_forwarded_rate`). Not
-run by pytest. Processes are started with the `spawn` method; every one is stopped at the end,
-even on error.
+body as its own message, frame by frame as the hub does, and does nothing else
+(bench/baseline.py `raw_forwarded_rate`). Not run by pytest. Processes are started with the
+`spawn` method; every one is stopped at the end, even on error.
 """
 
 from __future__ import annotations
