@@ -370,6 +370,17 @@ def _raw_event_publisher(endpoint: str, credits: str, n: int, to_hub: bool, read
     time.sleep(600)  # stopped by `raw_subscribed_rate` (a close could drop what is queued)
 
 
+def raw_sub(ctx: zmq.Context, endpoint: str) -> zmq.Socket:  # type: ignore[type-arg]
+    """A SUB to everything on `endpoint` that queues without bound (RCVHWM 0): it drops nothing
+    on its side, whatever the publisher's pace."""
+    sub = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.rcvhwm = 0
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    return sub
+
+
 def raw_subscribed_rate(publish_to: str, events: str, n: int, to_hub: bool, batch: int = 256,
                         cpu_of: list[int] | None = None) -> tuple[float, int, list[float]]:
     """Start `_raw_event_publisher` towards `publish_to`, subscribe a raw SUB here to `events`
@@ -385,11 +396,7 @@ def raw_subscribed_rate(publish_to: str, events: str, n: int, to_hub: bool, batc
     proc = spawn.Process(target=_raw_event_publisher, daemon=True, args=(
         publish_to, f"tcp://127.0.0.1:{port}", n, to_hub, ready, start, batch))
     proc.start()
-    sub = ctx.socket(zmq.SUB)
-    sub.linger = 0
-    sub.rcvhwm = 0
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(events)
+    sub = raw_sub(ctx, events)
     try:
         while sub.recv_multipart()[0] != b"hb":
             pass

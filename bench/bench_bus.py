@@ -50,6 +50,7 @@ from bench.baseline import (  # noqa: E402
     pct,
     raw_forwarded_rate,
     raw_round_trip,
+    raw_sub,
     raw_subscribed_rate,
     raw_throughput,
 )
@@ -80,11 +81,7 @@ def raw_pubsub(n: int) -> float:
     proc = spawn.Process(target=_raw_publisher, args=(endpoint, n), daemon=True)
     proc.start()
     ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.rcvhwm = 0
-    sub.linger = 0
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(endpoint)
+    sub = raw_sub(ctx, endpoint)
     try:
         while sub.recv_multipart()[0] != b"hello":
             pass

@@ -456,6 +456,10 @@ def median_of(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def listed(values: list[float], spec: str = ".2f", sep: str = ", ") -> str:
+    return sep.join(f"{x:{spec}}" for x in values)
+
+
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     ms = 1000.0
     n, wall = r["n"], r["wall"]
@@ -505,14 +509,13 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"; topology / floor {sorted(above)[len(above) // 2]:.2f}x; CPU s per wave: pure loop "
           f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
           f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
-    floor = [f / p for f, p in zip(r["http_floors"], r["pure"], strict=True)]
+    http_floor = [f / p for f, p in zip(r["http_floors"], r["pure"], strict=True)]
     per_http = [w / h for w, h in zip(r["walls"], r["http_walls"], strict=True)]
     print(f"         with the model over HTTP (the pure loop's CPU measured with the gateway's "
-          f"engine in its process: {' '.join(f'{x:.1f}' for x in r['http_cpu'])} s per wave), "
-          f"the floor / pure: {sorted(floor)[len(floor) // 2]:.2f}x "
-          f"[{', '.join(f'{x:.2f}' for x in floor)}]; topology / that pure loop (walls ms "
-          f"{' '.join(f'{w * ms:.0f}' for w in r['http_walls'])}): {median_of(per_http):.2f}x "
-          f"[{', '.join(f'{x:.2f}' for x in per_http)}]")
+          f"engine in its process: {listed(r['http_cpu'], '.1f', ' ')} s per wave), the floor / "
+          f"pure: {median_of(http_floor):.2f}x [{listed(http_floor)}]; topology / that pure loop "
+          f"(walls ms {listed([w * ms for w in r['http_walls']], '.0f', ' ')}): "
+          f"{median_of(per_http):.2f}x [{listed(per_http)}]")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
     # (deltas left out), summed per kind of step; the largest few.
     spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)
