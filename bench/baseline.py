@@ -6,9 +6,9 @@ time; `raw_throughput` keeps many in flight over several workers (taken in turn)
 for requests per second through one Python broker here. `RawTurns` sends the hops of agent turns
 (a model round trip, then the turn's tool calls at once) through the same broker to as many
 workers: the floor of any topology of separate processes that talks through a broker.
-`raw_forwarded_rate` is the same for events: a raw publisher, a Python forwarder that passes
-each message on to an XPUB and does nothing else, a raw subscriber (`raw_subscribed_rate`, which
-also times a raw publisher and subscriber through the hub).
+`raw_forwarded_rate` is the same for events: a raw publisher, a Python forwarder that publishes
+each body it gets as its own message and does nothing else, a raw subscriber
+(`raw_subscribed_rate`, which also times a raw publisher and subscriber through the hub).
 """
 
 from __future__ import annotations
@@ -405,11 +405,11 @@ def raw_subscribed_rate(publish_to: str, events: str, n: int, to_hub: bool, batc
         pids = [*(cpu_of or []), proc.pid or 0]
         cpu0 = [cpu_s(pid) for pid in pids] + [_own_cpu_s()]
         start.set()
-        count, first, last = 0, 0.0, 0.0
+        count, first, last = 0, 0.0, time.perf_counter()
         suffix, end = b"/" + EVENT_TYPE, b"/" + END_TYPE
         # Until the end marker, or QUIET s without an event: a hub's PUB drops what a subscriber
         # does not read in time (docs/protocol.md section 7), and the marker may be among them.
-        while sub.poll(QUIET * 1000) and (not last or time.perf_counter() - last < QUIET):
+        while sub.poll(QUIET * 1000) and time.perf_counter() - last < QUIET:
             topic = sub.recv_multipart()[0]  # (heartbeats too: the quiet is counted in events)
             if topic.endswith(suffix):
                 count += 1

@@ -6,9 +6,10 @@ Prints each figure and its ratio to the raw baseline measured in the same round 
 baseline, then the hub on TCP and on ipc://, alternated; the ratios are medians over the
 rounds, as issue 32 asks). The round-trip ratios come from a finer alternation
 (`round_trips`): every system stays up, and slices of lone round trips take turns between the raw
-broker, the hub with the `bus` client at both ends and the hub between raw peers, on each
-transport, so each ratio compares slices measured within a second of each other; a ratio is
-the median over the slice groups of each group's ratio.
+broker, the hub with the `bus` client at both ends, the hub between raw peers and the raw broker
+between pyzmq's own asyncio sockets (the asyncio floor), on each transport, so each ratio
+compares slices measured within a second of each other; a ratio is the median over the slice
+groups of each group's ratio.
 
 Under each throughput ratio, the hub's own share: the same load through the hub between raw
 blocking pyzmq peers written from docs/protocol.md (a requester keeping 256 requests out and 4
