@@ -13,11 +13,13 @@ each body it gets as its own message and does nothing else, a raw subscriber
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import resource
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -125,12 +127,14 @@ def _asyncio_worker(endpoint: str) -> None:
     asyncio.run(main())
 
 
-def _start(workers: int, endpoint: str = "") -> tuple[str, list[mp.process.BaseProcess]]:
-    """A raw broker and `workers` raw workers, each its own process (on TCP by default)."""
+def _start(workers: int, endpoint: str = "", worker: Any = _raw_worker,
+           ) -> tuple[str, list[mp.process.BaseProcess]]:
+    """A raw broker and `workers` raw workers (`worker`: `_raw_worker` or `_asyncio_worker`),
+    each its own process (on TCP by default)."""
     endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
     spawn = mp.get_context("spawn")
     procs = [spawn.Process(target=_raw_broker, args=(endpoint,), daemon=True)]
-    procs += [spawn.Process(target=_raw_worker, args=(endpoint,), daemon=True)
+    procs += [spawn.Process(target=worker, args=(endpoint,), daemon=True)
               for _ in range(workers)]
     for proc in procs:
         proc.start()
@@ -217,57 +221,104 @@ def _own_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+class _Sessions:
+    """The requester's side of `RawTurns.run`: which request each answer calls for."""
+
+    def __init__(self, sessions: int, turns: int, calls: int, body: bytes) -> None:
+        self.tools_left = [0] * sessions
+        self.turns_left = [turns] * sessions
+        self.calls = calls
+        self.active = sessions
+        self.first = [s.to_bytes(4, "little") + body for s in range(sessions)]
+
+    def answered(self, answer: bytes) -> int:
+        """How many requests to send next, each with `answer` as its body."""
+        s = int.from_bytes(answer[:4], "little")
+        if self.tools_left[s]:  # a tool call's answer
+            self.tools_left[s] -= 1
+            return 0 if self.tools_left[s] else 1  # the batch is done: the next model call
+        if not self.turns_left[s]:  # the final answer
+            self.active -= 1
+            return 0
+        self.turns_left[s] -= 1
+        self.tools_left[s] = self.calls
+        return self.calls
+
+
 class RawTurns:
     """The hops of agent turns through raw pyzmq, nothing done at either end: the floor.
 
-    A raw broker and `workers` raw echo workers, each its own process, and a blocking DEALER
-    here. A session's turn is one round trip (the model call), then `calls` round trips at
-    once (the tool calls); the broker hands requests to the workers in turn, so with `workers`
-    = `calls` + 1 a turn of one session reaches every process once, as a turn through the
+    A raw broker and `workers` raw echo workers, each its own process, and a DEALER here. A
+    session's turn is one round trip (the model call), then `calls` round trips at once (the
+    tool calls); the broker hands requests to the workers in turn, so with `workers` =
+    `calls` + 1 a turn of one session reaches every process once, as a turn through the
     topology reaches the gateway and each tool worker. What a turn costs here, any topology of
     separate processes talking through a Python broker pays on top of the loop and the model.
+    With `ends="asyncio"` the workers and the requester use pyzmq's own asyncio sockets
+    (`zmq.asyncio`, nothing else; the requester on an event loop in a thread of this process)
+    and the broker stays blocking, as the hub is: what the same hops cost any topology whose
+    processes are asyncio programs (the design card's anyio), the asyncio floor.
     On `transport` tcp or ipc; `close()` stops every process.
     """
 
-    def __init__(self, workers: int, transport: str = "tcp", body: bytes = b"x" * 256) -> None:
+    def __init__(self, workers: int, transport: str = "tcp", body: bytes = b"x" * 256,
+                 ends: str = "blocking") -> None:
+        if ends not in ("blocking", "asyncio"):
+            raise ValueError(f"ends: expected blocking or asyncio, got {ends!r}")
         self._tmp = tempfile.TemporaryDirectory(prefix="raw-turns-")
         endpoint = (f"ipc://{self._tmp.name}/broker.sock" if transport == "ipc"
                     else f"tcp://127.0.0.1:{free_port()}")
         self._body = body[4:]
-        self._endpoint, self._procs = _start(workers, endpoint)
+        self._asyncio = ends == "asyncio"
+        worker = _asyncio_worker if self._asyncio else _raw_worker
+        self._endpoint, self._procs = _start(workers, endpoint, worker)
         self._ctx, self._sock = _requester(self._endpoint, body, workers)
 
     def run(self, sessions: int, turns: int, calls: int) -> tuple[float, float]:
         """`sessions` sessions at once, each `turns` turns of a model round trip and `calls`
         tool round trips, then a final model round trip. Returns wall seconds and CPU seconds
         (user + system of every process, this one included) per model round trip."""
-        sock, body = self._sock, self._body
-        tools_left = [0] * sessions
-        turns_left = [turns] * sessions
+        todo = _Sessions(sessions, turns, calls, self._body)
         cpu0 = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s()
         started = time.perf_counter()
-        for s in range(sessions):
-            sock.send_multipart([b"req", s.to_bytes(4, "little") + body])
-        active = sessions
-        while active:
-            answer = sock.recv_multipart()[1]
-            s = int.from_bytes(answer[:4], "little")
-            if tools_left[s]:  # a tool call's answer
-                tools_left[s] -= 1
-                if not tools_left[s]:  # the batch is done: the next model call
-                    sock.send_multipart([b"req", answer])
-                continue
-            if not turns_left[s]:  # the final answer
-                active -= 1
-                continue
-            turns_left[s] -= 1
-            tools_left[s] = calls
-            for _ in range(calls):
-                sock.send_multipart([b"req", answer])
+        if self._asyncio:
+            thread = threading.Thread(target=asyncio.run, args=(self._run_asyncio(todo),))
+            thread.start()
+            thread.join()
+        else:
+            self._run_blocking(todo)
         wall = time.perf_counter() - started
         cpu = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s() - cpu0
         model_calls = sessions * (turns + 1)
         return wall / model_calls, cpu / model_calls
+
+    def _run_blocking(self, todo: _Sessions) -> None:
+        sock = self._sock
+        for body in todo.first:
+            sock.send_multipart([b"req", body])
+        while todo.active:
+            answer = sock.recv_multipart()[1]
+            for _ in range(todo.answered(answer)):
+                sock.send_multipart([b"req", answer])
+
+    async def _run_asyncio(self, todo: _Sessions) -> None:
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        sock.sndhwm = sock.rcvhwm = 0
+        sock.connect(self._endpoint)
+        try:
+            for body in todo.first:
+                await sock.send_multipart([b"req", body])
+            while todo.active:
+                answer = (await sock.recv_multipart())[1]
+                for _ in range(todo.answered(answer)):
+                    await sock.send_multipart([b"req", answer])
+        finally:
+            sock.close()
+            ctx.term()
 
     def close(self) -> None:
         _stop(self._sock, self._ctx, self._procs)

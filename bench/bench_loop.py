@@ -1,7 +1,7 @@
 """The agent loop through the whole process topology vs the pure loop in one process.
 
     python bench/bench_loop.py [--turns 50] [--calls 4] [--repeat 3] [--transports tcp,ipc]
-                              [--count-sends DIR]
+                              [--count-sends DIR] [--parts]
 
 A run of TURNS model turns, each asking for CALLS parallel `echo` tool calls, then one final
 answer turn, against a zero-latency scripted model. Three ways:
@@ -20,6 +20,13 @@ answer turn, against a zero-latency scripted model. Three ways:
      least any topology of separate processes talking through a Python broker can take, so
      (B + F) / B is the floor of C/B on this machine in this run, and C - B - F is what the
      bus's own code adds on top of its hops.
+  Fa the asyncio floor: the same hops with `zmq.asyncio` at the requester and the echo
+     processes (the broker stays blocking, as the hub is): what any topology whose processes
+     are asyncio programs (the design card's anyio) pays for them; (B + Fa) / B.
+  --parts: C again on the first transport, alternated with the rest, with the bus's features
+     switched off by a few lines run in the coordinator and gateway before `cli.py` (a
+     measuring instrument, not a setting of the product): no event published (so none logged),
+     no coordinator store (no run journal, no history), neither. What each costs a turn.
 
 Bus overhead per turn = (C - A) / turns (the target is < 2 ms); (C - B) / turns is the part
 that is neither the model's HTTP stream nor the loop itself. Per tool call divides the same
@@ -280,15 +287,44 @@ def report_sends(folder: str) -> None:
     print("\n".join(rows) if rows else "    (none counted: the processes did not exit normally)")
 
 
-def busctl(*args: str) -> list[str]:
+#: `--parts`: topologies with one of the bus's features switched off, to measure what each
+#: costs a turn. Each is a few lines run in the process before `cli.py` (role -> code): a
+#: measuring instrument only, no setting of the product (which always publishes its events
+#: and journals its runs).
+_NO_COORDINATOR_EVENTS = ("from agent_bus.agents.coordinator import process as P\n"
+                          "async def _none(self, event): pass\n"
+                          "P.Session._publish = _none\n")
+_NO_GATEWAY_EVENTS = ("from agent_bus.bus import peer as PP\n"
+                      "async def _none(self, event, **kw): pass\n"
+                      "PP.Peer.publish = _none\n")
+_NO_STORE = ("from agent_bus.agents.coordinator import process as P\n"
+             "P.Session._journal = lambda self, event: None\n"
+             "P.Session.sync = lambda self: None\n")
+PART_TEXT = {
+    "no-events": "no event published by the coordinator or the gateway, none logged",
+    "no-store": "the coordinator's store writes nothing: no run journal, no history",
+    "neither": "no event and no store",
+}
+PARTS: dict[str, dict[str, str]] = {
+    # no event is published: neither the coordinator's (the loop's) nor the gateway's deltas,
+    # so the hub logs and publishes none either
+    "no-events": {"coordinator": _NO_COORDINATOR_EVENTS, "gateway": _NO_GATEWAY_EVENTS},
+    # the coordinator's SQLite store writes nothing: no run journal, no conversation history
+    "no-store": {"coordinator": _NO_STORE},
+    "neither": {"coordinator": _NO_COORDINATOR_EVENTS + _NO_STORE, "gateway": _NO_GATEWAY_EVENTS},
+}
+
+
+def busctl(*args: str, patch: str = "") -> list[str]:
     cli = [str(ROOT / "cli.py")]
+    run_cli = "import sys, runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     if GATEWAY_POOL is not None and args[0] == "gateway":
         # The pool's size is a class attribute, not a setting: set it in a wrapper for the bench.
         size, per = GATEWAY_POOL
-        code = ("import sys, runpy; from agent_bus.agents.gateway.engine import _ClientPool; "
-                f"_ClientPool.SIZE, _ClientPool.PER_CLIENT = {size}, {per}; "
-                "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-        cli = ["-c", code, *cli]
+        patch += ("from agent_bus.agents.gateway.engine import _ClientPool\n"
+                  f"_ClientPool.SIZE, _ClientPool.PER_CLIENT = {size}, {per}\n")
+    if patch:
+        cli = ["-c", patch + run_cli, *cli]
     if PROFILE_DIR and args[0] in ("coordinator", "gateway", "hub"):
         out = str(Path(PROFILE_DIR) / f"{args[0]}.prof")
         if cli[0] == "-c":  # cProfile runs a file: write the wrapper into one
@@ -339,9 +375,11 @@ def start_fake(steps: list[dict[str, Any]], tmp: Path, name: str) -> tuple[Proc,
 
 
 def start_topology(tmp: Path, transport: str, base_url: str, tools_py: Path,
-                   procs: list[Proc]) -> tuple[str, dict[str, int]]:
-    """hub (on `transport`), gateway, workers and coordinator: (the hub's endpoint, pids)."""
-    folder = tmp / transport
+                   procs: list[Proc], part: str = "") -> tuple[str, dict[str, int]]:
+    """hub (on `transport`), gateway, workers and coordinator: (the hub's endpoint, pids);
+    `part`: one of PARTS, those processes patched."""
+    patches = PARTS[part] if part else {}
+    folder = tmp / (f"{transport}-{part}" if part else transport)
     folder.mkdir(mode=0o700)  # an ipc socket's directory: the hub warns if others can enter
     topo = folder / "topology.toml"
     topo.write_text(f"""
@@ -360,11 +398,13 @@ tools = ["echo"]
     hub = Proc(busctl("hub", "--hub", address, "--state-dir", str(folder / "hub")))
     procs.append(hub)
     endpoint = hub.ready()["endpoint"]
-    starting = [Proc(busctl("gateway", "--hub", endpoint, "--topology", str(topo)))]
+    starting = [Proc(busctl("gateway", "--hub", endpoint, "--topology", str(topo),
+                            patch=patches.get("gateway", "")))]
     starting += [Proc(busctl("worker", "--hub", endpoint, "--tools", str(tools_py),
                              "--name", f"worker-{i}")) for i in range(WORKERS)]
     starting.append(Proc(busctl("coordinator", "--hub", endpoint, "--topology", str(topo),
-                                "--state-dir", str(folder / "agents"))))
+                                "--state-dir", str(folder / "agents"),
+                                patch=patches.get("coordinator", ""))))
     procs += starting
     for proc in starting:
         proc.ready()
@@ -387,6 +427,10 @@ def main() -> None:
                     help="run the coordinator, gateway and hub under cProfile, dumping into DIR")
     ap.add_argument("--count-sends", default="", metavar="DIR",
                     help="count the messages each process sends, by kind (files in DIR)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also run C (on the first transport) with the bus's event stream, its "
+                         "coordinator store, and both switched off (bench-only patches): what "
+                         "each costs a turn")
     ap.add_argument("--fakellm", default="", metavar="FILE",
                     help="serve the scripted model from this fakellm.py instead of the tree's "
                          "(an A/B of the fake)")
@@ -406,6 +450,7 @@ def main() -> None:
     steps = script_steps(turns, calls)
     model_turns, tool_calls = turns + 1, turns * calls
     runs = repeat + 1  # one warm-up
+    parts = list(PARTS) if args.parts else []
     from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
 
     with tempfile.TemporaryDirectory(prefix="bench-loop-") as tmpdir:
@@ -414,19 +459,28 @@ def main() -> None:
         tools_py.write_text(TOOLS_PY)
         procs: list[Proc] = []
         raws: dict[str, RawTurns] = {}
+        raws_async: dict[str, RawTurns] = {}
         try:
             local = LocalTools(str(tools_py))
             fake, base_url = start_fake(steps * runs, tmp, "fake-b")
             procs.append(fake)
             # C on each transport, then D
-            fake_c, base_url_c = start_fake(steps * runs * (len(transports) + 1), tmp, "fake-c")
+            fake_c, base_url_c = start_fake(
+                steps * runs * (len(transports) + len(parts) + 1), tmp, "fake-c")
             procs.append(fake_c)
             tops = {t: start_topology(tmp, t, base_url_c, tools_py, procs) for t in transports}
+            # each part on the first transport, under its own name in `times` and `cpu`
+            tops.update((part, start_topology(tmp, transports[0], base_url_c, tools_py, procs,
+                                              part)) for part in parts)
             raws.update((t, RawTurns(calls + 1, t)) for t in transports)
-            times: dict[str, list[float]] = {k: [] for k in ["A", "B", *transports]}
+            raws_async.update((t, RawTurns(calls + 1, t, ends="asyncio")) for t in transports)
+            systems = [*transports, *parts]
+            times: dict[str, list[float]] = {k: [] for k in ["A", "B", *systems]}
             floor: dict[str, list[float]] = {t: [] for t in transports}
             floor_cpu: dict[str, list[float]] = {t: [] for t in transports}
-            cpu: dict[str, dict[str, float]] = {t: {} for t in transports}
+            floor_async: dict[str, list[float]] = {t: [] for t in transports}
+            floor_async_cpu: dict[str, list[float]] = {t: [] for t in transports}
+            cpu: dict[str, dict[str, float]] = {t: {} for t in systems}
 
             async def alternated() -> None:
                 """A, B, then C on each transport, run after run: a pair's ratio is measured
@@ -440,7 +494,7 @@ def main() -> None:
                         elapsed, final = await pure_loop(EngineLlm(engine), local)
                         assert final == "All done.", final
                         times["B"].append(elapsed)
-                        for t in transports if i % 2 == 0 else transports[::-1]:
+                        for t in systems if i % 2 == 0 else systems[::-1]:
                             endpoint, pids = tops[t]
                             before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
                             elapsed, result = await topology_run(endpoint, "bench")
@@ -450,14 +504,19 @@ def main() -> None:
                                 for name, pid in pids.items():
                                     cpu[t][name] = (cpu[t].get(name, 0.0) + tree_cpu_s(pid)
                                                     - before[name])
+                            if t not in raws:  # a part: no floor of its own
+                                continue
                             wall, cpu_turn = raws[t].run(1, turns, calls)
                             floor[t].append(wall * model_turns)
                             floor_cpu[t].append(cpu_turn)
+                            wall, cpu_turn = raws_async[t].run(1, turns, calls)
+                            floor_async[t].append(wall * model_turns)
+                            floor_async_cpu[t].append(cpu_turn)
 
             anyio.run(alternated)
             d_runs = anyio.run(bus_loop, tops[transports[0]][0], runs)
         finally:
-            for raw in raws.values():
+            for raw in [*raws.values(), *raws_async.values()]:
                 raw.close()
             for proc in reversed(procs):
                 proc.stop()
@@ -496,6 +555,22 @@ def main() -> None:
         print(f"    the floor of C/B on {t}, (B + F) / B: {median(per):.2f}x "
               f"[{', '.join(f'{x:.2f}' for x in per)}]; C above that floor, (C - B - F): "
               f"{median(over) * ms:.3f} ms/turn, what the bus's own code adds to its hops")
+        fa = floor_async[t]
+        per = [(bt + ft) / bt for bt, ft in zip(times["B"][1:], fa[1:], strict=True)]
+        over = [(ct - bt - ft) / model_turns
+                for ct, bt, ft in zip(times[t][1:], times["B"][1:], fa[1:], strict=True)]
+        print(f"  Fa the same hops with asyncio ends on {t} (`zmq.asyncio` requester and echo "
+              f"processes, the same raw broker): {median(fa[1:]) / model_turns * ms:.3f} ms/turn, "
+              f"CPU {median(floor_async_cpu[t][1:]) * ms:.3f} ms/turn")
+        print(f"    the asyncio floor of C/B on {t}, (B + Fa) / B: {median(per):.2f}x "
+              f"[{', '.join(f'{x:.2f}' for x in per)}]; C - B - Fa: {median(over) * ms:.3f} "
+              f"ms/turn")
+    for part in parts:
+        per = [ct / bt for ct, bt in zip(times[part][1:], times["B"][1:], strict=True)]
+        full = [ct / pt for ct, pt in zip(times[transports[0]][1:], times[part][1:], strict=True)]
+        print(f"  C {part} on {transports[0]} ({PART_TEXT[part]}): "
+              f"{med[part] / model_turns * ms:.3f} ms/turn; C/B {median(per):.2f}x "
+              f"[{', '.join(f'{x:.2f}' for x in per)}]; C / C {part} {median(full):.2f}x")
     if len(transports) == 2:
         x, y = transports
         per = [cy / cx for cx, cy in zip(times[x][1:], times[y][1:], strict=True)]
@@ -510,18 +585,19 @@ def main() -> None:
           f"{(b - a) / model_turns * ms:.3f}), tool batches {d_tools / turns * ms:.3f} ms/batch "
           f"(in-process: ~{a / model_turns * ms:.3f} ms/turn for everything)")
     print(f"  coordinator process itself C-D: {(c - d) / model_turns * ms:.3f} ms per turn")
-    for t in transports:
+    for t in systems:
         per_turn = {k: v / (repeat * model_turns) * ms for k, v in cpu[t].items()}
         workers = sum(v for k, v in per_turn.items() if k.startswith("worker"))
-        print(f"  CPU per turn in C on {t} (load-proof; the processes' own user+system time): "
+        where = t if t in transports else f"{transports[0]}, {t}"
+        print(f"  CPU per turn in C on {where} (load-proof; the processes' own user+system time): "
               + "  ".join(f"{k} {v:.3f} ms" for k, v in per_turn.items()
                           if not k.startswith("worker"))
               + f"  workers {workers:.3f} ms  (total {sum(per_turn.values()):.3f} ms)")
     print("  all runs (ms): " + " | ".join(
-        f"{'C ' + k if k in transports else k} " + " ".join(f"{x * ms:.0f}" for x in v)
+        f"{'C ' + k if k in systems else k} " + " ".join(f"{x * ms:.0f}" for x in v)
         for k, v in times.items()) + " | D " + " ".join(f"{x[0] * ms:.0f}" for x in d_runs))
     if args.count_sends:  # C and D both go through a gateway: model turns per run each
-        print(f"  ({(len(transports) + 1) * runs * model_turns} model calls through the "
+        print(f"  ({(len(systems) + 1) * runs * model_turns} model calls through the "
               f"gateways, {runs * model_turns} of them in D from this process)")
         report_sends(args.count_sends)
 

@@ -36,7 +36,10 @@ The topology must also call its model over HTTP, which the pure loop does not: e
 runs the pure loop with the model over HTTP (the gateway's own `LlmEngine` in this process,
 against the topology's scripted model), and its CPU in place of the pure loop's gives the floor
 of a topology whose model is an HTTP server; topology / that loop's wall is the ratio at N of
-`bench_loop.py`'s C / B. Not run by pytest; every process is stopped at the end, even on error.
+`bench_loop.py`'s C / B. The same hops with asyncio ends (`RawTurns(ends="asyncio")`:
+`zmq.asyncio` at the requester and the echo processes) in place of the blocking ones give the
+asyncio floor with an HTTP model: what a topology whose processes are asyncio programs (the
+design card's anyio) cannot go under. Not run by pytest; every process is stopped at the end, even on error.
 """
 
 from __future__ import annotations
@@ -276,6 +279,7 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
         walls: list[float] = []
         floors: list[float] = []
         raw: RawTurns | None = None
+        raw_async: RawTurns | None = None
 
         def pure_round() -> None:
             """The pure loop at N, then the raw hops of the same N sessions, then the pure loop
@@ -284,8 +288,9 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = cpu_self()
             pure.append(asyncio.run(pure_gather(n, args, tools)))
             pure_cpu.append(cpu_self() - cpu0)
-            assert raw is not None
+            assert raw is not None and raw_async is not None
             raw_cpu.append(raw.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
+            raw_async_cpu.append(raw_async.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
             cpu0 = cpu_self()
             http_walls.append(asyncio.run(pure_gather(n, args, tools, topo.base_url)))
             http_cpu.append(cpu_self() - cpu0)
@@ -295,14 +300,19 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
             floors.append(max(pure[-1], spent / CORES))
             spent = http_cpu[-1] + raw_cpu[-1] + model_cpu
             http_floors.append(max(pure[-1], spent / CORES))
+            spent = http_cpu[-1] + raw_async_cpu[-1] + model_cpu
+            async_floors.append(max(pure[-1], spent / CORES))
 
         pure_cpu: list[float] = []
         raw_cpu: list[float] = []
         http_cpu: list[float] = []  # the pure loop's with the model over HTTP (its engine's)
         http_walls: list[float] = []
         http_floors: list[float] = []
+        raw_async_cpu: list[float] = []
+        async_floors: list[float] = []  # with the model over HTTP and asyncio ends
         try:
             raw = RawTurns(WORKERS + 1)
+            raw_async = RawTurns(WORKERS + 1, ends="asyncio")
             endpoint = topo.start()
             anyio.run(prompt_all, endpoint, 1)  # warm-up: imports, connections, the store
             asyncio.run(pure_gather(1, args, tools))
@@ -336,12 +346,14 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 lost += lost_runs(more, more_failures, read_log(db_path, t0, t1)["ends"])
         finally:
             topo.stop()
-            if raw is not None:
-                raw.close()
+            for hops in (raw, raw_async):
+                if hops is not None:
+                    hops.close()
     ends = log["ends"]
     return {"n": n, "wall": walls[0], "walls": walls, "pure": pure, "floors": floors,
             "pure_cpu": pure_cpu, "raw_cpu": raw_cpu, "http_cpu": http_cpu,
             "http_floors": http_floors, "http_walls": http_walls, "results": len(results),
+            "raw_async_cpu": raw_async_cpu, "async_floors": async_floors,
             "failures": failures, "lost": lost, "events": log["events"],
             "latencies": log["latencies"], "before": before, "after": after, "gaps": log["gaps"],
             "cpu": cpu, "second_wave_kb": second - after["coordinator"],
@@ -516,6 +528,10 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"pure: {median_of(http_floor):.2f}x [{listed(http_floor)}]; topology / that pure loop "
           f"(walls ms {listed([w * ms for w in r['http_walls']], '.0f', ' ')}): "
           f"{median_of(per_http):.2f}x [{listed(per_http)}]")
+    async_floor = [f / p for f, p in zip(r["async_floors"], r["pure"], strict=True)]
+    print(f"         and with asyncio ends (the same hops between `zmq.asyncio` sockets: "
+          f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
+          f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
     # (deltas left out), summed per kind of step; the largest few.
     spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)
