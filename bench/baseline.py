@@ -107,22 +107,51 @@ def _raw_worker(endpoint: str) -> None:
         sock.send_multipart([b"rep", *frames[1:]])
 
 
-def _asyncio_worker(endpoint: str) -> None:
-    """`_raw_worker` on an asyncio loop with pyzmq's own asyncio sockets (`zmq.asyncio`) and
-    nothing else: what answering costs any asyncio program on this machine."""
-    import asyncio
+def _ready_now(sock: zmq.Socket) -> list[list[bytes]]:  # type: ignore[type-arg]
+    """Every message waiting on `sock` (a blocking socket sharing an asyncio one's, see
+    `_AsyncioEnd`), without waiting."""
+    waiting = []
+    while True:
+        try:
+            waiting.append(sock.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return waiting
 
-    import zmq.asyncio
+
+class _AsyncioEnd:
+    """A DEALER used as the least an asyncio program can do with pyzmq: it waits on the event
+    loop (`zmq.asyncio`), then takes every message already there and sends without a future
+    (a blocking socket sharing the same libzmq socket; its HWM of 0 never blocks a send)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import zmq.asyncio
+
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.sndhwm = self.sock.rcvhwm = 0
+        self.sock.connect(endpoint)
+        self.now = zmq.Socket.shadow(self.sock.underlying)
+
+    async def receive(self) -> list[list[bytes]]:
+        """Wait for a message; it and all those behind it."""
+        return [await self.sock.recv_multipart(), *_ready_now(self.now)]
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def _asyncio_worker(endpoint: str) -> None:
+    """`_raw_worker` as an asyncio program with pyzmq's own asyncio sockets (`_AsyncioEnd`) and
+    nothing else: what answering costs any asyncio program on this machine."""
 
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(endpoint)
-        await sock.send_multipart([b"ready"])
+        end = _AsyncioEnd(endpoint)
+        end.now.send_multipart([b"ready"])
         while True:
-            frames = await sock.recv_multipart()
-            await sock.send_multipart([b"rep", *frames[1:]])
+            for frames in await end.receive():
+                end.now.send_multipart([b"rep", *frames[1:]])
 
     asyncio.run(main())
 
@@ -180,12 +209,22 @@ def _drain(sock: zmq.Socket) -> int:  # type: ignore[type-arg]
 
 
 def raw_throughput(seconds: float, workers: int = 4, inflight: int = 256,
-                   body: bytes = b"x" * 64) -> float:
+                   body: bytes = b"x" * 64, ends: str = "blocking") -> float:
     """Requests/s with `inflight` requests outstanding from one blocking requester, through
-    the raw broker to `workers` raw workers: what `bench_bus`'s hub throughput is set against."""
-    endpoint, procs = _start(workers)
+    the raw broker to `workers` raw workers: what `bench_bus`'s hub throughput is set against.
+    With `ends="asyncio"` the workers and the requester are asyncio programs that do the least
+    pyzmq allows (`_AsyncioEnd`; the requester on an event loop in a thread here): the asyncio
+    floor."""
+    endpoint, procs = _start(workers, worker=_asyncio_worker if ends == "asyncio" else _raw_worker)
     ctx, sock = _requester(endpoint, body, workers)
     try:
+        if ends == "asyncio":
+            rates: list[float] = []
+            thread = threading.Thread(target=lambda: rates.append(asyncio.run(
+                _asyncio_throughput(endpoint, seconds, inflight, body))))
+            thread.start()
+            thread.join()
+            return rates[0]
         for _ in range(inflight):
             sock.send_multipart([b"req", body])
         done = 0
@@ -199,6 +238,25 @@ def raw_throughput(seconds: float, workers: int = 4, inflight: int = 256,
         return done / (time.perf_counter() - started)
     finally:
         _stop(sock, ctx, procs)
+
+
+async def _asyncio_throughput(endpoint: str, seconds: float, inflight: int, body: bytes) -> float:
+    """`raw_throughput`'s requester as an asyncio program (`_AsyncioEnd`): one request out for
+    each answer."""
+    end = _AsyncioEnd(endpoint)
+    try:
+        for _ in range(inflight):
+            end.now.send_multipart([b"req", body])
+        done = 0
+        started = time.perf_counter()
+        stop = started + seconds
+        while time.perf_counter() < stop:
+            for _ in await end.receive():
+                end.now.send_multipart([b"req", body])
+                done += 1
+        return done / (time.perf_counter() - started)
+    finally:
+        end.close()
 
 
 def raw_round_trip(n: int, body: bytes = b"x" * 64) -> tuple[float, float]:
@@ -254,8 +312,8 @@ class RawTurns:
     `calls` + 1 a turn of one session reaches every process once, as a turn through the
     topology reaches the gateway and each tool worker. What a turn costs here, any topology of
     separate processes talking through a Python broker pays on top of the loop and the model.
-    With `ends="asyncio"` the workers and the requester use pyzmq's own asyncio sockets
-    (`zmq.asyncio`, nothing else; the requester on an event loop in a thread of this process)
+    With `ends="asyncio"` the workers and the requester are asyncio programs that do the least
+    pyzmq allows (`_AsyncioEnd`; the requester on an event loop in a thread of this process)
     and the broker stays blocking, as the hub is: what the same hops cost any topology whose
     processes are asyncio programs (the design card's anyio), the asyncio floor.
     On `transport` tcp or ipc; `close()` stops every process.
@@ -302,23 +360,17 @@ class RawTurns:
                 sock.send_multipart([b"req", answer])
 
     async def _run_asyncio(self, todo: _Sessions) -> None:
-        import zmq.asyncio
-
-        ctx = zmq.asyncio.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = 0
-        sock.connect(self._endpoint)
+        end = _AsyncioEnd(self._endpoint)
         try:
             for body in todo.first:
-                await sock.send_multipart([b"req", body])
+                end.now.send_multipart([b"req", body])
             while todo.active:
-                answer = (await sock.recv_multipart())[1]
-                for _ in range(todo.answered(answer)):
-                    await sock.send_multipart([b"req", answer])
+                for frames in await end.receive():
+                    answer = frames[1]
+                    for _ in range(todo.answered(answer)):
+                        end.now.send_multipart([b"req", answer])
         finally:
-            sock.close()
-            ctx.term()
+            end.close()
 
     def close(self) -> None:
         _stop(self._sock, self._ctx, self._procs)

@@ -719,6 +719,7 @@ def one_round(quick: bool, transports: list[str]) -> dict[str, dict[str, float]]
     raw["rtt_p50"], raw["rtt_p99"] = raw_round_trip(n)
     raw["events_per_s"] = raw_pubsub(50_000 if quick else 300_000)
     raw["req_per_s"] = raw_throughput(3 if quick else 8)
+    raw["req_per_s_asyncio"] = raw_throughput(3 if quick else 8, ends="asyncio")
     out = {"raw": raw}
     for transport in transports:
         raw[f"forwarded_{transport}"] = raw_forwarded_rate(50_000 if quick else 300_000, transport)
@@ -727,14 +728,17 @@ def one_round(quick: bool, transports: list[str]) -> dict[str, dict[str, float]]
     return out
 
 
-# (figure, key, the raw baseline's key ("" for the transport's raw forwarder), issue 32's target
-# for the ratio (None: what the target is set against), higher is better); the round trip's are
-# `round_trips`'s, interleaved finer than rounds
+# (figure, key, the raw baseline's key ("" for the transport's raw forwarder, "raw:K" for the
+# round's raw figure K, measured on tcp only), issue 32's target for the ratio (None: what the
+# target is set against), higher is better); the round trip's are `round_trips`'s, interleaved
+# finer than rounds
 RATIOS = [
     ("requests/s, 4 serving peers / raw broker with 4 raw workers", "req_per_s", "req_per_s",
      0.9),
     ("  the hub alone, a raw requester and 4 raw serving peers / raw broker", "raw_peers_req_per_s",
      "req_per_s", None),
+    ("  the asyncio floor: the raw broker between asyncio ends (tcp) / raw broker",
+     "raw:req_per_s_asyncio", "req_per_s", None),
     ("events/s logged + published / raw PUB->SUB", "events_per_s", "events_per_s", 0.85),
     ("  the hub alone, a raw publisher and subscriber / raw PUB->SUB", "raw_peers_events_per_s",
      "events_per_s", None),
@@ -743,11 +747,21 @@ RATIOS = [
 ]
 
 
+def _figure(result: dict[str, dict[str, float]], key: str, transport: str) -> float:
+    """A RATIOS row's figure in one round's `result` (see RATIOS for `key`)."""
+    if not key:
+        return result["raw"][f"forwarded_{transport}"]
+    if key.startswith("raw:"):
+        return result["raw"][key[4:]]
+    return result[transport][key]
+
+
 def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[str]) -> None:
     us = 1e6
     for i, r in enumerate(rounds, 1):
         raw = r["raw"]
-        print(f"round {i}: raw p50 {raw['rtt_p50'] * us:.0f} us, {raw['req_per_s']:,.0f} req/s, "
+        print(f"round {i}: raw p50 {raw['rtt_p50'] * us:.0f} us, {raw['req_per_s']:,.0f} req/s "
+              f"(asyncio ends {raw['req_per_s_asyncio']:,.0f}), "
               f"{raw['events_per_s']:,.0f} events/s (forwarded " + ", ".join(
                   f"{t} {raw[f'forwarded_{t}']:,.0f}" for t in transports) + ") | " + " | ".join(
                   f"{t}: p50 {r[t]['rtt_p50'] * us:.0f} us (raw peers "
@@ -759,9 +773,8 @@ def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[st
           "round's raw baseline; per round in brackets):")
     for label, key, raw_key, target in RATIOS:
         cells = []
-        for t in transports:
-            per = [(r["raw"][f"forwarded_{t}"] if not key else r[t][key]) / r["raw"][raw_key]
-                   for r in rounds]
+        for t in transports if not key.startswith("raw:") else ["tcp"]:
+            per = [_figure(r, key, t) / r["raw"][raw_key] for r in rounds]
             m = median(per)
             verdict = "" if target is None else " met" if m >= target else " NOT met"
             cells.append(f"{t} {m:.2f}x [{', '.join(f'{x:.2f}' for x in per)}]{verdict}")

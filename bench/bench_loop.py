@@ -20,9 +20,11 @@ answer turn, against a zero-latency scripted model. Three ways:
      least any topology of separate processes talking through a Python broker can take, so
      (B + F) / B is the floor of C/B on this machine in this run, and C - B - F is what the
      bus's own code adds on top of its hops.
-  Fa the asyncio floor: the same hops with `zmq.asyncio` at the requester and the echo
-     processes (the broker stays blocking, as the hub is): what any topology whose processes
-     are asyncio programs (the design card's anyio) pays for them; (B + Fa) / B.
+  Fa the asyncio floor: the same hops with asyncio programs at the requester and the echo
+     processes (`RawTurns(ends="asyncio")`: they wait through `zmq.asyncio`, then take every
+     message already there and send without a future; the broker stays blocking, as the hub
+     is): what any topology whose processes are asyncio programs (the design card's anyio)
+     pays for its hops; (B + Fa) / B.
   --parts: C again on the first transport, alternated with the rest, with the bus's features
      switched off by a few lines run in the coordinator and gateway before `cli.py` (a
      measuring instrument, not a setting of the product): no event published (so none logged),
@@ -559,8 +561,9 @@ def main() -> None:
         per = [(bt + ft) / bt for bt, ft in zip(times["B"][1:], fa[1:], strict=True)]
         over = [(ct - bt - ft) / model_turns
                 for ct, bt, ft in zip(times[t][1:], times["B"][1:], fa[1:], strict=True)]
-        print(f"  Fa the same hops with asyncio ends on {t} (`zmq.asyncio` requester and echo "
-              f"processes, the same raw broker): {median(fa[1:]) / model_turns * ms:.3f} ms/turn, "
+        print(f"  Fa the same hops with asyncio ends on {t} (requester and echo processes that "
+              f"are asyncio programs doing the least pyzmq allows, the same raw broker): "
+              f"{median(fa[1:]) / model_turns * ms:.3f} ms/turn, "
               f"CPU {median(floor_async_cpu[t][1:]) * ms:.3f} ms/turn")
         print(f"    the asyncio floor of C/B on {t}, (B + Fa) / B: {median(per):.2f}x "
               f"[{', '.join(f'{x:.2f}' for x in per)}]; C - B - Fa: {median(over) * ms:.3f} "

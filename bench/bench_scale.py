@@ -36,10 +36,11 @@ The topology must also call its model over HTTP, which the pure loop does not: e
 runs the pure loop with the model over HTTP (the gateway's own `LlmEngine` in this process,
 against the topology's scripted model), and its CPU in place of the pure loop's gives the floor
 of a topology whose model is an HTTP server; topology / that loop's wall is the ratio at N of
-`bench_loop.py`'s C / B. The same hops with asyncio ends (`RawTurns(ends="asyncio")`:
-`zmq.asyncio` at the requester and the echo processes) in place of the blocking ones give the
-asyncio floor with an HTTP model: what a topology whose processes are asyncio programs (the
-design card's anyio) cannot go under. Not run by pytest; every process is stopped at the end, even on error.
+`bench_loop.py`'s C / B. The same hops with asyncio ends (`RawTurns(ends="asyncio")`: a
+requester and echo processes that are asyncio programs doing the least pyzmq allows) in place of
+the blocking ones give the asyncio floor with an HTTP model: what a topology whose processes are
+asyncio programs (the design card's anyio) cannot go under. Not run by pytest; every process is
+stopped at the end, even on error.
 """
 
 from __future__ import annotations
@@ -529,7 +530,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"(walls ms {listed([w * ms for w in r['http_walls']], '.0f', ' ')}): "
           f"{median_of(per_http):.2f}x [{listed(per_http)}]")
     async_floor = [f / p for f, p in zip(r["async_floors"], r["pure"], strict=True)]
-    print(f"         and with asyncio ends (the same hops between `zmq.asyncio` sockets: "
+    print(f"         and with asyncio ends (the same hops between asyncio programs: "
           f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
           f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
