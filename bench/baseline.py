@@ -156,8 +156,16 @@ def _asyncio_worker(endpoint: str) -> None:
     asyncio.run(main())
 
 
-def _start(workers: int, endpoint: str = "", worker: Any = _raw_worker,
-           ) -> tuple[str, list[mp.process.BaseProcess]]:
+def _worker_for(ends: str) -> Any:
+    """The echo worker of `ends`: "blocking" (`_raw_worker`) or "asyncio" (`_asyncio_worker`)."""
+    workers = {"blocking": _raw_worker, "asyncio": _asyncio_worker}
+    if ends not in workers:
+        raise ValueError(f"ends: expected blocking or asyncio, got {ends!r}")
+    return workers[ends]
+
+
+def _start(workers: int, endpoint: str = "",
+           worker: Any = _raw_worker) -> tuple[str, list[mp.process.BaseProcess]]:
     """A raw broker and `workers` raw workers (`worker`: `_raw_worker` or `_asyncio_worker`),
     each its own process (on TCP by default)."""
     endpoint = endpoint or f"tcp://127.0.0.1:{free_port()}"
@@ -215,7 +223,7 @@ def raw_throughput(seconds: float, workers: int = 4, inflight: int = 256,
     With `ends="asyncio"` the workers and the requester are asyncio programs that do the least
     pyzmq allows (`_AsyncioEnd`; the requester on an event loop in a thread here): the asyncio
     floor."""
-    endpoint, procs = _start(workers, worker=_asyncio_worker if ends == "asyncio" else _raw_worker)
+    endpoint, procs = _start(workers, worker=_worker_for(ends))
     ctx, sock = _requester(endpoint, body, workers)
     try:
         if ends == "asyncio":
@@ -321,14 +329,12 @@ class RawTurns:
 
     def __init__(self, workers: int, transport: str = "tcp", body: bytes = b"x" * 256,
                  ends: str = "blocking") -> None:
-        if ends not in ("blocking", "asyncio"):
-            raise ValueError(f"ends: expected blocking or asyncio, got {ends!r}")
+        worker = _worker_for(ends)
         self._tmp = tempfile.TemporaryDirectory(prefix="raw-turns-")
         endpoint = (f"ipc://{self._tmp.name}/broker.sock" if transport == "ipc"
                     else f"tcp://127.0.0.1:{free_port()}")
         self._body = body[4:]
         self._asyncio = ends == "asyncio"
-        worker = _asyncio_worker if self._asyncio else _raw_worker
         self._endpoint, self._procs = _start(workers, endpoint, worker)
         self._ctx, self._sock = _requester(self._endpoint, body, workers)
 

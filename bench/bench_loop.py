@@ -308,10 +308,7 @@ PART_TEXT = {
     "neither": "no event and no store",
 }
 PARTS: dict[str, dict[str, str]] = {
-    # no event is published: neither the coordinator's (the loop's) nor the gateway's deltas,
-    # so the hub logs and publishes none either
     "no-events": {"coordinator": _NO_COORDINATOR_EVENTS, "gateway": _NO_GATEWAY_EVENTS},
-    # the coordinator's SQLite store writes nothing: no run journal, no conversation history
     "no-store": {"coordinator": _NO_STORE},
     "neither": {"coordinator": _NO_COORDINATOR_EVENTS + _NO_STORE, "gateway": _NO_GATEWAY_EVENTS},
 }
@@ -330,7 +327,7 @@ def busctl(*args: str, patch: str = "") -> list[str]:
     if PROFILE_DIR and args[0] in ("coordinator", "gateway", "hub"):
         out = str(Path(PROFILE_DIR) / f"{args[0]}.prof")
         if cli[0] == "-c":  # cProfile runs a file: write the wrapper into one
-            wrapper = Path(PROFILE_DIR) / "gateway_wrapper.py"
+            wrapper = Path(PROFILE_DIR) / f"{args[0]}_wrapper.py"
             wrapper.write_text(cli[1])
             cli = [str(wrapper), *cli[2:]]
         return [sys.executable, "-m", "cProfile", "-o", out, *cli, *args]
@@ -416,6 +413,14 @@ tools = ["echo"]
 
 def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
+
+
+def floor_of(b: list[float], c: list[float], f: list[float],
+             model_turns: int) -> tuple[list[float], list[float]]:
+    """Per run after the warm-up: (B + F) / B, the floor of C/B, and (C - B - F) per turn."""
+    runs = list(zip(b[1:], c[1:], f[1:], strict=True))
+    return ([(bt + ft) / bt for bt, _, ft in runs],
+            [(ct - bt - ft) / model_turns for bt, ct, ft in runs])
 
 
 def main() -> None:
@@ -548,23 +553,19 @@ def main() -> None:
               f"{median([ct / at for ct, at in zip(times[t][1:], times['A'][1:], strict=True)]):.2f}x")
     for t in transports:
         f = median(floor[t][1:])
-        per = [(bt + ft) / bt for bt, ft in zip(times["B"][1:], floor[t][1:], strict=True)]
-        over = [(ct - bt - ft) / model_turns
-                for ct, bt, ft in zip(times[t][1:], times["B"][1:], floor[t][1:], strict=True)]
         print(f"  F the same turns' hops through raw pyzmq on {t} (a raw broker, {calls + 1} raw "
               f"echo processes, nothing done at either end): {f / model_turns * ms:.3f} ms/turn, "
               f"CPU {median(floor_cpu[t][1:]) * ms:.3f} ms/turn (all its processes)")
+        per, over = floor_of(times["B"], times[t], floor[t], model_turns)
         print(f"    the floor of C/B on {t}, (B + F) / B: {median(per):.2f}x "
               f"[{', '.join(f'{x:.2f}' for x in per)}]; C above that floor, (C - B - F): "
               f"{median(over) * ms:.3f} ms/turn, what the bus's own code adds to its hops")
-        fa = floor_async[t]
-        per = [(bt + ft) / bt for bt, ft in zip(times["B"][1:], fa[1:], strict=True)]
-        over = [(ct - bt - ft) / model_turns
-                for ct, bt, ft in zip(times[t][1:], times["B"][1:], fa[1:], strict=True)]
+        fa = median(floor_async[t][1:])
         print(f"  Fa the same hops with asyncio ends on {t} (requester and echo processes that "
               f"are asyncio programs doing the least pyzmq allows, the same raw broker): "
-              f"{median(fa[1:]) / model_turns * ms:.3f} ms/turn, "
+              f"{fa / model_turns * ms:.3f} ms/turn, "
               f"CPU {median(floor_async_cpu[t][1:]) * ms:.3f} ms/turn")
+        per, over = floor_of(times["B"], times[t], floor_async[t], model_turns)
         print(f"    the asyncio floor of C/B on {t}, (B + Fa) / B: {median(per):.2f}x "
               f"[{', '.join(f'{x:.2f}' for x in per)}]; C - B - Fa: {median(over) * ms:.3f} "
               f"ms/turn")

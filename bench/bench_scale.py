@@ -473,6 +473,11 @@ def listed(values: list[float], spec: str = ".2f", sep: str = ", ") -> str:
     return sep.join(f"{x:{spec}}" for x in values)
 
 
+def over_pure(r: dict[str, Any], key: str) -> list[float]:
+    """Each round's `r[key]` (a wall time) over the same round's pure-loop wall."""
+    return [x / p for x, p in zip(r[key], r["pure"], strict=True)]
+
+
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     ms = 1000.0
     n, wall = r["n"], r["wall"]
@@ -514,7 +519,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"alternated rounds: {ratio:.2f}x [{', '.join(f'{x:.2f}' for x in per)}]{verdict}; "
           f"walls ms: topology {' '.join(f'{w * ms:.0f}' for w in r['walls'])}, pure "
           f"{' '.join(f'{w * ms:.0f}' for w in r['pure'])}")
-    floor = [f / p for f, p in zip(r["floors"], r["pure"], strict=True)]
+    floor = over_pure(r, "floors")
     above = [w / f for w, f in zip(r["walls"], r["floors"], strict=True)]
     print(f"         the floor of that ratio, (pure loop CPU + the same sessions' hops through "
           f"raw pyzmq + the scripted model's CPU) / {CORES} cores, or the pure wall if longer, "
@@ -522,14 +527,14 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"; topology / floor {sorted(above)[len(above) // 2]:.2f}x; CPU s per wave: pure loop "
           f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
           f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
-    http_floor = [f / p for f, p in zip(r["http_floors"], r["pure"], strict=True)]
+    http_floor = over_pure(r, "http_floors")
     per_http = [w / h for w, h in zip(r["walls"], r["http_walls"], strict=True)]
     print(f"         with the model over HTTP (the pure loop's CPU measured with the gateway's "
           f"engine in its process: {listed(r['http_cpu'], '.1f', ' ')} s per wave), the floor / "
           f"pure: {median_of(http_floor):.2f}x [{listed(http_floor)}]; topology / that pure loop "
           f"(walls ms {listed([w * ms for w in r['http_walls']], '.0f', ' ')}): "
           f"{median_of(per_http):.2f}x [{listed(per_http)}]")
-    async_floor = [f / p for f, p in zip(r["async_floors"], r["pure"], strict=True)]
+    async_floor = over_pure(r, "async_floors")
     print(f"         and with asyncio ends (the same hops between asyncio programs: "
           f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
           f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
