@@ -10,8 +10,8 @@ This module is the public face; the parts, each with one job:
   publishing (held events, confirmations), heartbeats;
 - `bus/rpc.py`: requests this peer makes: the call map the reader feeds, `request`/`stream`, a
   cancel when the requester leaves early;
-- `bus/serving.py`: requests it serves: handlers in the peer's task group, a cancel scope per
-  request, exactly one answer each;
+- `bus/serving.py`: requests it serves: an `async def` handler in a task and a cancel scope per
+  request, a plain function at once in the reader; exactly one answer each;
 - `bus/subscription.py`: `Subscription`, live events plus replays from the log, no hole and no
   duplicate;
 - `bus/transport.py`: framing and the DEALER's transport, the fast (`add_reader`) one or the
