@@ -111,16 +111,23 @@ def raw_pubsub(n: int) -> float:
 
 
 def _serving_peer(endpoint: str, capacity: int, ready: mp.Queue[int]) -> None:
+    """A `bus` peer serving `echo` with a plain function, as the raw workers answer (at once,
+    in the peer's reader), and `echo-async` with an `async def` handler (a task and a cancel
+    scope per request, so that a `cancel` reaches it: what a handler that waits needs)."""
     import anyio
 
     from agent_bus.bus.client import connect
 
     async def main() -> None:
         async with connect(endpoint, name=f"bench-echo-{os.getpid()}") as peer:
-            async def echo(req):  # type: ignore[no-untyped-def]
+            def echo(req):  # type: ignore[no-untyped-def]
+                return req.body
+
+            async def echo_async(req):  # type: ignore[no-untyped-def]
                 return req.body
 
             await peer.serve("echo", echo, capacity=capacity)
+            await peer.serve("echo-async", echo_async, capacity=capacity)
             await peer.status()
             ready.put(os.getpid())
             await anyio.sleep_forever()
@@ -293,7 +300,8 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
     blocking broker and worker of bench/baseline.py on transport T), `hub T` (the hub, the
     `bus` client at both ends), `raw peers T` (the hub between raw blocking peers) and `asyncio
     T` (the raw broker between pyzmq's own asyncio sockets, a requester here and
-    `_asyncio_worker`: what asyncio at both ends costs without any bus code). All stay up;
+    `_asyncio_worker`: what asyncio at both ends costs without any bus code), and `hub async
+    T` (as `hub T`, to the `async def` handler, `echo-async`). All stay up;
     `groups` times, one slice of each in turn (the order rotated every group)."""
     import anyio
     import zmq.asyncio
@@ -375,7 +383,7 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                         while await asocks[t].poll(200):  # answers to the tries above
                             await asocks[t].recv_multipart()
                     systems = [(kind, t) for t in transports
-                               for kind in ("raw", "hub", "raw peers", "asyncio")]
+                               for kind in ("raw", "hub", "hub async", "raw peers", "asyncio")]
                     for g in range(groups):
                         k = g % len(systems)
                         for kind, t in systems[k:] + systems[:k]:
@@ -384,6 +392,8 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                                 t0 = time.perf_counter()
                                 if kind == "hub":
                                     await peers[t].request("echo", body)
+                                elif kind == "hub async":
+                                    await peers[t].request("echo-async", body)
                                 elif kind == "raw":
                                     raw_one(t)
                                 elif kind == "asyncio":
@@ -418,6 +428,7 @@ def report_round_trips(slices: dict[str, list[float]], transports: list[str]) ->
         cells = []
         for kind, label, target in (
                 ("hub", "hub / raw blocking broker", True),
+                ("hub async", "the same with an `async def` handler / raw broker", False),
                 ("raw peers", "the hub alone between raw peers / raw broker", True),
                 ("asyncio", "the raw broker between zmq.asyncio sockets (asyncio at both ends, "
                  "no bus code) / raw broker", False)):
@@ -508,7 +519,7 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
             for _ in range(3):
                 servers.append(ready.get(timeout=20))
 
-            async def throughput() -> None:
+            async def throughput(service: str, suffix: str) -> None:
                 async with connect(endpoint, name="bench-client") as peer:
                     body = b"x" * 64
                     done = 0
@@ -517,7 +528,7 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                     async def worker() -> None:
                         nonlocal done
                         while time.perf_counter() < stop:
-                            await peer.request("echo", body)
+                            await peer.request(service, body)
                             done += 1
 
                     t0 = time.perf_counter()
@@ -525,11 +536,12 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
                     async with anyio.create_task_group() as tg:
                         for _ in range(256):
                             tg.start_soon(worker)
-                    out["req_per_s"] = done / (time.perf_counter() - t0)
-                    out["thr_cpu_hub"], out["thr_cpu_servers"], out["thr_cpu_client"] = _cpu_per(
-                        cpu0, _cpu(hub.pid, servers), done)
+                    out[f"req_per_s{suffix}"] = done / (time.perf_counter() - t0)
+                    (out[f"thr_cpu_hub{suffix}"], out[f"thr_cpu_servers{suffix}"],
+                     out[f"thr_cpu_client{suffix}"]) = _cpu_per(cpu0, _cpu(hub.pid, servers), done)
 
-            anyio.run(throughput)
+            anyio.run(throughput, "echo", "")
+            anyio.run(throughput, "echo-async", "_async")
             raw_ready = [spawn.Event() for _ in range(4)]
             for event in raw_ready:
                 procs.append(spawn.Process(target=_raw_echo_peer, args=(endpoint, 64, event),
@@ -735,6 +747,8 @@ def one_round(quick: bool, transports: list[str]) -> dict[str, dict[str, float]]
 RATIOS = [
     ("requests/s, 4 serving peers / raw broker with 4 raw workers", "req_per_s", "req_per_s",
      0.9),
+    ("  with `async def` handlers (a task and a cancel scope per request) / raw broker",
+     "req_per_s_async", "req_per_s", None),
     ("  the hub alone, a raw requester and 4 raw serving peers / raw broker", "raw_peers_req_per_s",
      "req_per_s", None),
     ("  the asyncio floor: the raw broker between asyncio ends (tcp) / raw broker",
@@ -765,7 +779,8 @@ def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[st
               f"{raw['events_per_s']:,.0f} events/s (forwarded " + ", ".join(
                   f"{t} {raw[f'forwarded_{t}']:,.0f}" for t in transports) + ") | " + " | ".join(
                   f"{t}: p50 {r[t]['rtt_p50'] * us:.0f} us (raw peers "
-                  f"{r[t]['raw_peers_p50'] * us:.0f}), {r[t]['req_per_s']:,.0f} req/s (raw peers "
+                  f"{r[t]['raw_peers_p50'] * us:.0f}), {r[t]['req_per_s']:,.0f} req/s (async def "
+                  f"{r[t]['req_per_s_async']:,.0f}, raw peers "
                   f"{r[t]['raw_peers_req_per_s']:,.0f}), {r[t]['events_per_s']:,.0f} events/s "
                   f"(raw peers {r[t]['raw_peers_events_per_s']:,.0f}, lost "
                   f"{r[t]['raw_peers_events_lost']:.0f})" for t in transports), flush=True)
@@ -796,8 +811,8 @@ def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[st
     print("CPU per request (us; user + system, all threads; /proc, 10 ms ticks; median over rounds "
           f"and transports): round trip hub {mid('rtt_cpu_hub'):.0f}, server "
           f"{mid('rtt_cpu_servers'):.0f}, requester {mid('rtt_cpu_client'):.0f}; 256 concurrent: "
-          f"hub {mid('thr_cpu_hub'):.1f}, 4 servers {mid('thr_cpu_servers'):.1f}, requester "
-          f"{mid('thr_cpu_client'):.1f}", flush=True)
+          f"hub {mid('thr_cpu_hub'):.1f}, 4 servers {mid('thr_cpu_servers'):.1f} (async def "
+          f"{mid('thr_cpu_servers_async'):.1f}), requester {mid('thr_cpu_client'):.1f}", flush=True)
     print(f"CPU per event (us, as above): hub "
           f"{mid('ev_cpu_hub'):.1f}, publisher {mid('ev_cpu_pub'):.1f}, subscriber "
           f"{mid('ev_cpu_sub'):.1f}", flush=True)
