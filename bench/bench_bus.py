@@ -11,6 +11,12 @@ between pyzmq's own asyncio sockets (the asyncio floor), on each transport, so e
 compares slices measured within a second of each other; a ratio is the median over the slice
 groups of each group's ratio.
 
+Requests/s are measured twice: in those rounds (with CPU per request), and interleaved finer
+(`throughput_slices`): every system stays up and slices of a second or two take turns between
+the raw broker, the raw broker between asyncio ends and the hub with `bus` peers answering with a
+plain function (as the raw workers answer) and with an `async def` handler, so each ratio
+compares slices measured seconds apart, not tens of seconds.
+
 Under each throughput ratio, the hub's own share: the same load through the hub between raw
 blocking pyzmq peers written from docs/protocol.md (a requester keeping 256 requests out and 4
 raw serving peers; a publisher sending 256 event bodies per message, as the `bus` client
@@ -24,6 +30,7 @@ body as its own message, frame by frame as the hub does, and does nothing else
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import multiprocessing as mp
@@ -42,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.baseline import (  # noqa: E402
+    _asyncio_throughput,
     _asyncio_worker,
     _requester,
     _start,
@@ -54,6 +62,7 @@ from bench.baseline import (  # noqa: E402
     raw_sub,
     raw_subscribed_rate,
     raw_throughput,
+    windowed_rate,
 )
 
 
@@ -416,6 +425,121 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
             for hub in hubs:
                 hub.kill()
                 hub.wait()
+
+
+def throughput_slices(transports: list[str], groups: int, seconds: float) -> dict[str, list[float]]:
+    """Requests/s of each slice of `seconds`, 256 requests kept out, per system: `raw` (the raw
+    broker and 4 raw workers on TCP, a blocking requester: `raw_throughput`'s), `asyncio` (the
+    same broker between asyncio ends: its asyncio floor), and on each transport T `hub T` (the
+    hub, a `bus` requester, 4 `bus` serving peers answering with a plain function) and `hub
+    async T` (the same peers' `async def` handler). All stay up; `groups` times, one slice of
+    each in turn (the order rotated every group), so each group's ratios share the machine's
+    speed of a few seconds, where `one_round`'s figures are tens of seconds apart."""
+    import anyio
+
+    from agent_bus.bus.client import connect
+
+    spawn = mp.get_context("spawn")
+    body = b"x" * 64
+    procs: list = []
+    hubs: list[subprocess.Popen[str]] = []
+    endpoints: dict[str, str] = {}
+    raw_endpoint, raw_procs = _start(4)
+    ctx, sock = _requester(raw_endpoint, body, 4)
+    asyncio_endpoint, asyncio_procs = _start(4, worker=_asyncio_worker)
+    actx, asock = _requester(asyncio_endpoint, body, 4)  # (all 4 have registered)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for t in transports:
+                os.makedirs(f"{tmp}/hub-{t}")
+                hub, info = start_hub(f"{tmp}/hub-{t}", t)
+                hubs.append(hub)
+                endpoints[t] = info["endpoint"]
+                ready = spawn.Queue()
+                for _ in range(4):
+                    procs.append(spawn.Process(target=_serving_peer,
+                                               args=(endpoints[t], 64, ready), daemon=True))
+                    procs[-1].start()
+                for _ in range(4):
+                    ready.get(timeout=20)
+            slices: dict[str, list[float]] = {}
+
+            async def bus_rate(peer: Any, service: str) -> float:
+                done = 0
+                stop = time.perf_counter() + seconds
+
+                async def worker() -> None:
+                    nonlocal done
+                    while time.perf_counter() < stop:
+                        await peer.request(service, body)
+                        done += 1
+
+                started = time.perf_counter()
+                async with anyio.create_task_group() as tg:
+                    for _ in range(256):
+                        tg.start_soon(worker)
+                return done / (time.perf_counter() - started)
+
+            def asyncio_rate() -> float:
+                return asyncio.run(_asyncio_throughput(asyncio_endpoint, seconds, 256, body))
+
+            async def main() -> None:
+                async with contextlib.AsyncExitStack() as stack:
+                    peers = {t: await stack.enter_async_context(connect(endpoints[t],
+                                                                        name="bench-client"))
+                             for t in transports}
+                    systems = ["raw", "asyncio"] + [f"{kind} {t}" for t in transports
+                                                    for kind in ("hub", "hub async")]
+                    for t in transports:  # warm up
+                        for service in ("echo", "echo-async"):
+                            for _ in range(200):
+                                await peers[t].request(service, body)
+                    for g in range(groups):
+                        k = g % len(systems)
+                        for system in systems[k:] + systems[:k]:
+                            # (the raw ends block: in a thread, so the bus peers keep beating)
+                            if system == "raw":
+                                rate = await anyio.to_thread.run_sync(windowed_rate, sock, seconds)
+                            elif system == "asyncio":
+                                rate = await anyio.to_thread.run_sync(asyncio_rate)
+                            else:
+                                kind, _, t = system.rpartition(" ")
+                                rate = await bus_rate(peers[t], "echo" if kind == "hub"
+                                                      else "echo-async")
+                            slices.setdefault(system, []).append(rate)
+
+            anyio.run(main)
+            return slices
+        finally:
+            _stop(sock, ctx, raw_procs)
+            _stop(asock, actx, asyncio_procs)
+            for proc in procs:
+                proc.kill()
+                proc.join()
+            for hub in hubs:
+                hub.kill()
+                hub.wait()
+
+
+def report_throughput_slices(slices: dict[str, list[float]], transports: list[str]) -> None:
+    groups = len(slices["raw"])
+    print(f"requests/s, interleaved ({groups} groups of one slice per system; each ratio the "
+          "median of the groups' ratios):")
+    raw = slices["raw"]
+    per = [x / r for x, r in zip(slices["asyncio"], raw, strict=True)]
+    print(f"  raw {median(raw):,.0f}/s; the asyncio floor, the raw broker between asyncio ends / "
+          f"raw broker: {median(per):.2f}x (groups {min(per):.2f}-{max(per):.2f})")
+    for t in transports:
+        cells = []
+        for kind, label, target in (
+                ("hub", "4 serving peers / raw broker with 4 raw workers", True),
+                ("hub async", "with `async def` handlers / raw broker", False)):
+            per = [x / r for x, r in zip(slices[f"{kind} {t}"], raw, strict=True)]
+            m = median(per)
+            verdict = f"target >= 0.9x: {'met' if m >= 0.9 else 'NOT met'}; " if target else ""
+            cells.append(f"{label} {m:.2f}x ({verdict}groups {min(per):.2f}-{max(per):.2f})")
+        print(f"  {t}: hub {median(slices[f'hub {t}']):,.0f}/s, async def "
+              f"{median(slices[f'hub async {t}']):,.0f}/s; " + "; ".join(cells), flush=True)
 
 
 def report_round_trips(slices: dict[str, list[float]], transports: list[str]) -> None:
@@ -844,6 +968,8 @@ def main() -> None:
         # alternate the hubs' order too, so neither transport always follows the raw baseline
         rounds.append(one_round(args.quick, transports if i % 2 == 0 else transports[::-1]))
     report_rounds(rounds, transports)
+    report_throughput_slices(throughput_slices(transports, 9 if args.quick else 15,
+                                               1.0 if args.quick else 2.0), transports)
     report_round_trips(round_trips(transports, 15 if args.quick else 40, 100), transports)
     if not args.no_replay:
         print_replay(args.quick, args.replayer_decodes)
