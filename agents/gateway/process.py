@@ -341,7 +341,8 @@ class Gateway:
                  load.experiment, len(load.entries))
         return _encoder.encode(ReplayLoaded(load.experiment, len(load.entries)))
 
-    async def handle_stats(self, req: IncomingRequest) -> bytes:
+    def handle_stats(self, req: IncomingRequest) -> bytes:
+        """Answered from memory: a plain function, called in the peer's reader (no task)."""
         return _encoder.encode(self.engine.stats())
 
 

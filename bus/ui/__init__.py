@@ -281,7 +281,7 @@ async def serve_drops(peer: Peer, drops: Drops, sub: Subscription,
                       extra: Callable[[], dict[str, int]] | None = None) -> None:
     """Register `subscriber.<name>`, answering with the subscription's current counts."""
 
-    async def answer(req: IncomingRequest) -> bytes:
+    def answer(req: IncomingRequest) -> bytes:  # from memory: no task (bus/serving.py)
         drops.refilled = sub.filled
         if extra is not None:
             drops.extra = extra()
