@@ -716,8 +716,9 @@ class Peer:
         deltas parsed from one read, a turn's lifecycle events, the answers of tool calls that
         ended together) costs one wake-up of ZeroMQ's I/O thread and of the hub instead of one
         per message, an isolated send being the costly kind. Any direct send flushes the held
-        messages first, so order is kept. (A request is held only behind other held messages,
-        `Calls.begin`; alone it goes at once, so the other side starts sooner.) An event comes with
+        messages first, so order is kept. (A request is held only behind other held messages or
+        beside other calls in flight, `Calls.begin`; alone it goes at once, so the other side
+        starts sooner.) An event comes with
         its `key` and no header yet: events held
         one after another with the same key (but perhaps the type) are sent as one multi-body
         message (`_flush_held`). Events, and messages held with `linger` (partial replies),
