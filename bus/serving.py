@@ -191,8 +191,6 @@ class Serving:
                 self._start_task(req, _awaiting(outcome), loop)
                 return
             reply = self._reply(req, outcome)
-        except RequestError as exc:
-            reply = [_SIG, error_header(req.id, exc.code, str(exc))]
         except Exception as exc:
             reply = self._failed(req, exc)
         if not self._send_reply(reply):  # the send queue is full: wait for room in a task
@@ -256,8 +254,6 @@ class Serving:
         with scope:
             try:
                 return self._reply(req, await handler(req))
-            except RequestError as exc:
-                return [_SIG, error_header(req.id, exc.code, str(exc))]
             except Exception as exc:
                 return self._failed(req, exc)
         # Only reached when the request's own scope caught its cancellation (a CANCEL).
@@ -278,8 +274,10 @@ class Serving:
                 cast(bytes, body)]
 
     def _failed(self, req: IncomingRequest, exc: Exception) -> list[bytes]:
-        """The answer of a handler that raised `exc` (not a RequestError): `handler_error`.
-        (Called while handling `exc`: the log has its traceback.)"""
+        """The answer of a handler that raised `exc`: a RequestError's own code, else
+        `handler_error` (logged; called while handling `exc`, so with its traceback)."""
+        if isinstance(exc, RequestError):
+            return [_SIG, error_header(req.id, exc.code, str(exc))]
         log.exception("%s: handler for `%s` failed", self._peer.name, req.service)
         return [_SIG, error_header(req.id, p.HANDLER_ERROR, f"{type(exc).__name__}: {exc}")]
 
