@@ -427,14 +427,23 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                 hub.wait()
 
 
-def throughput_slices(transports: list[str], groups: int, seconds: float) -> dict[str, list[float]]:
+Slices = dict[str, list[float]]
+#: per system, per slice: CPU µs per request of its broker (or hub), its 4 serving processes, and
+#: this process (the requester)
+SliceCpu = dict[str, list[tuple[float, float, float]]]
+
+
+def throughput_slices(transports: list[str], groups: int,
+                      seconds: float) -> tuple[Slices, SliceCpu]:
     """Requests/s of each slice of `seconds`, 256 requests kept out, per system: `raw` (the raw
     broker and 4 raw workers on TCP, a blocking requester: `raw_throughput`'s), `asyncio` (the
     same broker between asyncio ends: its asyncio floor), and on each transport T `hub T` (the
     hub, a `bus` requester, 4 `bus` serving peers answering with a plain function) and `hub
     async T` (the same peers' `async def` handler). All stay up; `groups` times, one slice of
     each in turn (the order rotated every group), so each group's ratios share the machine's
-    speed of a few seconds, where `one_round`'s figures are tens of seconds apart."""
+    speed of a few seconds, where `one_round`'s figures are tens of seconds apart. Also each
+    slice's CPU per request at each end: the requester's is this process's (the other systems'
+    ends in it are idle meanwhile)."""
     import anyio
 
     from agent_bus.bus.client import connect
@@ -448,6 +457,10 @@ def throughput_slices(transports: list[str], groups: int, seconds: float) -> dic
     ctx, sock = _requester(raw_endpoint, body, 4)
     asyncio_endpoint, asyncio_procs = _start(4, worker=_asyncio_worker)
     actx, asock = _requester(asyncio_endpoint, body, 4)  # (all 4 have registered)
+    # system -> (its broker's or hub's pid, its serving processes' pids)
+    ends: dict[str, tuple[int, list[int]]] = {
+        name: (int(ps[0].pid or 0), [int(w.pid or 0) for w in ps[1:]])
+        for name, ps in (("raw", raw_procs), ("asyncio", asyncio_procs))}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for t in transports:
@@ -460,9 +473,10 @@ def throughput_slices(transports: list[str], groups: int, seconds: float) -> dic
                     procs.append(spawn.Process(target=_serving_peer,
                                                args=(endpoints[t], 64, ready), daemon=True))
                     procs[-1].start()
-                for _ in range(4):
-                    ready.get(timeout=20)
-            slices: dict[str, list[float]] = {}
+                servers = [ready.get(timeout=20) for _ in range(4)]
+                ends[f"hub {t}"] = ends[f"hub async {t}"] = (hub.pid, servers)
+            slices: Slices = {}
+            cpu: SliceCpu = {}
 
             async def bus_rate(peer: Any, service: str) -> float:
                 done = 0
@@ -497,6 +511,9 @@ def throughput_slices(transports: list[str], groups: int, seconds: float) -> dic
                     for g in range(groups):
                         k = g % len(systems)
                         for system in systems[k:] + systems[:k]:
+                            broker, servers = ends[system]
+                            before = _cpu(broker, servers)
+                            started = time.perf_counter()
                             # (the raw ends block: in a thread, so the bus peers keep beating)
                             if system == "raw":
                                 rate = await anyio.to_thread.run_sync(windowed_rate, sock, seconds)
@@ -507,9 +524,13 @@ def throughput_slices(transports: list[str], groups: int, seconds: float) -> dic
                                 rate = await bus_rate(peers[t], "echo" if kind == "hub"
                                                       else "echo-async")
                             slices.setdefault(system, []).append(rate)
+                            answered = rate * (time.perf_counter() - started)
+                            cpu.setdefault(system, []).append(tuple(  # type: ignore[arg-type]
+                                x * 1e6 for x in _cpu_per(before, _cpu(broker, servers),
+                                                          int(answered))))
 
             anyio.run(main)
-            return slices
+            return slices, cpu
         finally:
             _stop(sock, ctx, raw_procs)
             _stop(asock, actx, asyncio_procs)
@@ -521,7 +542,7 @@ def throughput_slices(transports: list[str], groups: int, seconds: float) -> dic
                 hub.wait()
 
 
-def report_throughput_slices(slices: dict[str, list[float]], transports: list[str]) -> None:
+def report_throughput_slices(slices: Slices, cpu: SliceCpu, transports: list[str]) -> None:
     groups = len(slices["raw"])
     print(f"requests/s, interleaved ({groups} groups of one slice per system; each ratio the "
           "median of the groups' ratios):")
@@ -540,6 +561,14 @@ def report_throughput_slices(slices: dict[str, list[float]], transports: list[st
             cells.append(f"{label} {m:.2f}x ({verdict}groups {min(per):.2f}-{max(per):.2f})")
         print(f"  {t}: hub {median(slices[f'hub {t}']):,.0f}/s, async def "
               f"{median(slices[f'hub async {t}']):,.0f}/s; " + "; ".join(cells), flush=True)
+
+    def ends(system: str) -> str:
+        broker, servers, requester = (median([c[i] for c in cpu[system]]) for i in range(3))
+        return f"{system} {broker:.0f} + {servers:.0f} + {requester:.0f} = " \
+               f"{broker + servers + requester:.0f}"
+
+    print("  CPU per request, the slices' medians (us; broker or hub + 4 serving processes + "
+          "requester): " + "; ".join(ends(system) for system in cpu), flush=True)
 
 
 def report_round_trips(slices: dict[str, list[float]], transports: list[str]) -> None:
@@ -968,8 +997,8 @@ def main() -> None:
         # alternate the hubs' order too, so neither transport always follows the raw baseline
         rounds.append(one_round(args.quick, transports if i % 2 == 0 else transports[::-1]))
     report_rounds(rounds, transports)
-    report_throughput_slices(throughput_slices(transports, 9 if args.quick else 15,
-                                               1.0 if args.quick else 2.0), transports)
+    report_throughput_slices(*throughput_slices(transports, 9 if args.quick else 15,
+                                                1.0 if args.quick else 2.0), transports)
     report_round_trips(round_trips(transports, 15 if args.quick else 40, 100), transports)
     if not args.no_replay:
         print_replay(args.quick, args.replayer_decodes)
