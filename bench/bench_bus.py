@@ -479,20 +479,8 @@ def throughput_slices(transports: list[str], groups: int,
             cpu: SliceCpu = {}
 
             async def bus_rate(peer: Any, service: str) -> float:
-                done = 0
-                stop = time.perf_counter() + seconds
-
-                async def worker() -> None:
-                    nonlocal done
-                    while time.perf_counter() < stop:
-                        await peer.request(service, body)
-                        done += 1
-
-                started = time.perf_counter()
-                async with anyio.create_task_group() as tg:
-                    for _ in range(256):
-                        tg.start_soon(worker)
-                return done / (time.perf_counter() - started)
+                done, took = await bus_window(peer, service, seconds)
+                return done / took
 
             def asyncio_rate() -> float:
                 return asyncio.run(_asyncio_throughput(asyncio_endpoint, seconds, 256, body))
@@ -610,6 +598,28 @@ def start_hub(state: str, transport: str = "") -> tuple[subprocess.Popen[str], d
     return proc, info
 
 
+async def bus_window(peer: Any, service: str, seconds: float, inflight: int = 256,
+                     body: bytes = b"x" * 64) -> tuple[int, float]:
+    """`peer`'s answers from `service` over about `seconds`, `inflight` requests kept out (a
+    task each), and the seconds they took (the last requests' answers included)."""
+    import anyio
+
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await peer.request(service, body)
+            done += 1
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(inflight):
+            tg.start_soon(worker)
+    return done, time.perf_counter() - started
+
+
 def _cpu(hub: int, servers: list[int]) -> tuple[float, float, float]:
     """CPU seconds (user + system, all threads) used so far by the hub, the serving peers
     together, and this process (the requester): per-request CPU, unlike wall time, does not
@@ -674,22 +684,9 @@ def hub_figures(n_rtt: int, seconds: float, n_events: int,
 
             async def throughput(service: str, suffix: str) -> None:
                 async with connect(endpoint, name="bench-client") as peer:
-                    body = b"x" * 64
-                    done = 0
-                    stop = time.perf_counter() + seconds
-
-                    async def worker() -> None:
-                        nonlocal done
-                        while time.perf_counter() < stop:
-                            await peer.request(service, body)
-                            done += 1
-
-                    t0 = time.perf_counter()
                     cpu0 = _cpu(hub.pid, servers)
-                    async with anyio.create_task_group() as tg:
-                        for _ in range(256):
-                            tg.start_soon(worker)
-                    out[f"req_per_s{suffix}"] = done / (time.perf_counter() - t0)
+                    done, took = await bus_window(peer, service, seconds)
+                    out[f"req_per_s{suffix}"] = done / took
                     (out[f"thr_cpu_hub{suffix}"], out[f"thr_cpu_servers{suffix}"],
                      out[f"thr_cpu_client{suffix}"]) = _cpu_per(cpu0, _cpu(hub.pid, servers), done)
 

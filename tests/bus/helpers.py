@@ -32,6 +32,18 @@ def serving_peers(endpoint: str, n: int = 1, *args: str) -> Iterator[list[Proc]]
             proc.stop()
 
 
+@contextlib.contextmanager
+def limited_hub(state: Path, max_message_bytes: int) -> Iterator[dict]:
+    """A hub on a free loopback port taking messages of at most `max_message_bytes`; yields its
+    ready line (endpoint, events, pid) and stops it after."""
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(state),
+                       "--max-message-bytes", str(max_message_bytes)))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,16 +10,13 @@ import pytest
 
 from agent_bus.bus.client import connect
 from agent_bus.bus.errors import RemoteError
-from tests.support import Proc, busctl
+from tests.bus.helpers import limited_hub
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_oversized_request_gets_a_prompt_error(tmp_path: Path) -> None:
-    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
-                   "--max-message-bytes", "4096"))
-    try:
-        ready = proc.wait_ready()
+    with limited_hub(tmp_path / "hub", 4096) as ready:
         async with connect(ready["endpoint"], name="big") as peer:
             async def echo(req) -> bytes:  # type: ignore[no-untyped-def]
                 return req.body
@@ -32,17 +29,12 @@ async def test_oversized_request_gets_a_prompt_error(tmp_path: Path) -> None:
             with anyio.fail_after(5):
                 assert await peer.request("echo", b"small") == b"small"
             assert (await peer.status()).counters["oversize"] == 1
-    finally:
-        proc.stop()
 
 
 async def test_an_oversized_answer_partial_or_event_is_never_sent(tmp_path: Path) -> None:
     """Issue 28 item 4, at the peer: an answer, partial or event over `max_message_bytes` would
     make the hub drop the sender's connection (and every call on it); each is refused alone."""
-    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
-                       "--max-message-bytes", "65536"))
-    try:
-        ready = proc.wait_ready()
+    with limited_hub(tmp_path / "hub", 65536) as ready:
         async with connect(ready["endpoint"], name="server") as server, \
                 connect(ready["endpoint"], name="client") as client:
             async def big(req) -> bytes:  # type: ignore[no-untyped-def]
@@ -70,5 +62,3 @@ async def test_an_oversized_answer_partial_or_event_is_never_sent(tmp_path: Path
             assert server.welcome is welcome
             counters = (await client.status()).counters
             assert counters.get("oversize", 0) == 0 and counters.get("malformed", 0) == 0
-    finally:
-        proc.stop()

@@ -11,7 +11,7 @@ import pytest
 
 from agent_bus.bus.client import IncomingRequest, connect
 from agent_bus.bus.errors import RequestError
-from tests.support import Proc, busctl
+from tests.bus.helpers import limited_hub
 
 pytestmark = pytest.mark.anyio
 
@@ -49,10 +49,7 @@ class Wrapped:
 @pytest.mark.parametrize("form", ["async", "plain", "awaitable"])
 async def test_both_handler_forms_answer_and_fail_alike(tmp_path: Path, form: str) -> None:
     handler = {"async": async_answer, "plain": plain_answer, "awaitable": Wrapped()}[form]
-    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "hub"),
-                       "--max-message-bytes", "65536"))
-    try:
-        ready = proc.wait_ready()
+    with limited_hub(tmp_path / "hub", 65536) as ready:
         async with connect(ready["endpoint"], name="server") as server, \
                 connect(ready["endpoint"], name="client") as client:
             await server.serve("svc", handler, capacity=64)
@@ -70,8 +67,6 @@ async def test_both_handler_forms_answer_and_fail_alike(tmp_path: Path, form: st
                 assert await client.request("svc", b"still here", timeout=10) == b"still here"
             assert server.counters.get("answers_too_large") == 1
             assert not server._serving.in_service  # every request ended: none left behind
-    finally:
-        proc.stop()
 
 
 async def _all(client, bodies: list[bytes]) -> list[bytes]:  # type: ignore[no-untyped-def]
