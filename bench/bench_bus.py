@@ -419,12 +419,17 @@ def round_trips(transports: list[str], groups: int, per_slice: int) -> dict[str,
                 requester.close()
             for ctx, sock, raw_procs in raws.values():
                 _stop(sock, ctx, raw_procs)
-            for proc in procs:
-                proc.kill()
-                proc.join()
-            for hub in hubs:
-                hub.kill()
-                hub.wait()
+            _kill(procs, hubs)
+
+
+def _kill(procs: list[Any], hubs: list[subprocess.Popen[str]]) -> None:
+    """Stop the bench's processes and hubs (SIGKILL: nothing of theirs is read after)."""
+    for proc in procs:
+        proc.kill()
+        proc.join()
+    for hub in hubs:
+        hub.kill()
+        hub.wait()
 
 
 Slices = dict[str, list[float]]
@@ -522,12 +527,7 @@ def throughput_slices(transports: list[str], groups: int,
         finally:
             _stop(sock, ctx, raw_procs)
             _stop(asock, actx, asyncio_procs)
-            for proc in procs:
-                proc.kill()
-                proc.join()
-            for hub in hubs:
-                hub.kill()
-                hub.wait()
+            _kill(procs, hubs)
 
 
 def report_throughput_slices(slices: Slices, cpu: SliceCpu, transports: list[str]) -> None:
