@@ -17,8 +17,9 @@ waits for the socket to become writable. The fast transport's fd is edge-trigger
 `EVENTS` read may consume the edge, so after sending we check `EVENTS` and schedule a drain
 ourselves when input is waiting. This needs anyio's asyncio backend (pyzmq has no trio support).
 
-Published events, and the replies and partial replies of requests this peer serves, are held until
-the end of the current event-loop iteration and then sent back to back (`_hold`): on an idle
+Published events, and the replies and partial replies of requests this peer serves (and a request
+made behind them or beside other calls in flight, `Calls.begin`), are held until the end of the
+current event-loop iteration and then sent back to back (`_hold`): on an idle
 socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than the send
 itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers of handlers
 that finished together) is cheaper sent together. Events held alone linger a little longer
@@ -718,10 +719,9 @@ class Peer:
         per message, an isolated send being the costly kind. Any direct send flushes the held
         messages first, so order is kept. (A request is held only behind other held messages or
         beside other calls in flight, `Calls.begin`; alone it goes at once, so the other side
-        starts sooner.) An event comes with
-        its `key` and no header yet: events held
-        one after another with the same key (but perhaps the type) are sent as one multi-body
-        message (`_flush_held`). Events, and messages held with `linger` (partial replies),
+        starts sooner.) An event comes with its `key` and no header yet: events held one after
+        another with the same key (but perhaps the type) are sent as one multi-body message
+        (`_flush_held`). Events, and messages held with `linger` (partial replies),
         wait up to `EVENT_LINGER` for the next send instead of going at the iteration's end.
         """
         if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:

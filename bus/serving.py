@@ -1,5 +1,5 @@
-"""Requests this peer serves: registered handlers, one task per request, each inside its own
-cancel scope, and exactly one answer per request.
+"""Requests this peer serves: registered handlers, exactly one answer per request; an `async def`
+handler's request in a task of its own, inside its own cancel scope.
 
 A handler that is a plain function (not `async def`) is called at once, in the reader, and its
 answer sent from there: no task, no scope (nothing can cancel a call that ends before the next
