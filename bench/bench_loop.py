@@ -25,6 +25,12 @@ answer turn, against a zero-latency scripted model. Three ways:
      message already there and send without a future; the broker stays blocking, as the hub
      is): what any topology whose processes are asyncio programs (the design card's anyio)
      pays for its hops; (B + Fa) / B.
+  W the split-work floor (bench/split.py `SplitTurns`): B's own work split over the topology's
+     processes, B's loop here, its `LlmEngine` in a model process against the same scripted
+     model, `run_tool` in WORKERS tool processes, one msgspec message a request or reply
+     through a raw broker between asyncio ends, nothing else (no hub, events, store): W / B is
+     what splitting the work as the design card does costs on this machine before any bus
+     code runs, C / W what the bus adds to it.
   --parts: C again on the first transport, alternated with the rest, with the bus's features
      switched off by a few lines run in the coordinator and gateway before `cli.py` (a
      measuring instrument, not a setting of the product): no event published (so none logged),
@@ -71,6 +77,7 @@ from agent_bus.bus.messages import (  # noqa: E402
     error_result,
 )
 from bench.baseline import RawTurns, tree_cpu_s  # noqa: E402
+from bench.split import SplitTurns  # noqa: E402
 
 TOOLS_PY = '''
 from agent_bus.tools import tool
@@ -467,6 +474,7 @@ def main() -> None:
         procs: list[Proc] = []
         raws: dict[str, RawTurns] = {}
         raws_async: dict[str, RawTurns] = {}
+        split: SplitTurns | None = None
         try:
             local = LocalTools(str(tools_py))
             fake, base_url = start_fake(steps * runs, tmp, "fake-b")
@@ -475,6 +483,9 @@ def main() -> None:
             fake_c, base_url_c = start_fake(
                 steps * runs * (len(transports) + len(parts) + 1), tmp, "fake-c")
             procs.append(fake_c)
+            fake_w, base_url_w = start_fake(steps * runs, tmp, "fake-w")
+            procs.append(fake_w)
+            split = SplitTurns(base_url_w, str(tools_py), WORKERS, transports[0])
             tops = {t: start_topology(tmp, t, base_url_c, tools_py, procs) for t in transports}
             # each part on the first transport, under its own name in `times` and `cpu`
             tops.update((part, start_topology(tmp, transports[0], base_url_c, tools_py, procs,
@@ -482,7 +493,8 @@ def main() -> None:
             raws.update((t, RawTurns(calls + 1, t)) for t in transports)
             raws_async.update((t, RawTurns(calls + 1, t, ends="asyncio")) for t in transports)
             systems = [*transports, *parts]
-            times: dict[str, list[float]] = {k: [] for k in ["A", "B", *systems]}
+            times: dict[str, list[float]] = {k: [] for k in ["A", "B", "W", *systems]}
+            split_cpu: list[float] = []
             floor: dict[str, list[float]] = {t: [] for t in transports}
             floor_cpu: dict[str, list[float]] = {t: [] for t in transports}
             floor_async: dict[str, list[float]] = {t: [] for t in transports}
@@ -493,6 +505,7 @@ def main() -> None:
                 """A, B, then C on each transport, run after run: a pair's ratio is measured
                 within a second or so, whatever the shared machine does between runs."""
                 model = ModelConfig(alias="x", provider="openai", model="m", base_url=base_url)
+                catalog = await local.catalog()
                 async with LlmEngine([model]) as engine:
                     for i in range(runs):
                         elapsed, final = await pure_loop(ScriptedLlm(steps), local)
@@ -501,6 +514,10 @@ def main() -> None:
                         elapsed, final = await pure_loop(EngineLlm(engine), local)
                         assert final == "All done.", final
                         times["B"].append(elapsed)
+                        cpu_w, (elapsed, final) = await split.run(pure_loop, catalog)
+                        assert final == "All done.", final
+                        times["W"].append(elapsed)
+                        split_cpu.append(cpu_w / model_turns)
                         for t in systems if i % 2 == 0 else systems[::-1]:
                             endpoint, pids = tops[t]
                             before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
@@ -523,6 +540,8 @@ def main() -> None:
             anyio.run(alternated)
             d_runs = anyio.run(bus_loop, tops[transports[0]][0], runs)
         finally:
+            if split is not None:
+                split.close()
             for raw in [*raws.values(), *raws_async.values()]:
                 raw.close()
             for proc in reversed(procs):
@@ -569,12 +588,24 @@ def main() -> None:
         print(f"    the asyncio floor of C/B on {t}, (B + Fa) / B: {median(per):.2f}x "
               f"[{', '.join(f'{x:.2f}' for x in per)}]; C - B - Fa: {median(over) * ms:.3f} "
               f"ms/turn")
+    w = med["W"]
+    per = [wt / bt for wt, bt in zip(times["W"][1:], times["B"][1:], strict=True)]
+    print(f"  W B's work split over the topology's processes on {transports[0]} (its model client "
+          f"in one, its tools in {WORKERS}, the loop here; one request or reply a message through "
+          f"a raw broker, asyncio ends; no hub, events, store): {w / model_turns * ms:.3f} "
+          f"ms/turn, CPU {median(split_cpu[1:]) * ms:.3f} ms/turn (all its processes)")
+    full = [ct / wt for ct, wt in zip(times[transports[0]][1:], times["W"][1:], strict=True)]
+    print(f"    the split-work floor of C/B, W / B: {median(per):.2f}x "
+          f"[{', '.join(f'{x:.2f}' for x in per)}]; C / W {median(full):.2f}x "
+          f"[{', '.join(f'{x:.2f}' for x in full)}]")
     for part in parts:
         per = [ct / bt for ct, bt in zip(times[part][1:], times["B"][1:], strict=True)]
         full = [ct / pt for ct, pt in zip(times[transports[0]][1:], times[part][1:], strict=True)]
+        over = [pt / wt for pt, wt in zip(times[part][1:], times["W"][1:], strict=True)]
         print(f"  C {part} on {transports[0]} ({PART_TEXT[part]}): "
               f"{med[part] / model_turns * ms:.3f} ms/turn; C/B {median(per):.2f}x "
-              f"[{', '.join(f'{x:.2f}' for x in per)}]; C / C {part} {median(full):.2f}x")
+              f"[{', '.join(f'{x:.2f}' for x in per)}]; C / C {part} {median(full):.2f}x; "
+              f"C {part} / W {median(over):.2f}x")
     if len(transports) == 2:
         x, y = transports
         per = [cy / cx for cx, cy in zip(times[x][1:], times[y][1:], strict=True)]
