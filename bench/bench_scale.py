@@ -39,8 +39,13 @@ of a topology whose model is an HTTP server; topology / that loop's wall is the 
 `bench_loop.py`'s C / B. The same hops with asyncio ends (`RawTurns(ends="asyncio")`: a
 requester and echo processes that are asyncio programs doing the least pyzmq allows) in place of
 the blocking ones give the asyncio floor with an HTTP model: what a topology whose processes are
-asyncio programs (the design card's anyio) cannot go under. Not run by pytest; every process is
-stopped at the end, even on error.
+asyncio programs (the design card's anyio) cannot go under. Last, the split-work floor
+(bench/split.py `SplitTurns`, `bench_loop.py`'s W): the same N runs of the pure loop here with
+the model's `LlmEngine` in a process of its own and the tools in WORKERS others, one message a
+request or reply through a raw broker and nothing else: what splitting the work as the design
+card does costs at N before any bus code runs, measured as a wall time (its wall / pure is
+printed, and topology / it). Not run by pytest; every process is stopped at the end, even on
+error.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ from agent_bus.bus.messages import (  # noqa: E402
 from bench import bench_loop  # noqa: E402
 from bench.baseline import RawTurns, cpu_s, pct, tree_cpu_s  # noqa: E402
 from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
+from bench.split import SplitTurns  # noqa: E402
 
 WORKERS = 4
 #: issue 32: N sessions through the topology / the pure loop at the same N
@@ -281,6 +287,8 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
         floors: list[float] = []
         raw: RawTurns | None = None
         raw_async: RawTurns | None = None
+        split: SplitTurns | None = None
+        split_walls: list[float] = []  # the same N runs with B's work split over processes
 
         def pure_round() -> None:
             """The pure loop at N, then the raw hops of the same N sessions, then the pure loop
@@ -295,6 +303,8 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = cpu_self()
             http_walls.append(asyncio.run(pure_gather(n, args, tools, topo.base_url)))
             http_cpu.append(cpu_self() - cpu0)
+            assert split is not None
+            split_walls.append(asyncio.run(split_gather(n, split, tools)))
 
         def floor_round(model_cpu: float) -> None:
             spent = pure_cpu[-1] + raw_cpu[-1] + model_cpu
@@ -315,6 +325,8 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
             raw = RawTurns(WORKERS + 1)
             raw_async = RawTurns(WORKERS + 1, ends="asyncio")
             endpoint = topo.start()
+            split = SplitTurns(topo.base_url, str(tools_py), WORKERS, "tcp", max(8, n))
+            asyncio.run(split_gather(1, split, tools))  # warm-up: its processes, connections
             anyio.run(prompt_all, endpoint, 1)  # warm-up: imports, connections, the store
             asyncio.run(pure_gather(1, args, tools))
             pure_round()
@@ -347,7 +359,7 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 lost += lost_runs(more, more_failures, read_log(db_path, t0, t1)["ends"])
         finally:
             topo.stop()
-            for hops in (raw, raw_async):
+            for hops in (raw, raw_async, split):
                 if hops is not None:
                     hops.close()
     ends = log["ends"]
@@ -355,6 +367,7 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
             "pure_cpu": pure_cpu, "raw_cpu": raw_cpu, "http_cpu": http_cpu,
             "http_floors": http_floors, "http_walls": http_walls, "results": len(results),
             "raw_async_cpu": raw_async_cpu, "async_floors": async_floors,
+            "split_walls": split_walls,
             "failures": failures, "lost": lost, "events": log["events"],
             "latencies": log["latencies"], "before": before, "after": after, "gaps": log["gaps"],
             "cpu": cpu, "second_wave_kb": second - after["coordinator"],
@@ -409,6 +422,28 @@ async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools,
         started = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n)))
         return time.perf_counter() - started
+
+
+async def split_gather(n: int, split: SplitTurns, tools: LocalTools) -> float:
+    """N runs of the pure loop at once with B's work split over processes (bench/split.py): the
+    model's `LlmEngine` in a process of its own, the tools in WORKERS others; the wall time."""
+    catalog = await tools.catalog()
+
+    async def many(llm: Any, tools: Any) -> None:
+        async def one() -> None:
+            result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
+                                    llm, tools, _no_event)
+            assert result.final_text == "All done.", result.final_text
+
+        await asyncio.gather(*(one() for _ in range(n)))
+
+    started = time.perf_counter()
+    await split.run(many, catalog)
+    return time.perf_counter() - started
+
+
+async def _no_event(event: Any) -> None:
+    return None
 
 
 # --- the gateway's HTTP client alone -----------------------------------------------------------
@@ -538,6 +573,13 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"         and with asyncio ends (the same hops between asyncio programs: "
           f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
           f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
+    split = over_pure(r, "split_walls")
+    per_split = [w / s for w, s in zip(r["walls"], r["split_walls"], strict=True)]
+    print(f"         the split-work floor (the same N runs here, the model's engine and the tools "
+          f"each in processes of their own, joined by raw pyzmq, bench/split.py; walls ms "
+          f"{listed([w * ms for w in r['split_walls']], '.0f', ' ')}) / pure: "
+          f"{median_of(split):.2f}x [{listed(split)}]; topology / it {median_of(per_split):.2f}x "
+          f"[{listed(per_split)}]")
     # Where a run's time goes: the mean hub-stamped time between a run's consecutive events
     # (deltas left out), summed per kind of step; the largest few.
     spent = sorted(((sum(v) / n, k, sum(v) / len(v)) for k, v in r["gaps"].items()), reverse=True)

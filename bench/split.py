@@ -127,14 +127,17 @@ def _serve(endpoint: str, pool: bytes, answer: Any) -> None:
     asyncio.run(main())
 
 
-def _model_process(endpoint: str, base_url: str) -> None:
-    """B's model client, `LlmEngine` against the scripted model, as a process of its own."""
+def _model_process(endpoint: str, base_url: str, concurrency: int) -> None:
+    """B's model client, `LlmEngine` against the scripted model, as a process of its own
+    (`concurrency` calls at once at most, as the engine of the loop it stands for)."""
     from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
     from agent_bus.bus.messages import LlmRequest
 
     decode = msgspec.msgpack.Decoder(LlmRequest).decode
     encode = msgspec.msgpack.Encoder().encode
-    engine = LlmEngine([ModelConfig(alias="x", provider="openai", model="m", base_url=base_url)])
+    limits = {"max_concurrency": concurrency, "timeout": 600} if concurrency else {}
+    engine = LlmEngine([ModelConfig(alias="x", provider="openai", model="m", base_url=base_url,
+                                    **limits)])
 
     async def answer(body: bytes) -> bytes:
         return encode(await engine.complete(decode(body)))
@@ -198,18 +201,20 @@ class SplitClient:
 
 
 class SplitTurns:
-    """A pool broker, one model process (against the scripted model at `base_url`) and `tools`
-    tool processes (serving `tools_py`), each its own process, on `transport` tcp or ipc;
-    `run(loop)` runs one loop here through them; `close()` stops every process."""
+    """A pool broker, one model process (against the scripted model at `base_url`, at most
+    `concurrency` calls at once, the engine's default when 0) and `tools` tool processes
+    (serving `tools_py`), each its own process, on `transport` tcp or ipc; `run(loop)` runs a
+    loop here through them; `close()` stops every process."""
 
-    def __init__(self, base_url: str, tools_py: str, tools: int, transport: str = "ipc") -> None:
+    def __init__(self, base_url: str, tools_py: str, tools: int, transport: str = "ipc",
+                 concurrency: int = 0) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="split-turns-")
         self.endpoint = (f"ipc://{self._tmp.name}/broker.sock" if transport == "ipc"
                          else f"tcp://127.0.0.1:{free_port()}")
         spawn = mp.get_context("spawn")
         self._procs = [spawn.Process(target=_pool_broker, args=(self.endpoint,), daemon=True),
-                       spawn.Process(target=_model_process, args=(self.endpoint, base_url),
-                                     daemon=True)]
+                       spawn.Process(target=_model_process,
+                                     args=(self.endpoint, base_url, concurrency), daemon=True)]
         self._procs += [spawn.Process(target=_tool_process, args=(self.endpoint, tools_py),
                                       daemon=True) for _ in range(tools)]
         for proc in self._procs:
