@@ -513,6 +513,11 @@ def over_pure(r: dict[str, Any], key: str) -> list[float]:
     return [x / p for x, p in zip(r[key], r["pure"], strict=True)]
 
 
+def topology_over(r: dict[str, Any], key: str) -> list[float]:
+    """Each round's topology wall over the same round's `r[key]` (a wall time)."""
+    return [w / x for w, x in zip(r["walls"], r[key], strict=True)]
+
+
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     ms = 1000.0
     n, wall = r["n"], r["wall"]
@@ -563,7 +568,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
           f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
     http_floor = over_pure(r, "http_floors")
-    per_http = [w / h for w, h in zip(r["walls"], r["http_walls"], strict=True)]
+    per_http = topology_over(r, "http_walls")
     print(f"         with the model over HTTP (the pure loop's CPU measured with the gateway's "
           f"engine in its process: {listed(r['http_cpu'], '.1f', ' ')} s per wave), the floor / "
           f"pure: {median_of(http_floor):.2f}x [{listed(http_floor)}]; topology / that pure loop "
@@ -574,7 +579,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
           f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
     split = over_pure(r, "split_walls")
-    per_split = [w / s for w, s in zip(r["walls"], r["split_walls"], strict=True)]
+    per_split = topology_over(r, "split_walls")
     print(f"         the split-work floor (the same N runs here, the model's engine and the tools "
           f"each in processes of their own, joined by raw pyzmq, bench/split.py; walls ms "
           f"{listed([w * ms for w in r['split_walls']], '.0f', ' ')}) / pure: "

@@ -33,17 +33,15 @@ MODEL = b"model"
 TOOL = b"tool"
 
 
-def _pool_broker(endpoint: str) -> None:
-    """The raw broker with two pools: a request names its pool and goes to that pool's next
-    process in turn. Blocking, one pass per wake-up, as the hub."""
+def _serve_router(endpoint: str, handle: Any) -> None:
+    """A blocking ROUTER bound at `endpoint`, with no HWM, as the raw broker of bench/baseline.py
+    is (whose loop stays as it is: it is the baseline every ratio is set against). Each wake-up
+    takes every waiting message and calls `handle(router, frames)` for each."""
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     router.sndhwm = router.rcvhwm = 0
     router.bind(endpoint)
-    pools: dict[bytes, list[bytes]] = {MODEL: [], TOOL: []}
-    turns = dict.fromkeys(pools, 0)
-    parked: list[list[bytes]] = []  # requests that came before any process of their pool
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     while True:
@@ -53,21 +51,34 @@ def _pool_broker(endpoint: str) -> None:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            ident, kind = frames[0], frames[1]
-            if kind == b"req":  # [client, req, pool, id, body] -> [worker, req, client, id, body]
-                pool = pools[frames[2]]
-                if not pool:
-                    parked.append(frames)
-                    continue
-                turns[frames[2]] = turn = (turns[frames[2]] + 1) % len(pool)
-                router.send_multipart([pool[turn], b"req", ident, *frames[3:]])
-            elif kind == b"rep":  # [worker, rep, client, id, body] -> [client, rep, id, body]
-                router.send_multipart([frames[2], b"rep", *frames[3:]])
-            elif kind == b"ready":  # [worker, ready, pool]
-                pools[frames[2]].append(ident)
-                for waiting in [f for f in parked if f[2] == frames[2]]:
-                    parked.remove(waiting)
-                    router.send_multipart([ident, b"req", waiting[0], *waiting[3:]])
+            handle(router, frames)
+
+
+def _pool_broker(endpoint: str) -> None:
+    """The raw broker with two pools: a request names its pool and goes to that pool's next
+    process in turn. Blocking, one pass per wake-up, as the hub."""
+    pools: dict[bytes, list[bytes]] = {MODEL: [], TOOL: []}
+    turns = dict.fromkeys(pools, 0)
+    parked: list[list[bytes]] = []  # requests that came before any process of their pool
+
+    def handle(router: zmq.Socket, frames: list[bytes]) -> None:  # type: ignore[type-arg]
+        ident, kind = frames[0], frames[1]
+        if kind == b"req":  # [client, req, pool, id, body] -> [worker, req, client, id, body]
+            pool = pools[frames[2]]
+            if not pool:
+                parked.append(frames)
+                return
+            turns[frames[2]] = turn = (turns[frames[2]] + 1) % len(pool)
+            router.send_multipart([pool[turn], b"req", ident, *frames[3:]])
+        elif kind == b"rep":  # [worker, rep, client, id, body] -> [client, rep, id, body]
+            router.send_multipart([frames[2], b"rep", *frames[3:]])
+        elif kind == b"ready":  # [worker, ready, pool]: it takes what waited for its pool
+            pools[frames[2]].append(ident)
+            for waiting in [f for f in parked if f[2] == frames[2]]:
+                parked.remove(waiting)
+                router.send_multipart([ident, b"req", waiting[0], *waiting[3:]])
+
+    _serve_router(endpoint, handle)
 
 
 class _End:
