@@ -165,22 +165,24 @@ def _publisher(endpoint: str, n: int, start: mp.Event, ready: mp.Event, credits:
 
             body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
             ctx = zmq.asyncio.Context()
-            credit = ctx.socket(zmq.PULL)
+            credit = ctx.socket(zmq.PULL)  # unpaced: never read, the window covers all n
             credit.linger = 0
             if credits:
                 credit.connect(credits)
             window = WINDOW if credits else n
             ready.set()
             start.wait()
-            for _ in range(n):
-                while window < 1:  # awaited: the loop sends the held events meanwhile
-                    await credit.recv()
-                    window += CREDIT
-                await peer.publish_raw("topic_message", body, agent="a", run="r")
-                window -= 1
-            await peer.status(timeout=60)  # flush: the hub has handled everything before
-            credit.close()
-            ctx.term()
+            try:
+                for _ in range(n):
+                    while window < 1:  # awaited: the loop sends the held events meanwhile
+                        await credit.recv()
+                        window += CREDIT
+                    await peer.publish_raw("topic_message", body, agent="a", run="r")
+                    window -= 1
+                await peer.status(timeout=60)  # flush: the hub has handled everything before
+            finally:
+                credit.close()
+                ctx.term()
 
     anyio.run(main)
 

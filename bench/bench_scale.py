@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import sqlite3
@@ -410,40 +411,32 @@ async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools,
             model = ModelConfig(alias="x", provider="openai", model="m", base_url=base_url,
                                 max_concurrency=max(8, n), timeout=600)
             llm = bench_loop.EngineLlm(await stack.enter_async_context(LlmEngine([model])))
-
-        async def emit(event: Any) -> None:
-            return None
-
-        async def one() -> None:
-            result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
-                                    llm, tools, emit)
-            assert result.final_text == "All done.", result.final_text
-
         started = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(n)))
+        await gather_runs(n, llm, tools)
         return time.perf_counter() - started
+
+
+async def gather_runs(n: int, llm: Any, tools: Any) -> None:
+    """N runs of the pure loop at once with `llm` and `tools`, each checked for its answer."""
+
+    async def emit(event: Any) -> None:
+        return None
+
+    async def one() -> None:
+        result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
+                                llm, tools, emit)
+        assert result.final_text == "All done.", result.final_text
+
+    await asyncio.gather(*(one() for _ in range(n)))
 
 
 async def split_gather(n: int, split: SplitTurns, tools: LocalTools) -> float:
     """N runs of the pure loop at once with B's work split over processes (bench/split.py): the
     model's `LlmEngine` in a process of its own, the tools in WORKERS others; the wall time."""
     catalog = await tools.catalog()
-
-    async def many(llm: Any, tools: Any) -> None:
-        async def one() -> None:
-            result = await run_loop([user_text("go")], [], LoopConfig(model="x", agent="bench"),
-                                    llm, tools, _no_event)
-            assert result.final_text == "All done.", result.final_text
-
-        await asyncio.gather(*(one() for _ in range(n)))
-
     started = time.perf_counter()
-    await split.run(many, catalog)
+    await split.run(functools.partial(gather_runs, n), catalog)
     return time.perf_counter() - started
-
-
-async def _no_event(event: Any) -> None:
-    return None
 
 
 # --- the gateway's HTTP client alone -----------------------------------------------------------
