@@ -29,7 +29,7 @@ import importlib
 import json
 import re
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -151,7 +151,9 @@ class Loaded(msgspec.Struct):
         if self.spec.run.workspace != "sample":
             return None
         base = Path(self.dataset_dir)
-        files = {name: (base / path).read_bytes() for name, path in sample.placed.items()}
+        # checked again as it is read: the folder may have changed since `load_spec`
+        files = {name: dataset_file(base, path, f"sample {sample.key!r}: files.{name}").read_bytes()
+                 for name, path in sample.placed.items()}
         return RunWorkspace(id=cell_folder(experiment, variant.name, repeat, sample.key),
                             files=files)
 
@@ -390,7 +392,7 @@ def _check_files(where: str, base: Path, sample: Sample) -> None:
     size = 0
     for j, (name, source) in enumerate(sample.placed.items()):
         key = f"files[{j}]" if isinstance(sample.files, list) else f"files.{name}"
-        file = base / source
+        file = dataset_file(base, source, f"{where}: sample {sample.key!r}: {key}")
         if not file.is_file():
             raise SpecError(f"{where}: {key}: no file {source!r} next to the dataset")
         problem = workspace_problem(RunWorkspace(id="x", files={name: b""}))
@@ -402,6 +404,28 @@ def _check_files(where: str, base: Path, sample: Sample) -> None:
                         f"{MAX_WORKSPACE_BYTES}: a sample's files go with every tool call of "
                         f"its session); keep big data in the tool workers' workspace and give "
                         f"the sample its name instead")
+
+
+def dataset_file(base: Path, source: str, where: str) -> Path:
+    """`source` (a sample's `files` entry) under the dataset's folder `base`, resolved; a
+    SpecError naming `where` when it is absolute, has a `..` or resolves (through a symlink)
+    outside the folder. Datasets are often third-party: a path out of the folder would copy
+    any file of the user (a key) into the cell, where the model reads it."""
+    path = PurePosixPath(source)
+    folder = base.resolve()
+    resolved = (folder / path).resolve()
+    why = ""
+    if path.is_absolute() or Path(source).is_absolute():
+        why = "is an absolute path"
+    elif ".." in path.parts:
+        why = "goes up with `..`"
+    elif not resolved.is_relative_to(folder):
+        why = f"leads through a symlink to {str(resolved)!r}"
+    if why:
+        raise SpecError(f"{where}: {source!r} {why}; a sample's files must be inside the "
+                        f"dataset's folder ({folder}): copy the file there and give its path "
+                        f"relative to that folder")
+    return resolved  # what was checked is what is read
 
 
 def cell_folder(experiment: str, variant: str, repeat: int, sample: str) -> str:
