@@ -1884,7 +1884,7 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
 
 
 def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> list[Any]:
-    from agent_bus.agents.experiment.runner import read_journal
+    from agent_bus.agents.experiment.runner import IGNORED_WHY, read_journal
 
     async def go() -> list[Any]:
         async with connect(hub, name="busctl-experiment", role="client", curve=curve) as peer:
@@ -1893,8 +1893,10 @@ def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> li
     journals = run_async(go)
     for name, journal in zip(names, journals, strict=True):
         if journal.plan is None and not journal.results:
+            ignored = (f"; {journal.ignored} entries of it ignored, {IGNORED_WHY}"
+                       if journal.ignored else "")
             raise click.UsageError(f"no experiment `{name}` in the hub's log (`busctl experiment "
-                                   f"run SPEC --name {name}` starts one)")
+                                   f"run SPEC --name {name}` starts one){ignored}")
     return journals
 
 

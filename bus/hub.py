@@ -40,6 +40,7 @@ from agent_bus.bus.probing import ProbeSchedule
 from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from agent_bus.bus.replay_reader import PEER_REPLAY_QUEUE, REPLAY_PRIORITIES
 from agent_bus.bus.security import (
+    FULL_RIGHTS,
     ROLES_FILE,
     CurveServer,
     InsecureBindError,
@@ -101,8 +102,39 @@ HUB_EVENT_TYPES = ev.BUS_TYPES - {"process_restarted", "process_gave_up"}
 
 # Events about a call, published by the peer serving it (not by the agent's coordinator): the
 # service-name prefix a peer with roles must serve to publish each (see `_refuse_speaker`).
+# A `tool.` server publishes only the progress of a call it is serving now (`_serves_call`).
 _SERVER_PROGRESS = {"tool_execution_update": "tool.", "message_update": "llm",
                     "llm_retry": "llm"}
+_TOOL_PROGRESS = "tool_execution_update"
+
+# The experiment journal (agents/experiment/runner.py): only the identity that runs experiment
+# `E` writes its journal: full rights, or a role matching `experiment.E`. The hub stamps the
+# right it checked in the header (`granted`); readers take no entry without it.
+JOURNAL_TYPES = frozenset({"experiment_plan", "experiment_sample"})
+JOURNAL_ROLE = "experiment."
+
+
+def _speaks_for(served: set[str], agent: str) -> bool:
+    """Whether a peer that registered `served` serves agent `agent`: `agent.<agent>` itself or
+    an instance of it (`agent.<agent>@...`); never a name it merely starts (`agent.bob2` does
+    not serve `bob`)."""
+    return f"agent.{agent}" in served or any(s.startswith(f"agent.{agent}@") for s in served)
+
+
+class _CallFacts(msgspec.Struct):
+    """What a `tool.*` call says it is for (`ToolCallRequest`'s fields; the rest skipped)."""
+
+    call_id: str = ""
+    agent: str = ""
+    run_id: str = ""
+
+
+class _ProgressFacts(msgspec.Struct):
+    tool_call_id: str = ""
+
+
+_decode_call = msgspec.msgpack.Decoder(_CallFacts).decode
+_decode_progress = msgspec.msgpack.Decoder(_ProgressFacts).decode
 
 
 class _BodyType(msgspec.Struct):
@@ -735,11 +767,13 @@ class Hub:
         self._reject(counter, ident, text)
         self._send_error(ident, req_id, p.FORBIDDEN, text)
 
-    def _refuse_speaker(self, ident: bytes, peer: PeerState, header: p.Header) -> bool:
+    def _refuse_speaker(self, ident: bytes, peer: PeerState, header: p.Header,
+                        body: bytes) -> bool:
         """A peer with roles publishes `agent` events only for the agents it serves (has
         registered `agent.<name>` or `agent.<name>@...` on this connection); progress of the
-        calls it serves is its too: `tool_execution_update` from a `tool.*` server,
-        `message_update` and `llm_retry` from an `llm` server. Refused: `forbidden_events`."""
+        calls it serves is its too: `tool_execution_update` of a call it is serving now (see
+        `_serves_call`), `message_update` and `llm_retry` from an `llm` server. Refused:
+        `forbidden_events`."""
         type_ = header.type
         if ev.event_family(type_) != "agent":
             return False
@@ -748,14 +782,68 @@ class Hub:
             return False
         served = peer.served
         agent = header.agent
-        if f"agent.{agent}" in served or any(s.startswith(f"agent.{agent}@") for s in served):
+        if _speaks_for(served, agent):
             return False
-        if type_ in _SERVER_PROGRESS and any(s.startswith(_SERVER_PROGRESS[type_]) for s in served):
+        if type_ == _TOOL_PROGRESS:
+            if self._serves_call(peer, header, body):
+                return False
+        elif type_ in _SERVER_PROGRESS and any(s.startswith(_SERVER_PROGRESS[type_])
+                                               for s in served):
             return False
         self._forbid("forbidden_events", ident, header.id,
                      f"event refused, neither logged nor published: {peer.id} does not serve "
-                     f"agent `{agent[:64]}`, so it may not publish its `{type_[:64]}` "
-                     "(docs/protocol.md section 8, roles)")
+                     f"agent `{agent[:64]}`{self._call_hint(type_)}, so it may not publish its "
+                     f"`{type_[:64]}` (docs/protocol.md section 8, roles)")
+        return True
+
+    @staticmethod
+    def _call_hint(type_: str) -> str:
+        return (" nor the call named by the event's `parent` (the request id as its server got "
+                "it)" if type_ == _TOOL_PROGRESS else "")
+
+    def _serves_call(self, peer: PeerState, header: p.Header, body: bytes) -> bool:
+        """Whether `peer` is serving the `tool.*` call whose progress this is: the event's
+        `parent` is the id of a request it holds now (a dict lookup), and that call is of the
+        event's agent, run and tool call, asked by a peer that speaks for the agent (the call's
+        own claims are its requester's: a tool worker asking its own tool for `bob`'s run gains
+        nothing). Read only for progress from a peer that does not serve the agent."""
+        call = peer.serving.get(header.parent) if header.parent else None
+        if call is None or not call.service.startswith("tool.") or not call.body:
+            return False
+        try:
+            facts = _decode_call(bytes(call.body[0]))
+            progress = _decode_progress(body)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return False
+        if (facts.agent, facts.run_id, facts.call_id) != (header.agent, header.run,
+                                                          progress.tool_call_id):
+            return False
+        asker = self.peers.get(call.requester)
+        return asker is not None and (self._roles(asker) is None
+                                      or _speaks_for(asker.served, header.agent))
+
+    def _refuse_journal(self, ident: bytes, peer: PeerState, header: p.Header) -> bool:
+        """Only the runner writes the journal: an `experiment_plan` / `experiment_sample` of
+        experiment `E` is taken from a peer with full rights or a role matching
+        `experiment.E`, and stamped with that right (`granted`, which readers require);
+        anything else is refused, counted `forbidden_events`. A check of journal events alone
+        (one a cell): other events pay a set lookup."""
+        roles = self._roles(peer)
+        if roles is None:
+            header.granted = FULL_RIGHTS
+            return False
+        experiment = header.experiment
+        right = f"{JOURNAL_ROLE}{experiment}"
+        for pattern in roles if experiment else ():
+            if fnmatch.fnmatchcase(right, pattern):
+                header.granted = pattern
+                return False
+        self._forbid("forbidden_events", ident, header.id,
+                     f"journal event refused, neither logged nor published: {peer.id} may not "
+                     f"write the journal of experiment `{experiment[:64]}` (`{header.type}`): "
+                     f"only the identity that runs it does, with full rights or a role "
+                     f"matching `{right[:80]}` (its roles: {', '.join(roles) or 'none'}; "
+                     "docs/protocol.md section 8, Roles)")
         return True
 
     def _on_unregister(self, ident: bytes, peer: PeerState, header: p.Header,
@@ -795,6 +883,7 @@ class Hub:
                              f"the limit of {p.MAX_EVENT_BODIES} (docs/protocol.md, section 4)")
             return
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
+        header.granted = ""  # the hub's alone (`_refuse_journal`)
         mixed = header.type == p.MIXED_TYPES
         # What is the same for every body of the message is looked up once: the check that
         # passes a valid body of the header's type (anything else takes the slow path, which
@@ -833,10 +922,15 @@ class Hub:
         if (valid is None or not valid(body)) and self._refuse_event(ident, header, body, index,
                                                                      count, mixed):
             return
-        if self._restricted and self._refuse_speaker(ident, peer, header):
+        journal = header.type in JOURNAL_TYPES
+        if journal and self._refuse_journal(ident, peer, header):
+            return
+        if self._restricted and self._refuse_speaker(ident, peer, header, body):
             return
         self._batch_bytes += len(body)
         events.stamp(header, body)
+        if journal:
+            header.granted = ""  # the message's next body is not granted by this one
 
     def _refuse_event(self, ident: bytes, header: p.Header, body: bytes, index: int = 0,
                       count: int = 1, mixed: bool = False) -> bool:

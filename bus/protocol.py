@@ -94,6 +94,10 @@ class Header(msgspec.Struct, omit_defaults=True):
     experiment: str = ""
     seq: int = 0
     ts: float = 0.0
+    # events of a type the hub restricts to a right (the experiment journal): the right it
+    # checked before logging it, `*` or the role pattern that allowed it; set by the hub alone
+    # (docs/protocol.md section 8, "Roles"), meaningless on other types
+    granted: str = ""
 
 
 class ServiceSpec(msgspec.Struct, omit_defaults=True):

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from agent_bus.agents.experiment.runner import Journal, SampleResult
+from agent_bus.agents.experiment.runner import IGNORED_WHY, Journal, SampleResult
 from agent_bus.tools.workspaces import RUNS_DIR
 
 Z95 = 1.959963984540054
@@ -112,6 +112,7 @@ def report(journal: Journal, experiment: str) -> dict[str, Any]:
     return {"experiment": experiment, "planned": plan.planned if plan else None,
             "done": sum(v["n"] for v in variants), "scorers": scorers, "variants": variants,
             "unreadable_entries": journal.bad,
+            "ignored_entries": journal.ignored,  # not from an identity that may write it
             "duplicates": journal.ok_entries - sum(v["n"] for v in variants),
             **_workspaces(experiment, results)}
 
@@ -181,6 +182,8 @@ def report_text(data: dict[str, Any]) -> str:
     methods = sorted({v["ci_method"] for v in data["variants"] if v["ci_method"]})
     if methods:
         lines.append(f"(95% CI: {', '.join(methods)}; score = the first scorer's mean)")
+    if data.get("ignored_entries"):
+        lines.append(f"{data['ignored_entries']} journal entries ignored: {IGNORED_WHY}")
     if data.get("workspaces"):
         lines.append(f"each cell's files, as its tools left them: {data['workspaces']} "
                      f"(on the hosts of the tool workers it used)")

@@ -10,7 +10,11 @@ so cells waiting for a busy model hold none of the total).
 The journal is the event log: the runner publishes (with `confirm`: logged before it goes on)
 one `experiment_plan` event when an experiment starts and one `experiment_sample` event per
 finished cell, carrying its result and scores (both `ext` events of experiment `E`, agent and
-run empty, so no agent's lifecycle is spoken for). `--resume E` reads them back and runs only the
+run empty, so no agent's lifecycle is spoken for). Only the runner writes the journal: the hub
+takes these events only from an identity with full rights or a role matching `experiment.E`,
+and stamps the right it checked in the header (`granted`); every reader (`--resume`, `report`,
+the web view: `_add_entry`) ignores and counts an entry without it (a forger's on a hub before
+that check). `--resume E` reads them back and runs only the
 cells with no `ok` result: a cell is never journaled twice as done, and one the runner did not
 journal (it was killed, Ctrl-C) runs again. Errors (a run that ended `error`/`aborted`, a bus
 error) are retried `run.retries` times; the last one is journaled with status `error`, and a
@@ -53,7 +57,7 @@ from agent_bus.agents.replay import REPLAY_SERVICE, ReplayLoad
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, Subscription
-from agent_bus.bus.errors import BusError, RemoteError
+from agent_bus.bus.errors import BusError, HubLost, RemoteError
 from agent_bus.bus.messages import AssistantMessage, RunWorkspace, Usage
 from agent_bus.bus.watch import _replay_batch
 from agent_bus.tools.workspaces import WORKSPACES_META
@@ -117,6 +121,14 @@ class Journal(msgspec.Struct):
     results: dict[tuple[str, str, int], SampleResult]  # the latest entry of each cell
     bad: int = 0  # journal events that did not decode (skipped)
     ok_entries: int = 0  # `ok` entries read: more than len(ok results) = a cell done twice
+    # entries the hub did not stamp as from an identity that may write the journal (`granted`):
+    # a forger's, logged by a hub that predates the check; ignored
+    ignored: int = 0
+
+
+IGNORED_WHY = ("not stamped by the hub as written by an identity that may write the journal "
+               "(full rights, or a role matching `experiment.<E>`): a forger's, logged by a hub "
+               "that did not check")
 
 
 async def read_journal(peer: Peer, experiment: str) -> Journal:
@@ -138,6 +150,9 @@ def _add_entry(journal: Journal, experiment: str, header_bytes: bytes, body: byt
     try:
         header = p.decode_header(header_bytes)
         if header.experiment != experiment:
+            return
+        if header.type in (PLAN_TYPE, SAMPLE_TYPE) and not header.granted:
+            journal.ignored += 1  # only the runner writes the journal (see the module's text)
             return
         if header.type == PLAN_TYPE:
             journal.plan = journal.plan or msgspec.msgpack.decode(body, type=Plan)
@@ -338,6 +353,9 @@ class Runner:
         is skipped."""
         journal = Journal(None, {}) if fresh and not resume else \
             await read_journal(self.bus.peer, self.experiment)
+        if journal.ignored:
+            log.warning("experiment %s: %d journal entries ignored, %s", self.experiment,
+                        journal.ignored, IGNORED_WHY)
         digest = spec_digest(self.loaded)
         spec = self.loaded.spec
         if journal.plan is None and resume:
@@ -586,8 +604,24 @@ class Runner:
                               f"{exc}") from exc
 
     async def _publish(self, type_: str, entry: Plan | SampleResult) -> None:
-        await self.bus.peer.publish_raw(type_, msgspec.msgpack.encode(entry),
-                                        experiment=self.experiment, confirm=True)
+        peer = self.bus.peer
+        refused = peer.counters.get("events_refused", 0)
+        try:
+            await peer.publish_raw(type_, msgspec.msgpack.encode(entry),
+                                   experiment=self.experiment, confirm=True)
+        except HubLost:
+            if peer.counters.get("events_refused", 0) == refused:
+                raise
+            raise JournalRefused(
+                f"the hub refused experiment `{self.experiment}`'s journal (`{type_}`): this "
+                f"identity may not write it; run the experiment with the owner's rights, or "
+                f"give this key a role matching `experiment.{self.experiment}` in the hub's "
+                f"roles.toml (docs/protocol.md section 8, Roles)") from None
+
+
+class JournalRefused(SpecError):
+    """The hub refused a journal entry: the runner's identity may not write the journal (the
+    plan is the first entry: refused, nothing runs; `busctl experiment run` exits 2)."""
 
 
 def _held(limiter: anyio.CapacityLimiter | None) -> AbstractAsyncContextManager[Any]:

@@ -26,7 +26,8 @@ from tests.support import Proc, busctl, wait_for
 
 def entry(type_: str, body: Plan | SampleResult, ts: float, experiment: str = "e"
           ) -> tuple[bytes, bytes]:
-    header = p.Header(kind=p.EVENT, type=type_, experiment=experiment, ts=ts)
+    # stamped as the hub stamps a journal entry from an identity that may write it
+    header = p.Header(kind=p.EVENT, type=type_, experiment=experiment, ts=ts, granted="*")
     return p.encode(header), msgspec.msgpack.encode(body)
 
 
