@@ -79,3 +79,22 @@ async def test_the_bus_client_counts_a_forbidden_event_as_refused(curve_hub) -> 
         await until(lambda: peer.counters.get("events_refused", 0) == 1, 10,
                     "the hub's forbidden answer counted as a refused event")
         assert peer.counters.get("stale_replies", 0) == 0, peer.counters
+
+
+def test_an_agents_server_does_not_speak_for_an_agent_its_name_starts(tmp_path: Path) -> None:
+    """The role check matches the agent's service name whole: the server of `agent.bob2` (or an
+    instance of it, `agent.bob2@...`) publishes `bob2`'s events, never `bob`'s."""
+    generate(tmp_path / "keys", "bob2")
+    keys = Keys(tmp_path / "keys", tmp_path / "keys")
+    (keys.authorized / "roles.toml").write_text('[roles]\nbob2 = ["agent.bob2", "agent.bob2@*"]\n')
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+                       *keys.hub_args()))
+    try:
+        info = proc.wait_ready()
+        for serve in ("agent.bob2", "agent.bob2@1"):
+            bob = forge(info, keys, "bob2", "--serve", serve, "--agent", "bob")
+            assert bob.pop("reg0") == "ok" and set(bob.values()) == {"forbidden"}, (serve, bob)
+        own = forge(info, keys, "bob2", "--serve", "agent.bob2", "--agent", "bob2")
+        assert set(own.values()) == {"ok"}, own
+    finally:
+        proc.stop()
