@@ -101,10 +101,9 @@ HUB_EVENT_TYPES = ev.BUS_TYPES - {"process_restarted", "process_gave_up"}
 
 
 # Events about a call, published by the peer serving it (not by the agent's coordinator): the
-# service-name prefix a peer with roles must serve to publish each (see `_refuse_speaker`).
-# A `tool.` server publishes only the progress of a call it is serving now (`_serves_call`).
-_SERVER_PROGRESS = {"tool_execution_update": "tool.", "message_update": "llm",
-                    "llm_retry": "llm"}
+# service-name prefix a peer with roles must serve to publish each (see `_refuse_speaker`). A
+# tool's progress is published only for a call its peer is serving now (`_serves_call`).
+_SERVER_PROGRESS = {"message_update": "llm", "llm_retry": "llm"}
 _TOOL_PROGRESS = "tool_execution_update"
 
 # The experiment journal (agents/experiment/runner.py): only the identity that runs experiment
