@@ -882,7 +882,6 @@ class Hub:
                              f"the limit of {p.MAX_EVENT_BODIES} (docs/protocol.md, section 4)")
             return
         header.peer = peer.id  # the authenticated sender, whatever the header or body claim
-        header.granted = ""  # the hub's alone (`_refuse_journal`)
         mixed = header.type == p.MIXED_TYPES
         # What is the same for every body of the message is looked up once: the check that
         # passes a valid body of the header's type (anything else takes the slow path, which
@@ -921,15 +920,14 @@ class Hub:
         if (valid is None or not valid(body)) and self._refuse_event(ident, header, body, index,
                                                                      count, mixed):
             return
-        journal = header.type in JOURNAL_TYPES
-        if journal and self._refuse_journal(ident, peer, header):
+        # (`granted` is read on journal types alone, where it is always the hub's: other
+        # types pay this one set lookup, not a store to clear it)
+        if header.type in JOURNAL_TYPES and self._refuse_journal(ident, peer, header):
             return
         if self._restricted and self._refuse_speaker(ident, peer, header, body):
             return
         self._batch_bytes += len(body)
         events.stamp(header, body)
-        if journal:
-            header.granted = ""  # the message's next body is not granted by this one
 
     def _refuse_event(self, ident: bytes, header: p.Header, body: bytes, index: int = 0,
                       count: int = 1, mixed: bool = False) -> bool:
