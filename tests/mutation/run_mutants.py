@@ -1,6 +1,7 @@
 """Hand-made mutation check: does the test suite notice when the core logic is wrong?
 
-Each mutant is one small, plausible bug in the agent loop or the hub's routing. For each, a copy of
+Each mutant is one small, plausible bug in the agent loop, the hub's routing or a security check
+(who may speak for an agent, which runs replay trusts, what the sandbox refuses). For each, a copy of
 the tree gets that one change and the tests that cover the module run against the copy; a mutant
 the tests do not fail on "survives", and is printed. Not part of the normal test run (it takes a
 few minutes); run it when you change the loop or the routing:
