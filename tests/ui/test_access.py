@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,7 @@ def get(url: str, headers: dict[str, str] | None = None) -> Answer:
 
 
 def start(procs: list[Proc], hub: str, *args: str, env: dict[str, str] | None = None) -> dict:
+    """`busctl ui` on any free port (a later `--port` in `args` wins); its ready line."""
     proc = Proc(busctl("ui", "--hub", hub, "--port", "0", *args), env=env)
     procs.append(proc)
     return proc.wait_ready()
@@ -204,5 +206,31 @@ async def test_a_remote_browser_with_the_token_once(hub: str, procs: list[Proc],
         await until(lambda: browser.evaluate("document.getElementById('status').textContent")
                     == "live", 15, "the page's event stream with the cookie")
         assert browser.evaluate("location.search") == ""  # the token left the address bar
+    finally:
+        browser.close()
+
+
+async def test_a_page_of_a_restarted_view_says_to_open_the_new_link(
+        hub: str, procs: list[Proc], tmp_path: Path) -> None:
+    """The view restarted on its port (`[ui]` under `busctl up`) has a new token: the open page
+    is refused and says so, rather than "hub unreachable" forever; the new link opens it."""
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip("no chromium: `.ci/run` installs it (apt-get install -y chromium)")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    first = start(procs, hub, "--port", port)
+    browser = Browser(binary, tmp_path / "profile")
+    status = "document.getElementById('status').textContent"
+    try:
+        browser.open(first["url"])
+        await until(lambda: browser.evaluate(status) == "live", 15, "the page live")
+        procs[-1].stop()
+        second = start(procs, hub, "--port", port)
+        await until(lambda: "open the link it printed" in (browser.evaluate(status) or ""), 20,
+                    "the page saying the view refuses it")
+        browser.open(second["url"])
+        await until(lambda: browser.evaluate(status) == "live", 15, "the new link's page live")
     finally:
         browser.close()
