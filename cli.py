@@ -638,9 +638,12 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Pa
                                # the token in the ready line's token_file
     """
     from agent_bus.bus.ui import serve_ui
-    from agent_bus.bus.ui.access import read_token_file
+    from agent_bus.bus.ui.access import read_token_file, tools_can_read
 
     refuse_token_outside_a_file(old_token)
+    if token_file is not None and tools_can_read(token_file):
+        click.echo(f"warning: --token-file {token_file}: a sandboxed tool can read it (the sandbox "
+                   f"hides only your runtime and state folders): keep it in one of them", err=True)
     try:
         token = read_token_file(token_file) if token_file is not None else ""
         run_async(serve_ui, hub, curve, port, since, host, token)

@@ -156,7 +156,7 @@ def _handler(store: EventStore, access: Access, bind: str = "127.0.0.1",
             verdict = access.verdict(_query(self.path), self.headers.get("Cookie", ""),
                                      self.headers.get("Authorization", ""))
             if verdict is Verdict.SWAP:
-                self._send(200, swap_page(path), "text/html; charset=utf-8",
+                self._send(200, swap_page(self.path), "text/html; charset=utf-8",
                            {"Set-Cookie": access.set_cookie()})
             elif verdict is Verdict.REFUSED:
                 log.info("ui: refused a request without the token for %s", path)

@@ -24,18 +24,21 @@ import hmac
 import html
 import json
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass
 from enum import Enum
 from http.cookies import CookieError, SimpleCookie
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from agent_bus.bus.errors import ConfigError
-from agent_bus.bus.paths import runtime_home
+from agent_bus.bus.paths import runtime_home, state_home
 
 MIN_TOKEN = 16  # shorter is guessable
+#: What a token may hold: base64 and URL-safe characters, which a cookie carries as they are.
+TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~+/=-]+")
 TOKEN_FILE_FLAG = "--token-file"
 
 
@@ -98,11 +101,18 @@ def read_token_file(path: Path) -> str:
         raise ConfigError(f"{TOKEN_FILE_FLAG} {path}: other users may read it (mode "
                           f"{stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}): `chmod 600 {path}` "
                           "as its owner")
-    if len(text) < MIN_TOKEN or any(c.isspace() or not c.isprintable() for c in text):
+    if len(text) < MIN_TOKEN or not TOKEN_CHARS.fullmatch(text):
         raise ConfigError(f"{TOKEN_FILE_FLAG} {path}: the token must be one line of at least "
-                          f"{MIN_TOKEN} printable characters without spaces (or leave the flag "
-                          "out to have one generated)")
+                          f"{MIN_TOKEN} letters, digits or - _ . ~ + / = (e.g. `openssl rand "
+                          "-hex 32`), or leave the flag out to have one generated")
     return text
+
+
+def tools_can_read(path: Path) -> bool:
+    """Whether a sandboxed tool could read `path`: the sandbox hides only the runtime folder and
+    the state folders (tools/sandbox.py), and a tool with the network could then use the token."""
+    where = path.resolve()
+    return not any(where.is_relative_to(folder) for folder in (runtime_home(), state_home()))
 
 
 @dataclass(frozen=True)
@@ -122,7 +132,7 @@ def hand_out(access: Access, page: str) -> Handout:
     folder = runtime_home()
     out = Handout(folder / f"ui-{access.port}.token", folder / f"ui-{access.port}.html")
     _write_private(out.token_file, access.token + "\n")
-    _write_private(out.launcher, launcher_page(f"{page}?token={access.token}"))
+    _write_private(out.launcher, launcher_page(f"{page}?token={quote(access.token, safe='')}"))
     return out
 
 
@@ -158,16 +168,28 @@ def launcher_page(target: str) -> str:
             f"<p><a href=\"{quoted}\">Open the bus's web view</a></p>\n")
 
 
-def swap_page(path: str) -> bytes:
-    """The answer to a right `?token=`: sent with the cookie, it moves on to `path` from the
-    view's own origin. Not a 303: after a redirect the browser still counts the request as
-    made by the launcher (a `file://` page, another site) and withholds a SameSite=Strict
-    cookie; a navigation this page starts is same-site."""
+def swap_page(request: str) -> bytes:
+    """The answer to a right `?token=` in `request` (the request's path and query): sent with
+    the cookie, it moves on to the same address without the token, from the view's own origin.
+    Not a 303: after a redirect the browser still counts the request as made by the launcher
+    (a `file://` page, another site) and withholds a SameSite=Strict cookie; a navigation this
+    page starts is same-site."""
+    path = without_token(request)
     quoted = html.escape(path, quote=True)
     return ("<!doctype html>\n<meta charset=\"utf-8\"><title>busctl ui</title>\n"
             f"<script>location.replace({_js_string(path)} + location.hash)</script>\n"
             f"<noscript><meta http-equiv=\"refresh\" content=\"0;url={quoted}\"></noscript>\n"
             f"<p><a href=\"{quoted}\">Continue</a></p>\n").encode()
+
+
+def without_token(request: str) -> str:
+    """`/x?token=T&a=1` -> `/x?a=1`; a path that is not one of this server's (`//host` or
+    `/\\host`, which a browser reads as another site) -> `/`."""
+    path, _, query = request.partition("?")
+    if not path.startswith("/") or path[1:2] in ("/", "\\"):  # a browser reads `\` as `/`
+        path = "/"
+    kept = "&".join(item for item in query.split("&") if item and item.partition("=")[0] != "token")
+    return f"{path}?{kept}" if kept else path
 
 
 def _js_string(text: str) -> str:

@@ -70,6 +70,17 @@ def get(url: str, headers: dict[str, str] | None = None) -> Answer:
         conn.close()
 
 
+def body(url: str) -> str:
+    """The text of a short answer (not `/events`)."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("GET", parts.path + (f"?{parts.query}" if parts.query else ""))
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
 def start(procs: list[Proc], hub: str, *args: str, env: dict[str, str] | None = None) -> dict:
     """`busctl ui` on any free port (a later `--port` in `args` wins); its ready line."""
     proc = Proc(busctl("ui", "--hub", hub, "--port", "0", *args), env=env)
@@ -136,6 +147,11 @@ def test_any_other_address_needs_the_token_too(hub: str, procs: list[Proc]) -> N
     assert first.status == 200 and first.getheader("Referrer-Policy") == "no-referrer"
     cookie = first.getheader("Set-Cookie").split(";")[0]
     assert "HttpOnly" in first.getheader("Set-Cookie") and token in cookie
+    # it goes on to the same address, the other parameters kept, and never to another site
+    assert 'replace("/experiment?name=e"' in body(base + f"experiment?name=e&token={token}")
+    for other in ("//attacker.example/", "/\\attacker.example/"):
+        target = body(base.rstrip("/") + other + f"?token={token}").split('replace("')[1]
+        assert target[0] == "/" and target[1] not in "/\\", target  # a path of this server
     assert get(base, {"Cookie": cookie}).status == 200
     assert get(base + "app.js", {"Cookie": cookie}).status == 200
     assert get(base + "experiment?name=e", {"Cookie": cookie}).status == 404  # none journaled
@@ -151,6 +167,7 @@ def test_a_token_file_and_the_ways_a_token_is_refused(hub: str, procs: list[Proc
     secret.chmod(0o600)
     ready = start(procs, hub, "--bind", "0.0.0.0", env={"BUSCTL_UI_TOKEN_FILE": str(secret)})
     assert ready["token"] == "given" and "a-long-enough" not in json.dumps(ready)
+    assert "a sandboxed tool can read it" in procs[-1].output()  # outside the hidden folders
     assert get(ready["page"]).status == 401
     assert get(ready["page"], {"Authorization": "Bearer a-long-enough-token-0123"}).status == 200
     secret.chmod(0o644)  # open to others: refused, naming the fix
