@@ -622,10 +622,12 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
               help="A file (yours, mode 0600) holding the page's token (env BUSCTL_UI_TOKEN_FILE)"
                    " [default: a new token, in ui-PORT.token of your runtime folder].")
 @click.option("--token", "old_token", default=None, hidden=True, expose_value=True)
+@click.option("--open", "open_browser", is_flag=True,
+              help="Also open the link in your browser ($BROWSER, else the system's default).")
 @click.option("--since", type=click.IntRange(0), default=0, show_default=True,
               help="Show events after this seq (0: everything the hub's log holds).")
 def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Path | None,
-       old_token: str | None, since: int) -> None:
+       old_token: str | None, open_browser: bool, since: int) -> None:
     """A live web view of the bus, for you only: open the link it prints.
 
     \b
@@ -633,6 +635,7 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Pa
     runtime folder) gives it to your browser once, as a cookie. Other local users get 401.
     Examples:
       busctl ui                # then open the file:// link of the ready line
+      busctl ui --open         # ... in your browser, by itself
       busctl ui --port 0       # any free port
       busctl ui --bind 0.0.0.0 # other machines too: http://HOST:7480/?token=TOKEN once,
                                # the token in the ready line's token_file
@@ -646,7 +649,7 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Pa
                    f"hides only your runtime and state folders): keep it in one of them", err=True)
     try:
         token = read_token_file(token_file) if token_file is not None else ""
-        run_async(serve_ui, hub, curve, port, since, host, token)
+        run_async(serve_ui, hub, curve, port, since, host, token, open_browser)
     except KeyboardInterrupt:
         pass
     except OSError as exc:  # a ConfigError (the token file, the runtime folder) names its fix

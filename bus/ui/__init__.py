@@ -300,8 +300,9 @@ async def serve_drops(peer: Peer, drops: Drops, sub: Subscription,
 
 
 async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 0,
-                   host: str = "127.0.0.1", token: str = "") -> None:
-    """Serve the view on `host:port` with `token` ("": a new one) until cancelled or SIGTERM."""
+                   host: str = "127.0.0.1", token: str = "", open_browser: bool = False) -> None:
+    """Serve the view on `host:port` with `token` ("": a new one) until cancelled or SIGTERM;
+    with `open_browser`, open its link in the user's browser once it is ready."""
     store = EventStore()
     book = ExperimentBook()
     server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
@@ -322,13 +323,22 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_stop_on_signal, tg.cancel_scope)
-            await _follow(hub, curve, since, store, book, ready)
+            await _follow(hub, curve, since, store, book, ready, open_browser)
             tg.cancel_scope.cancel()
     finally:
         withdraw(handout, access)
         store.close()
         await anyio.to_thread.run_sync(server.shutdown)
         server.server_close()
+
+
+async def _open_link(link: str) -> None:
+    """The launcher's `file://` link, not the address with the token: a browser's arguments are
+    in `ps` for every local user to read."""
+    import webbrowser
+
+    if not await anyio.to_thread.run_sync(webbrowser.open, link):
+        log.warning("ui: no browser to open %s (set $BROWSER): open it by hand", link)
 
 
 async def _stop_on_signal(scope: anyio.CancelScope) -> None:
@@ -340,7 +350,7 @@ async def _stop_on_signal(scope: anyio.CancelScope) -> None:
 
 
 async def _follow(hub: str, curve: CurveClient | None, since: int, store: EventStore,
-                  book: ExperimentBook, ready: dict[str, str]) -> None:
+                  book: ExperimentBook, ready: dict[str, str], open_browser: bool) -> None:
     """The hub's events into `store` (and the book), the status polled; `ready` printed once
     subscribed."""
     drops = Drops(f"ui-{os.getpid()}", "ui")
@@ -352,6 +362,8 @@ async def _follow(hub: str, curve: CurveClient | None, since: int, store: EventS
             sub.tally = ev.EventTally("busctl ui", log.warning)  # skipped, counted, named
             await serve_drops(peer, drops, sub, lambda: {"undecodable": sub.tally.bad})
             print(json.dumps(ready), flush=True)
+            if open_browser:
+                tg.start_soon(_open_link, ready["url"])
             last = since
             async for envelope in sub:
                 # A `Gap` (a range retention pruned) has no seq of its own: not an SSE id.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import Proc, busctl, until
+from tests.support import Proc, busctl, until, wait_for
 from tests.ui.browser import Browser, find_chromium
 from tests.ui.owner import owner_headers
 
@@ -113,6 +113,20 @@ def test_the_files_go_with_the_view(hub: str, procs: list[Proc]) -> None:
     procs[-1].stop()
     assert not Path(ready["token_file"]).exists()
     assert not Path(urllib.parse.urlsplit(ready["url"]).path).exists()
+
+
+def test_open_gives_the_browser_the_link_not_the_token(hub: str, procs: list[Proc],
+                                                      tmp_path: Path) -> None:
+    """`--open`: the browser is started with the launcher's file:// link (its arguments are in
+    `ps` for every user), never the address with the token. The browser: a script ($BROWSER)."""
+    seen = tmp_path / "argv"
+    browser = tmp_path / "browser"
+    browser.write_text(f'#!/bin/sh\necho "$@" > {seen}.tmp && mv {seen}.tmp {seen}\n')
+    browser.chmod(0o700)
+    ready = start(procs, hub, "--open", env={"BROWSER": str(browser)})
+    wait_for(seen.exists, 10, "the browser started")
+    token = owner_headers(ready)["Authorization"].split()[1]
+    assert seen.read_text().strip() == ready["url"] and token not in seen.read_text()
 
 
 def test_loopback_refuses_a_foreign_host_or_origin(hub: str, procs: list[Proc]) -> None:
