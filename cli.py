@@ -616,34 +616,59 @@ def otel(hub: str, curve: CurveClient | None, endpoint: str | None, header_items
 @click.option("--port", type=click.IntRange(0, 65535), default=7480, show_default=True,
               help="Port of the page (0: any free port; the URL is printed).")
 @click.option("--bind", "host", default="127.0.0.1", show_default=True,
-              help="Address to listen on. Anything but loopback needs a token (see --token).")
-@click.option("--token", envvar="BUSCTL_UI_TOKEN", default="",
-              help="The page's access token (env BUSCTL_UI_TOKEN) [default: none on loopback; "
-                   "on another --bind one is generated and printed once, in the ready line].")
+              help="Address to listen on (another than loopback: other machines too).")
+@click.option("--token-file", envvar="BUSCTL_UI_TOKEN_FILE", default=None,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="A file (yours, mode 0600) holding the page's token (env BUSCTL_UI_TOKEN_FILE)"
+                   " [default: a new token, in ui-PORT.token of your runtime folder].")
+@click.option("--token", "old_token", default=None, hidden=True, expose_value=True)
+@click.option("--open", "open_browser", is_flag=True,
+              help="Also open the link in your browser ($BROWSER, else the system's default).")
 @click.option("--since", type=click.IntRange(0), default=0, show_default=True,
               help="Show events after this seq (0: everything the hub's log holds).")
-def ui(hub: str, curve: CurveClient | None, port: int, host: str, token: str, since: int) -> None:
-    """A live web view of the bus on http://127.0.0.1:PORT/.
+def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Path | None,
+       old_token: str | None, open_browser: bool, since: int) -> None:
+    """A live web view of the bus, for you only: open the link it prints.
 
     \b
+    Every request needs the page's token; the printed link (`url`, a file:// page in your private
+    runtime folder) gives it to your browser once, as a cookie. Other local users get 401.
     Examples:
-      busctl ui                # then open http://127.0.0.1:7480/
-      busctl ui --port 0       # any free port; the first line names the URL
-      busctl ui --bind 0.0.0.0 # other machines too: open the printed URL (it holds the token)
+      busctl ui                # then open the file:// link of the ready line
+      busctl ui --open         # ... in your browser, by itself
+      busctl ui --port 0       # any free port
+      busctl ui --bind 0.0.0.0 # other machines too: http://HOST:7480/?token=TOKEN once,
+                               # the token in the ready line's token_file
     """
     from agent_bus.bus.ui import serve_ui
+    from agent_bus.bus.ui.access import read_token_file, tools_can_read
 
-    if token and len(token) < 16:
-        raise click.BadParameter("a token shorter than 16 characters is guessable; leave it "
-                                 "out to have one generated", param_hint="--token")
+    refuse_token_outside_a_file(old_token)
+    if token_file is not None and tools_can_read(token_file):
+        click.echo(f"warning: --token-file {token_file}: a sandboxed tool can read it (the sandbox "
+                   f"hides only your runtime and state folders): keep it in one of them", err=True)
     try:
-        run_async(serve_ui, hub, curve, port, since, host, token)
+        token = read_token_file(token_file) if token_file is not None else ""
+        run_async(serve_ui, hub, curve, port, since, host, token, open_browser)
     except KeyboardInterrupt:
         pass
-    except OSError as exc:
+    except OSError as exc:  # a ConfigError (the token file, the runtime folder) names its fix
         raise click.BadParameter(f"cannot listen on {host}:{port}: {exc.strerror} "
                                  f"(choose another --port, or 0 for any free one; or another "
                                  f"--bind)", param_hint="--port") from None
+
+
+def refuse_token_outside_a_file(flag: str | None) -> None:
+    """A token on the command line is in `ps` for every local user, one in the environment in
+    every process started from there: both are refused, naming the file that replaces them."""
+    fix = ("write it to a file only you can read (`chmod 600 FILE`) and give --token-file FILE "
+           "(or BUSCTL_UI_TOKEN_FILE=FILE); or give neither, and open the link busctl ui prints")
+    if flag is not None:
+        raise click.BadParameter(f"a token on the command line is shown by `ps` to every local "
+                                 f"user: {fix}", param_hint="--token")
+    if os.environ.get("BUSCTL_UI_TOKEN"):
+        raise click.UsageError(f"BUSCTL_UI_TOKEN is no longer read (a token in the environment "
+                               f"reaches every process started from it): unset it, {fix}")
 
 
 # --- busctl worker ------------------------------------------------------------------------

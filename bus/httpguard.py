@@ -6,8 +6,9 @@ then sends `Host: attacker.example:PORT` and, on a script's request, the attacke
 So a server bound to loopback answers only requests whose Host names loopback and whose Origin,
 when there is one, is a loopback page: 421 (wrong Host) or 403 (wrong Origin) otherwise. The
 rule is the MCP SDK's own for a local streamable-HTTP server (127.0.0.1, localhost, [::1], any
-port), kept here once so that every surface applies the same one. Off loopback the surface's
-token protects it instead (a rebinding name carries none of its cookies).
+port), kept here once so that every surface applies the same one. It keeps out pages, not local
+users: `busctl ui` also asks its token on loopback (`bus/ui/access.py`), after this check; off
+loopback the surface's token alone protects it (a rebinding name carries none of its cookies).
 """
 
 from __future__ import annotations

@@ -124,8 +124,10 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True
 
 
 class UiSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """`[ui]`: `busctl up` starts `busctl ui` as a supervised child (its ready line names the URL).
-    Off loopback the page needs a token: $BUSCTL_UI_TOKEN of `busctl up`, else one generated."""
+    """`[ui]`: `busctl up` starts `busctl ui` as a supervised child (its ready line names the link
+    its owner opens). Every request needs the page's token (bus/ui/access.py): one generated,
+    or the file named by $BUSCTL_UI_TOKEN_FILE of `busctl up` (a path: never the token itself
+    in an environment)."""
 
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 7480  # 0: any free port
     bind: str = "127.0.0.1"
@@ -166,7 +168,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         if self.ui is not None:
             extra.append(ProcessSpec("ui", ["busctl", "ui", "--port", str(self.ui.port),
                                             "--bind", self.ui.bind],
-                                     env=curve, pass_env=["BUSCTL_UI_TOKEN"]))
+                                     env=curve, pass_env=["BUSCTL_UI_TOKEN_FILE"]))
         if self.otel is not None:
             otel = self.otel
             argv = ["busctl", "otel", "--state-file", str(self.state_path() / "otel.json"),
@@ -425,8 +427,8 @@ max_iterations = 200
 
 # [ui]                              # `busctl up` also serves the live web view (busctl ui)
 # port = 7480                       # 0: any free port; the URL is in its ready line
-# bind = "127.0.0.1"                # another address needs a token: $BUSCTL_UI_TOKEN, else one
-                                    # is generated and printed once
+# bind = "127.0.0.1"                # the page answers only you (a token, in a 0600 file; its
+                                    # link is printed); 0.0.0.0: other machines with the token
 
 # [otel]                            # `busctl up` also exports OpenTelemetry traces (busctl otel)
 # endpoint = "http://127.0.0.1:4318"  # OTLP/HTTP; headers from $OTEL_EXPORTER_OTLP_HEADERS

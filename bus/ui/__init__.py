@@ -8,11 +8,11 @@ event's seq, so a page that reconnects (`Last-Event-ID`) continues where it stop
 duplicate. The standard library, not an ASGI server: a page per person needs a thread each, and
 no optional extra is needed to see a run.
 
-Access: on a loopback address the page needs no token, but every request must name loopback in
-its Host (and Origin, when sent): `bus.httpguard`, the same check as `busctl mcp serve --http`,
-refuses a DNS-rebinding page. On any other address (`--bind 0.0.0.0`) every
-request needs the token: `?token=T` once (answered with a cookie and a redirect that takes the
-token out of the address bar), then the cookie; or `Authorization: Bearer T`. Anything else: 401.
+Access: the page answers only its user (`access.py`): every route needs the page's token, kept
+in a 0600 file of the user's private runtime folder; the printed link is a `file://` launcher
+there that hands it to the browser once, for an HttpOnly cookie. On loopback every request must
+also name loopback in its Host (and Origin, when sent): `bus.httpguard`, the same check as
+`busctl mcp serve --http`, refuses a DNS-rebinding page before the token is looked at.
 
 Experiments: `GET /experiment?name=E` answers the experiment page's data (the report of
 `busctl experiment report E --json`, progress, the per-sample rows) from `experiments.py`; the
@@ -26,15 +26,13 @@ log no longer had) are served as `subscriber.ui-<pid>`, which `busctl status` re
 from __future__ import annotations
 
 import bisect
-import hmac
 import json
 import logging
 import os
-import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable
-from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -46,16 +44,24 @@ import msgspec
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import IncomingRequest, Peer, Subscription, connect
 from agent_bus.bus.errors import AgentBusError, RegisterRefused
-from agent_bus.bus.httpguard import is_loopback, refusal
+from agent_bus.bus.httpguard import refusal
 from agent_bus.bus.render import json_line
 from agent_bus.bus.security import CurveClient
+from agent_bus.bus.ui.access import (
+    REFUSED_TEXT,
+    Access,
+    Verdict,
+    hand_out,
+    new_token,
+    swap_page,
+    withdraw,
+)
 from agent_bus.bus.ui.experiments import ExperimentBook
 
 log = logging.getLogger("busctl.ui")
 
 MAX_EVENTS = 100_000   # kept for pages that open later; older ones are only in the hub's log
 HEARTBEAT = 10.0       # an SSE comment this often: a closed tab is noticed, proxies keep it open
-COOKIE = "busctl_ui_token"
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/app.css": ("app.css", "text/css; charset=utf-8")}
@@ -120,7 +126,7 @@ def _query(path: str) -> dict[str, str]:
     return out
 
 
-def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1",
+def _handler(store: EventStore, access: Access, bind: str = "127.0.0.1",
              book: ExperimentBook | None = None) -> type[BaseHTTPRequestHandler]:
     experiments = book or ExperimentBook()
 
@@ -129,12 +135,7 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1",
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
-            refused = refusal(bind, self.headers.get("Host"), self.headers.get("Origin"))
-            if refused is not None:
-                log.info("ui: refused a request for %s: %s", path, refused[1])
-                self._send(refused[0], refused[1].encode(), "text/plain")
-                return
-            if token and not self._authorised(path):
+            if not self._allowed(path):
                 return
             if path == "/events":
                 self._events()
@@ -145,34 +146,39 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1",
             else:
                 self._send(404, b"not found: the page is at /", "text/plain")
 
-        def _authorised(self, path: str) -> bool:
-            """True with the token (cookie, bearer); `?token=` sets the cookie and redirects."""
-            given = _query(self.path).get("token", "")
-            if given and hmac.compare_digest(given, token):
-                self.send_response(303)
-                self.send_header("Location", path)
-                self.send_header("Set-Cookie", f"{COOKIE}={token}; Path=/; HttpOnly; "
-                                               "SameSite=Strict")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+        def _allowed(self, path: str) -> bool:
+            """The Host/Origin check (DNS rebinding), then the token: else answered here."""
+            refused = refusal(bind, self.headers.get("Host"), self.headers.get("Origin"))
+            if refused is not None:
+                log.info("ui: refused a request for %s: %s", path, refused[1])
+                self._send(refused[0], refused[1].encode(), "text/plain")
                 return False
-            cookies = SimpleCookie(self.headers.get("Cookie", ""))
-            held = cookies[COOKIE].value if COOKIE in cookies else ""
-            bearer = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if any(v and hmac.compare_digest(v, token) for v in (held, bearer)):
-                return True
-            log.info("ui: refused a request without the token for %s", path)
-            self._send(401, b"401: this page needs its token: open the URL busctl ui printed "
-                            b"(with ?token=...), or send Authorization: Bearer TOKEN", "text/plain")
-            return False
+            verdict = access.verdict(_query(self.path), self.headers.get("Cookie", ""),
+                                     self.headers.get("Authorization", ""))
+            if verdict is Verdict.SWAP:
+                self._send(200, swap_page(self.path), "text/html; charset=utf-8",
+                           {"Set-Cookie": access.set_cookie()})
+            elif verdict is Verdict.REFUSED:
+                log.info("ui: refused a request without the token for %s", path)
+                self._send(401, REFUSED_TEXT, "text/plain; charset=utf-8",
+                           {"WWW-Authenticate": 'Bearer realm="busctl ui"'})
+            return verdict is Verdict.ALLOWED
 
-        def _send(self, code: int, body: bytes, ctype: str) -> None:
+        def _send(self, code: int, body: bytes, ctype: str,
+                  extra: dict[str, str] | None = None) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
-            self.send_header("Cache-Control", "no-store")
+            self._private_headers(extra or {})
             self.end_headers()
             self.wfile.write(body)
+
+        def _private_headers(self, extra: dict[str, str]) -> None:
+            # no cache keeps a copy, and no address (a `?token=` one) is sent on as a referrer
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Referrer-Policy", "no-referrer")
+            for name, value in extra.items():
+                self.send_header(name, value)
 
         def _static(self, name: str, ctype: str) -> None:
             body = resources.files("agent_bus.bus.ui").joinpath("static", name).read_bytes()
@@ -199,7 +205,7 @@ def _handler(store: EventStore, token: str = "", bind: str = "127.0.0.1",
         def _events(self) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-store")
+            self._private_headers({})
             self.end_headers()
             seq = self._since()
             version = -1
@@ -293,53 +299,81 @@ async def serve_drops(peer: Peer, drops: Drops, sub: Subscription,
         log.warning("%s; this subscriber's losses are not shown in `busctl status`", exc)
 
 
-def resolve_token(host: str, token: str) -> tuple[str, bool]:
-    """The token the page needs ("" on loopback unless one is given), and whether we made it."""
-    if token or is_loopback(host):
-        return token, False
-    return secrets.token_urlsafe(24), True
-
-
 async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 0,
-                   host: str = "127.0.0.1", token: str = "") -> None:
-    token, made = resolve_token(host, token)
+                   host: str = "127.0.0.1", token: str = "", open_browser: bool = False) -> None:
+    """Serve the view on `host:port` with `token` ("": a new one) until cancelled or SIGTERM;
+    with `open_browser`, open its link in the user's browser once it is ready."""
     store = EventStore()
     book = ExperimentBook()
-    server = ThreadingHTTPServer((host, port), _handler(store, token, host, book))
+    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
+    access = Access(token or new_token(), server.server_address[1])
+    server.RequestHandlerClass = _handler(store, access, host, book)
     server.daemon_threads = True  # an open page must not keep the process alive
-    thread = threading.Thread(target=server.serve_forever, name="ui-http", daemon=True)
-    thread.start()
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    url = f"http://{shown}:{server.server_address[1]}/"
-    ready: dict[str, object] = {"ready": "ui", "url": url, "bind": host}
-    if token:
-        # printed once, here: it is in no file; `?token=` puts it in a cookie and leaves the URL
-        ready["url"] = f"{url}?token={token}" if made else url
-        ready["token"] = "generated" if made else "given"
-    drops = Drops(f"ui-{os.getpid()}", "ui")
+    page = f"http://{shown}:{access.port}/"
     try:
-        async with connect(hub, name="busctl-ui", role="watcher", curve=curve) as peer, \
-                anyio.create_task_group() as tg:
-            tg.start_soon(_poll_status, peer, store, book)
-            tg.start_soon(_follow_journal, peer, book)
-            async with peer.subscribe([], since=since, fill_gaps=True) as sub:
-                sub.tally = ev.EventTally("busctl ui", log.warning)  # skipped, counted, named
-                await serve_drops(peer, drops, sub, lambda: {"undecodable": sub.tally.bad})
-                print(json.dumps(ready), flush=True)
-                last = since
-                async for envelope in sub:
-                    # A `Gap` (a range retention pruned) has no seq of its own: not an SSE id.
-                    if envelope.header.seq <= last:
-                        count_gap(drops, envelope.event)
-                        continue
-                    last = drops.seq = envelope.header.seq
-                    store.add(last, json_line(envelope.header, envelope.event))
-                    book.note_event(envelope.header, envelope.event)
+        handout = hand_out(access, page)
+    except BaseException:
+        server.server_close()
+        raise
+    threading.Thread(target=server.serve_forever, name="ui-http", daemon=True).start()
+    # `url` is the link the owner opens (it holds no secret); `page` the server, for scripts
+    ready = {"ready": "ui", "url": handout.link, "page": page, "bind": host,
+             "token_file": str(handout.token_file), "token": "given" if token else "generated"}
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_stop_on_signal, tg.cancel_scope)
+            await _follow(hub, curve, since, store, book, ready, open_browser)
             tg.cancel_scope.cancel()
     finally:
+        withdraw(handout, access)
         store.close()
         await anyio.to_thread.run_sync(server.shutdown)
         server.server_close()
+
+
+async def _open_link(link: str) -> None:
+    """The launcher's `file://` link, not the address with the token: a browser's arguments are
+    in `ps` for every local user to read."""
+    import webbrowser
+
+    if not await anyio.to_thread.run_sync(webbrowser.open, link):
+        log.warning("ui: no browser to open %s (set $BROWSER): open it by hand", link)
+
+
+async def _stop_on_signal(scope: anyio.CancelScope) -> None:
+    """SIGTERM (a supervisor, `busctl down`) ends the view cleanly: its token files go with it."""
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+async def _follow(hub: str, curve: CurveClient | None, since: int, store: EventStore,
+                  book: ExperimentBook, ready: dict[str, str], open_browser: bool) -> None:
+    """The hub's events into `store` (and the book), the status polled; `ready` printed once
+    subscribed."""
+    drops = Drops(f"ui-{os.getpid()}", "ui")
+    async with connect(hub, name="busctl-ui", role="watcher", curve=curve) as peer, \
+            anyio.create_task_group() as tg:
+        tg.start_soon(_poll_status, peer, store, book)
+        tg.start_soon(_follow_journal, peer, book)
+        async with peer.subscribe([], since=since, fill_gaps=True) as sub:
+            sub.tally = ev.EventTally("busctl ui", log.warning)  # skipped, counted, named
+            await serve_drops(peer, drops, sub, lambda: {"undecodable": sub.tally.bad})
+            print(json.dumps(ready), flush=True)
+            if open_browser:
+                tg.start_soon(_open_link, ready["url"])
+            last = since
+            async for envelope in sub:
+                # A `Gap` (a range retention pruned) has no seq of its own: not an SSE id.
+                if envelope.header.seq <= last:
+                    count_gap(drops, envelope.event)
+                    continue
+                last = drops.seq = envelope.header.seq
+                store.add(last, json_line(envelope.header, envelope.event))
+                book.note_event(envelope.header, envelope.event)
+        tg.cancel_scope.cancel()
 
 
 def count_gap(drops: Drops, event: ev.Event) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from agent_bus.agents.launch.topology import TopologyError, parse_topology
 from tests.cli.conftest import start_up
 from tests.otel.receiver import Receiver
 from tests.support import busctl, wait_for
+from tests.ui.owner import open_link
 
 
 @pytest.mark.parametrize(("text", "key"), [
@@ -77,7 +77,7 @@ endpoint = "http://127.0.0.1:{receiver.port}"
         try:
             line = proc.wait_line(lambda s: s.startswith("ui "), 10)
             url = line.split()[1]
-            page = urllib.request.urlopen(url, timeout=10).read().decode()
+            page = open_link(url)  # the owner's link: the page with the token's cookie
             assert '<script src="/app.js"></script>' in page
             assert re.search(r"\botel\[\d+\]", proc.wait_line(lambda s: s.startswith("processes")))
             run = subprocess.run(busctl("run", "--hub", ready["endpoint"], "--json", "hello"),

@@ -20,6 +20,11 @@ _TRAMPOLINE = ("import os, sys; r, w = os.dup(int(sys.argv[1])), os.dup(int(sys.
                "os.set_inheritable(4, True); os.execv(sys.argv[3], sys.argv[3:])")
 
 
+#: What DevTools answers to an evaluation while the tab navigates.
+_BETWEEN_DOCUMENTS = ("Execution context was destroyed", "Cannot find default execution context",
+                      "Inspected target navigated or closed")
+
+
 def find_chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -85,7 +90,15 @@ class Browser:
                                  session=False)["sessionId"]
 
     def evaluate(self, expression: str) -> Any:
-        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True})
+        """The expression's value; None while the tab is between two documents (the view's link
+        goes through two pages before the view's own: tests poll with `until`)."""
+        try:
+            result = self.call("Runtime.evaluate", {"expression": expression,
+                                                    "returnByValue": True})
+        except RuntimeError as exc:
+            if any(what in str(exc) for what in _BETWEEN_DOCUMENTS):
+                return None
+            raise
         return result.get("result", {}).get("value")
 
     def screenshot(self, path: Path) -> None:

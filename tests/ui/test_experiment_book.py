@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.ui.experiments import ExperimentBook
 from tests.support import Proc, busctl, wait_for
+from tests.ui.owner import owner_get
 
 
 def entry(type_: str, body: Plan | SampleResult, ts: float, experiment: str = "e"
@@ -96,9 +96,9 @@ def test_the_page_follows_the_journal_across_a_hub_restart(tmp_path: Path) -> No
                                            experiment="e", confirm=True)
         anyio.run(go)
 
-    def page(url: str) -> dict[str, Any]:
+    def page(ui: dict[str, Any]) -> dict[str, Any]:
         try:
-            with urllib.request.urlopen(f"{url}experiment?name=e", timeout=5) as answer:
+            with owner_get(ui, "experiment?name=e") as answer:
                 data: dict[str, Any] = json.loads(answer.read())
                 return data
         except urllib.error.HTTPError as exc:
@@ -112,13 +112,13 @@ def test_the_page_follows_the_journal_across_a_hub_restart(tmp_path: Path) -> No
     try:
         first = hub()
         procs.append(Proc(busctl("ui", "--hub", endpoint, "--port", "0")))
-        url = str(procs[-1].wait_ready()["url"])
+        ui = procs[-1].wait_ready()
         publish(plan, cells[0])
-        wait_for(lambda: page(url).get("progress", {}).get("done") == 1, 10, "the first cell")
+        wait_for(lambda: page(ui).get("progress", {}).get("done") == 1, 10, "the first cell")
         first.stop()
         hub()
         publish(cells[1])
-        data = wait_for(lambda: (d := page(url)).get("progress", {}).get("done") == 2 and d, 15,
+        data = wait_for(lambda: (d := page(ui)).get("progress", {}).get("done") == 2 and d, 15,
                         "the second cell, after the restart")
         out = subprocess.run(busctl("experiment", "report", "e", "--json", "--hub", endpoint),
                              capture_output=True, text=True, timeout=30)

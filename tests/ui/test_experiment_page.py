@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import pytest
 from tests.examples.test_examples import ENV, example
 from tests.support import ROOT, Proc, busctl, wait_for
 from tests.ui.browser import Browser, find_chromium
+from tests.ui.owner import owner_get
 
 E = "ui-1"
 SPEC = "examples/experiment/spec.toml"
@@ -121,9 +121,9 @@ def report_json(cwd: Path, endpoint: str) -> dict[str, Any]:
     return data
 
 
-def start_ui(endpoint: str, procs: list[Proc]) -> str:
+def start_ui(endpoint: str, procs: list[Proc]) -> dict[str, Any]:
     procs.append(Proc(busctl("ui", "--hub", endpoint, "--port", "0")))
-    return str(procs[-1].wait_ready()["url"])
+    return procs[-1].wait_ready()
 
 
 def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> None:
@@ -132,20 +132,22 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
     procs: list[Proc] = []
     browser = Browser(binary, tmp_path / "profile")
 
-    def open_page(url: str) -> Browser:
-        browser.open(f"{url}#experiment={E}")  # a new tab: the browser talks to it from now
+    def open_page(ui: dict[str, Any]) -> Browser:
+        # the owner's link, with the experiment's address kept through the token's hand-over;
+        # a new tab: the browser talks to it from now
+        browser.open(f"{ui['url']}#experiment={E}")
         return browser
 
     try:
         with example(tmp_path, "experiment", copy=False) as ex:
-            url = start_ui(ex.endpoint, procs)
-            live = open_page(url)  # open before the experiment: the page fills in live
+            ui = start_ui(ex.endpoint, procs)
+            live = open_page(ui)  # open before the experiment: the page fills in live
             wait_for(lambda: "no experiment ui-1 journaled" in (live.evaluate(
                 "document.getElementById('exp-progress').textContent") or ""), 15,
                 "the page saying the experiment is not there yet")
             live.evaluate(WATCH_PROGRESS)
             with pytest.raises(urllib.error.HTTPError) as missing:
-                urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5)
+                owner_get(ui, f"experiment?name={E}")
             assert missing.value.code == 404
             missing.value.close()
             run = subprocess.run(busctl("experiment", "run", SPEC, "--name", E, "--limit", "6",
@@ -158,7 +160,7 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
                     (tmp_path / f"{E}.results.jsonl").read_text().splitlines()]
 
             def served_report() -> dict[str, Any] | None:
-                with urllib.request.urlopen(f"{url}experiment?name={E}", timeout=5) as answer:
+                with owner_get(ui, f"experiment?name={E}") as answer:
                     served: dict[str, Any] = json.loads(answer.read())["report"]
                 return served if served["done"] + sum(
                     v["failures"] for v in served["variants"]) == 12 else None

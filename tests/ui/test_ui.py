@@ -8,7 +8,6 @@ parallel `echo` calls and an `ask_helper` call) and `helper`; `busctl ui --port 
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -20,6 +19,7 @@ from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack, calls, start_stack, text
 from tests.support import Proc, busctl, py, until
 from tests.ui.browser import Browser, find_chromium
+from tests.ui.owner import owner_get
 
 pytestmark = pytest.mark.anyio
 
@@ -68,20 +68,20 @@ async def scripted_run(stack: Stack) -> str:
     return run.run_id
 
 
-def start_ui(stack: Stack) -> str:
+def start_ui(stack: Stack) -> dict[str, Any]:
+    """`busctl ui`'s ready line: `url`, the owner's link (a browser opens it); `page` and
+    `token_file`, the server and its token (a plain HTTP client uses them: tests/ui/owner.py)."""
     proc = Proc(busctl("ui", "--hub", stack.endpoint, "--port", "0"))
     stack.procs[f"ui-{len(stack.procs)}"] = proc  # stopped with the stack
-    return str(proc.wait_ready()["url"])
+    return proc.wait_ready()
 
 
-def read_events(url: str, until_type: str, run_id: str,
+def read_events(ui: dict[str, Any], until_type: str, run_id: str,
                 last_id: str = "") -> list[tuple[int, dict[str, Any]]]:
     """SSE messages from the page's `/events` until `until_type` of `run_id` (socket timeout 15 s:
     a stalled stream fails the test)."""
-    request = urllib.request.Request(url + "events", headers={"Last-Event-ID": last_id}
-                                     if last_id else {})
     out: list[tuple[int, dict[str, Any]]] = []
-    with urllib.request.urlopen(request, timeout=15) as stream:
+    with owner_get(ui, "events", 15, {"Last-Event-ID": last_id} if last_id else {}) as stream:
         event_id, name = 0, ""
         for raw in stream:
             line = raw.decode().rstrip("\n")
@@ -103,21 +103,21 @@ def read_events(url: str, until_type: str, run_id: str,
 
 async def test_page_and_stream_replay_then_live_without_holes(stack: Stack) -> None:
     before = await scripted_run(stack)         # happened before the page's server started
-    url = start_ui(stack)
-    page = urllib.request.urlopen(url, timeout=5).read().decode()
+    ui = start_ui(stack)
+    page = owner_get(ui, "").read().decode()
     assert '<script src="/app.js"></script>' in page and "http" not in page.split("<body>")[1]
-    assert "EventSource" in urllib.request.urlopen(url + "app.js", timeout=5).read().decode()
+    assert "EventSource" in owner_get(ui, "app.js").read().decode()
 
-    replayed = read_events(url, "agent_end", before)
+    replayed = read_events(ui, "agent_end", before)
     after = await scripted_run(stack)          # live
-    events = read_events(url, "agent_end", after)
+    events = read_events(ui, "agent_end", after)
     seqs = [s for s, _ in events]
     assert seqs == sorted(set(seqs)) and all(s == e["seq"] for s, e in events)
     assert seqs == list(range(seqs[0], seqs[-1] + 1))  # no hole (the page gets the full stream)
     assert seqs[:len(replayed)] == [s for s, _ in replayed]
     # a page reconnecting with Last-Event-ID continues after it, with no duplicate
     middle = seqs[len(seqs) // 2]
-    resumed = read_events(url, "agent_end", after, last_id=str(middle))
+    resumed = read_events(ui, "agent_end", after, last_id=str(middle))
     assert [s for s, _ in resumed] == [s for s in seqs if s > middle]
 
 
@@ -156,10 +156,10 @@ def chromium() -> str:
 
 async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
     binary = chromium()
-    url = start_ui(stack)
+    url = start_ui(stack)["url"]
     browser = Browser(binary, tmp_path / "profile")
     try:
-        browser.open(url)  # open before the run: the page draws it live
+        browser.open(url)  # the owner's link, before the run: the page draws it live
         await until(lambda: browser.evaluate("document.getElementById('status').textContent")
                     == "live", 10, "the page's event stream")
         run_id = await scripted_run(stack)
@@ -252,12 +252,12 @@ async def test_the_page_in_a_real_browser(stack: Stack, tmp_path: Path) -> None:
 PUBLISHER = str(Path(__file__).resolve().parents[1] / "fault" / "publisher_proc.py")
 
 
-def sse_seqs(url: str, messages: int, timeout: float = 30.0) -> list[int]:
+def sse_seqs(ui: dict[str, Any], messages: int, timeout: float = 30.0) -> list[int]:
     """SSE ids of the page's stream until `messages` topic messages were among them (socket
     timeout: a stall fails the test)."""
     seqs: list[int] = []
     seen = 0
-    with urllib.request.urlopen(url + "events", timeout=timeout) as stream:
+    with owner_get(ui, "events", timeout) as stream:
         for raw in stream:
             line = raw.decode()
             if line.startswith("id: "):
@@ -293,12 +293,12 @@ def test_stream_across_a_hub_restart_has_no_hole_and_no_duplicate(tmp_path: Path
     try:
         first = hub()
         publish(400)                                   # before the page's server
-        url = str(start(busctl("ui", "--hub", endpoint, "--port", "0")).wait_ready()["url"])
+        ui = start(busctl("ui", "--hub", endpoint, "--port", "0")).wait_ready()
         publish(400)                                   # live
         first.stop()
         hub()                                          # the same log, the same address
         publish(400)                                   # after the restart
-        seqs = sse_seqs(url, 1200)  # every message published, before, during and after
+        seqs = sse_seqs(ui, 1200)  # every message published, before, during and after
         assert seqs == list(range(1, len(seqs) + 1))  # from the log's start, no hole, no repeat
     finally:
         for proc in reversed(procs):

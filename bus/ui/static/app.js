@@ -493,7 +493,9 @@ function renderConnection() {
   // True, not hopeful: "live" only while this page hears `busctl ui` and it hears the hub.
   const node = document.getElementById("status");
   let text = "live";
-  if (!state.stream.ok) {
+  if (state.stream.refused) {
+    text = "busctl ui refuses this page (restarted with a new token?): open the link it printed";
+  } else if (!state.stream.ok) {
     // `busctl down` stops the page's server with the hub: from here neither answers
     text = state.stream.since ? `hub unreachable since ${clock(state.stream.since)} (busctl ui `
       + "does not answer either)" : "connecting…";
@@ -706,6 +708,9 @@ function connect() {
   source.onopen = () => { state.stream = { ok: true, since: 0 }; renderConnection(); };
   source.onerror = () => { // the browser retries by itself; the page says since when
     if (state.stream.ok || !state.stream.since) state.stream = { ok: false, since: Date.now() / 1000 };
+    // CLOSED: the server answered, but not with the stream (401: a restarted busctl ui has a
+    // new token, which this page's cookie does not hold): the browser gives up, so does the page
+    state.stream.refused = source.readyState === EventSource.CLOSED;
     renderConnection();
   };
   source.addEventListener("status", (msg) => {
