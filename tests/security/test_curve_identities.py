@@ -1,0 +1,195 @@
+"""Issue 44, break 1: a CURVE topology gives each process kind an identity of its own.
+
+As the attacker ran it: `busctl up` with `[hub] curve_*` keys started the gateway, coordinators and
+workers with the topology's one client key (which had to be `*` in roles.toml); a `run_shell` with
+the network read that key and registered `llm` and `agent.assistant` with it. Here the scripted
+model's `run_shell` searches every folder it can for key files and tries each against the hub
+(fixtures/steal_keys.py); nothing it finds may serve `llm` or an agent, and the topology's own
+keys (the owner's, the hub's, every process kind's) must not be among what it finds. Each process
+kind's key, taken by the owner from `up`'s private runtime folder, serves its own role only.
+
+Issue 44, break 9 (last part): a stopped topology leaves no runtime folder behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq.auth
+
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus.paths import default_state_dir
+from tests.cli.conftest import Topology, pid_alive, start_up
+from tests.multihost.conftest import generate
+from tests.support import busctl
+
+FIXTURES = Path(__file__).parent / "fixtures"
+STEAL = FIXTURES / "steal_keys.py"
+FORGE = FIXTURES / "forge_run.py"
+
+
+def _runtime_folder(cwd: Path) -> Path:
+    """Where `busctl up` from `cwd` keeps its sockets, credentials and keys (bus/paths.py),
+    computed without creating it."""
+    state = default_state_dir(cwd)
+    digest = hashlib.sha256(str(state.resolve()).encode()).hexdigest()[:12]
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(xdg) / "agent-bus" if xdg else Path("/tmp") / f"agent-bus-{os.getuid()}"
+    return base / digest
+
+
+def _script(command: str) -> dict:
+    return {"rules": [
+        {"contains": ["steal"], "tool_result": False, "reply": {
+            "text": "Looking.", "tool_calls": [{"name": "run_shell", "arguments": {"command": command}}]}},
+        {"contains": [], "tool_result": True, "reply": {"text": "FOUND {tool_results_full}"}},
+    ], "echo": True}
+
+
+def _write_topology(tmp_path: Path) -> Path:
+    keys = tmp_path / "keys"
+    generate(keys, "owner")
+    # the owner's key: full rights, as the user's own key should have
+    (keys / "authorized" / "roles.toml").write_text('[roles]\nowner = ["*"]\n')
+    (tmp_path / "ws").mkdir()
+    config = tmp_path / "topology.toml"
+    config.write_text(f"""
+[hub]
+curve_secret = "{keys}/hub.key_secret"
+curve_authorized = "{keys}/authorized"
+curve_server_key = "{keys}/hub.key"
+curve_client_key = "{keys}/owner.key_secret"
+
+[[workers]]
+name = "tools"
+tools = ["agent_bus.tools.builtin"]
+workspace = "{tmp_path / 'ws'}"
+shell = true
+network = true
+""")
+    return config
+
+
+def _public(path: Path) -> str:
+    public, _ = zmq.auth.load_certificate(path)
+    return public.decode()
+
+
+def _z85(path: Path) -> list[str]:
+    public, secret = zmq.auth.load_certificate(path)
+    return [public.decode(), (secret or b"").decode()]
+
+
+@pytest.fixture
+def curve_up(tmp_path: Path) -> Iterator[tuple[Topology, FakeLLMServer]]:
+    config = _write_topology(tmp_path)
+    roots = ["/tmp", "/run", "/var/tmp", str(tmp_path), str(Path.home())]
+    command = f"{sys.executable} {STEAL} {tmp_path / 'ws' / 'target.json'} {' '.join(roots)}"
+    with FakeLLMServer(_script(command)) as llm:
+        env = {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": ""}
+        proc, ready = start_up(tmp_path, "-c", str(config), env=env)
+        topo = Topology(proc, tmp_path, ready)
+        pids = topo.child_pids()
+        try:
+            yield topo, llm
+        finally:
+            proc.stop(timeout=10)
+            for pid in pids.values():
+                if pid_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _owner_args(tmp_path: Path) -> list[str]:
+    keys = tmp_path / "keys"
+    return ["--curve-server-key", str(keys / "hub.key"), "--curve-key", str(keys / "owner.key_secret")]
+
+
+def _our_publics(tmp_path: Path) -> set[str]:
+    """Every key of this topology: the user's folder (hub, owner) and `up`'s own folder."""
+    files = [*(tmp_path / "keys").glob("*.key"), *_runtime_folder(tmp_path).glob("**/*.key")]
+    return {_public(f) for f in files}
+
+
+def test_a_shell_finds_no_key_of_the_topology_and_none_serves_llm_or_an_agent(
+        tmp_path: Path, curve_up: tuple[Topology, FakeLLMServer]) -> None:
+    topo, llm = curve_up
+    (tmp_path / "ws" / "target.json").write_text(json.dumps(
+        {"endpoint": topo.endpoint, "server": _public(tmp_path / "keys" / "hub.key")}))
+    ours = _our_publics(tmp_path)  # read now: `up` removes its folder when it stops
+    result = subprocess.run(busctl("run", "--hub", topo.endpoint, *_owner_args(tmp_path),
+                                   "steal the keys"),
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr + topo.proc.output()
+    match = re.search(r"STOLEN (\{.*\})", result.stdout)
+    assert match, result.stdout
+    stolen = json.loads(match.group(1))
+    assert not {k: v for k, v in stolen["served"].items() if v}, stolen  # nothing served
+    assert not ours & set(stolen["found"]), stolen  # and no key of ours was readable
+    assert llm.requests, "the run never reached the model"
+
+
+def _forge(endpoint: str, server: Path, key: Path, *services: str) -> dict[str, str]:
+    curve = ",".join([_public(server), *_z85(key)])
+    args = [a for s in services for a in ("--serve", s)]
+    result = subprocess.run([sys.executable, str(FORGE), endpoint, f"--curve={curve}", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    return {service: answers[f"reg{i}"] for i, service in enumerate(services)}
+
+
+def _curve_key_args(pid: int) -> str:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return argv[argv.index(b"--curve-key") + 1].decode()
+
+
+def test_each_process_kind_has_its_own_key_with_its_own_role_only(
+        tmp_path: Path, curve_up: tuple[Topology, FakeLLMServer]) -> None:
+    topo, _ = curve_up
+    pids = topo.child_pids()
+    owner = str(tmp_path / "keys" / "owner.key_secret")
+    keys = {name: _curve_key_args(pids[name]) for name in ("gateway-1", "coordinator-1", "tools-1")}
+    assert owner not in keys.values() and len(set(keys.values())) == 3, keys
+    folder = _runtime_folder(tmp_path)
+    assert all(Path(k).parent.parent == folder for k in keys.values()), (keys, folder)
+    server = tmp_path / "keys" / "hub.key"
+    everything = ("llm", "agent.assistant", "tool.stolen")
+    assert _forge(topo.endpoint, server, Path(keys["tools-1"]), *everything) == {
+        "llm": "forbidden", "agent.assistant": "forbidden", "tool.stolen": "ok"}
+    assert _forge(topo.endpoint, server, Path(keys["gateway-1"]), *everything) == {
+        "llm": "ok", "agent.assistant": "forbidden", "tool.stolen": "forbidden"}
+    assert _forge(topo.endpoint, server, Path(keys["coordinator-1"]), *everything) == {
+        "llm": "forbidden", "agent.assistant": "ok", "tool.stolen": "forbidden"}
+
+
+def test_a_stopped_curve_topology_leaves_no_runtime_folder(
+        tmp_path: Path, curve_up: tuple[Topology, FakeLLMServer]) -> None:
+    topo, _ = curve_up
+    folder = _runtime_folder(tmp_path)
+    assert folder.is_dir(), "up keeps its generated keys in its runtime folder"
+    assert topo.proc.stop(timeout=10) == 0, topo.proc.output()
+    assert not folder.exists(), sorted(p.name for p in folder.rglob("*"))
+
+
+def test_a_stopped_local_topology_leaves_no_dead_sockets(tmp_path: Path) -> None:
+    proc, ready = start_up(tmp_path, "--demo")
+    pids = Topology(proc, tmp_path, ready).child_pids()
+    try:
+        folder = Path(ready["endpoint"][len("ipc://"):]).parent
+        assert folder.is_dir() and (folder / "hub").is_socket(), ready
+        assert proc.stop(timeout=10) == 0, proc.output()
+        assert not folder.exists(), sorted(p.name for p in folder.iterdir())
+    finally:
+        proc.stop()
+        for pid in pids.values():
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
