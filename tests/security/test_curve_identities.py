@@ -30,7 +30,7 @@ from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from agent_bus.bus.paths import default_state_dir
 from tests.cli.conftest import Topology, pid_alive, start_up
 from tests.multihost.conftest import generate
-from tests.support import busctl
+from tests.support import Proc, busctl
 
 FIXTURES = Path(__file__).parent / "fixtures"
 STEAL = FIXTURES / "steal_keys.py"
@@ -57,9 +57,10 @@ def _script(command: str) -> dict:
 
 def _write_topology(tmp_path: Path) -> Path:
     keys = tmp_path / "keys"
-    generate(keys, "owner")
-    # the owner's key: full rights, as the user's own key should have
-    (keys / "authorized" / "roles.toml").write_text('[roles]\nowner = ["*"]\n')
+    generate(keys, "owner", "remote")
+    # the owner's key: full rights, as the user's own key should have; `remote`: a worker that
+    # the user attaches by hand
+    (keys / "authorized" / "roles.toml").write_text('[roles]\nowner = ["*"]\nremote = ["tool.*"]\n')
     (tmp_path / "ws").mkdir()
     config = tmp_path / "topology.toml"
     config.write_text(f"""
@@ -92,7 +93,9 @@ def _z85(path: Path) -> list[str]:
 @pytest.fixture
 def curve_up(tmp_path: Path) -> Iterator[tuple[Topology, FakeLLMServer]]:
     config = _write_topology(tmp_path)
-    roots = ["/tmp", "/run", "/var/tmp", str(tmp_path), str(Path.home())]
+    # where this topology's keys are (the user's folder, `up`'s runtime folder) and its state;
+    # not the whole machine: other tests' keys elsewhere in /tmp would only slow the search
+    roots = [str(tmp_path), str(_runtime_folder(tmp_path).parent), os.environ["BUSCTL_STATE_HOME"]]
     command = f"{sys.executable} {STEAL} {tmp_path / 'ws' / 'target.json'} {' '.join(roots)}"
     with FakeLLMServer(_script(command)) as llm:
         env = {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": ""}
@@ -134,6 +137,7 @@ def test_a_shell_finds_no_key_of_the_topology_and_none_serves_llm_or_an_agent(
     stolen = json.loads(match.group(1))
     assert not {k: v for k, v in stolen["served"].items() if v}, stolen  # nothing served
     assert not ours & set(stolen["found"]), stolen  # and no key of ours was readable
+    assert not stolen["curve_env"], stolen  # nor named in its environment
     assert llm.requests, "the run never reached the model"
 
 
@@ -169,6 +173,28 @@ def test_each_process_kind_has_its_own_key_with_its_own_role_only(
         "llm": "ok", "agent.assistant": "forbidden", "tool.stolen": "forbidden"}
     assert _forge(topo.endpoint, server, Path(keys["coordinator-1"]), *everything) == {
         "llm": "forbidden", "agent.assistant": "ok", "tool.stolen": "forbidden"}
+
+
+def test_a_worker_attached_by_hand_keeps_its_own_key(
+        tmp_path: Path, curve_up: tuple[Topology, FakeLLMServer]) -> None:
+    """A remote worker's key, authorised by the user (`tool.*`), still serves tools; its key
+    reaches its sandbox in memory (the worker is sandboxed, its key folder hidden there)."""
+    topo, _ = curve_up
+    keys = tmp_path / "keys"
+    (tmp_path / "remote").mkdir()
+    worker = Proc(busctl("worker", "--hub", topo.endpoint, "--curve-server-key", str(keys / "hub.key"),
+                         "--curve-key", str(keys / "remote.key_secret"), "--workspace",
+                         str(tmp_path / "remote"), "--name", "remote-1"), cwd=tmp_path)
+    try:
+        ready = worker.wait_ready(30)
+        assert ready["sandbox"]["kind"] == "bwrap", ready
+        status = subprocess.run(busctl("status", "--json", "--hub", topo.endpoint,
+                                       *_owner_args(tmp_path)),
+                                capture_output=True, text=True, timeout=30)
+        peers = {p["name"]: p["peer"] for p in json.loads(status.stdout)["peers"]}
+        assert peers["remote-1"].startswith("key:" + _public(keys / "remote.key")[:12]), peers
+    finally:
+        worker.stop()
 
 
 def test_a_stopped_curve_topology_leaves_no_runtime_folder(
