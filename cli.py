@@ -1437,6 +1437,8 @@ def keys_generate(directory: str, clients: tuple[str, ...], force: bool) -> None
     Then:
       busctl hub --hub tcp://0.0.0.0:7400 --curve-secret DIR/hub.key_secret --curve-authorized DIR/authorized
       busctl worker --hub tcp://HOST:7400 --curve-server-key DIR/hub.key --curve-key DIR/client.key_secret
+    In a topology ([hub]): curve_secret, curve_authorized, curve_server_key, and curve_client_key =
+    DIR/<your client>.key_secret, the owner's key; `busctl up` makes its processes' keys itself.
     """
     import shutil
 

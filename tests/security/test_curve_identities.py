@@ -151,6 +151,29 @@ def _forge(endpoint: str, server: Path, key: Path, *services: str) -> dict[str, 
     return {service: answers[f"reg{i}"] for i, service in enumerate(services)}
 
 
+def test_each_authorised_folder_gives_roles_to_its_own_keys_only(tmp_path: Path) -> None:
+    """The hub's two folders as `up` gives them: the user's, here without a roles.toml (its keys
+    keep full rights, as before), and `up`'s own, whose roles.toml restricts its keys."""
+    generate(tmp_path / "user", "owner")
+    generate(tmp_path / "made", "worker-tools")
+    made = tmp_path / "made" / "authorized"
+    (made / "roles.toml").write_text('[roles]\n"worker-tools" = ["tool.*"]\n')
+    hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+                      "--curve-secret", str(tmp_path / "user" / "hub.key_secret"),
+                      "--curve-authorized", str(tmp_path / "user" / "authorized"),
+                      "--curve-authorized", str(made)))
+    try:
+        endpoint = hub.wait_ready()["endpoint"]
+        server = tmp_path / "user" / "hub.key"
+        # `made`'s pair was made against another hub key: only the client half is used here
+        assert _forge(endpoint, server, tmp_path / "made" / "worker-tools.key_secret", "llm",
+                      "tool.x") == {"llm": "forbidden", "tool.x": "ok"}
+        assert _forge(endpoint, server, tmp_path / "user" / "owner.key_secret", "llm",
+                      "tool.x") == {"llm": "ok", "tool.x": "ok"}
+    finally:
+        hub.stop()
+
+
 def _curve_key_args(pid: int) -> str:
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     return argv[argv.index(b"--curve-key") + 1].decode()
