@@ -37,7 +37,9 @@ class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     curve_secret: str = ""  # the hub's secret key file: turns CURVE on
     curve_authorized: str = ""  # directory of authorised client public keys
     curve_server_key: str = ""  # the hub's public key file, given to the processes `up` starts
-    curve_client_key: str = ""  # their secret key file (its public half must be authorised)
+    # the owner's secret key file (its public half authorised): `up` itself and its [ui], [otel]
+    # children; gateways, coordinators and workers get keys of their own (curve_keys.py)
+    curve_client_key: str = ""
     insecure: bool = False
 
 
