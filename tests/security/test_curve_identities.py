@@ -242,3 +242,24 @@ def test_a_stopped_local_topology_leaves_no_dead_sockets(tmp_path: Path) -> None
         for pid in pids.values():
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_key_files_beside_the_workspace_are_masked_one_by_one(tmp_path: Path) -> None:
+    """A key folder that holds the workspace cannot be hidden whole: each secret key in it is
+    masked with /dev/null instead (and a key folder elsewhere is hidden whole)."""
+    from agent_bus.bus.security import key_hiding
+    from agent_bus.tools.sandbox import worker_prefix
+
+    generate(tmp_path / "keys", "owner")
+    (tmp_path / "ws").mkdir()
+    for name in ("hub", "owner"):  # the workspace's own folder holds keys too
+        (tmp_path / f"{name}.key_secret").write_text((tmp_path / "keys" / f"{name}.key_secret").read_text())
+    files = [str(tmp_path / "owner.key_secret"), str(tmp_path / "keys" / "owner.key_secret")]
+    hidden = key_hiding(files, tmp_path / "ws")
+    assert sorted(hidden) == sorted([str(tmp_path / "hub.key_secret"), str(tmp_path / "owner.key_secret"),
+                                     str(tmp_path / "keys")]), hidden
+    args, _ = worker_prefix(tmp_path / "ws", "tcp://127.0.0.1:1", [Path(h) for h in hidden])
+    text = " ".join(args)
+    for name in ("hub", "owner"):
+        assert f"--ro-bind /dev/null {tmp_path / f'{name}.key_secret'}" in text, text
+    assert f"--tmpfs {tmp_path / 'keys'}" in text, text
