@@ -201,6 +201,14 @@ def use_color(stream: Any = None) -> bool:
 
 
 def curve_client(server_key: str | None, key: str | None) -> CurveClient | None:
+    from agent_bus.bus.security import handed_keys
+
+    try:  # a sandboxed worker's keys came in memory: its key files are masked in here
+        handed = handed_keys()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if handed is not None:
+        return handed
     if not server_key and not key:
         return None
     if not (server_key and key):
@@ -208,7 +216,8 @@ def curve_client(server_key: str | None, key: str | None) -> CurveClient | None:
     try:
         return CurveClient(server_public_key_file=server_key, secret_key_file=key)
     except ValueError as exc:  # e.g. the public `.key` given where the `.key_secret` belongs
-        raise click.UsageError(str(exc)) from None
+        flag = "--curve-server-key" if "hub public key" in str(exc) else "--curve-key"
+        raise click.BadParameter(str(exc), param_hint=flag) from None
 
 
 def hub_address(value: str | None) -> str | None:
@@ -229,11 +238,13 @@ def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--hub", "hub", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
                   callback=_hub_address_option,
                   help=f"Hub address to connect to: {HUB_FORMS} (env {HUB_ENV}).")
+    # not `exists=True`: in a worker's sandbox the files are hidden (its keys came in memory);
+    # elsewhere a missing file is named by `curve_client`
     @click.option("--curve-server-key", envvar="BUSCTL_CURVE_SERVER_KEY", default=None,
-                  type=click.Path(exists=True, dir_okay=False),
+                  type=click.Path(dir_okay=False),
                   help="The hub's public key file (`busctl keys generate`), for a CURVE hub.")
     @click.option("--curve-key", envvar="BUSCTL_CURVE_KEY", default=None,
-                  type=click.Path(exists=True, dir_okay=False),
+                  type=click.Path(dir_okay=False),
                   help="This client's secret key file, for a CURVE hub.")
     @functools.wraps(fn)
     def wrapper(*args: Any, curve_server_key: str | None, curve_key: str | None,
@@ -322,8 +333,10 @@ def _hub_command() -> click.Command:
                        "go at full speed. 0: never paced (docs/reliability.md).")
     @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
                   help="The hub's secret key file: turns on CURVE encryption.")
-    @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), default=None,
-                  help="Directory of authorised client public keys (reloaded on change).")
+    @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), multiple=True,
+                  help="Directory of authorised client public keys (reloaded on change); "
+                       "repeatable, each with its own roles.toml (`busctl up` adds the keys it "
+                       "makes for its own processes this way).")
     @click.option("--insecure", is_flag=True,
                   help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
     @click.option("--credentials", type=click.Path(exists=True, dir_okay=False), default=None,
@@ -336,7 +349,7 @@ def _hub_command() -> click.Command:
             liveness: int, max_message_bytes: int, budgets: dict[str, int],
             retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
             replay_priority: str, replay_pace_bytes: int, curve_secret: str | None,
-            curve_authorized: str | None, insecure: bool, credentials: str | None,
+            curve_authorized: tuple[str, ...], insecure: bool, credentials: str | None,
             log_level: str) -> None:
         """Run the hub: request routing, liveness, and the event log and stream.
 
@@ -368,7 +381,7 @@ def _hub_command() -> click.Command:
 main.lazy_commands["hub"] = _hub_command
 
 
-def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
+def hub_curve(endpoint: str, secret: str | None, authorized: tuple[str, ...],
               insecure: bool, events: str = "") -> CurveServer | None:
     for flag, address in (("--hub", endpoint), ("--events", events)):
         if address and not address.startswith(("tcp://", "ipc://")):
@@ -377,7 +390,8 @@ def hub_curve(endpoint: str, secret: str | None, authorized: str | None,
     if bool(secret) != bool(authorized):
         raise click.UsageError("--curve-secret and --curve-authorized go together")
     if secret and authorized:
-        return CurveServer(secret_key_file=secret, authorized_dir=authorized)
+        return CurveServer(secret_key_file=secret, authorized_dir=authorized[0],
+                           also_authorized=list(authorized[1:]))
     try:
         exposed = check_bind({"--hub": endpoint, "--events": events}, curve=False, insecure=insecure,
                              fix="pass --curve-secret DIR/hub.key_secret --curve-authorized "
@@ -721,6 +735,7 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
     """
     from agent_bus.bus.paths import claim_worker_credential, local_alias
     from agent_bus.bus.procsec import drop_root_powers
+    from agent_bus.bus.security import take_back
     from agent_bus.tools import ToolLoadError
     from agent_bus.tools.sandbox import SandboxUnavailable, enter, hub_folders, set_shell_sandbox
     from agent_bus.tools.worker import WorkerSettings, run_worker
@@ -728,10 +743,15 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
     if curve is None:  # `--hub 7400`: the local topology's socket, which the sandbox exposes
         hub = local_alias(hub)
         claim_worker_credential(hub)  # a worker's rights, not its owner's
+    handed, hide = _hand_over_keys(curve, workspace, hide)
     try:  # first: re-runs this command under bubblewrap where it can (tools/sandbox.py)
         jail = enter(sandbox, workspace, hub, hide, read_only)  # type: ignore[arg-type]  # a click.Choice
     except SandboxUnavailable as exc:
         raise click.BadParameter(str(exc), param_hint="--sandbox") from None
+    finally:  # still here outside a sandbox: the keys stay where they were
+        if handed is not None:
+            take_back(handed)
+    _hold_keys(curve)
     hub = jail.hub or hub
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
     set_shell_sandbox(sandbox, shell_network, hub_folders(hub))  # type: ignore[arg-type]
@@ -752,6 +772,28 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+def _hand_over_keys(curve: CurveClient | None, workspace: str,
+                    hide: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
+    """Before the sandbox: the worker's CURVE keys go to its re-executed self in a pipe, and its
+    key files (with the secrets beside them) are hidden in there, so no tool, shell or MCP server
+    reads them. Returns the pipe's read end (None: no file-backed keys) and the paths to hide."""
+    from agent_bus.bus.security import HELD, hand_over, key_hiding
+
+    if curve is None or curve.secret_key_file == HELD:
+        return None, hide
+    return hand_over(curve), (*hide, *key_hiding([curve.secret_key_file], Path(workspace)))
+
+
+def _hold_keys(curve: CurveClient | None) -> None:
+    """Inside the sandbox, holding keys in memory: no tool's child process (an MCP server, a
+    shell) may read this process's memory."""
+    from agent_bus.bus.procsec import make_undumpable
+    from agent_bus.bus.security import HELD
+
+    if curve is not None and curve.secret_key_file == HELD:
+        make_undumpable()
 
 
 def _mcp_specs(commands: tuple[str, ...], prefix: str) -> list[Any]:
@@ -1420,6 +1462,8 @@ def keys_generate(directory: str, clients: tuple[str, ...], force: bool) -> None
     Then:
       busctl hub --hub tcp://0.0.0.0:7400 --curve-secret DIR/hub.key_secret --curve-authorized DIR/authorized
       busctl worker --hub tcp://HOST:7400 --curve-server-key DIR/hub.key --curve-key DIR/client.key_secret
+    In a topology ([hub]): curve_secret, curve_authorized, curve_server_key, and curve_client_key =
+    DIR/<your client>.key_secret, the owner's key; `busctl up` makes its processes' keys itself.
     """
     import shutil
 

@@ -243,18 +243,6 @@ def tcp_alias(port: int, live: bool = True) -> str:
     return endpoint
 
 
-def remove_local_hub(endpoint: str) -> None:
-    """After its hub stopped: its socket files and private directory (if nothing listens)."""
-    path = Path(endpoint[6:])
-    for sock in (path, path.with_name(path.name + ".events")):
-        if sock.is_socket() and not ipc_listening(str(sock)):
-            sock.unlink(missing_ok=True)
-    try:
-        path.parent.rmdir()
-    except OSError:
-        pass
-
-
 def ipc_listening(path: str) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:

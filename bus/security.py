@@ -30,7 +30,7 @@ import shutil
 import tempfile
 import threading
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,9 @@ def _load_public(path: str, what: str) -> bytes:
 class CurveServer(msgspec.Struct, forbid_unknown_fields=True):
     secret_key_file: str  # the hub's `*.key_secret`
     authorized_dir: str  # a directory of client `*.key` files
+    # more such directories, each with its own roles.toml: `busctl up` adds the folder of the
+    # keys it makes for its own processes, so it never writes into the user's folder
+    also_authorized: list[str] = msgspec.field(default_factory=list)
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         """Make `sock` a CURVE server in our ZAP domain (call before bind)."""
@@ -82,28 +85,104 @@ class CurveServer(msgspec.Struct, forbid_unknown_fields=True):
 
     def start_authenticator(self, ctx: zmq.Context[Any]) -> KeyDirAuthenticator:
         """Start the ZAP handler for `ctx`; must run before any CURVE socket binds."""
-        if not Path(self.authorized_dir).is_dir():
-            raise ValueError(f"authorised keys directory {self.authorized_dir} does not exist "
-                             "(make one with `busctl keys generate DIR`)")
-        auth = KeyDirAuthenticator(ctx, Path(self.authorized_dir), RELOAD_POLL)
+        folders = [Path(d) for d in (self.authorized_dir, *self.also_authorized)]
+        for folder in folders:
+            if not folder.is_dir():
+                raise ValueError(f"authorised keys directory {folder} does not exist "
+                                 "(make one with `busctl keys generate DIR`)")
+        auth = KeyDirAuthenticator(ctx, folders, RELOAD_POLL)
         auth.start()
         return auth
 
 
-class CurveClient(msgspec.Struct, forbid_unknown_fields=True):
+HELD = "(held in memory)"  # the key file names of a CurveClient made by `CurveClient.held`
+
+
+class CurveClient(msgspec.Struct, forbid_unknown_fields=True, dict=True):
     server_public_key_file: str  # the hub's `*.key`
     secret_key_file: str  # this client's `*.key_secret`
 
     def __post_init__(self) -> None:
         # Fail at configuration time with a readable message, not later inside a socket task.
-        _load_pair(self.secret_key_file, "client secret key file")
-        _load_public(self.server_public_key_file, "hub public key file")
+        if self.secret_key_file != HELD:
+            _load_pair(self.secret_key_file, "client secret key file")
+            _load_public(self.server_public_key_file, "hub public key file")
+
+    @classmethod
+    def held(cls, server: bytes, public: bytes, secret: bytes) -> CurveClient:
+        """A client whose keys live in this process's memory only (a sandboxed worker's: its
+        key files are masked in its sandbox). Not a field: never encoded, never in a repr."""
+        client = cls(server_public_key_file=HELD, secret_key_file=HELD)
+        client.__dict__["_held"] = (server, public, secret)
+        return client
+
+    def keys(self) -> tuple[bytes, bytes, bytes]:
+        """(hub public, client public, client secret), read now from the files (or memory)."""
+        held: tuple[bytes, bytes, bytes] | None = getattr(self, "_held", None)
+        if held is not None:
+            return held
+        public, secret = _load_pair(self.secret_key_file, "client secret key file")
+        return _load_public(self.server_public_key_file, "hub public key file"), public, secret
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
-        public, secret = _load_pair(self.secret_key_file, "client secret key file")
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_serverkey = _load_public(self.server_public_key_file, "hub public key file")
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.keys()
+
+
+# A sandboxed worker's keys cross its re-execution under bwrap in memory: read outside, written to
+# a pipe whose read end the new process inherits (its number in this variable; the keys are never
+# in an environment block), read and closed inside before any tool runs (tools/sandbox.py).
+HANDED_KEYS_ENV = "BUSCTL_CURVE_FD"
+
+
+def hand_over(curve: CurveClient) -> int:
+    """Put `curve`'s keys in a pipe the next exec inherits; returns its read end. The caller
+    closes it (`take_back`) when no exec came (no sandbox)."""
+    read, write = os.pipe()
+    with os.fdopen(write, "wb") as out:  # ~130 bytes: far below a pipe's buffer
+        out.write(b"\n".join(curve.keys()))
+    os.set_inheritable(read, True)
+    os.environ[HANDED_KEYS_ENV] = str(read)
+    return read
+
+
+def take_back(fd: int) -> None:
+    """Undo `hand_over` in a process that did not re-execute itself."""
+    os.environ.pop(HANDED_KEYS_ENV, None)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def handed_keys() -> CurveClient | None:
+    """Inside the sandbox: the keys `hand_over` passed (the pipe is read and closed, the variable
+    removed, so no tool or child inherits either), or None when none were handed over."""
+    fd = os.environ.pop(HANDED_KEYS_ENV, "")
+    if not fd.isdigit():
+        return None
+    with os.fdopen(int(fd), "rb") as pipe:
+        parts = pipe.read().split(b"\n")
+    if len(parts) != 3:
+        raise ValueError("the CURVE keys handed to this worker are incomplete")
+    return CurveClient.held(*parts)
+
+
+def key_hiding(files: Iterable[str], workspace: Path) -> list[str]:
+    """What a sandbox must hide so that none of `files` (key files) nor their neighbours (`busctl
+    keys generate` writes every client's secret beside the hub's) can be read nor a key added
+    beside them: each file's folder, or, when that folder holds the workspace or is the home
+    folder (too much to hide), each secret key file in it and the file itself."""
+    ws = workspace.resolve()
+    too_wide = {Path.home().resolve(), Path("/")}
+    out: dict[str, None] = {}
+    for name in files:
+        path = Path(name).expanduser().resolve()
+        folder = path if path.is_dir() else path.parent
+        if not ws.is_relative_to(folder) and folder not in too_wide:
+            out[str(folder)] = None
+            continue
+        for secret in [path, *sorted(folder.glob("*.key_secret"))]:
+            if secret.is_file():
+                out[str(secret)] = None
+    return list(out)
 
 
 def peer_user_id(frame: zmq.Frame) -> str:
@@ -155,18 +234,21 @@ def read_roles(path: Path, keys_by_name: Mapping[str, bytes]) -> dict[bytes, tup
 
 
 class KeyDirAuthenticator:
-    """ZAP handler admitting the CURVE keys in a directory; reloads it when it changes.
+    """ZAP handler admitting the CURVE keys in one or more directories; reloads them when they
+    change. Each directory's `roles.toml` gives the roles of its own keys only (a directory
+    without one gives its keys full rights, as a single directory always did).
 
     The key set is swapped atomically on reload; a missing directory or one bad file never
     widens access (a bad file is skipped with a warning, a missing directory admits no one).
     """
 
-    def __init__(self, ctx: zmq.Context[Any], directory: Path,
+    def __init__(self, ctx: zmq.Context[Any], directory: Path | Sequence[Path],
                  poll_interval: float = RELOAD_POLL) -> None:
-        self.directory = directory
+        self.directories = [directory] if isinstance(directory, Path) else list(directory)
+        self.directory = self.directories[0]  # the user's: named in refusals
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("bus.security.zap"))
         self._keys: frozenset[bytes] = frozenset()
-        self._roles: dict[bytes, tuple[str, ...]] | None = None  # None: no roles file
+        self._roles: dict[bytes, tuple[str, ...]] = {}  # a key left out has no rights
         self._stamp: object = None
         self._lock = threading.Lock()
         self._refused = 0
@@ -196,34 +278,46 @@ class KeyDirAuthenticator:
     # --- keys --------------------------------------------------------------------------
 
     def reload(self) -> int:
-        """Re-read the directory now (also called on SIGHUP); returns the number of keys."""
+        """Re-read the directories now (also called on SIGHUP); returns the number of keys."""
         with self._lock:
             stamp = self._dir_stamp()
             keys: set[bytes] = set()
-            names: dict[str, bytes] = {}
-            try:
-                paths = sorted(self.directory.glob("*.key"))
-            except OSError as exc:
-                paths = []
-                log.error("cannot read authorised keys in %s: %s; admitting no one",
-                          self.directory, exc)
-            for path in paths:
-                try:
-                    public, _ = zmq.auth.load_certificate(path)
-                except (OSError, ValueError) as exc:
-                    log.warning("skipping authorised key file %s: %s", path, exc)
-                    continue
-                keys.add(public)
-                names[path.stem] = public
-            self._roles = read_roles(self.directory / ROLES_FILE, names)
+            roles: dict[bytes, tuple[str, ...]] = {}
+            for directory in self.directories:
+                names = self._read_keys(directory)
+                keys.update(names.values())
+                found = read_roles(directory / ROLES_FILE, names)
+                for public, patterns in (found if found is not None else
+                                         {k: (FULL_RIGHTS,) for k in names.values()}).items():
+                    roles[public] = (*roles.get(public, ()), *patterns)
             if keys != self._keys or self._stamp is None:
-                log.info("authorised CURVE keys: %d (from %s)", len(keys), self.directory)
+                log.info("authorised CURVE keys: %d (from %s)", len(keys),
+                         ", ".join(map(str, self.directories)))
             if keys != self._keys:
                 self.generation += 1
-            self._keys = frozenset(keys)
+            self._keys, self._roles = frozenset(keys), roles
             self._stamp = stamp
             self._reloads += 1
             return len(keys)
+
+    @staticmethod
+    def _read_keys(directory: Path) -> dict[str, bytes]:
+        """{file name without `.key`: public key} of the key files in `directory`."""
+        names: dict[str, bytes] = {}
+        try:
+            paths = sorted(directory.glob("*.key"))
+        except OSError as exc:
+            log.error("cannot read authorised keys in %s: %s; admitting none of them",
+                      directory, exc)
+            return names
+        for path in paths:
+            try:
+                public, _ = zmq.auth.load_certificate(path)
+            except (OSError, ValueError) as exc:
+                log.warning("skipping authorised key file %s: %s", path, exc)
+                continue
+            names[path.stem] = public
+        return names
 
     def request_reload(self) -> None:
         """Have the watcher thread reload now. Safe in a signal handler: it takes no lock that
@@ -238,10 +332,7 @@ class KeyDirAuthenticator:
     def roles_for(self, user_id: str) -> tuple[str, ...] | None:
         """The service patterns the key behind a ZAP User-Id may serve; None: full rights (no
         roles file, or `*` among its patterns). A key the roles file leaves out has none."""
-        roles = self._roles
-        if roles is None:
-            return None
-        patterns = roles.get(user_id.encode("ascii", "replace"), ())
+        patterns = self._roles.get(user_id.encode("ascii", "replace"), ())
         return None if FULL_RIGHTS in patterns else patterns
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -271,16 +362,20 @@ class KeyDirAuthenticator:
     def _dir_stamp(self) -> object:
         """Changes whenever a key file is added, removed, renamed or rewritten."""
         try:
-            st = self.directory.stat()
-            entries = []
-            with os.scandir(self.directory) as it:
-                for entry in it:
-                    if entry.name.endswith(".key") or entry.name == ROLES_FILE:
-                        est = entry.stat()
-                        entries.append((entry.name, est.st_mtime_ns, est.st_size, est.st_ino))
-            return (st.st_mtime_ns, tuple(sorted(entries)))
+            return tuple(self._one_stamp(d) for d in self.directories)
         except OSError:
             return None
+
+    @staticmethod
+    def _one_stamp(directory: Path) -> object:
+        st = directory.stat()
+        entries = []
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.name.endswith(".key") or entry.name == ROLES_FILE:
+                    est = entry.stat()
+                    entries.append((entry.name, est.st_mtime_ns, est.st_size, est.st_ino))
+        return (st.st_mtime_ns, tuple(sorted(entries)))
 
     def _watch(self) -> None:
         while True:
@@ -292,7 +387,7 @@ class KeyDirAuthenticator:
                 if asked or self._dir_stamp() != self._stamp:
                     self.reload()
             except Exception:  # the watcher must outlive a bad file or a vanished directory
-                log.exception("reloading %s failed", self.directory)
+                log.exception("reloading %s failed", self.directories)
 
 
 def is_loopback_endpoint(endpoint: str) -> bool:

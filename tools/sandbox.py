@@ -355,8 +355,8 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
     for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
         # read-only is enough to connect (sockets are exempt), and nothing can be put there
         args += ["--ro-bind", str(path), str(path)]
-    for other in _others_credentials(hub):  # the owner's full rights, other processes' roles
-        args += ["--ro-bind", "/dev/null", str(other)]
+    for other in [*_others_credentials(hub), *_hidden_files(hide)]:  # the owner's full rights,
+        args += ["--ro-bind", "/dev/null", str(other)]  # other processes' roles, CURVE keys
     # --as-pid-1: the worker is the namespace's first process (see `_leave_with_bwrap`)
     args += ["--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
              "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]
@@ -399,6 +399,13 @@ def _others_credentials(address: str) -> list[Path]:
     own = os.environ.get(CREDENTIAL_ENV, "")
     folder = Path(address[len("ipc://"):]).expanduser().resolve().parent
     return sorted(p for p in folder.glob("*.cred") if str(p) != own and p.resolve() != Path(own))
+
+
+def _hidden_files(hide: list[Path]) -> list[Path]:
+    """The files among `hide`: CURVE key files a worker was given (and the secrets beside them,
+    `bus.security.key_hiding`; the worker holds its own keys in memory), masked like the
+    credentials of other processes. Folders among `hide` are hidden whole (`_state_dirs`)."""
+    return sorted({p.resolve() for p in hide if p.is_file()})
 
 
 def hub_folders(address: str) -> tuple[str, ...]:

@@ -71,15 +71,21 @@ def attach(spec: ChildSpec, topo: Topology, state: Path) -> ChildSpec:
     """Name its credential file to a child of `up` (by what it is), for a local hub."""
     if not enabled(topo, state):
         return spec
-    if spec.role in ("gateway", "coordinator"):
-        name = "gateway" if spec.role == "gateway" else spec.name
-    elif spec.role == "worker":
-        name = f"worker-{spec.name.rpartition('-')[0]}"
-    else:  # the topology's extra processes are its owner's own programs
-        name = "owner"
+    name = kind_of(spec)
     file = OWNER_CREDENTIAL if name == "owner" else f"{name}.cred"
     spec.env = {**spec.env, CREDENTIAL_ENV: str(topology_runtime_dir(state) / file)}
     return spec
+
+
+def kind_of(spec: ChildSpec) -> str:
+    """The process kind of a child of `up` (a name of `kinds`): what its identity is."""
+    if spec.role == "gateway":
+        return "gateway"
+    if spec.role == "coordinator":
+        return spec.name
+    if spec.role == "worker":
+        return f"worker-{spec.name.rpartition('-')[0]}"
+    return "owner"  # the topology's extra processes are its owner's own programs
 
 
 def _write_private(path: Path, text: str) -> None:

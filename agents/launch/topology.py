@@ -37,7 +37,9 @@ class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     curve_secret: str = ""  # the hub's secret key file: turns CURVE on
     curve_authorized: str = ""  # directory of authorised client public keys
     curve_server_key: str = ""  # the hub's public key file, given to the processes `up` starts
-    curve_client_key: str = ""  # their secret key file (its public half must be authorised)
+    # the owner's secret key file (its public half authorised): `up` itself and its [ui], [otel]
+    # children; gateways, coordinators and workers get keys of their own (curve_keys.py)
+    curve_client_key: str = ""
     insecure: bool = False
 
 
@@ -284,9 +286,10 @@ def check_topology(topology: Topology) -> list[str]:
     if bool(hub.curve_secret) != bool(hub.curve_authorized):
         problems.append("hub.curve_secret / hub.curve_authorized: give both to turn CURVE on")
     if hub.curve_secret and not (hub.curve_server_key and hub.curve_client_key):
-        problems.append("hub.curve_server_key / hub.curve_client_key: with CURVE on, the processes "
-                        "`busctl up` starts need the hub's public key and a client secret key "
-                        "(both made by `busctl keys generate DIR`)")
+        problems.append("hub.curve_server_key / hub.curve_client_key: with CURVE on, `busctl up` "
+                        "needs the hub's public key and the owner's client secret key (both made "
+                        "by `busctl keys generate DIR`; its processes get keys of their own)")
+    problems += _events_exposure(hub)
     if topology.gateways.count < 0 or topology.coordinators < 0:
         problems.append("gateways.count / coordinators: must be >= 0")
     problems += _state_dir_problems(topology)
@@ -314,6 +317,20 @@ def hub_problems(hub: HubSection) -> list[str]:
         problems.append(f"hub.max_message_bytes: {hub.max_message_bytes} is out of range (from 1024 "
                         f"to {2**31 - 1}; default {16 * 1024 * 1024})")
     return problems
+
+
+def _events_exposure(hub: HubSection) -> list[str]:
+    """A hub on a private ipc:// socket whose events go out on tcp:// without CURVE: every local
+    user could read the whole stream (the requests' socket is 0600, a tcp port has no owner)."""
+    if hub.curve_secret or hub.insecure:
+        return []
+    if not (hub.endpoint.startswith("ipc://") and hub.events.startswith("tcp://")):
+        return []
+    return [f"hub.events: {hub.events!r} would publish every event (prompts, replies, tool "
+            f"output) to every local user, while hub.endpoint {hub.endpoint!r} is a private "
+            "socket; give an ipc:// events address (or leave hub.events unset: "
+            f"{hub.endpoint}.events), turn CURVE on (hub.curve_secret / hub.curve_authorized), "
+            "or set hub.insecure = true to publish on tcp anyway"]
 
 
 def _address_problems(key: str, address: str, *, events_next: bool) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -27,7 +28,7 @@ import anyio.abc
 import msgspec
 
 from agent_bus.agents.gateway.wire import ModelConfig
-from agent_bus.agents.launch import credentials
+from agent_bus.agents.launch import credentials, curve_keys
 from agent_bus.agents.launch.supervisor import (
     Child,
     ChildFailed,
@@ -47,11 +48,11 @@ from agent_bus.bus.paths import (
     ipc_listening,
     local_hub_endpoint,
     loopback_port,
-    remove_local_hub,
     remove_tcp_alias,
     set_tcp_alias,
     state_home,
     tcp_alias,
+    topology_runtime_dir,
 )
 from agent_bus.bus.security import CurveClient, is_loopback_endpoint
 from agent_bus.tools.sandbox import SandboxInfo, describe, required_problem
@@ -110,8 +111,9 @@ def hub_argv(topo: Topology) -> list[str]:
                        "--max-message-bytes", str(hub.max_message_bytes))
     if hub.events:
         argv += ["--events", hub.events]
-    if hub.curve_secret:
-        argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized]
+    if hub.curve_secret:  # the user's authorised keys, then those `up` made for its processes
+        argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized,
+                 "--curve-authorized", str(curve_keys.folder(state_dir(topo)))]
     if hub.insecure:
         argv.append("--insecure")
     if credentials.enabled(topo, state_dir(topo)):
@@ -120,18 +122,13 @@ def hub_argv(topo: Topology) -> list[str]:
 
 
 def client_curve(topo: Topology) -> CurveClient | None:
+    """`up`'s own identity on a CURVE hub: the owner's key (its processes have their own,
+    `curve_keys`)."""
     hub = topo.hub
     if not hub.curve_secret:
         return None
     return CurveClient(server_public_key_file=hub.curve_server_key,
                        secret_key_file=hub.curve_client_key)
-
-
-def _curve_args(topo: Topology) -> list[str]:
-    if not topo.hub.curve_secret:
-        return []
-    return ["--curve-server-key", topo.hub.curve_server_key,
-            "--curve-key", topo.hub.curve_client_key]
 
 
 def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
@@ -141,8 +138,7 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     it over from memory at every restart, so no file a tool might reach can redirect them.
     """
     state = state_dir(topo)
-    specs = [credentials.attach(_with_curve(spec, topo), topo, state)
-             for spec in _piece_specs(topo, endpoint)]
+    specs = [_identify(spec, topo, state) for spec in _piece_specs(topo, endpoint)]
     for proc in topo.all_processes():  # with the [ui] and [otel] children
         argv = proc.command
         if argv and argv[0] == "busctl":  # this installation's busctl, whatever PATH says
@@ -154,9 +150,9 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     return specs
 
 
-def _with_curve(spec: ChildSpec, topo: Topology) -> ChildSpec:
-    spec.argv = [*spec.argv, *_curve_args(topo)]
-    return spec
+def _identify(spec: ChildSpec, topo: Topology, state: Path) -> ChildSpec:
+    """A child's own identity: its credential (a local hub) or its CURVE key (a CURVE hub)."""
+    return credentials.attach(curve_keys.attach(spec, topo, state), topo, state)
 
 
 def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
@@ -170,9 +166,9 @@ def _piece_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
             role="gateway", inherit_env=True, stdin_data=config, secrets_on_stdin=True,
             secret_names=[m.api_key_env for m in topo.models.values() if m.api_key_env],
             ready_timeout=_gateway_ready_timeout(topo)))
-    hide = str(state_dir(topo))
     for group in topo.workers:
-        specs += [worker_spec(group, i + 1, endpoint, hide) for i in range(group.count)]
+        specs += [worker_spec(group, i + 1, endpoint, _hidden(topo, group))
+                  for i in range(group.count)]
     count = topo.coordinators
     for i in range(count):
         mine = [a.name for a in topo.agents[i::count]] if count else []
@@ -193,8 +189,14 @@ def _gateway_ready_timeout(topo: Topology) -> float:
     return LOCAL_MODEL_READY_TIMEOUT if hosts_a_model else ChildSpec.ready_timeout
 
 
-def worker_spec(group: WorkerGroup, index: int, endpoint: str, hide: str = "") -> ChildSpec:
-    """A worker of `group`; `hide`: the state directory, which its sandbox hides."""
+def _hidden(topo: Topology, group: WorkerGroup) -> list[str]:
+    """What a worker's sandbox hides: the state directory and the user's CURVE key folders."""
+    return [str(state_dir(topo)), *curve_keys.hidden_from(group, topo)]
+
+
+def worker_spec(group: WorkerGroup, index: int, endpoint: str,
+                hide: list[str] | None = None) -> ChildSpec:
+    """A worker of `group`; `hide`: what its sandbox hides (`_hidden`)."""
     name = f"{group.name}-{index}"
     argv = python_argv("worker", "--hub", endpoint, "--concurrency", str(group.concurrency),
                        "--workspace", group.workspace, "--name", name)
@@ -206,7 +208,7 @@ def worker_spec(group: WorkerGroup, index: int, endpoint: str, hide: str = "") -
         argv += ["--read-only", path]
     if group.network:
         argv.append("--shell-network")
-    argv += ["--sandbox", group.sandbox, *(["--hide", hide] if hide else [])]
+    argv += ["--sandbox", group.sandbox, *[a for path in hide or [] for a in ("--hide", path)]]
     if not group.mcp:
         return ChildSpec(name, argv, role="worker", pass_env=group.pass_env)
     # on stdin, not argv: an MCP server's `env` may hold secrets that `ps` would show
@@ -280,17 +282,29 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
     port = make_local(topo, state)
     if credentials.enabled(topo, state):
         credentials.make(topo, state)
+    if curve_keys.enabled(topo):
+        curve_keys.make(topo, state)
     try:
         async with Supervisor(state / "logs", out, color) as sup:
             _claim_run_files(sup, state)
             await _run(topo, options, sup, state, out, port)
     finally:
         remove_run_files(state, os.getpid())
-        credentials.remove(state)
         if port is not None:
             remove_tcp_alias(port, topo.hub.endpoint)
-            remove_local_hub(topo.hub.endpoint)
+        remove_runtime(state)
     return 0
+
+
+def remove_runtime(state: Path) -> None:
+    """The topology's runtime folder (its sockets, credentials and keys), once its hub is gone:
+    a stopped topology leaves nothing there. Kept while its hub's socket still answers (a hub
+    that could not be stopped keeps its address)."""
+    folder = topology_runtime_dir(state)
+    if ipc_listening(str(folder / "hub")):
+        credentials.remove(state)  # what it holds is still worth nothing after this run
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def make_local(topo: Topology, state: Path) -> int | None:
@@ -494,6 +508,7 @@ def stop_topology(state: Path, timeout: float) -> tuple[str, list[str]]:
               [("supervisor", supervisor), *left.items()] if same_process(rec)]
     if not failed:
         remove_run_files(state, info.pid)
+        remove_runtime(state)  # a supervisor that was killed left it behind
     if was_up:
         return f"stopped (supervisor pid {info.pid}, {len(info.children)} processes)", failed
     if left:
@@ -610,9 +625,8 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
         await sup.remove(extra)
     used = {int(n.rpartition("-")[2]) for n in mine[:count]}
     free = (i for i in range(1, 10_000) if i not in used)
-    specs = [credentials.attach(
-                 _with_curve(worker_spec(group, next(free), topo.hub.endpoint, str(state_dir(topo))),
-                             topo), topo, state_dir(topo))
+    specs = [_identify(worker_spec(group, next(free), topo.hub.endpoint, _hidden(topo, group)),
+                       topo, state_dir(topo))
              for _ in range(count - len(mine))]
     await _start_all(sup, specs)
     group.count = count
