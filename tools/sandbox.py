@@ -189,9 +189,9 @@ def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
                 "run at the user's next git command); write elsewhere in the workspace")
     env = _python_env_of(workspace, inner)
     if env:
-        return (f"Path `{raw}` is inside the Python environment `{env}`, which tools may not "
-                "write (a `.pth` file there runs in its next Python process); write elsewhere "
-                "in the workspace")
+        return (f"Path `{raw}` is read-only for tools: `{env}` is a Python environment (a "
+                "`.pth` file there runs in its next Python process); write elsewhere in the "
+                "workspace")
     for root, why in protected_paths().items():
         if workspace.is_relative_to(root):
             continue
@@ -209,8 +209,9 @@ SITE_DIRS = ("site-packages", "dist-packages")
 def _python_env_of(workspace: Path, inner: Path) -> str:
     """The Python environment (a venv: a folder with `pyvenv.cfg`; or a site-packages) that
     `workspace / inner` is in, "" when none (`inner` relative to the workspace)."""
-    if any(part in SITE_DIRS for part in inner.parts):
-        return next(part for part in inner.parts if part in SITE_DIRS)
+    for i, part in enumerate(inner.parts):
+        if part in SITE_DIRS:
+            return str(Path(*inner.parts[:i + 1]))
     if inner.is_absolute():
         return ""
     here = workspace
@@ -389,9 +390,10 @@ def shell_prefix() -> tuple[str, ...]:
     included); `--die-with-parent` does the same if the worker dies. `--dev-bind / /` keeps the
     worker's own view (read-only binds stay read-only: they are locked in the nested namespace),
     `--new-session` keeps the shell off the worker's terminal, `--unshare-net` takes the network
-    unless the group allows it. A fresh /proc shows the call's own processes only; where the
-    kernel refuses one (a worker mapped to root, whose /proc has read-only covers), the worker's
-    /proc is kept: it shows the worker's own namespace, no other bus process.
+    unless the group allows it. A fresh /proc shows the call's own processes only (a worker
+    run as root needs `_proc_anchor` for it); where the kernel still refuses one, the worker's
+    /proc is kept: it shows the worker's own namespace, no other bus process, but the other
+    calls' command lines, and the worker logs a warning.
     """
     bwrap = shutil.which("bwrap")
     if _shell["mode"] == "off" or bwrap is None:
@@ -408,6 +410,9 @@ def shell_prefix() -> tuple[str, ...]:
             log.warning("bwrap cannot run (%s): run_shell calls share the worker's namespaces", exc)
             return ()
         if probe.returncode == 0:
+            if not proc:
+                log.warning("bwrap cannot mount a /proc for each run_shell call here: "
+                            "concurrent calls see each other's command lines")
             return prefix
         why = probe.stderr.decode(errors="replace").strip()
     log.warning("bwrap refused to start (%s): run_shell calls share the worker's namespaces", why)
@@ -495,7 +500,7 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
     writable = [ws]
     # a private empty /tmp: nothing written there reaches another program of the user; what
     # the worker needs of the host's /tmp is bound back in read-only, then the workspace
-    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_proc_anchor(),
             "--perms", "1777", "--tmpfs", "/tmp"]
     for path in _reachable_in_tmp(ws):
         args += ["--ro-bind", str(path), str(path)]
@@ -521,6 +526,23 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
 
 
 TMP = Path("/tmp")
+PROC_ANCHOR = "/dev/.agent-bus-proc"
+
+
+def _proc_anchor() -> list[str]:
+    """For a worker run as root: what lets each `run_shell` call have a /proc of its own.
+
+    The kernel mounts a fresh /proc in a nested namespace only if a /proc already mounted in the
+    sandbox is fully visible (nothing mounted over its contents). bwrap covers the sandbox's
+    /proc/irq and /proc/bus with read-only binds where they are writable, which they are for a
+    worker mapped to root: no /proc of the sandbox is fully visible then, and the nested
+    sandbox had to keep the worker's /proc, where concurrent calls see each other's command
+    lines. This binds one more /proc with nothing over it, under an empty tmpfs mounted after
+    it: unreachable (the kernel locks the tmpfs over it in the nested namespaces), yet it
+    satisfies the check."""
+    if os.geteuid() != 0:
+        return []
+    return ["--bind", "/proc", f"{PROC_ANCHOR}/proc", "--tmpfs", PROC_ANCHOR]
 
 
 def _reachable_in_tmp(workspace: Path) -> list[Path]:
