@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shlex
 import shutil
 import signal
 import stat
@@ -550,10 +551,8 @@ def _reachable_in_tmp(workspace: Path) -> list[Path]:
     (prefix, `sys.path`), its current folder, the files and folders its command line names
     (`--tools FILE`, an `--mcp` server's script, `--read-only`), the protected paths (the
     topology file) and a worktree's repository. Read-only in the sandbox; outer ones only."""
-    import shlex
-
     named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, _reasons),
-             *(word for arg in sys.orig_argv for word in _words(arg, shlex.split))]
+             *(word for arg in sys.orig_argv for word in _words(arg))]
     named += [str(p) for p in _git_paths(workspace)]
     found: set[Path] = set()
     for text in named:
@@ -566,11 +565,11 @@ def _reachable_in_tmp(workspace: Path) -> list[Path]:
     return _outermost(found)
 
 
-def _words(arg: str, split: Any) -> list[str]:
+def _words(arg: str) -> list[str]:
     """An argument and, where it is a command line (`--mcp "python /tmp/x/server.py"`), its
     words."""
     try:
-        return [arg, *split(arg)] if " " in arg else [arg]
+        return [arg, *shlex.split(arg)] if " " in arg else [arg]
     except ValueError:  # unbalanced quotes: not a command line
         return [arg]
 

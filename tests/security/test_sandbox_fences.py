@@ -285,3 +285,34 @@ async def test_write_file_refuses_a_nested_repositorys_hooks(hub: dict[str, Any]
     assert nested.is_error and "`.git` directory" in nested.text, nested.text
     assert top.is_error and "`.git` directory" in top.text, top.text
     assert not (hooks / "pre-commit").exists()
+
+
+@needs_bwrap
+async def test_what_the_worker_was_given_under_tmp_stays_reachable(hub: dict[str, Any],
+                                                                   tmp_path: Path) -> None:
+    """The private /tmp keeps what the worker was given there: a `--tools FILE` outside the
+    workspace and its current folder (read-only), the workspace (writable)."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "given_tools.py").write_text(
+        "from agent_bus.tools import tool\n\n\n@tool\ndef given(text: str) -> str:\n"
+        "    \"\"\"Return `text` reversed.\"\"\"\n    return text[::-1]\n")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    proc = Proc(busctl("worker", "--hub", hub["endpoint"], "--workspace", str(ws), "--shell",
+                       "--tools", str(extra / "given_tools.py"), "--tools",
+                       "agent_bus.tools.builtin"), cwd=extra)
+    try:
+        ready = proc.wait_ready(20)
+        async with executor(hub["endpoint"]) as tools:
+            given = await tools.execute(call("given", text="abc"))
+            shell = await tools.execute(call("run_shell", command=(
+                f"ls {extra}; echo x > {extra}/new 2>/dev/null || echo READ-ONLY; "
+                "echo y > made && echo WROTE")))
+    finally:
+        proc.stop()
+    assert ready["sandbox"]["kind"] == "bwrap", ready
+    assert given.text == "cba", given.text
+    assert "given_tools.py" in shell.text and "READ-ONLY" in shell.text, shell.text
+    assert "WROTE" in shell.text and (ws / "made").read_text() == "y\n", shell.text
+    assert not (extra / "new").exists()
