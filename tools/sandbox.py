@@ -21,6 +21,7 @@ Two layers, so that the first holds where the second cannot be set up:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -278,9 +279,10 @@ def walk_protected(root: Path) -> set[Path]:
     that follows no link, bounded by `WALK_DEPTH` and `WALK_BUDGET`. The walk starts with
     the sandbox: a repository the model makes later is not in it (docs/security.md)."""
     found = set(_git_paths(root))
-    queue, budget = [(root, 0)], WALK_BUDGET
+    # breadth first: where the budget runs out, the folders near the top were all looked at
+    queue, budget = collections.deque([(root, 0)]), WALK_BUDGET
     while queue and budget > 0:
-        folder, depth = queue.pop()
+        folder, depth = queue.popleft()
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -298,7 +300,7 @@ def walk_protected(root: Path) -> set[Path]:
 
 
 def _protected_entry(folder: Path, entry: os.DirEntry[str], depth: int,
-                     queue: list[tuple[Path, int]]) -> set[Path]:
+                     queue: collections.deque[tuple[Path, int]]) -> set[Path]:
     """What of one folder entry is protected; its folder is queued for the walk otherwise."""
     if entry.name == ".git":
         return _git_paths(folder)
