@@ -249,7 +249,9 @@ def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
     read-only again): every `.git` and Python environment under them (nested ones too, as far
     as `walk_protected` looks), and as in `check_writable`, not those that contain the
     workspace."""
-    found = {path for path in protected_paths() if path.exists()
+    # a link is left as it is: its folder is closed (`closed_folders`), and where it leads is
+    # protected under its own name (a bind would follow it, maybe to where the sandbox hides)
+    found = {path for path in protected_paths() if path.exists() and not path.is_symlink()
              and not workspace.is_relative_to(path)
              and any(path != root and path.is_relative_to(root) for root in roots)}
     for root in roots:

@@ -316,3 +316,33 @@ async def test_what_the_worker_was_given_under_tmp_stays_reachable(hub: dict[str
     assert "given_tools.py" in shell.text and "READ-ONLY" in shell.text, shell.text
     assert "WROTE" in shell.text and (ws / "made").read_text() == "y\n", shell.text
     assert not (extra / "new").exists()
+
+
+@needs_bwrap
+def test_a_linked_start_up_file_cannot_be_swapped_or_written_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dotfiles kept elsewhere and linked into the home folder (the workspace): the shell can
+    neither replace the link with a file of its own nor write through it, in the workspace or
+    out of it; `~/.config` as a plain file cannot be turned into a folder holding git's config."""
+    from agent_bus.tools import sandbox
+
+    home = tmp_path / "home"
+    (home / "dotfiles").mkdir(parents=True)
+    (home / "dotfiles" / "bashrc").write_text("# mine\n")
+    (home / ".bashrc").symlink_to("dotfiles/bashrc")
+    outside = tmp_path / "outside-zshrc"
+    outside.write_text("# mine\n")
+    (home / ".zshrc").symlink_to(outside)
+    (home / ".config").write_text("not a folder\n")
+    monkeypatch.setenv("HOME", str(home))
+    prefix, _ = sandbox.worker_prefix(home, "tcp://127.0.0.1:9", [])
+    attack = ("rm -f ~/.bashrc; echo evil > ~/.bashrc; echo evil >> ~/dotfiles/bashrc; "
+              "echo evil >> ~/.zshrc; rm -f ~/.config; mkdir -p ~/.config/git && "
+              "echo evil > ~/.config/git/config; echo ok > ~/dotfiles/notes && echo WROTE")
+    done = subprocess.run([*prefix, "sh", "-c", attack], capture_output=True, text=True,
+                          timeout=30, cwd=home)
+    assert "WROTE" in done.stdout, done  # the rest of the home folder stays writable
+    assert (home / ".bashrc").is_symlink() and (home / ".zshrc").is_symlink()
+    assert (home / "dotfiles" / "bashrc").read_text() == "# mine\n"
+    assert outside.read_text() == "# mine\n"
+    assert (home / ".config").read_text() == "not a folder\n"
