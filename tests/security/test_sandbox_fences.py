@@ -10,6 +10,7 @@ other's command lines, and a shell without a sandbox of its own is shown without
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -319,13 +320,10 @@ async def test_what_the_worker_was_given_under_tmp_stays_reachable(hub: dict[str
 
 
 @needs_bwrap
-def test_a_linked_start_up_file_cannot_be_swapped_or_written_through(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_linked_start_up_file_cannot_be_swapped_or_written_through(tmp_path: Path) -> None:
     """Dotfiles kept elsewhere and linked into the home folder (the workspace): the shell can
     neither replace the link with a file of its own nor write through it, in the workspace or
     out of it; `~/.config` as a plain file cannot be turned into a folder holding git's config."""
-    from agent_bus.tools import sandbox
-
     home = tmp_path / "home"
     (home / "dotfiles").mkdir(parents=True)
     (home / "dotfiles" / "bashrc").write_text("# mine\n")
@@ -334,13 +332,18 @@ def test_a_linked_start_up_file_cannot_be_swapped_or_written_through(
     outside.write_text("# mine\n")
     (home / ".zshrc").symlink_to(outside)
     (home / ".config").write_text("not a folder\n")
-    monkeypatch.setenv("HOME", str(home))
-    prefix, _ = sandbox.worker_prefix(home, "tcp://127.0.0.1:9", [])
+    # the sandbox of a worker started with that HOME (a fresh process: the list is its own)
+    code = ("import json, pathlib; from agent_bus.tools import sandbox; print(json.dumps("
+            "sandbox.worker_prefix(pathlib.Path('.'), 'tcp://127.0.0.1:9', [])[0]))")
+    made = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=home, env={**os.environ, "HOME": str(home)})
+    assert made.returncode == 0, made.stderr
+    prefix = json.loads(made.stdout)
     attack = ("rm -f ~/.bashrc; echo evil > ~/.bashrc; echo evil >> ~/dotfiles/bashrc; "
               "echo evil >> ~/.zshrc; rm -f ~/.config; mkdir -p ~/.config/git && "
               "echo evil > ~/.config/git/config; echo ok > ~/dotfiles/notes && echo WROTE")
     done = subprocess.run([*prefix, "sh", "-c", attack], capture_output=True, text=True,
-                          timeout=30, cwd=home)
+                          timeout=30, env={**os.environ, "HOME": str(home)})
     assert "WROTE" in done.stdout, done  # the rest of the home folder stays writable
     assert (home / ".bashrc").is_symlink() and (home / ".zshrc").is_symlink()
     assert (home / "dotfiles" / "bashrc").read_text() == "# mine\n"
