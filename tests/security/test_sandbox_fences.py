@@ -349,3 +349,27 @@ def test_a_linked_start_up_file_cannot_be_swapped_or_written_through(tmp_path: P
     assert (home / "dotfiles" / "bashrc").read_text() == "# mine\n"
     assert outside.read_text() == "# mine\n"
     assert (home / ".config").read_text() == "not a folder\n"
+
+
+async def test_write_file_refuses_a_python_environment_in_the_workspace(
+        hub: dict[str, Any], tmp_path: Path) -> None:
+    """Another project's venv inside the workspace (not the bus's own): `write_file` refuses a
+    `.pth` in its site-packages and its `bin/activate`, the sandbox aside, and says why."""
+    ws = tmp_path / "ws"
+    site = make_venv(ws / "vendored" / ".venv")
+    proc = Proc(busctl("worker", "--hub", hub["endpoint"], "--workspace", str(ws), "--sandbox",
+                       "off"), cwd=ws)
+    try:
+        proc.wait_ready(20)
+        async with executor(hub["endpoint"]) as tools:
+            pth = await tools.execute(call("write_file", path=str(site / "zz.pth"),
+                                           content="import os\n"))
+            activate = await tools.execute(call("write_file", path="vendored/.venv/bin/activate",
+                                                content="touch /tmp/pwned\n"))
+            fine = await tools.execute(call("write_file", path="vendored/notes.txt", content="x"))
+    finally:
+        proc.stop()
+    for result in (pth, activate):
+        assert result.is_error and "is a Python environment" in result.text, result.text
+    assert not (site / "zz.pth").exists()
+    assert not fine.is_error and (ws / "vendored" / "notes.txt").read_text() == "x", fine.text
