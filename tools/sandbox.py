@@ -454,7 +454,8 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
         return info
     if mode == "off":
         return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
-    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide])
+    given = _stdin_mcp_paths()  # before bwrap: the sandbox must show them
+    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide], given)
     why = _probe(prefix)
     if why:
         if mode == "required":
@@ -497,7 +498,8 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str], SandboxInfo]:
+def worker_prefix(workspace: Path, hub: str, hide: list[Path],
+                  given: Iterable[str] = ()) -> tuple[list[str], SandboxInfo]:
     """The bwrap command line for a worker, and what it gives (after sandbox-runtime and Codex:
     read-only root, writable roots bound over it, protected paths bound read-only inside them)."""
     bwrap = shutil.which("bwrap") or "bwrap"
@@ -507,7 +509,7 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
     # the worker needs of the host's /tmp is bound back in read-only, then the workspace
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_proc_anchor(),
             "--perms", "1777", "--tmpfs", "/tmp"]
-    for path in _reachable_in_tmp(ws):
+    for path in _reachable_in_tmp(ws, given):
         args += ["--ro-bind", str(path), str(path)]
     args += ["--bind", str(ws), str(ws)]
     for folder in closed_folders(writable, ws):  # before the binds over its entries below
@@ -550,12 +552,13 @@ def _proc_anchor() -> list[str]:
     return ["--bind", "/proc", f"{PROC_ANCHOR}/proc", "--tmpfs", PROC_ANCHOR]
 
 
-def _reachable_in_tmp(workspace: Path) -> list[Path]:
+def _reachable_in_tmp(workspace: Path, given: Iterable[str] = ()) -> list[Path]:
     """What the worker was given under the host's /tmp, outside the workspace: its Python
     (prefix, `sys.path`), its current folder, the files and folders its command line names
-    (`--tools FILE`, an `--mcp` server's script, `--read-only`), the protected paths (the
-    topology file) and a worktree's repository. Read-only in the sandbox; outer ones only."""
-    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, _reasons),
+    (`--tools FILE`, an `--mcp` server's script, `--read-only`) or `given` names (the MCP
+    servers on stdin), the protected paths (the topology file) and a worktree's repository.
+    Read-only in the sandbox; outer ones only."""
+    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, _reasons), *given,
              *(word for arg in sys.orig_argv for word in _words(arg))]
     named += [str(p) for p in _git_paths(workspace)]
     found: set[Path] = set()
@@ -567,6 +570,28 @@ def _reachable_in_tmp(workspace: Path) -> list[Path]:
         if path.is_relative_to(TMP) and path != TMP and not path.is_relative_to(workspace):
             found.add(path)
     return _outermost(found)
+
+
+def _stdin_mcp_paths() -> list[str]:
+    """The words of the MCP servers `busctl up` passes on stdin (`--mcp-servers -`): their
+    commands, arguments and folders. stdin is read here and replaced by a memory file holding the
+    same bytes, which the worker reads once it runs (in the sandbox or, without one, here)."""
+    argv = sys.orig_argv
+    if "--mcp-servers" not in argv or argv[argv.index("--mcp-servers") + 1:][:1] != ["-"]:
+        return []
+    data = b"".join(iter(lambda: os.read(0, 1 << 16), b""))
+    copy = os.memfd_create("mcp-servers")
+    os.write(copy, data)  # a memory file takes it all at once
+    os.lseek(copy, 0, os.SEEK_SET)
+    os.dup2(copy, 0)
+    os.close(copy)
+    try:
+        specs = msgspec.json.decode(data)
+    except msgspec.DecodeError:  # the worker says what is wrong with it
+        return []
+    return [word for spec in (specs if isinstance(specs, list) else []) if isinstance(spec, dict)
+            for word in (spec.get("command"), spec.get("cwd"), *(spec.get("args") or []))
+            if isinstance(word, str)]
 
 
 def _words(arg: str) -> list[str]:
