@@ -373,3 +373,36 @@ async def test_write_file_refuses_a_python_environment_in_the_workspace(
         assert result.is_error and "is a Python environment" in result.text, result.text
     assert not (site / "zz.pth").exists()
     assert not fine.is_error and (ws / "vendored" / "notes.txt").read_text() == "x", fine.text
+
+
+@needs_bwrap
+async def test_an_mcp_server_given_on_stdin_under_tmp_is_reachable(hub: dict[str, Any],
+                                                                  tmp_path: Path) -> None:
+    """`busctl up` passes a group's MCP servers on stdin: a server whose script lives under the
+    host's /tmp, outside the workspace, still starts in the private /tmp (read-only there), and
+    what it writes beside its script stays in that private /tmp."""
+    pytest.importorskip("mcp", reason="needs the `mcp` extra")
+    from tests.support import ROOT
+
+    extra = tmp_path / "servers"
+    extra.mkdir()
+    shutil.copy(ROOT / "tests" / "mcp" / "fixtures" / "fs_server.py", extra / "fs_server.py")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    specs = [{"command": sys.executable, "args": [str(extra / "fs_server.py")], "prefix": "fs_"}]
+    proc = Proc(busctl("worker", "--hub", hub["endpoint"], "--workspace", str(ws),
+                       "--mcp-servers", "-"), cwd=ws, stdin=subprocess.PIPE)
+    try:
+        assert proc.popen.stdin is not None
+        proc.popen.stdin.write(json.dumps(specs))
+        proc.popen.stdin.close()
+        ready = proc.wait_ready(40)
+        async with executor(hub["endpoint"]) as tools:
+            ok = await tools.execute(call("fs_write_text", path="notes.txt", content="x"))
+            out = await tools.execute(call("fs_write_text", path=str(extra / "x.txt"), content="x"))
+    finally:
+        proc.stop()
+    assert ready["sandbox"]["kind"] == "bwrap" and "fs_write_text" in ready["tools"], ready
+    assert not ok.is_error and (ws / "notes.txt").read_text() == "x", ok.text
+    # the script alone is bound back in: a write beside it lands in the private /tmp
+    assert not (extra / "x.txt").exists(), out.text
