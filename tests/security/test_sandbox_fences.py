@@ -406,3 +406,19 @@ async def test_an_mcp_server_given_on_stdin_under_tmp_is_reachable(hub: dict[str
     assert not ok.is_error and (ws / "notes.txt").read_text() == "x", ok.text
     # the script alone is bound back in: a write beside it lands in the private /tmp
     assert not (extra / "x.txt").exists(), out.text
+
+
+def test_the_start_up_file_list_is_the_one_the_docs_give() -> None:
+    """docs/security.md names the list the file tools and the sandbox share (issue 44 asks which
+    list and why): every entry of `HOME_STARTUP_FILES` is in it, and nothing it names is missing
+    from the code."""
+    import re
+
+    from agent_bus.tools.sandbox import HOME_STARTUP_FILES
+    from tests.support import ROOT
+
+    text = (ROOT / "docs" / "security.md").read_text()
+    section = text.split("**Start-up files that do not exist yet.**", 1)[1].split("\n\n", 1)[0]
+    names = " ".join(section.split()).split("and the user's own", 1)[0]  # the home folder's
+    listed = set(re.findall(r"`(\.[a-z_./]+)`", names))
+    assert listed == set(HOME_STARTUP_FILES), (listed ^ set(HOME_STARTUP_FILES))
