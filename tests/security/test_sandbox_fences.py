@@ -5,7 +5,9 @@ under the host's `/tmp` and hooks into nested repositories (break 3); with the w
 home folder, it makes the start-up files that do not exist yet (break 4); a link planted in
 `<workspace>/.runs/` moves a later run's confinement (break 8); concurrent shells read each
 other's command lines, and a shell without a sandbox of its own is shown without network
-(break 9). Plus the test that kills the "top-level `.git` only" mutant of `check_writable`.
+(break 9). Plus the test that kills the "top-level `.git` only" mutant of `check_writable`, the
+file tools' side of the same lists (start-up files, Python environments), what the private /tmp
+keeps reachable, and the docs' list checked against the code's.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def topology(project: Path, workspace: Path, command: str,
              env: dict[str, str] | None = None) -> Iterator[tuple[Proc, dict[str, Any]]]:
     """`busctl up` (shell on, workspace `workspace`) with the scripted model; every child
     stopped on the way out, the test failing or not."""
-    from tests.cli.conftest import pid_alive, start_up
+    from tests.cli.conftest import Topology, pid_alive, start_up
 
     config = project / "busctl.toml"
     config.write_text(f'[[workers]]\nname = "tools"\nshell = true\nworkspace = "{workspace}"\n')
@@ -61,8 +63,6 @@ def topology(project: Path, workspace: Path, command: str,
             "OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": "", **(env or {})})
         pids: dict[str, int] = {}
         try:
-            from tests.cli.conftest import Topology
-
             pids = Topology(proc, project, ready).child_pids()
             yield proc, ready
         finally:
@@ -90,6 +90,7 @@ def make_venv(where: Path) -> Path:
 
 
 def git_init(where: Path) -> Path:
+    """A repository at `where`; its hooks folder."""
     subprocess.run(["git", "init", "-q", str(where)], check=True, timeout=30)
     return where / ".git" / "hooks"
 
