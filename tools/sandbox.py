@@ -6,7 +6,9 @@ Two layers, so that the first holds where the second cannot be set up:
    whose content runs as code outside the tools' control — the Python environment that runs the
    bus (every `sys.path` entry, `sys.prefix`, the directories of the modules this process loaded,
    every editable install's sources), any `.git` directory (hooks run at the user's next
-   commit), the topology file in use and a worker group's `read_only` list. A `.pth` file
+   commit), any other Python environment in the workspace, the start-up files of the home
+   folder (`HOME_STARTUP_FILES`), the topology file in use and a worker group's `read_only`
+   list. A `.pth` file
    written into the venv's site-packages would otherwise run in the next gateway, with its keys.
 2. `enter()` (`worker_prefix()`): the worker process itself runs under bubblewrap — the root
    file system read-only, a private empty /tmp, the workspace writable with the protected paths
