@@ -6,12 +6,16 @@ Two layers, so that the first holds where the second cannot be set up:
    whose content runs as code outside the tools' control — the Python environment that runs the
    bus (every `sys.path` entry, `sys.prefix`, the directories of the modules this process loaded,
    every editable install's sources), any `.git` directory (hooks run at the user's next
-   commit), the topology file in use and a worker group's `read_only` list. A `.pth` file
+   commit), any other Python environment in the workspace, the start-up files of the home
+   folder (`HOME_STARTUP_FILES`), the topology file in use and a worker group's `read_only`
+   list. A `.pth` file
    written into the venv's site-packages would otherwise run in the next gateway, with its keys.
 2. `enter()` (`worker_prefix()`): the worker process itself runs under bubblewrap — the root
-   file system read-only, the workspace and /tmp writable with the protected paths bound
-   read-only over them, the state directories hidden, its own PID namespace (it sees no other
-   process's /proc/PID/environ) and user namespace, no capabilities. MCP servers and `run_shell` are its
+   file system read-only, a private empty /tmp, the workspace writable with the protected paths
+   bound read-only over it (nested `.git`s and Python environments included, and the start-up
+   files that do not exist yet kept from being made), the state directories hidden, its own PID
+   namespace (it sees no other process's /proc/PID/environ) and user namespace, no
+   capabilities. MCP servers and `run_shell` are its
    children, so they inherit it; each `run_shell` call gets a nested sandbox of its own
    (`shell_prefix()`: new PID namespace, no network unless the group allows it), so nothing a
    call starts outlives it. The threat model: docs/security.md.
@@ -19,11 +23,14 @@ Two layers, so that the first holds where the second cannot be set up:
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
+import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -45,10 +52,13 @@ SANDBOX_ENV = "BUSCTL_SANDBOX"
 #: `run_shell` call without CAP_SETFCAP (the kernel refuses to map uid 0 without it).
 ROOT_INNER_UID = 1000
 
-#: In the user's home folder: files that run (or are trusted) at the next login or command,
-#: as sandbox-runtime protects them (its DANGEROUS_FILES).
-HOME_STARTUP_FILES = (".bashrc", ".bash_profile", ".bash_login", ".zshrc", ".zprofile",
-                      ".zshenv", ".profile", ".gitconfig", ".ssh", ".config/git")
+#: In the user's home folder: files and folders that run (or are trusted) at the next login
+#: or command, whether they exist yet or not: the shells' start-up files (bash, zsh, sh/dash,
+#: fish), git's and ssh's configuration (`core.fsmonitor`, hooks paths, `authorized_keys`).
+#: sandbox-runtime's DANGEROUS_FILES, plus the ones its list misses (docs/security.md).
+HOME_STARTUP_FILES = (".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".profile",
+                      ".zshrc", ".zprofile", ".zshenv", ".zlogin", ".zlogout", ".config/fish",
+                      ".gitconfig", ".config/git", ".ssh")
 
 _reasons: dict[Path, str] = {}  # protected path -> why (added to by `protect`)
 
@@ -102,11 +112,25 @@ def _bus_roots() -> dict[Path, str]:
     for name, where in _editable_sources():
         for place in (where, *_linked_in(where)):
             roots.setdefault(place, f"the source of `{name}`, installed in editable mode")
-    home = Path.home()
-    for name in HOME_STARTUP_FILES:  # matter when the workspace is (or holds) the home folder
-        roots.setdefault(_resolved(home / name), "a start-up file of the user's shell, git or "
-                         "ssh (it runs, or is trusted, at their next login or command)")
+    for path in {*home_startup_paths(), *map(_resolved, home_startup_paths())}:
+        # they matter when the workspace is (or holds) the home folder; as named and, where
+        # one is a link (dotfiles), where it leads
+        roots.setdefault(path, "a start-up file of the user's shell, git, ssh or Python (it runs, "
+                         "or is trusted, at their next login or command)")
     return roots
+
+
+def home_startup_paths() -> list[Path]:
+    """`HOME_STARTUP_FILES` in this user's home folder, and the user's own site-packages (a
+    `.pth` or `usercustomize.py` there runs in every Python of the user): the home folder
+    resolved, the names not (a link there can be swapped for a file)."""
+    import site
+
+    home = _resolved(Path.home())
+    user_site = Path(site.getusersitepackages())
+    user_site = home / user_site.relative_to(Path.home()) \
+        if user_site.is_relative_to(Path.home()) else _resolved(user_site)
+    return [home / name for name in HOME_STARTUP_FILES] + [user_site]
 
 
 def _editable_sources() -> list[tuple[str, Path]]:
@@ -167,12 +191,38 @@ def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
     if ".git" in inner.parts:
         return (f"Path `{raw}` is inside a `.git` directory, which tools may not write (its hooks "
                 "run at the user's next git command); write elsewhere in the workspace")
+    env = _python_env_of(workspace, inner)
+    if env:
+        return (f"Path `{raw}` is read-only for tools: `{env}` is a Python environment (a "
+                "`.pth` file there runs in its next Python process); write elsewhere in the "
+                "workspace")
     for root, why in protected_paths().items():
         if workspace.is_relative_to(root):
             continue
         if resolved == root or resolved.is_relative_to(root):
             return (f"Path `{raw}` is read-only for tools: `{root}` is {why}; write elsewhere in "
                     "the workspace")
+    return ""
+
+
+#: Folder names that hold a Python environment's code: a `.pth` or `sitecustomize.py` written
+#: there runs in each of its next Python processes.
+SITE_DIRS = ("site-packages", "dist-packages")
+
+
+def _python_env_of(workspace: Path, inner: Path) -> str:
+    """The Python environment (a venv: a folder with `pyvenv.cfg`; or a site-packages) that
+    `workspace / inner` is in, "" when none (`inner` relative to the workspace)."""
+    for i, part in enumerate(inner.parts):
+        if part in SITE_DIRS:
+            return str(Path(*inner.parts[:i + 1]))
+    if inner.is_absolute():
+        return ""
+    here = workspace
+    for part in inner.parts[:-1]:
+        here = here / part
+        if (here / "pyvenv.cfg").is_file():
+            return str(here)
     return ""
 
 
@@ -198,16 +248,126 @@ def _git_paths(root: Path) -> set[Path]:
 
 def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
     """The protected paths that exist inside the writable `roots` (what the sandbox binds
-    read-only again), each root's `.git` included; as in `check_writable`, not those that
-    contain the workspace."""
-    found = {path for path in protected_paths() if path.exists()
+    read-only again): every `.git` and Python environment under them (nested ones too, as far
+    as `walk_protected` looks), and as in `check_writable`, not those that contain the
+    workspace."""
+    # a link is left as it is: its folder is closed (`closed_folders`), and where it leads is
+    # protected under its own name (a bind would follow it, maybe to where the sandbox hides)
+    found = {path for path in protected_paths() if path.exists() and not path.is_symlink()
              and not workspace.is_relative_to(path)
              and any(path != root and path.is_relative_to(root) for root in roots)}
     for root in roots:
-        found |= _git_paths(root)
+        found |= walk_protected(root)
     found = {p for p in found if any(p.is_relative_to(root) for root in roots)}
-    # an inner path under an outer one is covered by it
-    return sorted(p for p in found if not any(p != q and p.is_relative_to(q) for q in found))
+    return _outermost(found)
+
+
+def _outermost(paths: set[Path]) -> list[Path]:
+    """`paths` without those under another one of them (the outer bind covers them)."""
+    return sorted(p for p in paths if not any(p != q and p.is_relative_to(q) for q in paths))
+
+
+#: How far `walk_protected` looks: folder depth under a writable root, and folders read in all
+#: (a workspace holding a huge tree costs a fraction of a second at the worker's start, not more).
+WALK_DEPTH = 6
+WALK_BUDGET = 20_000
+#: Folders not looked into: caches and dependency trees (no repository or venv of the user's
+#: own lives there; they are the huge trees).
+WALK_SKIP = frozenset({"node_modules", "__pycache__", ".mypy_cache", ".ruff_cache",
+                       ".pytest_cache", ".tox", ".nox", ".cache", "target", ".runs"})
+
+
+def walk_protected(root: Path) -> set[Path]:
+    """Every `.git` (and where one is a pointer file, the repository it points to) and every
+    Python environment (a folder with `pyvenv.cfg`, a `site-packages`) in `root`, by a walk
+    that follows no link, bounded by `WALK_DEPTH` and `WALK_BUDGET`. The walk starts with
+    the sandbox: a repository the model makes later is not in it (docs/security.md)."""
+    found = set(_git_paths(root))
+    # breadth first: where the budget runs out, the folders near the top were all looked at
+    queue, budget = collections.deque([(root, 0)]), WALK_BUDGET
+    while queue and budget > 0:
+        folder, depth = queue.popleft()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        budget -= len(entries)
+        if any(e.name == "pyvenv.cfg" for e in entries) and folder != root:
+            found.add(Path(folder))
+            continue
+        for entry in entries:
+            found |= _protected_entry(Path(folder), entry, depth, queue)
+    if budget <= 0:
+        log.warning("the sandbox looked at %d entries of %s and stopped: a `.git` or venv "
+                    "deeper in is not made read-only for shells", WALK_BUDGET, root)
+    return found
+
+
+def _protected_entry(folder: Path, entry: os.DirEntry[str], depth: int,
+                     queue: collections.deque[tuple[Path, int]]) -> set[Path]:
+    """What of one folder entry is protected; its folder is queued for the walk otherwise."""
+    if entry.name == ".git":
+        return _git_paths(folder)
+    if not entry.is_dir(follow_symlinks=False):
+        return set()
+    if entry.name in SITE_DIRS:
+        return {Path(entry.path)}
+    if entry.name not in WALK_SKIP and depth + 1 < WALK_DEPTH:
+        queue.append((Path(entry.path), depth + 1))
+    return set()
+
+
+def closed_folders(roots: list[Path], workspace: Path) -> list[Path]:
+    """The folders in which a protected path (a start-up file, a `read_only` path) inside the
+    writable `roots` could be made, or swapped for a link: the sandbox binds each read-only and
+    its entries writable again (`_close_args`), so nothing new can be made in it, and nothing
+    else changes. Outer ones first.
+
+    Why not a placeholder mounted over the missing path (as Codex does): bwrap would make the
+    placeholder in the host's folder, and an empty `~/.bash_profile` there, for as long as the
+    worker runs (for good if it is killed), makes bash skip `~/.profile` at every login."""
+    found: set[Path] = set()
+    for path in {*home_startup_paths(), *_reasons}:  # the rest exists: it runs the bus
+        root = next((r for r in roots if path.is_relative_to(r)), None)
+        if root is not None and not workspace.is_relative_to(path):
+            folder = _open_end(root, path)
+            if folder is not None:
+                found.add(folder)
+    return sorted(found, key=lambda p: len(p.parts))
+
+
+def _open_end(root: Path, path: Path) -> Path | None:
+    """The folder holding the first component of `path` (under `root`) that is missing or a
+    link, looked at without following links; None when every component is a real one."""
+    folder = root
+    for part in path.relative_to(root).parts:
+        here = folder / part
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            return folder
+        except NotADirectoryError:  # `folder` is a file: it can be removed and made a folder
+            return folder.parent
+        except OSError:
+            return None
+        if stat.S_ISLNK(mode):
+            return folder
+        folder = here
+    return None
+
+
+def _close_args(folder: Path) -> list[str]:
+    """bwrap arguments: `folder` read-only, its entries (not links: a link's target may be
+    outside the writable roots) writable again."""
+    args = ["--ro-bind", str(folder), str(folder)]
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return args
+    for entry in entries:
+        if not entry.is_symlink():
+            args += ["--bind", entry.path, entry.path]
+    return args
 
 
 # --- run_shell: one nested sandbox per call ---------------------------------------------------
@@ -237,9 +397,10 @@ def shell_prefix() -> tuple[str, ...]:
     included); `--die-with-parent` does the same if the worker dies. `--dev-bind / /` keeps the
     worker's own view (read-only binds stay read-only: they are locked in the nested namespace),
     `--new-session` keeps the shell off the worker's terminal, `--unshare-net` takes the network
-    unless the group allows it. A fresh /proc shows the call's own processes only; where the
-    kernel refuses one (a worker mapped to root, whose /proc has read-only covers), the worker's
-    /proc is kept: it shows the worker's own namespace, no other bus process.
+    unless the group allows it. A fresh /proc shows the call's own processes only (a worker
+    run as root needs `_proc_anchor` for it); where the kernel still refuses one, the worker's
+    /proc is kept: it shows the worker's own namespace, no other bus process, but the other
+    calls' command lines, and the worker logs a warning.
     """
     bwrap = shutil.which("bwrap")
     if _shell["mode"] == "off" or bwrap is None:
@@ -256,6 +417,9 @@ def shell_prefix() -> tuple[str, ...]:
             log.warning("bwrap cannot run (%s): run_shell calls share the worker's namespaces", exc)
             return ()
         if probe.returncode == 0:
+            if not proc:
+                log.warning("bwrap cannot mount a /proc for each run_shell call here: "
+                            "concurrent calls see each other's command lines")
             return prefix
         why = probe.stderr.decode(errors="replace").strip()
     log.warning("bwrap refused to start (%s): run_shell calls share the worker's namespaces", why)
@@ -292,7 +456,8 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
         return info
     if mode == "off":
         return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
-    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide])
+    given = _stdin_mcp_paths()  # before bwrap: the sandbox must show them
+    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide], given)
     why = _probe(prefix)
     if why:
         if mode == "required":
@@ -335,18 +500,22 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str], SandboxInfo]:
+def worker_prefix(workspace: Path, hub: str, hide: list[Path],
+                  given: Iterable[str] = ()) -> tuple[list[str], SandboxInfo]:
     """The bwrap command line for a worker, and what it gives (after sandbox-runtime and Codex:
     read-only root, writable roots bound over it, protected paths bound read-only inside them)."""
     bwrap = shutil.which("bwrap") or "bwrap"
     ws = workspace.resolve()
-    # /tmp stays the machine's (a tool file or an MCP server's folder may be there): writable,
-    # like the workspace, with the same protected paths read-only inside both
-    writable = [ws, *[Path(t).resolve() for t in ("/tmp",) if os.path.isdir(t)]]
-    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    for root in writable:  # one inside the other: the outer bind covers both
-        if not any(root != other and root.is_relative_to(other) for other in writable):
-            args += ["--bind", str(root), str(root)]
+    writable = [ws]
+    # a private empty /tmp: nothing written there reaches another program of the user; what
+    # the worker needs of the host's /tmp is bound back in read-only, then the workspace
+    args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_proc_anchor(),
+            "--perms", "1777", "--tmpfs", "/tmp"]
+    for path in _reachable_in_tmp(ws, given):
+        args += ["--ro-bind", str(path), str(path)]
+    args += ["--bind", str(ws), str(ws)]
+    for folder in closed_folders(writable, ws):  # before the binds over its entries below
+        args += _close_args(folder)
     for secret in _state_dirs(hide):  # hidden: the event log, conversations, run files
         if not ws.is_relative_to(secret):
             args += ["--tmpfs", str(secret)]
@@ -363,6 +532,77 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path]) -> tuple[list[str
     if os.geteuid() == 0:
         args += ["--uid", str(ROOT_INNER_UID), "--gid", str(ROOT_INNER_UID)]
     return [*args, "--"], SandboxInfo(kind="bwrap", writable=[str(p) for p in writable])
+
+
+TMP = Path("/tmp")
+PROC_ANCHOR = "/dev/.agent-bus-proc"
+
+
+def _proc_anchor() -> list[str]:
+    """For a worker run as root: what lets each `run_shell` call have a /proc of its own.
+
+    The kernel mounts a fresh /proc in a nested namespace only if a /proc already mounted in the
+    sandbox is fully visible (nothing mounted over its contents). bwrap covers the sandbox's
+    /proc/irq and /proc/bus with read-only binds where they are writable, which they are for a
+    worker mapped to root: no /proc of the sandbox is fully visible then, and the nested
+    sandbox had to keep the worker's /proc, where concurrent calls see each other's command
+    lines. This binds one more /proc with nothing over it, under an empty tmpfs mounted after
+    it: unreachable (the kernel locks the tmpfs over it in the nested namespaces), yet it
+    satisfies the check."""
+    if os.geteuid() != 0:
+        return []
+    return ["--bind", "/proc", f"{PROC_ANCHOR}/proc", "--tmpfs", PROC_ANCHOR]
+
+
+def _reachable_in_tmp(workspace: Path, given: Iterable[str] = ()) -> list[Path]:
+    """What the worker was given under the host's /tmp, outside the workspace: its Python
+    (prefix, `sys.path`), its current folder, the files and folders its command line names
+    (`--tools FILE`, an `--mcp` server's script, `--read-only`) or `given` names (the MCP
+    servers on stdin), the protected paths (the topology file) and a worktree's repository.
+    Read-only in the sandbox; outer ones only."""
+    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, _reasons), *given,
+             *(word for arg in sys.orig_argv for word in _words(arg))]
+    named += [str(p) for p in _git_paths(workspace)]
+    found: set[Path] = set()
+    for text in named:
+        path = Path(text) if text.startswith("/") else None
+        if path is None or not os.path.exists(path):
+            continue
+        path = _resolved(path)
+        if path.is_relative_to(TMP) and path != TMP and not path.is_relative_to(workspace):
+            found.add(path)
+    return _outermost(found)
+
+
+def _stdin_mcp_paths() -> list[str]:
+    """The words of the MCP servers `busctl up` passes on stdin (`--mcp-servers -`): their
+    commands, arguments and folders. stdin is read here and replaced by a memory file holding the
+    same bytes, which the worker reads once it runs (in the sandbox or, without one, here)."""
+    argv = sys.orig_argv
+    if "--mcp-servers" not in argv or argv[argv.index("--mcp-servers") + 1:][:1] != ["-"]:
+        return []
+    data = b"".join(iter(lambda: os.read(0, 1 << 16), b""))
+    copy = os.memfd_create("mcp-servers")
+    os.write(copy, data)  # a memory file takes it all at once
+    os.lseek(copy, 0, os.SEEK_SET)
+    os.dup2(copy, 0)
+    os.close(copy)
+    try:
+        specs = msgspec.json.decode(data)
+    except msgspec.DecodeError:  # the worker says what is wrong with it
+        return []
+    return [word for spec in (specs if isinstance(specs, list) else []) if isinstance(spec, dict)
+            for word in (spec.get("command"), spec.get("cwd"), *(spec.get("args") or []))
+            if isinstance(word, str)]
+
+
+def _words(arg: str) -> list[str]:
+    """An argument and, where it is a command line (`--mcp "python /tmp/x/server.py"`), its
+    words."""
+    try:
+        return [arg, *shlex.split(arg)] if " " in arg else [arg]
+    except ValueError:  # unbalanced quotes: not a command line
+        return [arg]
 
 
 def _state_dirs(hide: list[Path]) -> list[Path]:
@@ -439,8 +679,8 @@ def _probe(prefix: list[str]) -> str:
 
 def describe(info: SandboxInfo) -> str:
     """One line for `busctl up`'s console, `ps` and `status`."""
-    if info.kind == "none":
-        return f"none ({info.reason}); the file tools still refuse the protected paths"
     shell = (f"; run_shell: {info.shell}, network {'on' if info.shell_network else 'off'}"
              if info.shell else "")
-    return f"{info.kind}, writable {', '.join(info.writable)}{shell}"
+    if info.kind == "none":
+        return f"none ({info.reason}); the file tools still refuse the protected paths{shell}"
+    return f"{info.kind}, writable {', '.join(info.writable)}, a private /tmp{shell}"

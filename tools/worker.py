@@ -377,12 +377,14 @@ async def run_worker(
 
 def _sandbox_report(settings: WorkerSettings) -> SandboxInfo:
     """The worker's sandbox, with how its shell calls are contained (probed now, not at the
-    first call)."""
+    first call): a shell without a sandbox of its own has the worker's network, whatever the
+    group's `network` says, and is shown so."""
     jail = settings.sandbox or SandboxInfo(kind="none", reason="not started by `busctl worker`")
     if not settings.allow_shell:
         return jail
-    return msgspec.structs.replace(jail, shell="bwrap" if shell_prefix() else "process-group",
-                                   shell_network=shell_network())
+    nested = bool(shell_prefix())
+    return msgspec.structs.replace(jail, shell="bwrap" if nested else "process-group",
+                                   shell_network=shell_network() or not nested)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import hashlib
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -44,16 +45,21 @@ def workspace_key(workspace: Path) -> str:
 def run_folder(workspace: Path, spec: RunWorkspace) -> Path:
     """The run's folder in `workspace` (resolved), made with its files if it is new.
 
-    Raises WorkspaceError when the spec is not acceptable or the folder would not be inside the
-    workspace (a `.runs` that is a symlink out of it, say)."""
+    Raises WorkspaceError when the spec is not acceptable, the folder would not be inside the
+    workspace, or a component of `.runs/<id>` is a link (`real_folders`)."""
     problem = workspace_problem(spec)
     if problem:
         raise WorkspaceError(problem)
     # not `write`: no protected path can be in `.runs/<id>` (its segments start with no dot)
-    target = confine(workspace, f"{RUNS_DIR}/{spec.id}", write=False)
-    if target.is_dir():
+    confine(workspace, f"{RUNS_DIR}/{spec.id}", write=False)
+    # as named, not resolved: each component is checked without following links (a link
+    # planted by an earlier run would otherwise move this run's confinement)
+    root = workspace.resolve()
+    target = root / RUNS_DIR / spec.id
+    if real_folders(root, target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    real_folders(root, target.parent)  # no link made in the meantime either
     fresh = Path(tempfile.mkdtemp(prefix=".new-", dir=target.parent))
     try:
         for name, data in spec.files.items():
@@ -65,14 +71,36 @@ def run_folder(workspace: Path, spec: RunWorkspace) -> Path:
     finally:
         if fresh.exists():
             shutil.rmtree(fresh, ignore_errors=True)
-    if not target.is_dir():
+    if not real_folders(root, target):
         raise WorkspaceError(f"the run workspace `{target}` could not be made")
     return target
 
 
+def real_folders(workspace: Path, target: Path) -> bool:
+    """Whether `target` exists as a folder whose components under `workspace` (resolved) are
+    all real folders (False when one is missing: it is to be made).
+
+    Raises WorkspaceError naming the first component that is a link or not a folder."""
+    here = workspace
+    for part in target.relative_to(workspace).parts:
+        here = here / part
+        try:
+            mode = os.lstat(here).st_mode
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(mode) or not stat.S_ISDIR(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a folder"
+            raise WorkspaceError(
+                f"`{here}` is {what}: a run's workspace is made of real folders only (an "
+                f"earlier run may have planted it to move this run's files elsewhere); remove "
+                f"it (`rm {here}`) and run again")
+    return True
+
+
 class RunFolders:
-    """The folders this worker made or found, by id: a run's later calls skip the checks and
-    the path resolution (a third of a trivial call's cost). The most recent `keep` are kept;
+    """The folders this worker made or found, by id: a run's later calls skip the making and
+    the path resolution (a third of a trivial call's cost); only the components are looked at
+    again. The most recent `keep` are kept;
     a folder is made or found again (as it is) once forgotten."""
 
     def __init__(self, keep: int = 4096) -> None:
@@ -82,7 +110,8 @@ class RunFolders:
     def get(self, workspace: Path, spec: RunWorkspace) -> Path:
         key = (workspace, spec.id)
         folder = self._known.pop(key, None)
-        if folder is None:
+        # a known folder is checked again (a few lstat calls): a link may have replaced it
+        if folder is None or not real_folders(workspace, folder):
             folder = run_folder(workspace, spec)
             if len(self._known) >= self.keep:
                 del self._known[next(iter(self._known))]
@@ -90,4 +119,5 @@ class RunFolders:
         return folder
 
 
-__all__ = ["RUNS_DIR", "WORKSPACES_META", "RunFolders", "run_folder", "workspace_key"]
+__all__ = ["RUNS_DIR", "WORKSPACES_META", "RunFolders", "real_folders", "run_folder",
+           "workspace_key"]

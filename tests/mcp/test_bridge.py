@@ -103,7 +103,9 @@ async def test_progress_results_and_errors_of_an_sdk_server(hub: dict, tmp_path:
 async def test_abort_mid_call_cancels_at_the_server_and_answers_at_once(
         hub: dict, tmp_path: Path) -> None:
     endpoint = hub["endpoint"]
-    async with mcp_worker(endpoint, "--mcp", f"{DEMO} {tmp_path}"), executor(endpoint) as tools:
+    # the workspace: the server writes its marker there (the rest of /tmp is the sandbox's own)
+    async with mcp_worker(endpoint, "--workspace", str(tmp_path), "--mcp", f"{DEMO} {tmp_path}"), \
+            executor(endpoint) as tools:
         t0 = time.monotonic()
         baseline = await tools.execute(call("slow", seconds=0.05, tag="base"))
         quick = time.monotonic() - t0
