@@ -97,7 +97,10 @@ class Stack:
                                        str(self.topology), "--name", name))
 
     def worker(self, name: str = "worker") -> Proc:
+        # the tools' files (gates, markers) are in each test's own tmp_path: the workspace is
+        # pytest's base folder that holds them all, since a sandboxed worker has a private /tmp
         return self.start(name, busctl("worker", "--hub", self.endpoint, "--tools", TOOLS,
+                                       "--workspace", str(self.dir.parent),
                                        "--concurrency", "8", "--name", name))
 
     def coordinator(self, *agents: str, name: str = "coordinator", state: str = "agents") -> Proc:
