@@ -1157,7 +1157,9 @@ class Hub:
                 self.counters.bump("malformed")
                 self._send_error(ident, header.id, p.BAD_REQUEST, f"bad ReplayRequest: {exc}")
                 return
-            if peer.replays >= PEER_REPLAY_QUEUE:  # its share of the reader's queue
+            # its share of the reader's queue (a publish confirmation reads nothing: answered
+            # whatever the peer's subscriptions have waiting)
+            if peer.replays >= PEER_REPLAY_QUEUE and not self.events.reads_nothing(request):
                 self.counters.bump("replay_overloaded_peer")
                 self._send_error(ident, header.id, p.OVERLOADED,
                                  f"`{p.HUB_REPLAY}`: {PEER_REPLAY_QUEUE} replays of this peer are "

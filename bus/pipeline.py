@@ -250,6 +250,12 @@ class EventPipeline:
 
     # --- replay ----------------------------------------------------------------------------
 
+    def reads_nothing(self, request: p.ReplayRequest) -> bool:
+        """Whether `replay` answers `request` at once, with no read of the log: it asks from
+        past the head (a client's publish confirmation)."""
+        self.flush()
+        return request.since >= self.seq
+
     def replay(self, ident: bytes, req_id: str, request: p.ReplayRequest) -> bytes | None:
         """Start a replay: the reply body at once when there is nothing to read (a client's
         publish confirmation asks from past the head), else None and the reader answers later.

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, connect
 from agent_bus.bus.errors import HubLost
 from tests.bus.helpers import kill_hub, restartable_ports, start_hub
@@ -55,6 +56,35 @@ async def test_confirmed_publish_is_in_the_log_when_it_returns(hub: dict) -> Non
         await peer.publish(ev.TopicMessage(topic="last", text=""), run="acked", confirm=True)
         assert logged_topics(hub["state"], "acked")[-1] == "last"
         assert peer.counters.get("events_unconfirmed", 0) == 0
+
+
+@pytest.mark.anyio
+async def test_a_confirmation_is_answered_while_the_peers_replays_wait(hub: dict) -> None:
+    """A peer whose share of the log reader is taken (4 replays waiting: a subscription's gap
+    fills, a journal read) still gets its publish confirmed: a confirmation reads nothing, so
+    the per-peer replay limit does not refuse it (it did, `overloaded`, failing an experiment
+    cell whose result was already logged)."""
+    async with connect(hub["endpoint"], name="cells") as peer:
+        for i in range(3000):
+            await peer.publish(ev.TopicMessage(topic=str(i), text="x" * 2000), run="log")
+        await peer.confirm()
+        everything = p.encode(p.ReplayRequest(since=0, limit=2000))
+        confirmed: list[int] = []
+
+        async def replay() -> None:
+            await peer.request(p.HUB_REPLAY, everything, timeout=60)
+
+        async def cell(i: int) -> None:
+            await peer.publish(ev.TopicMessage(topic=str(i), text=""), run="cells")
+            confirmed.append(await peer.confirm())
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(replay)
+            for i in range(20):
+                tg.start_soon(cell, i)
+    assert len(confirmed) == 20 and min(confirmed) > 3000, confirmed
+    assert sorted(logged_topics(hub["state"], "cells"), key=int) == [str(i) for i in range(20)]
 
 
 @pytest.mark.anyio
