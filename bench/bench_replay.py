@@ -13,7 +13,7 @@ One hub (`busctl hub`, its log in a temporary state dir) holds `events` x `event
 - with `--reference RATE`: the same rounds again with no replay at all, a copier in its place: a
   process in the idle scheduling class (SCHED_IDLE, below nice 19) that only copies a 512 KiB
   buffer RATE times a second, talking to nobody. It shows what any background memory traffic
-  costs the requests' p99 on this machine, whatever the hub does (bench/README.md, 2026-12-01).
+  costs the requests' p99 on this machine, whatever the hub does (bench/results/2026-12-01.md).
 Not run by pytest. Every process is stopped at the end, even on error.
 """
 
