@@ -41,9 +41,9 @@ from agent_bus.bus.messages import (  # noqa: E402
     user_text,
 )
 from bench.baseline import free_port  # noqa: E402
-from bench.bench_gateway import TOOLS  # noqa: E402
+from bench.common import GATEWAY_TOOLS_REPLY  # noqa: E402
 
-RULES = {"rules": [{"contains": ["tools"], "reply": TOOLS},
+RULES = {"rules": [{"contains": ["tools"], "reply": GATEWAY_TOOLS_REPLY},
                    {"contains": [], "reply": {"text": "ok", "chunk_size": 2}}]}
 
 

@@ -294,7 +294,7 @@ def raw_round_trip(n: int, body: bytes = b"x" * 64) -> tuple[float, float]:
         _stop(sock, ctx, procs)
 
 
-def _own_cpu_s() -> float:
+def own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -355,7 +355,7 @@ class RawTurns:
         tool round trips, then a final model round trip. Returns wall seconds and CPU seconds
         (user + system of every process, this one included) per model round trip."""
         todo = _Sessions(sessions, turns, calls, self._body)
-        cpu0 = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s()
+        cpu0 = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + own_cpu_s()
         started = time.perf_counter()
         if self._asyncio:
             thread = threading.Thread(target=asyncio.run, args=(self._run_asyncio(todo),))
@@ -364,7 +364,7 @@ class RawTurns:
         else:
             self._run_blocking(todo)
         wall = time.perf_counter() - started
-        cpu = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s() - cpu0
+        cpu = sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + own_cpu_s() - cpu0
         model_calls = sessions * (turns + 1)
         return wall / model_calls, cpu / model_calls
 
@@ -524,7 +524,7 @@ def raw_subscribed_rate(publish_to: str, events: str, n: int, to_hub: bool, batc
         if not ready.wait(30):
             raise RuntimeError("the raw publisher did not start")
         pids = [*(cpu_of or []), proc.pid or 0]
-        cpu0 = [cpu_s(pid) for pid in pids] + [_own_cpu_s()]
+        cpu0 = [cpu_s(pid) for pid in pids] + [own_cpu_s()]
         start.set()
         count, first, last = 0, 0.0, time.perf_counter()
         suffix, end = b"/" + EVENT_TYPE, b"/" + END_TYPE
@@ -545,7 +545,7 @@ def raw_subscribed_rate(publish_to: str, events: str, n: int, to_hub: bool, batc
         if count < 2:
             raise RuntimeError(f"the raw subscriber got {count} of {n} events")
         rate = (count - 1) / (last - first)
-        cpu = [cpu_s(pid) for pid in pids] + [_own_cpu_s()]
+        cpu = [cpu_s(pid) for pid in pids] + [own_cpu_s()]
         return rate, n - count, [(b - a) / max(count, 1) for a, b in zip(cpu0, cpu, strict=True)]
     finally:
         sub.close()

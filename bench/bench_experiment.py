@@ -3,7 +3,7 @@
     python bench/bench_experiment.py [--sessions 200] [--concurrency 50] [--rounds 2]
                                      [--model-ms 0] [--tool-ms 0] [--named]
 
-One topology (bench_scale.Topology: hub with its log on disk, scripted model, gateway, 4 tool
+One topology (common.ScaleTopology: hub with its log on disk, scripted model, gateway, 4 tool
 workers, coordinator), one agent. Each session is three turns: two turns of one `work` tool call,
 then the answer. The same SESSIONS sessions at CONCURRENCY at once, in the same run:
 - `run_many`: `AgentBus.run_many([("bench", "go")] * SESSIONS, concurrency=CONCURRENCY)`;
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from agent_bus.agents.client.remote import connect  # noqa: E402
 from agent_bus.agents.experiment.runner import Journal, Runner  # noqa: E402
 from agent_bus.agents.experiment.spec import load_spec  # noqa: E402
-from bench.bench_scale import Topology  # noqa: E402
+from bench.common import ScaleTopology  # noqa: E402
 
 
 def write_spec(tmp: Path, sessions: int, concurrency: int) -> Path:
@@ -101,7 +101,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         spec = write_spec(tmp, args.sessions, args.concurrency)
-        topology = Topology(tmp, args.concurrency, scale)
+        topology = ScaleTopology(tmp, args.concurrency, scale)
         try:
             endpoint = topology.start()
             anyio.run(with_run_many, endpoint, 20, 10, "warm-up")

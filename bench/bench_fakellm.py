@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.baseline import cpu_s  # noqa: E402
-from bench.bench_scale import script  # noqa: E402
+from bench.common import scale_script  # noqa: E402
 
 
 def conversation(turn: int, calls: int) -> list[dict[str, Any]]:
@@ -101,7 +101,7 @@ def main() -> None:
     results: dict[str, list[float]] = {name: [] for name in sources}
     with tempfile.TemporaryDirectory(prefix="bench-fakellm-") as tmp:
         script_file = Path(tmp) / "script.json"
-        script_file.write_text(json.dumps(script(3, 4, args.model_ms / 1000)))
+        script_file.write_text(json.dumps(scale_script(3, 4, args.model_ms / 1000)))
         for i in range(args.rounds):
             for name in (list(sources) if i % 2 == 0 else list(sources)[::-1]):
                 proc, base_url = serve(sources[name], script_file)

@@ -28,10 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.baseline import pct  # noqa: E402
-from bench.bench_tools import Topology, tool_round_trip  # noqa: E402
+from bench.common import ToolTopology, tool_round_trip  # noqa: E402
 
 
-def start_worker(topo: Topology, tree: Path, workspace: Path) -> subprocess.Popen[str]:
+def start_worker(topo: ToolTopology, tree: Path, workspace: Path) -> subprocess.Popen[str]:
     """A sandboxed worker of `tree` (its venv's Python, its own tool module), ready."""
     python = tree / ".venv" / "bin" / "python"
     proc = topo._spawn([str(python), "-P", "-m", "agent_bus.cli", "worker", "--hub",
@@ -64,7 +64,7 @@ async def shell_time(endpoint: str, n: int) -> float:
     return pct(times, 0.5)
 
 
-def measure(topo: Topology, tree: Path, calls: int, shells: int) -> tuple[float, float]:
+def measure(topo: ToolTopology, tree: Path, calls: int, shells: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory(prefix="bench-ws-") as ws:
         proc = start_worker(topo, tree, Path(ws))
         try:
@@ -85,7 +85,7 @@ def main() -> None:
     trees = {"this": ROOT, "other": args.other.resolve()}
     best: dict[str, list[list[float]]] = {name: [[], []] for name in trees}
     with tempfile.TemporaryDirectory() as state:
-        topo = Topology(state)
+        topo = ToolTopology(state)
         try:
             for i in range(args.rounds):
                 order = list(trees) if i % 2 == 0 else list(reversed(trees))

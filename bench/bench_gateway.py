@@ -31,11 +31,9 @@ from agent_bus.bus import events as ev  # noqa: E402
 from agent_bus.bus.client import connect  # noqa: E402
 from agent_bus.bus.messages import AssistantMessage, LlmRequest, ToolSpec, user_text  # noqa: E402
 from bench.baseline import cpu_s, pct  # noqa: E402
+from bench.common import GATEWAY_TOOLS_REPLY  # noqa: E402
 
 SHORT = {"text": "ok", "chunk_size": 2}
-# bench_loop.py's model turn: 4 tool calls, their arguments streamed 4 characters at a time
-TOOLS = {"tool_calls": [{"name": "echo", "arguments": {"text": f"turn 7 call {k}"}, "id": f"c7_{k}"}
-                        for k in range(4)], "usage": {"input": 10, "output": 5}, "chunk_size": 4}
 LONG_CHUNKS = 2000
 
 
@@ -115,7 +113,8 @@ def main() -> None:
     n = 200 if args.quick else 1000
     long_reply = {"text": "x" * LONG_CHUNKS, "chunk_size": 1}
     script = {"steps": [{"reply": long_reply}], "rules": [{"contains": [], "reply": SHORT}]}
-    rules = {"rules": [{"contains": ["tools"], "reply": TOOLS}, {"contains": [], "reply": SHORT}]}
+    rules = {"rules": [{"contains": ["tools"], "reply": GATEWAY_TOOLS_REPLY},
+                       {"contains": [], "reply": SHORT}]}
     with FakeLLMServer(rules) as srv_short, \
             FakeLLMServer(script) as srv_long, tempfile.TemporaryDirectory() as tmp:
         hub, ready = _start(["hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", tmp])

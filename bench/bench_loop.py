@@ -48,8 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,9 +72,10 @@ from agent_bus.bus.messages import (  # noqa: E402
     ToolInfo,
     ToolResult,
     Usage,
-    error_result,
 )
-from bench.baseline import RawTurns, tree_cpu_s  # noqa: E402
+from bench import common  # noqa: E402
+from bench.baseline import RawTurns, free_port, tree_cpu_s  # noqa: E402
+from bench.common import EngineLlm, LocalTools, Proc, busctl, count_sends, fake_argv, report_sends  # noqa: E402
 from bench.split import SplitTurns  # noqa: E402
 
 TOOLS_PY = '''
@@ -102,12 +101,6 @@ def script_steps(turns: int, calls: int) -> list[dict[str, Any]]:
     return steps
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # --- A: pure loop, in-memory model, in-process tools ------------------------------------------
 
 
@@ -131,26 +124,6 @@ class ScriptedLlm:
                                 else "stop", usage=usage, model="m")
 
 
-class LocalTools:
-    """The loop's ToolExecutor running the tools in this process (`run_tool`)."""
-
-    def __init__(self, module: str) -> None:
-        from agent_bus.tools import load_tools
-
-        self.tools = {t.name: t for t in load_tools(module)}
-
-    async def catalog(self) -> list[ToolInfo]:
-        return [t.info for t in self.tools.values()]
-
-    async def execute(self, request: ToolCallRequest, on_update: Any = None) -> ToolResult:
-        from agent_bus.tools import run_tool
-
-        t = self.tools.get(request.name)
-        if t is None:
-            return error_result(f"Error: Unknown tool '{request.name}'")
-        return await run_tool(t, request)
-
-
 async def pure_loop(llm: Any, tools: LocalTools) -> tuple[float, str]:
     messages: list[Any] = []
     config = LoopConfig(model="x", agent="bench")
@@ -170,14 +143,6 @@ def _user(text: str) -> Any:
 
 
 # --- B: pure loop, model over HTTP (LlmEngine -> FakeLLMServer) ------------------------------
-
-
-class EngineLlm:
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
-        return await self.engine.complete(request, on_delta)
 
 
 # --- D: the pure loop here, model and tools over the bus -------------------------------------
@@ -236,66 +201,6 @@ async def bus_loop(endpoint: str, runs: int) -> list[tuple[float, float, float]]
 # --- C: the full topology -------------------------------------------------------------------
 
 
-class Proc:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, text=True, cwd=ROOT,
-                                      start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-
-    def ready(self, timeout: float = 20.0) -> dict[str, Any]:
-        assert self.popen.stdout is not None
-        deadline = time.monotonic() + timeout
-        seen = []
-        while time.monotonic() < deadline:
-            line = self.popen.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if line.startswith('{"ready"'):
-                return json.loads(line)
-        raise RuntimeError(f"{self.popen.args!r} did not get ready:\n{''.join(seen[-30:])}")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, 15)
-            try:
-                self.popen.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, 9)
-                self.popen.wait(5)
-
-
-PROFILE_DIR = ""
-#: The gateway's httpx pool for a measurement (`--gateway-clients`): (most clients, streams per
-#: client before another is added); None = the engine's own defaults.
-GATEWAY_POOL: tuple[int, int] | None = None
-
-
-def count_sends(folder: str) -> None:
-    """Make every process started from here on count the messages it sends (bench/sendcount)."""
-    os.makedirs(folder, exist_ok=True)
-    here = str(ROOT / "bench" / "sendcount")
-    path = os.environ.get("PYTHONPATH", "")
-    if here not in path.split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, path]))
-    os.environ["BENCH_SENDCOUNT_DIR"] = folder
-
-
-def report_sends(folder: str) -> None:
-    """Print what each counted process sent, by message kind (after the processes exited)."""
-    rows = []
-    for path in sorted(Path(folder).glob("*.json")):
-        data = json.loads(path.read_text())
-        argv = data["argv"]
-        role = argv[1] if len(argv) > 1 and argv[0].endswith("cli.py") else Path(argv[0]).name
-        sent = {k: v for k, v in data["sent"].items() if k not in ("hello", "bye", "heartbeat",
-                                                                    "register", "unregister")}
-        rows.append(f"    {role}: " + "  ".join(f"{k} {v}" for k, v in sorted(sent.items())))
-    print("  messages sent per process (partial_bodies: the partial replies they carried):")
-    print("\n".join(rows) if rows else "    (none counted: the processes did not exit normally)")
-
-
 #: `--parts`: topologies with one of the bus's features switched off, to measure what each
 #: costs a turn. Each is a few lines run in the process before `cli.py` (role -> code): a
 #: measuring instrument only, no setting of the product (which always publishes its events
@@ -321,26 +226,6 @@ PARTS: dict[str, dict[str, str]] = {
 }
 
 
-def busctl(*args: str, patch: str = "") -> list[str]:
-    cli = [str(ROOT / "cli.py")]
-    run_cli = "import sys, runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    if GATEWAY_POOL is not None and args[0] == "gateway":
-        # The pool's size is a class attribute, not a setting: set it in a wrapper for the bench.
-        size, per = GATEWAY_POOL
-        patch += ("from agent_bus.agents.gateway.engine import _ClientPool\n"
-                  f"_ClientPool.SIZE, _ClientPool.PER_CLIENT = {size}, {per}\n")
-    if patch:
-        cli = ["-c", patch + run_cli, *cli]
-    if PROFILE_DIR and args[0] in ("coordinator", "gateway", "hub"):
-        out = str(Path(PROFILE_DIR) / f"{args[0]}.prof")
-        if cli[0] == "-c":  # cProfile runs a file: write the wrapper into one
-            wrapper = Path(PROFILE_DIR) / f"{args[0]}_wrapper.py"
-            wrapper.write_text(cli[1])
-            cli = [str(wrapper), *cli[2:]]
-        return [sys.executable, "-m", "cProfile", "-o", out, *cli, *args]
-    return [sys.executable, *cli, *args]
-
-
 async def topology_run(endpoint: str, agent: str) -> tuple[float, cmd.RunResult]:
     async with connect(endpoint, name="bench-client") as peer:
         body = cmd.encode(cmd.Prompt(text="go", new_session=True))
@@ -351,23 +236,6 @@ async def topology_run(endpoint: str, agent: str) -> tuple[float, cmd.RunResult]
                 pass
         elapsed = time.perf_counter() - started
     return elapsed, msgspec.msgpack.decode(last, type=cmd.RunResult)
-
-
-FAKELLM = ""  # a fakellm.py file to serve instead of this tree's (--fakellm)
-
-
-def fake_argv() -> list[str]:
-    """The scripted model's command: this tree's `busctl fake-llm` (asyncio; TCP_NODELAY, which
-    asyncio sets, so that Nagle + delayed ACK do not stall each SSE stream ~40 ms), or FAKELLM's
-    file, e.g. an older commit's, with the threaded server's listen backlog raised as before."""
-    if not FAKELLM:
-        return [sys.executable, "-m", "agent_bus.cli", "fake-llm"]
-    code = ("import importlib.util as u, sys; s = u.spec_from_file_location('fakellm_ab', sys.argv[1]); "
-            "m = u.module_from_spec(s); sys.modules['fakellm_ab'] = m; s.loader.exec_module(m); "
-            "h = getattr(m, '_Handler', None); h and setattr(h, 'disable_nagle_algorithm', True); "
-            "v = getattr(m, '_Server', None); v and setattr(v, 'request_queue_size', 4096); "
-            "sys.exit(m.main(sys.argv[2:]))")
-    return [sys.executable, "-c", code, FAKELLM]
 
 
 def start_fake(steps: list[dict[str, Any]], tmp: Path, name: str) -> tuple[Proc, str]:
@@ -451,16 +319,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.fakellm and not os.path.isfile(args.fakellm):
         ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
-    global FAKELLM
-    FAKELLM = args.fakellm
+    common.FAKELLM = args.fakellm
     turns, calls, repeat = args.turns, args.calls, args.repeat
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or any(t not in ("tcp", "ipc") for t in transports):
         ap.error(f"--transports: expected tcp, ipc or tcp,ipc, got {args.transports!r}")
     if args.count_sends:
         count_sends(args.count_sends)
-    global PROFILE_DIR
-    PROFILE_DIR = args.profile
+    common.PROFILE_DIR = args.profile
     steps = script_steps(turns, calls)
     model_turns, tool_calls = turns + 1, turns * calls
     runs = repeat + 1  # one warm-up

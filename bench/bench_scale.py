@@ -82,116 +82,26 @@ from agent_bus.bus.messages import (  # noqa: E402
     Usage,
     user_text,
 )
-from bench import bench_loop  # noqa: E402
-from bench.baseline import RawTurns, cpu_s, pct, tree_cpu_s  # noqa: E402
-from bench.bench_loop import LocalTools, Proc, busctl, free_port  # noqa: E402
+from bench import common  # noqa: E402
+from bench.baseline import RawTurns, cpu_s, pct  # noqa: E402
+from bench.common import (  # noqa: E402
+    SCALE_TOOLS_PY,
+    EngineLlm,
+    LocalTools,
+    Proc,
+    ScaleTopology,
+    count_sends,
+    fake_argv,
+    free_port,
+    report_sends,
+    scale_script,
+)
 from bench.split import SplitTurns  # noqa: E402
 
-WORKERS = 4
+WORKERS = common.SCALE_WORKERS  # the topology's tool workers
 #: issue 32: N sessions through the topology / the pure loop at the same N
 TARGETS = {100: 1.3, 1000: 1.5}
 CORES = os.cpu_count() or 1
-
-TOOLS_PY = '''
-import anyio
-from agent_bus.tools import tool
-
-@tool
-async def work(text: str) -> str:
-    """Sleep TOOL_MS, then return the text."""
-    await anyio.sleep({tool_s})
-    return text
-'''
-
-
-def script(turns: int, calls: int, model_s: float) -> dict[str, Any]:
-    """Rules, not steps: concurrent sessions reach the model in any order, so each reply is
-    chosen by what the session's trailing tool results say (turn k's calls return `stepk`)."""
-
-    def calls_for(k: int) -> dict[str, Any]:
-        return {"tool_calls": [{"name": "work", "arguments": {"text": f"step{k}"}}
-                               for _ in range(calls)], "usage": {"input": 10, "output": 5}}
-
-    rules: list[dict[str, Any]] = [{"tool_result": False, "delay": model_s, "reply": calls_for(1)}]
-    for k in range(1, turns):
-        rules.append({"tool_result": True, "results_contain": [f"step{k}"], "delay": model_s,
-                      "reply": calls_for(k + 1)})
-    rules.append({"tool_result": True, "results_contain": [f"step{turns}"], "delay": model_s,
-                  "reply": {"text": "All done.", "usage": {"input": 10, "output": 2}}})
-    return {"rules": rules}
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
-def topology_toml(base_url: str, n: int) -> str:
-    return f"""
-[models.x]
-provider = "openai"
-base_url = "{base_url}"
-model = "m"
-max_concurrency = {max(8, n)}
-timeout = 600
-
-[[agents]]
-name = "bench"
-model = "x"
-tools = ["work"]
-max_concurrent_runs = {max(1, n)}
-max_queued_runs = {max(1, n)}
-"""
-
-
-class Topology:
-    """hub + fake model + gateway + workers + coordinator, in processes, for one N."""
-
-    def __init__(self, tmp: Path, n: int, args: argparse.Namespace) -> None:
-        self.tmp, self.n, self.args = tmp, n, args
-        self.procs: dict[str, Proc] = {}
-        self.base_url = ""  # the scripted model's, once started
-
-    def start(self) -> str:
-        tmp, args = self.tmp, self.args
-        tools_py = tmp / "scale_tools.py"
-        tools_py.write_text(TOOLS_PY.format(tool_s=args.tool_ms / 1000))
-        script_file = tmp / "script.json"
-        script_file.write_text(json.dumps(script(args.turns, args.calls, args.model_ms / 1000)))
-        port = free_port()
-        fake = self.procs["fake-llm"] = Proc([*bench_loop.fake_argv(), "--script",
-                                              str(script_file), "--port", str(port)])
-        fake.ready()
-        topo = tmp / "topology.toml"
-        self.base_url = f"http://127.0.0.1:{port}/v1"
-        topo.write_text(topology_toml(self.base_url, self.n))
-        hub = self.procs["hub"] = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0",
-                                              "--state-dir", str(tmp / "hub")))
-        endpoint = str(hub.ready()["endpoint"])
-        self.procs["gateway"] = Proc(busctl("gateway", "--hub", endpoint, "--topology", str(topo)))
-        for i in range(WORKERS):
-            self.procs[f"worker-{i}"] = Proc(busctl(
-                "worker", "--hub", endpoint, "--tools", str(tools_py), "--name", f"worker-{i}",
-                "--concurrency", str(max(8, self.n * args.calls))))
-        self.procs["coordinator"] = Proc(busctl("coordinator", "--hub", endpoint, "--topology",
-                                                str(topo), "--state-dir", str(tmp / "agents")))
-        for name, proc in self.procs.items():
-            if name not in ("fake-llm", "hub"):
-                proc.ready()
-        return endpoint
-
-    def rss(self) -> dict[str, int]:
-        return {name: rss_kb(proc.popen.pid) for name, proc in self.procs.items()}
-
-    def cpu(self) -> dict[str, float]:
-        return {name: tree_cpu_s(proc.popen.pid) for name, proc in self.procs.items()}
-
-    def stop(self) -> None:
-        for proc in reversed(list(self.procs.values())):
-            proc.stop()
-
 
 async def prompt_all(endpoint: str, n: int) -> tuple[float, float, list[cmd.RunResult], int]:
     """N prompts at once, each to a fresh session: (wall start, wall end, results, failures)."""
@@ -279,9 +189,9 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
     (`asyncio.gather`, no bus) ROUNDS times: each round's ratio shares the machine's speed of
     those seconds. The first topology wave is the one measured in detail."""
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmpdir:
-        topo = Topology(Path(tmpdir), n, args)
+        topo = ScaleTopology(Path(tmpdir), n, args)
         tools_py = Path(tmpdir) / "scale_tools_pure.py"
-        tools_py.write_text(TOOLS_PY.format(tool_s=args.tool_ms / 1000))
+        tools_py.write_text(SCALE_TOOLS_PY.format(tool_s=args.tool_ms / 1000))
         tools = LocalTools(str(tools_py))
         pure: list[float] = []
         walls: list[float] = []
@@ -410,7 +320,7 @@ async def pure_gather(n: int, args: argparse.Namespace, tools: LocalTools,
         if base_url:
             model = ModelConfig(alias="x", provider="openai", model="m", base_url=base_url,
                                 max_concurrency=max(8, n), timeout=600)
-            llm = bench_loop.EngineLlm(await stack.enter_async_context(LlmEngine([model])))
+            llm = EngineLlm(await stack.enter_async_context(LlmEngine([model])))
         started = time.perf_counter()
         await gather_runs(n, llm, tools)
         return time.perf_counter() - started
@@ -479,9 +389,9 @@ async def http_probe(base_url: str, n: int, clients: int, waves: int = 3) -> flo
 def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-scale-http-") as tmpdir:
         script_file = Path(tmpdir) / "script.json"
-        script_file.write_text(json.dumps(script(1, args.calls, args.model_ms / 1000)))
+        script_file.write_text(json.dumps(scale_script(1, args.calls, args.model_ms / 1000)))
         port = free_port()
-        fake = Proc([*bench_loop.fake_argv(), "--script", str(script_file), "--port", str(port)])
+        fake = Proc([*fake_argv(), "--script", str(script_file), "--port", str(port)])
         try:
             fake.ready()
             for n in ns:
@@ -616,14 +526,14 @@ def main() -> None:
     args = ap.parse_args()
     if args.fakellm and not os.path.isfile(args.fakellm):
         ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
-    bench_loop.FAKELLM = args.fakellm
+    common.FAKELLM = args.fakellm
     if args.rounds < 1:
         ap.error(f"--rounds: expected 1 or more, got {args.rounds}")
-    bench_loop.PROFILE_DIR = args.profile  # read by `busctl()`
+    common.PROFILE_DIR = args.profile  # read by `busctl()`
     if args.gateway_clients:
         try:
             size, _, per = args.gateway_clients.partition(":")
-            bench_loop.GATEWAY_POOL = (int(size), int(per or 6))
+            common.GATEWAY_POOL = (int(size), int(per or 6))
         except ValueError:
             ap.error(f"--gateway-clients: expected SIZE or SIZE:PER (integers, e.g. 16:6), got "
                      f"{args.gateway_clients!r}")
@@ -636,16 +546,16 @@ def main() -> None:
           f"answer per session; model {args.model_ms:g} ms per reply; {WORKERS} workers")
     for n in ns:
         if args.count_sends:
-            bench_loop.count_sends(os.path.join(args.count_sends, f"n{n}"))
+            count_sends(os.path.join(args.count_sends, f"n{n}"))
         report(run_topology(n, args), args)
         if args.count_sends:  # the warm-up session and the second wave included
-            bench_loop.report_sends(os.path.join(args.count_sends, f"n{n}"))
+            report_sends(os.path.join(args.count_sends, f"n{n}"))
     if args.http_probe:
         run_http_probe(ns, args)
     if args.pure > 0:
         with tempfile.TemporaryDirectory(prefix="bench-scale-pure-") as tmpdir:
             tools_py = Path(tmpdir) / "scale_tools_pure.py"
-            tools_py.write_text(TOOLS_PY.format(tool_s=args.tool_ms / 1000))
+            tools_py.write_text(SCALE_TOOLS_PY.format(tool_s=args.tool_ms / 1000))
             tools = LocalTools(str(tools_py))
             wall = asyncio.run(pure_gather(args.pure, args, tools))
         ideal = (args.turns * (args.model_ms + args.tool_ms) + args.model_ms) / 1000

@@ -1,6 +1,6 @@
 """Tool calls through the hub: round trip, throughput and parallel speedup, against raw pyzmq.
 
-    /tmp/v/bin/python bench/bench_tools.py [--quick]
+    python bench/bench_tools.py [--quick | --smoke]
 
 Figures:
   * echo tool round trip (p50/p99) through hub + `busctl worker`, via BusToolExecutor and via a
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agent_bus.tools import tool  # noqa: E402
-from bench.baseline import pct, raw_round_trip  # noqa: E402
+from bench.baseline import raw_round_trip  # noqa: E402
+from bench.common import ToolTopology, tool_round_trip  # noqa: E402
 
 
 @tool
@@ -51,75 +51,6 @@ async def nap(seconds: float = 0.5) -> str:
 
 
 # --- through the hub -------------------------------------------------------------------------
-
-
-class Topology:
-    """A hub and any number of `busctl worker` processes serving this file's tools."""
-
-    def __init__(self, state: str) -> None:
-        self.procs: list[subprocess.Popen[str]] = []
-        hub = self._spawn([sys.executable, "-m", "agent_bus.cli", "hub", "--hub", "tcp://127.0.0.1:0",
-                           "--state-dir", state])
-        self.endpoint = json.loads(self._ready(hub))["endpoint"]
-
-    def _spawn(self, args: list[str]) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                cwd=ROOT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    @staticmethod
-    def _ready(proc: subprocess.Popen[str]) -> str:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith('{"ready"'):
-            raise RuntimeError(f"{proc.args!r} did not start: {line!r}")
-        return line
-
-    def workers(self, n: int, concurrency: int, sandbox: str = "auto") -> list[subprocess.Popen[str]]:
-        started = [self._spawn([sys.executable, "-m", "agent_bus.cli", "worker", "--hub",
-                                self.endpoint, "--tools", str(Path(__file__).resolve()),
-                                "--concurrency", str(concurrency), "--sandbox", sandbox])
-                   for _ in range(n)]
-        for proc in started:
-            self._ready(proc)
-        return started
-
-    def stop(self, procs: list[subprocess.Popen[str]] | None = None) -> None:
-        for proc in reversed(procs if procs is not None else self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in reversed(procs if procs is not None else self.procs):
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:
-    from agent_bus.bus import protocol as p
-    from agent_bus.bus.client import connect
-    from agent_bus.bus.messages import ToolCallRequest
-    from agent_bus.tools.executor import BusToolExecutor
-
-    request = ToolCallRequest(call_id="c", name=name, arguments=json.dumps({"text": "x" * 40}))
-    async with connect(endpoint, name="bench-client") as peer:
-        tools = BusToolExecutor(peer)
-        for _ in range(200):
-            assert not (await tools.execute(request)).is_error
-        via_executor, via_request = [], []
-        body = p.encode(request)
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await tools.execute(request)
-            via_executor.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            await peer.request(f"tool.{name}", body)
-            via_request.append(time.perf_counter() - t0)
-    return {"exec_p50": pct(via_executor, 0.5), "exec_p99": pct(via_executor, 0.99),
-            "req_p50": pct(via_request, 0.5), "req_p99": pct(via_request, 0.99),
-            "body_bytes": len(body)}
 
 
 async def tool_throughput(endpoint: str, seconds: float, in_flight: int) -> float:
@@ -164,26 +95,30 @@ async def batch_wall(endpoint: str, calls: int, seconds: float) -> float:
     return wall
 
 
-def sandbox_cost(topo: Topology, n: int) -> None:
+def sandbox_cost(topo: ToolTopology, n: int, rounds: int = 3) -> None:
     """Issue 27's budget: the echo round trip through a sandboxed worker (bubblewrap, where it
     runs) <= 1.2x through an unsandboxed one, measured alternately in the same run."""
     p50: dict[str, list[float]] = {"off": [], "auto": []}
-    for _ in range(3):
+    for _ in range(rounds):
         for mode in ("off", "auto"):
             started = topo.workers(1, 8, sandbox=mode)
             p50[mode].append(anyio.run(tool_round_trip, topo.endpoint, n, "echo")["exec_p50"])
             topo.stop(started)
     off, on = min(p50["off"]), min(p50["auto"])
-    print(f"tool `echo` round trip, sandboxed worker vs not (best p50 of 3 each): {on * 1e6:.0f} us"
+    print(f"tool `echo` round trip, sandboxed worker vs not (best p50 of {rounds} each): {on * 1e6:.0f} us"
           f" vs {off * 1e6:.0f} us = {on / off:.2f}x (budget 1.2x)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples, shorter runs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the least that prints every line (a test that the bench runs; its "
+                             "figures mean nothing): 1 sandbox round, a 0.05 s tool on 1 and 2 workers")
     args = parser.parse_args()
-    n = 1000 if args.quick else 5000
-    seconds = 2.0 if args.quick else 5.0
+    n = 50 if args.smoke else 1000 if args.quick else 5000
+    seconds = 0.3 if args.smoke else 2.0 if args.quick else 5.0
+    nap_s, spread = (0.05, (1, 2)) if args.smoke else (0.5, (1, 2, 4, 8))
 
     from agent_bus.bus import protocol as p
     from agent_bus.bus.messages import ToolCallRequest
@@ -194,9 +129,9 @@ def main() -> None:
           f"p99 {raw_p99 * 1e6:.0f} us", flush=True)
 
     with tempfile.TemporaryDirectory() as state:
-        topo = Topology(state)
+        topo = ToolTopology(state)
         try:
-            sandbox_cost(topo, n)
+            sandbox_cost(topo, n, 1 if args.smoke else 3)
             first = topo.workers(1, 8)
             for name in ("echo", "echo_sync"):
                 rt = anyio.run(tool_round_trip, topo.endpoint, n, name)
@@ -211,12 +146,12 @@ def main() -> None:
                   f"({rate * raw_p50:.2f}x one raw blocking round-trip stream)", flush=True)
             topo.stop(first + more)
 
-            serial = 8 * 0.5
-            for workers in (1, 2, 4, 8):
+            serial = 8 * nap_s
+            for workers in spread:
                 started = topo.workers(workers, 1)
-                wall = anyio.run(batch_wall, topo.endpoint, 8, 0.5)
+                wall = anyio.run(batch_wall, topo.endpoint, 8, nap_s)
                 ideal = serial / workers
-                print(f"8 x 0.5 s tool over {workers} single-capacity worker(s): {wall:.3f} s "
+                print(f"8 x {nap_s:g} s tool over {workers} single-capacity worker(s): {wall:.3f} s "
                       f"(ideal {ideal:.2f} s; speedup {serial / wall:.2f}x, "
                       f"efficiency {serial / wall / workers:.0%})", flush=True)
                 topo.stop(started)

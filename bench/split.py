@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from bench.baseline import _own_cpu_s, cpu_s, free_port
+from bench.baseline import cpu_s, free_port, own_cpu_s
 
 MODEL = b"model"
 TOOL = b"tool"
@@ -243,7 +243,7 @@ class SplitTurns:
             client.close()
 
     def cpu_s(self) -> float:
-        return sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + _own_cpu_s()
+        return sum(cpu_s(proc.pid) for proc in self._procs if proc.pid) + own_cpu_s()
 
     def close(self) -> None:
         for proc in self._procs:
