@@ -1,6 +1,6 @@
 """Round-trip latency and throughput: raw pyzmq baselines, then the same through the hub + client.
 
-    python bench/bench_bus.py [--quick] [--rounds 3] [--transports tcp,ipc] [--no-replay]
+    python bench/bench_bus.py [--quick | --smoke] [--rounds 3] [--transports tcp,ipc] [--no-replay]
 
 Prints each figure and its ratio to the raw baseline measured in the same round (the raw
 baseline, then the hub on TCP and on ipc://, alternated; the ratios are medians over the
@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
@@ -918,20 +918,42 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def one_round(quick: bool, transports: list[str]) -> dict[str, dict[str, float]]:
+class Size(NamedTuple):
+    """How much each figure measures: the full bench, `--quick`, or `--smoke` (the least that
+    still prints every line, for tests/bench/test_smoke.py: its figures mean nothing)."""
+
+    n_rtt: int  # lone round trips per measurement
+    n_pub: int  # events a raw publisher sends
+    seconds: float  # of each requests/s measurement
+    n_events: int  # events through the hub
+    slice_groups: int  # `throughput_slices`
+    slice_s: float
+    rtt_groups: int  # `round_trips`
+    rtt_per_slice: int
+    replay_log: int  # events in the replayed log
+    replay_rtt: int  # round trips idle, then beside the replay
+
+
+SIZES = {
+    "full": Size(10_000, 300_000, 8, 200_000, 15, 2.0, 40, 100, 1_000_000, 5000),
+    "quick": Size(2000, 50_000, 3, 30_000, 9, 1.0, 15, 100, 100_000, 2000),
+    "smoke": Size(200, 5000, 0.5, 3000, 1, 0.3, 2, 20, 5000, 300),
+}
+
+
+def one_round(size: Size, transports: list[str]) -> dict[str, dict[str, float]]:
     """The raw baselines, then the hub on each transport, one after the other within seconds:
     the ratios of one round share the machine's speed of those seconds."""
-    n = 2000 if quick else 10_000
     raw: dict[str, float] = {}
-    raw["rtt_p50"], raw["rtt_p99"] = raw_round_trip(n)
-    raw["events_per_s"] = raw_pubsub(50_000 if quick else 300_000)
-    raw["req_per_s"] = raw_throughput(3 if quick else 8)
-    raw["req_per_s_asyncio"] = raw_throughput(3 if quick else 8, ends="asyncio")
+    raw["rtt_p50"], raw["rtt_p99"] = raw_round_trip(size.n_rtt)
+    raw["events_per_s"] = raw_pubsub(size.n_pub)
+    raw["req_per_s"] = raw_throughput(size.seconds)
+    raw["req_per_s_asyncio"] = raw_throughput(size.seconds, ends="asyncio")
     out = {"raw": raw}
     for transport in transports:
-        raw[f"forwarded_{transport}"] = raw_forwarded_rate(50_000 if quick else 300_000, transport)
-        out[transport] = hub_figures(n_rtt=n, seconds=3 if quick else 8,
-                                     n_events=30_000 if quick else 200_000, transport=transport)
+        raw[f"forwarded_{transport}"] = raw_forwarded_rate(size.n_pub, transport)
+        out[transport] = hub_figures(n_rtt=size.n_rtt, seconds=size.seconds,
+                                     n_events=size.n_events, transport=transport)
     return out
 
 
@@ -1019,6 +1041,9 @@ def report_rounds(rounds: list[dict[str, dict[str, float]]], transports: list[st
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the least that prints every line (a test that the bench runs; its "
+                             "figures mean nothing)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternated rounds of raw baseline then hub(s); ratios are medians")
     parser.add_argument("--transports", default="tcp,ipc",
@@ -1029,8 +1054,9 @@ def main() -> None:
     parser.add_argument("--replayer-decodes", action="store_true",
                         help="the replayer decodes every event, as `busctl watch` does")
     args = parser.parse_args()
+    size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     if args.replay_only:
-        print_replay(args.quick, args.replayer_decodes)
+        print_replay(size, args.replayer_decodes)
         return
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     if not transports or any(t not in ("tcp", "ipc") for t in transports):
@@ -1040,18 +1066,17 @@ def main() -> None:
     rounds = []
     for i in range(args.rounds):
         # alternate the hubs' order too, so neither transport always follows the raw baseline
-        rounds.append(one_round(args.quick, transports if i % 2 == 0 else transports[::-1]))
+        rounds.append(one_round(size, transports if i % 2 == 0 else transports[::-1]))
     report_rounds(rounds, transports)
-    report_throughput_slices(*throughput_slices(transports, 9 if args.quick else 15,
-                                                1.0 if args.quick else 2.0), transports)
-    report_round_trips(round_trips(transports, 15 if args.quick else 40, 100), transports)
+    report_throughput_slices(*throughput_slices(transports, size.slice_groups, size.slice_s),
+                             transports)
+    report_round_trips(round_trips(transports, size.rtt_groups, size.rtt_per_slice), transports)
     if not args.no_replay:
-        print_replay(args.quick, args.replayer_decodes)
+        print_replay(size, args.replayer_decodes)
 
 
-def print_replay(quick: bool, decode: bool = False) -> None:
-    r = replay_figures(n_log=100_000 if quick else 1_000_000, n_rtt=2000 if quick else 5000,
-                       decode=decode)
+def print_replay(size: Size, decode: bool = False) -> None:
+    r = replay_figures(n_log=size.replay_log, n_rtt=size.replay_rtt, decode=decode)
     print(f"request p99 beside a full replay of a {r['replay_events']:,.0f}-event log "
           f"(one pass {r['replay_s']:.1f} s, {r['replay_events'] / r['replay_s']:,.0f} events/s): "
           f"{r['busy_p99'] * 1e6:.0f} us, without {r['idle_p99'] * 1e6:.0f} us "
