@@ -1,0 +1,90 @@
+"""Each bench in bench/ runs at its smallest size, so none rots between the runs that measure.
+
+Every bench script is started as the README says (`python bench/NAME.py ...`, from the
+repository root), a real subprocess, with the options of the README's "smoke options" column;
+the test asserts it exits 0 and prints its ratio lines. Their values are not checked: on a
+shared 2-core machine at this size they mean nothing (bench/README.md holds the figures).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RATIO = r"\d+\.\d+x"
+
+
+def _bwrap_missing() -> str:
+    return "" if shutil.which("bwrap") else "needs bubblewrap for a sandboxed worker (.ci/run installs it)"
+
+
+def _no_venv() -> str:
+    # bench_fences starts each tree's worker with that tree's .venv/bin/python
+    return "" if (ROOT / ".venv" / "bin" / "python").exists() else "needs the tree's .venv (bench_fences)"
+
+
+# (id, argv after `python`, the lines the bench must print (regexes), why it is skipped or "")
+BENCHES: list[tuple[str, list[str], list[str], str]] = [
+    ("bus", ["bench/bench_bus.py", "--smoke", "--rounds", "1", "--transports", "ipc", "--no-replay"],
+     [rf"requests/s, 4 serving peers / raw broker .*: ipc {RATIO}",
+      rf"events/s logged \+ published / raw PUB->SUB .*: ipc {RATIO}",
+      rf"4 serving peers / raw broker with 4 raw workers {RATIO}", rf"hub / raw blocking broker {RATIO}"],
+     ""),
+    ("bus-replay", ["bench/bench_bus.py", "--replay-only", "--smoke"],
+     [rf"request p99 beside a full replay .*\({RATIO}; target"], ""),
+    ("loop", ["bench/bench_loop.py", "--turns", "2", "--repeat", "1", "--transports", "ipc"],
+     [rf"C/B \(ipc\).*: {RATIO}", rf"\(B \+ F\) / B: {RATIO}", rf"W / B: {RATIO}"], ""),
+    ("scale", ["bench/bench_scale.py", "--sessions", "1", "--rounds", "1", "--second-wave-max", "0",
+               "--turns", "1", "--calls", "1", "--model-ms", "1", "--tool-ms", "1"],
+     [rf"topology / pure loop .*: {RATIO}", rf"the floor of that ratio.*: {RATIO}"], ""),
+    ("tools", ["bench/bench_tools.py", "--smoke"],
+     [rf"sandboxed worker vs not .* = {RATIO}", rf"round trip via BusToolExecutor: .*\({RATIO} raw\)",
+      rf"speedup {RATIO}"], ""),
+    ("fences", ["bench/bench_fences.py", "--other", ".", "--rounds", "1", "--calls", "20", "--shells", "2"],
+     [rf"best of 1 rounds: echo round trip, sandboxed: .* = {RATIO}"], _bwrap_missing() or _no_venv()),
+    ("gateway", ["bench/bench_gateway.py", "--quick"],
+     [r"gateway CPU per `llm` call: ", r"gateway\+bus overhead p50 -?\d+ us", r"message_update events"], ""),
+    ("ab_gateway", ["bench/ab_gateway.py", ".", ".", "--rounds", "1", "--batch", "5"],
+     [rf"new/old \(tools\): gateway {RATIO}"], ""),
+    ("http1", ["bench/bench_http1.py", "--calls", "20", "--rounds", "1"], [rf"httpx/http1 {RATIO}"], ""),
+    ("fakellm", ["bench/bench_fakellm.py", "--calls", "50", "--concurrency", "10", "--rounds", "1",
+                 "--model-ms", "1", "--against", "agents/gateway/fakellm.py"],
+     [rf"this tree / agents/gateway/fakellm.py: {RATIO}"], ""),
+    ("replay", ["bench/bench_replay.py", "--rounds", "1", "--events", "10", "--event-kib", "16",
+                "--seconds", "0.5"], [rf"replay: ratio median {RATIO}"], ""),
+    ("experiment", ["bench/bench_experiment.py", "--sessions", "10", "--concurrency", "5", "--rounds", "1"],
+     [rf"ratio {RATIO} \(target <= 1.2x\)"], ""),
+]
+
+
+@pytest.mark.parametrize(("argv", "expected", "skip"), [pytest.param(*b[1:], id=b[0]) for b in BENCHES])
+def test_bench_runs_at_its_smallest_size(argv: list[str], expected: list[str], skip: str) -> None:
+    if skip:
+        pytest.skip(skip)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=110)
+    took = time.monotonic() - started
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode} after {took:.1f} s:\n{out[-4000:]}"
+    missing = [line for line in expected if not re.search(line, proc.stdout)]
+    assert not missing, f"{' '.join(argv)} printed no line matching {missing}:\n{proc.stdout[-4000:]}"
+
+
+def test_every_bench_has_a_smoke_run() -> None:
+    """A new bench script gets a row above (and in bench/README.md's table)."""
+    scripts = {p.name for p in (ROOT / "bench").glob("*.py")} - {"__init__.py", "common.py",
+                                                                  "baseline.py", "split.py"}
+    covered = {argv[0].removeprefix("bench/") for _, argv, _, _ in BENCHES}
+    assert scripts == covered
+    readme = (ROOT / "bench" / "README.md").read_text()
+    assert all(f"`{name} " in readme or f"`{name}`" in readme for name in scripts)
