@@ -34,6 +34,8 @@ from bench.baseline import free_port, pct, tree_cpu_s  # noqa: E402
 
 
 class Proc:
+    """A started process, its output read for the `{"ready": ...}` line; stopped with its group."""
+
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, text=True, cwd=ROOT,
@@ -131,7 +133,6 @@ def fake_argv() -> list[str]:
     return [sys.executable, "-c", code, FAKELLM]
 
 
-
 # --- the pure loop's model and tools in this process (bench_loop, bench_scale) ---------------
 
 
@@ -161,7 +162,6 @@ class EngineLlm:
 
     async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
         return await self.engine.complete(request, on_delta)
-
 
 
 # --- bench_scale's topology: N sessions of 3 turns of 20 ms tools (bench_experiment too) -----
@@ -270,7 +270,6 @@ class ScaleTopology:
             proc.stop()
 
 
-
 # --- bench_tools' topology: a hub and workers serving bench_tools.py (bench_fences too) ------
 
 
@@ -341,7 +340,6 @@ async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:
     return {"exec_p50": pct(via_executor, 0.5), "exec_p99": pct(via_executor, 0.99),
             "req_p50": pct(via_request, 0.5), "req_p99": pct(via_request, 0.99),
             "body_bytes": len(body)}
-
 
 
 # --- bench_gateway's model reply of 4 streamed tool calls (ab_gateway too) -------------------
