@@ -4,8 +4,8 @@ requests are being routed.
 A replay of big events moves a lot of memory: each 512 KiB event is copied in from the log
 reader and out to the client by the hub's I/O thread, and request p99 beside an unpaced replay
 of 512 KiB events was 1.9-2.4x idle on 2 cores (~1,000 batches a second), much as any process
-copying 512 KiB buffers 30-100 times a second costs, whatever its priority (bench/README.md,
-2026-12-01). Live traffic comes first: while a request was routed in the last `BUSY_FOR`
+copying 512 KiB buffers 30-100 times a second costs, whatever its priority
+(bench/results/2026-12-01.md). Live traffic comes first: while a request was routed in the last `BUSY_FOR`
 seconds, answers leave at most at `rate` bytes a second (each one waits until the previous one's
 bytes are paid for at that rate); `BUSY_FOR` after requests stop, everything held leaves at
 once. Error answers are small and go in order with the rest, without being charged.
