@@ -20,9 +20,15 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
                                # (without saying so): the next request on it gets no answer
      "close_idle_after": 0.0,  # >0: a keep-alive connection idle this many seconds is closed
                                # (a server's keep-alive timeout)
-     "close_delimited": false}  # true: streams go out with `Connection: close`, no length and
+     "close_delimited": false,  # true: streams go out with `Connection: close`, no length and
                                # no chunking, and end when the server closes (legal HTTP/1.1;
                                # simple servers and proxies do it). `busctl fake-llm --close-delimited`
+     "strict_tool_json": false, # true: like llama.cpp, a request whose history holds a tool call
+                               # whose arguments are not JSON gets HTTP 500 "Failed to parse tool
+                               # call arguments as JSON" (`--strict-tool-json`)
+     "cut_at_max_tokens": false}  # true: a reply longer than the request's `max_tokens` is cut
+                               # there, finish `length` (a tool call mid-arguments, unterminated
+                               # JSON), as a real server does (`--cut-at-max-tokens`)
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -165,6 +171,8 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     close_after_stream: bool = False  # drop the next request on a connection that streamed
     close_idle_after: float = 0.0  # >0: close a keep-alive connection idle this long (seconds)
     close_delimited: bool = False  # streams end by closing the connection (no length, no chunks)
+    strict_tool_json: bool = False  # HTTP 500 for a history holding tool-call arguments not JSON
+    cut_at_max_tokens: bool = False  # replies cut at the request's `max_tokens` (finish `length`)
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -355,6 +363,44 @@ def _usage(reply: Reply, body: dict[str, Any]) -> FakeUsage:
     return FakeUsage(input=prompt, output=out)
 
 
+def cut_reply(reply: Reply, max_tokens: int) -> Reply:
+    """`reply` as a server with `max_tokens` sends it: cut where its output reaches the limit
+    (thinking, text, then each tool call's arguments), finish `length`. A call cut mid-arguments
+    keeps its unterminated JSON, as llama.cpp streams it; calls past the cut are dropped."""
+    budget = max(1, max_tokens) * 4  # the fake's tokenizer: 4 bytes a token (see `_usage`)
+    calls = [c.arguments_json() for c in reply.tool_calls]
+    if len(reply.thinking) + len(reply.text) + sum(map(len, calls)) <= budget:
+        return reply
+    thinking = reply.thinking[:budget]
+    text = reply.text[:budget - len(thinking)]
+    left = budget - len(thinking) - len(text)
+    cut: list[FakeToolCall] = []
+    for call, arguments in zip(reply.tool_calls, calls, strict=True):
+        if left <= 0:
+            break
+        cut.append(msgspec.structs.replace(call, arguments=arguments[:left]))
+        left -= len(arguments)
+    return msgspec.structs.replace(reply, thinking=thinking, text=text, tool_calls=cut, finish="length")
+
+
+def bad_tool_json(messages: Any) -> str | None:
+    """llama.cpp's error for the first tool call of an OpenAI-format history whose arguments are
+    not JSON (its chat template parses them all), else None."""
+    for message in messages if isinstance(messages, list) else ():
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            if not isinstance(arguments, str):
+                continue
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                return ("Failed to parse tool call arguments as JSON: [json.exception.parse_error.101] "
+                        f"parse error at line {exc.lineno}, column {exc.colno}: "
+                        f"syntax error while parsing value; last read: '{arguments[-40:]}'")
+    return None
+
+
 def _sse(data: Any, event: str | None = None) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data)
     head = f"event: {event}\n" if event else ""
@@ -534,7 +580,7 @@ def anthropic_json(reply: Reply, model: str, body: dict[str, Any]) -> dict[str, 
                 "type": "tool_use",
                 "id": cid,
                 "name": call.name,
-                "input": json.loads(call.arguments_json() or "{}"),
+                "input": _object_or_empty(call.arguments_json()),
             }
         )
     u = _usage(reply, body)
@@ -548,6 +594,14 @@ def anthropic_json(reply: Reply, model: str, body: dict[str, Any]) -> dict[str, 
         "stop_sequence": None,
         "usage": {"input_tokens": u.input, "output_tokens": u.output, "cache_read_input_tokens": u.cached},
     }
+
+
+def _object_or_empty(arguments: str) -> Any:
+    """A tool_use block's `input`: the arguments, or {} for a call cut mid-JSON."""
+    try:
+        return json.loads(arguments or "{}")
+    except ValueError:
+        return {}
 
 
 def error_body(api: str, status: int, message: str) -> dict[str, Any]:
@@ -865,32 +919,47 @@ class _Connection(asyncio.Protocol):
 
     async def _serve(self, api: str, body: dict[str, Any], step: Step, record: RecordedRequest) -> None:
         await self._pause(step.delay)
+        refusal = self._refusal(api, body)
+        if refusal is not None:
+            self._send_json(*refusal)
+            return
         stream = bool(body.get("stream"))
         model = str(body.get("model") or "fake-model")
-        window = self.owner.script.context_window
-        # Sized only against a window: re-encoding the whole conversation per request was 30%
-        # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
-        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1 if window else 0
-        if window and prompt > window:
-            message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
-                       "try increasing it")
-            error = {"code": 400, "message": message, "type": "exceed_context_size_error",
-                     "n_prompt_tokens": prompt, "n_ctx": window}
-            self.owner._count_refusal()
-            self._send_json(400, {"error": error})
-            return
         if step.fail is not None:
             await self._fail(api, step.fail, stream, model, body)
-        elif stream:
-            reply = step.reply or Reply()
+            return
+        reply = step.reply or Reply()
+        max_tokens = body.get("max_tokens")
+        if self.owner.script.cut_at_max_tokens and isinstance(max_tokens, int) and not reply.sse:
+            reply = cut_reply(reply, max_tokens)
+        if stream:
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
             await self._stream(events, reply.chunk_delay, gzip=reply.gzip)
             record.usage = None if reply.sse else _usage(reply, body)
             self._dead = self.owner.script.close_after_stream
         else:
-            reply = step.reply or Reply()
             self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
+
+    def _refusal(self, api: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """What llama.cpp refuses before it generates anything, as (status, body): a prompt
+        past the window (400), a history holding tool-call arguments that are not JSON (500)."""
+        script = self.owner.script
+        window = script.context_window
+        # Sized only against a window: re-encoding the whole conversation per request was 30%
+        # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
+        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1 if window else 0
+        if window and prompt > window:
+            message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
+                       "try increasing it")
+            self.owner._count_refusal()
+            return 400, {"error": {"code": 400, "message": message, "type": "exceed_context_size_error",
+                                   "n_prompt_tokens": prompt, "n_ctx": window}}
+        bad = bad_tool_json(body.get("messages")) if api == "openai" and script.strict_tool_json else None
+        if bad is not None:
+            self.owner._count_tool_json_refusal()
+            return 500, {"error": {"code": 500, "message": bad, "type": "server_error"}}
+        return None
 
     async def _fail(self, api: str, fail: Fail, stream: bool, model: str, body: dict[str, Any]) -> None:
         key = request_key(self.headers)
@@ -1032,6 +1101,7 @@ class FakeLLMServer:
         self.dropped = 0  # requests dropped unanswered on a connection dead after its stream
         self.idle_closed = 0  # keep-alive connections closed after `close_idle_after` idle
         self.context_refusals = 0  # HTTP 400 answers to prompts longer than `context_window`
+        self.tool_json_refusals = 0  # HTTP 500 answers to histories with tool-call arguments not JSON
         self._cursor = 0
         self._lock = threading.Condition()
         self._stopping = threading.Event()
@@ -1171,6 +1241,10 @@ class FakeLLMServer:
         with self._lock:
             self.context_refusals += 1
 
+    def _count_tool_json_refusal(self) -> None:
+        with self._lock:
+            self.tool_json_refusals += 1
+
     def _begin(self, path: str, headers: dict[str, str], body: Any) -> RecordedRequest:
         record = RecordedRequest(path=path, headers=headers, body=body, started=time.monotonic())
         with self._lock:
@@ -1210,11 +1284,20 @@ class FakeLLMServer:
 @click.option("--close-delimited", is_flag=True, default=False,
               help="Stream replies with `Connection: close` and end each by closing the connection "
                    "(no length, no chunking), as simple servers and proxies do.")
-def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool) -> None:
+@click.option("--strict-tool-json", is_flag=True, default=False,
+              help="As llama.cpp: HTTP 500 for a request whose history holds tool-call arguments "
+                   "that are not JSON.")
+@click.option("--cut-at-max-tokens", is_flag=True, default=False,
+              help="Cut a reply at the request's max_tokens (finish `length`, a tool call's "
+                   "arguments mid-JSON), as a real server does.")
+def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool,
+                     strict_tool_json: bool, cut_at_max_tokens: bool) -> None:
     """Serve a scripted fake OpenAI + Anthropic API (for demos and tests)."""
     script = load_script(script_path) if script_path else demo_script()
-    if close_delimited:
-        script = msgspec.structs.replace(script, close_delimited=True)
+    # a flag turns a quirk on; it never turns off what the script asks for
+    quirks = {"close_delimited": close_delimited, "strict_tool_json": strict_tool_json,
+              "cut_at_max_tokens": cut_at_max_tokens}
+    script = msgspec.structs.replace(script, **{k: True for k, on in quirks.items() if on})
     server = FakeLLMServer(script, host=host, port=port)
     # One JSON ready line first (`busctl up` and tests wait for it), then a human line.
     click.echo(json.dumps({"ready": "fake-llm", "base_url": server.base_url}))
