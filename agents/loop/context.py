@@ -505,18 +505,65 @@ def estimate_tokens(message: Message) -> int:
     return math.ceil(len(msgspec.json.encode(message)) / BYTES_PER_TOKEN)
 
 
-def fit_for_summary(view: list[Message], budget: int) -> list[Message]:
-    """Drop the oldest messages of a summary view (never the prompt, the last one) until its
-    estimate fits `budget` tokens: a history that overflowed the window must still be
-    summarisable. A cut never leaves tool results whose call was dropped at the front."""
-    sizes = [estimate_tokens(m) for m in view]
-    start, total = 0, sum(sizes)
-    while total > budget and start < len(view) - 1:
-        total -= sizes[start]
-        start += 1
-    while start < len(view) - 1 and isinstance(view[start], ToolResultMessage):
-        start += 1
-    return view[start:]
+#: Of the window, kept free in a summary call beyond its reply's cap and the prompt: what the
+#: byte estimate may under-read (a chat template's tokens, a denser tokenizer).
+SUMMARY_MARGIN = 0.1
+
+
+def summary_budget(window: int, cap: int, fixed: int) -> int:
+    """Tokens the history part of one summary call may take: the window less the summary's
+    cap (`cap`), what every call carries (`fixed`: the system prompt and the summary prompt)
+    and a margin. Not half the window: that cut the oldest turns out of the summary."""
+    return max(1, window - cap - fixed - math.ceil(window * SUMMARY_MARGIN))
+
+
+@dataclass(frozen=True)
+class SummaryChunks:
+    """`older` split for summary calls: `chunks` in order (summarised one after another, each
+    call given the summary so far), and the messages no call can take (`left_out`: a turn
+    alone over the budget)."""
+
+    chunks: list[list[Message]]
+    left_out: int = 0
+
+
+def summary_chunks(older: Sequence[Message], budget: int, carry: int,
+                   measure: Callable[[Message], int] = estimate_tokens) -> SummaryChunks:
+    """Every message of `older` in chunks of at most `budget` tokens: one chunk when all fit,
+    else chunks of `budget - carry` (room for the summary carried from the chunk before). A
+    turn (a reply and its tool results) is never split: a result without its call is refused
+    by providers."""
+    units = _turns(older)
+    sizes = [sum(map(measure, unit)) for unit in units]
+    if sum(sizes) <= budget:
+        return SummaryChunks([list(older)] if older else [])
+    room = max(1, budget - carry)
+    chunks: list[list[Message]] = []
+    current: list[Message] = []
+    used = left_out = 0
+    for unit, size in zip(units, sizes, strict=True):
+        if size > room:
+            left_out += len(unit)
+            continue
+        if current and used + size > room:
+            chunks.append(current)
+            current, used = [], 0
+        current += unit
+        used += size
+    if current:
+        chunks.append(current)
+    return SummaryChunks(chunks, left_out)
+
+
+def _turns(messages: Sequence[Message]) -> list[list[Message]]:
+    """`messages` as units: a reply with the tool results after it, anything else alone."""
+    units: list[list[Message]] = []
+    for message in messages:
+        if isinstance(message, ToolResultMessage) and units and isinstance(units[-1][0], AssistantMessage):
+            units[-1].append(message)
+        else:
+            units.append([message])
+    return units
 
 
 def last_turns_start(messages: Sequence[Message], turns: int) -> int:
@@ -672,7 +719,10 @@ __all__ = [
     "estimate_tokens",
     "estimate_usage",
     "history_tokens",
-    "fit_for_summary",
+    "SUMMARY_MARGIN",
+    "SummaryChunks",
+    "summary_budget",
+    "summary_chunks",
     "is_context_exceeded",
     "DEFAULT_CONTEXT_WINDOW",
     "CompactionConfig",

@@ -53,7 +53,6 @@ from agent_bus.agents.loop.context import (
     estimate_tokens,
     estimate_usage,
     exceeded_window,
-    fit_for_summary,
     history_tokens,
     is_context_exceeded,
     messages_for_summary,
@@ -61,6 +60,8 @@ from agent_bus.agents.loop.context import (
     retained_start,
     should_compact,
     summarisable,
+    summary_budget,
+    summary_chunks,
 )
 from agent_bus.agents.loop.hooks import (
     KEEP,
@@ -99,6 +100,7 @@ from agent_bus.bus.events import (
 from agent_bus.bus.messages import (
     AssistantDelta,
     AssistantMessage,
+    CompactionSummaryMessage,
     LlmMessage,
     LlmRequest,
     LlmTrace,
@@ -1099,16 +1101,16 @@ async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
         return False
     tokens = last.usage.total if last is not None and last.usage.total else history_tokens(run.messages)
     await run.emit(CompactionStart(tokens=tokens))
-    reply = await _compaction_call(run, config, window, older)
-    summary = "" if reply.stop_reason in ("error", "aborted") else parse_compaction(reply.text)
+    summary = await _summarise(run, config, window, older)
     after = 0
-    if summary:
-        run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens,
+    if summary.text:
+        run.messages[:] = compacted_history(run.messages, summary.text, config.retain_last_turns, tokens,
                                             budget=window // 2, keep=run.pinned)
         after = history_tokens(run.messages)
-    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after,
-                                      usage=reply.usage, model=reply.model))
-    return bool(summary)
+    await run.emit(CompactionComplete(compacted=bool(summary.text), tokens_before=tokens, tokens_after=after,
+                                      usage=summary.usage, model=summary.model,
+                                      summary_calls=summary.calls, left_out=summary.left_out))
+    return bool(summary.text)
 
 
 def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage | None,
@@ -1121,17 +1123,42 @@ def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage 
 
 
 
-async def _compaction_call(run: _Run, config: CompactionConfig, window: int,
-                           older: list[Message]) -> AssistantMessage:
-    """The model's summary of `older` (the history before the kept tail); a failed reply leaves
-    history as it is. Its usage counts in the run's totals (and `compaction_complete`'s).
+@dataclass
+class _Summary:
+    text: str = ""  # "" when a call failed: history stays as it is
+    usage: Usage = field(default_factory=Usage)  # of every call, counted in the run's totals
+    model: str = ""
+    calls: int = 0
+    left_out: int = 0  # older messages no call could take (see `summary_chunks`)
 
-    The view is cut to half the window and the summary to an eighth: a history that already
-    overflowed must still be summarisable, and a long summary would refill the window. The
-    request says `purpose="compaction"`: the gateway does not stream it as the run's text."""
-    view = fit_for_summary(messages_for_summary(older, compaction_prompt(config)), window // 2)
-    request = _request(run, await _convert(run, view), [], "none", model=config.model)
-    request.max_tokens = min(request.max_tokens or window, max(256, window // 8))
+
+async def _summarise(run: _Run, config: CompactionConfig, window: int, older: list[Message]) -> _Summary:
+    """The model's summary of `older` (the history before the kept tail), every message of it:
+    in chunks when it does not fit one call, each call given the summary so far. The summary
+    is capped at an eighth of the window (a long one would refill it), and each call's history
+    part at what the window leaves beside that cap (`summary_budget`)."""
+    cap = min(run.config.max_tokens or window, max(256, window // 8))
+    prompt = compaction_prompt(config)
+    fixed = estimate_tokens(user_text(run.config.system_prompt)) + estimate_tokens(user_text(prompt))
+    plan = summary_chunks(older, summary_budget(window, cap, fixed), carry=cap)
+    done = _Summary(left_out=plan.left_out)
+    for chunk in plan.chunks:
+        head: list[Message] = [CompactionSummaryMessage(summary=done.text)] if done.text else []
+        reply = await _compaction_call(run, [*head, *chunk], prompt, cap, config.model)
+        done.usage, done.model, done.calls = done.usage + reply.usage, reply.model, done.calls + 1
+        done.text = "" if reply.stop_reason in ("error", "aborted") else parse_compaction(reply.text)
+        if not done.text:
+            break
+    return done
+
+
+async def _compaction_call(run: _Run, messages: list[Message], prompt: str, cap: int,
+                           model: str | None) -> AssistantMessage:
+    """One summary call over `messages`. The request says `purpose="compaction"`: the gateway
+    does not stream it as the run's text."""
+    view = messages_for_summary(messages, prompt)
+    request = _request(run, await _convert(run, view), [], "none", model=model)
+    request.max_tokens = cap
     request.purpose = "compaction"
     reply = await _complete(run, request, None)
     run.usage.add(reply)

@@ -323,3 +323,58 @@ async def test_an_answer_cut_at_max_tokens_ends_the_run_with_length() -> None:
     end = rec.of("agent_end")[0]
     assert (result.stop_reason, end.stop_reason, end.error) == ("length", "length", None)
     assert end.final_text == "a long answer that was cu"
+
+
+class Summariser:
+    """A model that answers a summary request with `<summary>S<n></summary>` (n: its count) and
+    anything else with a reply that fills the window (so the next turn compacts)."""
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+        self.summaries = 0
+
+    async def complete(self, request: Any, on_delta: Any = None) -> AssistantMessage:
+        self.requests.append(request)
+        last = request.messages[-1].content[0].text
+        if last.startswith("You are summarizing"):
+            self.summaries += 1
+            return reply(f"<summary>S{self.summaries}</summary>", total=100)
+        return reply("ok", total=900)
+
+    def summary_requests(self) -> list[str]:
+        return [repr(r.messages) for r in self.requests if not r.tools and r.tool_choice == "none"]
+
+
+def _notes(count: int, size: int) -> list[Message]:
+    """A history of `count` notes (each `size` bytes, with its own code word) and their answers;
+    the last answer used most of a 1,000-token window."""
+    history: list[Message] = []
+    for i in range(count):
+        history += [user_text(f"note-{i}: " + "n" * size), reply(f"noted {i}", total=850)]
+    return history
+
+
+async def test_older_history_too_big_for_one_summary_call_is_summarised_in_chunks() -> None:
+    """Issue 45 §2: every older message reaches a summary call (the oldest were dropped to fit
+    one call in half the window); each chunk's call is given the summary so far."""
+    llm, rec, messages = Summariser(), Recorder(), _notes(8, 400)
+    with anyio.fail_after(5):
+        await run_loop([user_text("what was note 0?")], messages, _compaction_config(), llm, FakeTools(), rec)
+    done = rec.of("compaction_complete")[0]
+    summaries = llm.summary_requests()
+    assert done.compacted and done.left_out == 0 and done.summary_calls == len(summaries) > 1
+    assert all(any(f"note-{i}:" in s for s in summaries) for i in range(7))  # note 7 is the kept turn
+    assert all(f"S{n}" in summaries[n] for n in range(1, len(summaries)))  # the summary so far
+    assert done.usage.total == 100 * len(summaries)
+    assert isinstance(messages[0], CompactionSummaryMessage) and messages[0].summary == f"S{len(summaries)}"
+
+
+async def test_a_turn_too_big_for_any_summary_call_is_reported_left_out() -> None:
+    llm, rec = Summariser(), Recorder()
+    messages = [user_text("huge: " + "h" * 8000), reply("seen", total=100), *_notes(2, 100)]
+    with anyio.fail_after(5):
+        await run_loop([user_text("and now?")], messages, _compaction_config(), llm, FakeTools(), rec)
+    done = rec.of("compaction_complete")[0]
+    assert done.compacted and done.left_out == 1
+    assert not any("huge:" in s for s in llm.summary_requests())
+    assert any("note-0:" in s for s in llm.summary_requests())
