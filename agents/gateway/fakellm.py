@@ -14,8 +14,8 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
      "echo": true,             # no step, no rule: reply "echo: <last user text>"
      "models": ["fake-model"], # GET /v1/models lists these (the request's `model` is ignored)
      "context_window": 0,      # >0: /v1/models (meta.n_ctx) and /props (n_ctx) report it, and a
-                               # prompt estimated longer (JSON bytes / 4) gets llama.cpp's HTTP 400
-                               # `exceed_context_size_error` with `n_ctx`
+                               # prompt counted longer (JSON bytes / bytes_per_token) gets
+                               # llama.cpp's HTTP 400 `exceed_context_size_error` with `n_ctx`
      "close_after_stream": false,  # true: like llama.cpp, the connection is dead after a stream
                                # (without saying so): the next request on it gets no answer
      "close_idle_after": 0.0,  # >0: a keep-alive connection idle this many seconds is closed
@@ -26,9 +26,12 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
      "strict_tool_json": false, # true: like llama.cpp, a request whose history holds a tool call
                                # whose arguments are not JSON gets HTTP 500 "Failed to parse tool
                                # call arguments as JSON" (`--strict-tool-json`)
-     "cut_at_max_tokens": false}  # true: a reply longer than the request's `max_tokens` is cut
+     "cut_at_max_tokens": false,  # true: a reply longer than the request's `max_tokens` is cut
                                # there, finish `length` (a tool call mid-arguments, unterminated
                                # JSON), as a real server does (`--cut-at-max-tokens`)
+     "bytes_per_token": 4.0}   # the fake tokenizer: usage, the window and `max_tokens` count
+                               # JSON bytes / this; real ones count fewer bytes a token for digits
+                               # (2.75 measured on number-heavy text) (`--bytes-per-token`)
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -88,7 +91,7 @@ from html import escape
 from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import click
 import msgspec
@@ -173,6 +176,8 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     close_delimited: bool = False  # streams end by closing the connection (no length, no chunks)
     strict_tool_json: bool = False  # HTTP 500 for a history holding tool-call arguments not JSON
     cut_at_max_tokens: bool = False  # replies cut at the request's `max_tokens` (finish `length`)
+    # the fake tokenizer: prompts, replies, the window and `max_tokens` are counted with it
+    bytes_per_token: Annotated[float, msgspec.Meta(gt=0)] = 4.0
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -353,21 +358,26 @@ def _split(text: str, size: int) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
-def _usage(reply: Reply, body: dict[str, Any]) -> FakeUsage:
+def _usage(reply: Reply, body: dict[str, Any], bytes_per_token: float = 4.0) -> FakeUsage:
     if reply.usage is not None:
         return reply.usage
-    prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1
-    out = (
-        len(reply.text) + len(reply.thinking) + sum(len(c.arguments_json()) for c in reply.tool_calls)
-    ) // 4 + 1
-    return FakeUsage(input=prompt, output=out)
+    out = (len(reply.text) + len(reply.thinking) + sum(len(c.arguments_json()) for c in reply.tool_calls))
+    return FakeUsage(input=prompt_tokens(body, bytes_per_token), output=int(out / bytes_per_token) + 1)
 
 
-def cut_reply(reply: Reply, max_tokens: int) -> Reply:
+def prompt_tokens(body: dict[str, Any], bytes_per_token: float = 4.0) -> int:
+    """The fake tokenizer's count of a request's prompt: the JSON bytes of its messages, system
+    prompt (Anthropic's) and tools (a real server's template puts them in the prompt too) /
+    `bytes_per_token`."""
+    size = sum(len(json.dumps(body[key])) for key in ("messages", "system", "tools") if body.get(key))
+    return int(size / bytes_per_token) + 1
+
+
+def cut_reply(reply: Reply, max_tokens: int, bytes_per_token: float = 4.0) -> Reply:
     """`reply` as a server with `max_tokens` sends it: cut where its output reaches the limit
     (thinking, text, then each tool call's arguments), finish `length`. A call cut mid-arguments
     keeps its unterminated JSON, as llama.cpp streams it; calls past the cut are dropped."""
-    budget = max(1, max_tokens) * 4  # the fake's tokenizer: 4 bytes a token (see `_usage`)
+    budget = int(max(1, max_tokens) * bytes_per_token)  # the fake's tokenizer (see `_usage`)
     calls = [c.arguments_json() for c in reply.tool_calls]
     if len(reply.thinking) + len(reply.text) + sum(map(len, calls)) <= budget:
         return reply
@@ -928,10 +938,7 @@ class _Connection(asyncio.Protocol):
         if step.fail is not None:
             await self._fail(api, step.fail, stream, model, body)
             return
-        reply = step.reply or Reply()
-        max_tokens = body.get("max_tokens")
-        if self.owner.script.cut_at_max_tokens and isinstance(max_tokens, int) and not reply.sse:
-            reply = cut_reply(reply, max_tokens)
+        reply = self._fitted(step.reply or Reply(), body)
         if stream:
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
@@ -941,6 +948,19 @@ class _Connection(asyncio.Protocol):
         else:
             self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
 
+    def _fitted(self, reply: Reply, body: dict[str, Any]) -> Reply:
+        """`reply` as this server sends it: cut at `max_tokens` (`cut_at_max_tokens`), its usage
+        counted by the script's tokenizer (`bytes_per_token`) unless the step gives one."""
+        if reply.sse:
+            return reply
+        script = self.owner.script
+        max_tokens = body.get("max_tokens")
+        if script.cut_at_max_tokens and isinstance(max_tokens, int):
+            reply = cut_reply(reply, max_tokens, script.bytes_per_token)
+        if reply.usage is None:
+            reply = msgspec.structs.replace(reply, usage=_usage(reply, body, script.bytes_per_token))
+        return reply
+
     def _refusal(self, api: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """What llama.cpp refuses before it generates anything, as (status, body): a prompt
         past the window (400), a history holding tool-call arguments that are not JSON (500)."""
@@ -948,7 +968,7 @@ class _Connection(asyncio.Protocol):
         window = script.context_window
         # Sized only against a window: re-encoding the whole conversation per request was 30%
         # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
-        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1 if window else 0
+        prompt = prompt_tokens(body, script.bytes_per_token) if window else 0
         if window and prompt > window:
             message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
                        "try increasing it")
@@ -1290,14 +1310,19 @@ class FakeLLMServer:
 @click.option("--cut-at-max-tokens", is_flag=True, default=False,
               help="Cut a reply at the request's max_tokens (finish `length`, a tool call's "
                    "arguments mid-JSON), as a real server does.")
+@click.option("--bytes-per-token", type=click.FloatRange(min=0.5), default=None,
+              help="The fake tokenizer's bytes a token (default: the script's, 4); real tokenizers "
+                   "count fewer for number-heavy text (2.75).")
 def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool,
-                     strict_tool_json: bool, cut_at_max_tokens: bool) -> None:
+                     strict_tool_json: bool, cut_at_max_tokens: bool, bytes_per_token: float | None) -> None:
     """Serve a scripted fake OpenAI + Anthropic API (for demos and tests)."""
     script = load_script(script_path) if script_path else demo_script()
     # a flag turns a quirk on; it never turns off what the script asks for
     quirks = {"close_delimited": close_delimited, "strict_tool_json": strict_tool_json,
               "cut_at_max_tokens": cut_at_max_tokens}
     script = msgspec.structs.replace(script, **{k: True for k, on in quirks.items() if on})
+    if bytes_per_token is not None:
+        script = msgspec.structs.replace(script, bytes_per_token=bytes_per_token)
     server = FakeLLMServer(script, host=host, port=port)
     # One JSON ready line first (`busctl up` and tests wait for it), then a human line.
     click.echo(json.dumps({"ready": "fake-llm", "base_url": server.base_url}))

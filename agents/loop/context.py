@@ -492,12 +492,85 @@ def estimate_usage(request: LlmRequest, content: Sequence[AssistantContent]) -> 
               _utf8_len(p.name) + _utf8_len(p.arguments) for p in content)
     if not out:
         return Usage()
-    sent = (len(msgspec.json.encode(request.messages)) + _utf8_len(request.system_prompt)
-            + len(msgspec.json.encode(request.tools)))
-    usage = Usage(input=math.ceil(sent / BYTES_PER_TOKEN), output=math.ceil(out / BYTES_PER_TOKEN),
-                  estimated=True)
+    usage = Usage(input=request_tokens(request), output=math.ceil(out / BYTES_PER_TOKEN), estimated=True)
     usage.total = usage.input + usage.output
     return usage
+
+
+def request_tokens(request: LlmRequest) -> int:
+    """A request's prompt, estimated (4 bytes a token): its messages, system prompt and tools."""
+    return history_tokens(request.messages) + fixed_tokens(request.system_prompt, request.tools)
+
+
+def fixed_tokens(system_prompt: str, tools: Sequence[Any]) -> int:
+    """What every model call of a run carries besides the history, estimated (4 bytes a token)."""
+    return math.ceil((_utf8_len(system_prompt) + len(msgspec.json.encode(tools))) / BYTES_PER_TOKEN)
+
+
+# --- the estimate, calibrated ---------------------------------------------------------------
+
+#: No request goes out estimated above this share of the window: the rest is the reply's room.
+PROMPT_CEILING = 0.9
+
+
+@dataclass(frozen=True)
+class TokenRate:
+    """Real tokens per estimated token (the estimate counts 4 bytes of JSON a token), measured on
+    a real `usage`: a tokenizer counts number-heavy text at ~2.75 bytes a token, so the bare
+    estimate under-read it and compaction came late (a prompt went out at 95% of the window).
+    `tokens` turns an estimate into real tokens; `budget` a real budget into estimated ones
+    (what the history helpers count in)."""
+
+    scale: float = 1.0
+    measured: bool = False
+    #: Measured on a whole prompt (the history and what every call carries: the system prompt,
+    #: the tools), not only on the history's growth between two replies.
+    whole: bool = False
+
+    @staticmethod
+    def of(prompt_tokens: int, estimated: int, *, whole: bool = True) -> TokenRate:
+        """The rate a real prompt of `prompt_tokens` for an estimate of `estimated` shows;
+        bounded, so one odd reading (a server's usage of another thing) cannot run away."""
+        scale = min(4.0, max(0.5, prompt_tokens / max(1, estimated)))
+        return TokenRate(scale, measured=True, whole=whole)
+
+    def tokens(self, estimated: int) -> int:
+        return math.ceil(estimated * self.scale)
+
+    def budget(self, tokens: int) -> int:
+        return math.floor(tokens / self.scale)
+
+
+def prompt_tokens(usage: Usage) -> int:
+    """The real prompt tokens a reply's usage reports (0: none, or only an estimate)."""
+    return 0 if usage.estimated else usage.input + usage.cache_read + usage.cache_write
+
+
+def history_rate(messages: Sequence[Message], fixed: int | None = None) -> TokenRate:
+    """The rate the last real usage of this history shows. With `fixed` (the estimate of what
+    every call carries beside the history: the system prompt, the tools): the prompt of its
+    newest reply that reported one, over the estimate of what was sent for it. Without: the
+    growth between the two newest such replies, which does not depend on it. Only replies newer
+    than the last compaction count (the history before an older one is not what was sent).
+    Nothing to measure: the bare estimate."""
+    compacted = max((m.timestamp for m in messages if isinstance(m, CompactionSummaryMessage)), default=0.0)
+    seen: list[tuple[int, int]] = []  # (real prompt, estimate of the messages before it)
+    for k in range(len(messages) - 1, -1, -1):
+        reply = messages[k]
+        if isinstance(reply, AssistantMessage) and reply.timestamp > compacted and prompt_tokens(reply.usage):
+            seen.append((prompt_tokens(reply.usage), history_tokens(messages[:k])))
+            if fixed is not None or len(seen) == 2:
+                break
+    if fixed is not None and seen:
+        return TokenRate.of(seen[0][0], seen[0][1] + fixed)
+    if len(seen) == 2 and seen[0][1] - seen[1][1] >= MIN_RATE_SPAN:
+        return TokenRate.of(seen[0][0] - seen[1][0], seen[0][1] - seen[1][1], whole=False)
+    return TokenRate()
+
+
+#: The least growth (estimated tokens) between two replies that measures a rate: a few tokens
+#: of a short reply say little about the tokenizer.
+MIN_RATE_SPAN = 100
 
 
 def estimate_tokens(message: Message) -> int:
@@ -719,7 +792,13 @@ __all__ = [
     "estimate_tokens",
     "estimate_usage",
     "history_tokens",
+    "PROMPT_CEILING",
     "SUMMARY_MARGIN",
+    "TokenRate",
+    "fixed_tokens",
+    "history_rate",
+    "prompt_tokens",
+    "request_tokens",
     "SummaryChunks",
     "summary_budget",
     "summary_chunks",

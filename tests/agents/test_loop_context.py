@@ -378,3 +378,25 @@ async def test_a_turn_too_big_for_any_summary_call_is_reported_left_out() -> Non
     assert done.compacted and done.left_out == 1
     assert not any("huge:" in s for s in llm.summary_requests())
     assert any("note-0:" in s for s in llm.summary_requests())
+
+
+def _real(text: str, prompt: int) -> AssistantMessage:
+    return AssistantMessage(content=[TextPart(text)], usage=Usage(input=prompt - 10, cache_read=10), model="m")
+
+
+def test_the_rate_is_read_from_the_last_real_usage_of_the_history() -> None:
+    """Issue 45 §3: real tokens per estimated one, from the replies' reported prompts."""
+    from agent_bus.agents.loop.context import TokenRate, history_rate
+
+    note = user_text("1234 " * 400)  # 2,000 bytes: ~515 estimated tokens (4 bytes a token)
+    history: list[Message] = [user_text("hi"), _real("a", 100), note, _real("b", 100 + 750)]
+    grown = history_tokens(history[:3]) - history_tokens(history[:1])
+    assert history_rate(history).scale == pytest.approx(750 / grown)  # the growth, tools unknown
+    whole = history_rate(history, fixed=200)
+    assert whole.whole and whole.scale == pytest.approx(850 / (history_tokens(history[:3]) + 200))
+    assert whole.tokens(1000) > 1000 and whole.budget(whole.tokens(1000)) in (999, 1000)
+    # replies older than the last compaction measured another history; estimates measure nothing
+    summary = CompactionSummaryMessage(summary="s", timestamp=history[-1].timestamp + 1)  # type: ignore[attr-defined]
+    assert history_rate([summary, *history]) == TokenRate()
+    estimated = AssistantMessage(usage=Usage(input=500, estimated=True))
+    assert history_rate([user_text("x"), estimated], fixed=10) == TokenRate()
