@@ -62,6 +62,7 @@ from agent_bus.agents.loop.context import (
     messages_for_summary,
     parse_compaction,
     prompt_tokens,
+    refused_prompt,
     retained_start,
     should_compact,
     summarisable,
@@ -623,6 +624,8 @@ async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInf
     await run.emit(MessageStart(message=AssistantMessage(model=run.model)))
     reply = await _complete(run, request, _emit_delta(run))
     if is_context_exceeded(reply):
+        if refused_prompt(reply):  # the server counted the prompt: a real size to calibrate on
+            run.rate = TokenRate.of(refused_prompt(reply), estimated)
         reply = await _refit_and_retry(run, request, reply, call)
         estimated = run.sizes.total(run.messages) + fixed
     _calibrate(run, reply, estimated)

@@ -289,7 +289,7 @@ def test_a_tool_call_cut_at_max_tokens_leaves_the_session_usable(writer_topo: Re
 def test_the_first_note_survives_compaction(topo: RealTopology) -> None:
     """Eight notes continued in one session, a code word in the first: compaction summarises
     every older message (`left_out` 0), and the answer to the last question is printed."""
-    pad = "This note is long on purpose, to fill the context window of the model. " * 14
+    pad = "This note is long on purpose, to fill the context window of the model. " * 30
     compactions: list[dict] = []
     for i in range(8):
         word = "The secret code word is ZEBRA-42. " if i == 0 else ""
@@ -311,7 +311,8 @@ def test_a_number_heavy_history_never_goes_above_90_percent(topo: RealTopology) 
     the server reports it, stays within 90% of the 4,096 window."""
     prompts: list[int] = []
     for i in range(8):
-        digits = " ".join(f"{i:02d}{n * 7919 % 100000:05d}" for n in range(180))
+        # ~960 bytes; Qwen2.5 counts a digit a token: ~850 tokens, a fifth of the window
+        digits = " ".join(f"{i:02d}{n * 7919 % 100000:05d}" for n in range(120))
         ran = run(topo, *(["-c"] if i else ["--new-session"]),
                   f"Remember these numbers: {digits}. Reply only with: Noted.")
         assert ran.code == 0 and end_of(ran.events).get("stop_reason", "stop") in RAN_ITS_COURSE, ran.why

@@ -77,4 +77,6 @@ def test_number_heavy_notes_never_send_a_request_above_90_percent(topo: Topology
     # third request under 90%: its prompt (the third note) is in that history.
     after = next(body for body in dense.bodies if "numbers were noted" in str(body["messages"][:2]))
     history = prompt_tokens({"messages": after["messages"][1:]}, DENSE)
-    assert abs(compactions[0]["tokens_after"] - history) < 0.15 * history, (history, compactions[0])
+    # Never under-read (the issue: 576 reported for 1,396): an over-read only compacts early. The
+    # estimate counts a digit a token (as real tokenizers nearly do), this fake 2.75 bytes for all.
+    assert 0.85 * history <= compactions[0]["tokens_after"] <= 2 * history, (history, compactions[0])
