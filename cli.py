@@ -1567,8 +1567,9 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
 @click.option("--experiment", required=True, help="The recorded experiment to replay.")
 @click.option("--as", "target", default="", metavar="E2",
               help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
-@click.option("--live-from", type=_COUNT, default=None, metavar="TURN",
-              help="Fork: replay each run's first TURN turns, then call the live model.")
+@click.option("--live-from", type=click.IntRange(min=0, max=2**31 - 1), default=None, metavar="TURN",
+              help="Fork: replay each run's first TURN turns, then call the live model (0: "
+                   "every call live).")
 @click.option("--live-from-seq", type=click.IntRange(min=1, max=2**63 - 1), default=None,
               metavar="SEQ",
               help="Fork at a point of the log: model calls logged before event SEQ are "
@@ -1616,13 +1617,14 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     from agent_bus.bus.watch import to_stderr
 
     try:
-        fork = Fork(live_from=live_from or 0, live_from_seq=live_from_seq or 0, model=model,
+        fork = Fork(live_from=live_from, live_from_seq=live_from_seq or 0, model=model,
                     system_prompt=_system_prompt(system_prompt_file),
                     settings=dict(parse_setting(s) for s in settings))
     except ForkError as exc:
         raise click.UsageError(str(exc)) from None
     target = target or f"{experiment}.replay-{uuid.uuid4().hex[:6]}"
     tally = EventTally("busctl replay", to_stderr)  # logged events that do not decode
+    notes: list[str] = []  # token usage differences, reported apart from the comparison
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
@@ -1631,7 +1633,7 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
                     if live_tools else {}
                 return await replay_experiment(bus, experiment, target, fork=fork,
                                                live_tools=live_tools, tally=tally,
-                                               workspaces=workspaces)
+                                               workspaces=workspaces, notes=notes)
             except (ValueError, ConfigError) as exc:  # ForkError too: before anything is replayed
                 return exc  # raised here it would reach us inside an exception group
 
@@ -1642,7 +1644,10 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
         raise click.UsageError(str(divergence))
     if divergence is not None:
         raise click.ClickException(f"{experiment} replayed as {target}: {divergence}")
-    click.echo(f"{experiment} replayed as {target}: identical")
+    usage = "".join(f"\n  {note}" for note in notes)
+    if usage:  # not part of the comparison: a live call's cache split is the server's state
+        usage = f"\ntoken usage differs (compared apart; `busctl diff` shows it):{usage}"
+    click.echo(f"{experiment} replayed as {target}: identical{usage}")
 
 
 async def _cell_workspaces(peer: Any, experiment: str, target: str,

@@ -13,7 +13,8 @@ so the run diverges visibly; in a fork, the live model instead, see below). E's 
 (no parent; `ask_<agent>` runs are made again by their callers) are prompted again, one after
 another, in fresh sessions, with the same text.
 A fork (`Fork`) replays part of each run and sends the rest to the live model: with `live_from`
-N each run's first N model calls are replayed; with `live_from_seq` S the calls whose logged reply
+N each run's first N model calls are replayed (0: none; a point past every run's last call is
+refused: nothing would go live); with `live_from_seq` S the calls whose logged reply
 has seq < S are (each run goes live at its first call answered at or after S, and stays live).
 In a fork, a model request with no logged reply left (a run E did not have, such as a helper a
 live turn asks something new, or a run whose requests went another way) goes live too, with the
@@ -26,7 +27,9 @@ every coordinator's `replay@<coordinator>` service; `RecordedTools` serves them 
 and arguments, in order), except `ask_<agent>` (the callee run is replayed itself), `publish` and
 `tool_output`; with `live_tools` every tool runs again and a tool that answers differently is a
 divergence. Then E and E2 are compared event by event (`compare`): the same events except ids,
-seq, timestamps, durations and streamed deltas, or the first divergence. Order that means nothing
+seq, timestamps, durations, streamed deltas and token usage (content first: a live call's usage
+is the server's, e.g. its cache split; `usage_notes` lists the differences apart), or the first
+divergence. Order that means nothing
 is not compared: runs are taken in call order (`in_call_order`: the runs parallel `ask_<agent>`
 calls started, in the order of the calls), and a tool batch's events by call (`canonical_events`:
 parallel calls end in the order they finish). `busctl diff` uses the same comparison, so both say
@@ -528,13 +531,14 @@ class ForkError(ConfigError, ValueError):
 class Fork:
     """Where a replay goes live and what its live part changes (`busctl replay` options).
 
-    `live_from` N: each run's first N model calls are replayed; `live_from_seq` S: the calls
-    whose logged reply has seq >= S go live (a run stays live from its first one). `model`: the
+    `live_from` N: each run's first N model calls are replayed (0: none, every call is live);
+    `live_from_seq` S: the calls whose logged reply has seq >= S go live (a run stays live from
+    its first one). `model`: the
     alias of every live call. `system_prompt`: the prompted agents' (those of the experiment's
     top-level runs) for their live calls. `settings`: `"agent.key"` -> value (a string is
     converted), a key of `SETTABLE`."""
 
-    live_from: int = 0
+    live_from: int | None = None  # 0: every call live
     live_from_seq: int = 0
     model: str = ""
     system_prompt: str | None = None
@@ -542,7 +546,7 @@ class Fork:
 
     def __post_init__(self) -> None:
         """The problems the options show alone (the rest need the experiment: `plan_fork`)."""
-        if self.live_from and self.live_from_seq:
+        if self.live_from is not None and self.live_from_seq:
             raise ForkError("--live-from and --live-from-seq both say where the fork starts: "
                             "give one")
         if not self.forks and (self.model or self.system_prompt is not None or self.settings):
@@ -551,7 +555,14 @@ class Fork:
 
     @property
     def forks(self) -> bool:
-        return bool(self.live_from or self.live_from_seq)
+        return self.live_from is not None or bool(self.live_from_seq)
+
+    def live_seq(self, runs: Sequence[RecordedRun]) -> int:
+        """The seq from which logged replies are live (0: none by seq). `--live-from 0` is
+        every call live: the first seq of the runs, at or before every reply."""
+        if self.live_from == 0:
+            return min((r.first_seq for r in runs), default=0) or 1
+        return self.live_from_seq
 
 
 @dataclass
@@ -579,6 +590,7 @@ def plan_fork(fork: Fork, runs: Sequence[RecordedRun], source: str) -> ForkPlan:
         return ForkPlan()
     if fork.live_from_seq:
         _check_seq(fork.live_from_seq, runs, source)
+    _check_goes_live(fork, runs, source)
     agents = {r.agent for r in runs}
     prompted = sorted({r.agent for r in runs if not r.parent})
     values: dict[str, dict[str, Any]] = {}
@@ -603,6 +615,20 @@ def _check_seq(seq: int, runs: Sequence[RecordedRun], source: str) -> None:
         raise ForkError(f"--live-from-seq {seq}: experiment `{source}`'s events are seqs "
                         f"{first}-{last}; give one of them (`busctl watch --experiment "
                         f"{source} --no-follow` shows each event's seq)")
+
+
+def _check_goes_live(fork: Fork, runs: Sequence[RecordedRun], source: str) -> None:
+    """A fork point past every run's last model call forks nothing: every call would be
+    replayed, and --model / --set would change nothing (it said "identical")."""
+    most = max((len(r.replies) for r in runs), default=0)
+    if fork.live_from and fork.live_from >= most:
+        raise ForkError(f"--live-from {fork.live_from}: no model call would go live: each run of "
+                        f"`{source}` made at most {most} model calls, all replayed; give "
+                        f"--live-from 0 to {max(0, most - 1)} (0: every call live)")
+    last = max((seq for r in runs for seq in r.reply_seqs), default=0)
+    if fork.live_from_seq > last:
+        raise ForkError(f"--live-from-seq {fork.live_from_seq}: no model call would go live: the "
+                        f"last model reply of `{source}` is seq {last}; give a seq at or before it")
 
 
 def _setting_name(name: str, value: Any, agents: set[str], source: str) -> tuple[str, str]:
@@ -699,7 +725,7 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
                          + "; ".join(r.distrust for r in logged_runs))
     plan = plan_fork(fork, runs, source)
     load = ReplayLoad(experiment=target, source=source,
-                      entries=book(runs, fork.live_from_seq), live_after=fork.live_from,
+                      entries=book(runs, fork.live_seq(runs)), live_after=fork.live_from or 0,
                       model=fork.model, overrides=plan.overrides, fork=fork.forks)
     try:
         await peer.request(REPLAY_SERVICE, msgspec.msgpack.encode(load), timeout=10)
@@ -721,15 +747,16 @@ async def prepare(peer: Peer, source: str, target: str, *, fork: Fork | None = N
 async def replay_experiment(bus: PromptingBus, source: str, target: str, *, fork: Fork | None = None,
                             live_tools: bool = False, tally: ev.EventTally | None = None,
                             only: Collection[str] = (),
-                            workspaces: Mapping[str, RunWorkspace] | None = None
-                            ) -> Divergence | None:
+                            workspaces: Mapping[str, RunWorkspace] | None = None,
+                            notes: list[str] | None = None) -> Divergence | None:
     """Replay `source` as `target` (see the module doc); the first divergence, or None.
 
     A `fork` replays part of each run and calls the live model for the rest (see `Fork`).
     `only`: just these top-level runs (with the runs they asked), e.g. one sample of a
     `busctl experiment`. `workspaces`: the workspace each top-level run (by its logged id) is
     prompted with (a `busctl experiment` cell's, for live tools: the log has only its id).
-    Logged events that do not decode are skipped and counted in `tally`."""
+    Logged events that do not decode are skipped and counted in `tally`. `notes` gets the
+    token usage differences, which the comparison leaves out (see `usage_notes`)."""
     if await load_experiment(bus.peer, target, tally):
         raise ValueError(f"experiment `{target}` already has runs in the log; name a new one "
                          f"with --as")
@@ -750,7 +777,10 @@ async def replay_experiment(bus: PromptingBus, source: str, target: str, *, fork
         async for _ in started.events():
             pass  # to its agent_end: then it is in the log
         await started.result()
-    return compare(runs, await load_experiment(bus.peer, target, tally))
+    replayed = await load_experiment(bus.peer, target, tally)
+    if notes is not None:
+        notes += usage_notes(runs, replayed)
+    return compare(runs, replayed)
 
 
 def _trees(runs: Sequence[RecordedRun], tops: Collection[str]) -> list[RecordedRun]:
@@ -803,10 +833,37 @@ def _comparable(run: RecordedRun) -> tuple[list[tuple[str, dict[str, Any]]], dic
     for reply in run.replies:
         for call in reply.tool_calls:
             numbers.setdefault(call.id, f"#{len(numbers) + 1}")
-    events = canonical_events(run.events)
+    events = [(kind, _content(body)) for kind, body in canonical_events(run.events)]
     if numbers:
         events = [(kind, _renumbered(body, numbers)) for kind, body in events]
     return events, {number: call_id for call_id, number in numbers.items()}
+
+
+def _content(body: dict[str, Any]) -> dict[str, Any]:
+    """An event body without its token usage (the event's, its message's): compared apart
+    (`usage_notes`, `diff`'s `tokens`). A live call's usage is not the run's content: with the
+    same answer, the split of cached tokens is the server's cache state (`cache_read 40 != 24`)."""
+    if "usage" not in body and not isinstance(body.get("message"), dict):
+        return body
+    kept = {k: v for k, v in body.items() if k != "usage"}
+    if isinstance(kept.get("message"), dict):
+        kept["message"] = {k: v for k, v in kept["message"].items() if k != "usage"}
+    return kept
+
+
+def usage_notes(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> list[str]:
+    """Each pair of runs (in start order) whose billed tokens differ: `run 1 (agent): tokens
+    250 -> 262 (input 200 -> 222, cache_read 40 -> 24)`."""
+    notes = []
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        ux, uy = x.usage, y.usage
+        parts = [f"{k} {getattr(ux, k)} -> {getattr(uy, k)}" for k in ("input", "output", "cache_read",
+                                                                      "cache_write")
+                 if getattr(ux, k) != getattr(uy, k)]
+        if parts:
+            notes.append(f"run {index + 1} ({x.agent}): tokens {ux.total} -> {uy.total} "
+                         f"({', '.join(parts)})")
+    return notes
 
 
 def _renumbered(value: Any, numbers: dict[str, str]) -> Any:
@@ -984,4 +1041,5 @@ __all__ = [
     "request_key",
     "tool_book",
     "tool_key",
+    "usage_notes",
 ]

@@ -102,9 +102,14 @@ class CompactionComplete(_Event, tag="compaction_complete"):
     compacted: bool = False
     tokens_before: int = 0
     tokens_after: int = 0  # the history's estimated size after compaction (0: not compacted)
-    #: What the summary call billed, and its model (no call: empty); part of the run's totals.
+    #: What the summary calls billed, and their model (no call: empty); part of the run's totals.
     usage: Usage = msgspec.field(default_factory=Usage)
     model: str = ""
+    #: Summary calls made: more than one when the older history did not fit one call (each
+    #: summarised a chunk, given the summary so far).
+    summary_calls: int = 0
+    #: Older messages the summary does not cover (0: none): a turn alone too big for any call.
+    left_out: int = 0
 
 
 class LlmRetry(_Event, tag="llm_retry"):

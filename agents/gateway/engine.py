@@ -92,6 +92,15 @@ _CONTEXT_ERROR = re.compile(
     r"exceeds the available context|context (length|window|size)",
     re.IGNORECASE,
 )
+# A 400/500 saying the server could not parse the *request* (llama.cpp's "Failed to parse tool
+# call arguments as JSON", a JSON body a proxy could not read): the same request fails the same
+# way again, so it is not retried. Not "Failed to parse input at pos N": that is llama.cpp failing
+# on the model's own output, which the next attempt may write otherwise.
+_UNPARSEABLE_REQUEST = re.compile(
+    r"tool call arguments as json|(parse|decode) (the |your )?(json|request)|"
+    r"invalid json|malformed json|json\.exception\.parse_error",
+    re.IGNORECASE,
+)
 NO_MODEL_ERROR = (
     "no model is configured for the LLM gateway. Set `OPENAI_API_KEY` (optionally `OPENAI_BASE_URL` "
     "and `OPENAI_MODEL`; `OPENAI_BASE_URL` alone is enough for a local server such as Ollama or "
@@ -899,8 +908,9 @@ async def _status_failure(
 ) -> _AttemptFailed:
     body = await _read_limited(response)
     status = response.status_code
-    retryable = status in policy.retry_statuses
     text = provider_error_text(body, redactor)
+    unparseable = status in (400, 500) and _UNPARSEABLE_REQUEST.search(text) is not None
+    retryable = status in policy.retry_statuses and not unparseable
     window = 0
     if status in (400, 413) and _CONTEXT_ERROR.search(text):
         # The marker lets the loop compact and retry once instead of failing the run.

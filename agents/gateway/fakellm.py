@@ -14,15 +14,24 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
      "echo": true,             # no step, no rule: reply "echo: <last user text>"
      "models": ["fake-model"], # GET /v1/models lists these (the request's `model` is ignored)
      "context_window": 0,      # >0: /v1/models (meta.n_ctx) and /props (n_ctx) report it, and a
-                               # prompt estimated longer (JSON bytes / 4) gets llama.cpp's HTTP 400
-                               # `exceed_context_size_error` with `n_ctx`
+                               # prompt counted longer (JSON bytes / bytes_per_token) gets
+                               # llama.cpp's HTTP 400 `exceed_context_size_error` with `n_ctx`
      "close_after_stream": false,  # true: like llama.cpp, the connection is dead after a stream
                                # (without saying so): the next request on it gets no answer
      "close_idle_after": 0.0,  # >0: a keep-alive connection idle this many seconds is closed
                                # (a server's keep-alive timeout)
-     "close_delimited": false}  # true: streams go out with `Connection: close`, no length and
+     "close_delimited": false,  # true: streams go out with `Connection: close`, no length and
                                # no chunking, and end when the server closes (legal HTTP/1.1;
                                # simple servers and proxies do it). `busctl fake-llm --close-delimited`
+     "strict_tool_json": false, # true: like llama.cpp, a request whose history holds a tool call
+                               # whose arguments are not JSON gets HTTP 500 "Failed to parse tool
+                               # call arguments as JSON" (`--strict-tool-json`)
+     "cut_at_max_tokens": false,  # true: a reply longer than the request's `max_tokens` is cut
+                               # there, finish `length` (a tool call mid-arguments, unterminated
+                               # JSON), as a real server does (`--cut-at-max-tokens`)
+     "bytes_per_token": 4.0}   # the fake tokenizer: usage, the window and `max_tokens` count
+                               # JSON bytes / this; real ones count fewer bytes a token for digits
+                               # (2.75 measured on number-heavy text) (`--bytes-per-token`)
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -82,7 +91,7 @@ from html import escape
 from http import HTTPStatus
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import click
 import msgspec
@@ -165,6 +174,10 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     close_after_stream: bool = False  # drop the next request on a connection that streamed
     close_idle_after: float = 0.0  # >0: close a keep-alive connection idle this long (seconds)
     close_delimited: bool = False  # streams end by closing the connection (no length, no chunks)
+    strict_tool_json: bool = False  # HTTP 500 for a history holding tool-call arguments not JSON
+    cut_at_max_tokens: bool = False  # replies cut at the request's `max_tokens` (finish `length`)
+    # the fake tokenizer: prompts, replies, the window and `max_tokens` are counted with it
+    bytes_per_token: Annotated[float, msgspec.Meta(gt=0)] = 4.0
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -345,14 +358,57 @@ def _split(text: str, size: int) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)]
 
 
-def _usage(reply: Reply, body: dict[str, Any]) -> FakeUsage:
+def _usage(reply: Reply, body: dict[str, Any], bytes_per_token: float = 4.0) -> FakeUsage:
     if reply.usage is not None:
         return reply.usage
-    prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1
-    out = (
-        len(reply.text) + len(reply.thinking) + sum(len(c.arguments_json()) for c in reply.tool_calls)
-    ) // 4 + 1
-    return FakeUsage(input=prompt, output=out)
+    out = (len(reply.text) + len(reply.thinking) + sum(len(c.arguments_json()) for c in reply.tool_calls))
+    return FakeUsage(input=prompt_tokens(body, bytes_per_token), output=int(out / bytes_per_token) + 1)
+
+
+def prompt_tokens(body: dict[str, Any], bytes_per_token: float = 4.0) -> int:
+    """The fake tokenizer's count of a request's prompt: the JSON bytes of its messages, system
+    prompt (Anthropic's) and tools (a real server's template puts them in the prompt too) /
+    `bytes_per_token`."""
+    size = sum(len(json.dumps(body[key])) for key in ("messages", "system", "tools") if body.get(key))
+    return int(size / bytes_per_token) + 1
+
+
+def cut_reply(reply: Reply, max_tokens: int, bytes_per_token: float = 4.0) -> Reply:
+    """`reply` as a server with `max_tokens` sends it: cut where its output reaches the limit
+    (thinking, text, then each tool call's arguments), finish `length`. A call cut mid-arguments
+    keeps its unterminated JSON, as llama.cpp streams it; calls past the cut are dropped."""
+    budget = int(max(1, max_tokens) * bytes_per_token)  # the fake's tokenizer (see `_usage`)
+    calls = [c.arguments_json() for c in reply.tool_calls]
+    if len(reply.thinking) + len(reply.text) + sum(map(len, calls)) <= budget:
+        return reply
+    thinking = reply.thinking[:budget]
+    text = reply.text[:budget - len(thinking)]
+    left = budget - len(thinking) - len(text)
+    cut: list[FakeToolCall] = []
+    for call, arguments in zip(reply.tool_calls, calls, strict=True):
+        if left <= 0:
+            break
+        cut.append(msgspec.structs.replace(call, arguments=arguments[:left]))
+        left -= len(arguments)
+    return msgspec.structs.replace(reply, thinking=thinking, text=text, tool_calls=cut, finish="length")
+
+
+def bad_tool_json(messages: Any) -> str | None:
+    """llama.cpp's error for the first tool call of an OpenAI-format history whose arguments are
+    not JSON (its chat template parses them all), else None."""
+    for message in messages if isinstance(messages, list) else ():
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            arguments = (call.get("function") or {}).get("arguments") if isinstance(call, dict) else None
+            if not isinstance(arguments, str):
+                continue
+            try:
+                json.loads(arguments)
+            except json.JSONDecodeError as exc:
+                return ("Failed to parse tool call arguments as JSON: [json.exception.parse_error.101] "
+                        f"parse error at line {exc.lineno}, column {exc.colno}: "
+                        f"syntax error while parsing value; last read: '{arguments[-40:]}'")
+    return None
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:
@@ -534,7 +590,7 @@ def anthropic_json(reply: Reply, model: str, body: dict[str, Any]) -> dict[str, 
                 "type": "tool_use",
                 "id": cid,
                 "name": call.name,
-                "input": json.loads(call.arguments_json() or "{}"),
+                "input": _object_or_empty(call.arguments_json()),
             }
         )
     u = _usage(reply, body)
@@ -548,6 +604,14 @@ def anthropic_json(reply: Reply, model: str, body: dict[str, Any]) -> dict[str, 
         "stop_sequence": None,
         "usage": {"input_tokens": u.input, "output_tokens": u.output, "cache_read_input_tokens": u.cached},
     }
+
+
+def _object_or_empty(arguments: str) -> Any:
+    """A tool_use block's `input`: the arguments, or {} for a call cut mid-JSON."""
+    try:
+        return json.loads(arguments or "{}")
+    except ValueError:
+        return {}
 
 
 def error_body(api: str, status: int, message: str) -> dict[str, Any]:
@@ -865,32 +929,57 @@ class _Connection(asyncio.Protocol):
 
     async def _serve(self, api: str, body: dict[str, Any], step: Step, record: RecordedRequest) -> None:
         await self._pause(step.delay)
+        refusal = self._refusal(api, body)
+        if refusal is not None:
+            self._send_json(*refusal)
+            return
         stream = bool(body.get("stream"))
         model = str(body.get("model") or "fake-model")
-        window = self.owner.script.context_window
-        # Sized only against a window: re-encoding the whole conversation per request was 30%
-        # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
-        prompt = len(json.dumps(body.get("messages") or [])) // 4 + 1 if window else 0
-        if window and prompt > window:
-            message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
-                       "try increasing it")
-            error = {"code": 400, "message": message, "type": "exceed_context_size_error",
-                     "n_prompt_tokens": prompt, "n_ctx": window}
-            self.owner._count_refusal()
-            self._send_json(400, {"error": error})
-            return
         if step.fail is not None:
             await self._fail(api, step.fail, stream, model, body)
-        elif stream:
-            reply = step.reply or Reply()
+            return
+        reply = self._fitted(step.reply or Reply(), body)
+        if stream:
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
             await self._stream(events, reply.chunk_delay, gzip=reply.gzip)
             record.usage = None if reply.sse else _usage(reply, body)
             self._dead = self.owner.script.close_after_stream
         else:
-            reply = step.reply or Reply()
             self._send_json(200, (openai_json if api == "openai" else anthropic_json)(reply, model, body))
+
+    def _fitted(self, reply: Reply, body: dict[str, Any]) -> Reply:
+        """`reply` as this server sends it: cut at `max_tokens` (`cut_at_max_tokens`), its usage
+        counted by the script's tokenizer (`bytes_per_token`) unless the step gives one."""
+        if reply.sse:
+            return reply
+        script = self.owner.script
+        max_tokens = body.get("max_tokens")
+        if script.cut_at_max_tokens and isinstance(max_tokens, int):
+            reply = cut_reply(reply, max_tokens, script.bytes_per_token)
+        if reply.usage is None:
+            reply = msgspec.structs.replace(reply, usage=_usage(reply, body, script.bytes_per_token))
+        return reply
+
+    def _refusal(self, api: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+        """What llama.cpp refuses before it generates anything, as (status, body): a prompt
+        past the window (400), a history holding tool-call arguments that are not JSON (500)."""
+        script = self.owner.script
+        window = script.context_window
+        # Sized only against a window: re-encoding the whole conversation per request was 30%
+        # of the fake's Python time at 1,000 sessions (bench_scale, py-spy --gil; issue 32).
+        prompt = prompt_tokens(body, script.bytes_per_token) if window else 0
+        if window and prompt > window:
+            message = (f"request ({prompt} tokens) exceeds the available context size ({window} tokens), "
+                       "try increasing it")
+            self.owner._count_refusal()
+            return 400, {"error": {"code": 400, "message": message, "type": "exceed_context_size_error",
+                                   "n_prompt_tokens": prompt, "n_ctx": window}}
+        bad = bad_tool_json(body.get("messages")) if api == "openai" and script.strict_tool_json else None
+        if bad is not None:
+            self.owner._count_tool_json_refusal()
+            return 500, {"error": {"code": 500, "message": bad, "type": "server_error"}}
+        return None
 
     async def _fail(self, api: str, fail: Fail, stream: bool, model: str, body: dict[str, Any]) -> None:
         key = request_key(self.headers)
@@ -1032,6 +1121,7 @@ class FakeLLMServer:
         self.dropped = 0  # requests dropped unanswered on a connection dead after its stream
         self.idle_closed = 0  # keep-alive connections closed after `close_idle_after` idle
         self.context_refusals = 0  # HTTP 400 answers to prompts longer than `context_window`
+        self.tool_json_refusals = 0  # HTTP 500 answers to histories with tool-call arguments not JSON
         self._cursor = 0
         self._lock = threading.Condition()
         self._stopping = threading.Event()
@@ -1171,6 +1261,10 @@ class FakeLLMServer:
         with self._lock:
             self.context_refusals += 1
 
+    def _count_tool_json_refusal(self) -> None:
+        with self._lock:
+            self.tool_json_refusals += 1
+
     def _begin(self, path: str, headers: dict[str, str], body: Any) -> RecordedRequest:
         record = RecordedRequest(path=path, headers=headers, body=body, started=time.monotonic())
         with self._lock:
@@ -1210,11 +1304,25 @@ class FakeLLMServer:
 @click.option("--close-delimited", is_flag=True, default=False,
               help="Stream replies with `Connection: close` and end each by closing the connection "
                    "(no length, no chunking), as simple servers and proxies do.")
-def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool) -> None:
+@click.option("--strict-tool-json", is_flag=True, default=False,
+              help="As llama.cpp: HTTP 500 for a request whose history holds tool-call arguments "
+                   "that are not JSON.")
+@click.option("--cut-at-max-tokens", is_flag=True, default=False,
+              help="Cut a reply at the request's max_tokens (finish `length`, a tool call's "
+                   "arguments mid-JSON), as a real server does.")
+@click.option("--bytes-per-token", type=click.FloatRange(min=0.5), default=None,
+              help="The fake tokenizer's bytes a token (default: the script's, 4); real tokenizers "
+                   "count fewer for number-heavy text (2.75).")
+def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool,
+                     strict_tool_json: bool, cut_at_max_tokens: bool, bytes_per_token: float | None) -> None:
     """Serve a scripted fake OpenAI + Anthropic API (for demos and tests)."""
     script = load_script(script_path) if script_path else demo_script()
-    if close_delimited:
-        script = msgspec.structs.replace(script, close_delimited=True)
+    # a flag turns a quirk on; it never turns off what the script asks for
+    quirks = {"close_delimited": close_delimited, "strict_tool_json": strict_tool_json,
+              "cut_at_max_tokens": cut_at_max_tokens}
+    script = msgspec.structs.replace(script, **{k: True for k, on in quirks.items() if on})
+    if bytes_per_token is not None:
+        script = msgspec.structs.replace(script, bytes_per_token=bytes_per_token)
     server = FakeLLMServer(script, host=host, port=port)
     # One JSON ready line first (`busctl up` and tests wait for it), then a human line.
     click.echo(json.dumps({"ready": "fake-llm", "base_url": server.base_url}))

@@ -59,6 +59,16 @@ def context_exceeded_text(window: int, text: str) -> str:
             f"window{size}: {text}")
 
 
+_REFUSED_PROMPT = re.compile(r"request \((\d+) tokens\) exceeds")
+
+
+def refused_prompt(message: AssistantMessage) -> int:
+    """The prompt tokens a context-exceeded error counted (llama.cpp's "request (4104 tokens)
+    exceeds the available context size"; 0: it does not say): a real count to calibrate on."""
+    match = _REFUSED_PROMPT.search(message.error or "") if is_context_exceeded(message) else None
+    return int(match[1]) if match else 0
+
+
 def exceeded_window(message: AssistantMessage) -> int:
     """The window a context-exceeded error reports (0: it does not say)."""
     match = _EXCEEDED_WINDOW.search(message.error or "") if is_context_exceeded(message) else None
@@ -492,31 +502,162 @@ def estimate_usage(request: LlmRequest, content: Sequence[AssistantContent]) -> 
               _utf8_len(p.name) + _utf8_len(p.arguments) for p in content)
     if not out:
         return Usage()
-    sent = (len(msgspec.json.encode(request.messages)) + _utf8_len(request.system_prompt)
-            + len(msgspec.json.encode(request.tools)))
-    usage = Usage(input=math.ceil(sent / BYTES_PER_TOKEN), output=math.ceil(out / BYTES_PER_TOKEN),
-                  estimated=True)
+    usage = Usage(input=request_tokens(request), output=math.ceil(out / BYTES_PER_TOKEN), estimated=True)
     usage.total = usage.input + usage.output
     return usage
 
 
+def request_tokens(request: LlmRequest) -> int:
+    """A request's prompt, estimated (`json_tokens`): its messages, system prompt and tools."""
+    return history_tokens(request.messages) + fixed_tokens(request.system_prompt, request.tools)
+
+
+def fixed_tokens(system_prompt: str, tools: Sequence[Any]) -> int:
+    """What every model call of a run carries besides the history, estimated (`json_tokens`)."""
+    return json_tokens(system_prompt.encode() + msgspec.json.encode(tools))
+
+
+# --- the estimate, calibrated ---------------------------------------------------------------
+
+#: No request goes out estimated above this share of the window: the rest is the reply's room.
+PROMPT_CEILING = 0.9
+
+
+@dataclass(frozen=True)
+class TokenRate:
+    """Real tokens per estimated token (the estimate counts 4 bytes of JSON a token), measured on
+    a real `usage`: a tokenizer counts number-heavy text at ~2.75 bytes a token, so the bare
+    estimate under-read it and compaction came late (a prompt went out at 95% of the window).
+    `tokens` turns an estimate into real tokens; `budget` a real budget into estimated ones
+    (what the history helpers count in)."""
+
+    scale: float = 1.0
+    measured: bool = False
+    #: Measured on a whole prompt (the history and what every call carries: the system prompt,
+    #: the tools), not only on the history's growth between two replies.
+    whole: bool = False
+
+    @staticmethod
+    def of(prompt_tokens: int, estimated: int, *, whole: bool = True) -> TokenRate:
+        """The rate a real prompt of `prompt_tokens` for an estimate of `estimated` shows;
+        bounded, so one odd reading (a server's usage of another thing) cannot run away."""
+        scale = min(4.0, max(0.5, prompt_tokens / max(1, estimated)))
+        return TokenRate(scale, measured=True, whole=whole)
+
+    def tokens(self, estimated: int) -> int:
+        return math.ceil(estimated * self.scale)
+
+    def budget(self, tokens: int) -> int:
+        return math.floor(tokens / self.scale)
+
+
+def prompt_tokens(usage: Usage) -> int:
+    """The real prompt tokens a reply's usage reports (0: none, or only an estimate)."""
+    return 0 if usage.estimated else usage.input + usage.cache_read + usage.cache_write
+
+
+def history_rate(messages: Sequence[Message], fixed: int | None = None) -> TokenRate:
+    """The rate the last real usage of this history shows. With `fixed` (the estimate of what
+    every call carries beside the history: the system prompt, the tools): the prompt of its
+    newest reply that reported one, over the estimate of what was sent for it. Without: the
+    growth between the two newest such replies, which does not depend on it. Only replies newer
+    than the last compaction count (the history before an older one is not what was sent).
+    Nothing to measure: the bare estimate."""
+    compacted = max((m.timestamp for m in messages if isinstance(m, CompactionSummaryMessage)), default=0.0)
+    seen: list[tuple[int, int]] = []  # (real prompt, estimate of the messages before it)
+    for k in range(len(messages) - 1, -1, -1):
+        reply = messages[k]
+        if isinstance(reply, AssistantMessage) and reply.timestamp > compacted and prompt_tokens(reply.usage):
+            seen.append((prompt_tokens(reply.usage), history_tokens(messages[:k])))
+            if fixed is not None or len(seen) == 2:
+                break
+    if fixed is not None and seen:
+        return TokenRate.of(seen[0][0], seen[0][1] + fixed)
+    if len(seen) == 2 and seen[0][1] - seen[1][1] >= MIN_RATE_SPAN:
+        return TokenRate.of(seen[0][0] - seen[1][0], seen[0][1] - seen[1][1], whole=False)
+    return TokenRate()
+
+
+#: The least growth (estimated tokens) between two replies that measures a rate: a few tokens
+#: of a short reply say little about the tokenizer.
+MIN_RATE_SPAN = 100
+
+
 def estimate_tokens(message: Message) -> int:
-    """A rough size (4 bytes a token of the message's JSON), enough to keep a request under a window."""
-    return math.ceil(len(msgspec.json.encode(message)) / BYTES_PER_TOKEN)
+    """A rough size of the message's JSON (`json_tokens`), enough to keep a request under a window."""
+    return json_tokens(msgspec.json.encode(message))
 
 
-def fit_for_summary(view: list[Message], budget: int) -> list[Message]:
-    """Drop the oldest messages of a summary view (never the prompt, the last one) until its
-    estimate fits `budget` tokens: a history that overflowed the window must still be
-    summarisable. A cut never leaves tool results whose call was dropped at the front."""
-    sizes = [estimate_tokens(m) for m in view]
-    start, total = 0, sum(sizes)
-    while total > budget and start < len(view) - 1:
-        total -= sizes[start]
-        start += 1
-    while start < len(view) - 1 and isinstance(view[start], ToolResultMessage):
-        start += 1
-    return view[start:]
+_DIGITS = b"0123456789"
+
+
+def json_tokens(data: bytes) -> int:
+    """4 bytes a token, but a digit a token: tokenizers cut numbers into runs of one to three
+    digits (Qwen2.5: one each), so number-heavy text runs 1-3 bytes a token, and at 4 the
+    estimate read a quarter of it. The calibration (`TokenRate`) corrects the rest."""
+    digits = len(data) - len(data.translate(None, _DIGITS))
+    return math.ceil((len(data) - digits) / BYTES_PER_TOKEN) + digits
+
+
+#: Of the window, kept free in a summary call beyond its reply's cap and the prompt: what the
+#: byte estimate may under-read (a chat template's tokens, a denser tokenizer).
+SUMMARY_MARGIN = 0.1
+
+
+def summary_budget(window: int, cap: int, fixed: int) -> int:
+    """Tokens the history part of one summary call may take: the window less the summary's
+    cap (`cap`), what every call carries (`fixed`: the system prompt and the summary prompt)
+    and a margin. Not half the window: that cut the oldest turns out of the summary."""
+    return max(1, window - cap - fixed - math.ceil(window * SUMMARY_MARGIN))
+
+
+@dataclass(frozen=True)
+class SummaryChunks:
+    """`older` split for summary calls: `chunks` in order (summarised one after another, each
+    call given the summary so far), and the messages no call can take (`left_out`: a turn
+    alone over the budget)."""
+
+    chunks: list[list[Message]]
+    left_out: int = 0
+
+
+def summary_chunks(older: Sequence[Message], budget: int, carry: int,
+                   measure: Callable[[Message], int] = estimate_tokens) -> SummaryChunks:
+    """Every message of `older` in chunks of at most `budget` tokens: one chunk when all fit,
+    else chunks of `budget - carry` (room for the summary carried from the chunk before). A
+    turn (a reply and its tool results) is never split: a result without its call is refused
+    by providers."""
+    units = _turns(older)
+    sizes = [sum(map(measure, unit)) for unit in units]
+    if sum(sizes) <= budget:
+        return SummaryChunks([list(older)] if older else [])
+    room = max(1, budget - carry)
+    chunks: list[list[Message]] = []
+    current: list[Message] = []
+    used = left_out = 0
+    for unit, size in zip(units, sizes, strict=True):
+        if size > room:
+            left_out += len(unit)
+            continue
+        if current and used + size > room:
+            chunks.append(current)
+            current, used = [], 0
+        current += unit
+        used += size
+    if current:
+        chunks.append(current)
+    return SummaryChunks(chunks, left_out)
+
+
+def _turns(messages: Sequence[Message]) -> list[list[Message]]:
+    """`messages` as units: a reply with the tool results after it, anything else alone."""
+    units: list[list[Message]] = []
+    for message in messages:
+        if isinstance(message, ToolResultMessage) and units and isinstance(units[-1][0], AssistantMessage):
+            units[-1].append(message)
+        else:
+            units.append([message])
+    return units
 
 
 def last_turns_start(messages: Sequence[Message], turns: int) -> int:
@@ -669,10 +810,21 @@ __all__ = [
     "CONTEXT_EXCEEDED",
     "context_exceeded_text",
     "exceeded_window",
+    "refused_prompt",
     "estimate_tokens",
+    "json_tokens",
     "estimate_usage",
     "history_tokens",
-    "fit_for_summary",
+    "PROMPT_CEILING",
+    "SUMMARY_MARGIN",
+    "TokenRate",
+    "fixed_tokens",
+    "history_rate",
+    "prompt_tokens",
+    "request_tokens",
+    "SummaryChunks",
+    "summary_budget",
+    "summary_chunks",
     "is_context_exceeded",
     "DEFAULT_CONTEXT_WINDOW",
     "CompactionConfig",

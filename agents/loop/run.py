@@ -39,9 +39,11 @@ import msgspec
 
 from agent_bus.agents.loop.context import (
     DEFAULT_CONTEXT_WINDOW,
+    PROMPT_CEILING,
     CompactionConfig,
     LlmView,
     SizeMemo,
+    TokenRate,
     ToolOutputCache,
     ToolOutputConfig,
     ToolOutputStore,
@@ -53,14 +55,19 @@ from agent_bus.agents.loop.context import (
     estimate_tokens,
     estimate_usage,
     exceeded_window,
-    fit_for_summary,
+    fixed_tokens,
+    history_rate,
     history_tokens,
     is_context_exceeded,
     messages_for_summary,
     parse_compaction,
+    prompt_tokens,
+    refused_prompt,
     retained_start,
     should_compact,
     summarisable,
+    summary_budget,
+    summary_chunks,
 )
 from agent_bus.agents.loop.hooks import (
     KEEP,
@@ -99,6 +106,7 @@ from agent_bus.bus.events import (
 from agent_bus.bus.messages import (
     AssistantDelta,
     AssistantMessage,
+    CompactionSummaryMessage,
     LlmMessage,
     LlmRequest,
     LlmTrace,
@@ -388,6 +396,9 @@ class _Run:
     pinned: list[Message] = field(default_factory=list)
     #: The window a context-exceeded error reported: it applies at once (0: none).
     window_hint: int = 0
+    #: Real tokens per estimated one, from the last real usage of this history (read from the
+    #: history at the run's start, then measured on each reply).
+    rate: TokenRate = field(default_factory=TokenRate)
 
     @property
     def last_text(self) -> str:
@@ -599,22 +610,48 @@ async def _should_stop(run: _Run, info: TurnInfo) -> bool:
 
 async def _assistant_response(run: _Run) -> tuple[AssistantMessage, list[ToolInfo]]:
     """Build the request from history, call the model, record usage, add the reply to history."""
-    _fit_tool_outputs(run)
+    catalog = await run.tools.catalog()
+    specs = [t.spec() for t in catalog]
+    fixed = fixed_tokens(run.config.system_prompt, specs)
+    await _within_ceiling(run, fixed)
     view = list(run.messages)
     if run.config.transform_context is not None:
         view = list(await call_hook(run.config.transform_context, view))
     llm_messages = await _convert_history(run, view)
-    catalog = await run.tools.catalog()
     call, run.calls = run.calls, run.calls + 1
-    request = _request(run, llm_messages, [t.spec() for t in catalog], run.config.tool_choice,
-                       call=call)
+    request = _request(run, llm_messages, specs, run.config.tool_choice, call=call)
+    estimated = run.sizes.total(run.messages) + fixed
     await run.emit(MessageStart(message=AssistantMessage(model=run.model)))
     reply = await _complete(run, request, _emit_delta(run))
     if is_context_exceeded(reply):
+        if refused_prompt(reply):  # the server counted the prompt: a real size to calibrate on
+            run.rate = TokenRate.of(refused_prompt(reply), estimated)
         reply = await _refit_and_retry(run, request, reply, call)
+        estimated = run.sizes.total(run.messages) + fixed
+    _calibrate(run, reply, estimated)
     run.usage.add(reply)
     await _end_message(run, reply)
     return reply, catalog
+
+
+async def _within_ceiling(run: _Run, fixed: int) -> None:
+    """Fit the tool outputs, and compact first when the request would go out above
+    PROMPT_CEILING of the window (the rest is the reply's room): the turn's new messages and
+    tool results are counted here, not at the turn's start, with the rate this history showed."""
+    if not run.rate.whole:  # the tools are known now: the whole prompt of the newest reply
+        whole = history_rate(run.messages, fixed)
+        run.rate = whole if whole.measured else run.rate
+    _fit_tool_outputs(run)
+    window = _context_window(run)
+    if run.rate.tokens(run.sizes.total(run.messages) + fixed) > window * PROMPT_CEILING:
+        await _maybe_compact(run, force=True)
+
+
+def _calibrate(run: _Run, reply: AssistantMessage, estimated: int) -> None:
+    """Measure the rate on the reply's real usage (the prompt it reports for what was sent)."""
+    prompt = prompt_tokens(reply.usage) if reply.stop_reason not in ("error", "aborted") else 0
+    if prompt:
+        run.rate = TokenRate.of(prompt, estimated)
 
 
 async def _refit_and_retry(run: _Run, request: LlmRequest, reply: AssistantMessage,
@@ -636,14 +673,16 @@ async def _refit_and_retry(run: _Run, request: LlmRequest, reply: AssistantMessa
             return retried
     window = exceeded_window(retried) or _context_window(run)
     retried.error = CONTEXT_TOO_SMALL_TEXT.format(
-        window=window, needed=history_tokens(run.messages), error=retried.error)
+        window=window, needed=run.rate.tokens(history_tokens(run.messages)), error=retried.error)
     return retried
 
 
 def _fit_tool_outputs(run: _Run) -> None:
     """Cut and trim the tool outputs in history to the window as now known."""
     if run.cache is not None:
-        run.cache.context_window = _context_window(run)
+        # the window in estimated tokens: the cache counts 4 bytes a token, and the rate says
+        # how many real tokens those are
+        run.cache.context_window = run.rate.budget(_context_window(run))
         run.cache.trim(run.messages)
 
 
@@ -1074,6 +1113,8 @@ async def _compact_before_call(run: _Run) -> bool:
     """Compaction, at the start of a turn before its messages are injected: a run's last answer
     is never held back by it (the next run's first turn compacts), and a new prompt is never
     folded into the summary. False when the run was aborted meanwhile."""
+    if not run.rate.measured:  # a history continued: what its replies showed (the tools unknown yet)
+        run.rate = history_rate(run.messages)
     with run.signal.scope():
         if not run.signal.aborted:
             await _maybe_compact(run)
@@ -1093,22 +1134,25 @@ async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
     # What stays verbatim: the newest turns (under half the window, or the next call would
     # compact again at once; the unread tool results always) and this run's prompts. Only what
     # is older is summarised; with nothing older there is no summary call (it would invent one).
-    start = retained_start(run.messages, config.retain_last_turns, window // 2, run.pinned)
+    rate = run.rate
+    half = rate.budget(window // 2)
+    start = retained_start(run.messages, config.retain_last_turns, half, run.pinned)
     older = run.messages[:start]
     if not summarisable(older, run.pinned):
         return False
-    tokens = last.usage.total if last is not None and last.usage.total else history_tokens(run.messages)
+    tokens = (last.usage.total if last is not None and last.usage.total
+              else rate.tokens(history_tokens(run.messages)))
     await run.emit(CompactionStart(tokens=tokens))
-    reply = await _compaction_call(run, config, window, older)
-    summary = "" if reply.stop_reason in ("error", "aborted") else parse_compaction(reply.text)
+    summary = await _summarise(run, config, window, older)
     after = 0
-    if summary:
-        run.messages[:] = compacted_history(run.messages, summary, config.retain_last_turns, tokens,
-                                            budget=window // 2, keep=run.pinned)
-        after = history_tokens(run.messages)
-    await run.emit(CompactionComplete(compacted=bool(summary), tokens_before=tokens, tokens_after=after,
-                                      usage=reply.usage, model=reply.model))
-    return bool(summary)
+    if summary.text:
+        run.messages[:] = compacted_history(run.messages, summary.text, config.retain_last_turns, tokens,
+                                            budget=half, keep=run.pinned)
+        after = rate.tokens(history_tokens(run.messages))
+    await run.emit(CompactionComplete(compacted=bool(summary.text), tokens_before=tokens, tokens_after=after,
+                                      usage=summary.usage, model=summary.model,
+                                      summary_calls=summary.calls, left_out=summary.left_out))
+    return bool(summary.text)
 
 
 def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage | None,
@@ -1117,21 +1161,48 @@ def _over_threshold(run: _Run, config: CompactionConfig, last: AssistantMessage 
     that reply may already fill the window (the server would answer HTTP 400)."""
     if should_compact(config, last.usage if last else None, window):
         return True
-    return run.sizes.total(run.messages) >= window * config.threshold
+    return run.rate.tokens(run.sizes.total(run.messages)) >= window * config.threshold
 
 
 
-async def _compaction_call(run: _Run, config: CompactionConfig, window: int,
-                           older: list[Message]) -> AssistantMessage:
-    """The model's summary of `older` (the history before the kept tail); a failed reply leaves
-    history as it is. Its usage counts in the run's totals (and `compaction_complete`'s).
+@dataclass
+class _Summary:
+    text: str = ""  # "" when a call failed: history stays as it is
+    usage: Usage = field(default_factory=Usage)  # of every call, counted in the run's totals
+    model: str = ""
+    calls: int = 0
+    left_out: int = 0  # older messages no call could take (see `summary_chunks`)
 
-    The view is cut to half the window and the summary to an eighth: a history that already
-    overflowed must still be summarisable, and a long summary would refill the window. The
-    request says `purpose="compaction"`: the gateway does not stream it as the run's text."""
-    view = fit_for_summary(messages_for_summary(older, compaction_prompt(config)), window // 2)
-    request = _request(run, await _convert(run, view), [], "none", model=config.model)
-    request.max_tokens = min(request.max_tokens or window, max(256, window // 8))
+
+async def _summarise(run: _Run, config: CompactionConfig, window: int, older: list[Message]) -> _Summary:
+    """The model's summary of `older` (the history before the kept tail), every message of it:
+    in chunks when it does not fit one call, each call given the summary so far. The summary
+    is capped at an eighth of the window (a long one would refill it), and each call's history
+    part at what the window leaves beside that cap (`summary_budget`)."""
+    cap = min(run.config.max_tokens or window, max(256, window // 8))
+    prompt = compaction_prompt(config)
+    fixed = estimate_tokens(user_text(run.config.system_prompt)) + estimate_tokens(user_text(prompt))
+    rate = run.rate
+    plan = summary_chunks(older, rate.budget(summary_budget(window, cap, rate.tokens(fixed))),
+                          carry=rate.budget(cap))
+    done = _Summary(left_out=plan.left_out)
+    for chunk in plan.chunks:
+        head: list[Message] = [CompactionSummaryMessage(summary=done.text)] if done.text else []
+        reply = await _compaction_call(run, [*head, *chunk], prompt, cap, config.model)
+        done.usage, done.model, done.calls = done.usage + reply.usage, reply.model, done.calls + 1
+        done.text = "" if reply.stop_reason in ("error", "aborted") else parse_compaction(reply.text)
+        if not done.text:
+            break
+    return done
+
+
+async def _compaction_call(run: _Run, messages: list[Message], prompt: str, cap: int,
+                           model: str | None) -> AssistantMessage:
+    """One summary call over `messages`. The request says `purpose="compaction"`: the gateway
+    does not stream it as the run's text."""
+    view = messages_for_summary(messages, prompt)
+    request = _request(run, await _convert(run, view), [], "none", model=model)
+    request.max_tokens = cap
     request.purpose = "compaction"
     reply = await _complete(run, request, None)
     run.usage.add(reply)

@@ -262,3 +262,49 @@ async def test_empty_system_prompt_file_is_refused(fresh: Recorded, tmp_path: Pa
     assert out.returncode == 2, out.stderr
     assert f"--system-prompt-file {huge}: larger than 1 MiB" in " ".join(out.stderr.split())
     assert (len(fresh.stack.srv.requests), len(fresh.other.requests)) == (0, 0)
+
+
+# --- issue 45 §4: content first, usage apart; a fork point that forks nothing; all live ------
+
+
+def cached(script: dict[str, Any], usage: dict[str, int]) -> dict[str, Any]:
+    """`script` with every reply reporting `usage` (a server whose prompt cache split differs)."""
+    return {"rules": [{**rule, "reply": {**rule["reply"], "usage": usage}} for rule in script["rules"]]}
+
+
+async def test_live_from_0_sends_every_call_live_and_a_cache_split_is_not_a_divergence(
+        fresh: Recorded) -> None:
+    """The same answers from the live model, with another split of cached tokens: identical
+    (the content is compared), and the token differences are reported apart."""
+    r = fresh
+    r.stack.srv.set_script(cached(SCRIPT_X, {"input": 20, "cached": 24, "output": 5}),
+                           clear_requests=True)
+    out = await anyio.to_thread.run_sync(cli, r.stack, "replay", "--experiment", "base", "--as",
+                                         "all-live", "--live-from", "0", "--model", "x")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert len(r.stack.srv.requests) == 6  # every call of both runs went live
+    assert "replayed as all-live: identical" in out.stdout, out.stdout
+    assert "token usage differs" in out.stdout and "run 1 (solo): tokens" in out.stdout, out.stdout
+    assert "cache_read 0 -> 72" in out.stdout, out.stdout  # three calls, 24 each
+
+
+@pytest.mark.parametrize("options", [["--live-from", "3"], ["--live-from", "7", "--model", "y"]])
+async def test_a_fork_point_past_every_run_says_no_call_would_go_live(fresh: Recorded,
+                                                                       options: list[str]) -> None:
+    r = fresh
+    out = await anyio.to_thread.run_sync(cli, r.stack, "replay", "--experiment", "base", "--as",
+                                         "nothing-live", *options)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no model call would go live" in out.stderr and "at most 3 model calls" in out.stderr, \
+        out.stderr
+    assert (len(r.stack.srv.requests), len(r.other.requests)) == (0, 0)
+
+
+def test_a_seq_after_the_last_reply_forks_nothing() -> None:
+    from agent_bus.agents.replay import RecordedRun, plan_fork
+
+    run = RecordedRun("r1", "solo", reply_seqs=[10, 20], first_seq=5, last_seq=25)
+    with pytest.raises(ForkError, match="no model call would go live: the last model reply of `base` is seq 20"):
+        plan_fork(Fork(live_from_seq=21), [run], "base")
+    plan_fork(Fork(live_from_seq=20), [run], "base")  # the last reply goes live
+    assert Fork(live_from=0).forks and Fork(live_from=0).live_seq([run]) == 5

@@ -103,6 +103,19 @@ class RetryLog:
         self.usage.append(usage)
 
 
+#: Node ids of the tests that failed so far in this session: a module-scoped fixture compares
+#: its length at set-up and teardown to learn whether one of its tests failed.
+FAILED: list[str] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.failed:
+        FAILED.append(item.nodeid)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "real_llm: against a real local model server; set AGENT_BUS_REAL_LLM=<base URL>")

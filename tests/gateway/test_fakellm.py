@@ -143,3 +143,55 @@ def test_streams_leave_without_nagle_delay(fake_server: StartServer) -> None:
         (connection,) = list(srv._connections)  # keep-alive: still open
         sock = connection.transport.get_extra_info("socket")
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_llamacpp_refuses_a_history_with_tool_call_arguments_that_are_not_json(
+        fake_server: StartServer) -> None:
+    srv = fake_server({"strict_tool_json": True})
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "cut'}}
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"},
+                                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                                       {"role": "tool", "tool_call_id": "c1", "content": "error"}]}
+    refused = httpx.post(srv.base_url + CHAT, json=body)
+    assert refused.status_code == 500 and srv.tool_json_refusals == 1
+    assert refused.json()["error"]["message"].startswith("Failed to parse tool call arguments as JSON")
+    call["function"]["arguments"] = "{}"
+    assert httpx.post(srv.base_url + CHAT, json=body).status_code == 200
+
+
+def test_a_reply_past_max_tokens_is_cut_mid_call_with_finish_length(fake_server: StartServer) -> None:
+    long_call = {"name": "f", "arguments": {"text": "word " * 40}}
+    srv = fake_server({"cut_at_max_tokens": True, "rules": [{"reply": {"text": "ok.", "tool_calls": [
+        long_call, {"name": "g"}]}}]})
+    tools = [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("f", "g")]
+    body = {"model": "m", "max_tokens": 10, "tools": tools,
+            "messages": [{"role": "user", "content": "x"}]}
+    data = httpx.post(srv.base_url + CHAT, json=body).json()
+    choice = data["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "ok."
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) == 1 and len(calls[0]["function"]["arguments"]) == 40 - 3  # 4 bytes a token
+    with pytest.raises(ValueError):
+        json.loads(calls[0]["function"]["arguments"])
+    body["max_tokens"] = 1000
+    assert httpx.post(srv.base_url + CHAT, json=body).json()["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_cli_flags_turn_the_llamacpp_quirks_on() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "agent_bus.agents.gateway.fakellm", "--port", "0",
+                             "--strict-tool-json", "--cut-at-max-tokens"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        base_url = json.loads(proc.stdout.readline())["base_url"]
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{"}}
+        body = {"model": "m", "max_tokens": 2, "messages": [
+            {"role": "user", "content": "a prompt long enough to be cut"}]}
+        data = httpx.post(base_url + CHAT, json=body, timeout=5).json()
+        assert data["choices"][0]["finish_reason"] == "length"
+        body["messages"].append({"role": "assistant", "content": None, "tool_calls": [call]})
+        assert httpx.post(base_url + CHAT, json=body, timeout=5).status_code == 500
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()

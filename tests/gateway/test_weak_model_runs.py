@@ -27,6 +27,8 @@ SCRIPT = {
         # a long-winded answer: a few of these fill the 4,096-token window
         {"contains": ["essay"], "reply": {"text": "essay " + "blah " * 600}},
         {"contains": ["summarizing the conversation"], "reply": {"text": "<summary>essays were written</summary>"}},
+        # a note taken: a short acknowledgement with a long-winded tail (eight of them fill the window)
+        {"contains": ["take a note"], "reply": {"text": "Noted. " + "I will remember that. " * 40}},
         # an answer cut at max_tokens
         {"contains": ["cut me"], "reply": {"text": "this answer stops mid-sent", "finish": "length"}},
         # the issue's question over a file bigger than the window (issue 34, acceptance 1)
@@ -197,3 +199,22 @@ def test_export_totals_are_every_billed_call_with_a_compaction_an_abort_and_a_re
     diffed = subprocess.run(busctl("diff", "--hub", topo.endpoint, "--json", "billed", "billed"),
                             capture_output=True, text=True, timeout=60, cwd=topo.cwd)
     assert json.loads(diffed.stdout)["totals"]["a"]["tokens"] == expected
+
+
+def test_compaction_summarises_the_oldest_notes_too(topo: Topology, llama_like: FakeLLMServer) -> None:
+    """Issue 45 §2: eight notes continued in one session, a code word in the first, on a 4,096
+    window. Every older message reaches the summariser (the first note was dropped to fit the
+    call in half the window), and `compaction_complete` says nothing was left out."""
+    seen = len(llama_like.requests)
+    compactions: list[dict] = []
+    filler = "This note is padded so that eight of them fill the window. " * 12
+    for i in range(8):
+        word = "The secret code word is ZEBRA-42. " if i == 0 else ""
+        code, events = run(topo, *(["-c"] if i else ["--new-session"]), f"Take a note {i}: {word}{filler}")
+        end = end_of(events)
+        assert code == 0 and end.get("stop_reason", "stop") == "stop", (code, end.get("error"), end)
+        compactions += [e for e in events if e["type"] == "compaction_complete"]
+    assert compactions and all(c["compacted"] and not c.get("left_out") for c in compactions), compactions
+    summaries = [json.dumps(r.body["messages"]) for r in llama_like.requests[seen:]
+                 if "summarizing the conversation" in json.dumps(r.body["messages"][-1:])]
+    assert summaries and "ZEBRA-42" in summaries[0], summaries[:1]

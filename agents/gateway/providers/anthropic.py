@@ -14,6 +14,7 @@ from agent_bus.agents.gateway.providers.base import (
     ProviderRequest,
     SseEvent,
     StreamError,
+    arguments_object,
     decode_json,
     flatten_schema,
 )
@@ -240,16 +241,9 @@ def _assistant_blocks(message: AssistantMessage) -> list[dict[str, Any]]:
         elif isinstance(part, ThinkingPart) and part.signature:
             blocks.append({"type": "thinking", "thinking": part.thinking, "signature": part.signature})
         elif isinstance(part, ToolCall):
-            blocks.append({"type": "tool_use", "id": part.id, "name": part.name, "input": _arguments(part)})
+            blocks.append({"type": "tool_use", "id": part.id, "name": part.name,
+                           "input": arguments_object(part.arguments)})
     return blocks
-
-
-def _arguments(call: ToolCall) -> Any:
-    try:
-        value = msgspec.json.decode(call.arguments or "{}")
-    except msgspec.DecodeError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _tool_result(message: ToolResultMessage) -> dict[str, Any]:

@@ -350,6 +350,33 @@ class MessageBuilder:
         )
 
 
+# --- tool calls in the history -------------------------------------------------------------
+
+
+def arguments_object(raw: str) -> dict[str, Any]:
+    """A tool call's arguments as a provider must get them: a JSON object, `{}` for anything
+    else. The history keeps what the model said verbatim, so a call cut at max_tokens holds
+    unterminated JSON; sent on, llama.cpp refuses every later request of the session over it
+    (HTTP 500 "Failed to parse tool call arguments as JSON"). The error result the loop put
+    beside the call says why it never ran."""
+    value = _object(raw)
+    return {} if value is None else value
+
+
+def arguments_text(raw: str) -> str:
+    """`arguments_object` as the JSON text of an OpenAI-format call: `raw` itself when it is an
+    object (the very bytes the model wrote, so a server's prompt cache still matches)."""
+    return raw if raw and _object(raw) is not None else "{}"
+
+
+def _object(raw: str) -> dict[str, Any] | None:
+    try:
+        value = msgspec.json.decode(raw or "{}")
+    except msgspec.DecodeError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 # --- tool schemas --------------------------------------------------------------------------
 
 

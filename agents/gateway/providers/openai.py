@@ -15,6 +15,7 @@ from agent_bus.agents.gateway.providers.base import (
     ProviderRequest,
     SseEvent,
     StreamError,
+    arguments_text,
     decode_json,
     flatten_schema,
 )
@@ -315,8 +316,8 @@ def _assistant(message: AssistantMessage) -> dict[str, Any] | None:
     calls: list[dict[str, Any]] = []
     for part in message.content:
         if isinstance(part, ToolCall):
-            calls.append({"id": part.id, "type": "function",
-                          "function": {"name": part.name, "arguments": part.arguments}})
+            function = {"name": part.name, "arguments": arguments_text(part.arguments)}
+            calls.append({"id": part.id, "type": "function", "function": function})
         elif isinstance(part, TextPart):
             texts.append(part.text)
     text = "".join(texts)
