@@ -347,7 +347,8 @@ class _ClientPool:
 
     httpcore's connection pool walks every connection of its client on each request and each
     release, so one client's CPU cost per call grows with the calls in flight on it: measured
-    (bench/README.md, "Scale") 12 ms per call at 100 in flight on one client, 2.6 ms spread over 8.
+    (bench/results/2026-11-30.md, "Scale") 12 ms per call at 100 in flight on one client,
+    2.6 ms spread over 8.
     In the gateway at 100 concurrent sessions (`bench_scale.py --gateway-clients`), its CPU per
     model call was 6.8-7.8 ms with one client, 5.3-5.5 ms with 8 (12 streams each), 4.5 ms with
     16 (6 each); the clients share one SSL context, so more of them cost little.
