@@ -19,7 +19,7 @@ ourselves when input is waiting. This needs anyio's asyncio backend (pyzmq has n
 
 Published events, and the replies and partial replies of requests this peer serves (and a request
 made behind them or beside other calls in flight, `Calls.begin`), are held until the end of the
-current event-loop iteration and then sent back to back (`_hold`): on an idle
+current event-loop iteration and then sent back to back (`Peer.hold`, `bus/outbox.py`): on an idle
 socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than the send
 itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers of handlers
 that finished together) is cheaper sent together. Events held alone linger a little longer
@@ -77,6 +77,7 @@ from agent_bus.bus.errors import (
     RegisterRefused,
     RequestError,
 )
+from agent_bus.bus.outbox import Outbox
 from agent_bus.bus.paths import HUB_FORMS, credential_for, local_alias, parse_hub_address
 from agent_bus.bus.rpc import REPLY_GRACE, Calls, Replies
 from agent_bus.bus.security import CurveClient
@@ -94,18 +95,6 @@ HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and clie
 # most this long (`Peer._housekeeping_delay`; not longer than REPLY_GRACE: see there).
 HOUSEKEEPING_IDLE = REPLY_GRACE
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
-HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the loop iteration
-# Held *events* (only events) wait up to this long for company (`_hold`): the next request or
-# answer this peer sends takes them along, or more events join them. An agent's turn emits
-# its events over several loop iterations (each tool's end arrives on its own): sent at the end
-# of each, they cost the hub (and this peer) one wake-up each; lingering, they ride with the
-# turn's next request. Watchers see an event at most this much later.
-EVENT_LINGER = 0.002
-# Held events that differ only by id (and type, with a hub that takes mixed types) go out as one
-# multi-body `event` message (docs/protocol.md §4), up to this many bodies and bytes of bodies:
-# the hub pays one message, not one per event.
-COALESCE_EVENTS = 256
-COALESCE_BYTES = 256 * 1024
 INLINE_CHECKS = 4  # sends that each look for input at once before one look is deferred
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
@@ -122,9 +111,6 @@ _S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 _REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refusals (§5)
 _EVENT_REFUSED = frozenset({p.LOG_UNAVAILABLE, p.BAD_EVENT, p.FORBIDDEN})  # an event's (§6, §8)
-# A held event's header fields but its id: (type, agent, run, experiment, parent). Held events
-# with equal keys, one after another, may share one message.
-_EventKey = tuple[str, str, str, str, str]
 
 
 class PeerState(enum.Enum):
@@ -180,21 +166,10 @@ class Peer:
         self._drain_scheduled = False
         self._check_scheduled = False  # a look for input after sends is due (`_send_now`)
         self._unchecked = 0  # sends since the last drain or scheduled look (`_send_now`)
-        # Messages held until the end of the current event-loop iteration (`_hold`), each with
-        # whether it is an event (the publish accounting counts only those): always sent, in
-        # order, before anything else this peer sends. `_held_gen` changes whenever held
-        # messages leave `_held` (sent or dropped): a partial still held may take more bodies.
-        # An event is held as `[SIGNATURE, None, body]` with its `_EventKey` (its header is
-        # made when it is sent, one per message); a reply or partial whole, with None.
-        self._held: list[tuple[list[Any], _EventKey | None]] = []
-        self._held_gen = 0
-        self._flush_scheduled = False
-        self._linger: asyncio.TimerHandle | None = None  # the flush of events held alone
-        # Publish accounting: events handed to a socket, how many of those the hub confirmed
-        # (the rest of the current socket's are in flight), and how many unconfirmed ones a
-        # closed socket took with it (all; and, with the refused ones, as far as `confirm()` has
-        # reported them).
-        self._events_sent = 0
+        # Publish accounting: events handed to a socket (`outbox.events_sent`), how many of
+        # those the hub confirmed (the rest of the current socket's are in flight), and how many
+        # unconfirmed ones a closed socket took with it (all; and, with the refused ones, as far
+        # as `confirm()` has reported them).
         self._confirmed = 0
         self._unconfirmed = 0
         self._unconfirmed_reported = 0
@@ -206,6 +181,9 @@ class Peer:
         self._lost = anyio.Event()
         self._last_heard = time.monotonic()
         self._calls = Calls(self)  # requests this peer made, in flight
+        # Messages held until the end of the current event-loop iteration (`hold`): always
+        # sent, in order, before anything else this peer sends.
+        self.outbox = Outbox(self.session, self._calls.new_id, self._flush_soon)
         self._serving = Serving(self)  # services it offers, requests it serves (in `_tg`)
         # `serve`'s registers awaiting the round trip that tells a refusal: id -> service, and
         # the refusals that came meanwhile: id -> (code, the hub's text)
@@ -341,7 +319,8 @@ class Peer:
         """Wait, at most `flush_timeout`, until the hub confirms every event published so far:
         closing the socket soon after would discard a backlog still queued in it. What stays
         unconfirmed is counted when the socket closes."""
-        if self.welcome is None or (self._events_sent == self._confirmed and not self._held):
+        if self.welcome is None or (self.outbox.events_sent == self._confirmed
+                                    and not self.outbox.items):
             return  # nothing in flight: no round trip (most CLI commands publish nothing)
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.flush_timeout):
             try:
@@ -394,7 +373,7 @@ class Peer:
         self._calls.fail_all(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
 
     def _open_socket(self, tg: anyio.abc.TaskGroup) -> Transport:
-        self._loop = loop = asyncio.get_running_loop()
+        self._loop = self.outbox.loop = loop = asyncio.get_running_loop()
         link: Transport
         if transport_kind(loop) == "portable":
             portable = PortableTransport(self._dealer(self.ctx.socket(zmq.DEALER)), self._drain)
@@ -433,10 +412,13 @@ class Peer:
         """The socket is gone with whatever it still queued: count the events sent on it that
         the hub never confirmed. On a reconnect, held events (never sent) wait for the next
         connection; on close they are counted too."""
-        lost = self._events_sent - self._confirmed
-        self._confirmed = self._events_sent
-        if self._held:
-            lost += self._drop_held(events=self.closing)
+        lost = self.outbox.events_sent - self._confirmed
+        self._confirmed = self.outbox.events_sent
+        if self.outbox.items:
+            dropped, replies = self.outbox.drop(events=self.closing)
+            lost += dropped
+            if replies:
+                self.counters["reply_lost"] = self.counters.get("reply_lost", 0) + replies
         if not lost:
             return
         self._unconfirmed += lost
@@ -444,22 +426,6 @@ class Peer:
         log.warning("%s: %d published events were not confirmed by the hub at %s before the "
                     "connection closed; they may be missing from its log", self.name, lost,
                     self.hub)
-
-    def _drop_held(self, *, events: bool) -> int:
-        """The socket is gone: drop the held replies and partials (their requests are answered
-        by the hub, or were forgotten with the connection) and, with `events`, the held events
-        too; return how many events were dropped."""
-        held = self._held
-        kept = [item for item in held if item[1]] if not events else []
-        # (a held request is no answer: its caller is failed with the connection, `_on_lost`)
-        replies = sum(1 for message, key in held
-                      if not key and p.decode_header(message[1]).kind != p.REQUEST)
-        if replies:
-            self.counters["reply_lost"] = self.counters.get("reply_lost", 0) + replies
-        dropped = sum(1 for _, key in held if key) - sum(1 for _, key in kept if key)
-        held[:] = kept
-        self._held_gen += 1
-        return dropped
 
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=p.host_pid(), host=p.hostname(),
@@ -493,7 +459,7 @@ class Peer:
                     self.hub, expiry)
                 self._lost.set()
                 continue
-            if self._held and not self._flush_scheduled and self._linger is None:
+            if self.outbox.stalled():
                 self._flush_soon()  # events held back by the HWM
             if now >= next_confirm and self._should_confirm():
                 next_confirm = now + CONFIRM_EVERY
@@ -518,7 +484,7 @@ class Peer:
         (an idle worker: 3.5-4 -> ~1 ms/s). A call started meanwhile cannot expire before the
         next pass (its expiry is at least REPLY_GRACE away)."""
         welcome = self.welcome
-        if welcome is None or self._sock is None or self._held:
+        if welcome is None or self._sock is None or self.outbox.items:
             return HOUSEKEEPING
         due = min(next_beat, self._last_heard + welcome.heartbeat_interval * welcome.liveness,
                   self._calls.first_expiry())
@@ -528,7 +494,7 @@ class Peer:
 
     def _should_confirm(self) -> bool:
         return (self._state is PeerState.READY and not self._confirming
-                and self._events_sent > self._confirmed)
+                and self.outbox.events_sent > self._confirmed)
 
     async def _confirm_in_background(self) -> None:
         """Confirm what was sent so far, so that a lost connection counts only the events sent
@@ -587,7 +553,8 @@ class Peer:
                     # that same pass (scheduled after their tasks), instead of once per send.
                     self._check_scheduled = True
                     loop.call_soon(self._check_input)
-            if self._held and not self._flush_scheduled and self._linger is None:
+            outbox = self.outbox
+            if outbox.items and outbox.stalled():
                 self._flush_held()
             if self._writable and sock.writable():
                 for waiter in self._writable:
@@ -671,7 +638,7 @@ class Peer:
         sock = self._sock
         if sock is None:
             raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
-        if self._held and not self._flush_held():
+        if self.outbox.items and not self._flush_held():
             return False
         try:
             sock.send(frames)
@@ -708,10 +675,10 @@ class Peer:
         if waiting:
             self._drain()
 
-    def _hold(self, message: list[Any], *, event: bool = True,
-              key: _EventKey | None = None, linger: bool = False) -> bool:
-        """Queue an event, reply or partial reply for the end of this event-loop iteration
-        (False: send it now).
+    def hold(self, frames: list[Any], *, linger: bool = False) -> bool:
+        """Hold a whole message (a reply, a partial reply with `linger`, or a request) for the end
+        of this event-loop iteration (`Outbox`); False: not connected, or the outbox is full:
+        send it now.
 
         Everything held meanwhile then goes out back to back: a burst (a streamed reply's
         deltas parsed from one read, a turn's lifecycle events, the answers of tool calls that
@@ -719,37 +686,12 @@ class Peer:
         per message, an isolated send being the costly kind. Any direct send flushes the held
         messages first, so order is kept. (A request is held only behind other held messages or
         beside other calls in flight, `Calls.begin`; alone it goes at once, so the other side
-        starts sooner.) An event comes with its `key` and no header yet: events held one after
-        another with the same key (but perhaps the type) are sent as one multi-body message
-        (`_flush_held`). Events, and messages held with `linger` (partial replies),
-        wait up to `EVENT_LINGER` for the next send instead of going at the iteration's end.
-        """
-        if self.welcome is not None and self._sock is not None and len(self._held) < HOLD_MAX:
-            assert key is not None or not event, "a held event needs its key"
-            self._held.append((message, key))
-            if key is None and not linger:
-                self._schedule_flush()
-            else:
-                self._schedule_linger()
-            return True
-        return False
-
-    def _schedule_flush(self) -> None:
-        if not self._flush_scheduled and self._loop is not None:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush_soon)
-
-    def _schedule_linger(self) -> None:
-        """Flush held events `EVENT_LINGER` from now, unless something sends them sooner."""
-        if self._linger is None and not self._flush_scheduled and self._loop is not None:
-            self._linger = self._loop.call_later(EVENT_LINGER, self._linger_ended)
-
-    def _linger_ended(self) -> None:
-        self._linger = None
-        self._flush_soon()
+        starts sooner.)"""
+        return (self.welcome is not None and self._sock is not None
+                and self.outbox.hold(frames, linger=linger))
 
     def _flush_soon(self) -> None:
-        self._flush_scheduled = False
+        """The outbox's scheduled flush (its linger ended, or the loop iteration did)."""
         try:
             self._flush_held()
         except zmq.ZMQError as exc:
@@ -757,75 +699,17 @@ class Peer:
                 log.warning("%s: socket error: %s", self.name, exc)
 
     def _flush_held(self) -> bool:
-        """Send the held messages, in order; False when the HWM stopped it (the rest stay
-        held and go out when the socket is writable again, before anything else).
-
-        Consecutive held events with the same header but the id (and the type, header type `*`,
-        when the hub takes mixed types) travel as one `event` message with a body frame each
-        (at most `COALESCE_EVENTS` and `COALESCE_BYTES`, and only to a hub whose welcome says it
-        takes them): the hub logs and publishes each body as its own event, so subscribers see
-        exactly what separate messages would have given them."""
-        held = self._held
+        """Send the held messages (`Outbox.flush`); False when the HWM stopped it."""
         sock = self._sock
         if sock is None:
             return False  # events wait for the next connection (replies are dropped on close)
-        if held:
+        if self.outbox.items:
             self._before_send()
-        welcome = self.welcome
-        most = min(COALESCE_EVENTS, welcome.event_bodies) if welcome is not None else 1
-        mixed = welcome is not None and welcome.mixed_types
-        sent = events = 0
-        count = len(held)
-        try:
-            while sent < count:
-                message, key = held[sent]
-                if key is None:
-                    sock.send(message)
-                    sent += 1
-                    continue
-                end, one_type = self._run_end(held, sent, key, most, mixed)
-                sock.send([_SIG, self._event_header(key, one_type), message[2],
-                           *[held[i][0][2] for i in range(sent + 1, end)]])
-                events += end - sent
-                sent = end
-        except zmq.Again:
-            self._sent_held(sent, events)
+        if not self.outbox.flush(sock, self.welcome):
             return False
-        except BaseException:
-            self._sent_held(sent, events)
-            raise
-        self._sent_held(sent, events)
         if not self._drain_scheduled and sock.input_waiting():
             self._schedule_drain()
         return True
-
-    @staticmethod
-    def _run_end(held: list[tuple[list[Any], _EventKey | None]], start: int, key: _EventKey,
-                 most: int, mixed: bool) -> tuple[int, bool]:
-        """End (exclusive) of the run of held events from `start` that share `key` (with
-        `mixed`, all but its type), bounded by `most` bodies and `COALESCE_BYTES` of bodies (a
-        bigger event still goes, alone); and whether the run's events are all of one type."""
-        end = start + 1
-        stop = min(len(held), start + most)
-        size = len(held[start][0][2])
-        one_type = True
-        while end < stop:
-            message, other = held[end]
-            if other != key and (not mixed or other is None or other[1:] != key[1:]):
-                break
-            size += len(message[2])
-            if size > COALESCE_BYTES:
-                break
-            one_type = one_type and other == key
-            end += 1
-        return end, one_type
-
-    def _event_header(self, key: _EventKey, one_type: bool = True) -> bytes:
-        type_, agent, run, experiment, parent = key
-        return p.encode(p.Header(kind=p.EVENT, id=self._calls.new_id(),
-                                 type=type_ if one_type else p.MIXED_TYPES, agent=agent,
-                                 run=run, experiment=experiment, parent=parent,
-                                 session=self.session))
 
     def _before_send(self) -> None:
         hook = self.before_send
@@ -834,16 +718,6 @@ class Peer:
                 hook()
             except Exception:  # what it guards is its owner's; sending must go on
                 log.exception("%s: before_send failed", self.name)
-
-    def _sent_held(self, sent: int, events: int) -> None:
-        if sent:
-            del self._held[:sent]
-            self._held_gen += 1
-            self._events_sent += events
-        linger = self._linger
-        if linger is not None and not self._held:  # what it waited for went out with another send
-            linger.cancel()
-            self._linger = None
 
     async def _send(self, frames: list[Any], *, wait: bool = True,
                     deadline: float = float("inf")) -> None:
@@ -980,14 +854,16 @@ class Peer:
                         self.name, type_, len(body))
             return
         key = (type_, agent, run, experiment, parent)
-        if not self._hold([_SIG, None, body], key=key):
-            message = [_SIG, self._event_header(key), body]
+        outbox = self.outbox
+        if not (self.welcome is not None and self._sock is not None
+                and outbox.hold_event(body, key)):
+            message = [_SIG, outbox.event_header(key), body]
             if self.welcome is None:
                 await self._connection(float("inf"))
             self._before_send()
             if not self._send_now(message):
                 await self._send_blocked(message, float("inf"))
-            self._events_sent += 1
+            self.outbox.events_sent += 1
         self._sends += 1
         if confirm:
             await self.confirm()
@@ -1021,7 +897,7 @@ class Peer:
     async def _confirm_sent(self) -> int:
         """One `hub.replay` round trip: its reply follows the events sent before it on the same
         socket, logged. (Held events are sent before the request, so they count too.)"""
-        mark = self._events_sent + sum(1 for _, event in self._held if event)
+        mark = self.outbox.events_sent + self.outbox.held_events()
         reply = await self.request(p.HUB_REPLAY, _CONFIRM_BODY, timeout=None)
         self._confirmed = max(self._confirmed, mark)
         return p.decode(reply, p.ReplayBatch).head

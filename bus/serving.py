@@ -18,11 +18,11 @@ Each request runs in a plain asyncio task (not a task group's: anyio's `start_so
 12 us more per request, a third of a served request's CPU in the echo benchmark); the tasks are
 found through `in_service`, which holds every request whose task has not ended.
 
-An answer goes out at once when nothing is held (`Peer._hold`); otherwise, like partial replies,
-it is held behind what is and goes out at the end of the event-loop iteration. Partials of one
-request held meanwhile become one `partial` message with one body frame each, in order
-(docs/protocol.md §4): a model's streamed deltas parsed from one read cost one message through
-the hub instead of one each.
+An answer goes out at once when nothing is held (`Peer.hold`, bus/outbox.py); otherwise, like
+partial replies, it is held behind what is and goes out at the end of the event-loop iteration.
+Partials of one request held meanwhile become one `partial` message with one body frame each, in
+order (docs/protocol.md §4): a model's streamed deltas parsed from one read cost one message
+through the hub instead of one each.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class IncomingRequest:
     _scope: anyio.CancelScope | None = None
     _cancelled: anyio.Event | None = None
     # The `partial` message of this request still held by the peer (more bodies join it while
-    # the peer's `_held_gen` is the one it was held under), else None.
+    # the peer's `outbox.gen` is the one it was held under), else None.
     _held_partial: list[Any] | None = None
     _held_gen: int = -1
     _held_bytes: int = 0  # of its bodies: one message stays under the hub's limit
@@ -96,14 +96,14 @@ class IncomingRequest:
             raise RequestError(_too_large("a partial answer", self.service, len(body), limit),
                                TOO_LARGE)
         held = self._held_partial
-        if held is not None and self._held_gen == peer._held_gen and (
+        if held is not None and self._held_gen == peer.outbox.gen and (
                 not limit or self._held_bytes + len(body) <= limit):
             held.append(body)  # still unsent: the body goes out with it, after its bodies
             self._held_bytes += len(body)
             return
         message = [_SIG, p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body]
-        if peer._hold(message, event=False, linger=True):
-            self._held_partial, self._held_gen = message, peer._held_gen
+        if peer.hold(message, linger=True):
+            self._held_partial, self._held_gen = message, peer.outbox.gen
             self._held_bytes = len(body)
             return
         self._held_partial = None
@@ -292,9 +292,9 @@ class Serving:
             if peer._sock is None:
                 peer._count("reply_lost")
                 return True
-            if not peer._held and peer.welcome is not None:
+            if not peer.outbox.items and peer.welcome is not None:
                 return peer._send_now(reply)
-            return peer._hold(reply, event=False) or peer._send_now(reply)
+            return peer.hold(reply) or peer._send_now(reply)
         except (HubLost, zmq.ZMQError):
             peer._count("reply_lost")
             return True
