@@ -28,6 +28,7 @@ through the hub instead of one each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -39,7 +40,8 @@ import anyio
 import zmq
 
 from agent_bus.bus import protocol as p
-from agent_bus.bus.errors import HubLost, RequestError
+from agent_bus.bus.errors import HubLost, RegisterRefused, RequestError
+from agent_bus.bus.ledger import CONFIRM_BODY
 
 if TYPE_CHECKING:
     from agent_bus.bus.link import PeerLink
@@ -160,6 +162,72 @@ class Serving:
         self.in_service: dict[str, IncomingRequest] = {}  # by id; each until its task ends
         self._closed = False
         self._new_scope: Callable[[], anyio.CancelScope] = anyio.CancelScope
+        # `register`s awaiting the round trip that tells a refusal: id -> (service, served), and
+        # the refusals that came meanwhile: id -> (code, the hub's text)
+        self._registering: dict[str, tuple[str, Served]] = {}
+        self._refusals: dict[str, tuple[str, str]] = {}
+
+    async def register(self, spec: p.ServiceSpec, handler: Handler, *, confirm: bool,
+                       timeout: float) -> None:
+        """`Peer.serve`: register, and with `confirm` wait `timeout` at most for the round trip
+        that tells a refusal (raised as `RegisterRefused`)."""
+        served = self.services[spec.name] = Served(spec, handler)
+        reg_id = p.new_id()
+        self._registering[reg_id] = (spec.name, served)
+        try:
+            await self._peer._send([p.encode(p.Header(kind=p.REGISTER, id=reg_id)),
+                                    p.encode(p.Register([spec]))])
+        except BaseException:
+            del self._registering[reg_id]
+            raise
+        if confirm:
+            await self._confirm({reg_id: self._registering[reg_id]}, timeout)
+
+    async def confirm_registers(self, timeout: float) -> None:
+        """`Peer.confirm_registers`: one round trip for every register not confirmed yet."""
+        await self._confirm(dict(self._registering), timeout)
+
+    async def _confirm(self, pending: dict[str, tuple[str, Served]], timeout: float) -> None:
+        if not pending:
+            return
+        try:
+            with contextlib.suppress(RequestError):  # lost, or overloaded: see below
+                await self._peer.request(p.HUB_REPLAY, CONFIRM_BODY, timeout=timeout)
+        finally:
+            for reg_id in pending:
+                self._registering.pop(reg_id, None)
+            refusals = [(pending[i], self._refusals.pop(i)) for i in pending
+                        if i in self._refusals]
+        # Without its round trip a refusal may come later: then it is logged and counted only
+        # (`on_refused`), as one of a re-register after a reconnect is.
+        for (service, served), _ in refusals:
+            if self.services.get(service) is served:
+                del self.services[service]  # not re-registered at the next welcome
+        if refusals:
+            (service, _), (code, reason) = refusals[0]
+            raise RegisterRefused(service, code, reason)
+
+    def on_refused(self, header: p.Header) -> bool:
+        """The hub refused a service of a register (docs/protocol.md §5: `forbidden`, or
+        `bad_request` for a bad spec): logged, counted, and `register` raises it. One without an
+        id answers a re-register after a welcome (no caller: logged alone). False: not a
+        register's."""
+        registering = self._registering.get(header.id)
+        service = registering[0] if registering else None
+        if service is None and header.id:
+            return False
+        peer = self._peer
+        peer._count("registers_refused")
+        if service is not None:
+            self._refusals[header.id] = (header.code, header.error)
+        log.error("%s: the hub at %s refused to register %s (%s): %s", peer.name, peer.hub,
+                  f"`{service}`" if service else "a service again", header.code, header.error)
+        return True
+
+    async def unregister(self, service: str) -> None:
+        if self.services.pop(service, None) is not None:
+            await self._peer._send([p.encode(p.Header(kind=p.UNREGISTER)),
+                                    p.encode(p.Unregister([service]))])
 
     def register_frames(self, specs: list[p.ServiceSpec]) -> list[Any]:
         return [_SIG, p.encode(p.Header(kind=p.REGISTER)), p.encode(p.Register(specs))]
