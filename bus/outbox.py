@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from agent_bus.bus import protocol as p
@@ -40,8 +40,7 @@ _SIG = p.SIGNATURE
 EventKey = tuple[str, str, str, str, str]
 
 
-@dataclass(slots=True)
-class HeldEvent:
+class HeldEvent(msgspec.Struct, gc=False):  # a Struct: made in C, one per event published
     """An event waiting to be sent: its body, and the header fields it will be sent with (its
     header, with a fresh id, is made when it goes out: one per message, `Outbox.flush`)."""
 
@@ -49,15 +48,11 @@ class HeldEvent:
     key: EventKey
 
 
-@dataclass(slots=True)
-class HeldMessage:
-    """A whole message (signature included) waiting to be sent: a reply, a partial reply (whose
-    body frames `IncomingRequest.partial` may still append to), or a request."""
-
-    frames: list[Any]
-
-
-Held = HeldEvent | HeldMessage
+# A whole message (signature included) waiting to be sent: a reply, a partial reply (whose body
+# frames `IncomingRequest.partial` may still append to), or a request. Held as the frames list
+# itself: no wrapper allocated per reply on the hot path (an event is the one wrapped kind).
+Frames = list[Any]
+Held = HeldEvent | Frames
 
 
 class Outbox:
@@ -90,7 +85,7 @@ class Outbox:
         items = self.items
         if len(items) >= HOLD_MAX:
             return False
-        items.append(HeldMessage(frames))
+        items.append(frames)
         if linger:
             self._schedule_linger()
         else:
@@ -107,7 +102,7 @@ class Outbox:
         return True
 
     def held_events(self) -> int:
-        return sum(1 for item in self.items if type(item) is HeldEvent)
+        return sum(1 for item in self.items if isinstance(item, HeldEvent))
 
     def stalled(self) -> bool:
         """Messages are held with no flush due (the HWM stopped the last one): flush now."""
@@ -159,8 +154,8 @@ class Outbox:
         try:
             while sent < count:
                 item = held[sent]
-                if isinstance(item, HeldMessage):
-                    sock.send(item.frames)
+                if not isinstance(item, HeldEvent):
+                    sock.send(item)
                     sent += 1
                     continue
                 end, one_type = _run_end(held, sent, item, most, mixed)
@@ -193,10 +188,10 @@ class Outbox:
         by the hub, or were forgotten with the connection) and, with `events`, the held events
         too; return how many events and how many replies (partials included) were dropped."""
         held = self.items
-        kept = [item for item in held if type(item) is HeldEvent] if not events else []
+        kept = [item for item in held if isinstance(item, HeldEvent)] if not events else []
         # (a held request is no answer: its caller is failed with the connection)
-        replies = sum(1 for item in held if type(item) is HeldMessage
-                      and p.decode_header(item.frames[1]).kind != p.REQUEST)
+        replies = sum(1 for item in held if not isinstance(item, HeldEvent)
+                      and p.decode_header(item[1]).kind != p.REQUEST)
         dropped = self.held_events() - len(kept)
         held[:] = kept
         self.gen += 1
