@@ -98,7 +98,7 @@ class Ledger:
         """The hub refused one of the events (docs/protocol.md §6, §8): counted (`confirm()`
         reports it), logged the first time and every 1000th."""
         peer = self._peer
-        peer._count("events_refused")
+        peer.count("events_refused")
         n = peer.counters["events_refused"]
         if n == 1 or n % 1000 == 0:
             log.warning("%s: the hub refused an event (#%d): %s", peer.name, n, header.error)

@@ -161,11 +161,11 @@ class Peer:
         self.session = p.new_session()
         self.welcome: p.Welcome | None = None
         self.ctx = zmq.asyncio.Context()
-        self._sock: Transport | None = None  # the DEALER of the current connection
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.sock: Transport | None = None  # the DEALER of the current connection
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._drain_scheduled = False
-        self._check_scheduled = False  # a look for input after sends is due (`_send_now`)
-        self._unchecked = 0  # sends since the last drain or scheduled look (`_send_now`)
+        self._check_scheduled = False  # a look for input after sends is due (`send_now`)
+        self._unchecked = 0  # sends since the last drain or scheduled look (`send_now`)
         self._ledger = Ledger(self)  # what the hub confirmed of the events published
         self._writable: list[asyncio.Future[None]] = []
         # The lifecycle (see PeerState); whether the current socket is welcomed is `welcome`.
@@ -179,7 +179,7 @@ class Peer:
         self.outbox = Outbox(self.session, self._calls.new_id, self._flush_soon)
         self._serving = Serving(self)  # services it offers, requests it serves (in `_tg`)
         self._sends = 0
-        self._subs: weakref.WeakSet[Subscription] = weakref.WeakSet()
+        self.subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
         self._tg: anyio.abc.TaskGroup | None = None
         self.counters: dict[str, int] = {}
 
@@ -247,15 +247,15 @@ class Peer:
         self._set_state(PeerState.CLOSING)  # still connected: the flush needs the link
         await self._ledger.flush_on_close(self.flush_timeout)
         bye_sent = False
-        if self._sock is not None and self.welcome is not None:
+        if self.sock is not None and self.welcome is not None:
             try:
                 self._flush_held()
-                self._sock.send([_SIG, p.encode(p.Header(kind=p.BYE))])
+                self.sock.send([_SIG, p.encode(p.Header(kind=p.BYE))])
                 bye_sent = True
             except zmq.ZMQError:
                 pass
         self._calls.fail_all(HubLost("peer closed", p.HUB_LOST))
-        for sub in list(self._subs):
+        for sub in list(self.subscriptions):
             sub._close()
         await self._serving.close()  # handlers end before the socket closes
         if self._tg is not None:
@@ -310,7 +310,7 @@ class Peer:
         self._calls.fail_all(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
 
     def _open_socket(self, tg: anyio.abc.TaskGroup) -> Transport:
-        self._loop = self.outbox.loop = loop = asyncio.get_running_loop()
+        self.loop = self.outbox.loop = loop = asyncio.get_running_loop()
         link: Transport
         if transport_kind(loop) == "portable":
             dealer = _dealer(self.ctx.socket(zmq.DEALER), self.hub, self.curve)
@@ -320,13 +320,13 @@ class Peer:
         else:  # a plain socket (see bus/transport.py); `self.ctx` makes zmq.asyncio ones
             link = FastTransport(_dealer(zmq.Socket(self.ctx, zmq.DEALER), self.hub, self.curve),
                                  self._drain)
-        self._sock = link
+        self.sock = link
         self._last_heard = time.monotonic()
         self._schedule_drain()
         return link
 
     def _close_socket(self, linger: int) -> None:
-        link, self._sock = self._sock, None
+        link, self.sock = self.sock, None
         self._ledger.socket_closed()
         if link is not None:
             link.close(linger)
@@ -346,7 +346,7 @@ class Peer:
             await anyio.sleep(self._housekeeping_delay(next_beat, next_confirm))
             now = time.monotonic()
             self._calls.expire(now)
-            if self._sock is None:
+            if self.sock is None:
                 continue
             welcome = self.welcome
             if welcome is not None:
@@ -376,7 +376,7 @@ class Peer:
             if self.welcome is not None and now >= next_beat:
                 next_beat = now + interval
                 try:
-                    self._send_now(hb)
+                    self.send_now(hb)
                 except zmq.ZMQError:
                     pass
 
@@ -384,7 +384,7 @@ class Peer:
         """Seconds to the next housekeeping pass (`_idle_delay`): HOUSEKEEPING while messages
         are held back (the HWM) or the link is not welcomed."""
         welcome = self.welcome
-        if welcome is None or self._sock is None or self.outbox.items:
+        if welcome is None or self.sock is None or self.outbox.items:
             return HOUSEKEEPING
         due = min(next_beat, self._last_heard + welcome.heartbeat_interval * welcome.liveness,
                   self._calls.first_expiry())
@@ -399,15 +399,15 @@ class Peer:
     # --- receiving -----------------------------------------------------------------------
 
     def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._loop is not None:
+        if not self._drain_scheduled and self.loop is not None:
             self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
+            self.loop.call_soon(self._drain)
 
     def _drain(self) -> None:
         """Handle every message ready on the DEALER (up to a batch), then wake blocked senders."""
         self._drain_scheduled = False
         self._unchecked = 0
-        sock = self._sock
+        sock = self.sock
         if sock is None:
             return
         dispatch = self._dispatch
@@ -423,10 +423,10 @@ class Peer:
                     dispatch(frames)
                 except (msgspec.DecodeError, msgspec.ValidationError, IndexError,
                         RecursionError) as exc:
-                    self._count("malformed")
+                    self.count("malformed")
                     log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
                 except Exception:  # a bug must not stop the reader
-                    self._count("dispatch_errors")
+                    self.count("dispatch_errors")
                     log.exception("%s: failed to handle a message from the hub", self.name)
                 if handled == 1 and not sock.input_waiting():
                     # One message (a lone round trip's reply or request): an EVENTS read
@@ -436,7 +436,7 @@ class Peer:
                 self._schedule_drain()
             if handled:
                 self._last_heard = time.monotonic()
-                loop = self._loop
+                loop = self.loop
                 if not self._check_scheduled and not self._drain_scheduled and loop is not None:
                     # What this drain started (requests served, callers woken by replies) runs
                     # in the next loop pass and sends: look for input once after all of it, in
@@ -457,7 +457,7 @@ class Peer:
 
     def _dispatch(self, frames: list[bytes]) -> None:
         if len(frames) < 2 or frames[0] != _SIG:
-            self._count("malformed")
+            self.count("malformed")
             return
         header = p.decode_header(frames[1])
         kind = header.kind
@@ -473,7 +473,7 @@ class Peer:
         elif kind == p.RECONNECT:
             self._lost.set()
         elif kind != p.HEARTBEAT:
-            self._count("unknown_kind")
+            self.count("unknown_kind")
 
     def _on_unmatched(self, header: p.Header) -> None:
         """An answer to no pending call: late (stale), the hub refusing one of our registers, or
@@ -485,12 +485,12 @@ class Peer:
         if header.code in _EVENT_REFUSED:
             self._ledger.refused(header)
         else:
-            self._count("stale_replies")
+            self.count("stale_replies")
 
     def _on_welcome(self, welcome: p.Welcome) -> None:
         self.welcome = welcome
         frames = self._serving.reregister_frames()
-        if frames is not None and not self._send_now(frames):
+        if frames is not None and not self.send_now(frames):
             log.warning("%s: could not re-register (send queue full)", self.name)
         if self._state is PeerState.RECONNECTING:
             log.warning("%s: the hub at %s is back; reconnected", self.name, self.hub)
@@ -498,16 +498,16 @@ class Peer:
             self._state = PeerState.READY
         self._changed()
 
-    def _count(self, name: str) -> None:
+    def count(self, name: str) -> None:
         self.counters[name] = self.counters.get(name, 0) + 1
 
     # --- sending -------------------------------------------------------------------------
 
-    def _send_now(self, frames: list[Any]) -> bool:
+    def send_now(self, frames: list[Any]) -> bool:
         """Send a whole message (signature included) without blocking; False at the HWM.
 
         Held events go first (order is kept); while some are still held, nothing is sent."""
-        sock = self._sock
+        sock = self.sock
         if sock is None:
             raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
         if self.outbox.items and not self._flush_held():
@@ -523,7 +523,7 @@ class Peer:
         if self._check_scheduled or self._drain_scheduled:
             return True
         self._unchecked += 1
-        loop = self._loop
+        loop = self.loop
         if self._unchecked > INLINE_CHECKS and loop is not None:
             self._check_scheduled = True
             loop.call_soon(self._check_input)
@@ -532,10 +532,10 @@ class Peer:
         return True
 
     def _check_input(self) -> None:
-        """After a burst of sends: drain when input is waiting (see `_send_now`)."""
+        """After a burst of sends: drain when input is waiting (see `send_now`)."""
         self._check_scheduled = False
         self._unchecked = 0
-        sock = self._sock
+        sock = self.sock
         if sock is None or self._drain_scheduled:
             return
         try:
@@ -553,7 +553,7 @@ class Peer:
         outbox is full: send it now. Any direct send flushes the held messages first, so order
         is kept. (A request is held only behind other held messages or beside other calls in
         flight, `Calls.begin`; alone it goes at once, so the other side starts sooner.)"""
-        return (self.welcome is not None and self._sock is not None
+        return (self.welcome is not None and self.sock is not None
                 and self.outbox.hold(frames, linger=linger))
 
     def _flush_soon(self) -> None:
@@ -566,7 +566,7 @@ class Peer:
 
     def _flush_held(self) -> bool:
         """Send the held messages (`Outbox.flush`); False when the HWM stopped it."""
-        sock = self._sock
+        sock = self.sock
         if sock is None:
             return False  # events wait for the next connection (replies are dropped on close)
         if self.outbox.items:
@@ -585,31 +585,31 @@ class Peer:
             except Exception:  # what it guards is its owner's; sending must go on
                 log.exception("%s: before_send failed", self.name)
 
-    async def _send(self, frames: list[Any], *, wait: bool = True,
+    async def send(self, frames: list[Any], *, wait: bool = True,
                     deadline: float = float("inf")) -> None:
         """Send `[SIGNATURE, *frames]`; wait for the connection (when `wait`) and the HWM."""
         if wait and self.welcome is None:
-            await self._connection(deadline)
+            await self.wait_connection(deadline)
         message = [_SIG, *frames]
-        if not self._send_now(message):
-            await self._send_blocked(message, deadline)
+        if not self.send_now(message):
+            await self.send_blocked(message, deadline)
         self._sends += 1
         if self._sends % YIELD_EVERY == 0:
             await anyio.lowlevel.checkpoint()
 
-    async def _connection(self, deadline: float) -> None:
+    async def wait_connection(self, deadline: float) -> None:
         """Wait until connected (at most until `deadline`, monotonic), else raise HubLost."""
         with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
             await self._wait_connected()
         if self.welcome is None:
             raise HubLost(f"not connected to the hub at {self.hub}", p.HUB_LOST)
 
-    async def _send_blocked(self, message: list[Any], deadline: float) -> None:
+    async def send_blocked(self, message: list[Any], deadline: float) -> None:
         while True:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded("send queue to the hub stayed full", p.DEADLINE)
             await self._wait_writable()
-            if self._send_now(message):
+            if self.send_now(message):
                 return
 
     async def _wait_writable(self) -> None:
@@ -683,20 +683,20 @@ class Peer:
         limit = body_limit(self)
         if limit and len(body) > limit:
             # the hub would drop this connection (and every call on it): the event is lost alone
-            self._count("events_too_large")
+            self.count("events_too_large")
             log.warning("%s: event `%s` of %d bytes not sent: over the hub's max_message_bytes",
                         self.name, type_, len(body))
             return
         key = (type_, agent, run, experiment, parent)
         outbox = self.outbox
-        if not (self.welcome is not None and self._sock is not None
+        if not (self.welcome is not None and self.sock is not None
                 and outbox.hold_event(body, key)):
             message = [_SIG, outbox.event_header(key), body]
             if self.welcome is None:
-                await self._connection(float("inf"))
+                await self.wait_connection(float("inf"))
             self._before_send()
-            if not self._send_now(message):
-                await self._send_blocked(message, float("inf"))
+            if not self.send_now(message):
+                await self.send_blocked(message, float("inf"))
             self.outbox.events_sent += 1
         self._sends += 1
         if confirm:

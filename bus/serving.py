@@ -109,7 +109,7 @@ class IncomingRequest:
             self._held_bytes = len(body)
             return
         self._held_partial = None
-        await peer._send(message[1:], wait=False)
+        await peer.send(message[1:], wait=False)
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes] | bytes]
@@ -175,7 +175,7 @@ class Serving:
         reg_id = p.new_id()
         self._registering[reg_id] = (spec.name, served)
         try:
-            await self._peer._send([p.encode(p.Header(kind=p.REGISTER, id=reg_id)),
+            await self._peer.send([p.encode(p.Header(kind=p.REGISTER, id=reg_id)),
                                     p.encode(p.Register([spec]))])
         except BaseException:
             del self._registering[reg_id]
@@ -217,7 +217,7 @@ class Serving:
         if service is None and header.id:
             return False
         peer = self._peer
-        peer._count("registers_refused")
+        peer.count("registers_refused")
         if service is not None:
             self._refusals[header.id] = (header.code, header.error)
         log.error("%s: the hub at %s refused to register %s (%s): %s", peer.name, peer.hub,
@@ -226,7 +226,7 @@ class Serving:
 
     async def unregister(self, service: str) -> None:
         if self.services.pop(service, None) is not None:
-            await self._peer._send([p.encode(p.Header(kind=p.UNREGISTER)),
+            await self._peer.send([p.encode(p.Header(kind=p.UNREGISTER)),
                                     p.encode(p.Unregister([service]))])
 
     def register_frames(self, specs: list[p.ServiceSpec]) -> list[Any]:
@@ -242,10 +242,10 @@ class Serving:
         """A REQUEST from the hub: start its handler (or answer `no_service` at once)."""
         peer = self._peer
         served = self.services.get(header.service)
-        loop = peer._loop
+        loop = peer.loop
         if served is None or loop is None or peer.closing or self._closed:
-            peer._count("unserved_requests")
-            peer._send_now([_SIG, error_header(header.id, p.NO_SERVICE,
+            peer.count("unserved_requests")
+            peer.send_now([_SIG, error_header(header.id, p.NO_SERVICE,
                                                f"`{header.service}` is not served here")])
             return
         req = IncomingRequest(header.id, header.service, header,
@@ -335,7 +335,7 @@ class Serving:
         if limit and len(body) > limit:
             text = _too_large("the answer", req.service, len(body), limit)
             log.warning("%s: %s; answered %s instead", self._peer.name, text, TOO_LARGE)
-            self._peer._count("answers_too_large")
+            self._peer.count("answers_too_large")
             return [_SIG, error_header(req.id, TOO_LARGE, text)]
         # `peer`: who served it, so the requester may prefer this peer next time
         return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id, peer=self._peer.peer_id)),
@@ -357,20 +357,20 @@ class Serving:
         send back to back). Behind held messages it is held too, which keeps the order."""
         peer = self._peer
         try:
-            if peer._sock is None:
-                peer._count("reply_lost")
+            if peer.sock is None:
+                peer.count("reply_lost")
                 return True
             if not peer.outbox.items and peer.welcome is not None:
-                return peer._send_now(reply)
-            return peer.hold(reply) or peer._send_now(reply)
+                return peer.send_now(reply)
+            return peer.hold(reply) or peer.send_now(reply)
         except (HubLost, zmq.ZMQError):
-            peer._count("reply_lost")
+            peer.count("reply_lost")
             return True
 
     async def _send_reply_blocked(self, reply: list[bytes]) -> None:
         peer = self._peer
         try:
             with anyio.move_on_after(REPLY_SEND_TIMEOUT):
-                await peer._send_blocked(reply, time.monotonic() + REPLY_SEND_TIMEOUT)
+                await peer.send_blocked(reply, time.monotonic() + REPLY_SEND_TIMEOUT)
         except (HubLost, zmq.ZMQError):
-            peer._count("reply_lost")
+            peer.count("reply_lost")
