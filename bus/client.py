@@ -7,11 +7,15 @@ by id. Subscriptions use their own SUB socket and are read by the consumer's tas
 This module is the public face; the parts, each with one job:
 
 - `bus/peer.py`: `Peer`, the connection's lifecycle (`PeerState`), its one reader, sending and
-  publishing (held events, confirmations), heartbeats;
+  publishing, heartbeats;
+- `bus/outbox.py`: the messages held to go out together (held events, replies, partials), their
+  flush and the multi-body event runs;
+- `bus/ledger.py`: what the hub confirmed of the events published (`confirm()`);
 - `bus/rpc.py`: requests this peer makes: the call map the reader feeds, `request`/`stream`, a
   cancel when the requester leaves early;
-- `bus/serving.py`: requests it serves: an `async def` handler in a task and a cancel scope per
-  request, a plain function at once in the reader; exactly one answer each;
+- `bus/serving.py`: requests it serves: registers and their refusals, an `async def` handler in a
+  task and a cancel scope per request, a plain function at once in the reader; exactly one
+  answer each;
 - `bus/subscription.py`: `Subscription`, live events plus replays from the log, no hole and no
   duplicate;
 - `bus/transport.py`: framing and the DEALER's transport, the fast (`add_reader`) one or the

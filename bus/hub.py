@@ -33,9 +33,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
-from agent_bus.bus.errors import ConfigError
+from agent_bus.bus.errors import ConfigError, Overloaded
 from agent_bus.bus.eventlog import Row
-from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Overloaded, Retention
+from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Retention
 from agent_bus.bus.probing import ProbeSchedule
 from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from agent_bus.bus.replay_reader import PEER_REPLAY_QUEUE, REPLAY_PRIORITIES
@@ -94,6 +94,9 @@ _malloc_trim = _find_malloc_trim()
 _decode_header = msgspec.msgpack.Decoder(p.Header).decode
 _SIG = p.SIGNATURE
 _HELLO = p.HELLO
+# A handler of one message kind (`Hub._handlers`): (hub, ident, its peer, header, frames). Only a
+# hello's may be of no known peer (`Hub._handle_stranger` answers the others itself).
+_Handler = Callable[["Hub", bytes, PeerState, p.Header, list[bytes]], None]
 
 # Bus events only the hub may publish: they state what the hub saw (peers, services, losses).
 # `process_restarted`/`process_gave_up` come from the supervisor (`busctl up`), a peer.
@@ -180,11 +183,12 @@ def _typed_event_fault(type_: str, body: bytes) -> str:
     """Why a body may not be published as an event of the header's `type_` ("" if it may)."""
     if type_ in HUB_EVENT_TYPES:
         return f"`{type_[:64]}` is a bus event only the hub publishes"
-    if _schema_fault(type_, body) == "":  # a known type, valid: its tag matched too
+    fault = _schema_fault(type_, body)  # decoded once: it is the costly part of a refusal
+    if fault == "":  # a known type, valid: its tag matched too
         return ""
     body_type = _body_type(body)
     if body_type == type_:
-        return _schema_fault(type_, body) or ""
+        return fault or ""
     if body_type is None:
         return f"`{type_[:64]}` body is not a MessagePack map with a string `type`"
     return f"header `type` `{type_[:64]}` differs from the body's `type` `{body_type[:64]}`"
@@ -618,7 +622,7 @@ class Hub:
         return True
 
     def _handle_stranger(self, ident: bytes, peer: PeerState | None, header: p.Header,
-                         frames: list[bytes], handler: Any) -> None:
+                         frames: list[bytes], handler: _Handler) -> None:
         """A hello, or anything from a peer the hub does not know (revoked, departed, unknown)."""
         if self._refuse_revoked(ident, peer, header):
             return
@@ -635,10 +639,12 @@ class Hub:
                 self._send_error(ident, header.id, p.HUB_LOST, "hub does not know this peer; say hello")
             self._send([ident, p.SIGNATURE, self._reconnect_header])
             return
-        if peer is not None:
-            if peer.user_id and self._key_mismatch(peer, ident):
-                return
-            peer.last_seen = time.monotonic()
+        if peer is None:  # a hello from a new peer
+            self._on_hello(ident, None, header, frames)
+            return
+        if peer.user_id and self._key_mismatch(peer, ident):
+            return
+        peer.last_seen = time.monotonic()
         handler(self, ident, peer, header, frames)
 
     def _refuse_revoked(self, ident: bytes, peer: PeerState | None, header: p.Header) -> bool:
@@ -960,7 +966,7 @@ class Hub:
                        frames: list[bytes]) -> None:
         self._reject("unexpected_kind", ident, f"kind {header.kind!r} is hub-to-peer only")
 
-    _handlers: dict[str, Any] = {
+    _handlers: dict[str, _Handler] = {
         p.HELLO: _on_hello,
         p.REGISTER: _on_register,
         p.UNREGISTER: _on_unregister,

@@ -255,6 +255,40 @@ def ipc_listening(path: str) -> bool:
 HUB_FORMS = "tcp://HOST:PORT, ipc://PATH, HOST:PORT or PORT (on 127.0.0.1)"
 
 
+def hub_refusal(hub: str) -> str:
+    """Fail fast on a malformed address (raises ValueError naming the forms) or a hub that is
+    plainly not there (returns why: nothing listens on the TCP port, or no ipc socket file),
+    instead of a client retrying for its whole connect timeout. Anything less clear-cut is left
+    to the ZeroMQ connection ("")."""
+    # (No probe socket on the client's zmq context: creating one there upsets the fd-driven
+    # reader of the SUB sockets made later — seen as a subscriber stalling under load.)
+    scheme, sep, rest = hub.partition("://")
+    ok = sep and rest and scheme in ("tcp", "ipc", "inproc", "ws", "wss", "tipc", "vmci")
+    if ok and scheme == "tcp":
+        port = rest.rpartition(":")[2]
+        ok = ":" in rest and port.isdigit() and 0 < int(port) < 65536
+    if not ok:
+        raise ValueError(f"bad hub address {hub!r} (use {HUB_FORMS})")
+    if hub.startswith("ipc://"):
+        path = hub[6:]
+        if path and not path.startswith("@") and not os.path.exists(path):
+            return f"no socket file at {path}"
+        return ""
+    if hub.startswith("tcp://"):
+        host, _, port = hub[6:].rpartition(":")
+        host = host.strip("[]")
+        if ";" in host:
+            return ""  # a source address: let ZeroMQ handle it
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                pass
+        except ConnectionRefusedError:
+            return "connection refused"
+        except OSError:
+            return ""
+    return ""
+
+
 def parse_hub_address(value: str) -> str:
     """`tcp://…` and `ipc://…` as given; `HOST:PORT` and a bare `PORT` (loopback) are shorthands
     for tcp, the way people type an address (`--hub localhost:7400`, `--hub 7400`,

@@ -24,6 +24,7 @@ from zmq.backend import Socket as _BackendSocket
 
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
+from agent_bus.bus.errors import Overloaded
 from agent_bus.bus.eventlog import EventLog, Row
 from agent_bus.bus.replay_pacing import ReplayPacer
 from agent_bus.bus.replay_reader import REPLAY_QUEUE, ReplayReader
@@ -270,7 +271,3 @@ class EventPipeline:
             raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting for "
                              f"the log reader; retry after one is answered")
         return None
-
-
-class Overloaded(Exception):
-    """A replay could not be queued for the reader."""

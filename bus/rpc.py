@@ -192,8 +192,8 @@ class Calls:
                 # of the hub), not one send each between the callers' Python (measured with
                 # 256 in flight: 11% less CPU at the requester, 1-4% at the hub). A lone
                 # request goes at once: a round trip waits for no loop pass.
-                sent = ((bool(peer._held) or len(pending) > 1) and peer._hold(frames, event=False)
-                        or peer._send_now(frames))
+                sent = ((bool(peer.outbox.items) or len(pending) > 1) and peer.hold(frames)
+                        or peer.send_now(frames))
             except BaseException:
                 pending.pop(req_id, None)
                 raise
@@ -207,12 +207,12 @@ class Calls:
         """Wait for the connection, then send (waiting for room at the HWM)."""
         peer = self._peer
         if peer.welcome is None:
-            await peer._connection(deadline)
+            await peer.wait_connection(deadline)
         call = Call(req_id, expires)
         self.pending[req_id] = call  # before sending: nothing can yield in between
         try:
-            if not peer._send_now(frames):
-                await peer._send_blocked(frames, deadline)
+            if not peer.send_now(frames):
+                await peer.send_blocked(frames, deadline)
         except BaseException:
             self.pending.pop(req_id, None)
             raise
@@ -224,9 +224,9 @@ class Calls:
             return
         self.pending.pop(call.id, None)
         peer = self._peer
-        if peer.welcome is not None and peer._sock is not None:
+        if peer.welcome is not None and peer.sock is not None:
             try:
-                peer._send_now([_SIG, p.encode(p.Header(kind=p.CANCEL, id=call.id))])
+                peer.send_now([_SIG, p.encode(p.Header(kind=p.CANCEL, id=call.id))])
             except zmq.ZMQError:
                 pass
 

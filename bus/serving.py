@@ -18,16 +18,17 @@ Each request runs in a plain asyncio task (not a task group's: anyio's `start_so
 12 us more per request, a third of a served request's CPU in the echo benchmark); the tasks are
 found through `in_service`, which holds every request whose task has not ended.
 
-An answer goes out at once when nothing is held (`Peer._hold`); otherwise, like partial replies,
-it is held behind what is and goes out at the end of the event-loop iteration. Partials of one
-request held meanwhile become one `partial` message with one body frame each, in order
-(docs/protocol.md §4): a model's streamed deltas parsed from one read cost one message through
-the hub instead of one each.
+An answer goes out at once when nothing is held (`Peer.hold`, bus/outbox.py); otherwise, like
+partial replies, it is held behind what is and goes out at the end of the event-loop iteration.
+Partials of one request held meanwhile become one `partial` message with one body frame each, in
+order (docs/protocol.md §4): a model's streamed deltas parsed from one read cost one message
+through the hub instead of one each.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -39,7 +40,8 @@ import anyio
 import zmq
 
 from agent_bus.bus import protocol as p
-from agent_bus.bus.errors import HubLost, RequestError
+from agent_bus.bus.errors import HubLost, RegisterRefused, RequestError
+from agent_bus.bus.ledger import CONFIRM_BODY
 
 if TYPE_CHECKING:
     from agent_bus.bus.link import PeerLink
@@ -72,7 +74,7 @@ class IncomingRequest:
     _scope: anyio.CancelScope | None = None
     _cancelled: anyio.Event | None = None
     # The `partial` message of this request still held by the peer (more bodies join it while
-    # the peer's `_held_gen` is the one it was held under), else None.
+    # the peer's `outbox.gen` is the one it was held under), else None.
     _held_partial: list[Any] | None = None
     _held_gen: int = -1
     _held_bytes: int = 0  # of its bodies: one message stays under the hub's limit
@@ -96,18 +98,18 @@ class IncomingRequest:
             raise RequestError(_too_large("a partial answer", self.service, len(body), limit),
                                TOO_LARGE)
         held = self._held_partial
-        if held is not None and self._held_gen == peer._held_gen and (
+        if held is not None and self._held_gen == peer.outbox.gen and (
                 not limit or self._held_bytes + len(body) <= limit):
             held.append(body)  # still unsent: the body goes out with it, after its bodies
             self._held_bytes += len(body)
             return
         message = [_SIG, p.encode(p.Header(kind=p.PARTIAL, id=self.id)), body]
-        if peer._hold(message, event=False, linger=True):
-            self._held_partial, self._held_gen = message, peer._held_gen
+        if peer.hold(message, linger=True):
+            self._held_partial, self._held_gen = message, peer.outbox.gen
             self._held_bytes = len(body)
             return
         self._held_partial = None
-        await peer._send(message[1:], wait=False)
+        await peer.send(message[1:], wait=False)
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes] | bytes]
@@ -160,6 +162,72 @@ class Serving:
         self.in_service: dict[str, IncomingRequest] = {}  # by id; each until its task ends
         self._closed = False
         self._new_scope: Callable[[], anyio.CancelScope] = anyio.CancelScope
+        # `register`s awaiting the round trip that tells a refusal: id -> (service, served), and
+        # the refusals that came meanwhile: id -> (code, the hub's text)
+        self._registering: dict[str, tuple[str, Served]] = {}
+        self._refusals: dict[str, tuple[str, str]] = {}
+
+    async def register(self, spec: p.ServiceSpec, handler: Handler, *, confirm: bool,
+                       timeout: float) -> None:
+        """`Peer.serve`: register, and with `confirm` wait `timeout` at most for the round trip
+        that tells a refusal (raised as `RegisterRefused`)."""
+        served = self.services[spec.name] = Served(spec, handler)
+        reg_id = p.new_id()
+        self._registering[reg_id] = (spec.name, served)
+        try:
+            await self._peer.send([p.encode(p.Header(kind=p.REGISTER, id=reg_id)),
+                                    p.encode(p.Register([spec]))])
+        except BaseException:
+            del self._registering[reg_id]
+            raise
+        if confirm:
+            await self._confirm({reg_id: self._registering[reg_id]}, timeout)
+
+    async def confirm_registers(self, timeout: float) -> None:
+        """`Peer.confirm_registers`: one round trip for every register not confirmed yet."""
+        await self._confirm(dict(self._registering), timeout)
+
+    async def _confirm(self, pending: dict[str, tuple[str, Served]], timeout: float) -> None:
+        if not pending:
+            return
+        try:
+            with contextlib.suppress(RequestError):  # lost, or overloaded: see below
+                await self._peer.request(p.HUB_REPLAY, CONFIRM_BODY, timeout=timeout)
+        finally:
+            for reg_id in pending:
+                self._registering.pop(reg_id, None)
+            refusals = [(pending[i], self._refusals.pop(i)) for i in pending
+                        if i in self._refusals]
+        # Without its round trip a refusal may come later: then it is logged and counted only
+        # (`on_refused`), as one of a re-register after a reconnect is.
+        for (service, served), _ in refusals:
+            if self.services.get(service) is served:
+                del self.services[service]  # not re-registered at the next welcome
+        if refusals:
+            (service, _), (code, reason) = refusals[0]
+            raise RegisterRefused(service, code, reason)
+
+    def on_refused(self, header: p.Header) -> bool:
+        """The hub refused a service of a register (docs/protocol.md §5: `forbidden`, or
+        `bad_request` for a bad spec): logged, counted, and `register` raises it. One without an
+        id answers a re-register after a welcome (no caller: logged alone). False: not a
+        register's."""
+        registering = self._registering.get(header.id)
+        service = registering[0] if registering else None
+        if service is None and header.id:
+            return False
+        peer = self._peer
+        peer.count("registers_refused")
+        if service is not None:
+            self._refusals[header.id] = (header.code, header.error)
+        log.error("%s: the hub at %s refused to register %s (%s): %s", peer.name, peer.hub,
+                  f"`{service}`" if service else "a service again", header.code, header.error)
+        return True
+
+    async def unregister(self, service: str) -> None:
+        if self.services.pop(service, None) is not None:
+            await self._peer.send([p.encode(p.Header(kind=p.UNREGISTER)),
+                                    p.encode(p.Unregister([service]))])
 
     def register_frames(self, specs: list[p.ServiceSpec]) -> list[Any]:
         return [_SIG, p.encode(p.Header(kind=p.REGISTER)), p.encode(p.Register(specs))]
@@ -174,10 +242,10 @@ class Serving:
         """A REQUEST from the hub: start its handler (or answer `no_service` at once)."""
         peer = self._peer
         served = self.services.get(header.service)
-        loop = peer._loop
+        loop = peer.loop
         if served is None or loop is None or peer.closing or self._closed:
-            peer._count("unserved_requests")
-            peer._send_now([_SIG, error_header(header.id, p.NO_SERVICE,
+            peer.count("unserved_requests")
+            peer.send_now([_SIG, error_header(header.id, p.NO_SERVICE,
                                                f"`{header.service}` is not served here")])
             return
         req = IncomingRequest(header.id, header.service, header,
@@ -267,7 +335,7 @@ class Serving:
         if limit and len(body) > limit:
             text = _too_large("the answer", req.service, len(body), limit)
             log.warning("%s: %s; answered %s instead", self._peer.name, text, TOO_LARGE)
-            self._peer._count("answers_too_large")
+            self._peer.count("answers_too_large")
             return [_SIG, error_header(req.id, TOO_LARGE, text)]
         # `peer`: who served it, so the requester may prefer this peer next time
         return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req.id, peer=self._peer.peer_id)),
@@ -289,20 +357,20 @@ class Serving:
         send back to back). Behind held messages it is held too, which keeps the order."""
         peer = self._peer
         try:
-            if peer._sock is None:
-                peer._count("reply_lost")
+            if peer.sock is None:
+                peer.count("reply_lost")
                 return True
-            if not peer._held and peer.welcome is not None:
-                return peer._send_now(reply)
-            return peer._hold(reply, event=False) or peer._send_now(reply)
+            if not peer.outbox.items and peer.welcome is not None:
+                return peer.send_now(reply)
+            return peer.hold(reply) or peer.send_now(reply)
         except (HubLost, zmq.ZMQError):
-            peer._count("reply_lost")
+            peer.count("reply_lost")
             return True
 
     async def _send_reply_blocked(self, reply: list[bytes]) -> None:
         peer = self._peer
         try:
             with anyio.move_on_after(REPLY_SEND_TIMEOUT):
-                await peer._send_blocked(reply, time.monotonic() + REPLY_SEND_TIMEOUT)
+                await peer.send_blocked(reply, time.monotonic() + REPLY_SEND_TIMEOUT)
         except (HubLost, zmq.ZMQError):
-            peer._count("reply_lost")
+            peer.count("reply_lost")

@@ -112,7 +112,7 @@ class Subscription:
         self._sock = sock
         self._fdw = (PollWaiter(sock) if isinstance(sock, zmq.asyncio.Socket)
                      else FdWaiter(sock))
-        self.peer._subs.add(self)
+        self.peer.subscriptions.add(self)
         try:
             await self._await_subscription()
             self._catching_up = self.since is not None

@@ -23,7 +23,7 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.errors import HubLost
-from agent_bus.bus.peer import COALESCE_BYTES, COALESCE_EVENTS, EVENT_LINGER
+from agent_bus.bus.outbox import COALESCE_BYTES, COALESCE_EVENTS, EVENT_LINGER
 from tests.support import until
 
 
