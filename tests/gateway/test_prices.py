@@ -18,7 +18,7 @@ from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
 from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
 from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, is_local_host, price_model
 from agent_bus.bus.messages import Usage
-from agent_bus.cli import _cost_text
+from agent_bus.commands.observe import _cost_text
 from tests.gateway.conftest import engine_for, request
 
 pytestmark = pytest.mark.anyio
