@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
 
 from agent_bus.bus.client import connect
-from agent_bus.bus.errors import AgentBusError
 from agent_bus.bus.security import CurveClient
 from agent_bus.commands.base import hub_options, run_async, use_color
+
+if TYPE_CHECKING:  # loaded by `status` only
+    from agent_bus.agents.client.status import AgentSummary, TopologyStatus
+    from agent_bus.agents.gateway.wire import EngineStats, ModelStats
+    from agent_bus.bus.protocol import PeerInfo, Status
 
 # --- busctl status ------------------------------------------------------------------------
 
@@ -28,109 +32,84 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
       busctl status --json | jq '.services[].name'
     """
 
-    from agent_bus.agents.client.remote import topology_status
+    from agent_bus.agents.client.status import topology_status
 
-    async def fetch() -> dict[str, Any]:
+    async def fetch() -> TopologyStatus:
         async with connect(hub, name="busctl-status", role="cli", curve=curve) as peer:
-            report = await topology_status(peer)
-            report["subscribers"] = await _subscriber_drops(peer, report)
-            return report
+            return await topology_status(peer)
 
     st = run_async(fetch)
-    st["dropped"] = _drop_totals(st)
     if as_json:
-        click.echo(msgspec.json.encode(st).decode())
+        click.echo(msgspec.json.encode(st.report).decode())
         return
-    click.echo(f"hub {st['endpoint']}  events {st['events']}  seq {st['seq']}  "
-               f"up {st['uptime']:.0f}s")
-    if st.get("log_error"):  # the hub refuses every event until the log can be written again
-        click.echo(f"EVENTS REFUSED: {st['log_error']} (retried by itself; free space or fix "
-                   f"the state directory {st.get('state_dir') or ''})")
+    _print_hub(st.hub)
+    for name, agent in st.agents.items():
+        _print_agent(name, agent)
+    for name, stats in st.gateways.items():
+        _print_gateway(name, stats)
+    if st.hub.counters:
+        click.echo("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(st.hub.counters.items())))
+    for name, sub in st.subscribers.items():
+        extra = "".join(f"  {k.replace('_', ' ')} {v}" for k, v in sorted(sub.extra.items()))
+        click.echo(f"subscriber {name:<17} seq {sub.seq}  fell behind, refilled from the "
+                   f"log {sub.refilled}  lost {sub.lost}{extra}")
+    d = st.dropped
+    click.echo(f"dropped events: {d.total} in total (slow subscribers {d.subscribers}, "
+               f"oversized {d.oversize_events}, refused {d.events_refused})")
+
+
+def _print_hub(st: Status) -> None:
+    click.echo(f"hub {st.endpoint}  events {st.events}  seq {st.seq}  up {st.uptime:.0f}s")
+    if st.log_error:  # the hub refuses every event until the log can be written again
+        click.echo(f"EVENTS REFUSED: {st.log_error} (retried by itself; free space or fix "
+                   f"the state directory {st.state_dir})")
     click.echo("peers:")
-    meta = {s["name"]: s.get("meta", {}) for s in st["services"]}
-    for peer in st["peers"]:
-        services = ", ".join(f"{s['name']} {s['load']}/{s['capacity']}" for s in peer.get("services", []))
+    meta = {s.name: s.meta for s in st.services}
+    for peer in st.peers:
+        services = ", ".join(f"{s.name} {s.load}/{s.capacity}" for s in peer.services)
         jail = _sandbox_of(peer, meta)
-        click.echo(f"  {peer['name']:<20} {peer.get('role', '') or '-':<11} pid {peer.get('pid', 0)}"
-                   f"@{peer.get('host', '')}  {services}{f'  sandbox {jail}' if jail else ''}")
+        click.echo(f"  {peer.name:<20} {peer.role or '-':<11} pid {peer.pid}"
+                   f"@{peer.host}  {services}{f'  sandbox {jail}' if jail else ''}")
     click.echo("services:")
-    for svc in st["services"]:
-        click.echo(f"  {svc['name']:<28} peers {svc['peers']}  load {svc['load']}/{svc['capacity']}"
-                   f"  queued {svc['queued']}")
-    for name, agent in st["agents"].items():
-        click.echo(f"agent {name:<22} live {agent.get('live', 0)} (queued "
-                   f"{agent.get('queued', 0)})  idle {agent.get('idle', 0)}  stored "
-                   f"{agent.get('stored', 0)}  on {', '.join(agent.get('coordinators', []))}")
-        for info in agent.get("sessions", []):
-            if info.get("state") != "idle":
-                click.echo(f"  {info['state']:<8} run {info.get('run_id') or '-'}  session "
-                           f"{info['session']}  messages {info.get('message_count', 0)}")
-    for name, stats in st["gateways"].items():
-        for alias, model in stats.get("models", {}).items():
-            usage = model.get("usage", {})
-            click.echo(f"gateway {name}: {alias} in flight {model.get('in_flight', 0)} queued "
-                       f"{model.get('queued', 0)} requests {model.get('requests', 0)} tokens "
-                       f"{usage.get('total', 0)} cost {_cost_text(model)} "
-                       f"aborted {model.get('aborted', 0)}")
-            # which model answers and how big its window is, and where each fact came from
-            click.echo(f"  model {model.get('model') or '?'} ({model.get('model_from') or 'configured'}), "
-                       f"context window {model.get('context_window') or '?'} "
-                       f"({model.get('context_window_from') or 'configured'})")
-    if st["counters"]:
-        click.echo("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(st["counters"].items())))
-    for name, sub in st["subscribers"].items():
-        extra = "".join(f"  {k.replace('_', ' ')} {v}" for k, v in sorted(sub.get("extra", {}).items()))
-        click.echo(f"subscriber {name:<17} seq {sub.get('seq', 0)}  fell behind, refilled from the "
-                   f"log {sub.get('refilled', 0)}  lost {sub.get('lost', 0)}{extra}")
-    d = st["dropped"]
-    click.echo(f"dropped events: {d['total']} in total (slow subscribers {d['subscribers']}, "
-               f"oversized {d['oversize_events']}, refused {d['events_refused']})")
+    for svc in st.services:
+        click.echo(f"  {svc.name:<28} peers {svc.peers}  load {svc.load}/{svc.capacity}"
+                   f"  queued {svc.queued}")
 
 
-# What `busctl status` adds up as dropped events: the hub's own refusals, and what each
-# subscriber that reports (`subscriber.<name>`: busctl ui, busctl otel) says its live stream lost.
-# A subscriber's drops happen in libzmq's PUB queue, which counts nothing: only the subscriber
-# sees the hole in the seqs (and fills it from the log).
-HUB_DROP_COUNTERS = ("oversize_events", "events_refused")
+def _print_agent(name: str, agent: AgentSummary) -> None:
+    click.echo(f"agent {name:<22} live {agent.live} (queued {agent.queued})  idle {agent.idle}  "
+               f"stored {agent.stored}  on {', '.join(agent.coordinators)}")
+    for info in agent.sessions:
+        if info.state != "idle":
+            click.echo(f"  {info.state:<8} run {info.run_id or '-'}  session "
+                       f"{info.session}  messages {info.message_count}")
 
 
-async def _subscriber_drops(peer: Any, report: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for service in report["services"]:
-        name = service["name"]
-        if not name.startswith("subscriber.") or not service["peers"]:
-            continue
-        try:
-            out[name[11:]] = msgspec.msgpack.decode(await peer.request(name, b"", timeout=3))
-        except AgentBusError as exc:
-            report.setdefault("errors", []).append(f"{name}: {exc}")
-    return out
+def _print_gateway(name: str, stats: EngineStats) -> None:
+    for alias, model in stats.models.items():
+        click.echo(f"gateway {name}: {alias} in flight {model.in_flight} queued "
+                   f"{model.queued} requests {model.requests} tokens "
+                   f"{model.usage.total} cost {_cost_text(model)} aborted {model.aborted}")
+        # which model answers and how big its window is, and where each fact came from
+        click.echo(f"  model {model.model or '?'} ({model.model_from or 'configured'}), "
+                   f"context window {model.context_window or '?'} "
+                   f"({model.context_window_from or 'configured'})")
 
 
-def _sandbox_of(peer: dict[str, Any], meta: dict[str, Any]) -> str | None:
+def _sandbox_of(peer: PeerInfo, meta: dict[str, dict[str, Any]]) -> str | None:
     """A tool worker's sandbox (tools/sandbox.py), from its own registrations' metadata (a hub
     that predates per-peer metadata gives only the service's, the latest registration's)."""
-    if peer.get("role") != "worker":
+    if peer.role != "worker":
         return None
-    return next((found for s in peer.get("services", [])
-                 if (found := (s.get("meta") or meta.get(s["name"], {})).get("sandbox"))), None)
+    return next((found for s in peer.services
+                 if (found := (s.meta or meta.get(s.name, {})).get("sandbox"))), None)
 
 
-def _drop_totals(st: dict[str, Any]) -> dict[str, int]:
-    totals = {k: st["counters"].get(k, 0) for k in HUB_DROP_COUNTERS}
-    totals["subscribers"] = sum(s.get("refilled", 0) + s.get("lost", 0)
-                                for s in st["subscribers"].values())
-    totals["total"] = sum(totals.values())
-    return totals
-
-
-def _cost_text(model: dict[str, Any]) -> str:
+def _cost_text(model: ModelStats) -> str:
     """A model's cost so far, or "no price known" (a 0 would pretend); `price` says why."""
-    if model.get("priced", True):
-        return f"${model.get('usage', {}).get('cost', 0):.4f}"
-    return f"unknown ({model.get('price') or 'no price known'})"
-
-
+    if model.priced:
+        return f"${model.usage.cost:.4f}"
+    return f"unknown ({model.price or 'no price known'})"
 
 
 # --- busctl watch -------------------------------------------------------------------------
