@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import msgspec
@@ -26,6 +26,9 @@ from agent_bus.commands.base import (
     state_dir_for,
 )
 from agent_bus.commands.mcp import mcp_json_specs, mcp_specs, mcp_url_specs, require_mcp_sdk
+
+if TYPE_CHECKING:  # the worker's own modules load in `worker` only
+    from agent_bus.tools.sandbox import SandboxInfo
 
 # --- busctl hub ---------------------------------------------------------------------------
 
@@ -185,26 +188,12 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
       busctl worker --hub tcp://10.0.0.5:7400 --tools ./my_tools.py --workspace /data
       busctl worker --mcp "python -m mcp_server_time" --mcp "uvx mcp-server-git"
     """
-    from agent_bus.bus.paths import claim_worker_credential, local_alias
     from agent_bus.bus.procsec import drop_root_powers
-    from agent_bus.bus.security import take_back
     from agent_bus.tools import ToolLoadError
-    from agent_bus.tools.sandbox import SandboxUnavailable, enter, hub_folders, set_shell_sandbox
+    from agent_bus.tools.sandbox import hub_folders, set_shell_sandbox
     from agent_bus.tools.worker import WorkerSettings, run_worker
 
-    if curve is None:  # `--hub 7400`: the local topology's socket, which the sandbox exposes
-        hub = local_alias(hub)
-        claim_worker_credential(hub)  # a worker's rights, not its owner's
-    handed, hide = _hand_over_keys(curve, workspace, hide)
-    try:  # first: re-runs this command under bubblewrap where it can (tools/sandbox.py)
-        jail = enter(sandbox, workspace, hub, hide, read_only)  # type: ignore[arg-type]  # a click.Choice
-    except SandboxUnavailable as exc:
-        raise click.BadParameter(str(exc), param_hint="--sandbox") from None
-    finally:  # still here outside a sandbox: the keys stay where they were
-        if handed is not None:
-            take_back(handed)
-    _hold_keys(curve)
-    hub = jail.hub or hub
+    jail, hub = _enter_sandbox(hub, curve, sandbox, workspace, hide, read_only)
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
     set_shell_sandbox(sandbox, shell_network, hub_folders(hub))  # type: ignore[arg-type]
     servers = (mcp_specs(mcp_commands, mcp_prefix) + mcp_url_specs(mcp_urls, mcp_headers, mcp_prefix)
@@ -224,6 +213,29 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+def _enter_sandbox(hub: str, curve: CurveClient | None, sandbox: str, workspace: str,
+                   hide: tuple[str, ...], read_only: tuple[str, ...]) -> tuple[SandboxInfo, str]:
+    """First: re-run this command under bubblewrap where it can (tools/sandbox.py), its keys
+    handed over in memory. Returns the sandbox and the hub's address to use in there."""
+    from agent_bus.bus.paths import claim_worker_credential, local_alias
+    from agent_bus.bus.security import take_back
+    from agent_bus.tools.sandbox import SandboxUnavailable, enter
+
+    if curve is None:  # `--hub 7400`: the local topology's socket, which the sandbox exposes
+        hub = local_alias(hub)
+        claim_worker_credential(hub)  # a worker's rights, not its owner's
+    handed, hide = _hand_over_keys(curve, workspace, hide)
+    try:
+        jail = enter(sandbox, workspace, hub, hide, read_only)  # type: ignore[arg-type]  # a click.Choice
+    except SandboxUnavailable as exc:
+        raise click.BadParameter(str(exc), param_hint="--sandbox") from None
+    finally:  # still here outside a sandbox: the keys stay where they were
+        if handed is not None:
+            take_back(handed)
+    _hold_keys(curve)
+    return jail, jail.hub or hub
 
 
 def _hand_over_keys(curve: CurveClient | None, workspace: str,
@@ -319,12 +331,7 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
     from agent_bus.agents.coordinator.process import CoordinatorError, CoordinatorSettings, run_coordinator
 
     topology = load_topology_or_exit(topology_file)
-    known = {a.name for a in topology.agents}
-    unknown = [n for n in agent_names if n not in known]
-    if unknown:
-        raise click.BadParameter(f"{', '.join(unknown)} not in the topology "
-                                 f"(agents: {', '.join(sorted(known))})", param_hint="--agent")
-    agents = [a for a in topology.agents if not agent_names or a.name in agent_names]
+    agents = _hosted_agents(topology, agent_names)
     settings = CoordinatorSettings(hub=hub, agents=agents,
                                    state_dir=str(state_dir_for(state_dir, "agents")),
                                    name=name or f"coordinator-{os.getpid()}", curve=curve,
@@ -336,6 +343,16 @@ def coordinator(hub: str, curve: CurveClient | None, topology_file: str | None,
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+def _hosted_agents(topology: Any, agent_names: tuple[str, ...]) -> list[Any]:
+    """`--agent`'s agents of the topology (all without it); a name it lacks is a usage error."""
+    known = {a.name for a in topology.agents}
+    unknown = [n for n in agent_names if n not in known]
+    if unknown:
+        raise click.BadParameter(f"{', '.join(unknown)} not in the topology "
+                                 f"(agents: {', '.join(sorted(known))})", param_hint="--agent")
+    return [a for a in topology.agents if not agent_names or a.name in agent_names]
 
 
 FAKE_LLM_EXAMPLES = """

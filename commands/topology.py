@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import click
@@ -22,6 +22,9 @@ from agent_bus.commands.base import (
     topology_option,
     use_color,
 )
+
+if TYPE_CHECKING:  # agents.launch.up loads when `up` runs
+    from agent_bus.agents.launch.up import UpOptions
 
 
 @click.command()
@@ -59,39 +62,51 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
     Ctrl-C stops everything in order.
     """
     from agent_bus.agents.launch.up import UpOptions
-    from agent_bus.agents.launch.up import up as run_up
     from agent_bus.bus.procsec import make_undumpable
 
     make_undumpable()  # the keys are in this process's environment: no same-user process reads it
     topology = load_topology_or_exit(config_file)
-    from agent_bus.agents.launch.supervisor import SECRET_NAME_RE, scrub_environ_block
-
-    # The keys stay in this process's memory (os.environ); its environment block, which
-    # /proc/PID/environ shows, loses them: children get theirs from the supervisor's memory.
-    scrub_environ_block({n for n in os.environ if SECRET_NAME_RE.search(n)}
-                        | {m.api_key_env for m in topology.models.values() if m.api_key_env})
+    _scrub_secrets(topology)
     if demo and model_file:
         raise click.UsageError("--demo and --model-file each choose the model; give one")
     options = UpOptions(demo=demo, extra_tools=list(extra_tools), workers=workers, hub=hub_addr,
                         detach_ready_file=ready_file, model_file=model_file or "",
                         topology_file=config_file or "",
                         ready_json=as_json and not detach)
+    _check_before_start(topology, options, config_file)
+    if detach:
+        _detach(topology, options, as_json)
+        return
+    _run_in_foreground(topology, options, as_json)
+
+
+def _scrub_secrets(topology: Any) -> None:
+    """The keys stay in this process's memory (os.environ); its environment block, which
+    /proc/PID/environ shows, loses them: children get theirs from the supervisor's memory."""
+    from agent_bus.agents.launch.supervisor import SECRET_NAME_RE, scrub_environ_block
+
+    scrub_environ_block({n for n in os.environ if SECRET_NAME_RE.search(n)}
+                        | {m.api_key_env for m in topology.models.values() if m.api_key_env})
+
+
+def _check_before_start(topology: Any, options: UpOptions, config_file: str | None) -> None:
+    """The topology as `up` would run it: valid, not open to the network without CURVE, and not
+    in the way of another running topology."""
     from agent_bus.agents.launch.topology import check_topology
-    from agent_bus.agents.launch.up import resolve
+    from agent_bus.agents.launch.up import preflight, resolve
 
     problems = check_topology(resolve(topology, options))
     if problems:
         raise ConfigExit(f"{config_file or 'embedded default'}: {problems[0]}")
     _refuse_insecure_bind(resolve(topology, options))
-    from agent_bus.agents.launch.up import preflight
-
     busy = preflight(resolve(topology, options))  # before any file of another topology is touched
     if busy:
         raise click.ClickException(busy)
-    if detach:
-        _detach(topology, options, as_json)
-        return
+
+
+def _run_in_foreground(topology: Any, options: UpOptions, as_json: bool) -> None:
     from agent_bus.agents.launch.supervisor import ChildFailed
+    from agent_bus.agents.launch.up import up as run_up
 
     try:
         console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
