@@ -7,6 +7,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,34 @@ if TYPE_CHECKING:  # the worker's own modules load in `worker` only
 # --- busctl hub ---------------------------------------------------------------------------
 
 
+_EVENT_LOG_OPTIONS = [
+    click.option("--retain-days", type=click.FloatRange(0), default=7.0, show_default=True,
+                 help="Prune logged events older than this many days (0: keep them)."),
+    click.option("--retain-bytes", type=click.IntRange(0), default=0, show_default=True,
+                 help="Prune the oldest logged events while the log holds more (0: no bound)."),
+    click.option("--retain-deltas-until-end", is_flag=True,
+                 help="Drop a run's streamed deltas (`message_update`) from the log once its "
+                      "`message_end` (which holds the whole message) is logged."),
+    click.option("--replay-priority", type=click.Choice(["idle", "low"]), default="idle",
+                 show_default=True,
+                 help="CPU priority of the log reader that serves replays: `idle` runs it only on "
+                      "CPU nothing else wants (at nice 10 while the machine starves it), `low` at "
+                      "nice 10 always (docs/reliability.md)."),
+    click.option("--replay-pace-bytes", type=click.IntRange(0), default=4 * 1024 * 1024,
+                 show_default=True,
+                 help="Bytes a second of replay answers while requests are being routed, so a "
+                      "replay of big events does not slow live requests; on an idle bus replays "
+                      "go at full speed. 0: never paced (docs/reliability.md)."),
+]
+
+
+def _event_log_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`busctl hub`'s options of its event log: retention, and how replays of it are served."""
+    for option in reversed(_EVENT_LOG_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
 def hub_command() -> click.Command:
     """`busctl hub`, built when used (or listed by --help): its budget options read
     bus.hub's defaults, and only the hub process needs that module."""
@@ -53,23 +82,7 @@ def hub_command() -> click.Command:
     @click.option("--max-message-bytes", type=click.IntRange(1024), default=16 * 1024 * 1024,
                   show_default=True, help="Largest accepted message; larger ones are dropped.")
     @budget_options
-    @click.option("--retain-days", type=click.FloatRange(0), default=7.0, show_default=True,
-                  help="Prune logged events older than this many days (0: keep them).")
-    @click.option("--retain-bytes", type=click.IntRange(0), default=0, show_default=True,
-                  help="Prune the oldest logged events while the log holds more (0: no bound).")
-    @click.option("--retain-deltas-until-end", is_flag=True,
-                  help="Drop a run's streamed deltas (`message_update`) from the log once its "
-                       "`message_end` (which holds the whole message) is logged.")
-    @click.option("--replay-priority", type=click.Choice(["idle", "low"]), default="idle",
-                  show_default=True,
-                  help="CPU priority of the log reader that serves replays: `idle` runs it only on "
-                       "CPU nothing else wants (at nice 10 while the machine starves it), `low` at "
-                       "nice 10 always (docs/reliability.md).")
-    @click.option("--replay-pace-bytes", type=click.IntRange(0), default=4 * 1024 * 1024,
-                  show_default=True,
-                  help="Bytes a second of replay answers while requests are being routed, so a "
-                       "replay of big events does not slow live requests; on an idle bus replays "
-                       "go at full speed. 0: never paced (docs/reliability.md).")
+    @_event_log_options
     @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
                   help="The hub's secret key file: turns on CURVE encryption.")
     @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), multiple=True,
