@@ -55,9 +55,35 @@ _EVENT_LOG_OPTIONS = [
 ]
 
 
+# Who may connect to the hub, and with which rights.
+_ACCESS_OPTIONS = [
+    click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="The hub's secret key file: turns on CURVE encryption."),
+    click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), multiple=True,
+                 help="Directory of authorised client public keys (reloaded on change); "
+                      "repeatable, each with its own roles.toml (`busctl up` adds the keys it "
+                      "makes for its own processes this way)."),
+    click.option("--insecure", is_flag=True,
+                 help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in)."),
+    click.option("--credentials", type=click.Path(exists=True, dir_okay=False), default=None,
+                 help="Roles of credentials presented in hellos (JSON; `busctl up` writes it): "
+                      "peers without a known one serve nothing (docs/protocol.md section 8)."),
+]
+
+
 def _event_log_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`busctl hub`'s options of its event log: retention, and how replays of it are served."""
-    for option in reversed(_EVENT_LOG_OPTIONS):
+    return _stacked(_EVENT_LOG_OPTIONS, fn)
+
+
+def _access_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`busctl hub`'s options of who may connect: CURVE keys and the peers' credentials."""
+    return _stacked(_ACCESS_OPTIONS, fn)
+
+
+def _stacked(options: list[Callable[[Any], Any]], fn: Callable[..., Any]) -> Callable[..., Any]:
+    # applied last to first, as stacked decorators are: --help lists them in the list's order
+    for option in reversed(options):
         fn = option(fn)
     return fn
 
@@ -83,17 +109,7 @@ def hub_command() -> click.Command:
                   show_default=True, help="Largest accepted message; larger ones are dropped.")
     @budget_options
     @_event_log_options
-    @click.option("--curve-secret", type=click.Path(exists=True, dir_okay=False), default=None,
-                  help="The hub's secret key file: turns on CURVE encryption.")
-    @click.option("--curve-authorized", type=click.Path(exists=True, file_okay=False), multiple=True,
-                  help="Directory of authorised client public keys (reloaded on change); "
-                       "repeatable, each with its own roles.toml (`busctl up` adds the keys it "
-                       "makes for its own processes this way).")
-    @click.option("--insecure", is_flag=True,
-                  help="Allow a non-loopback bind without CURVE (anyone who reaches it is let in).")
-    @click.option("--credentials", type=click.Path(exists=True, dir_okay=False), default=None,
-                  help="Roles of credentials presented in hellos (JSON; `busctl up` writes it): "
-                       "peers without a known one serve nothing (docs/protocol.md section 8).")
+    @_access_options
     @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
                                                    case_sensitive=False),
                   default="info", show_default=True, help="What the hub logs to stderr.")
