@@ -5,9 +5,9 @@
     async with connect("tcp://127.0.0.1:7400") as bus:
         result = await bus.run("assistant", "list the files")
 
-The repository keeps its layout (`bus/`, `agents/`, `tools/`, `cli.py` at the top); this folder
-links them in, so the wheel installs one top-level package, `agent_bus`, and nothing generic
-(`agents` is also openai-agents' import name). Everything imports as `agent_bus.<folder>...`.
+The repository keeps its layout (`bus/`, `agents/`, `tools/`, `cli.py` and its `commands/` at the
+top); this folder links them in, so the wheel installs one top-level package, `agent_bus`, and
+nothing generic (`agents` is also openai-agents' import name). Everything imports as `agent_bus.<folder>...`.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_every_error_is_mapped_in_one_place_and_a_bug_names_its_traceback_log() 
 
     from agent_bus.agents.launch.topology import TopologyError
     from agent_bus.bus.errors import AgentBusError, ConfigError, HubUnreachable
-    from agent_bus.cli import HubUnreachableExit, _exit_for
+    from agent_bus.commands.base import HubUnreachableExit, _exit_for
     from agent_bus.tools import ToolError
 
     assert issubclass(TopologyError, ConfigError) and issubclass(ToolError, AgentBusError)
@@ -105,7 +105,7 @@ def test_a_closed_pipe_exits_quietly(hub: dict, tmp_path: Path) -> None:
 
 def _bug(message: str) -> str:
     """The crash log's path as `_exit_for` names it for an unexpected error."""
-    from agent_bus.cli import _exit_for
+    from agent_bus.commands.base import _exit_for
 
     try:
         raise ValueError(message)

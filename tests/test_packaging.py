@@ -71,7 +71,7 @@ def test_plain_install_into_a_fresh_venv(tmp_path: Path) -> None:
     assert all(path.startswith(purelib) for path in out.stdout.split()), out.stdout
     # one top-level name: nothing generic that another distribution (openai-agents) also installs
     generic = ("import importlib.util\n"
-               "print([n for n in ('agents', 'bus', 'tools', 'cli') if importlib.util.find_spec(n)])")
+               "print([n for n in ('agents', 'bus', 'tools', 'cli', 'commands') if importlib.util.find_spec(n)])")
     out = subprocess.run([str(python), "-c", generic], capture_output=True, text=True, timeout=30,
                          cwd=tmp_path, env=VENV_ENV)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

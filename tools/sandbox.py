@@ -159,7 +159,8 @@ def _editable_sources() -> list[tuple[str, Path]]:
 
 def _linked_in(package: Path) -> list[Path]:
     """Where the links inside a package folder lead: agent-bus's own checkout links bus/, agents/,
-    tools/ and cli.py into agent_bus/ (pyproject.toml), so its sources live outside that folder."""
+    tools/, commands/ and cli.py into agent_bus/ (pyproject.toml), so its sources live outside
+    that folder."""
     if not package.is_dir():
         return []
     return [_resolved(entry) for entry in package.iterdir() if entry.is_symlink()]

@@ -40,7 +40,7 @@ from agent_bus.agents.coordinator.multiagent import publish_topic
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import Envelope, Peer, Subscription
 from agent_bus.bus.client import connect as connect_peer
-from agent_bus.bus.errors import BusError, NoService, PeerLost, RemoteError
+from agent_bus.bus.errors import NoService, PeerLost, RemoteError
 from agent_bus.bus.messages import RunWorkspace
 from agent_bus.bus.protocol import Status
 from agent_bus.bus.security import CurveClient
@@ -403,45 +403,6 @@ def _affine(agent: str, status: Status) -> set[str]:
     return {s.name for s in status.services if s.name.startswith(prefix) and s.peers > 0}
 
 
-async def topology_status(peer: Peer) -> dict[str, Any]:
-    """The hub's status plus each gateway's queues and usage and each agent's state.
-
-    `agents[<name>]` is the state of the agent on its first coordinator, with `sessions`,
-    `live`, `queued`, `idle` and `stored` summed over all coordinators serving it, and
-    `coordinators` naming them."""
-    status = await peer.status()
-    report: dict[str, Any] = msgspec.to_builtins(status)
-    report["gateways"] = {}
-    report["agents"] = {}
-    for service in status.services:
-        try:
-            if service.name.startswith("gateway."):
-                body = await peer.request(service.name, b"", timeout=3)
-                report["gateways"][service.name[8:]] = msgspec.msgpack.decode(body)
-            elif service.name.startswith("agent.") and "@" in service.name and service.peers:
-                body = await peer.request(service.name, cmd.encode(cmd.GetState()), timeout=3)
-                _merge_agent(report["agents"], msgspec.msgpack.decode(body))
-        except BusError as exc:
-            report.setdefault("errors", []).append(f"{service.name}: {exc}")
-    return report
-
-
-def _merge_agent(agents: dict[str, Any], state: dict[str, Any]) -> None:
-    coordinator = state.get("coordinator", "")
-    for info in state.get("sessions", []):
-        info["coordinator"] = coordinator
-    merged = agents.get(state["name"])
-    if merged is None:
-        state["coordinators"] = [coordinator]
-        agents[state["name"]] = state
-        return
-    merged["coordinators"].append(coordinator)
-    merged["sessions"] = merged.get("sessions", []) + state.get("sessions", [])
-    for key in ("live", "queued", "idle", "stored"):
-        merged[key] = merged.get(key, 0) + state.get(key, 0)
-    merged["is_running"] = merged.get("is_running", False) or state.get("is_running", False)
-
-
 @asynccontextmanager
 async def connect(hub: str | None = None, *, name: str = "agents-client",
                   curve: CurveClient | None = None, resume_wait: float = RESUME_WAIT,
@@ -504,4 +465,4 @@ def connect_blocking(hub: str | None = None, *, name: str = "agents-client",
         yield BlockingBus(portal, bus)
 
 
-__all__ = ["AgentBus", "BlockingBus", "Run", "connect", "connect_blocking", "topology_status"]
+__all__ = ["AgentBus", "BlockingBus", "Run", "connect", "connect_blocking"]

@@ -65,7 +65,7 @@ from agent_bus.agents.gateway.providers.discovery import discover
 from agent_bus.agents.gateway.providers.llamacpp import DEFAULT_N_CTX
 from agent_bus.agents.gateway.providers.openai import Histories, OpenAIProvider
 from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
-from agent_bus.agents.gateway.wire import ModelConfig
+from agent_bus.agents.gateway.wire import EngineStats, ModelConfig, ModelStats
 from agent_bus.agents.loop.context import context_exceeded_text, estimate_usage
 from agent_bus.bus.errors import ConfigError
 from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
@@ -112,37 +112,6 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _ERROR_TEXT_LIMIT = 1000  # characters of one attempt's error, after redaction
 _MAX_TRACKED_RUNS = 1000
 _KEY_SHAPES_ONLY = Redactor()
-
-
-class ModelStats(msgspec.Struct, kw_only=True):
-    alias: str
-    provider: str
-    model: str
-    model_from: str = ""
-    context_window: int = 0
-    context_window_from: str = ""
-    in_flight: int = 0
-    queued: int = 0
-    max_in_flight: int = 0
-    # Whether `usage.cost` means anything: False says "no price known" (not a cost of 0), and
-    # `price` says where the price came from or why there is none.
-    priced: bool = False
-    price: str = ""
-    requests: int = 0
-    attempts: int = 0
-    retries: int = 0
-    resent: int = 0  # requests resent on a fresh connection after failing before any byte
-    errors: int = 0
-    aborted: int = 0
-    usage: Usage = msgspec.field(default_factory=Usage)
-
-
-class EngineStats(msgspec.Struct, kw_only=True):
-    """Snapshot of `LlmEngine.stats()`: per model, per agent and per run (most recent runs)."""
-
-    models: dict[str, ModelStats]
-    agents: dict[str, Usage]
-    runs: dict[str, Usage]
 
 
 class ModelSetupError(ConfigError):

@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from agent_bus.bus.messages import AssistantDelta
+from agent_bus.bus.messages import AssistantDelta, Usage
 
 ProviderName = Literal["openai", "anthropic", "llamacpp"]  # llamacpp: hosted, OpenAI-compatible
 
@@ -75,3 +75,35 @@ class LlmPartial(msgspec.Struct, omit_defaults=True, tag_field="role", tag="part
     model: str = ""
     provider: str = ""
     context_window: int = 0
+
+
+# The gateway's answer to a `gateway.<name>` request (`busctl status` reads it).
+class ModelStats(msgspec.Struct, kw_only=True):
+    alias: str
+    provider: str
+    model: str
+    model_from: str = ""
+    context_window: int = 0
+    context_window_from: str = ""
+    in_flight: int = 0
+    queued: int = 0
+    max_in_flight: int = 0
+    # Whether `usage.cost` means anything: False says "no price known" (not a cost of 0), and
+    # `price` says where the price came from or why there is none.
+    priced: bool = False
+    price: str = ""
+    requests: int = 0
+    attempts: int = 0
+    retries: int = 0
+    resent: int = 0  # requests resent on a fresh connection after failing before any byte
+    errors: int = 0
+    aborted: int = 0
+    usage: Usage = msgspec.field(default_factory=Usage)
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Snapshot of `LlmEngine.stats()`: per model, per agent and per run (most recent runs)."""
+
+    models: dict[str, ModelStats]
+    agents: dict[str, Usage]
+    runs: dict[str, Usage]

@@ -17,8 +17,9 @@ import pytest
 from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
 from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
 from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, is_local_host, price_model
+from agent_bus.agents.gateway.wire import ModelStats
 from agent_bus.bus.messages import Usage
-from agent_bus.cli import _cost_text
+from agent_bus.commands.observe import _cost_text
 from tests.gateway.conftest import engine_for, request
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +94,7 @@ async def test_the_engine_reports_priced_and_unknown_models_in_its_stats() -> No
         stats = engine.stats().models
     assert not stats["proxy"].priced and "llm-proxy.example" in stats["proxy"].price
     assert stats["hosted"].price  # the table's entry, or how to install it
-    assert _cost_text(_as_dict(stats["proxy"])).startswith("unknown (no price known")
+    assert _cost_text(_as_received(stats["proxy"])).startswith("unknown (no price known")
 
 
 async def test_a_local_server_costs_zero_over_real_http(fake_server: StartServer) -> None:
@@ -103,7 +104,7 @@ async def test_a_local_server_costs_zero_over_real_http(fake_server: StartServer
         stats = engine.stats().models["fake-openai"]
     assert message.usage.input == 1000 and message.usage.cost == 0.0
     assert stats.priced and "127.0.0.1" in stats.price
-    assert _cost_text(_as_dict(stats)) == "$0.0000"
+    assert _cost_text(_as_received(stats)) == "$0.0000"
 
 
 async def test_configured_prices_cost_a_local_model_over_real_http(fake_server: StartServer) -> None:
@@ -113,9 +114,9 @@ async def test_configured_prices_cost_a_local_model_over_real_http(fake_server: 
         stats = engine.stats().models["fake-openai"]
     assert message.usage.cost == pytest.approx((1000 * 3 + 100 * 15) / 1e6)
     assert stats.priced and stats.usage.cost == pytest.approx(message.usage.cost)
-    assert _cost_text(_as_dict(stats)) == "$0.0045"
+    assert _cost_text(_as_received(stats)) == "$0.0045"
 
 
-def _as_dict(stats: object) -> dict[str, object]:
-    """What `busctl status` sees: the stats as they arrive over the bus (msgpack → dict)."""
-    return msgspec.msgpack.decode(msgspec.msgpack.encode(stats))
+def _as_received(stats: ModelStats) -> ModelStats:
+    """What `busctl status` sees: the stats as they arrive over the bus (through msgpack)."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=ModelStats)

@@ -333,7 +333,7 @@ def test_an_editable_install_of_the_bus_is_read_only_for_tools() -> None:
     if ("agent_bus", ROOT / "agent_bus") not in _editable_sources():
         pytest.skip("agent-bus is not installed in editable mode here")
     # the sources themselves, not only the folder of links that makes them `agent_bus`
-    for path in ("agents/gateway/process.py", "bus/hub.py", "tools/new.py", "cli.py",
+    for path in ("agents/gateway/process.py", "bus/hub.py", "tools/new.py", "cli.py", "commands/base.py",
                  "agent_bus/__init__.py"):
         with pytest.raises(WorkspaceError, match="read-only for tools"):
             confine(ROOT, path)

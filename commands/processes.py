@@ -1,0 +1,175 @@
+"""The supervised processes of a running topology: ps, restart, scale, logs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
+from agent_bus.bus.security import CurveClient
+from agent_bus.commands.base import hub_options, run_async, state_of, topology_option, use_color
+
+
+@click.command()
+@hub_options
+@topology_option
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per process per line.")
+def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bool) -> None:
+    """List the topology's processes: state, pid, uptime, restarts and last exit.
+
+    The processes come from the supervisor of the topology started from this directory; with
+    `--hub` on the command line (or none up here), from the peers connected to that hub.
+    (`BUSCTL_HUB` alone does not switch: it names where to look when nothing is up here.)
+
+    \b
+    Examples:
+      busctl ps
+      busctl ps --hub tcp://10.0.0.5:7400 --json | jq .name
+    """
+    from click.core import ParameterSource
+
+    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
+    rows = None if explicit else _supervisor_table(state_of(config_file))
+    if rows is None:
+        rows = _hub_table(hub, curve)
+    if not as_json:
+        _print_table(rows)
+        return
+    for row in rows:
+        click.echo(msgspec.json.encode(row).decode())
+
+
+def _supervisor_table(state: Path) -> list[dict[str, Any]] | None:
+    from agent_bus.agents.launch.supervisor import ChildFailed
+    from agent_bus.agents.launch.up import ControlRequest, control, running_here
+
+    if running_here(state) is None:
+        return None
+    try:
+        reply = run_async(control, state, ControlRequest(op="ps"), 10.0)
+    except ChildFailed:
+        return None
+    return reply.processes
+
+
+def _hub_table(hub: str, curve: CurveClient | None) -> list[dict[str, Any]]:
+    async def fetch() -> p.Status:
+        async with connect(hub, name="busctl-ps", role="cli", curve=curve) as peer:
+            return await peer.status()
+
+    rows = []
+    for peer in sorted(run_async(fetch).peers, key=lambda peer: peer.name):
+        if peer.role == "cli":
+            continue
+        services = ", ".join(f"{s.name} {s.load}/{s.capacity}" for s in peer.services)
+        rows.append({"name": peer.name, "role": peer.role or "-", "pid": peer.pid,
+                     "host": peer.host, "services": services})
+    return rows
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    """Aligned columns under an upper-case header; uptime in a human unit."""
+    if not rows:
+        click.echo("no processes")
+        return
+    columns = list(rows[0])
+    cells = [[_cell(key, row.get(key, "")) for key in columns] for row in rows]
+    widths = [max(len(key), *(len(c[i]) for c in cells)) for i, key in enumerate(columns)]
+    header = [key.replace("_", " ").upper() for key in columns]
+    for line in [header, *cells]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+
+
+def _cell(key: str, value: Any) -> str:
+    if key == "uptime":
+        seconds = int(value)
+        return "-" if not seconds else (f"{seconds}s" if seconds < 120 else f"{seconds // 60}m"
+                                        if seconds < 7200 else f"{seconds // 3600}h")
+    return str(value)
+
+
+@click.command()
+@topology_option
+@click.argument("names", nargs=-1, required=True)
+def restart(config_file: str | None, names: tuple[str, ...]) -> None:
+    """Restart processes of the running topology by name (through its supervisor).
+
+    Each is stopped (SIGTERM, SIGKILL after a few seconds) and started again at once; the
+    command returns once it is ready again, and a `process_restarted` event is published.
+
+    \b
+    Example:
+      busctl restart tools-1 gateway-1
+    """
+    from agent_bus.agents.launch.up import ControlRequest
+
+    for name in names:
+        click.echo(_control(config_file, ControlRequest(op="restart", name=name)))
+
+
+@click.command()
+@topology_option
+@click.argument("targets", nargs=-1, required=True)
+def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
+    """Set the number of processes of worker groups at run time: GROUP=N (`workers`: the first).
+
+    \b
+    Examples:
+      busctl scale workers=3
+      busctl scale tools=2 search=0
+    """
+    from agent_bus.agents.launch.up import ControlRequest
+
+    for target in targets:
+        group, _, count = target.partition("=")
+        if not group or not count.isdigit():
+            raise click.BadParameter(f"{target!r} is not GROUP=N (e.g. workers=3)",
+                                     param_hint="TARGETS")
+        click.echo(_control(config_file, ControlRequest(op="scale", name=group, count=int(count))))
+
+
+def _control(config_file: str | None, request: Any) -> str:
+    from agent_bus.agents.launch.up import control
+
+    reply = run_async(control, state_of(config_file), request)
+    if not reply.ok:
+        raise click.ClickException(reply.error)
+    return reply.message
+
+
+@click.command()
+@topology_option
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new output as it is written.")
+@click.option("--tail", type=click.IntRange(0), default=None,
+              help="Only the last N lines of each log first [default: all].")
+@click.argument("names", nargs=-1)
+def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[str, ...]) -> None:
+    """Print the output of the topology's processes (all, or NAMES), each line prefixed.
+
+    Read from the log files in the state directory: works while the topology runs and after it
+    stopped. `up` is the supervisor's own log of a `busctl up -d`.
+
+    \b
+    Examples:
+      busctl logs --tail 20
+      busctl logs -f gateway-1 tools-1
+    """
+    from agent_bus.agents.launch.supervisor import LogTail
+
+    folder = state_of(config_file) / "logs"
+    known = sorted(path.stem for path in folder.glob("*.log"))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise click.BadParameter(f"no log for {', '.join(unknown)} in {folder} (logs: "
+                                 f"{', '.join(known) or 'none yet'})", param_hint="NAMES")
+    tailer = LogTail(folder, set(names), use_color())
+    try:
+        tailer.print_existing(tail)
+        while follow:
+            tailer.follow_once()
+    except KeyboardInterrupt:
+        pass
