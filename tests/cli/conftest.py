@@ -4,6 +4,7 @@ import json
 import os
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -74,12 +75,11 @@ def start_up(cwd: Path, *args: str, env: dict[str, str] | None = None) -> tuple[
     return proc, ready
 
 
-@pytest.fixture
-def up_default(tmp_path: Path, fake_llm: FakeLLMServer) -> Iterator[Topology]:
-    """`busctl up` on the embedded default, its gateway pointed at the scripted server."""
-    env = {"OPENAI_BASE_URL": fake_llm.base_url, "OPENAI_API_KEY": ""}
-    proc, ready = start_up(tmp_path, env=env)
-    topo = Topology(proc, tmp_path, ready)
+@contextmanager
+def running_up(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Topology]:
+    """`busctl up ARGS` in `cwd`, ready; stopped on the way out, and any child it left killed."""
+    proc, ready = start_up(cwd, *args, env=env)
+    topo = Topology(proc, cwd, ready)
     pids = topo.child_pids()
     try:
         yield topo
@@ -90,8 +90,17 @@ def up_default(tmp_path: Path, fake_llm: FakeLLMServer) -> Iterator[Topology]:
                 os.kill(pid, 9)
 
 
+@pytest.fixture
+def up_default(tmp_path: Path, fake_llm: FakeLLMServer) -> Iterator[Topology]:
+    """`busctl up` on the embedded default, its gateway pointed at the scripted server."""
+    with running_up(tmp_path, env={"OPENAI_BASE_URL": fake_llm.base_url,
+                                   "OPENAI_API_KEY": ""}) as topo:
+        yield topo
+
+
 def json_lines(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-__all__ = ["FIXTURES", "Topology", "json_lines", "pid_alive", "start_up", "wait_for"]
+__all__ = ["FIXTURES", "Topology", "json_lines", "pid_alive", "running_up", "start_up",
+           "wait_for"]

@@ -6,7 +6,6 @@ tool-call JSON with HTTP 500, `cut_at_max_tokens` cuts a reply (a call mid-argum
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from agent_bus.bus.messages import (
     ToolResultMessage,
     user_text,
 )
-from tests.cli.conftest import Topology, json_lines, pid_alive, start_up
+from tests.cli.conftest import Topology, json_lines, running_up
 from tests.gateway.conftest import FAST_RETRY, TOOLS, RetryLog, engine_for
 from tests.support import busctl
 
@@ -120,16 +119,8 @@ def llama_like() -> Iterator[FakeLLMServer]:
 def topo(tmp_path: Path, llama_like: FakeLLMServer) -> Iterator[Topology]:
     (tmp_path / "topology.toml").write_text(TOPOLOGY)
     env = {"OPENAI_BASE_URL": llama_like.base_url, "OPENAI_API_KEY": ""}
-    proc, ready = start_up(tmp_path, "-c", "topology.toml", env=env)
-    topology = Topology(proc, tmp_path, ready)
-    pids = topology.child_pids()
-    try:
+    with running_up(tmp_path, "-c", "topology.toml", env=env) as topology:
         yield topology
-    finally:
-        proc.stop(timeout=8)
-        for pid in pids.values():
-            if pid_alive(pid):
-                os.kill(pid, 9)
 
 
 def run(topo: Topology, *args: str) -> tuple[int, list[dict]]:

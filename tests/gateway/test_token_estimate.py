@@ -5,7 +5,6 @@ in the server's tokens."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent_bus.agents.gateway.fakellm import FakeLLMServer, prompt_tokens
-from tests.cli.conftest import Topology, json_lines, pid_alive, start_up
+from tests.cli.conftest import Topology, json_lines, running_up
 from tests.support import busctl
 
 WINDOW = 4096
@@ -39,16 +38,9 @@ def dense() -> Iterator[FakeLLMServer]:
 
 @pytest.fixture
 def topo(tmp_path: Path, dense: FakeLLMServer) -> Iterator[Topology]:
-    proc, ready = start_up(tmp_path, env={"OPENAI_BASE_URL": dense.base_url, "OPENAI_API_KEY": ""})
-    topology = Topology(proc, tmp_path, ready)
-    pids = topology.child_pids()
-    try:
+    with running_up(tmp_path, env={"OPENAI_BASE_URL": dense.base_url,
+                                   "OPENAI_API_KEY": ""}) as topology:
         yield topology
-    finally:
-        proc.stop(timeout=8)
-        for pid in pids.values():
-            if pid_alive(pid):
-                os.kill(pid, 9)
 
 
 def numbers(i: int) -> str:

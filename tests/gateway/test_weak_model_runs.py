@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
-from tests.cli.conftest import Topology, json_lines, pid_alive, start_up
+from tests.cli.conftest import Topology, json_lines, running_up
 from tests.support import busctl, running
 
 SCRIPT = {
@@ -51,16 +51,8 @@ def llama_like() -> Iterator[FakeLLMServer]:
 def topo(tmp_path_factory: pytest.TempPathFactory, llama_like: FakeLLMServer) -> Iterator[Topology]:
     cwd = tmp_path_factory.mktemp("weak")
     env = {"OPENAI_BASE_URL": llama_like.base_url, "OPENAI_API_KEY": ""}
-    proc, ready = start_up(cwd, env=env)
-    topology = Topology(proc, cwd, ready)
-    pids = topology.child_pids()
-    try:
+    with running_up(cwd, env=env) as topology:
         yield topology
-    finally:
-        proc.stop(timeout=8)
-        for pid in pids.values():
-            if pid_alive(pid):
-                os.kill(pid, 9)
 
 
 def run(topo: Topology, *args: str, timeout: float = 60) -> tuple[int, list[dict]]:
