@@ -561,9 +561,13 @@ def _reachable_in_tmp(workspace: Path, given: Iterable[str] = ()) -> list[Path]:
     (`--tools FILE`, an `--mcp` server's script, `--read-only`) or `given` names (the MCP
     servers on stdin), the protected paths (the topology file) and a worktree's repository.
     Read-only in the sandbox; outer ones only."""
-    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, _reasons), *given,
+    # the protected paths hold the bus's own code: the modules it loaded and an editable
+    # install's sources, which a finder maps without a `sys.path` entry (a checkout under /tmp)
+    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, protected_paths()),
+             *given,
              *(word for arg in sys.orig_argv for word in _words(arg))]
     named += [str(p) for p in _git_paths(workspace)]
+    _bus_roots.cache_clear()  # taken again at the first write, with the tools' modules loaded
     found: set[Path] = set()
     for text in named:
         path = Path(text) if text.startswith("/") else None
