@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,7 +97,11 @@ def curve_up(tmp_path: Path) -> Iterator[tuple[Topology, FakeLLMServer]]:
     # where this topology's keys are (the user's folder, `up`'s runtime folder) and its state;
     # not the whole machine: other tests' keys elsewhere in /tmp would only slow the search
     roots = [str(tmp_path), str(_runtime_folder(tmp_path).parent), os.environ["BUSCTL_STATE_HOME"]]
-    command = f"{sys.executable} {STEAL} {tmp_path / 'ws' / 'target.json'} {' '.join(roots)}"
+    # the script goes in the workspace, as a model would write it (the checkout may be in the
+    # host's /tmp, which the sandbox does not show)
+    (tmp_path / "ws").mkdir(exist_ok=True)
+    steal = Path(shutil.copy(STEAL, tmp_path / "ws" / STEAL.name))
+    command = f"{sys.executable} {steal} {tmp_path / 'ws' / 'target.json'} {' '.join(roots)}"
     with FakeLLMServer(_script(command)) as llm:
         env = {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": ""}
         proc, ready = start_up(tmp_path, "-c", str(config), env=env)
