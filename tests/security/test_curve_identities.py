@@ -29,7 +29,7 @@ import zmq.auth
 
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from agent_bus.bus.paths import default_state_dir
-from tests.cli.conftest import Topology, pid_alive, start_up
+from tests.cli.conftest import Topology, pid_alive, running_up, start_up
 from tests.multihost.conftest import generate
 from tests.support import Proc, busctl
 
@@ -104,16 +104,8 @@ def curve_up(tmp_path: Path) -> Iterator[tuple[Topology, FakeLLMServer]]:
     command = f"{sys.executable} {steal} {tmp_path / 'ws' / 'target.json'} {' '.join(roots)}"
     with FakeLLMServer(_script(command)) as llm:
         env = {"OPENAI_BASE_URL": llm.base_url, "OPENAI_API_KEY": ""}
-        proc, ready = start_up(tmp_path, "-c", str(config), env=env)
-        topo = Topology(proc, tmp_path, ready)
-        pids = topo.child_pids()
-        try:
+        with running_up(tmp_path, "-c", str(config), env=env) as topo:
             yield topo, llm
-        finally:
-            proc.stop(timeout=10)
-            for pid in pids.values():
-                if pid_alive(pid):
-                    os.kill(pid, signal.SIGKILL)
 
 
 def _owner_args(tmp_path: Path) -> list[str]:
