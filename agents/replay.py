@@ -43,33 +43,37 @@ from __future__ import annotations
 
 import difflib
 import functools
-import hashlib
 import json
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Protocol
+from typing import Any, Protocol
 
 import msgspec
 
-from agent_bus.agents.launch.topology import AgentSpec, MaxTokens, Seed, Temperature, TopP, TurnBound
-from agent_bus.agents.loop.run import ABORTED_TEXT, ToolExecutor, UpdateSink
+from agent_bus.agents.launch.topology import AgentSpec, TurnBound
+from agent_bus.agents.loop.run import ABORTED_TEXT
+from agent_bus.agents.replay_wire import (
+    REPLAY_SERVICE,
+    LiveOverrides,
+    ReplayEntry,
+    ReplayLoad,
+    ToolBook,
+    ToolEntry,
+    always_live,
+    message_text,
+    request_key,
+    tool_key,
+)
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import Peer
 from agent_bus.bus.errors import ConfigError, RemoteError
 from agent_bus.bus.messages import (
     AssistantMessage,
-    LlmRequest,
     Message,
     RunWorkspace,
-    TextPart,
-    ToolCallRequest,
-    ToolInfo,
-    ToolResult,
     ToolResultMessage,
     Usage,
-    error_result,
 )
 from agent_bus.bus.protocol import Header
 from agent_bus.bus.watch import replay as logged
@@ -94,183 +98,13 @@ class PromptingBus(Protocol):
                      max_turns: int = 0, abort_reason: str = "",
                      workspace: RunWorkspace | None = None) -> StartedRun: ...
 
-REPLAY_SERVICE = "llm.replay"
-#: Event fields that differ between two executions of the same experiment by nature.
+
 log = logging.getLogger("agents.replay")
 
+#: Event fields that differ between two executions of the same experiment by nature.
 VOLATILE = frozenset({"timestamp", "duration", "parent_run_id", "session", "run_id"})
 SKIPPED = frozenset({"message_update", "llm_retry", "run_resumed", "tool_execution_update",
                      "tool_skipped"})
-
-
-class ReplayEntry(msgspec.Struct, array_like=True):
-    key: str
-    reply: AssistantMessage
-    live: bool = False  # a fork at a seq: the request this answered goes to the live model
-
-
-class LiveOverrides(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """What a fork changes in one agent's live model requests (None: unchanged). The fields
-    are the `[[agents]]` keys an `llm` request carries, with the topology file's ranges."""
-
-    model: Annotated[str, msgspec.Meta(min_length=1)] | None = None
-    system_prompt: str | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    max_tokens: MaxTokens | None = None
-    seed: Seed | None = None
-    stop: list[str] | None = None
-
-    def apply(self, request: LlmRequest) -> LlmRequest:
-        changes = {name: value for name in self.__struct_fields__
-                   if (value := getattr(self, name)) is not None}
-        return msgspec.structs.replace(request, **changes)
-
-
-class ReplayLoad(msgspec.Struct):
-    """Body of a `llm.replay` request: answer experiment `experiment`'s model requests with
-    these recorded replies (of experiment `source`)."""
-
-    experiment: str
-    source: str
-    entries: list[ReplayEntry]
-    live_after: int = 0  # > 0: a run's model requests after this many go to a live model
-    model: str = ""  # the model alias live requests use ("": the request's own)
-    #: by agent: what its live requests change (a fork's `--set`, `--system-prompt-file`)
-    overrides: dict[str, LiveOverrides] = msgspec.field(default_factory=dict)
-    #: a fork: a request with no logged reply left goes to the live model (pure replay: an
-    #: error reply). Older gateways ignore it (they answer it with the error reply).
-    fork: bool = False
-
-
-class ReplayLoaded(msgspec.Struct):
-    experiment: str
-    replies: int
-
-
-class ToolEntry(msgspec.Struct, array_like=True):
-    key: str
-    result: ToolResultMessage
-    #: the result the loop gave a call an abort cut short, in a run that ended aborted: serving
-    #: it aborts the replayed run once its turn ends (an older coordinator ignores it)
-    aborted: bool = False
-
-
-class ToolBook(msgspec.Struct):
-    """Body of a `replay@<coordinator>` request: serve experiment `experiment`'s tool calls
-    with these recorded results (of experiment `source`)."""
-
-    experiment: str
-    source: str
-    entries: list[ToolEntry]
-    tools: list[str] = msgspec.field(default_factory=list)  # their names
-
-
-class LoggedTools:
-    """One experiment's logged tool results by call key, in order, and the tools' names (they
-    are offered to the model even when no worker serves them any more)."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.results: dict[str, deque[ToolEntry]] = {}
-        self.names = list(names)
-
-
-#: Tools that always run: asking an agent replays the callee's run itself; the others are local.
-LIVE_TOOLS = frozenset({"publish", "tool_output"})
-TOOL_BOOKS_KEPT = 16
-
-
-def replay_service(coordinator: str) -> str:
-    return f"replay@{coordinator}"
-
-
-def always_live(tool: str) -> bool:
-    return tool.startswith("ask_") or tool in LIVE_TOOLS
-
-
-def tool_key(agent: str, tool: str, arguments: str) -> str:
-    """A tool call as matched on replay: agent, tool and its arguments (canonical JSON)."""
-    try:
-        args = json.dumps(json.loads(arguments or "{}"), sort_keys=True, separators=(",", ":"))
-    except json.JSONDecodeError:
-        args = arguments
-    return hashlib.sha256(json.dumps([agent, tool, args]).encode()).hexdigest()[:32]
-
-
-class RecordedTools:
-    """A `ToolExecutor` that answers the calls of an experiment in replay with their logged
-    results (`books`: experiment -> key -> results in order) and passes everything else on."""
-
-    def __init__(self, inner: ToolExecutor, books: dict[str, LoggedTools], agent: str,
-                 experiment: Callable[[], str],
-                 on_abort: Callable[[], None] | None = None) -> None:
-        self.inner = inner
-        self.books = books
-        self.agent = agent
-        self.experiment = experiment
-        #: called when a served result is one an abort gave (`ToolEntry.aborted`): the run was
-        #: aborted while this call ran, and its replay must end the same way after the turn
-        self.on_abort = on_abort
-
-    async def catalog(self) -> list[ToolInfo]:
-        tools = await self.inner.catalog()
-        book = self.books.get(self.experiment())
-        if book is None:
-            return tools
-        live = {t.name for t in tools}
-        return tools + [ToolInfo(name=n, description="(results from the log)")
-                        for n in book.names if n not in live]
-
-    async def execute(self, request: ToolCallRequest,
-                      on_update: UpdateSink | None = None) -> ToolResult:
-        experiment = request.experiment or self.experiment()
-        book = self.books.get(experiment)
-        if book is None or always_live(request.name):
-            return await self.inner.execute(request, on_update)
-        results = book.results.get(tool_key(self.agent, request.name, request.arguments))
-        if not results:
-            return error_result(f"Error: replay of experiment `{experiment}`: no logged result "
-                                f"left for this call of `{request.name}`; the run diverged "
-                                f"from the log")
-        entry = results.popleft()
-        if entry.aborted and self.on_abort is not None:
-            self.on_abort()
-        logged_result = entry.result
-        return ToolResult(content=list(logged_result.content), is_error=logged_result.is_error,
-                          details=logged_result.details)
-
-
-def load_tool_book(books: dict[str, LoggedTools], body: bytes) -> int:
-    """Store a `ToolBook` request body in `books` (the oldest goes beyond TOOL_BOOKS_KEPT);
-    returns the number of results. Raises msgspec errors for a malformed body."""
-    book = msgspec.msgpack.decode(body, type=ToolBook)
-    served = books[book.experiment] = LoggedTools(book.tools)
-    for entry in book.entries:
-        served.results.setdefault(entry.key, deque()).append(entry)
-    while len(books) > TOOL_BOOKS_KEPT:
-        del books[next(iter(books))]
-    return len(book.entries)
-
-
-def request_key(agent: str, messages: Sequence[Message]) -> str:
-    """What a model request is matched by: its agent and the messages after its last assistant
-    message (role, tool name, text), hashed."""
-    tail: list[list[str]] = []
-    for message in reversed(messages):
-        if isinstance(message, AssistantMessage):
-            break
-        tail.append([type(message).__struct_config__.tag or "",  # type: ignore[list-item]
-                     getattr(message, "tool_name", ""), message_text(message)])
-    body = json.dumps([agent, tail[::-1]], separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()[:32]
-
-
-def message_text(message: Message) -> str:
-    """The text parts of any message, joined (images and tool calls left out)."""
-    content = getattr(message, "content", "")
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content if isinstance(part, TextPart))
 
 
 # --- an experiment as logged ---------------------------------------------------------------
@@ -1009,21 +843,11 @@ def diff_text(result: dict[str, Any], a: str, b: str) -> str:
 
 
 __all__ = [
-    "REPLAY_SERVICE",
     "Divergence",
     "Fork",
     "ForkError",
     "ForkPlan",
-    "LiveOverrides",
-    "LoggedTools",
     "RecordedRun",
-    "RecordedTools",
-    "ReplayEntry",
-    "ReplayLoad",
-    "ReplayLoaded",
-    "ToolBook",
-    "ToolEntry",
-    "always_live",
     "abort_reason",
     "book",
     "canonical_events",
@@ -1032,14 +856,10 @@ __all__ = [
     "diff_text",
     "in_call_order",
     "load_experiment",
-    "load_tool_book",
     "parse_setting",
     "plan_fork",
     "prepare",
     "replay_experiment",
-    "replay_service",
-    "request_key",
     "tool_book",
-    "tool_key",
     "usage_notes",
 ]

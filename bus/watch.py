@@ -86,7 +86,7 @@ def to_stderr(text: str) -> None:
 REPLAY_AGAIN = Backoff(first=0.05, factor=1.0, cap=0.05, jitter=0.0)
 
 
-async def _replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
+async def replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
     """One `hub.replay`; asked again while the hub's reader is full (`overloaded`, up to
     REPLAY_RETRY_FOR seconds): replay is idempotent."""
     body = p.encode(request)
@@ -111,7 +111,7 @@ async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally
     tally = tally if tally is not None else ev.EventTally("replay")
     cursor, end = since, None
     while end is None or cursor < end:
-        batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=topics,
+        batch = await replay_batch(peer, p.ReplayRequest(since=cursor, topics=topics,
                                                           experiment=experiment))
         end = batch.head if end is None else end
         if batch.gap is not None and batch.gap.first <= end:

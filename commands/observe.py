@@ -245,6 +245,7 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Pa
       busctl ui --bind 0.0.0.0 # other machines too: http://HOST:7480/?token=TOKEN once,
                                # the token in the ready line's token_file
     """
+    from agent_bus.agents.experiment.pages import ExperimentBook
     from agent_bus.bus.ui import serve_ui
     from agent_bus.bus.ui.access import read_token_file, tools_can_read
 
@@ -254,7 +255,8 @@ def ui(hub: str, curve: CurveClient | None, port: int, host: str, token_file: Pa
                    f"hides only your runtime and state folders): keep it in one of them", err=True)
     try:
         token = read_token_file(token_file) if token_file is not None else ""
-        run_async(serve_ui, hub, curve, port, since, host, token, open_browser)
+        run_async(serve_ui, hub, curve, port, since, host, token, open_browser,
+                  ExperimentBook())
     except KeyboardInterrupt:
         pass
     except OSError as exc:  # a ConfigError (the token file, the runtime folder) names its fix

@@ -12,38 +12,50 @@ from tests.support import ROOT
 PACKAGE = ROOT / "agent_bus"  # bus/, agents/, tools/ and cli.py linked in (pyproject.toml)
 
 
-def _module_name(path: Path) -> str:
+def module_name(path: Path) -> str:
     parts = ["agent_bus", *path.relative_to(PACKAGE).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def _modules() -> dict[str, Path]:
+def product_modules() -> dict[str, Path]:
     # rglob does not enter linked folders: walk each link's target under its package name
-    found = {_module_name(path): path.resolve() for path in PACKAGE.glob("*.py")}
+    found = {module_name(path): path.resolve() for path in PACKAGE.glob("*.py")}
     for link in PACKAGE.iterdir():
         if link.is_dir() and link.name != "__pycache__":
             for path in link.resolve().rglob("*.py"):
-                found[_module_name(link / path.relative_to(link.resolve()))] = path
+                found[module_name(link / path.relative_to(link.resolve()))] = path
     return found
 
 
-def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """The project modules `name` imports anywhere in its file (top level, functions,
-    `if TYPE_CHECKING:`); `from pkg import mod` counts as importing `pkg.mod` when it is one."""
+def imported_names(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """Each import in `name`'s file (top level, functions, `if TYPE_CHECKING:`) as (module,
+    names taken from it): `import a.b` is ("a.b", []), `from a import b, c` ("a", ["b", "c"]),
+    relative imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out: set[str] = set()
+    out: list[tuple[str, list[str]]] = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            out += [(alias.name, []) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
-            out.add(base)
-            out.update(f"{base}.{alias.name}" for alias in node.names)
+            out.append((base, [alias.name for alias in node.names]))
+    return out
+
+
+def project_imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project modules `name` imports: `from pkg import mod` is an import of `pkg.mod`, and
+    of `pkg` itself only when it also takes a name that is not one of its modules."""
+    out: set[str] = set()
+    for module, names in imported_names(name, path):
+        submodules = {f"{module}.{n}" for n in names} & known
+        out |= submodules
+        if len(submodules) < max(len(names), 1):
+            out.add(module)
     return {m for m in out if m in known and m != name}
 
 
@@ -75,8 +87,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_product_has_no_import_circle() -> None:
-    modules = _modules()
-    graph = {name: _imports(name, path, set(modules)) for name, path in modules.items()}
+    modules = product_modules()
+    graph = {name: project_imports(name, path, set(modules)) for name, path in modules.items()}
     # A package's __init__ re-exporting its modules is not a circle of its own making: a module
     # importing its package's __init__ is (the edge from `pkg` to `pkg.mod` is dropped).
     for name in graph:
@@ -88,7 +100,7 @@ def test_the_product_has_no_import_circle() -> None:
 def test_the_product_imports_itself_only_as_agent_bus() -> None:
     """`import bus` / `from tools import x` would load a second copy of a module (or another
     distribution's `agents`): every import of our own code names `agent_bus`."""
-    modules = _modules()
+    modules = product_modules()
     wrong = []
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -99,12 +99,13 @@ from agent_bus.agents.coordinator.multiagent import (
     topic_text,
 )
 from agent_bus.agents.coordinator.persistence import ConversationRecorder, ConversationStore, JournaledRun
+from agent_bus.agents.coordinator.recorded_tools import LoggedTools, RecordedTools, load_tool_book
 from agent_bus.agents.gateway.wire import ModelConfig
 from agent_bus.agents.launch.topology import HOOK_NAMES, AgentSpec
 from agent_bus.agents.loop.agent import PROMPT_BUSY, RESET_BUSY, Agent, AgentError
 from agent_bus.agents.loop.context import DEFAULT_CONTEXT_WINDOW
 from agent_bus.agents.loop.run import ABORTED_TEXT, LoopConfig, LoopResult, ToolExecutor
-from agent_bus.agents.replay import LoggedTools, RecordedTools, load_tool_book, replay_service
+from agent_bus.agents.replay_wire import replay_service
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import IncomingRequest, Peer, connect

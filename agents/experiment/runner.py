@@ -13,7 +13,7 @@ finished cell, carrying its result and scores (both `ext` events of experiment `
 run empty, so no agent's lifecycle is spoken for). Only the runner writes the journal: the hub
 takes these events only from an identity with full rights or a role matching `experiment.E`,
 and stamps the right it checked in the header (`granted`); every reader (`--resume`, `report`,
-the web view: `_add_entry`) ignores and counts an entry without it (a forger's on a hub before
+the web view: `Journal.add_logged`) ignores and counts an entry without it (a forger's on a hub before
 that check). `--resume E` reads them back and runs only the
 cells with no `ok` result: a cell is never journaled twice as done, and one the runner did not
 journal (it was killed, Ctrl-C) runs again. Errors (a run that ended `error`/`aborted`, a bus
@@ -53,13 +53,13 @@ from agent_bus.agents.experiment.spec import (
     spec_digest,
     variant_model,
 )
-from agent_bus.agents.replay import REPLAY_SERVICE, ReplayLoad
+from agent_bus.agents.replay_wire import REPLAY_SERVICE, ReplayLoad
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, Subscription
 from agent_bus.bus.errors import BusError, HubLost, RemoteError
 from agent_bus.bus.messages import AssistantMessage, RunWorkspace, Usage
-from agent_bus.bus.watch import _replay_batch
+from agent_bus.bus.watch import replay_batch
 from agent_bus.tools.workspaces import WORKSPACES_META
 
 PLAN_TYPE = "experiment_plan"
@@ -125,6 +125,25 @@ class Journal(msgspec.Struct):
     # a forger's, logged by a hub that predates the check; ignored
     ignored: int = 0
 
+    def add_logged(self, experiment: str, header_bytes: bytes, body: bytes) -> None:
+        """Take one logged journal event of `experiment` in (read_journal and the web view
+        read the journal this one way); a broken or unstamped entry is counted, never fatal."""
+        try:
+            header = p.decode_header(header_bytes)
+            if header.experiment != experiment:
+                return
+            if header.type in (PLAN_TYPE, SAMPLE_TYPE) and not header.granted:
+                self.ignored += 1  # only the runner writes the journal (see the module's text)
+                return
+            if header.type == PLAN_TYPE:
+                self.plan = self.plan or msgspec.msgpack.decode(body, type=Plan)
+            elif header.type == SAMPLE_TYPE:
+                entry = msgspec.msgpack.decode(body, type=SampleResult)
+                self.results[entry.key] = entry
+                self.ok_entries += entry.status == "ok"
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.bad += 1  # another version's or a broken entry: counted, never fatal
+
 
 IGNORED_WHY = ("not stamped by the hub as written by an identity that may write the journal "
                "(full rights, or a role matching `experiment.<E>`): a forger's, logged by a hub "
@@ -136,32 +155,14 @@ async def read_journal(peer: Peer, experiment: str) -> Journal:
     journal = Journal(None, {})
     cursor, end = 0, None
     while end is None or cursor < end:
-        batch = await _replay_batch(peer, p.ReplayRequest(since=cursor, topics=[JOURNAL_TOPIC]))
+        batch = await replay_batch(peer, p.ReplayRequest(since=cursor, topics=[JOURNAL_TOPIC]))
         end = batch.head if end is None else end
         for header_bytes, body in batch.events:
-            _add_entry(journal, experiment, header_bytes, body)
+            journal.add_logged(experiment, header_bytes, body)
         if batch.upto >= batch.head or batch.upto <= cursor:
             break
         cursor = batch.upto
     return journal
-
-
-def _add_entry(journal: Journal, experiment: str, header_bytes: bytes, body: bytes) -> None:
-    try:
-        header = p.decode_header(header_bytes)
-        if header.experiment != experiment:
-            return
-        if header.type in (PLAN_TYPE, SAMPLE_TYPE) and not header.granted:
-            journal.ignored += 1  # only the runner writes the journal (see the module's text)
-            return
-        if header.type == PLAN_TYPE:
-            journal.plan = journal.plan or msgspec.msgpack.decode(body, type=Plan)
-        elif header.type == SAMPLE_TYPE:
-            entry = msgspec.msgpack.decode(body, type=SampleResult)
-            journal.results[entry.key] = entry
-            journal.ok_entries += entry.status == "ok"
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        journal.bad += 1  # another version's or a broken entry: counted, never fatal
 
 
 class Progress:

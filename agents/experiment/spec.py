@@ -35,7 +35,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from agent_bus.agents import replay
-from agent_bus.agents.launch.topology import Seed, TurnBound, _keypath_message
+from agent_bus.agents.gateway.wire import Seed
+from agent_bus.agents.launch.topology import TurnBound, _keypath_message
+from agent_bus.agents.replay_wire import LiveOverrides
 from agent_bus.bus.errors import AgentBusError, ConfigError
 from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, workspace_problem
 
@@ -157,7 +159,7 @@ class Loaded(msgspec.Struct):
         return RunWorkspace(id=cell_folder(experiment, variant.name, repeat, sample.key),
                             files=files)
 
-    def overrides(self, variant: Variant, repeat: int) -> dict[str, replay.LiveOverrides]:
+    def overrides(self, variant: Variant, repeat: int) -> dict[str, LiveOverrides]:
         """What the model calls of `variant`'s sessions in `repeat` change, by agent."""
         by_agent: dict[str, dict[str, Any]] = {}
         for name, value in variant.set.items():
@@ -171,7 +173,7 @@ class Loaded(msgspec.Struct):
             own["system_prompt"] = self.prompts[variant.name]
         if self.spec.run.seed is not None and "seed" not in own:
             own["seed"] = self.spec.run.seed + repeat - 1
-        return {agent: msgspec.convert(values, replay.LiveOverrides)
+        return {agent: msgspec.convert(values, LiveOverrides)
                 for agent, values in by_agent.items() if values}
 
     def max_turns(self, variant: Variant) -> int:
@@ -298,7 +300,7 @@ def _setting_problems(where: str, variant: Variant, name: str, value: Any) -> li
             return [f"{where}: expected a whole number of turns from 1 to {2**31 - 1}"]
         return []
     try:
-        msgspec.convert({key: _typed(key, value)}, replay.LiveOverrides)
+        msgspec.convert({key: _typed(key, value)}, LiveOverrides)
     except msgspec.ValidationError as exc:
         reason = str(exc).partition(" - at ")[0]
         if "got `" in reason:

@@ -55,7 +55,7 @@ from agent_bus.agents.gateway.engine import (
 )
 from agent_bus.agents.gateway.providers.llamacpp import LocalModelError, hosted_models
 from agent_bus.agents.gateway.wire import LlmPartial
-from agent_bus.agents.replay import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded, request_key
+from agent_bus.agents.replay_wire import REPLAY_SERVICE, ReplayEntry, ReplayLoad, ReplayLoaded, request_key
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import IncomingRequest, Peer, connect
 from agent_bus.bus.errors import RemoteError

@@ -8,11 +8,17 @@ second of CPU at every process start.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from agent_bus.bus.messages import AssistantDelta, Usage
+
+# The sampling settings' ranges, shared by the topology file's `[[agents]]` and a fork's overrides
+Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 ProviderName = Literal["openai", "anthropic", "llamacpp"]  # llamacpp: hosted, OpenAI-compatible
 

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from agent_bus.agents.gateway.providers.llamacpp import local_model_problems
-from agent_bus.agents.gateway.wire import ModelConfig
+from agent_bus.agents.gateway.wire import MaxTokens, ModelConfig, Seed, Temperature, TopP
 from agent_bus.bus.errors import ConfigError
 from agent_bus.bus.paths import default_state_dir, inside_state_dir, overlaps
 from agent_bus.tools.mcp import McpServerSpec
@@ -79,10 +79,6 @@ class TopicSubscription(msgspec.Struct, forbid_unknown_fields=True, omit_default
 # An agent's sampling and turn bound, here and for `busctl replay --set` (agents/replay.py): one
 # set of ranges. Finite (no inf/nan), within what providers accept (temperature 0-2 is OpenAI's,
 # the widest), and small enough for the wire (msgpack carries no int past 2**64).
-Temperature = Annotated[float, msgspec.Meta(ge=0, le=2)]
-TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
-MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 TurnBound = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
 
 

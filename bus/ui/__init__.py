@@ -15,7 +15,9 @@ also name loopback in its Host (and Origin, when sent): `bus.httpguard`, the sam
 `busctl mcp serve --http`, refuses a DNS-rebinding page before the token is looked at.
 
 Experiments: `GET /experiment?name=E` answers the experiment page's data (the report of
-`busctl experiment report E --json`, progress, the per-sample rows) from `experiments.py`; the
+`busctl experiment report E --json`, progress, the per-sample rows) from the `ExperimentPages`
+it is given (`busctl ui` gives `agents/experiment/pages.py`'s book: the bus knows nothing of
+experiments, it shows what it is handed); the
 list of experiments, with a version per experiment, rides in the status snapshot, so a page
 refetches an open experiment when it changed.
 
@@ -35,13 +37,14 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 import anyio
 import msgspec
 
 from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
 from agent_bus.bus.client import IncomingRequest, Peer, Subscription, connect
 from agent_bus.bus.errors import AgentBusError, RegisterRefused
 from agent_bus.bus.httpguard import refusal
@@ -56,7 +59,6 @@ from agent_bus.bus.ui.access import (
     swap_page,
     withdraw,
 )
-from agent_bus.bus.ui.experiments import ExperimentBook
 
 log = logging.getLogger("busctl.ui")
 
@@ -65,6 +67,38 @@ HEARTBEAT = 10.0       # an SSE comment this often: a closed tab is noticed, pro
 STATIC = {"/": ("index.html", "text/html; charset=utf-8"),
           "/app.js": ("app.js", "text/javascript; charset=utf-8"),
           "/app.css": ("app.css", "text/css; charset=utf-8")}
+
+
+class ExperimentPages(Protocol):
+    """The experiments the view serves pages of, kept from the hub's log and the stream."""
+
+    def note_event(self, header: p.Header, event: ev.Event) -> None:
+        """An event of the view's subscription (a cell's run starting or ending)."""
+
+    async def catch_up(self, peer: Peer) -> None:
+        """Read what the log holds since the last call."""
+
+    def summary(self) -> list[dict[str, Any]]:
+        """The list of experiments, each with a version a page refetches on."""
+
+    def page(self, name: str) -> dict[str, Any] | None:
+        """One experiment page's data; None: no such experiment."""
+
+
+class NoExperiments:
+    """Pages for a view given no experiments: none to list, none to show."""
+
+    def note_event(self, header: p.Header, event: ev.Event) -> None:
+        return
+
+    async def catch_up(self, peer: Peer) -> None:
+        return
+
+    def summary(self) -> list[dict[str, Any]]:
+        return []
+
+    def page(self, name: str) -> dict[str, Any] | None:
+        return None
 
 
 class EventStore:
@@ -127,8 +161,8 @@ def _query(path: str) -> dict[str, str]:
 
 
 def _handler(store: EventStore, access: Access, bind: str = "127.0.0.1",
-             book: ExperimentBook | None = None) -> type[BaseHTTPRequestHandler]:
-    experiments = book or ExperimentBook()
+             experiments: ExperimentPages | None = None) -> type[BaseHTTPRequestHandler]:
+    pages = experiments or NoExperiments()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -186,7 +220,7 @@ def _handler(store: EventStore, access: Access, bind: str = "127.0.0.1",
 
         def _experiment(self) -> None:
             name = unquote(_query(self.path).get("name", ""))
-            data = experiments.page(name)
+            data = pages.page(name)
             if data is None:
                 self._send(404, f"no experiment {name!r} journaled in the hub's log (`busctl "
                                 f"experiment run SPEC --name E` starts one)".encode(),
@@ -231,7 +265,7 @@ def _handler(store: EventStore, access: Access, bind: str = "127.0.0.1",
     return Handler
 
 
-async def _poll_status(peer: Peer, store: EventStore, book: ExperimentBook,
+async def _poll_status(peer: Peer, store: EventStore, book: ExperimentPages,
                        interval: float = 0.5) -> None:
     """Load and queues are not events: the hub's status, polled, goes to the pages as a snapshot,
     with whether the hub answers (`hub.ok`) and since when it does not, and the experiments'
@@ -258,9 +292,9 @@ async def _poll_status(peer: Peer, store: EventStore, book: ExperimentBook,
         await anyio.sleep(interval)
 
 
-async def _follow_journal(peer: Peer, book: ExperimentBook, interval: float = 0.5) -> None:
-    """Read the experiments' journal events on from the log (`experiments.py` says why not
-    from the subscription), on its own so a slow replay never holds up the status."""
+async def _follow_journal(peer: Peer, book: ExperimentPages, interval: float = 0.5) -> None:
+    """Read the experiments' journal events on from the log (agents/experiment/pages.py says
+    why not from the subscription), on its own so a slow replay never holds up the status."""
     while True:
         if peer.connected:
             try:
@@ -300,11 +334,13 @@ async def serve_drops(peer: Peer, drops: Drops, sub: Subscription,
 
 
 async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 0,
-                   host: str = "127.0.0.1", token: str = "", open_browser: bool = False) -> None:
+                   host: str = "127.0.0.1", token: str = "", open_browser: bool = False,
+                   experiments: ExperimentPages | None = None) -> None:
     """Serve the view on `host:port` with `token` ("": a new one) until cancelled or SIGTERM;
-    with `open_browser`, open its link in the user's browser once it is ready."""
+    with `open_browser`, open its link in the user's browser once it is ready; the experiment
+    pages from `experiments` (None: none)."""
     store = EventStore()
-    book = ExperimentBook()
+    book = experiments or NoExperiments()
     server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
     access = Access(token or new_token(), server.server_address[1])
     server.RequestHandlerClass = _handler(store, access, host, book)
@@ -350,7 +386,7 @@ async def _stop_on_signal(scope: anyio.CancelScope) -> None:
 
 
 async def _follow(hub: str, curve: CurveClient | None, since: int, store: EventStore,
-                  book: ExperimentBook, ready: dict[str, str], open_browser: bool) -> None:
+                  book: ExperimentPages, ready: dict[str, str], open_browser: bool) -> None:
     """The hub's events into `store` (and the book), the status polled; `ready` printed once
     subscribed."""
     drops = Drops(f"ui-{os.getpid()}", "ui")

@@ -1,4 +1,4 @@
-"""The experiment page's bookkeeping (bus/ui/experiments.py), fed journal entries and run events
+"""The experiment page's bookkeeping (agents/experiment/pages.py), fed journal entries and run events
 as the view gets them: progress (done / running / failed of planned), the ETA at the current
 stretch's pace, and a report equal to `report.report` over the same journal; and the journal
 followed from the log across a hub restart."""
@@ -14,12 +14,12 @@ from typing import Any
 import anyio
 import msgspec
 
+from agent_bus.agents.experiment.pages import ExperimentBook
 from agent_bus.agents.experiment.report import report
 from agent_bus.agents.experiment.runner import PLAN_TYPE, SAMPLE_TYPE, Plan, SampleResult
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
-from agent_bus.bus.ui.experiments import ExperimentBook
 from tests.support import Proc, busctl, wait_for
 from tests.ui.owner import owner_get
 

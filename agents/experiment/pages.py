@@ -1,7 +1,7 @@
 """The web view's experiment page: each experiment's journal (`busctl experiment run`'s
 `experiment_plan` / `experiment_sample` events), kept up to date from the hub's log, and its
 report computed by `agents.experiment.report` — the very function `busctl experiment report
---json` calls, over the same journal read the same way (`runner._add_entry`), so the page's
+--json` calls, over the same journal read the same way (`Journal.add_logged`), so the page's
 numbers are the report's by construction, not by a port of the statistics to JavaScript that
 would have to be kept equal to it by hand.
 
@@ -22,18 +22,11 @@ from typing import Any
 import msgspec
 
 from agent_bus.agents.experiment.report import report
-from agent_bus.agents.experiment.runner import (
-    JOURNAL_TOPIC,
-    PLAN_TYPE,
-    SAMPLE_TYPE,
-    Journal,
-    _add_entry,
-    result_rows,
-)
+from agent_bus.agents.experiment.runner import JOURNAL_TOPIC, PLAN_TYPE, SAMPLE_TYPE, Journal, result_rows
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer
-from agent_bus.bus.watch import _replay_batch
+from agent_bus.bus.watch import replay_batch
 
 # The experiment id out of a cell's session tag `E.<variant>.r<repeat>` (spec.experiment_tag).
 CELL_TAG = re.compile(r"([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+\.r[0-9]+")
@@ -111,7 +104,7 @@ class ExperimentBook:
                 if header.type not in (PLAN_TYPE, SAMPLE_TYPE):
                     continue  # another `ext` type whose name starts the same
                 x = self._get(header.experiment)
-                _add_entry(x.journal, header.experiment, header_bytes, body)
+                x.journal.add_logged(header.experiment, header_bytes, body)
                 if header.type == SAMPLE_TYPE and header.ts >= x.stretch_start:
                     x.stretch_done += 1
                 x.version += 1
@@ -119,7 +112,7 @@ class ExperimentBook:
     async def catch_up(self, peer: Peer) -> None:
         """Read the journal events logged since the last call (a batch at a time)."""
         while True:
-            batch = await _replay_batch(peer, p.ReplayRequest(since=self.cursor,
+            batch = await replay_batch(peer, p.ReplayRequest(since=self.cursor,
                                                               topics=[JOURNAL_TOPIC]))
             self.add_entries(batch.events)
             if batch.upto <= self.cursor:
