@@ -90,7 +90,7 @@ class _Streamed:
         self.model = request.model
         self.bodies: list[bytes] = []
 
-    async def aborted(self) -> AssistantMessage:
+    def aborted(self) -> AssistantMessage:
         # Tool calls are kept: their arguments may be cut off, but the loop closes them with an
         # "aborted" result, and the record shows what the model was about to do.
         builder, model, provider = MessageBuilder(), self.model, ""
@@ -102,7 +102,7 @@ class _Streamed:
             if partial.reset:  # the gateway retried: what streamed before is void
                 builder = MessageBuilder()
             model, provider = partial.model or model, partial.provider or provider
-            await _add_delta(builder, partial.delta)
+            _add_delta(builder, partial.delta)
         content = builder.content()
         # No usage came (the gateway sends it with the final reply): what streamed was billed
         return AssistantMessage(content=content, stop_reason="aborted",
@@ -110,15 +110,15 @@ class _Streamed:
                                 provider=provider, error=ABORTED_TEXT)
 
 
-async def _add_delta(builder: MessageBuilder, delta: AssistantDelta | None) -> None:
+def _add_delta(builder: MessageBuilder, delta: AssistantDelta | None) -> None:
     if delta is None:
         return
     key = ("part", delta.index)
     if delta.kind == "tool_call" and not builder.has(key):
-        await builder.start(key, "tool_call", delta.tool_call_id, delta.tool_name)
+        builder.open(key, "tool_call", delta.tool_call_id, delta.tool_name)
     elif delta.kind == "tool_call":
         builder.update_call(key, delta.tool_call_id, delta.tool_name)
-    await builder.append(key, delta.kind, delta.delta)
+    builder.add(key, delta.kind, delta.delta)
 
 
 def _gateway_error(exc: RequestError, hub: str, timeout: float | None) -> str:
@@ -181,7 +181,7 @@ class BusLlmClient:
             return await self._call_with_wait(request, body, streamed)
         with abort.cancels():  # set: leave the stream (the hub cancels the call at the gateway)
             return await self._call_with_wait(request, body, streamed)
-        return await streamed.aborted()
+        return streamed.aborted()
 
     async def _call_with_wait(self, request: LlmRequest, body: bytes,
                               streamed: _Streamed) -> AssistantMessage:

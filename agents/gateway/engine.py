@@ -634,7 +634,7 @@ class LlmEngine:
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
-            call.builder = MessageBuilder(on_delta, per_read=True, on_last_read=call.on_last_read)
+            call.builder = MessageBuilder(on_delta, on_last_read=call.on_last_read)
             with _errors_mapped(runtime.config, http.url, redactor):
                 return await self._stream(runtime, http, request.retry, call.builder, redactor)
 
