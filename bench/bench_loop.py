@@ -111,7 +111,8 @@ class ScriptedLlm:
         self.steps = steps
         self.i = 0
 
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+    async def complete(self, request: LlmRequest, on_delta: Any = None, *,
+                       abort: Any = None) -> AssistantMessage:
         reply = self.steps[self.i]["reply"]
         self.i += 1
         content: list[Any] = []
@@ -157,10 +158,11 @@ class Timed:
         self.batches: dict[str, float] = {}  # first-call start per batch -> wall time of the batch
         self._open: dict[int, list[float]] = {}
 
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+    async def complete(self, request: LlmRequest, on_delta: Any = None, *,
+                       abort: Any = None) -> AssistantMessage:
         started = time.perf_counter()
         try:
-            return await self.inner.complete(request, on_delta)
+            return await self.inner.complete(request, on_delta, abort=abort)
         finally:
             self.llm += time.perf_counter() - started
 

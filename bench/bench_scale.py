@@ -296,7 +296,8 @@ class SleepyLlm:
         self.turns, self.calls, self.model_s = turns, calls, model_s
         self.ids = 0
 
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+    async def complete(self, request: LlmRequest, on_delta: Any = None, *,
+                       abort: Any = None) -> AssistantMessage:
         await anyio.sleep(self.model_s)
         done = sum(1 for m in request.messages if isinstance(m, AssistantMessage))
         usage = Usage(input=10, output=5, total=15)

@@ -160,8 +160,9 @@ class EngineLlm:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
-        return await self.engine.complete(request, on_delta)
+    async def complete(self, request: LlmRequest, on_delta: Any = None, *,
+                       abort: Any = None) -> AssistantMessage:
+        return await self.engine.complete(request, on_delta, abort=abort)
 
 
 # --- bench_scale's topology: N sessions of 3 turns of 20 ms tools (bench_experiment too) -----

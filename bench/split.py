@@ -198,7 +198,7 @@ class SplitClient:
         self._end.send([b"req", pool, req_id, self._encode(message)])
         return await future
 
-    async def complete(self, request: Any, on_delta: Any = None) -> Any:
+    async def complete(self, request: Any, on_delta: Any = None, *, abort: Any = None) -> Any:
         return self._reply(await self._call(MODEL, request))
 
     async def catalog(self) -> list[Any]:

@@ -28,8 +28,9 @@ import msgspec
 
 from agent_bus.agents.gateway.providers.base import MessageBuilder
 from agent_bus.agents.gateway.wire import LlmPartial
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore, estimate_usage
-from agent_bus.agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink, cancel_on_abort
+from agent_bus.agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
 from agent_bus.bus.backoff import Backoff
 from agent_bus.bus.client import Peer
 from agent_bus.bus.errors import (
@@ -89,7 +90,7 @@ class _Streamed:
         self.model = request.model
         self.bodies: list[bytes] = []
 
-    async def aborted(self) -> AssistantMessage:
+    def aborted(self) -> AssistantMessage:
         # Tool calls are kept: their arguments may be cut off, but the loop closes them with an
         # "aborted" result, and the record shows what the model was about to do.
         builder, model, provider = MessageBuilder(), self.model, ""
@@ -101,7 +102,7 @@ class _Streamed:
             if partial.reset:  # the gateway retried: what streamed before is void
                 builder = MessageBuilder()
             model, provider = partial.model or model, partial.provider or provider
-            await _add_delta(builder, partial.delta)
+            _add_delta(builder, partial.delta)
         content = builder.content()
         # No usage came (the gateway sends it with the final reply): what streamed was billed
         return AssistantMessage(content=content, stop_reason="aborted",
@@ -109,15 +110,15 @@ class _Streamed:
                                 provider=provider, error=ABORTED_TEXT)
 
 
-async def _add_delta(builder: MessageBuilder, delta: AssistantDelta | None) -> None:
+def _add_delta(builder: MessageBuilder, delta: AssistantDelta | None) -> None:
     if delta is None:
         return
     key = ("part", delta.index)
     if delta.kind == "tool_call" and not builder.has(key):
-        await builder.start(key, "tool_call", delta.tool_call_id, delta.tool_name)
+        builder.open(key, "tool_call", delta.tool_call_id, delta.tool_name)
     elif delta.kind == "tool_call":
         builder.update_call(key, delta.tool_call_id, delta.tool_name)
-    await builder.append(key, delta.kind, delta.delta)
+    builder.add(key, delta.kind, delta.delta)
 
 
 def _gateway_error(exc: RequestError, hub: str, timeout: float | None) -> str:
@@ -163,7 +164,7 @@ class BusLlmClient:
         return self.windows.get(model, 0)
 
     async def complete(self, request: LlmRequest, on_delta: DeltaSink | None = None, *,
-                       abort: anyio.Event | None = None) -> AssistantMessage:
+                       abort: Abort | None = None) -> AssistantMessage:
         changes: dict[str, Any] = {}
         if not request.agent and self.agent:
             changes["agent"] = self.agent
@@ -175,19 +176,12 @@ class BusLlmClient:
         if changes:
             request = msgspec.structs.replace(request, **changes)
         streamed = _Streamed(request)
-        reply: AssistantMessage | None = None
-        scope = anyio.CancelScope()  # abort: leave the stream (the hub cancels the call)
-        if abort is None or cancel_on_abort(abort, scope):  # the loop's abort: no watcher task
-            with scope:
-                reply = await self._call_with_wait(request, _encoder.encode(request), streamed)
-        else:
-            async with anyio.create_task_group() as tg:
-                with scope:
-                    tg.start_soon(_cancel_when_set, abort, scope)
-                    reply = await self._call_with_wait(request, _encoder.encode(request),
-                                                       streamed)
-                tg.cancel_scope.cancel()
-        return reply if reply is not None else await streamed.aborted()
+        body = _encoder.encode(request)
+        if abort is None:
+            return await self._call_with_wait(request, body, streamed)
+        with abort.cancels():  # set: leave the stream (the hub cancels the call at the gateway)
+            return await self._call_with_wait(request, body, streamed)
+        return streamed.aborted()
 
     async def _call_with_wait(self, request: LlmRequest, body: bytes,
                               streamed: _Streamed) -> AssistantMessage:
@@ -246,11 +240,6 @@ class BusLlmClient:
                 if any(s.name == self.service and s.peers > 0 for s in status.services):
                     return True
         return False
-
-
-async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
 
 
 def _error(request: LlmRequest, text: str) -> AssistantMessage:

@@ -2,7 +2,7 @@
 
     engine = LlmEngine.from_env()            # or LlmEngine([ModelConfig(...), ...])
     async with engine:
-        message = await engine.complete(request, on_delta=..., on_retry=..., abort=event)
+        message = await engine.complete(request, on_delta=..., on_retry=..., abort=abort)
 
 Contract of `complete()` (it never raises for provider trouble, and never hangs past its timeouts):
 
@@ -15,9 +15,10 @@ Contract of `complete()` (it never raises for provider trouble, and never hangs 
   status, `usage` what it billed: the server's figures, or an estimate from what streamed).
   Deltas of a failed attempt were already sent: after `on_retry`, consumers should discard the
   partial message they were building — deltas restart at index 0;
-- cancellation: set the `abort` event to stop the call at once — the HTTP stream is closed and the
-  result is a message with `stop_reason="aborted"` holding the text/thinking streamed so far (never
-  tool calls, which may be cut off) and its usage (estimated when the server had sent none).
+- cancellation: set the `abort` (an `agents.loop.abort.Abort`) to stop the call at once — the
+  HTTP stream is closed and the result is a message with `stop_reason="aborted"` holding the
+  text/thinking streamed so far (never tool calls, which may be cut off) and its usage (estimated
+  when the server had sent none).
   Cancelling the task that runs `complete()` (an anyio cancel scope) also closes the stream at
   once, but then nothing is returned: the cancellation propagates;
 - every attempt's usage counts in `stats()`: retried and failed attempts, aborted replies.
@@ -66,6 +67,7 @@ from agent_bus.agents.gateway.providers.llamacpp import DEFAULT_N_CTX
 from agent_bus.agents.gateway.providers.openai import Histories, OpenAIProvider
 from agent_bus.agents.gateway.providers.prices import ConfiguredPrices, Pricing, price_model
 from agent_bus.agents.gateway.wire import EngineStats, ModelConfig, ModelStats
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.context import context_exceeded_text, estimate_usage
 from agent_bus.bus.errors import ConfigError
 from agent_bus.bus.messages import AssistantMessage, LlmRequest, RetryPolicy, Usage
@@ -448,7 +450,7 @@ class LlmEngine:
         on_delta: DeltaCallback | None = None,
         on_retry: RetryCallback | None = None,
         *,
-        abort: anyio.Event | None = None,
+        abort: Abort | None = None,
         on_last_read: Callable[[], None] | None = None,
     ) -> AssistantMessage:
         """Run `request` to a finished message (see the module docstring for the contract).
@@ -535,20 +537,13 @@ class LlmEngine:
         on_delta: DeltaCallback | None,
         on_retry: RetryCallback | None,
         call: _Call,
-        abort: anyio.Event | None,
+        abort: Abort | None,
     ) -> AssistantMessage:
-        if abort is None:  # nothing to watch: no task group, no watcher task per call
+        if abort is None:
             return await self._run(runtime, request, on_delta, on_retry, call)
-        result: AssistantMessage | None = None
-        async with anyio.create_task_group() as tg:
-            with anyio.CancelScope() as scope:
-                if abort is not None:
-                    tg.start_soon(_cancel_when_set, abort, scope)
-                result = await self._run(runtime, request, on_delta, on_retry, call)
-            tg.cancel_scope.cancel()
-        if result is None:
-            return self._aborted(runtime, call)
-        return result
+        with abort.cancels():
+            return await self._run(runtime, request, on_delta, on_retry, call)
+        return self._aborted(runtime, call)
 
     def _aborted(self, runtime: _ModelRuntime, call: _Call) -> AssistantMessage:
         runtime.stats.aborted += 1
@@ -639,7 +634,7 @@ class LlmEngine:
         redactor = self.redactor()
         async with runtime.slot():
             runtime.stats.attempts += 1
-            call.builder = MessageBuilder(on_delta, per_read=True, on_last_read=call.on_last_read)
+            call.builder = MessageBuilder(on_delta, on_last_read=call.on_last_read)
             with _errors_mapped(runtime.config, http.url, redactor):
                 return await self._stream(runtime, http, request.retry, call.builder, redactor)
 
@@ -1038,11 +1033,6 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
 
 def _error_message(provider: str, model: str, text: str) -> AssistantMessage:
     return AssistantMessage(stop_reason="error", provider=provider, model=model, error=text)
-
-
-async def _cancel_when_set(event: anyio.Event, scope: anyio.CancelScope) -> None:
-    await event.wait()
-    scope.cancel()
 
 
 async def _maybe_await(value: object) -> None:

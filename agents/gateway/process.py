@@ -20,7 +20,7 @@ The requester also gets each delta as a partial reply (`LlmPartial`, with the mo
 its context window): a requester that aborts (its cancel reaches us only as a cancelled handler,
 after which no reply can be sent) still holds everything streamed so far and keeps it as the
 aborted message. A delta is what one read of the model's stream brought for one content part
-(`MessageBuilder(per_read=True)`), and the peer sends the partials of one event-loop iteration
+(`MessageBuilder.release`), and the peer sends the partials of one event-loop iteration
 as one message, a body each (`IncomingRequest.partial`), so a call costs the hub a few partial
 messages and `message_update` events, not one per SSE event. The deltas of the stream's last
 read, which end the message, go only as events: the reply follows them at once and holds them
@@ -209,6 +209,82 @@ def stats_service(name: str) -> str:
     return f"gateway.{name}"
 
 
+def _over_limit(peer: Peer, size: int) -> bool:
+    """Whether a reply body of `size` bytes is over the hub's `max_message_bytes` (with room
+    for the header): the hub would drop our connection, and every call in flight on it."""
+    limit = body_limit(peer)
+    return bool(limit) and size > limit
+
+
+class _CallRelay:
+    """One `llm` call's streaming: each delta to the requester (a partial reply) and to the log
+    (`message_update` events), each retry as a `reset` partial and an `llm_retry` event. The
+    engine's three callbacks for the call share this state."""
+
+    __slots__ = ("peer", "engine", "req", "request", "publish", "described", "streamed", "sent",
+                 "last_read")
+
+    def __init__(self, peer: Peer, engine: LlmEngine, req: IncomingRequest,
+                 request: LlmRequest) -> None:
+        self.peer, self.engine, self.req, self.request = peer, engine, req, request
+        # A compaction's summary is not the run's text: its deltas go only to the requester
+        # (`compaction_complete` carries its usage), never as the run's `message_update`s.
+        self.publish = request.purpose != "compaction"
+        self.described = False  # the first partial, which describes the model, went out
+        self.streamed = False  # this attempt streamed something (a retry then discards it)
+        self.sent = 0  # bytes of this attempt's partials: about what the reply will weigh
+        self.last_read = False  # the message is complete: its last read's deltas come with the reply
+
+    def on_last_read(self) -> None:
+        self.last_read = True
+
+    async def on_delta(self, delta: AssistantDelta) -> None:
+        self.streamed = True
+        # The last read's deltas are in the reply that follows at once: no partial for them
+        # (a message less through the hub per call), unless one must describe the model.
+        if not self.described or not self.last_read:
+            await self._send_partial(delta)
+        if self.publish:
+            request = self.request
+            for piece in _event_pieces(delta):
+                await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
+                                        run=request.run_id, experiment=request.experiment)
+
+    async def _send_partial(self, delta: AssistantDelta) -> None:
+        partial = self._described(delta) if not self.described else LlmPartial(delta)
+        self.described = True
+        body = _encoder.encode(partial)
+        self.sent += len(body)
+        if _over_limit(self.peer, self.sent):  # the reply could not reach the requester: stop now
+            raise _OverLimit(self.sent, streaming=True)
+        # The partial first: the peer holds a burst's messages until the loop iteration ends, a
+        # request's partials join its first held one and a run's adjacent events go as one
+        # message. Event first, a burst (the deltas of one read) went out as event, partials,
+        # events: three sends and three hub messages where two do.
+        await self.req.partial(body)
+
+    def _described(self, delta: AssistantDelta) -> LlmPartial:
+        """The call's first partial: it names the model in use, its provider and window."""
+        config = self.engine.model_config(self.request.model)
+        if config is None:
+            return LlmPartial(delta)
+        return LlmPartial(delta, model=config.model, provider=config.provider,
+                          context_window=config.context_window)
+
+    async def on_retry(self, attempt: int, delay: float, status: int, error: str,
+                       usage: Usage) -> None:
+        request = self.request
+        config = self.engine.model_config(request.model)
+        await self.req.partial(_encoder.encode(LlmPartial(reset=True)))
+        discarded = self.streamed and self.publish
+        self.streamed, self.sent = False, 0
+        await self.peer.publish(
+            ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
+                        provider=config.provider if config else "", discarded=discarded,
+                        usage=usage, model=config.model if config else ""),
+            agent=request.agent, run=request.run_id, experiment=request.experiment)
+
+
 class Gateway:
     """Wires an `LlmEngine` to a peer: one handler per `llm` request."""
 
@@ -230,68 +306,15 @@ class Gateway:
             if not replay.live(request.run_id, key):
                 return _encoder.encode(self._replayed(request, key, replay.book))
             request = replay.live_request(request)
-        described = False
-        streamed = False  # this attempt streamed something (a retry then discards it)
-        sent = 0  # bytes of this attempt's partials: about what the reply will weigh
-        last_read = False  # the message is complete: its last read's deltas come with the reply
-
-        def on_last_read() -> None:
-            nonlocal last_read
-            last_read = True
-
-        # A compaction's summary is not the run's text: its deltas go only to the requester
-        # (`compaction_complete` carries its usage), never as the run's `message_update`s.
-        publish = request.purpose != "compaction"
-
-        async def on_delta(delta: AssistantDelta) -> None:
-            nonlocal described, streamed, sent
-            streamed = True
-            # The last read's deltas are in the reply that follows at once: no partial for them
-            # (a message less through the hub per call), unless one must describe the model.
-            if not described or not last_read:
-                partial = (self._partial(request.model, delta=delta) if not described
-                           else LlmPartial(delta))
-                described = True
-                body = _encoder.encode(partial)
-                sent += len(body)
-                if self._over_limit(sent):  # the reply could not reach the requester: stop now
-                    raise _OverLimit(sent, streaming=True)
-                # The partial first: the peer holds a burst's messages until the loop iteration
-                # ends, a request's partials join its first held one and a run's adjacent events
-                # go as one message. Event first, a burst (the deltas of one read) went out as
-                # event, partials, events: three sends and three hub messages where two do.
-                await req.partial(body)
-            if publish:
-                for piece in _event_pieces(delta):
-                    await self.peer.publish(ev.MessageUpdate(delta=piece), agent=request.agent,
-                                            run=request.run_id, experiment=request.experiment)
-
-        async def on_retry(attempt: int, delay: float, status: int, error: str,
-                           usage: Usage) -> None:
-            nonlocal streamed, sent
-            config = self.engine.model_config(request.model)
-            await req.partial(_encoder.encode(LlmPartial(reset=True)))
-            discarded, streamed, sent = streamed and publish, False, 0
-            await self.peer.publish(
-                ev.LlmRetry(attempt=attempt, delay=delay, status=status, error=error,
-                            provider=config.provider if config else "", discarded=discarded,
-                            usage=usage, model=config.model if config else ""),
-                agent=request.agent, run=request.run_id, experiment=request.experiment)
-
+        relay = _CallRelay(self.peer, self.engine, req, request)
         try:
-            body = _encoder.encode(await self.engine.complete(request, on_delta, on_retry,
-                                                              on_last_read=on_last_read))
-            if self._over_limit(len(body)):
+            body = _encoder.encode(await self.engine.complete(
+                request, relay.on_delta, relay.on_retry, on_last_read=relay.on_last_read))
+            if _over_limit(self.peer, len(body)):
                 raise _OverLimit(len(body), streaming=False)
         except _OverLimit as over:
             return _encoder.encode(self._too_large(request, over))
         return body
-
-    def _over_limit(self, size: int) -> bool:
-        """Whether a reply body of `size` bytes is over the hub's `max_message_bytes` (with room
-        for the header): the hub would drop our connection, and every call in flight on it."""
-        limit = body_limit(self.peer)
-        return bool(limit) and size > limit
 
     def _too_large(self, request: LlmRequest, over: _OverLimit) -> AssistantMessage:
         limit = body_limit(self.peer) + HEADER_ROOM  # the hub's max_message_bytes
@@ -304,13 +327,6 @@ class Gateway:
         return AssistantMessage(stop_reason="error", error=text,
                                 provider=config.provider if config else "",
                                 model=config.model if config else "")
-
-    def _partial(self, alias: str, delta: AssistantDelta) -> LlmPartial:
-        config = self.engine.model_config(alias)
-        if config is None:
-            return LlmPartial(delta)
-        return LlmPartial(delta, model=config.model, provider=config.provider,
-                          context_window=config.context_window)
 
     def _replayed(self, request: LlmRequest, key: str,
                   book: dict[str, deque[ReplayEntry]]) -> AssistantMessage:

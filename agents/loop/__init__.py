@@ -2,10 +2,12 @@
 
 Nothing here imports a transport: the model, the tools and the event sink are injected, so the loop runs
 in-process, in tests, or inside the coordinator unchanged (`tests/agents/test_loop_is_pure.py`).
+The loop's public names are listed once, in `__all__` below (run.py keeps no copy of the list).
 """
 
 from __future__ import annotations
 
+from agent_bus.agents.loop.abort import Abort, AbortSignal
 from agent_bus.agents.loop.run import (
     ABORTED_TEXT,
     BLOCKED_TEXT,
@@ -17,7 +19,6 @@ from agent_bus.agents.loop.run import (
     REPEAT_STOP_TEXT,
     TASK_COMPLETE_TEXT,
     TRUNCATED_CALL_TEXT,
-    AbortSignal,
     DeltaSink,
     Emit,
     LlmClient,
@@ -41,6 +42,7 @@ __all__ = [
     "REPEAT_STOP_TEXT",
     "TASK_COMPLETE_TEXT",
     "TRUNCATED_CALL_TEXT",
+    "Abort",
     "AbortSignal",
     "DeltaSink",
     "Emit",

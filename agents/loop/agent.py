@@ -21,10 +21,10 @@ from typing import Any
 import anyio
 import msgspec
 
+from agent_bus.agents.loop.abort import AbortSignal
 from agent_bus.agents.loop.context import ToolOutputCache, ToolOutputStore, UsageTracker
 from agent_bus.agents.loop.hooks import call_hook
 from agent_bus.agents.loop.run import (
-    AbortSignal,
     LlmClient,
     LoopConfig,
     LoopResult,

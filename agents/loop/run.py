@@ -25,18 +25,16 @@ repeat guard saw the same call 2 * repeat_limit times in a row), "aborted".
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import anyio
 import msgspec
 
+from agent_bus.agents.loop.abort import Abort, AbortSignal
 from agent_bus.agents.loop.context import (
     DEFAULT_CONTEXT_WINDOW,
     PROMPT_CEILING,
@@ -130,9 +128,6 @@ from agent_bus.bus.messages import (
 # --- exact strings ------------------------------------------------------------------------
 
 ABORTED_TEXT = "Operation aborted"
-#: After an abort, how long a model client that takes `abort=` may take to return its partial
-#: message before its call is cancelled outright.
-ABORT_GRACE = 2.0
 BLOCKED_TEXT = "Tool execution was blocked"
 DENIED_TEXT = "Permission request was denied. Turn stopped. Please send your next input to continue."
 TASK_COMPLETE_TEXT = "Task complete"
@@ -177,7 +172,7 @@ QueueMode = Literal["one-at-a-time", "all"]
 
 class LlmClient(Protocol):
     async def complete(
-        self, request: LlmRequest, on_delta: DeltaSink | None = None
+        self, request: LlmRequest, on_delta: DeltaSink | None = None, *, abort: Abort | None = None
     ) -> AssistantMessage:
         """One model call.
 
@@ -186,6 +181,10 @@ class LlmClient(Protocol):
         Cancellation is anyio cancellation. A client that streams calls on_delta per delta (the
         loop then emits message_update); a remote client whose deltas are published elsewhere
         simply never calls it. Retrying is the gateway's job (request.retry says how).
+
+        `abort` (the loop always passes one): a client that runs its call under
+        `abort.cancels()` is stopped when the run is aborted and returns what it has, with
+        stop_reason "aborted"; one that ignores it is cancelled (see `agents.loop.abort`).
         """
         ...
 
@@ -259,79 +258,6 @@ class LoopConfig:
         )
 
 
-class AbortSignal:
-    """Abort request shared by a run and whoever may stop it (the Agent's abort(), another task).
-
-    The loop wraps each interruptible step (model call, tool batch, hooks between turns) in
-    `scope()`; `abort()` cancels those scopes, so the loop itself survives to emit the closing
-    events. Aborting twice is harmless.
-    """
-
-    def __init__(self) -> None:
-        self.aborted = False
-        self._scopes: set[anyio.CancelScope] = set()
-        self._graceful: set[tuple[anyio.Event, anyio.CancelScope]] = set()
-
-    def abort(self) -> None:
-        self.aborted = True
-        for scope in list(self._scopes):
-            scope.cancel()
-        for event, scope in list(self._graceful):
-            event.set()
-            for inner in _on_abort.get(event, ()):
-                inner.cancel()
-            scope.deadline = min(scope.deadline, anyio.current_time() + ABORT_GRACE)
-
-    @contextmanager
-    def graceful(self) -> Iterator[anyio.Event]:
-        """Like `scope()`, but abort first sets the yielded event so the step can return what it
-        has (a model client's partial message); it is cancelled only after `ABORT_GRACE` s."""
-        event, scope = anyio.Event(), anyio.CancelScope()
-        entry = (event, scope)
-        self._graceful.add(entry)
-        _on_abort[event] = []
-        if self.aborted:
-            self.abort()
-        try:
-            with scope:
-                yield event
-        finally:
-            self._graceful.discard(entry)
-            del _on_abort[event]
-
-    @contextmanager
-    def scope(self) -> Iterator[anyio.CancelScope]:
-        scope = anyio.CancelScope()
-        if self.aborted:
-            scope.cancel()
-        self._scopes.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._scopes.discard(scope)
-
-
-#: The scopes to cancel when an event `AbortSignal.graceful()` yielded is set (`cancel_on_abort`),
-#: per event while its step runs.
-_on_abort: dict[anyio.Event, list[anyio.CancelScope]] = {}
-
-
-def cancel_on_abort(abort: anyio.Event, scope: anyio.CancelScope) -> bool:
-    """Have `scope` cancelled as soon as `abort` is set, when `abort` is the event of a step
-    under `AbortSignal.graceful()` (what the loop passes a model client); False for any other
-    event, which the caller must watch itself (e.g. in a task: this way costs none, and a task
-    costs a model call ~60 us of CPU)."""
-    scopes = _on_abort.get(abort)
-    if scopes is None:
-        return False
-    if abort.is_set():
-        scope.cancel()
-    else:
-        scopes.append(scope)
-    return True
-
-
 @dataclass
 class LoopResult:
     """What a run produced; the same facts AgentEnd carries, plus the messages it added."""
@@ -390,8 +316,6 @@ class _Run:
     #: converts and measures only what changed (see `LlmView`, `SizeMemo`).
     view: LlmView = field(default_factory=LlmView)
     sizes: SizeMemo = field(default_factory=lambda: SizeMemo(estimate_tokens))
-    #: Whether `llm.complete` takes `abort` (looked up once: `inspect.signature` is slow).
-    takes_abort: bool | None = None
     #: The user's messages of this run (its prompt, follow-ups, steering): compaction keeps them.
     pinned: list[Message] = field(default_factory=list)
     #: The window a context-exceeded error reported: it applies at once (0: none).
@@ -774,34 +698,11 @@ async def _complete(run: _Run, request: LlmRequest, on_delta: DeltaSink | None) 
 
 
 async def _call_llm(run: _Run, request: LlmRequest, sink: DeltaSink) -> AssistantMessage | None:
-    """The reply; None when the abort cancelled the call. A client whose `complete` takes `abort`
-    is told first and returns its partial message (it may know more than the text deltas)."""
-    if run.takes_abort is None:
-        run.takes_abort = _takes_abort(run.llm)
-    if run.takes_abort:
-
-        with run.signal.graceful() as event:
-            return await run.llm.complete(request, sink, abort=event)  # type: ignore[call-arg]
-        return None
-    with run.signal.scope():
-        return await run.llm.complete(request, sink)
+    """The reply; None when the abort cancelled the call. A client watching its `Abort` is told
+    first and returns its partial message (it may know more than the text deltas)."""
+    with run.signal.graceful() as abort:
+        return await run.llm.complete(request, sink, abort=abort)
     return None
-
-
-def _takes_abort(llm: LlmClient) -> bool:
-    complete = llm.complete
-    func = getattr(complete, "__func__", None)
-    # A method answers the same for every instance of its class: inspect.signature (~30 us)
-    # once per class, not once per run (a coordinator with 1,000 short runs paid it each time)
-    return _signature_takes_abort(func) if func is not None else _signature_takes_abort.__wrapped__(complete)
-
-
-@functools.lru_cache(maxsize=64)
-def _signature_takes_abort(complete: Callable[..., Any]) -> bool:
-    try:
-        return "abort" in inspect.signature(complete).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _error_text(exc: BaseException) -> str:
@@ -1229,28 +1130,3 @@ async def _max_iterations_summary(run: _Run) -> str:
         return MAX_ITERATIONS_FALLBACK
     return text
 
-
-__all__ = [
-    "ABORTED_TEXT",
-    "BLOCKED_TEXT",
-    "DENIED_TEXT",
-    "MAX_ITERATIONS_FALLBACK",
-    "MAX_ITERATIONS_PREFIX",
-    "MAX_ITERATIONS_SUMMARY_PROMPT",
-    "REPEAT_NOTE",
-    "REPEAT_STOP_TEXT",
-    "TASK_COMPLETE_TEXT",
-    "TRUNCATED_CALL_TEXT",
-    "AbortSignal",
-    "DeltaSink",
-    "Emit",
-    "LlmClient",
-    "LoopConfig",
-    "LoopResult",
-    "QueueMode",
-    "ToolExecutionMode",
-    "ToolExecutor",
-    "UpdateSink",
-    "cancel_on_abort",
-    "run_loop",
-]

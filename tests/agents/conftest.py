@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.hooks import call_hook
 from agent_bus.bus.events import Event, event_type
 from agent_bus.bus.messages import (
@@ -54,7 +55,8 @@ class ScriptedLlm:
         self.script = list(script)
         self.requests: list[LlmRequest] = []
 
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+    async def complete(self, request: LlmRequest, on_delta: Any = None, *,
+                       abort: Abort | None = None) -> AssistantMessage:
         self.requests.append(request)
         assert self.script, "scripted LLM called more times than scripted"
         entry = self.script.pop(0)

@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.agent import Agent, AgentError
 from agent_bus.agents.loop.run import LoopConfig, LoopResult
 from agent_bus.bus.events import Event, event_type
@@ -48,7 +49,8 @@ class StreamingGate(ScriptedLlm):
         super().__init__()
         self.entered = anyio.Event()
 
-    async def complete(self, request: LlmRequest, on_delta: Any = None) -> AssistantMessage:
+    async def complete(self, request: LlmRequest, on_delta: Any = None, *,
+                       abort: Abort | None = None) -> AssistantMessage:
         if self.requests:
             return await super().complete(request, on_delta)
         self.requests.append(request)

@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import pytest
 
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.context import (
     CompactionConfig,
     ToolOutputCache,
@@ -334,7 +335,8 @@ class Summariser:
         self.requests: list[Any] = []
         self.summaries = 0
 
-    async def complete(self, request: Any, on_delta: Any = None) -> AssistantMessage:
+    async def complete(self, request: Any, on_delta: Any = None, *,
+                       abort: Abort | None = None) -> AssistantMessage:
         self.requests.append(request)
         last = request.messages[-1].content[0].text
         if last.startswith("You are summarizing"):

@@ -1,5 +1,5 @@
 """Aborting a run mid-answer: the coordinator's model client leaves the stream as soon as the
-loop's abort is set (no watcher task, `agents.loop.run.cancel_on_abort`) and returns what
+loop's abort is set (no watcher task: `agents.loop.abort.Abort.cancels`) and returns what
 streamed so far, so the aborted reply keeps its text. Real processes: hub, gateway ->
 FakeLLMServer (a slow stream), worker, coordinator."""
 

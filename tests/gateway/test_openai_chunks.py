@@ -14,7 +14,6 @@ import pytest
 from agent_bus.agents.gateway.providers import (
     MessageBuilder,
     OpenAIProvider,
-    SseEvent,
     StreamError,
     iter_sse,
 )
@@ -55,15 +54,19 @@ STREAMS: dict[str, list[str]] = {
 }
 
 
-async def _events(datas: list[str]) -> AsyncIterator[SseEvent]:
-    for data in datas:
-        yield SseEvent(event="message", data=data)
+async def _reads(reads: list[list[str]]) -> AsyncIterator[bytes]:
+    """A response body: each read one chunk holding its SSE events."""
+    for datas in reads:
+        yield "".join(f"data: {data}\n\n" for data in datas).encode()
 
 
 async def _typed(datas: list[str]) -> tuple[list[AssistantDelta], AssistantMessage]:
+    """The engine's way, each event in a read of its own: its deltas handed on after it."""
     deltas: list[AssistantDelta] = []
+    builder = MessageBuilder(deltas.append)
     message = await OpenAIProvider("http://x/v1", "m").parse_stream(
-        _events(datas), MessageBuilder(deltas.append))
+        iter_sse(_reads([[data] for data in datas]), builder.release), builder)
+    await builder.release(last=True)
     return deltas, msgspec.structs.replace(message, timestamp=0.0)
 
 
@@ -73,7 +76,7 @@ async def _generic(datas: list[str]) -> tuple[list[AssistantDelta], AssistantMes
     finish = None
     for data in datas:
         finish = _apply_chunk(msgspec.json.decode(data), builder) or finish
-        await builder.flush()
+        await builder.release()
     message = _finish(OpenAIProvider("http://x/v1", "m"), builder, finish)
     return deltas, msgspec.structs.replace(message, timestamp=0.0)
 
@@ -97,18 +100,12 @@ def test_a_bad_chunk_fails_the_stream_with_the_same_text(data: str, message: str
 
 
 async def _per_read(reads: list[list[str]]) -> tuple[list[AssistantDelta], list[int]]:
-    """The engine's way: a builder that hands deltas on once per read (`per_read`), the last
-    read's after `on_last_read` (told how many deltas went before it)."""
+    """The engine's way: a builder whose deltas are handed on once per read, the last read's
+    after `on_last_read` (told how many deltas went before it)."""
     deltas: list[AssistantDelta] = []
     marks: list[int] = []
-    builder = MessageBuilder(deltas.append, per_read=True,
-                             on_last_read=lambda: marks.append(len(deltas)))
-
-    async def chunks() -> AsyncIterator[bytes]:
-        for datas in reads:
-            yield "".join(f"data: {data}\n\n" for data in datas).encode()
-
-    await OpenAIProvider("http://x/v1", "m").parse_stream(iter_sse(chunks(), builder.release),
+    builder = MessageBuilder(deltas.append, on_last_read=lambda: marks.append(len(deltas)))
+    await OpenAIProvider("http://x/v1", "m").parse_stream(iter_sse(_reads(reads), builder.release),
                                                           builder)
     await builder.release(last=True)
     return deltas, marks

@@ -13,6 +13,7 @@ import pytest
 
 from agent_bus.agents.gateway.engine import LlmEngine, ModelConfig
 from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.bus.messages import AssistantDelta, RetryPolicy, TextPart, ThinkingPart, ToolCall
 from tests.gateway.conftest import FAKE_KEY, TOOLS, DeltaLog, RetryLog, engine_for, request
 from tests.support import tight_timing
@@ -198,7 +199,7 @@ async def test_abort_during_streaming_closes_the_connection_and_returns_aborted(
     fake_server: StartServer, provider: str
 ) -> None:
     srv = fake_server([{"reply": {"text": "word " * 200, "chunk_size": 5, "chunk_delay": 0.05}}])
-    abort = anyio.Event()
+    abort = Abort()
     aborted_at: list[float] = []
 
     def on_delta(delta: AssistantDelta) -> None:

@@ -14,6 +14,7 @@ import pytest
 from agent_bus.agents.coordinator.bus_adapters import BusLlmClient
 from agent_bus.agents.gateway.engine import LlmEngine, ModelSetupError, models_from_env
 from agent_bus.agents.gateway.fakellm import FakeLLMServer, ScriptLike
+from agent_bus.agents.loop.abort import Abort
 from agent_bus.bus.client import connect
 from agent_bus.bus.messages import LlmRequest, user_text
 from tests.gateway.conftest import FAST_RETRY, TOOLS, engine_for, request
@@ -175,7 +176,7 @@ async def test_an_aborted_call_keeps_its_text_model_and_the_gateway_counts_it(
         hub: dict, env_gateway: Proc, slow_fake: FakeLLMServer) -> None:
     async with connect(hub["endpoint"], name="abort-test") as peer:
         llm = BusLlmClient(peer, agent="a")
-        abort = anyio.Event()
+        abort = Abort()
 
         async def abort_when_streaming() -> None:
             # abort once the gateway has streamed some text (its `message_update` events)

@@ -105,7 +105,6 @@ class AnthropicProvider(Provider):
                 # and no top-level type; Anthropic's data says `"type": "error"` as well
                 _raise_stream_error(payload.get("error") or payload)
             _apply_event(payload, builder, state)
-            await builder.flush()
             if state.stopped:
                 break
         if not state.stopped:

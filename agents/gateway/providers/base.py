@@ -1,9 +1,10 @@
 """The provider seam: turn an `LlmRequest` into one HTTP request, and an SSE stream into a message.
 
 A provider is two methods (see `Provider`): `build_request` (pure: request in, URL + headers +
-JSON body out) and `parse_stream` (SSE events in, `AssistantDelta`s out through a callback, the
-finished `AssistantMessage` returned). Everything about HTTP itself (retries, limits, timeouts,
-cancellation, usage accounting) lives in `agents.gateway.engine`; providers never touch the network.
+JSON body out) and `parse_stream` (SSE events in, content parts into a `MessageBuilder`, whose
+deltas the engine hands on, the finished `AssistantMessage` returned). Everything about HTTP
+itself (retries, limits, timeouts, cancellation, usage accounting) lives in
+`agents.gateway.engine`; providers never touch the network.
 
 Stream failures are raised as `StreamError` (with `retryable`), never returned as a message: a
 partial stream must not pass for a complete one. Their text quotes the offending data uncut: the
@@ -81,7 +82,8 @@ class Provider:
     async def parse_stream(
         self, events: AsyncIterator[SseEvent], builder: MessageBuilder
     ) -> AssistantMessage:
-        """Consume `events` into `builder` (which forwards deltas) and return the final message.
+        """Consume `events` into `builder` and return the final message (the engine hands the
+        builder's deltas on between reads: `iter_sse`'s `after_read`).
 
         Raises `StreamError` when the stream is malformed, reports an error, or ends early."""
         raise NotImplementedError
@@ -173,7 +175,7 @@ async def iter_sse(chunks: AsyncIterator[bytes],
                    ) -> AsyncGenerator[SseEvent, None]:
     """Group the body's SSE lines into events (`event:` + joined `data:` lines). `after_read`
     runs once the events of each read are consumed, before the next read is waited for (the
-    engine hands a read's deltas over there: `MessageBuilder(per_read=True)`)."""
+    engine hands a read's deltas over there: `MessageBuilder.release`)."""
     parser = SseParser()
     async for chunk in chunks:
         for event in parser.feed(chunk):
@@ -219,23 +221,19 @@ class MessageBuilder:
     """Ordered content parts keyed by the provider's block id; appends make deltas.
 
     `index` in each `AssistantDelta` is the position of the part in the final `content` list.
-    The providers build synchronously (`open`, `add`, `add_run`: the deltas wait in order) and
-    hand the deltas of each SSE event over with one `flush`, rather than a chain of coroutines
-    per delta; `start`, `append` and `append_run` do both at once. Appends to the same part in
-    a row while waiting become one delta (their texts joined).
-
-    `per_read=True` (the engine): `flush` leaves the deltas waiting and `release` hands them
-    over, once per socket read (`iter_sse`'s `after_read`) and at the stream's end. The SSE
-    events of one read arrived together, so nothing is later for it, and the part's deltas of
-    one read are one delta: with a model's small chunks (a few characters each, ~30 a turn of
+    A provider builds synchronously (`open`, `add`, `add_run`): the deltas wait in order, and
+    appends to the same part in a row become one delta (their texts joined). `release` hands
+    the waiting ones to `on_delta`; the engine calls it once per socket read (`iter_sse`'s
+    `after_read`) and at the stream's end. The SSE events of one read arrived together, so
+    nothing is later for it: with a model's small chunks (a few characters each, ~30 a turn of
     tool calls) the gateway then sends and the hub logs a few `message_update`s and partial
     replies a read instead of one per SSE event. `on_last_read` is called by `release(last=True)`
-    (the stream's end, the message complete) before it hands over the last read's deltas."""
+    (the stream's end, the message complete) before it hands over the last read's deltas.
+    Without `on_delta` (the coordinator assembling an aborted call's partials) no delta waits."""
 
-    def __init__(self, on_delta: DeltaCallback | None = None, *, per_read: bool = False,
+    def __init__(self, on_delta: DeltaCallback | None = None, *,
                  on_last_read: Callable[[], None] | None = None) -> None:
         self._on_delta = on_delta
-        self._per_read = per_read
         self._on_last_read = on_last_read
         # Waiting deltas: [part index, texts]; made into `AssistantDelta`s when handed over.
         self._pending: list[tuple[int, list[str]]] = []
@@ -268,13 +266,8 @@ class MessageBuilder:
             index = self.open(("run", len(self._parts)), kind)
         self._add_at(index, text)
 
-    async def flush(self) -> None:
-        """Hand the waiting deltas to `on_delta`, in order (`per_read`: left for `release`)."""
-        if self._pending and not self._per_read:
-            await self.release()
-
     async def release(self, *, last: bool = False) -> None:
-        """Hand the waiting deltas to `on_delta`, in order, whatever `per_read` says."""
+        """Hand the waiting deltas to `on_delta`, in order."""
         if last and self._on_last_read is not None:
             self._on_last_read()
         if not self._pending:
@@ -291,19 +284,6 @@ class MessageBuilder:
                                              tool_call_id=part.call_id, tool_name=part.name))
             if inspect.isawaitable(result):
                 await result
-
-    async def start(self, key: object, kind: PartKind, call_id: str = "", name: str = "") -> int:
-        index = self.open(key, kind, call_id, name)
-        await self.flush()
-        return index
-
-    async def append(self, key: object, kind: PartKind, text: str) -> None:
-        self.add(key, kind, text)
-        await self.flush()
-
-    async def append_run(self, kind: PartKind, text: str) -> None:
-        self.add_run(kind, text)
-        await self.flush()
 
     def _add_at(self, index: int, text: str) -> None:
         if text:

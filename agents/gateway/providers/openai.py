@@ -95,7 +95,6 @@ class OpenAIProvider(Provider):
                 done = True
                 break
             finish = _apply_event(event.data, builder) or finish
-            await builder.flush()
         if finish is None and not done:
             raise StreamError("stream ended before completion (no finish_reason, no [DONE])")
         return _finish(self, builder, finish)
