@@ -160,109 +160,119 @@ def _query(path: str) -> dict[str, str]:
     return out
 
 
-def _handler(store: EventStore, access: Access, bind: str = "127.0.0.1",
-             experiments: ExperimentPages | None = None) -> type[BaseHTTPRequestHandler]:
-    pages = experiments or NoExperiments()
+class ViewServer(ThreadingHTTPServer):
+    """The view's HTTP server: what its request handlers serve from (`PageHandler`)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    daemon_threads = True  # an open page must not keep the process alive
 
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            path = self.path.split("?", 1)[0]
-            if not self._allowed(path):
-                return
-            if path == "/events":
-                self._events()
-            elif path == "/experiment":
-                self._experiment()
-            elif path in STATIC:
-                self._static(*STATIC[path])
-            else:
-                self._send(404, b"not found: the page is at /", "text/plain")
+    def __init__(self, address: tuple[str, int], store: EventStore, pages: ExperimentPages,
+                 token: str) -> None:
+        super().__init__(address, PageHandler)
+        self.store, self.pages, self.bind = store, pages, address[0]
+        self.access = Access(token, self.server_address[1])
 
-        def _allowed(self, path: str) -> bool:
-            """The Host/Origin check (DNS rebinding), then the token: else answered here."""
-            refused = refusal(bind, self.headers.get("Host"), self.headers.get("Origin"))
-            if refused is not None:
-                log.info("ui: refused a request for %s: %s", path, refused[1])
-                self._send(refused[0], refused[1].encode(), "text/plain")
-                return False
-            verdict = access.verdict(_query(self.path), self.headers.get("Cookie", ""),
-                                     self.headers.get("Authorization", ""))
-            if verdict is Verdict.SWAP:
-                self._send(200, swap_page(self.path), "text/html; charset=utf-8",
-                           {"Set-Cookie": access.set_cookie()})
-            elif verdict is Verdict.REFUSED:
-                log.info("ui: refused a request without the token for %s", path)
-                self._send(401, REFUSED_TEXT, "text/plain; charset=utf-8",
-                           {"WWW-Authenticate": 'Bearer realm="busctl ui"'})
-            return verdict is Verdict.ALLOWED
 
-        def _send(self, code: int, body: bytes, ctype: str,
-                  extra: dict[str, str] | None = None) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self._private_headers(extra or {})
-            self.end_headers()
-            self.wfile.write(body)
+class PageHandler(BaseHTTPRequestHandler):
+    """One request to the view: the page, its events as SSE, an experiment's data."""
 
-        def _private_headers(self, extra: dict[str, str]) -> None:
-            # no cache keeps a copy, and no address (a `?token=` one) is sent on as a referrer
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("Referrer-Policy", "no-referrer")
-            for name, value in extra.items():
-                self.send_header(name, value)
+    protocol_version = "HTTP/1.1"
+    server: ViewServer
 
-        def _static(self, name: str, ctype: str) -> None:
-            body = resources.files("agent_bus.bus.ui").joinpath("static", name).read_bytes()
-            self._send(200, body, ctype)
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if not self._allowed(path):
+            return
+        if path == "/events":
+            self._events()
+        elif path == "/experiment":
+            self._experiment()
+        elif path in STATIC:
+            self._static(*STATIC[path])
+        else:
+            self._send(404, b"not found: the page is at /", "text/plain")
 
-        def _experiment(self) -> None:
-            name = unquote(_query(self.path).get("name", ""))
-            data = pages.page(name)
-            if data is None:
-                self._send(404, f"no experiment {name!r} journaled in the hub's log (`busctl "
-                                f"experiment run SPEC --name E` starts one)".encode(),
-                           "text/plain; charset=utf-8")
-                return
-            self._send(200, msgspec.json.encode(data), "application/json")
+    def _allowed(self, path: str) -> bool:
+        """The Host/Origin check (DNS rebinding), then the token: else answered here."""
+        refused = refusal(self.server.bind, self.headers.get("Host"), self.headers.get("Origin"))
+        if refused is not None:
+            log.info("ui: refused a request for %s: %s", path, refused[1])
+            self._send(refused[0], refused[1].encode(), "text/plain")
+            return False
+        verdict = self.server.access.verdict(_query(self.path), self.headers.get("Cookie", ""),
+                                 self.headers.get("Authorization", ""))
+        if verdict is Verdict.SWAP:
+            self._send(200, swap_page(self.path), "text/html; charset=utf-8",
+                       {"Set-Cookie": self.server.access.set_cookie()})
+        elif verdict is Verdict.REFUSED:
+            log.info("ui: refused a request without the token for %s", path)
+            self._send(401, REFUSED_TEXT, "text/plain; charset=utf-8",
+                       {"WWW-Authenticate": 'Bearer realm="busctl ui"'})
+        return verdict is Verdict.ALLOWED
 
-        def _since(self) -> int:
-            last = self.headers.get("Last-Event-ID", "") or _query(self.path).get("since", "")
-            try:
-                return int(last) if last else -1
-            except ValueError:  # a hand-written URL: everything, rather than an error page
-                log.info("ui: ignoring a bad since/Last-Event-ID %r", last)
-                return -1
+    def _send(self, code: int, body: bytes, ctype: str,
+              extra: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self._private_headers(extra or {})
+        self.end_headers()
+        self.wfile.write(body)
 
-        def _events(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self._private_headers({})
-            self.end_headers()
-            seq = self._since()
-            version = -1
-            try:
-                while not store.closed:
-                    batch = store.after(seq, HEARTBEAT, status_version=version)
-                    chunk = "".join(f"id: {s}\ndata: {line}\n\n" for s, line in batch)
-                    if version != store.status_version:
-                        # `event: status` has no id: it is a snapshot, not part of the stream
-                        version = store.status_version
-                        if store.status:
-                            chunk += f"event: status\ndata: {store.status}\n\n"
-                    chunk = chunk or ": hb\n\n"
-                    self.wfile.write(chunk.encode())
-                    self.wfile.flush()
-                    seq = batch[-1][0] if batch else seq
-            except (BrokenPipeError, ConnectionResetError):
-                return  # the tab closed
+    def _private_headers(self, extra: dict[str, str]) -> None:
+        # no cache keeps a copy, and no address (a `?token=` one) is sent on as a referrer
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Referrer-Policy", "no-referrer")
+        for name, value in extra.items():
+            self.send_header(name, value)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-            log.debug("ui: " + format, *args)
+    def _static(self, name: str, ctype: str) -> None:
+        body = resources.files("agent_bus.bus.ui").joinpath("static", name).read_bytes()
+        self._send(200, body, ctype)
 
-    return Handler
+    def _experiment(self) -> None:
+        name = unquote(_query(self.path).get("name", ""))
+        data = self.server.pages.page(name)
+        if data is None:
+            self._send(404, f"no experiment {name!r} journaled in the hub's log (`busctl "
+                            f"experiment run SPEC --name E` starts one)".encode(),
+                       "text/plain; charset=utf-8")
+            return
+        self._send(200, msgspec.json.encode(data), "application/json")
+
+    def _since(self) -> int:
+        last = self.headers.get("Last-Event-ID", "") or _query(self.path).get("since", "")
+        try:
+            return int(last) if last else -1
+        except ValueError:  # a hand-written URL: everything, rather than an error page
+            log.info("ui: ignoring a bad since/Last-Event-ID %r", last)
+            return -1
+
+    def _events(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self._private_headers({})
+        self.end_headers()
+        seq = self._since()
+        version = -1
+        try:
+            store = self.server.store
+            while not store.closed:
+                batch = store.after(seq, HEARTBEAT, status_version=version)
+                chunk = "".join(f"id: {s}\ndata: {line}\n\n" for s, line in batch)
+                if version != store.status_version:
+                    # `event: status` has no id: it is a snapshot, not part of the stream
+                    version = store.status_version
+                    if store.status:
+                        chunk += f"event: status\ndata: {store.status}\n\n"
+                chunk = chunk or ": hb\n\n"
+                self.wfile.write(chunk.encode())
+                self.wfile.flush()
+                seq = batch[-1][0] if batch else seq
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the tab closed
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        log.debug("ui: " + format, *args)
 
 
 async def _poll_status(peer: Peer, store: EventStore, book: ExperimentPages,
@@ -341,10 +351,8 @@ async def serve_ui(hub: str, curve: CurveClient | None, port: int, since: int = 
     pages from `experiments` (None: none)."""
     store = EventStore()
     book = experiments or NoExperiments()
-    server = ThreadingHTTPServer((host, port), BaseHTTPRequestHandler)
-    access = Access(token or new_token(), server.server_address[1])
-    server.RequestHandlerClass = _handler(store, access, host, book)
-    server.daemon_threads = True  # an open page must not keep the process alive
+    server = ViewServer((host, port), store, book, token or new_token())
+    access = server.access
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     page = f"http://{shown}:{access.port}/"
     try:
