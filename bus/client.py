@@ -6,11 +6,13 @@ by id. Subscriptions use their own SUB socket and are read by the consumer's tas
 
 This module is the public face; the parts, each with one job:
 
-- `bus/peer.py`: `Peer`, the connection's lifecycle (`PeerState`), its one reader, sending and
-  publishing, heartbeats;
+- `bus/peer.py`: `Peer`, the connection's lifecycle (`PeerState`, in `bus/link.py` with the
+  `PeerLink` protocol its parts see it by), its one reader, sending and publishing;
 - `bus/outbox.py`: the messages held to go out together (held events, replies, partials), their
   flush and the multi-body event runs;
 - `bus/ledger.py`: what the hub confirmed of the events published (`confirm()`);
+- `bus/housekeeping.py`: the peer's periodic duties: heartbeats, the hub's silence, the expiry of
+  calls, background confirmations;
 - `bus/rpc.py`: requests this peer makes: the call map the reader feeds, `request`/`stream`, a
   cancel when the requester leaves early;
 - `bus/serving.py`: requests it serves: registers and their refusals, an `async def` handler in a
@@ -25,13 +27,13 @@ This module is the public face; the parts, each with one job:
 
 from __future__ import annotations
 
+from agent_bus.bus.link import PeerState
 from agent_bus.bus.peer import (
     CONNECT_TIMEOUT,
     DEFAULT_HUB,
     FLUSH_TIMEOUT,
     HUB_ENV,
     Peer,
-    PeerState,
     connect,
     default_hub,
 )

@@ -1,6 +1,7 @@
 """What the pieces of a peer see of it: `PeerLink`, the part of `bus.peer.Peer` that its calls
-(bus/rpc.py), served handlers (bus/serving.py), subscriptions (bus/subscription.py) and publish
-accounting (bus/ledger.py) use.
+(bus/rpc.py), served handlers (bus/serving.py), subscriptions (bus/subscription.py), publish
+accounting (bus/ledger.py) and periodic duties (bus/housekeeping.py) use, and its lifecycle,
+`PeerState`.
 
 `bus.peer` imports those modules to build a `Peer`; they name it by this protocol instead of
 importing `bus.peer` back, so the imports of bus/ go one way (tests/test_import_graph.py). Every
@@ -10,6 +11,7 @@ current socket) is named here, and nothing else of its internals is reached."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import weakref
 from typing import Any, Protocol
 
@@ -19,6 +21,16 @@ from agent_bus.bus import protocol as p
 from agent_bus.bus.outbox import Outbox
 from agent_bus.bus.security import CurveClient
 from agent_bus.bus.transport import Transport
+
+
+class PeerState(enum.Enum):
+    """A peer's lifecycle; see bus/peer.py's docstring."""
+
+    CONNECTING = "connecting"
+    READY = "ready"
+    RECONNECTING = "reconnecting"
+    CLOSING = "closing"
+    CLOSED = "closed"
 
 
 class PeerLink(Protocol):
@@ -42,6 +54,12 @@ class PeerLink(Protocol):
 
     @property
     def closing(self) -> bool: ...
+
+    @property
+    def state(self) -> PeerState: ...
+
+    @property
+    def last_heard(self) -> float: ...
 
     @property
     def events_endpoint(self) -> str: ...
@@ -79,3 +97,9 @@ class PeerLink(Protocol):
     def hold(self, frames: list[Any], *, linger: bool = False) -> bool: ...
 
     def count(self, name: str) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def flush_soon(self) -> None: ...
+
+    def reconnect(self) -> None: ...

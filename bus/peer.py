@@ -2,7 +2,8 @@
 
 (`bus/client.py` is the public face; requests are in `bus/rpc.py`, serving in `bus/serving.py`,
 subscriptions in `bus/subscription.py`, the held messages in `bus/outbox.py`, the publish
-accounting in `bus/ledger.py`, the socket transports in `bus/transport.py`.)
+accounting in `bus/ledger.py`, the periodic duties (heartbeats, the hub's silence, expiry) in
+`bus/housekeeping.py`, the socket transports in `bus/transport.py`.)
 
 Lifecycle (`Peer.state`, a `PeerState`): CONNECTING until the first welcome, READY while
 welcomed, RECONNECTING after a lost connection until the next welcome (retried with
@@ -10,7 +11,7 @@ welcomed, RECONNECTING after a lost connection until the next welcome (retried w
 current socket is welcomed is `welcome is not None` (`connected`): during CLOSING the link may
 still be up, and the flush needs it.
 
-How the DEALER is driven (the hot path): its transport (`bus/transport.py`) calls `_drain` when
+How the DEALER is driven (the hot path): its transport (`bus/transport.py`) calls `drain` when
 input may be waiting. Each call drains every ready message with NOBLOCK receives and dispatches
 them synchronously (a reply resolves its caller's call; a request starts a handler task). Sends
 are NOBLOCK and succeed at once unless the high-water mark is reached, in which case the sender
@@ -52,14 +53,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import os
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -75,30 +75,27 @@ from agent_bus.bus.errors import (
     HubLost,
     HubUnreachable,
 )
+from agent_bus.bus.housekeeping import Housekeeping
 from agent_bus.bus.ledger import Ledger
+from agent_bus.bus.link import PeerState
 from agent_bus.bus.outbox import Outbox
 from agent_bus.bus.paths import credential_for, hub_refusal, local_alias, parse_hub_address
-from agent_bus.bus.rpc import REPLY_GRACE, Calls, Replies
+from agent_bus.bus.rpc import Calls, Replies
 from agent_bus.bus.security import CurveClient
 from agent_bus.bus.serving import Handler, Serving, body_limit
 from agent_bus.bus.subscription import Subscription
-from agent_bus.bus.transport import FastTransport, PortableTransport, Transport, transport_kind
+from agent_bus.bus.transport import Transport, open_dealer
 
 log = logging.getLogger("bus.client")
 
 DEFAULT_HUB = "tcp://127.0.0.1:7400"
 HUB_ENV = "BUSCTL_HUB"
 CONNECT_TIMEOUT = 4.0  # a welcome takes milliseconds; CLI commands must fail within 5 s
-HOUSEKEEPING = 0.1  # seconds between checks of hub silence, heartbeats and client-side expiry
-# ... while something needs watching that closely; an idle peer sleeps until its next duty, at
-# most this long (`Peer._housekeeping_delay`; not longer than REPLY_GRACE: see there).
-HOUSEKEEPING_IDLE = REPLY_GRACE
 DRAIN_BATCH = 512  # messages handled per wake-up before yielding to other tasks
 INLINE_CHECKS = 4  # sends that each look for input at once before one look is deferred
 YIELD_EVERY = 256  # sends between cooperative yields (a send that succeeds at once never yields)
 BYE_LINGER_MS = 200
 FLUSH_TIMEOUT = 10.0  # aclose() waits at most this long for the hub to confirm published events
-CONFIRM_EVERY = 1.0  # seconds between background confirmations while events flow
 # Between connection attempts: 50 ms doubling to 2 s, each ±50% so that peers that lost the
 # same hub do not come back in step; back to 50 ms after a connection that was welcomed.
 RECONNECT_BACKOFF = Backoff(first=0.05, factor=2.0, cap=2.0, jitter=0.5)
@@ -107,20 +104,9 @@ _SIG = p.SIGNATURE
 _IS_IT_UP = f"(is `busctl up` or `busctl hub` running there? set --hub or {HUB_ENV})"
 _CURVE_HINT = ("; with CURVE, also check that this client's public key is in the hub's "
                "authorised directory and that --curve-server-key is the hub's key")
-_S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 _REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refusals (§5)
 _EVENT_REFUSED = frozenset({p.LOG_UNAVAILABLE, p.BAD_EVENT, p.FORBIDDEN})  # an event's (§6, §8)
-
-
-class PeerState(enum.Enum):
-    """A peer's lifecycle; see the module docstring."""
-
-    CONNECTING = "connecting"
-    READY = "ready"
-    RECONNECTING = "reconnecting"
-    CLOSING = "closing"
-    CLOSED = "closed"
 
 
 def default_hub() -> str:
@@ -172,11 +158,12 @@ class Peer:
         self._state = PeerState.CONNECTING
         self._state_changed = anyio.Event()  # set (and replaced) on every state or link change
         self._lost = anyio.Event()
-        self._last_heard = time.monotonic()
+        self.last_heard = time.monotonic()  # when the hub was last heard from
         self._calls = Calls(self)  # requests this peer made, in flight
         # Messages held until the end of the current event-loop iteration (`hold`): always
         # sent, in order, before anything else this peer sends.
-        self.outbox = Outbox(self.session, self._calls.new_id, self._flush_soon)
+        self.outbox = Outbox(self.session, self._calls.new_id, self.flush_soon)
+        self._housekeeping = Housekeeping(self, self._calls, self._ledger)  # heartbeats, expiry
         self._serving = Serving(self)  # services it offers, requests it serves (in `_tg`)
         self._sends = 0
         self.subscriptions: weakref.WeakSet[Subscription] = weakref.WeakSet()
@@ -217,18 +204,17 @@ class Peer:
     async def __aenter__(self) -> Peer:
         try:
             refused = hub_refusal(self.hub)
+            problem = f"cannot reach the hub at {self.hub}: {refused} {_IS_IT_UP}" if refused else ""
         except ValueError as exc:
+            problem = str(exc)
+        if problem:
             self._set_state(PeerState.CLOSED)
             self.ctx.term()
-            raise HubUnreachable(str(exc)) from None
-        if refused:
-            self._set_state(PeerState.CLOSED)
-            self.ctx.term()
-            raise HubUnreachable(f"cannot reach the hub at {self.hub}: {refused} {_IS_IT_UP}")
+            raise HubUnreachable(problem) from None
         self._tg = tg = anyio.create_task_group()
         await tg.__aenter__()
         tg.start_soon(self._connection_loop, tg)
-        tg.start_soon(self._housekeeping, tg)
+        tg.start_soon(self._housekeeping.run, tg)
         with anyio.move_on_after(self.connect_timeout):
             await self._wait_connected()
         if self.welcome is None:
@@ -299,6 +285,11 @@ class Peer:
                 self._on_lost()
             await anyio.sleep(next(delays))
 
+    def reconnect(self) -> None:
+        """Drop the current connection (the hub's silence, its RECONNECT): the connection loop
+        makes the next."""
+        self._lost.set()
+
     def _on_lost(self) -> None:
         """The connection ended (silence, RECONNECT, or closing): fail what waits on it."""
         if not self.closing:  # when closing, aclose() closes the socket (letting `bye` out)
@@ -310,18 +301,9 @@ class Peer:
         self._calls.fail_all(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
 
     def _open_socket(self, tg: anyio.abc.TaskGroup) -> Transport:
-        self.loop = self.outbox.loop = loop = asyncio.get_running_loop()
-        link: Transport
-        if transport_kind(loop) == "portable":
-            dealer = _dealer(self.ctx.socket(zmq.DEALER), self.hub, self.curve)
-            portable = PortableTransport(dealer, self._drain)
-            tg.start_soon(portable.watch)
-            link = portable
-        else:  # a plain socket (see bus/transport.py); `self.ctx` makes zmq.asyncio ones
-            link = FastTransport(_dealer(zmq.Socket(self.ctx, zmq.DEALER), self.hub, self.curve),
-                                 self._drain)
-        self.sock = link
-        self._last_heard = time.monotonic()
+        self.loop = self.outbox.loop = asyncio.get_running_loop()
+        self.sock = link = open_dealer(self.ctx, self.hub, self.curve, self.drain, tg)
+        self.last_heard = time.monotonic()
         self._schedule_drain()
         return link
 
@@ -330,132 +312,93 @@ class Peer:
         self._ledger.socket_closed()
         if link is not None:
             link.close(linger)
-        for waiter in self._writable:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._writable.clear()
+        self._wake_writers()
 
     def _hello(self) -> p.Hello:
         return p.Hello(name=self.name, session=self.session, pid=p.host_pid(), host=p.hostname(),
                        role=self.role, credential=credential_for(self.hub))
-
-    async def _housekeeping(self, tg: anyio.abc.TaskGroup) -> None:
-        hb = [_SIG, p.encode(p.Header(kind=p.HEARTBEAT))]
-        next_beat = next_confirm = time.monotonic()
-        while True:
-            await anyio.sleep(self._housekeeping_delay(next_beat, next_confirm))
-            now = time.monotonic()
-            self._calls.expire(now)
-            if self.sock is None:
-                continue
-            welcome = self.welcome
-            if welcome is not None:
-                interval = welcome.heartbeat_interval
-                expiry = interval * welcome.liveness
-            else:
-                interval, expiry = 1.0, 3.0
-            if now - self._last_heard > expiry:
-                # What waits unread is word from the hub too: a loop kept busy by its own sends
-                # (which take the edge of ZeroMQ's fd) may not have drained it yet.
-                self._drain()
-            if now - self._last_heard > expiry:
-                # Said once, when a ready link is lost: the first connect and each retry while
-                # the hub stays down are quiet (a WARNING every few seconds told nothing new);
-                # `_on_welcome` says when it is back.
-                say = log.warning if self._state is PeerState.READY else log.debug
-                say("%s: no word from the hub at %s for %.1fs; reconnecting", self.name,
-                    self.hub, expiry)
-                self._lost.set()
-                continue
-            if self.outbox.stalled():
-                self._flush_soon()  # events held back by the HWM
-            if now >= next_confirm and self._should_confirm():
-                next_confirm = now + CONFIRM_EVERY
-                self._ledger.confirming = True
-                tg.start_soon(self._ledger.in_background)
-            if self.welcome is not None and now >= next_beat:
-                next_beat = now + interval
-                try:
-                    self.send_now(hb)
-                except zmq.ZMQError:
-                    pass
-
-    def _housekeeping_delay(self, next_beat: float, next_confirm: float) -> float:
-        """Seconds to the next housekeeping pass (`_idle_delay`): HOUSEKEEPING while messages
-        are held back (the HWM) or the link is not welcomed."""
-        welcome = self.welcome
-        if welcome is None or self.sock is None or self.outbox.items:
-            return HOUSEKEEPING
-        due = min(next_beat, self._last_heard + welcome.heartbeat_interval * welcome.liveness,
-                  self._calls.first_expiry())
-        if self._should_confirm():
-            due = min(due, next_confirm)
-        return _idle_delay(due)
-
-    def _should_confirm(self) -> bool:
-        return (self._state is PeerState.READY and not self._ledger.confirming
-                and self._ledger.in_flight())
 
     # --- receiving -----------------------------------------------------------------------
 
     def _schedule_drain(self) -> None:
         if not self._drain_scheduled and self.loop is not None:
             self._drain_scheduled = True
-            self.loop.call_soon(self._drain)
+            self.loop.call_soon(self.drain)
 
-    def _drain(self) -> None:
-        """Handle every message ready on the DEALER (up to a batch), then wake blocked senders."""
+    def drain(self) -> None:
+        """Handle every message ready on the DEALER (up to a batch), then wake blocked senders.
+
+        The transport calls it when input may be waiting; so do sends that find some waiting
+        (`send_now`), and the housekeeping before it takes the hub's silence for a lost link."""
         self._drain_scheduled = False
         self._unchecked = 0
         sock = self.sock
         if sock is None:
             return
-        dispatch = self._dispatch
-        handled = 0
         try:
-            while handled < DRAIN_BATCH:
-                try:
-                    frames = sock.recv()
-                except zmq.Again:
-                    break
-                handled += 1
-                try:
-                    dispatch(frames)
-                except (msgspec.DecodeError, msgspec.ValidationError, IndexError,
-                        RecursionError) as exc:
-                    self.count("malformed")
-                    log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
-                except Exception:  # a bug must not stop the reader
-                    self.count("dispatch_errors")
-                    log.exception("%s: failed to handle a message from the hub", self.name)
-                if handled == 1 and not sock.input_waiting():
-                    # One message (a lone round trip's reply or request): an EVENTS read
-                    # (~1.5 us) ends the drain cheaper than the recv that fails (~4 us).
-                    break
-            else:
-                self._schedule_drain()
-            if handled:
-                self._last_heard = time.monotonic()
-                loop = self.loop
-                if not self._check_scheduled and not self._drain_scheduled and loop is not None:
-                    # What this drain started (requests served, callers woken by replies) runs
-                    # in the next loop pass and sends: look for input once after all of it, in
-                    # that same pass (scheduled after their tasks), instead of once per send.
-                    self._check_scheduled = True
-                    loop.call_soon(self._check_input)
-            outbox = self.outbox
-            if outbox.items and outbox.stalled():
-                self._flush_held()
-            if self._writable and sock.writable():
-                for waiter in self._writable:
-                    if not waiter.done():
-                        waiter.set_result(None)
-                self._writable.clear()
+            if self._receive(sock):
+                self._heard()
+            self._unblock(sock)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.ENOTSOCK:
                 log.warning("%s: socket error: %s", self.name, exc)
 
+    def _receive(self, sock: Transport) -> int:
+        """Receive and dispatch up to DRAIN_BATCH messages (a full batch schedules the next
+        drain); returns how many. One that fails is dropped and counted: the reader goes on."""
+        dispatch = self._dispatch
+        handled = 0
+        while handled < DRAIN_BATCH:
+            try:
+                frames = sock.recv()
+            except zmq.Again:
+                return handled
+            handled += 1
+            try:
+                dispatch(frames)
+            except (msgspec.DecodeError, msgspec.ValidationError, IndexError,
+                    RecursionError) as exc:
+                self.count("malformed")
+                log.warning("%s: dropped a malformed message from the hub: %s", self.name, exc)
+            except Exception:  # a bug must not stop the reader
+                self.count("dispatch_errors")
+                log.exception("%s: failed to handle a message from the hub", self.name)
+            if handled == 1 and not sock.input_waiting():
+                # One message (a lone round trip's reply or request): an EVENTS read
+                # (~1.5 us) ends the drain cheaper than the recv that fails (~4 us).
+                return handled
+        self._schedule_drain()
+        return handled
+
+    def _heard(self) -> None:
+        """After a drain that handled messages: the hub is alive, and what the drain started
+        (requests served, callers woken by replies) runs in the next loop pass and sends: look
+        for input once after all of it, in that same pass (scheduled after their tasks),
+        instead of once per send."""
+        self.last_heard = time.monotonic()
+        loop = self.loop
+        if not self._check_scheduled and not self._drain_scheduled and loop is not None:
+            self._check_scheduled = True
+            loop.call_soon(self._check_input)
+
+    def _unblock(self, sock: Transport) -> None:
+        """After a drain: send the messages the HWM held back, wake the senders waiting for
+        room (`send_blocked`)."""
+        outbox = self.outbox
+        if outbox.items and outbox.stalled():
+            self._flush_held()
+        if self._writable and sock.writable():
+            self._wake_writers()
+
+    def _wake_writers(self) -> None:
+        for waiter in self._writable:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._writable.clear()
+
     def _dispatch(self, frames: list[bytes]) -> None:
+        """One message from the hub: a reply to one of this peer's calls or a request to serve
+        (the traffic), else one of the hub's own (`_on_control`)."""
         if len(frames) < 2 or frames[0] != _SIG:
             self.count("malformed")
             return
@@ -464,14 +407,22 @@ class Peer:
         if kind in _REPLY_KINDS:
             if not self._calls.deliver(header, frames):
                 self._on_unmatched(header)
-        elif kind == p.REQUEST:
+            return
+        if kind == p.REQUEST:
             self._serving.start(header, frames)
-        elif kind == p.CANCEL:
+            return
+        self._on_control(header, frames)
+
+    def _on_control(self, header: p.Header, frames: list[bytes]) -> None:
+        """A message of the hub's own: a cancel of a request served here, a welcome, a
+        RECONNECT, a heartbeat (its arrival is all it says)."""
+        kind = header.kind
+        if kind == p.CANCEL:
             self._serving.cancel(header.id)
         elif kind == p.WELCOME:
             self._on_welcome(p.decode(frames[2], p.Welcome))
         elif kind == p.RECONNECT:
-            self._lost.set()
+            self.reconnect()
         elif kind != p.HEARTBEAT:
             self.count("unknown_kind")
 
@@ -545,7 +496,7 @@ class Peer:
                 log.warning("%s: socket error: %s", self.name, exc)
             return
         if waiting:
-            self._drain()
+            self.drain()
 
     def hold(self, frames: list[Any], *, linger: bool = False) -> bool:
         """Hold a whole message (a reply, a partial reply with `linger`, or a request) for the end
@@ -556,7 +507,7 @@ class Peer:
         return (self.welcome is not None and self.sock is not None
                 and self.outbox.hold(frames, linger=linger))
 
-    def _flush_soon(self) -> None:
+    def flush_soon(self) -> None:
         """The outbox's scheduled flush (its linger ended, or the loop iteration did)."""
         try:
             self._flush_held()
@@ -721,31 +672,6 @@ class Peer:
                   fill_gaps: bool = True) -> Subscription:
         """Live events matching any topic prefix (all when empty), optionally replayed from `since`."""
         return Subscription(self, list(topics), since, fill_gaps)
-
-
-def _idle_delay(due: float) -> float:
-    """Seconds until the next duty falls `due` (monotonic: a heartbeat, a confirmation, the first
-    expiry of a call in flight, the moment the hub's silence would mean it is lost: each never
-    later than the 0.1 s scan noticed it), at most HOUSEKEEPING_IDLE.
-
-    An idle peer (a tool worker between calls) then wakes about once a second instead of ten
-    times: each wake-up of an idle process cost ~0.3 ms of CPU on the test machine (an idle
-    worker: 3.5-4 -> ~1 ms/s). A call started meanwhile cannot expire before the next pass (its
-    expiry is at least REPLY_GRACE away)."""
-    return min(HOUSEKEEPING_IDLE, max(HOUSEKEEPING, due - time.monotonic()))
-
-
-def _dealer(sock: _S, hub: str, curve: CurveClient | None) -> _S:
-    """Set up and connect a new DEALER to the hub."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    sock.setsockopt(zmq.RECONNECT_IVL, 100)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    if curve is not None:
-        curve.apply(sock)
-    sock.connect(hub)
-    return sock
 
 
 @asynccontextmanager

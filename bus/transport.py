@@ -18,12 +18,16 @@ import abc
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
+import anyio.abc
 import zmq
 import zmq.asyncio
 from zmq.backend import Socket as _BackendSocket
+
+if TYPE_CHECKING:
+    from agent_bus.bus.security import CurveClient
 
 TRANSPORT_ENV = "BUSCTL_TRANSPORT"
 KINDS = ("fast", "portable")
@@ -38,6 +42,7 @@ _brecv = _BackendSocket.recv
 # pyzmq's stubs type every option's value as `int | bytes`; EVENTS and FD are ints (FD is a
 # SOCKET on Windows, an int too). Cast once here, not per call: this is the hot path.
 _bget = cast(Callable[[Any, int], int], _BackendSocket.get)
+_S = TypeVar("_S", bound=zmq.Socket[Any])  # a plain or a zmq.asyncio socket
 
 
 def socket_fd(sock: zmq.Socket[Any]) -> int:
@@ -256,3 +261,28 @@ class PortableTransport(Transport):
         self._scope.cancel()
         if not self.sock.closed:
             self.sock.close(linger=linger)
+
+
+def open_dealer(ctx: zmq.asyncio.Context, hub: str, curve: CurveClient | None,
+                on_ready: Callable[[], None], tg: anyio.abc.TaskGroup) -> Transport:
+    """A new DEALER connected to `hub`, behind the transport this loop takes (`transport_kind`);
+    a portable one's watcher runs in `tg`."""
+    if transport_kind(asyncio.get_running_loop()) == "portable":
+        portable = PortableTransport(_dealer(ctx.socket(zmq.DEALER), hub, curve), on_ready)
+        tg.start_soon(portable.watch)
+        return portable
+    # a plain socket (see above); `ctx`, a zmq.asyncio context, makes zmq.asyncio ones
+    return FastTransport(_dealer(zmq.Socket(ctx, zmq.DEALER), hub, curve), on_ready)
+
+
+def _dealer(sock: _S, hub: str, curve: CurveClient | None) -> _S:
+    """Set up and connect a new DEALER to the hub."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(hub)
+    return sock

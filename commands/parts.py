@@ -219,12 +219,11 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
     """
     from agent_bus.bus.procsec import drop_root_powers
     from agent_bus.tools import ToolLoadError
-    from agent_bus.tools.sandbox import hub_folders, set_shell_sandbox
+    from agent_bus.tools.sandbox import hub_folders
     from agent_bus.tools.worker import WorkerSettings, run_worker
 
     jail, hub = _enter_sandbox(hub, curve, sandbox, workspace, hide, read_only)
     drop_root_powers()  # tools run untrusted arguments: as root they could read every secret
-    set_shell_sandbox(sandbox, shell_network, hub_folders(hub))  # type: ignore[arg-type]
     servers = (mcp_specs(mcp_commands, mcp_prefix) + mcp_url_specs(mcp_urls, mcp_headers, mcp_prefix)
                + mcp_json_specs(mcp_json))
     if servers:
@@ -234,7 +233,10 @@ def worker(hub: str, curve: CurveClient | None, tool_modules: tuple[str, ...],
                               # the pid outside the sandbox (inside, every worker is pid 1)
                               workspace=workspace, name=name or f"worker-{jail.pid or os.getpid()}",
                               allow_shell=allow_shell, curve=curve, mcp=servers,
-                              read_only=list(read_only), sandbox=jail)
+                              read_only=list(read_only), sandbox=jail,
+                              # how its run_shell calls are contained (its `SandboxPolicy`)
+                              sandbox_mode=sandbox, shell_network=shell_network,  # type: ignore[arg-type]
+                              shell_hide=list(hub_folders(hub)))
     tune_gc()
     try:
         run_async(run_worker, settings)

@@ -24,7 +24,7 @@ from agent_bus.bus.messages import ToolResult
 from agent_bus.bus.paths import inside_state_dir
 from agent_bus.tools._exceptions import WorkspaceError
 from agent_bus.tools._results import to_content
-from agent_bus.tools.sandbox import check_writable
+from agent_bus.tools.sandbox import DEFAULT_POLICY, SandboxPolicy, check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,8 @@ class ToolContext:
     `execute_tool` span in the run's trace, "" for a call outside any run; `trace_carrier`
     holds it for `opentelemetry.propagate.extract`), `run_workspace` (the id of the run's own
     workspace, `<worker workspace>/.runs/<id>/`, when the call has one: `workspace` is then that
-    folder; "" otherwise).
+    folder; "" otherwise), `policy` (the worker's `SandboxPolicy`: what `resolve_path` refuses
+    to write, how `run_shell` is contained).
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class ToolContext:
         on_progress: ProgressCallback | None = None,
         traceparent: str = "",
         run_workspace: str = "",
+        policy: SandboxPolicy = DEFAULT_POLICY,
     ) -> None:
         self.call_id = call_id
         self.run_workspace = run_workspace
@@ -84,6 +86,7 @@ class ToolContext:
         self._workspace: Path | None = (
             None if self._workspace_given.is_absolute() else self._workspace_given.resolve())
         self.allow_shell = allow_shell
+        self.policy = policy
         self.traceparent = traceparent
         self._on_progress = on_progress
         # `_cancelled_flag` is the truth; `_cancelled_event` (for blocking waits) is made on
@@ -193,18 +196,19 @@ class ToolContext:
         Raises WorkspaceError if it resolves, through `..` or symlinks, outside the workspace;
         with `write` (the default: a tool that only reads says so), also if it is one of the
         protected paths (`tools.sandbox.check_writable`: the bus's Python environment, `.git`,
-        the topology file, a group's `read_only` list).
+        the topology file, a group's `read_only` list: `policy`).
         """
-        return confine(self.workspace, path, write=write)
+        return confine(self.workspace, path, write=write, policy=self.policy)
 
 
-def confine(workspace: Path, path: str | os.PathLike[str], *, write: bool = True) -> Path:
+def confine(workspace: Path, path: str | os.PathLike[str], *, write: bool = True,
+            policy: SandboxPolicy = DEFAULT_POLICY) -> Path:
     """Resolve `path` against `workspace` (symlinks included) and refuse escapes.
 
     Also refuses anything inside an agent-bus state directory, whatever the workspace: a model
     that could write there could rewrite the running configuration or the event log. With
-    `write`, also the protected paths of `tools.sandbox` (files there run as code outside the
-    tools' reach: a `.pth` in the venv, a git hook), in every case, sandbox or not.
+    `write`, also the protected paths of `tools.sandbox` under `policy` (files there run as code
+    outside the tools' reach: a `.pth` in the venv, a git hook), in every case, sandbox or not.
     """
     root = workspace.resolve()
     raw = os.fspath(path)
@@ -222,7 +226,7 @@ def confine(workspace: Path, path: str | os.PathLike[str], *, write: bool = True
         raise WorkspaceError(f"Path `{raw}` is inside the bus's state directory `{state}`, "
                              "which tools may not read or write")
     if write:
-        refusal = check_writable(root, resolved, raw)
+        refusal = check_writable(root, resolved, raw, policy)
         if refusal:
             raise WorkspaceError(refusal)
     return resolved

@@ -29,6 +29,7 @@ from agent_bus.tools._context import ProgressCallback, ToolContext
 from agent_bus.tools._exceptions import ArgumentsError
 from agent_bus.tools._results import exception_result, to_result
 from agent_bus.tools._tool import Tool
+from agent_bus.tools.sandbox import DEFAULT_POLICY, SandboxPolicy
 
 #: Seconds a cancelled sync tool gets to notice `ctx.cancelled` before its thread is abandoned.
 CANCEL_GRACE = 1.0
@@ -42,10 +43,12 @@ async def run_tool(
     allow_shell: bool = False,
     on_progress: ProgressCallback | None = None,
     limiter: anyio.CapacityLimiter | None = None,
+    policy: SandboxPolicy = DEFAULT_POLICY,
 ) -> ToolResult:
     """Run one call of `t` and return its result; tool failures never raise.
 
-    `workspace` and `allow_shell` are the worker's settings, passed to the tool's `ToolContext`.
+    `workspace`, `allow_shell` and `policy` (the worker's `SandboxPolicy`) are the worker's
+    settings, passed to the tool's `ToolContext`.
     `on_progress` receives each `ctx.progress(...)` update as a partial ToolResult (sync or async;
     it should not raise, failures are logged and the update dropped). `limiter` bounds the worker
     threads of sync tools (default: anyio's default thread limiter). Cancellation of the calling
@@ -58,7 +61,7 @@ async def run_tool(
     ctx = None  # a tool without a ToolContext parameter gets none: nothing to build
     if t.context_param is not None:
         ctx = kwargs[t.context_param] = _make_context(t, request, workspace, allow_shell,
-                                                      on_progress)
+                                                      on_progress, policy)
     try:
         if t.timeout is None:  # no timeout: no cancel scope to enter and leave
             return await _execute(t, kwargs, ctx, limiter)
@@ -76,6 +79,7 @@ def _make_context(
     workspace: str | os.PathLike[str],
     allow_shell: bool,
     on_progress: ProgressCallback | None,
+    policy: SandboxPolicy,
 ) -> ToolContext:
     ctx = ToolContext(
         call_id=request.call_id,
@@ -88,6 +92,7 @@ def _make_context(
         on_progress=on_progress,
         traceparent=traceparent_of(request),
         run_workspace=request.workspace.id if request.workspace is not None else "",
+        policy=policy,
     )
     ctx._bind()
     return ctx

@@ -34,8 +34,9 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
@@ -60,7 +61,53 @@ HOME_STARTUP_FILES = (".bashrc", ".bash_profile", ".bash_login", ".bash_logout",
                       ".zshrc", ".zprofile", ".zshenv", ".zlogin", ".zlogout", ".config/fish",
                       ".gitconfig", ".config/git", ".ssh")
 
-_reasons: dict[Path, str] = {}  # protected path -> why (added to by `protect`)
+READ_ONLY_WHY = ("listed as read-only for tools (the topology file in use, or the worker group's "
+                 "`read_only`)")
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """What a worker's tools may write and how its `run_shell` calls are contained: built once
+    by the worker from its settings (`tools.worker.sandbox_policy`) and passed to what enforces
+    it (`ToolContext.policy`: `confine`, `run_shell`; the worker's own sandbox in `enter`).
+
+    Nothing here changes after it is made; what it derives from the process (`protected`: the
+    bus's Python environment, taken at the first write, with the tools' modules loaded;
+    `shell_prefix`: bwrap probed once) is computed on first use and kept with it.
+    """
+
+    #: Paths tools may not write besides the built-in ones (the topology file in use, a
+    #: group's `read_only` list), resolved: `READ_ONLY_WHY`.
+    read_only: frozenset[Path] = frozenset()
+    #: The worker's `--sandbox` mode, for its `run_shell` calls ("off": process group only).
+    mode: SandboxMode = "auto"
+    #: Whether `run_shell` calls have the network (`network = true` in the group,
+    #: `--shell-network`).
+    shell_network: bool = False
+    #: Folders `run_shell` calls do not see (a local hub's socket folder: `hub_folders`).
+    shell_hide: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, read_only: Iterable[str | os.PathLike[str]] = (), mode: SandboxMode = "auto",
+              shell_network: bool = False, shell_hide: Iterable[str] = ()) -> SandboxPolicy:
+        """A policy from settings as given (the `read_only` paths resolved here)."""
+        return cls(read_only=frozenset(map(_resolved, read_only)), mode=mode,
+                   shell_network=shell_network, shell_hide=tuple(shell_hide))
+
+    @functools.cached_property
+    def protected(self) -> dict[Path, str]:
+        """Every protected path (resolved) and why it is protected."""
+        return {**_bus_roots(), **dict.fromkeys(self.read_only, READ_ONLY_WHY)}
+
+    @functools.cached_property
+    def shell_prefix(self) -> tuple[str, ...]:
+        """The bubblewrap command line a `run_shell` call runs under (`shell_prefix`)."""
+        return shell_prefix(self)
+
+
+#: The policy of a process that was given none: nothing listed read-only, `run_shell` in a
+#: sandbox of its own where one can be set up, without the network.
+DEFAULT_POLICY = SandboxPolicy()
 
 
 class SandboxInfo(msgspec.Struct, omit_defaults=True):
@@ -80,23 +127,11 @@ class SandboxInfo(msgspec.Struct, omit_defaults=True):
 # --- layer 1: the path filter ---------------------------------------------------------------
 
 
-def protect(paths: Iterable[str | os.PathLike[str]], why: str) -> None:
-    """Add paths tools may not write (the topology file in use, a group's `read_only` list)."""
-    for path in paths:
-        _reasons.setdefault(_resolved(path), why)
-    _bus_roots.cache_clear()
-
-
-def protected_paths() -> dict[Path, str]:
-    """Every protected path (resolved) and why it is protected."""
-    return {**_bus_roots(), **_reasons}
-
-
-@functools.lru_cache(maxsize=1)
 def _bus_roots() -> dict[Path, str]:
     """The Python environment of this process: what a later bus process would run.
 
-    Computed once (the modules a worker loads come before its first call); `protect` renews it.
+    Taken once per policy (`SandboxPolicy.protected`), at its first use: the modules a worker
+    loads come before its first call.
     """
     env = ("part of the Python environment that runs the bus (a file written there runs as code "
            "in the next bus process)")
@@ -182,8 +217,9 @@ def _resolved(path: str | os.PathLike[str]) -> Path:
     return Path(os.path.abspath(os.path.expanduser(os.fspath(path)))).resolve()
 
 
-def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
-    """Why a tool may not write `resolved` ("" when it may). `workspace` is resolved.
+def check_writable(workspace: Path, resolved: Path, raw: str, policy: SandboxPolicy) -> str:
+    """Why a tool may not write `resolved` ("" when it may) under `policy`. `workspace` is
+    resolved.
 
     Protected paths that contain the workspace do not count: a project whose own folder is on
     sys.path (`python -m` from it) would otherwise have no writable file at all.
@@ -197,7 +233,7 @@ def check_writable(workspace: Path, resolved: Path, raw: str) -> str:
         return (f"Path `{raw}` is read-only for tools: `{env}` is a Python environment (a "
                 "`.pth` file there runs in its next Python process); write elsewhere in the "
                 "workspace")
-    for root, why in protected_paths().items():
+    for root, why in policy.protected.items():
         if workspace.is_relative_to(root):
             continue
         if resolved == root or resolved.is_relative_to(root):
@@ -247,14 +283,14 @@ def _git_paths(root: Path) -> set[Path]:
     return {git, target, common} if target.exists() else {git}
 
 
-def protected_inside(roots: list[Path], workspace: Path) -> list[Path]:
+def protected_inside(roots: list[Path], workspace: Path, policy: SandboxPolicy) -> list[Path]:
     """The protected paths that exist inside the writable `roots` (what the sandbox binds
     read-only again): every `.git` and Python environment under them (nested ones too, as far
     as `walk_protected` looks), and as in `check_writable`, not those that contain the
     workspace."""
     # a link is left as it is: its folder is closed (`closed_folders`), and where it leads is
     # protected under its own name (a bind would follow it, maybe to where the sandbox hides)
-    found = {path for path in protected_paths() if path.exists() and not path.is_symlink()
+    found = {path for path in policy.protected if path.exists() and not path.is_symlink()
              and not workspace.is_relative_to(path)
              and any(path != root and path.is_relative_to(root) for root in roots)}
     for root in roots:
@@ -318,7 +354,7 @@ def _protected_entry(folder: Path, entry: os.DirEntry[str], depth: int,
     return set()
 
 
-def closed_folders(roots: list[Path], workspace: Path) -> list[Path]:
+def closed_folders(roots: list[Path], workspace: Path, policy: SandboxPolicy) -> list[Path]:
     """The folders in which a protected path (a start-up file, a `read_only` path) inside the
     writable `roots` could be made, or swapped for a link: the sandbox binds each read-only and
     its entries writable again (`_close_args`), so nothing new can be made in it, and nothing
@@ -328,7 +364,7 @@ def closed_folders(roots: list[Path], workspace: Path) -> list[Path]:
     placeholder in the host's folder, and an empty `~/.bash_profile` there, for as long as the
     worker runs (for good if it is killed), makes bash skip `~/.profile` at every login."""
     found: set[Path] = set()
-    for path in {*home_startup_paths(), *_reasons}:  # the rest exists: it runs the bus
+    for path in {*home_startup_paths(), *policy.read_only}:  # the rest exists: it runs the bus
         root = next((r for r in roots if path.is_relative_to(r)), None)
         if root is not None and not workspace.is_relative_to(path):
             folder = _open_end(root, path)
@@ -373,25 +409,9 @@ def _close_args(folder: Path) -> list[str]:
 
 # --- run_shell: one nested sandbox per call ---------------------------------------------------
 
-_shell: dict[str, Any] = {"mode": "auto", "network": False, "hide": ()}
-
-
-def set_shell_sandbox(mode: SandboxMode, network: bool = False, hide: tuple[str, ...] = ()) -> None:
-    """The worker's `--sandbox` mode for its `run_shell` calls ("off": process group only),
-    whether they have the network (`network = true` in the group, `--shell-network`), and the
-    folders they do not see (a local hub's socket folder: `hub_folders`)."""
-    _shell.update(mode=mode, network=network, hide=hide)
-    shell_prefix.cache_clear()
-
-
-def shell_network() -> bool:
-    return bool(_shell["network"])
-
-
-@functools.lru_cache(maxsize=1)
-def shell_prefix() -> tuple[str, ...]:
-    """The bubblewrap command line a `run_shell` call runs under, or () where none can be set up
-    (probed once per process).
+def shell_prefix(policy: SandboxPolicy) -> tuple[str, ...]:
+    """The bubblewrap command line a `run_shell` call runs under `policy`, or () where none can
+    be set up (probed each time: `SandboxPolicy.shell_prefix` keeps it, probed once).
 
     The call's shell is the first process of a new PID namespace: when it exits, bwrap's init
     exits and the kernel kills everything left in the namespace (`setsid`, double fork, `nohup`
@@ -404,11 +424,11 @@ def shell_prefix() -> tuple[str, ...]:
     calls' command lines, and the worker logs a warning.
     """
     bwrap = shutil.which("bwrap")
-    if _shell["mode"] == "off" or bwrap is None:
+    if policy.mode == "off" or bwrap is None:
         return ()
-    net = () if _shell["network"] else ("--unshare-net",)
+    net = () if policy.shell_network else ("--unshare-net",)
     for proc in (("--proc", "/proc"), ()):
-        hidden = [arg for folder in _shell["hide"] for arg in ("--tmpfs", folder)]
+        hidden = [arg for folder in policy.shell_hide for arg in ("--tmpfs", folder)]
         prefix = (bwrap, "--dev-bind", "/", "/", *proc, *hidden, "--unshare-pid", *net,
                   "--die-with-parent", "--new-session", "--cap-drop", "ALL")
         try:
@@ -434,10 +454,6 @@ class SandboxUnavailable(RuntimeError):
     """`sandbox = "required"` where no sandbox can be set up."""
 
 
-READ_ONLY_WHY = ("listed as read-only for tools (the topology file in use, or the worker group's "
-                 "`read_only`)")
-
-
 def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
           read_only: Iterable[str] = ()) -> SandboxInfo:
     """First thing a `busctl worker` does: become the same command under bubblewrap (this
@@ -446,7 +462,6 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
 
     Raises SandboxUnavailable for "required" when no sandbox can be set up.
     """
-    protect(read_only, READ_ONLY_WHY)
     inside = os.environ.pop(SANDBOX_ENV, "")
     if inside:
         from agent_bus.bus.protocol import set_host_pid
@@ -458,7 +473,8 @@ def enter(mode: SandboxMode, workspace: str, hub: str, hide: Iterable[str] = (),
     if mode == "off":
         return SandboxInfo(kind="none", reason='turned off (`sandbox = "off"`, `--sandbox off`)')
     given = _stdin_mcp_paths()  # before bwrap: the sandbox must show them
-    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide], given)
+    prefix, info = worker_prefix(Path(workspace), hub, [Path(p) for p in hide], given,
+                                 SandboxPolicy.build(read_only, mode))
     why = _probe(prefix)
     if why:
         if mode == "required":
@@ -501,10 +517,11 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def worker_prefix(workspace: Path, hub: str, hide: list[Path],
-                  given: Iterable[str] = ()) -> tuple[list[str], SandboxInfo]:
+def worker_prefix(workspace: Path, hub: str, hide: list[Path], given: Iterable[str] = (),
+                  policy: SandboxPolicy = DEFAULT_POLICY) -> tuple[list[str], SandboxInfo]:
     """The bwrap command line for a worker, and what it gives (after sandbox-runtime and Codex:
-    read-only root, writable roots bound over it, protected paths bound read-only inside them)."""
+    read-only root, writable roots bound over it, protected paths bound read-only inside them,
+    `policy`'s `read_only` among them)."""
     bwrap = shutil.which("bwrap") or "bwrap"
     ws = workspace.resolve()
     writable = [ws]
@@ -512,15 +529,15 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path],
     # the worker needs of the host's /tmp is bound back in read-only, then the workspace
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", *_proc_anchor(),
             "--perms", "1777", "--tmpfs", "/tmp"]
-    for path in _reachable_in_tmp(ws, given):
+    for path in _reachable_in_tmp(ws, policy, given):
         args += ["--ro-bind", str(path), str(path)]
     args += ["--bind", str(ws), str(ws)]
-    for folder in closed_folders(writable, ws):  # before the binds over its entries below
+    for folder in closed_folders(writable, ws, policy):  # before the binds over its entries below
         args += _close_args(folder)
     for secret in _state_dirs(hide):  # hidden: the event log, conversations, run files
         if not ws.is_relative_to(secret):
             args += ["--tmpfs", str(secret)]
-    for path in protected_inside(writable, ws):
+    for path in protected_inside(writable, ws, policy):
         args += ["--ro-bind", str(path), str(path)]
     for path in _ipc_paths(hub):  # after the hiding: a local hub's socket stays reachable
         # read-only is enough to connect (sockets are exempt), and nothing can be put there
@@ -555,7 +572,8 @@ def _proc_anchor() -> list[str]:
     return ["--bind", "/proc", f"{PROC_ANCHOR}/proc", "--tmpfs", PROC_ANCHOR]
 
 
-def _reachable_in_tmp(workspace: Path, given: Iterable[str] = ()) -> list[Path]:
+def _reachable_in_tmp(workspace: Path, policy: SandboxPolicy,
+                      given: Iterable[str] = ()) -> list[Path]:
     """What the worker was given under the host's /tmp, outside the workspace: its Python
     (prefix, `sys.path`), its current folder, the files and folders its command line names
     (`--tools FILE`, an `--mcp` server's script, `--read-only`) or `given` names (the MCP
@@ -563,11 +581,10 @@ def _reachable_in_tmp(workspace: Path, given: Iterable[str] = ()) -> list[Path]:
     Read-only in the sandbox; outer ones only."""
     # the protected paths hold the bus's own code: the modules it loaded and an editable
     # install's sources, which a finder maps without a `sys.path` entry (a checkout under /tmp)
-    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, protected_paths()),
+    named = [sys.prefix, sys.exec_prefix, *sys.path, os.getcwd(), *map(str, policy.protected),
              *given,
              *(word for arg in sys.orig_argv for word in _words(arg))]
     named += [str(p) for p in _git_paths(workspace)]
-    _bus_roots.cache_clear()  # taken again at the first write, with the tools' modules loaded
     found: set[Path] = set()
     for text in named:
         path = Path(text) if text.startswith("/") else None

@@ -47,7 +47,7 @@ from agent_bus.tools._runner import CANCEL_GRACE, run_tool
 from agent_bus.tools._schema import check_provider_schema
 from agent_bus.tools._tool import Tool
 from agent_bus.tools.mcp import McpServerSpec, serve_mcp_servers
-from agent_bus.tools.sandbox import READ_ONLY_WHY, SandboxInfo, describe, protect, shell_network, shell_prefix
+from agent_bus.tools.sandbox import SandboxInfo, SandboxMode, SandboxPolicy, describe
 from agent_bus.tools.workspaces import WORKSPACES_META, RunFolders, workspace_key
 
 log = logging.getLogger("tools.worker")
@@ -77,6 +77,19 @@ class WorkerSettings(msgspec.Struct, kw_only=True):
     # `--read-only`, how `busctl up` passes the topology file in use and a group's `read_only`.
     read_only: list[str] = msgspec.field(default_factory=list)
     sandbox: SandboxInfo | None = None  # what `busctl worker` runs in (tools.sandbox.enter)
+    # The worker's `--sandbox` mode, which its run_shell calls follow ("off": process group only),
+    # whether they have the network (`--shell-network`) and the folders they do not see (a local
+    # hub's socket folder, `tools.sandbox.hub_folders`): with `read_only`, its `SandboxPolicy`.
+    sandbox_mode: SandboxMode = "auto"
+    shell_network: bool = False
+    shell_hide: list[str] = msgspec.field(default_factory=list)
+
+
+def sandbox_policy(settings: WorkerSettings) -> SandboxPolicy:
+    """The worker's sandbox policy, from its settings: what its tools may not write (`read_only`),
+    how its run_shell calls are contained. Built once, passed to every call's `ToolContext`."""
+    return SandboxPolicy.build(settings.read_only, settings.sandbox_mode, settings.shell_network,
+                               settings.shell_hide)
 
 
 # --- reply codec (shared with tools.executor) ----------------------------------------------
@@ -132,12 +145,17 @@ def _check_schema(t: Tool, module: str) -> None:
 
 
 class ToolWorker:
-    """Serves a fixed set of tools on one peer. `attach()`, then `leave()` when done."""
+    """Serves a fixed set of tools on one peer. `attach()`, then `leave()` when done.
 
-    def __init__(self, settings: WorkerSettings, tools: list[Tool]) -> None:
+    `policy`: the worker's `SandboxPolicy` (default: built from `settings`), given to every call.
+    """
+
+    def __init__(self, settings: WorkerSettings, tools: list[Tool],
+                 policy: SandboxPolicy | None = None) -> None:
         if settings.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {settings.concurrency}")
         self.settings = settings
+        self.policy = sandbox_policy(settings) if policy is None else policy
         self.tools = {t.name: t for t in tools}
         self.workspace = Path(settings.workspace).resolve()
         self.folders = RunFolders()
@@ -281,7 +299,7 @@ class ToolWorker:
                                         f"`{self.settings.name}`: {exc}")
             return await run_tool(t, call, workspace=workspace,
                                   allow_shell=self.settings.allow_shell, on_progress=sink,
-                                  limiter=self._threads)
+                                  limiter=self._threads, policy=self.policy)
 
         return p.encode(await self.guarded(t.name, req, run))
 
@@ -342,8 +360,6 @@ async def run_worker(
     tools = load_worker_tools(list(settings.tool_modules), allow_none=bool(settings.mcp))
     if not settings.allow_shell:  # a tool the worker cannot run is not offered to the model
         tools = [t for t in tools if t.name != "run_shell"]
-    # after loading: the tool modules' own files are protected too (tools.sandbox)
-    protect(settings.read_only, READ_ONLY_WHY)
     if not Path(settings.workspace).is_dir():
         raise ToolLoadError(f"Workspace `{settings.workspace}` is not a directory")
     state = inside_state_dir(Path(settings.workspace).resolve())
@@ -351,9 +367,11 @@ async def run_worker(
         raise ToolLoadError(f"Workspace `{settings.workspace}` is inside the bus's state directory "
                             f"`{state}`; choose a folder outside it (`--workspace`)")
     name = settings.name or f"worker-{os.getpid()}"
-    jail = _sandbox_report(settings)
+    # after loading: the tool modules' own files are protected too (taken at the first write)
+    policy = sandbox_policy(settings)
+    jail = _sandbox_report(settings, policy)
     settings = msgspec.structs.replace(settings, name=name, sandbox=jail)
-    worker = ToolWorker(settings, tools)
+    worker = ToolWorker(settings, tools, policy)
     # Listen before the ready line: a signal right after it must still mean "leave cleanly".
     with _stop_waiter(name, stop) as wait_for_stop:
         async with (connect(settings.hub, name=name, role="worker", curve=settings.curve) as peer,
@@ -375,16 +393,16 @@ async def run_worker(
             servers.cancel_scope.cancel()  # stops the MCP servers (their calls ended in leave())
 
 
-def _sandbox_report(settings: WorkerSettings) -> SandboxInfo:
+def _sandbox_report(settings: WorkerSettings, policy: SandboxPolicy) -> SandboxInfo:
     """The worker's sandbox, with how its shell calls are contained (probed now, not at the
     first call): a shell without a sandbox of its own has the worker's network, whatever the
     group's `network` says, and is shown so."""
     jail = settings.sandbox or SandboxInfo(kind="none", reason="not started by `busctl worker`")
     if not settings.allow_shell:
         return jail
-    nested = bool(shell_prefix())
+    nested = bool(policy.shell_prefix)
     return msgspec.structs.replace(jail, shell="bwrap" if nested else "process-group",
-                                   shell_network=shell_network() or not nested)
+                                   shell_network=policy.shell_network or not nested)
 
 
 @contextlib.contextmanager

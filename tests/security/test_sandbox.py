@@ -345,15 +345,11 @@ def test_shell_network_and_home_start_up_files() -> None:
     shell start-up files read-only for tools."""
     from agent_bus.tools._context import confine
     from agent_bus.tools._exceptions import WorkspaceError
-    from agent_bus.tools.sandbox import set_shell_sandbox, shell_prefix
+    from agent_bus.tools.sandbox import SandboxPolicy
 
-    try:
-        set_shell_sandbox("auto", network=True)
-        assert "--unshare-net" not in shell_prefix()
-        set_shell_sandbox("auto")
-        assert not shell_prefix() or "--unshare-net" in shell_prefix()
-    finally:
-        set_shell_sandbox("auto")
+    assert "--unshare-net" not in SandboxPolicy(shell_network=True).shell_prefix
+    offline = SandboxPolicy().shell_prefix
+    assert not offline or "--unshare-net" in offline
     with pytest.raises(WorkspaceError, match="start-up file"):
         confine(Path.home(), ".bashrc")
 
@@ -411,10 +407,9 @@ def test_the_hubs_credentials_stay_out_of_tools_reach(tmp_path: Path,
                               capture_output=True, text=True, timeout=30)
         assert "WORKER-OWN" in seen.stdout and "hub" in seen.stdout, seen
         assert "OWNER-SECRET" not in seen.stdout and "GATEWAY-SECRET" not in seen.stdout
-        sandbox.set_shell_sandbox("auto", False, sandbox.hub_folders(hub))
-        shell = subprocess.run([*sandbox.shell_prefix(), "sh", "-c", f"ls -A {folder}"],
+        policy = sandbox.SandboxPolicy(shell_hide=sandbox.hub_folders(hub))
+        shell = subprocess.run([*policy.shell_prefix, "sh", "-c", f"ls -A {folder}"],
                                capture_output=True, text=True, timeout=30)
         assert shell.returncode == 0 and shell.stdout.strip() == "", shell
     finally:
-        sandbox.set_shell_sandbox("auto")
         listener.close()

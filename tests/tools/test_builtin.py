@@ -25,19 +25,14 @@ from agent_bus.tools.builtin import (
     search_files,
     write_file,
 )
-from agent_bus.tools.sandbox import set_shell_sandbox
+from agent_bus.tools.sandbox import SandboxPolicy
 from tests.support import until
 
 pytestmark = pytest.mark.anyio
 
-
-@pytest.fixture(autouse=True)
-def process_group_shell() -> Iterator[None]:
-    """These tests follow a shell's children by the pids it prints: outside a PID namespace.
-    run_shell's own namespace (bubblewrap) is tested in tests/security/test_sandbox.py."""
-    set_shell_sandbox("off")
-    yield
-    set_shell_sandbox("auto")
+#: These tests follow a shell's children by the pids it prints: outside a PID namespace.
+#: run_shell's own namespace (bubblewrap) is tested in tests/security/test_sandbox.py.
+PROCESS_GROUP_SHELL = SandboxPolicy(mode="off")
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 16
 
@@ -59,7 +54,7 @@ def ws(tmp_path: Path) -> Path:
 
 async def call(t: Tool, ws: Path, allow_shell: bool = False, **args: Any) -> ToolResult:
     req = ToolCallRequest(call_id="c", name=t.name, arguments=json.dumps(args))
-    return await run_tool(t, req, workspace=ws, allow_shell=allow_shell)
+    return await run_tool(t, req, workspace=ws, allow_shell=allow_shell, policy=PROCESS_GROUP_SHELL)
 
 
 def test_every_builtin_schema_is_provider_ready() -> None:
@@ -224,7 +219,8 @@ async def test_cancelling_run_shell_kills_the_process_group(ws: Path) -> None:
         async with anyio.create_task_group() as tg:
 
             async def runner() -> None:
-                await run_tool(run_shell, req, workspace=ws, allow_shell=True, on_progress=on_progress)
+                await run_tool(run_shell, req, workspace=ws, allow_shell=True, on_progress=on_progress,
+                               policy=PROCESS_GROUP_SHELL)
 
             tg.start_soon(runner)
             await got_pid.wait()

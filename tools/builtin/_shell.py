@@ -1,12 +1,12 @@
 """run_shell: a shell command in the workspace, only where the worker enabled shell access.
 
 The command runs as `/bin/sh -c` with stdin closed and stderr merged into stdout, in a nested
-bubblewrap sandbox of its own where one can be set up (`tools.sandbox.shell_prefix`): a new PID
-namespace, so when the shell exits, times out or the call is cancelled everything it started dies
-with it (`setsid`, double fork and `nohup` included), and no network unless the worker group sets
-`network = true`. Without bwrap, the shell runs in its own session and its process group gets
-SIGKILL (a `setsid` child escapes that). Environment variables whose names look like secrets are
-not passed on.
+bubblewrap sandbox of its own where one can be set up (the worker's policy,
+`ToolContext.policy.shell_prefix`): a new PID namespace, so when the shell exits, times out or the
+call is cancelled everything it started dies with it (`setsid`, double fork and `nohup`
+included), and no network unless the worker group sets `network = true`. Without bwrap, the
+shell runs in its own session and its process group gets SIGKILL (a `setsid` child escapes
+that). Environment variables whose names look like secrets are not passed on.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from agent_bus.bus.messages import TextPart, ToolResult
 from agent_bus.tools._context import ToolContext
 from agent_bus.tools._exceptions import ToolError
 from agent_bus.tools._tool import tool
-from agent_bus.tools.sandbox import shell_prefix
 from agent_bus.tools.workspaces import RUNS_DIR
 
 MAX_OUTPUT_BYTES = 100 * 1024
@@ -88,7 +87,7 @@ async def run_shell(
     # children running. Delivered at the next checkpoint instead, the `finally` kills the group.
     with anyio.CancelScope(shield=True):
         process = await anyio.open_process(
-            [*shell_prefix(), *_chdir(ctx), "/bin/sh", "-c", command],
+            [*ctx.policy.shell_prefix, *_chdir(ctx), "/bin/sh", "-c", command],
             cwd=ctx.workspace,
             env=_scrubbed_env(),
             stdin=subprocess.DEVNULL,
@@ -158,7 +157,7 @@ def _chdir(ctx: ToolContext) -> list[str]:
     """bwrap's own `--chdir` (it would otherwise keep the cwd only if it exists inside); in a
     run's own workspace (tools.workspaces), also what the call sees of the worker's: the rest
     of it read-only, no other run's folder."""
-    if not shell_prefix():
+    if not ctx.policy.shell_prefix:
         return []
     return [*_run_view(ctx), "--chdir", str(ctx.workspace)]
 
