@@ -293,11 +293,17 @@ def ray_target(config_file: str | None, engine: str | None, address: str | None,
 
 def on_ray(what: str, *args: Any) -> Any:
     """Call `agent_bus.agents.launch.ray_engine.<what>(*args)`, then leave the cluster. Without
-    Ray installed: exit 2 naming the extra."""
+    Ray installed: exit 2 naming the extra. Streams to write to are passed in `args` (stdout is
+    redirected meanwhile)."""
+    import contextlib
+
     from agent_bus.agents.launch import ray_engine
 
     try:
-        return getattr(ray_engine, what)(*args)
+        # Ray's driver prints the cluster's notices (a node lost...) on sys.stdout from a thread
+        # of its own: to stderr with them, so that stdout stays the command's (`ps --json`).
+        with contextlib.redirect_stdout(sys.stderr):
+            return getattr(ray_engine, what)(*args)
     except ray_engine.RayUnavailable as exc:
         raise ConfigExit(str(exc)) from None
     finally:

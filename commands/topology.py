@@ -107,7 +107,7 @@ def _up_on_ray(topology: Any, options: UpOptions, config_file: str | None, addre
 
     console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
     sys.exit(on_ray("up", topo, name or topology_name(topo, config_file),
-                    address or topo.engine.address, console, as_json))
+                    address or topo.engine.address, console, sys.stdout if as_json else None))
 
 
 def _scrub_secrets(topology: Any) -> None:

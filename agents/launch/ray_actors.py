@@ -85,7 +85,6 @@ class TopologyHolder:
         self.endpoint = ""
         self.events = ""
         self.processes: dict[str, str] = {}  # name -> role, in start order
-        self.groups: list[str] = []  # the placement groups' ids (hex), for `down`
         self.model_secrets: dict[str, str] = {}
         self.gateway_env: dict[str, str] = {}
 
@@ -136,11 +135,6 @@ class TopologyHolder:
     def process_table(self) -> dict[str, str]:
         return dict(self.processes)
 
-    def add_placement_group(self, group_id: str) -> None:
-        self.groups.append(group_id)
-
-    def placement_groups(self) -> list[str]:
-        return list(self.groups)
 
 
 class ProcessInfo(msgspec.Struct):
@@ -166,9 +160,9 @@ class ProcessKeeper:
         self.topology = topology
         self.name = name
         self.role = role
-        self.node = ray.util.get_node_ip_address()
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.holder = ray.get_actor(topology_actor_name(topology), namespace=NAMESPACE)
+        self.node: str = ray.util.get_node_ip_address()
+        self.node_id: str = ray.get_runtime_context().get_node_id()
+        self.holder: Any = None  # found by the keeping thread: `up` makes it after the hub's keeper
         self.process: subprocess.Popen[bytes] | None = None
         self.ready: dict[str, Any] | None = None
         self.ready_event = threading.Event()
@@ -186,6 +180,10 @@ class ProcessKeeper:
         self.thread.start()
 
     # --- methods ---
+    def where(self) -> str:
+        """This actor's node id: `up` puts the topology's holder beside the hub."""
+        return self.node_id
+
     def info(self) -> ProcessInfo:
         alive = self.process is not None and self.process.poll() is None
         state = ("stopped" if self.stopping else "gave up" if self.gave_up
@@ -246,6 +244,7 @@ class ProcessKeeper:
     def _keep(self) -> None:
         ray = _ray()
         try:
+            self.holder = _find_holder(ray, self.topology)
             topo = msgspec.json.decode(ray.get(self.holder.topology.remote()), type=Topology)
             state = ensure_state_dir(topo.state_path())
             (state / "logs").mkdir(mode=0o700, exist_ok=True)
@@ -376,6 +375,19 @@ class ProcessKeeper:
                 log.write(f"[keeper] {line}\n")
         except OSError:
             pass
+
+
+def _find_holder(ray: Any, topology: str, timeout: float = 60.0) -> Any:
+    """The topology's holder; `up` makes it once the hub's keeper has a node, so wait a little."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(topology_actor_name(topology), namespace=NAMESPACE)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise ChildFailed(f"no holder actor for topology {topology!r} after {timeout:g}s "
+                                  "(was `busctl up --engine ray` stopped?)") from None
+            time.sleep(0.2)
 
 
 def _on_node(endpoint: str, node_ip: str) -> str:

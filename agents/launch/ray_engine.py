@@ -83,6 +83,9 @@ def connect(address: str) -> Any:
         raise RayEngineError(f"cannot reach a Ray cluster at {address!r} ({exc}); start one "
                              "(`ray start --head`) or give its head with --address HOST:PORT "
                              "([engine] address)") from None
+    # Ray warns that a restartable detached actor in a placement group dies with the group:
+    # ours are removed together, by `down`, which is what we want.
+    logging.getLogger("ray.actor").setLevel(logging.ERROR)
     return ray
 
 
@@ -129,7 +132,7 @@ class Placer:
         self.ray, self.topo, self.name = ray, topo, name
         self.groups: dict[str, tuple[Any, list[str]]] = {}  # key -> (group, its processes)
 
-    def reserve(self, roles: dict[str, str], holder: Any, timeout: float = 60.0) -> None:
+    def reserve(self, roles: dict[str, str], timeout: float = 60.0) -> None:
         """One soft placement group per entry with a strategy, sized for its processes."""
         from ray.util.placement_group import placement_group
 
@@ -144,7 +147,7 @@ class Placer:
             group = placement_group([dict(bundle) for _ in procs], name=f"{self.name}:{key}",
                                     strategy="SPREAD" if entry.strategy == "spread" else "PACK",
                                     lifetime="detached")
-            self.ray.get(holder.add_placement_group.remote(f"{self.name}:{key}"))
+            self.groups[key] = (group, procs)
             try:
                 self.ray.get(group.ready(), timeout=timeout)
             except self.ray.exceptions.GetTimeoutError:
@@ -152,7 +155,6 @@ class Placer:
                     f"placement.{key}: Ray could not reserve {len(procs)} x {bundle} within "
                     f"{timeout:g}s: no node offers these resources (see `ray status`; start "
                     "nodes with `ray start --resources=...`)") from None
-            self.groups[key] = (group, procs)
 
     def options(self, proc: str, role: str) -> dict[str, Any]:
         key = placement_key(self.topo, proc, role)
@@ -234,8 +236,9 @@ def _cause(ray: Any, exc: BaseException) -> str:
     return str(exc)
 
 
-def up(topo: Topology, name: str, address: str, out: TextIO, as_json: bool = False) -> int:
-    """Place the topology on the cluster and return once every process is ready."""
+def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO | None = None) -> int:
+    """Place the topology on the cluster and return once every process is ready (the summary
+    on `out`, the JSON ready line on `ready_out`)."""
     ray = connect(address)
     try:
         ray.get_actor(topology_actor_name(name), namespace=NAMESPACE)
@@ -249,33 +252,36 @@ def up(topo: Topology, name: str, address: str, out: TextIO, as_json: bool = Fal
         out.write(f"note: {note}\n")
     roles = roles_of(topo)
     started = time.monotonic()
-    here = ray.get_runtime_context().get_node_id()
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    holder = ray.remote(TopologyHolder).options(
-        name=topology_actor_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
-    ).remote(name, msgspec.json.encode(topo))
+    placer = Placer(ray, topo, name)
     try:
-        ray.get(holder.set_model_env.remote(*_model_env(topo)))
-        placer = Placer(ray, topo, name)
-        placer.reserve(roles, holder)
-        hub = start_keeper(ray, placer, holder, name, "hub", "hub")
+        placer.reserve(roles)
+        hub = start_keeper(ray, placer, name, "hub", "hub")
+        # The holder lives beside the hub: losing that node loses the topology either way, and
+        # no other node's loss takes the keys and the address with it.
+        holder = ray.remote(TopologyHolder).options(
+            name=topology_actor_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get(hub.where.remote()),
+                                                               soft=False),
+        ).remote(name, msgspec.json.encode(topo))
+        ray.get([holder.set_model_env.remote(*_model_env(topo)),
+                 *[holder.add_process.remote(proc, role) for proc, role in roles.items()]])
         hub_info: ProcessInfo = ray.get(hub.wait_ready.remote(ChildSpec.ready_timeout + 10))
-        keepers = {proc: start_keeper(ray, placer, holder, name, proc, role)
+        keepers = {proc: start_keeper(ray, placer, name, proc, role)
                    for proc, role in roles.items() if role != "hub"}
         timeout = _ready_timeout(topo)
         infos = [hub_info, *ray.get([k.wait_ready.remote(timeout) for k in keepers.values()])]
     except (ray.exceptions.RayError, AgentBusError) as exc:
         why = _cause(ray, exc)
-        down(name, address)
+        remove(ray, name)
         raise RayEngineError(f"`busctl up --engine ray` failed, and what it started is stopped: "
                              f"{why}") from None
     endpoint, events = hub_info.ready["endpoint"], hub_info.ready["events"]
-    if as_json:
-        line = msgspec.json.encode({"ready": "up", "engine": "ray", "name": name,
-                                    "endpoint": endpoint, "events": events}).decode()
-        print(line, flush=True)
+    if ready_out is not None:  # `up --json`: one line for scripts
+        ready_out.write(msgspec.json.encode({"ready": "up", "engine": "ray", "name": name,
+                                             "endpoint": endpoint, "events": events}).decode() + "\n")
+        ready_out.flush()
     out.write(f"hub        {endpoint}  (events {events}; its event log on node {hub_info.node})\n")
     out.write("processes  " + "  ".join(f"{i.name}@{i.node}/{i.node_id[:8]}[{i.pid}]"
                                         for i in infos) + "\n")
@@ -293,9 +299,8 @@ def _ready_timeout(topo: Topology) -> float:
     return (LOCAL_MODEL_READY_TIMEOUT if hosts else ChildSpec.ready_timeout) + 10
 
 
-def start_keeper(ray: Any, placer: Placer, holder: Any, name: str, proc: str, role: str) -> Any:
+def start_keeper(ray: Any, placer: Placer, name: str, proc: str, role: str) -> Any:
     """A detached keeper actor for `proc` (Ray restarts it on another node if its node dies)."""
-    ray.get(holder.add_process.remote(proc, role))
     return ray.remote(ProcessKeeper).options(
         name=process_actor_name(name, proc), namespace=NAMESPACE, lifetime="detached",
         max_restarts=-1, max_task_retries=0, max_concurrency=KEEPER_CONCURRENCY,
@@ -330,7 +335,8 @@ def find(name: str, address: str) -> tuple[Any, Any, str]:
 
 def client(name: str, address: str) -> tuple[str, CurveClient]:
     """The hub's address and the owner's keys (held in memory, never in a file)."""
-    ray, holder, _ = find(name, address)
+    ray, holder, name = find(name, address)
+    _keepers(ray, holder, name)  # names a lost holder plainly
     endpoint, _events = ray.get(holder.hub_address.remote())
     if not endpoint:
         raise RayEngineError("the topology's hub is not ready (yet); see `busctl ps --engine ray`")
@@ -338,8 +344,16 @@ def client(name: str, address: str) -> tuple[str, CurveClient]:
 
 
 def _keepers(ray: Any, holder: Any, name: str) -> dict[str, tuple[str, Any]]:
+    try:
+        procs: dict[str, str] = ray.get(holder.process_table.remote(), timeout=30)
+    except ray.exceptions.RayError as exc:
+        raise RayEngineError(
+            f"the holder actor of topology {name!r} is gone ({_cause(ray, exc).splitlines()[0]}): "
+            "it lives on the hub's node, so that node was probably lost, and the hub (with the "
+            f"event log) with it; `busctl down --engine ray --topology-name {name}` removes what "
+            "is left") from None
     out = {}
-    for proc, role in ray.get(holder.process_table.remote()).items():
+    for proc, role in procs.items():
         try:
             out[proc] = (role, ray.get_actor(process_actor_name(name, proc), namespace=NAMESPACE))
         except ValueError:
@@ -409,8 +423,9 @@ def scale(name: str, address: str, group_name: str, count: int) -> str:
     used = {int(p.rpartition("-")[2]) for p in mine[:count]}
     free = (i for i in range(1, 10_000) if i not in used)
     placer = Placer(ray, topo, name)
-    new = [start_keeper(ray, placer, holder, name, f"{group.name}-{next(free)}", "worker")
-           for _ in range(count - len(mine))]
+    names = [f"{group.name}-{next(free)}" for _ in range(count - len(mine))]
+    ray.get([holder.add_process.remote(proc, "worker") for proc in names])
+    new = [start_keeper(ray, placer, name, proc, "worker") for proc in names]
     try:
         ray.get([k.wait_ready.remote(_ready_timeout(topo)) for k in new])
     except ray.exceptions.RayError as exc:
@@ -432,9 +447,16 @@ def _stop_and_kill(ray: Any, holder: Any, proc: str, keeper: Any) -> None:
 
 def down(name: str, address: str) -> str:
     """Stop every process (coordinators first, the hub last), kill every actor of the topology
-    and remove its placement groups; wait until Ray's actor table agrees."""
-    ray, holder, name = find(name, address)
-    keepers = _keepers(ray, holder, name)
+    and remove its placement groups; wait until Ray's tables agree. A topology whose holder was
+    lost (with its hub's node) is removed all the same, by its name."""
+    try:
+        ray, holder, name = find(name, address)
+        keepers = _keepers(ray, holder, name)
+    except RayEngineError:
+        ray = connect(address)
+        if not name or not leftovers(ray, name):
+            raise
+        keepers = {}
     for rank in sorted(set(STOP_RANK.values())):
         batch = {p: k for p, (role, k) in keepers.items() if STOP_RANK.get(role, 0) == rank}
         calls = [k.stop.remote() for k in batch.values()]
@@ -442,26 +464,38 @@ def down(name: str, address: str) -> str:
             try:
                 ray.get(call, timeout=15)
             except ray.exceptions.RayError:
-                pass
-        for keeper in batch.values():
-            ray.kill(keeper, no_restart=True)
+                pass  # restarting or gone: killing its actor ends its child (parent-death signal)
+    remove(ray, name)
+    return f"stopped topology {name!r} on Ray ({len(keepers)} processes)"
+
+
+def remove(ray: Any, name: str) -> None:
+    """Kill every named actor of the topology (the holder last), remove its placement groups,
+    and wait until Ray's tables agree."""
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
-    for group_name in ray.get(holder.placement_groups.remote()):
+    prefix, holder = f"{name}:", topology_actor_name(name)
+    mine = sorted((e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                   if e["namespace"] == NAMESPACE and e["name"].startswith(prefix)),
+                  key=lambda n: n == holder)
+    for actor in mine:
+        try:
+            ray.kill(ray.get_actor(actor, namespace=NAMESPACE), no_restart=True)
+        except ValueError:
+            pass  # gone meanwhile
+    for group_name in _groups(ray, name):
         try:
             remove_placement_group(get_placement_group(group_name))
         except ValueError:
             pass
-    prefix = f"{name}:"
-    for entry in ray.util.list_named_actors(all_namespaces=True):  # anything a failed scale left
-        if entry["namespace"] == NAMESPACE and entry["name"].startswith(prefix) \
-                and entry["name"] != topology_actor_name(name):
-            ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
-    ray.kill(holder, no_restart=True)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and leftovers(ray, name):
         time.sleep(0.1)
-    return f"stopped topology {name!r} on Ray ({len(keepers)} processes)"
+
+
+def _groups(ray: Any, name: str) -> list[str]:
+    return [g["name"] for g in ray.util.placement_group_table().values()
+            if g.get("name", "").startswith(f"{name}:") and g.get("state") != "REMOVED"]
 
 
 def leftovers(ray: Any, name: str) -> list[str]:
@@ -469,6 +503,4 @@ def leftovers(ray: Any, name: str) -> list[str]:
     prefix = f"{name}:"
     actors = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
               if e["namespace"] == NAMESPACE and e["name"].startswith(prefix)]
-    groups = [g["name"] for g in ray.util.placement_group_table().values()
-              if g.get("name", "").startswith(prefix) and g.get("state") != "REMOVED"]
-    return actors + groups
+    return actors + _groups(ray, name)

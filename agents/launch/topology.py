@@ -516,6 +516,14 @@ max_iterations = 200
 # bind = "127.0.0.1"                # the page answers only you (a token, in a 0600 file; its
                                     # link is printed); 0.0.0.0: other machines with the token
 
+# [engine]                          # who runs the processes: "local" (busctl up) or "ray"
+# kind = "ray"                      # a Ray cluster places and restarts them (agent-bus[ray])
+# address = "auto"                  # the cluster this machine belongs to, or HEAD:6379
+# name = "team"                     # its name on the cluster [default: this file's stem]
+# [placement.workers]               # where Ray runs them: hub, gateways, coordinators, workers,
+# resources = { bus_tools = 1 }     # a worker group or one process; Ray resources each takes,
+# strategy = "spread"               # "spread"/"pack" over nodes, or node = "IP|id|label=value"
+
 # [otel]                            # `busctl up` also exports OpenTelemetry traces (busctl otel)
 # endpoint = "http://127.0.0.1:4318"  # OTLP/HTTP; headers from $OTEL_EXPORTER_OTLP_HEADERS
 # capture_content = false           # prompts, replies, tool arguments and results too

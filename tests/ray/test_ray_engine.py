@@ -1,0 +1,266 @@
+"""`busctl up --engine ray` on a real three-node Ray cluster (tests/ray/conftest.py): placement,
+a run with parallel tool calls, `watch`, a node killed outright, identities, and `down`.
+
+The tests share one topology and run in file order: each later one leans on the earlier ones'
+topology (the node loss comes after the checks of where things run; `down` comes last)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from tests.ray.conftest import RayCluster, ray
+from tests.support import Proc, busctl, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+NAME = "raytest"
+FORGE = Path(__file__).parent.parent / "security" / "fixtures" / "forge_run.py"
+
+
+
+def _script(secret: Path) -> dict:
+    """"both": two parallel list_dir calls in one turn; "steal": a shell reading the hub's
+    secret key file; after tool results, the answer quotes them."""
+    return {"rules": [
+        {"contains": ["both"], "tool_result": False, "reply": {"text": "Looking twice.", "tool_calls": [
+            {"name": "list_dir", "arguments": {}}, {"name": "list_dir", "arguments": {"path": "."}}]}},
+        {"contains": ["steal"], "tool_result": False, "reply": {"text": "Reading.", "tool_calls": [
+            {"name": "run_shell", "arguments": {"command": f"cat {secret} || echo NOPE"}}]}},
+        {"contains": [], "tool_result": True, "reply": {"text": "Result: {tool_results_full}"}},
+    ], "echo": True}
+
+
+def _hub_secret(project: Path) -> Path:
+    return project / "state" / "hub" / "curve" / "hub.key_secret"
+
+
+@dataclass
+class RayTopology:
+    file: Path
+    state: Path
+    workspace: Path
+    endpoint: str
+    env: dict[str, str]
+    cluster: RayCluster
+
+    def cli(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+        """`busctl ARGS` as a user on any node: the engine and cluster from the environment,
+        no endpoint and no key typed."""
+        return subprocess.run(busctl(*args), capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **self.env, "BUSCTL_ENGINE": "ray",
+                                   "RAY_ADDRESS": self.cluster.address})
+
+    def ps(self) -> dict[str, dict]:
+        out = self.cli("ps", "--json")
+        assert out.returncode == 0, out.stderr
+        return {row["name"]: row for row in map(json.loads, out.stdout.splitlines())}
+
+    def node_of(self, row: dict) -> str:
+        names = self.cluster.node_names()
+        return next((n for node_id, n in names.items() if node_id.startswith(row["node_id"])), "?")
+
+
+def _topology(tmp: Path, base_url: str) -> str:
+    workspace = tmp / "ws"
+    workspace.mkdir()
+    (workspace / "hello.txt").write_text("hello\n")
+    return f"""
+coordinators = 2
+
+[engine]
+kind = "ray"
+name = "{NAME}"
+
+[hub]
+endpoint = "tcp://127.0.0.1:0"
+state_dir = "{tmp / 'state'}"
+
+[models.demo]
+provider = "openai"
+base_url = "{base_url}"
+model = "demo-model"
+
+[gateways]
+default_model = "demo"
+
+[[workers]]
+name = "alpha"
+workspace = "{workspace}"
+shell = true
+
+[[workers]]
+name = "beta"
+workspace = "{workspace}"
+shell = true
+
+[[agents]]
+name = "assistant"
+
+[[agents]]
+name = "helper"
+
+[placement.hub]
+resources = {{ bus_hub = 1 }}
+
+[placement.gateways]
+resources = {{ bus_a = 1 }}
+
+[placement.workers]
+strategy = "spread"
+
+[placement.coordinators]
+strategy = "spread"
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("project")
+
+
+@pytest.fixture(scope="module")
+def fake_model(project: Path) -> Iterator[FakeLLMServer]:
+    with FakeLLMServer(_script(_hub_secret(project))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def topo(ray_cluster: RayCluster, fake_model: FakeLLMServer, project: Path) -> Iterator[RayTopology]:
+    tmp = project
+    file = tmp / "raytest.toml"
+    file.write_text(_topology(tmp, fake_model.base_url))
+    env = ray_cluster.env()
+    started = time.monotonic()
+    up = subprocess.run(busctl("up", "-c", str(file), "--engine", "ray", "--address",
+                               ray_cluster.address, "--json"),
+                        capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+    print(f"\nbusctl up --engine ray: ready in {time.monotonic() - started:.1f}s\n{up.stderr}")
+    try:
+        assert up.returncode == 0, up.stderr
+        ready = json.loads(up.stdout.strip().splitlines()[-1])
+        yield RayTopology(file, tmp / "state", tmp / "ws", ready["endpoint"], env, ray_cluster)
+    finally:
+        subprocess.run(busctl("down", "-c", str(file)), capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **env})
+
+
+def test_ps_shows_each_process_on_the_node_its_placement_asked_for(topo: RayTopology) -> None:
+    rows = topo.ps()
+    assert set(rows) == {"hub", "gateway-1", "alpha-1", "beta-1", "coordinator-1",
+                         "coordinator-2"}, rows
+    assert all(r["state"] == "ready" and r["pid"] > 0 for r in rows.values()), rows
+    where = {name: topo.node_of(row) for name, row in rows.items()}
+    assert where["hub"] == "head" and where["gateway-1"] == "a", where  # by their resources
+    # spread: each pair on the two nodes that have CPUs (the head has none)
+    assert {where["alpha-1"], where["beta-1"]} == {"a", "b"}, where
+    assert {where["coordinator-1"], where["coordinator-2"]} == {"a", "b"}, where
+    assert topo.endpoint.startswith("tcp://") and ":0" not in topo.endpoint
+
+
+def test_run_with_parallel_tool_calls_answers_and_watch_sees_its_events(topo: RayTopology) -> None:
+    out = topo.cli("run", "-q", "look at both")
+    assert out.returncode == 0, out.stderr
+    assert "Result:" in out.stdout and "hello.txt" in out.stdout, out.stdout
+    watch = Proc(busctl("watch", "--json", "--since", "0"),
+                 env={**topo.env, "BUSCTL_ENGINE": "ray", "RAY_ADDRESS": topo.cluster.address})
+    try:
+        watch.wait_line(lambda s: '"agent_end"' in s, 60)
+        events = [json.loads(line) for line in watch.lines if line.startswith("{")]
+    finally:
+        watch.stop()
+    types = [e.get("type") for e in events]
+    assert types.count("tool_execution_start") == 2 and types.count("tool_execution_end") == 2, types
+    assert {"agent_start", "turn_start", "message_end", "agent_end"} <= set(types), types
+    seqs = [e["seq"] for e in events if "seq" in e]
+    assert seqs == sorted(seqs) and len(seqs) == len(set(seqs)), seqs
+
+
+def test_logs_come_from_every_node(topo: RayTopology) -> None:
+    out = topo.cli("logs", "--tail", "50")
+    assert out.returncode == 0, out.stderr
+    names = {line.split("|")[0].strip() for line in out.stdout.splitlines() if "|" in line}
+    assert {"hub", "gateway-1", "alpha-1", "beta-1", "coordinator-1"} <= names, out.stdout
+
+
+def test_keys_stay_out_of_reach(topo: RayTopology) -> None:
+    """A worker's run_shell reads no key file (the hub's secret lies in the state directory on
+    its node, which every worker's sandbox hides), and the worker's key may not register `llm`."""
+    secret = _hub_secret(topo.state.parent)
+    assert secret.is_file() and oct(secret.stat().st_mode & 0o777) == "0o600"
+    out = topo.cli("run", "-q", "steal the hub's key")
+    assert out.returncode == 0, out.stderr
+    assert "secret-key" not in out.stdout, out.stdout
+    holder = ray.get_actor(f"{NAME}:topology", namespace="agent-bus")
+    server, public, key = ray.get(holder.client_keys.remote("worker-alpha"))
+    curve = ",".join(k.decode() for k in (server, public, key))
+    forged = subprocess.run([sys.executable, str(FORGE), topo.endpoint, f"--curve={curve}",
+                             "--serve", "llm", "--serve", "tool.stolen"],
+                            capture_output=True, text=True, timeout=60)
+    assert forged.returncode == 0, forged.stderr
+    answers = json.loads(forged.stdout.strip().splitlines()[-1])
+    assert answers["reg0"] == "forbidden" and answers["reg1"] == "ok", answers
+    # no secret in what Ray shows of the actors (their names, classes, arguments are not kept)
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        assert key.decode() not in json.dumps(entry)
+
+
+def test_a_node_killed_outright_loses_its_processes_to_the_other_node(topo: RayTopology) -> None:
+    cluster = topo.cluster
+    before = topo.ps()
+    on_b = sorted(n for n, row in before.items() if topo.node_of(row) == "b")
+    assert on_b, before
+    started = time.monotonic()
+    cluster.cluster.remove_node(cluster.b, allow_graceful=False)
+
+    def back() -> dict[str, dict] | None:
+        rows = topo.ps()
+        moved = all(topo.node_of(rows[n]) == "a" and rows[n]["state"] == "ready" for n in on_b)
+        return rows if moved and all(r["state"] == "ready" for r in rows.values()) else None
+
+    rows = wait_for(back, 150, f"{', '.join(on_b)} back on node a")
+    took = time.monotonic() - started
+    print(f"\nnode b removed: {', '.join(on_b)} ready again on node a after {took:.1f}s")
+    assert all(r["pid"] != before[n]["pid"] or n not in on_b for n, r in rows.items())
+    out = topo.cli("run", "-q", "--agent", "helper", "look at both")
+    assert out.returncode == 0 and "hello.txt" in out.stdout, (out.stdout, out.stderr)
+
+
+def _our_processes(topo: RayTopology) -> list[str]:
+    """Command lines of live processes that belong to the topology (its state folder, its
+    workspace or its hub's address on their command line)."""
+    marks = [str(topo.state), str(topo.workspace), topo.endpoint]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "agent_bus.cli" in argv and any(m in argv for m in marks):
+            found.append(f"{proc.name}: {argv}")
+    return found
+
+
+def test_down_leaves_no_actor_placement_group_or_process(topo: RayTopology) -> None:
+    assert _our_processes(topo)
+    out = topo.cli("down")
+    assert out.returncode == 0, out.stderr
+    actors = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+              if e["name"].startswith(f"{NAME}:")]
+    groups = [g for g in ray.util.placement_group_table().values()
+              if g.get("name", "").startswith(f"{NAME}:") and g.get("state") != "REMOVED"]
+    assert actors == [] and groups == [], (actors, groups)
+    wait_for(lambda: not _our_processes(topo), 20, "no process of the topology left")
+    ps = topo.cli("ps")
+    assert ps.returncode != 0 and "no agent-bus topology" in ps.stderr, (ps.stdout, ps.stderr)
