@@ -168,12 +168,13 @@ class Placer:
             return {**_resource_options(_bundle(entry)),
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         group, placement_group_bundle_index=procs.index(proc))}
-        opts = _resource_options(entry.resources)
         if entry.node:
-            opts.update(_node_options(self.ray, key, entry.node))
-        elif entry.strategy == "spread":  # scaled past its group: spread, without a bundle
-            opts["scheduling_strategy"] = "SPREAD"
-        return opts
+            return {**_resource_options(entry.resources), **_node_options(self.ray, key, entry.node)}
+        if not entry.strategy:
+            return _resource_options(entry.resources)
+        # scaled past its group's placement group: the same share of a node, without a bundle
+        return {**_resource_options(_bundle(entry)),
+                "scheduling_strategy": "SPREAD" if entry.strategy == "spread" else "DEFAULT"}
 
     def _default(self, role: str) -> dict[str, Any]:
         if role != "hub":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -165,6 +166,9 @@ def test_ps_shows_each_process_on_the_node_its_placement_asked_for(topo: RayTopo
     assert {where["alpha-1"], where["beta-1"]} == {"a", "b"}, where
     assert {where["coordinator-1"], where["coordinator-2"]} == {"a", "b"}, where
     assert topo.endpoint.startswith("tcp://") and ":0" not in topo.endpoint
+    bwrap = subprocess.run(["bwrap", "--ro-bind", "/", "/", "true"], capture_output=True).returncode == 0
+    for name in ("alpha-1", "beta-1"):  # each node's worker in its sandbox (or `none`, said)
+        assert rows[name]["sandbox"].startswith("bwrap" if bwrap else "none"), rows[name]
 
 
 def test_run_with_parallel_tool_calls_answers_and_watch_sees_its_events(topo: RayTopology) -> None:
@@ -209,9 +213,40 @@ def test_keys_stay_out_of_reach(topo: RayTopology) -> None:
     assert forged.returncode == 0, forged.stderr
     answers = json.loads(forged.stdout.strip().splitlines()[-1])
     assert answers["reg0"] == "forbidden" and answers["reg1"] == "ok", answers
-    # no secret in what Ray shows of the actors (their names, classes, arguments are not kept)
+    # no secret in what Ray shows of the actors, nor in any process's environment block
     for entry in ray.util.list_named_actors(all_namespaces=True):
         assert key.decode() not in json.dumps(entry)
+    owner = ray.get(holder.owner_keys.remote())[2]
+    for row in topo.ps().values():
+        try:
+            environ = Path(f"/proc/{row['pid']}/environ").read_bytes()
+        except OSError:  # a sandboxed worker: another user namespace's process
+            continue
+        assert key not in environ and owner not in environ, row["name"]
+
+
+def test_a_process_that_exits_is_restarted_in_place(topo: RayTopology) -> None:
+    before = topo.ps()["alpha-1"]
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def again() -> dict | None:
+        row = topo.ps()["alpha-1"]
+        return row if row["state"] == "ready" and row["pid"] != before["pid"] else None
+
+    row = wait_for(again, 60, "alpha-1 restarted")
+    assert row["node_id"] == before["node_id"] and row["restarts"] == 1, row
+    assert row["last_exit"] == "SIGKILL", row
+
+
+def test_scale_adds_and_removes_workers_across_nodes(topo: RayTopology) -> None:
+    out = topo.cli("scale", "alpha=3")
+    assert out.returncode == 0 and "1 → 3" in out.stdout, (out.stdout, out.stderr)
+    rows = topo.ps()
+    assert all(rows[f"alpha-{i}"]["state"] == "ready" for i in (1, 2, 3)), rows
+    assert {topo.node_of(rows[f"alpha-{i}"]) for i in (1, 2, 3)} <= {"a", "b"}, rows
+    out = topo.cli("scale", "alpha=1")
+    assert out.returncode == 0, out.stderr
+    assert {"alpha-2", "alpha-3"}.isdisjoint(topo.ps())
 
 
 def test_a_node_killed_outright_loses_its_processes_to_the_other_node(topo: RayTopology) -> None:
