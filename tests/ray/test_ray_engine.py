@@ -16,9 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import pytest
 
+from agent_bus.agents.client.remote import connect as connect_agents
+from agent_bus.agents.experiment.runner import Journal, read_journal
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.bus.security import CurveClient
 from tests.ray.conftest import RayCluster, ray
 from tests.support import Proc, busctl, wait_for
 
@@ -33,6 +37,7 @@ def _script(secret: Path) -> dict:
     """"both": two parallel list_dir calls in one turn; "steal": a shell reading the hub's
     secret key file; after tool results, the answer quotes them."""
     return {"rules": [
+        {"contains": ["question"], "delay": 0.5, "reply": {"text": "answer 7"}},
         {"contains": ["both"], "tool_result": False, "reply": {"text": "Looking twice.", "tool_calls": [
             {"name": "list_dir", "arguments": {}}, {"name": "list_dir", "arguments": {"path": "."}}]}},
         {"contains": ["steal"], "tool_result": False, "reply": {"text": "Reading.", "tool_calls": [
@@ -249,23 +254,69 @@ def test_scale_adds_and_removes_workers_across_nodes(topo: RayTopology) -> None:
     assert {"alpha-2", "alpha-3"}.isdisjoint(topo.ps())
 
 
-def test_a_node_killed_outright_loses_its_processes_to_the_other_node(topo: RayTopology) -> None:
+def _experiment(tmp: Path, name: str) -> Path:
+    """20 samples x 2 variants: `assistant` (coordinator-1) and `helper` (coordinator-2), which
+    placement spread over nodes a and b; each cell's model call takes 0.5 s."""
+    with (tmp / "samples.jsonl").open("w") as out:
+        for i in range(20):
+            out.write(f'{{"id": "s{i}", "input": "question {i}", "target": 7}}\n')
+    path = tmp / f"{name}.toml"
+    path.write_text(f'name = "{name}"\n[dataset]\npath = "samples.jsonl"\n'
+                    '[[variants]]\nname = "one"\nagent = "assistant"\n'
+                    '[[variants]]\nname = "two"\nagent = "helper"\n'
+                    '[run]\nconcurrency = 4\nresume_wait = 30\nretries = 3\n'
+                    '[[scorers]]\nkind = "number"\n')
+    return path
+
+
+def _journal(topo: RayTopology, name: str) -> Journal:
+    holder = ray.get_actor(f"{NAME}:topology", namespace="agent-bus")
+    curve = CurveClient.held(*ray.get(holder.owner_keys.remote()))
+
+    async def read() -> Journal:
+        async with connect_agents(topo.endpoint, name="test-journal", curve=curve) as bus:
+            return await read_journal(bus.peer, name)
+
+    return anyio.run(read)
+
+
+def test_a_node_killed_mid_experiment_loses_no_cell_and_its_processes_come_back(
+        topo: RayTopology) -> None:
+    """Node b (a worker and coordinator-2) is removed outright while an experiment of 40 cells
+    runs on both nodes: every cell is journaled exactly once, and b's processes come back on a."""
     cluster = topo.cluster
     before = topo.ps()
     on_b = sorted(n for n, row in before.items() if topo.node_of(row) == "b")
-    assert on_b, before
-    started = time.monotonic()
-    cluster.cluster.remove_node(cluster.b, allow_graceful=False)
+    assert "coordinator-1" in on_b or "coordinator-2" in on_b, before
+    spec = _experiment(topo.state.parent, "lost-node")
+    runner = Proc(busctl("experiment", "run", str(spec), "--name", "lost-node"),
+                  env={**topo.env, "BUSCTL_ENGINE": "ray", "RAY_ADDRESS": cluster.address})
+    try:
+        wait_for(lambda: len(_journal(topo, "lost-node").results) >= 8, 90, "8 cells journaled")
+        started = time.monotonic()
+        cluster.cluster.remove_node(cluster.b, allow_graceful=False)
+        at_kill = len(_journal(topo, "lost-node").results)
+        assert at_kill < 40, at_kill  # removed mid-run
 
-    def back() -> dict[str, dict] | None:
-        rows = topo.ps()
-        moved = all(topo.node_of(rows[n]) == "a" and rows[n]["state"] == "ready" for n in on_b)
-        return rows if moved and all(r["state"] == "ready" for r in rows.values()) else None
+        def back() -> dict[str, dict] | None:
+            rows = topo.ps()
+            moved = all(topo.node_of(rows[n]) == "a" for n in on_b)
+            return rows if moved and all(r["state"] == "ready" for r in rows.values()) else None
 
-    rows = wait_for(back, 150, f"{', '.join(on_b)} back on node a")
-    took = time.monotonic() - started
-    print(f"\nnode b removed: {', '.join(on_b)} ready again on node a after {took:.1f}s")
-    assert all(r["pid"] != before[n]["pid"] or n not in on_b for n, r in rows.items())
+        rows = wait_for(back, 150, f"{', '.join(on_b)} back on node a")
+        took = time.monotonic() - started
+        print(f"\nnode b removed with {at_kill}/40 cells done: {', '.join(on_b)} ready again on "
+              f"node a after {took:.1f}s")
+        assert runner.popen.wait(180) == 0, runner.output()
+    finally:
+        runner.stop()
+    assert all(rows[n]["pid"] != before[n]["pid"] for n in on_b)
+    journal = _journal(topo, "lost-node")
+    errors = {r.error for r in journal.results.values() if r.status != "ok"}
+    assert len(journal.results) == 40 and journal.ok_entries == 40, (
+        len(journal.results), journal.ok_entries, journal.ignored, errors)
+    assert {r.status for r in journal.results.values()} == {"ok"}
+    assert {r.score for r in journal.results.values()} == {1.0}
     out = topo.cli("run", "-q", "--agent", "helper", "look at both")
     assert out.returncode == 0 and "hello.txt" in out.stdout, (out.stdout, out.stderr)
 
