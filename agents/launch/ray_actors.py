@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 
 from agent_bus.agents.launch import credentials, curve_keys
@@ -45,8 +46,9 @@ from agent_bus.agents.launch.supervisor import (
     signal_name,
 )
 from agent_bus.agents.launch.topology import Topology
+from agent_bus.bus import events as ev
 from agent_bus.bus.paths import ensure_state_dir
-from agent_bus.bus.security import HANDED_KEYS_ENV, ROLES_FILE
+from agent_bus.bus.security import HANDED_KEYS_ENV, ROLES_FILE, CurveClient
 
 NAMESPACE = "agent-bus"  # every topology's actors live in this Ray namespace
 TOPOLOGY_SUFFIX = ":topology"
@@ -173,6 +175,8 @@ class ProcessKeeper:
         self.gave_up = False
         self.stopping = False
         self.failure = ""  # why the process could not be started at all
+        # Ray brought this actor back (its node died): the first start is a restart too
+        self.moved = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.log_path = Path()
         # One thread starts every child: the kernel's parent-death signal (bus/procsec.py)
         # follows the thread that forked, so it must live as long as the children do.
@@ -263,6 +267,8 @@ class ProcessKeeper:
             if len(self.restart_times) >= CRASH_LOOP_RESTARTS:
                 self.gave_up = True
                 self._log(f"crash-looping ({signal_name(code)}, {self.restarts} restarts); giving up")
+                self._announce(ev.ProcessGaveUp(process=self.name, exit_code=code,
+                                                restarts=self.restarts))
                 return
             delay = restart_delay(len(self.restart_times))
             self._log(f"exited with {signal_name(code)}; restarting in {delay:g}s")
@@ -368,6 +374,30 @@ class ProcessKeeper:
         if self.role == "hub" and self.ready is not None:
             ray.get(self.holder.set_hub_address.remote(self.ready["endpoint"], self.ready["events"]))
         self.ready_event.set()
+        if self.restarts or self.moved:  # off the pump's thread: the child's output keeps flowing
+            threading.Thread(target=self._announce, args=(ev.ProcessRestarted(
+                process=self.name, exit_code=self.last_exit, restarts=self.restarts + self.moved),),
+                daemon=True).start()
+
+    def _announce(self, event: ev.Event) -> None:
+        """Publish `event` (process_restarted, process_gave_up) as `busctl up`'s supervisor does,
+        with the owner's key: held in this actor's memory only, never given to its child."""
+        from agent_bus.bus.client import connect
+
+        ray = _ray()
+
+        async def send() -> None:
+            endpoint, _ = ray.get(self.holder.hub_address.remote())
+            curve = CurveClient.held(*ray.get(self.holder.owner_keys.remote()))
+            with anyio.fail_after(20):
+                async with connect(endpoint, name=f"keeper-{self.name}", role="supervisor",
+                                   curve=curve) as peer:
+                    await peer.publish(event)
+
+        try:
+            anyio.run(send)
+        except Exception as exc:  # noqa: BLE001 - a lost notice must not stop the keeping
+            self._log(f"could not publish {type(event).__name__}: {exc}")
 
     def _log(self, line: str) -> None:
         try:

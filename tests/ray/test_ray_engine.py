@@ -241,6 +241,15 @@ def test_a_process_that_exits_is_restarted_in_place(topo: RayTopology) -> None:
     row = wait_for(again, 60, "alpha-1 restarted")
     assert row["node_id"] == before["node_id"] and row["restarts"] == 1, row
     assert row["last_exit"] == "SIGKILL", row
+    wait_for(lambda: "alpha-1" in _restarted(topo), 30, "process_restarted of alpha-1 logged")
+
+
+def _restarted(topo: RayTopology) -> list[str]:
+    """The processes named by `process_restarted` events in the log (`busctl watch`)."""
+    out = topo.cli("watch", "--json", "--since", "0", "--no-follow", "--type", "process_restarted")
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line).get("process", "") for line in out.stdout.splitlines()
+            if line.startswith("{")]
 
 
 def test_scale_adds_and_removes_workers_across_nodes(topo: RayTopology) -> None:
@@ -311,6 +320,7 @@ def test_a_node_killed_mid_experiment_loses_no_cell_and_its_processes_come_back(
     finally:
         runner.stop()
     assert all(rows[n]["pid"] != before[n]["pid"] for n in on_b)
+    wait_for(lambda: set(on_b) <= set(_restarted(topo)), 30, "their process_restarted logged")
     journal = _journal(topo, "lost-node")
     errors = {r.error for r in journal.results.values() if r.status != "ok"}
     assert len(journal.results) == 40 and journal.ok_entries == 40, (
