@@ -195,14 +195,17 @@ def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[s
     Examples:
       busctl logs --tail 20
       busctl logs -f gateway-1 tools-1
-      busctl logs --engine ray --tail 20    # read on each process's node (no -f on Ray yet)
+      busctl logs --engine ray -f --tail 20    # read on each process's node
     """
     target = ray_target(config_file, engine, address, topology_name)
     if target is not None:
+        import sys
+
         prefix = click.style("{:>12} | ", fg="cyan") if use_color() else "{:>12} | "
-        for name, lines in on_ray("logs", target.name, target.address, set(names), tail):
-            for line in lines:
-                click.echo(prefix.format(name) + line)
+        try:
+            on_ray("logs", target.name, target.address, set(names), tail, follow, sys.stdout, prefix)
+        except KeyboardInterrupt:
+            pass
         return
     from agent_bus.agents.launch.supervisor import LogTail
 

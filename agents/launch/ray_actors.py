@@ -222,6 +222,20 @@ class ProcessKeeper:
             return []
         return text if lines is None else text[max(0, len(text) - lines):]
 
+    def log_from(self, offset: int) -> tuple[int, list[str]]:
+        """The whole lines of this process's log after byte `offset`, and the offset after them
+        (from 0 again when the log is shorter: another node's, after a move)."""
+        try:
+            with self.log_path.open("rb") as f:
+                if f.seek(0, os.SEEK_END) < offset:
+                    offset = 0
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return offset, []
+        *lines, rest = data.split(b"\n")
+        return offset + len(data) - len(rest), [line.decode(errors="replace") for line in lines]
+
     def stop(self) -> str:
         """Stop the child for good (SIGTERM to its group, SIGKILL after STOP_TIMEOUT)."""
         self.stopping = True

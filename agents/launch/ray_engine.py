@@ -383,16 +383,35 @@ def table(name: str, address: str, timeout: float = 10.0) -> list[dict[str, Any]
     return rows
 
 
-def logs(name: str, address: str, names: set[str], tail: int | None) -> list[tuple[str, list[str]]]:
-    """`busctl logs --engine ray`: each process's log, read on its own node."""
+def logs(name: str, address: str, names: set[str], tail: int | None, follow: bool,
+         out: TextIO, prefix: str) -> None:
+    """`busctl logs --engine ray`: each process's log, read on its own node by its keeper;
+    with `follow`, new lines (and processes scaled up) every half second until Ctrl-C."""
     ray, holder, name = find(name, address)
     keepers = _keepers(ray, holder, name)
     unknown = sorted(names - set(keepers))
     if unknown:
         raise RayEngineError(f"no process {', '.join(unknown)} (processes: {', '.join(keepers)})")
-    wanted = [p for p in keepers if not names or p in names]
-    texts = ray.get([keepers[p][1].log_lines.remote(tail) for p in wanted], timeout=30)
-    return list(zip(wanted, texts, strict=True))
+    offsets: dict[str, int] = {}
+    first = True
+    while True:
+        wanted = [p for p in keepers if not names or p in names]
+        calls = [keepers[p][1].log_from.remote(offsets.get(p, 0)) for p in wanted]
+        for proc, call in zip(wanted, calls, strict=True):
+            try:
+                offsets[proc], lines = ray.get(call, timeout=30)
+            except ray.exceptions.RayError:
+                continue  # moving to another node: its log there, next time
+            if first and tail is not None:
+                lines = lines[max(0, len(lines) - tail):]
+            for line in lines:
+                out.write(prefix.format(proc) + line + "\n")
+        out.flush()
+        if not follow:
+            return
+        first = False
+        time.sleep(0.5)
+        keepers = _keepers(ray, holder, name)
 
 
 def restart(name: str, address: str, proc: str) -> str:

@@ -194,6 +194,26 @@ def test_run_with_parallel_tool_calls_answers_and_watch_sees_its_events(topo: Ra
     assert seqs == sorted(seqs) and len(seqs) == len(set(seqs)), seqs
 
 
+def test_status_and_a_second_up_find_the_topology_by_name(topo: RayTopology) -> None:
+    status = topo.cli("status")
+    assert status.returncode == 0 and "coordinator-2" in status.stdout, (status.stdout, status.stderr)
+    again = topo.cli("up", "-c", str(topo.file))
+    assert again.returncode == 1 and "already up on this Ray cluster" in again.stderr, again.stderr
+
+
+def test_a_failed_up_names_the_key_and_leaves_nothing(topo: RayTopology) -> None:
+    bad = topo.file.with_name("bad.toml")
+    bad.write_text(topo.file.read_text().replace(f'name = "{NAME}"', 'name = "badtest"')
+                   .replace("[placement.hub]\nresources = { bus_hub = 1 }",
+                            '[placement.hub]\nnode = "10.9.9.9"'))
+    out = topo.cli("up", "-c", str(bad))
+    assert out.returncode == 1 and "placement.hub.node: no live node '10.9.9.9'" in out.stderr, out.stderr
+    assert [e for e in ray.util.list_named_actors(all_namespaces=True)
+            if e["name"].startswith("badtest:")] == []
+    assert [g for g in ray.util.placement_group_table().values()
+            if g.get("name", "").startswith("badtest:") and g.get("state") != "REMOVED"] == []
+
+
 def test_logs_come_from_every_node(topo: RayTopology) -> None:
     out = topo.cli("logs", "--tail", "50")
     assert out.returncode == 0, out.stderr
@@ -232,7 +252,14 @@ def test_keys_stay_out_of_reach(topo: RayTopology) -> None:
 
 def test_a_process_that_exits_is_restarted_in_place(topo: RayTopology) -> None:
     before = topo.ps()["alpha-1"]
+    follow = Proc(busctl("logs", "-f", "--tail", "50", "alpha-1"),
+                  env={**topo.env, "BUSCTL_ENGINE": "ray", "RAY_ADDRESS": topo.cluster.address})
+    follow.wait_line(lambda s: "alpha-1 |" in s, 30)  # its first read is done
     os.kill(before["pid"], signal.SIGKILL)
+    try:  # `logs -f` follows the log on alpha-1's node: the keeper's note, then the new output
+        follow.wait_line(lambda s: "exited with SIGKILL; restarting in 0.5s" in s, 30)
+    finally:
+        follow.stop()
 
     def again() -> dict | None:
         row = topo.ps()["alpha-1"]
