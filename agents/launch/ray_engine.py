@@ -286,11 +286,28 @@ def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO |
     out.write(f"hub        {endpoint}  (events {events}; its event log on node {hub_info.node})\n")
     out.write("processes  " + "  ".join(f"{i.name}@{i.node}/{i.node_id[:8]}[{i.pid}]"
                                         for i in infos) + "\n")
+    for line in _sandbox_lines(infos):
+        out.write(line + "\n")
     out.write(f"ready in   {time.monotonic() - started:.1f}s on Ray (topology {name!r})\n")
     out.write("try        busctl run --engine ray \"hello\"   ·   busctl ps --engine ray   ·   "
               "busctl down --engine ray\n")
     out.flush()
     return 0
+
+
+def _sandbox_lines(infos: list[ProcessInfo]) -> list[str]:
+    """What each worker runs in, on its node (as `busctl up` says it): a node without
+    bubblewrap is named plainly."""
+    from agent_bus.tools.sandbox import SandboxInfo, describe
+
+    kinds: dict[str, list[str]] = {}
+    for info in infos:
+        if info.role == "worker":
+            sandbox = msgspec.convert(info.ready.get("sandbox") or {"kind": "none", "reason": "?"},
+                                      SandboxInfo)
+            kinds.setdefault(describe(sandbox), []).append(f"{info.name}@{info.node}")
+    return [f"sandbox    {'NO SANDBOX: ' if text.startswith('none') else ''}{text}  "
+            f"({', '.join(names)})" for text, names in kinds.items()]
 
 
 def _ready_timeout(topo: Topology) -> float:

@@ -58,6 +58,7 @@ class RayTopology:
     endpoint: str
     env: dict[str, str]
     cluster: RayCluster
+    summary: str  # what `up` printed for people
 
     def cli(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
         """`busctl ARGS` as a user on any node: the engine and cluster from the environment,
@@ -154,7 +155,8 @@ def topo(ray_cluster: RayCluster, fake_model: FakeLLMServer, project: Path) -> I
     try:
         assert up.returncode == 0, up.stderr
         ready = json.loads(up.stdout.strip().splitlines()[-1])
-        yield RayTopology(file, tmp / "state", tmp / "ws", ready["endpoint"], env, ray_cluster)
+        yield RayTopology(file, tmp / "state", tmp / "ws", ready["endpoint"], env, ray_cluster,
+                          up.stderr)
     finally:
         subprocess.run(busctl("down", "-c", str(file)), capture_output=True, text=True,
                        timeout=120, env={**os.environ, **env})
@@ -174,6 +176,8 @@ def test_ps_shows_each_process_on_the_node_its_placement_asked_for(topo: RayTopo
     bwrap = subprocess.run(["bwrap", "--ro-bind", "/", "/", "true"], capture_output=True).returncode == 0
     for name in ("alpha-1", "beta-1"):  # each node's worker in its sandbox (or `none`, said)
         assert rows[name]["sandbox"].startswith("bwrap" if bwrap else "none"), rows[name]
+    sandbox = [line for line in topo.summary.splitlines() if line.startswith("sandbox ")]
+    assert sandbox and "alpha-1@" in "".join(sandbox) and "beta-1@" in "".join(sandbox), topo.summary
 
 
 def test_run_with_parallel_tool_calls_answers_and_watch_sees_its_events(topo: RayTopology) -> None:
