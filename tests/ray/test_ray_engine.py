@@ -275,6 +275,27 @@ def test_a_process_that_exits_is_restarted_in_place(topo: RayTopology) -> None:
     wait_for(lambda: "alpha-1" in _restarted(topo), 30, "process_restarted of alpha-1 logged")
 
 
+def test_a_killed_hub_comes_back_where_its_peers_reconnect(topo: RayTopology) -> None:
+    """The hub's keeper restarts it on the ports it had bound (its peers' address) and with the
+    same keys: the topology answers again without anything else restarted."""
+    before = topo.ps()
+    os.kill(before["hub"]["pid"], signal.SIGKILL)
+
+    def again() -> dict | None:
+        row = topo.ps()["hub"]
+        return row if row["state"] == "ready" and row["pid"] != before["hub"]["pid"] else None
+
+    wait_for(again, 60, "the hub restarted")
+
+    def answers() -> bool:
+        out = topo.cli("run", "-q", "look at both")
+        return out.returncode == 0 and "hello.txt" in out.stdout
+
+    wait_for(answers, 60, "a run answered through the restarted hub")
+    after = topo.ps()
+    assert all(after[n]["pid"] == before[n]["pid"] for n in before if n != "hub"), (before, after)
+
+
 def _restarted(topo: RayTopology) -> list[str]:
     """The processes named by `process_restarted` events in the log (`busctl watch`)."""
     out = topo.cli("watch", "--json", "--since", "0", "--no-follow", "--type", "process_restarted")
