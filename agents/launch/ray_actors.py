@@ -2,11 +2,12 @@
 
 `TopologyHolder` (one per topology, named `<topology>:topology`): the topology as `up` resolved
 it, the hub's address once it is up, the processes' names, and every CURVE key pair, made in
-its own memory when it starts (`zmq.curve_keypair`). Nothing secret is ever an argument of an
-actor's constructor or of a task (Ray shows those in `ray list actors`, the dashboard and its
-task events): the other actors and `busctl` *ask* for keys with a method call, whose return
-value Ray shows nowhere. Who may ask is whoever may reach the Ray cluster: on Ray, the cluster's
-membership is the trust boundary (docs/architecture.md, "Ray engine").
+its own memory when it starts (`zmq.curve_keypair`). No key is an argument of an actor's
+constructor (Ray's actor listings and dashboard can show those): the other actors and `busctl`
+*ask* for keys with a method call, whose return value Ray shows nowhere. The one secret that is
+an argument is the models' API keys, `up` -> `set_model_env` once (Ray's task events record a
+method's name, not its arguments). Who may ask is whoever may reach the Ray cluster: on Ray, the
+cluster's membership is the trust boundary (docs/architecture.md, "Ray engine").
 
 `ProcessKeeper` (one per bus process, named `<topology>:<process>`, detached, restarted by Ray
 on another node when its node dies): runs the unchanged `busctl hub|gateway|worker|coordinator`

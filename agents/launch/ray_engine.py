@@ -4,14 +4,14 @@ Ray decides *where* each process runs and brings it back when its node dies; Zer
 still carries every bus message (nothing of the bus goes through Ray's object store). `up`:
 
 1. connects to the cluster (`[engine] address`, `--address`; "auto": the one this machine is in);
-2. starts the topology's holder actor (`<name>:topology`, ray_actors.TopologyHolder), which makes
-   every CURVE key pair in its own memory;
-3. reserves a soft placement group per `[placement.X]` entry with a `strategy` (its processes'
+2. reserves a soft placement group per `[placement.X]` entry with a `strategy` (its processes'
    bundles spread over nodes or packed), detached so that it outlives `up`;
-4. starts the hub's keeper (on the node of `[placement.hub]`, by default this machine's node:
-   the event log lives there), waits for its ready line, then every gateway, worker and
-   coordinator keeper, and returns once all are ready: the topology then belongs to Ray, and
-   `busctl ps/status/run/watch/logs/scale/down --engine ray` reach it from any node by its name.
+3. starts the hub's keeper (on the node of `[placement.hub]`, by default this machine's node:
+   the event log lives there), then the topology's holder actor beside it (`<name>:topology`,
+   ray_actors.TopologyHolder, which makes every CURVE key pair in its own memory), waits for the
+   hub's ready line, then starts every gateway, worker and coordinator keeper, and returns once
+   all are ready: the topology then belongs to Ray, and `busctl
+   ps/status/run/watch/logs/scale/restart/down --engine ray` reach it from any node by its name.
 
 Ray is imported here only (and in ray_actors' methods), lazily: the local engine never loads it.
 """
