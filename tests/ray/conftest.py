@@ -1,6 +1,6 @@
 """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head with no
-CPU (it hosts the GCS and the hub's custom resource `bus_hub`) and two nodes, `bus_a` and
-`bus_b`. One cluster per test module (a cluster costs seconds to start on 2 cores). Skipped
+CPU (it hosts the GCS and the hub's custom resource `bus_hub`) and two nodes, `bus_a` (labelled
+`bus-zone=a`) and `bus_b`. One cluster per test module (a cluster costs seconds to start on 2 cores). Skipped
 cleanly without the `ray` extra."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster
         "num_cpus": 0, "resources": {"bus_hub": 1}, "include_dashboard": False,
         "_system_config": HEALTH})
     try:
-        a = cluster.add_node(num_cpus=1, resources={"bus_a": 1})
+        a = cluster.add_node(num_cpus=1, resources={"bus_a": 1}, labels={"bus-zone": "a"})
         b = cluster.add_node(num_cpus=1, resources={"bus_b": 1})
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="agent-bus", log_to_driver=False)

@@ -120,7 +120,7 @@ name = "helper"
 resources = {{ bus_hub = 1 }}
 
 [placement.gateways]
-resources = {{ bus_a = 1 }}
+node = "bus-zone=a"
 
 [placement.workers]
 strategy = "spread"
@@ -168,7 +168,7 @@ def test_ps_shows_each_process_on_the_node_its_placement_asked_for(topo: RayTopo
                          "coordinator-2"}, rows
     assert all(r["state"] == "ready" and r["pid"] > 0 for r in rows.values()), rows
     where = {name: topo.node_of(row) for name, row in rows.items()}
-    assert where["hub"] == "head" and where["gateway-1"] == "a", where  # by their resources
+    assert where["hub"] == "head" and where["gateway-1"] == "a", where  # a resource; a label
     # spread: each pair on the two nodes that have CPUs (the head has none)
     assert {where["alpha-1"], where["beta-1"]} == {"a", "b"}, where
     assert {where["coordinator-1"], where["coordinator-2"]} == {"a", "b"}, where
