@@ -21,7 +21,7 @@ import pytest
 
 from agent_bus.agents.client.remote import connect as connect_agents
 from agent_bus.agents.experiment.runner import Journal, read_journal
-from agent_bus.agents.gateway.fakellm import FakeLLMServer
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, request_key
 from agent_bus.bus.security import CurveClient
 from tests.ray.conftest import RayCluster, ray
 from tests.support import Proc, busctl, wait_for
@@ -29,6 +29,7 @@ from tests.support import Proc, busctl, wait_for
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 NAME = "raytest"
+MODEL_KEY = "sk-raytest-0123456789abcdef"  # in `up`'s environment only
 FORGE = Path(__file__).parent.parent / "security" / "fixtures" / "forge_run.py"
 
 
@@ -96,6 +97,7 @@ state_dir = "{tmp / 'state'}"
 provider = "openai"
 base_url = "{base_url}"
 model = "demo-model"
+api_key_env = "RAYTEST_API_KEY"
 
 [gateways]
 default_model = "demo"
@@ -150,7 +152,8 @@ def topo(ray_cluster: RayCluster, fake_model: FakeLLMServer, project: Path) -> I
     started = time.monotonic()
     up = subprocess.run(busctl("up", "-c", str(file), "--engine", "ray", "--address",
                                ray_cluster.address, "--json"),
-                        capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+                        capture_output=True, text=True, timeout=240,
+                        env={**os.environ, **env, "RAYTEST_API_KEY": MODEL_KEY})
     print(f"\nbusctl up --engine ray: ready in {time.monotonic() - started:.1f}s\n{up.stderr}")
     try:
         assert up.returncode == 0, up.stderr
@@ -225,7 +228,7 @@ def test_logs_come_from_every_node(topo: RayTopology) -> None:
     assert {"hub", "gateway-1", "alpha-1", "beta-1", "coordinator-1"} <= names, out.stdout
 
 
-def test_keys_stay_out_of_reach(topo: RayTopology) -> None:
+def test_keys_stay_out_of_reach(topo: RayTopology, fake_model: FakeLLMServer) -> None:
     """A worker's run_shell reads no key file (the hub's secret lies in the state directory on
     its node, which every worker's sandbox hides), and the worker's key may not register `llm`."""
     secret = _hub_secret(topo.state.parent)
@@ -252,6 +255,10 @@ def test_keys_stay_out_of_reach(topo: RayTopology) -> None:
         except OSError:  # a sandboxed worker: another user namespace's process
             continue
         assert key not in environ and owner not in environ, row["name"]
+        assert MODEL_KEY.encode() not in environ, row["name"]
+    # the model's key went from `up` to the gateway (holder, then stdin): the model saw it
+    seen = {request_key(r.headers) for r in fake_model.requests}
+    assert MODEL_KEY in seen, seen
 
 
 def test_a_process_that_exits_is_restarted_in_place(topo: RayTopology) -> None:
