@@ -20,7 +20,7 @@ def _without_ray(tmp_path: Path) -> dict[str, str]:
     first on the path that raises ImportError (python -P still reads PYTHONPATH)."""
     shadow = tmp_path / "shadow" / "ray"
     shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError('No module named ray', name='ray')\n")
     return {"PYTHONPATH": str(shadow.parent)}
 
 

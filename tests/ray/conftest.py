@@ -1,7 +1,9 @@
 """A real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`): a head with no
 CPU (it hosts the GCS and the hub's custom resource `bus_hub`) and two nodes, `bus_a` (labelled
-`bus-zone=a`) and `bus_b`. One cluster per test module (a cluster costs seconds to start on 2 cores). Skipped
-cleanly without the `ray` extra."""
+`bus-zone=a`) and `bus_b`. One cluster per test module (a cluster costs seconds to start on 2
+cores). Ray is imported by the fixture and the test modules (`pytest.importorskip`), so that
+they are skipped cleanly without the `ray` extra (a skip raised while a conftest loads is an
+error)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
-
-pytestmark = pytest.mark.ray
 
 # A killed node is declared dead after ~1.5 s instead of Ray's default ~30 s, so a test of
 # recovery measures the bus coming back, not the detection (the head's health checks).
@@ -48,6 +45,9 @@ class RayCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayCluster]:
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
     home = tmp_path_factory.mktemp("home")
     saved = {k: os.environ.get(k) for k in ("HOME", "RAY_USAGE_STATS_ENABLED", "RAY_ADDRESS")}
     os.environ.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0")

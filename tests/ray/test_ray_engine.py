@@ -19,12 +19,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from agent_bus.agents.client.remote import connect as connect_agents
-from agent_bus.agents.experiment.runner import Journal, read_journal
-from agent_bus.agents.gateway.fakellm import FakeLLMServer, request_key
-from agent_bus.bus.security import CurveClient
-from tests.ray.conftest import RayCluster, ray
-from tests.support import Proc, busctl, wait_for
+ray = pytest.importorskip("ray")  # skipped without the `ray` extra
+
+from agent_bus.agents.client.remote import connect as connect_agents  # noqa: E402
+from agent_bus.agents.experiment.runner import Journal, read_journal  # noqa: E402
+from agent_bus.agents.gateway.fakellm import FakeLLMServer, request_key  # noqa: E402
+from agent_bus.bus.security import CurveClient  # noqa: E402
+from tests.ray.conftest import RayCluster  # noqa: E402
+from tests.support import Proc, busctl, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
