@@ -18,7 +18,7 @@ import msgspec
 from agent_bus.bus.client import DEFAULT_HUB, HUB_ENV
 from agent_bus.bus.errors import AgentBusError, HubUnreachable
 from agent_bus.bus.paths import HUB_FORMS, parse_hub_address
-from agent_bus.bus.security import CurveClient
+from agent_bus.bus.security import HANDED_KEYS_ENV, CurveClient
 from agent_bus.commands.interrupt import exit_130
 
 T = TypeVar("T")
@@ -241,8 +241,11 @@ def _hub_options(fn: Callable[..., Any], *, find_on_ray: bool) -> Callable[..., 
                 engine: str | None, address: str | None, topology_name: str, **kwargs: Any) -> Any:
         if not find_on_ray:
             kwargs.update(engine=engine, address=address, topology_name=topology_name)
-        elif engine == "ray":  # the hub and the owner's key, found on the cluster: nothing typed
-            kwargs["hub"], curve = on_ray("client", topology_name, address or "auto")
+        elif engine == "ray" and HANDED_KEYS_ENV not in os.environ:
+            # the hub and the owner's key, found on the cluster: nothing typed. (A worker that
+            # re-ran itself in its sandbox has its keys in a pipe and its hub from outside.)
+            command = click.get_current_context().info_name or ""  # `worker`: a worker's key
+            kwargs["hub"], curve = on_ray("client", topology_name, address or "auto", command)
             return fn(*args, curve=curve, **kwargs)
         return fn(*args, curve=curve_client(curve_server_key, curve_key), **kwargs)
 

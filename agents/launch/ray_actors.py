@@ -80,8 +80,10 @@ class TopologyHolder:
         self.name = name
         self.topology_json = topology_json
         topo = msgspec.json.decode(topology_json, type=Topology)
+        # every kind but the owner's (its pair is `self.owner`); `worker` and `gateway` are also
+        # what a `busctl worker|gateway --engine ray` attached by hand presents
         self.roles = {kind: patterns for kind, patterns in credentials.kinds(topo).items()
-                      if kind not in curve_keys.NOT_MADE}
+                      if kind != "owner"}
         self.hub = zmq.curve_keypair()
         self.owner = zmq.curve_keypair()
         self.pairs = {kind: zmq.curve_keypair() for kind in self.roles}

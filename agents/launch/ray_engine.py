@@ -351,14 +351,20 @@ def find(name: str, address: str) -> tuple[Any, Any, str]:
     return ray, holder, name
 
 
-def client(name: str, address: str) -> tuple[str, CurveClient]:
-    """The hub's address and the owner's keys (held in memory, never in a file)."""
+HAND_ATTACHED = ("worker", "gateway")  # commands that get their kind's key, not the owner's
+
+
+def client(name: str, address: str, command: str = "") -> tuple[str, CurveClient]:
+    """The hub's address and keys held in memory (never in a file): the owner's, or for a
+    `busctl worker|gateway` attached by hand, its kind's (only its role)."""
     ray, holder, name = find(name, address)
     _keepers(ray, holder, name)  # names a lost holder plainly
     endpoint, _events = ray.get(holder.hub_address.remote())
     if not endpoint:
         raise RayEngineError("the topology's hub is not ready (yet); see `busctl ps --engine ray`")
-    return endpoint, CurveClient.held(*ray.get(holder.owner_keys.remote()))
+    keys = holder.client_keys.remote(command) if command in HAND_ATTACHED \
+        else holder.owner_keys.remote()
+    return endpoint, CurveClient.held(*ray.get(keys))
 
 
 def _keepers(ray: Any, holder: Any, name: str) -> dict[str, tuple[str, Any]]:

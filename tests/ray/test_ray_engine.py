@@ -210,6 +210,22 @@ def test_status_and_a_second_up_find_the_topology_by_name(topo: RayTopology) -> 
     assert again.returncode == 1 and "already up on this Ray cluster" in again.stderr, again.stderr
 
 
+def test_a_worker_attached_by_hand_gets_a_workers_key_from_the_cluster(topo: RayTopology) -> None:
+    hand = Proc(busctl("worker", "--name", "by-hand", "--workspace", str(topo.workspace),
+                       "--tools", "agent_bus.tools.builtin"),
+                env={**topo.env, "BUSCTL_ENGINE": "ray", "RAY_ADDRESS": topo.cluster.address})
+    try:
+        hand.wait_ready(60)
+        status = topo.cli("status", "--json")
+        assert status.returncode == 0 and "by-hand" in status.stdout, status.stderr
+        peer = next(p for p in json.loads(status.stdout)["peers"] if p["name"] == "by-hand")
+        holder = ray.get_actor(f"{NAME}:topology", namespace="agent-bus")
+        worker_public = ray.get(holder.client_keys.remote("worker"))[1].decode()
+        assert peer["peer"].startswith(f"key:{worker_public[:12]}"), peer  # not the owner's
+    finally:
+        hand.stop()
+
+
 def test_a_failed_up_names_the_key_and_leaves_nothing(topo: RayTopology) -> None:
     bad = topo.file.with_name("bad.toml")
     bad.write_text(topo.file.read_text().replace(f'name = "{NAME}"', 'name = "badtest"')
