@@ -375,8 +375,9 @@ def test_a_node_killed_mid_experiment_loses_no_cell_and_its_processes_come_back(
     on_b = sorted(n for n, row in before.items() if topo.node_of(row) == "b")
     assert "coordinator-1" in on_b or "coordinator-2" in on_b, before
     spec = _experiment(topo.state.parent, "lost-node")
-    runner = Proc(busctl("experiment", "run", str(spec), "--name", "lost-node"),
-                  env={**topo.env, "BUSCTL_ENGINE": "ray", "RAY_ADDRESS": cluster.address})
+    runner = Proc(busctl("experiment", "run", str(spec), "--name", "lost-node"),  # results: in cwd
+                  env={**topo.env, "BUSCTL_ENGINE": "ray", "RAY_ADDRESS": cluster.address},
+                  cwd=topo.state.parent)
     try:
         wait_for(lambda: len(_journal(topo, "lost-node").results) >= 8, 90, "8 cells journaled")
         started = time.monotonic()
