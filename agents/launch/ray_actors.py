@@ -274,6 +274,15 @@ class ProcessKeeper:
         except Exception as exc:  # noqa: BLE001 - reported by info()/wait_ready, not lost in a thread
             self.failure = f"{type(exc).__name__}: {exc}"
             return
+        try:
+            self._restarting(topo, state, spec, keys)
+        except Exception as exc:  # noqa: BLE001 - as above: `busctl ps` shows it as `failed`
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._log(f"stopped keeping the process: {self.failure}")
+
+    def _restarting(self, topo: Topology, state: Path, spec: ChildSpec,
+                    keys: KeyTriple | None) -> None:
+        """Run the child, and again after it exits (`busctl up`'s backoff and crash loop)."""
         while not self.stopping:
             code = self._run_once(spec, keys)
             self.last_exit = code
