@@ -50,3 +50,20 @@ def test_the_placement_example_is_a_valid_topology() -> None:
     topology = parse_topology(example.encode(), "README", as_json=False)
     assert topology.engine.kind == "ray" and set(topology.placement) == {
         "hub", "gateways", "workers", "coordinators"}
+
+
+def test_the_shell_recipes_are_valid_shell() -> None:
+    """The two-machine commands and the Slurm batch script parse (`bash -n`), and start the same
+    Ray version's nodes the way the section says (a head, then nodes joining its GCS port)."""
+    import subprocess
+
+    blocks = _block("sh")
+    assert len(blocks) == 2, blocks
+    for block in blocks:
+        script = "\n".join(line.split("$ ", 1)[1] if re.match(r"^[\d.]+\$ ", line) else line
+                           for line in block.splitlines())
+        check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+        assert check.returncode == 0, (script, check.stderr)
+        assert "ray start --head --port=6379" in script and "--address=" in script, script
+        assert "busctl up -c team.toml --engine ray" in script and "busctl down --engine ray" in script
+    assert "#SBATCH" in blocks[1] and "scontrol show hostnames" in blocks[1]
