@@ -13,11 +13,12 @@ from typing import Any, TypeVar
 
 import anyio
 import click
+import msgspec
 
 from agent_bus.bus.client import DEFAULT_HUB, HUB_ENV
 from agent_bus.bus.errors import AgentBusError, HubUnreachable
 from agent_bus.bus.paths import HUB_FORMS, parse_hub_address
-from agent_bus.bus.security import CurveClient
+from agent_bus.bus.security import HANDED_KEYS_ENV, CurveClient
 from agent_bus.commands.interrupt import exit_130
 
 T = TypeVar("T")
@@ -210,7 +211,18 @@ def hub_address_option(ctx: click.Context, param: click.Parameter, value: str | 
 
 
 def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`--hub` plus the CURVE client keys, passed on as `hub` and `curve`."""
+    """`--hub` plus the CURVE client keys, passed on as `hub` and `curve`; with `--engine ray`,
+    both are found on the cluster (the topology's holder actor: nothing typed, no key copied)."""
+    return _hub_options(fn, find_on_ray=True)
+
+
+def hub_and_engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`hub_options` that passes the engine options on (`engine`, `address`, `topology_name`)
+    instead of acting on them: `busctl ps` asks Ray itself."""
+    return _hub_options(fn, find_on_ray=False)
+
+
+def _hub_options(fn: Callable[..., Any], *, find_on_ray: bool) -> Callable[..., Any]:
 
     @click.option("--hub", "hub", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
                   callback=hub_address_option,
@@ -223,12 +235,84 @@ def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     @click.option("--curve-key", envvar="BUSCTL_CURVE_KEY", default=None,
                   type=click.Path(dir_okay=False),
                   help="This client's secret key file, for a CURVE hub.")
+    @engine_options
     @functools.wraps(fn)
     def wrapper(*args: Any, curve_server_key: str | None, curve_key: str | None,
-                **kwargs: Any) -> Any:
+                engine: str | None, address: str | None, topology_name: str, **kwargs: Any) -> Any:
+        if not find_on_ray:
+            kwargs.update(engine=engine, address=address, topology_name=topology_name)
+        elif engine == "ray" and HANDED_KEYS_ENV not in os.environ:
+            # the hub and the owner's key, found on the cluster: nothing typed. (A worker that
+            # re-ran itself in its sandbox has its keys in a pipe and its hub from outside.)
+            command = click.get_current_context().info_name or ""  # `worker`: a worker's key
+            kwargs["hub"], curve = on_ray("client", topology_name, address or "auto", command)
+            return fn(*args, curve=curve, **kwargs)
         return fn(*args, curve=curve_client(curve_server_key, curve_key), **kwargs)
 
     return wrapper
+
+
+ENGINE_ENV = "BUSCTL_ENGINE"
+RAY_NAME_ENV = "BUSCTL_RAY_TOPOLOGY"
+
+
+def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--engine`, `--address`, `--topology-name`: which engine runs the topology, and for Ray
+    the cluster and the topology's name there; passed on as `engine`, `address`, `topology_name`."""
+    fn = click.option("--topology-name", envvar=RAY_NAME_ENV, default="", metavar="NAME",
+                      help=f"With --engine ray: the topology's name on the cluster [default: "
+                           f"the only one up there] (env {RAY_NAME_ENV}).")(fn)
+    fn = click.option("--address", envvar="RAY_ADDRESS", default=None, metavar="ADDR",
+                      help="With --engine ray: the Ray cluster (HOST:PORT of its head) "
+                           "[default: the topology file's, else `auto`, the cluster this "
+                           "machine belongs to] (env RAY_ADDRESS).")(fn)
+    return click.option("--engine", envvar=ENGINE_ENV, type=click.Choice(["local", "ray"]),
+                        default=None, help=f"Where the topology runs: `local` (busctl up's own "
+                        f"supervisor) or `ray` (a Ray cluster; needs `pip install "
+                        f"'agent-bus[ray]'`) [default: the topology file's [engine] kind] "
+                        f"(env {ENGINE_ENV}).")(fn)
+
+
+class RayTarget(msgspec.Struct, frozen=True):
+    name: str  # "": the only topology up on the cluster
+    address: str
+
+
+def ray_target(config_file: str | None, engine: str | None, address: str | None,
+               name: str) -> RayTarget | None:
+    """The Ray topology a command is about (None: a local one): `--engine ray`, or a topology
+    file whose [engine] kind is "ray"; its name and address from the flags, else the file."""
+    if engine == "local":
+        return None
+    topo = load_topology_or_exit(config_file) if config_file else None
+    if engine is None and (topo is None or topo.engine.kind != "ray"):
+        return None
+    if topo is not None and not name:
+        from agent_bus.agents.launch.ray_engine import topology_name
+
+        name = topology_name(topo, config_file)
+    return RayTarget(name, address or (topo.engine.address if topo else "auto"))
+
+
+def on_ray(what: str, *args: Any) -> Any:
+    """Call `agent_bus.agents.launch.ray_engine.<what>(*args)`, then leave the cluster. Without
+    Ray installed: exit 2 naming the extra. Streams to write to are passed in `args` (stdout is
+    redirected meanwhile)."""
+    import contextlib
+
+    from agent_bus.agents.launch import ray_engine
+
+    try:
+        # Ray's driver prints the cluster's notices (a node lost...) on sys.stdout from a thread
+        # of its own: to stderr with them, so that stdout stays the command's (`ps --json`).
+        with contextlib.redirect_stdout(sys.stderr):
+            return getattr(ray_engine, what)(*args)
+    except ray_engine.RayUnavailable as exc:
+        raise ConfigExit(str(exc)) from None
+    finally:
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
 
 
 def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:

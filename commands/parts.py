@@ -273,11 +273,15 @@ def _hand_over_keys(curve: CurveClient | None, workspace: str,
                     hide: tuple[str, ...]) -> tuple[int | None, tuple[str, ...]]:
     """Before the sandbox: the worker's CURVE keys go to its re-executed self in a pipe, and its
     key files (with the secrets beside them) are hidden in there, so no tool, shell or MCP server
-    reads them. Returns the pipe's read end (None: no file-backed keys) and the paths to hide."""
+    reads them. Returns the pipe's read end (None: no keys) and the paths to hide. Keys that
+    came in memory (a Ray keeper hands them over so, `agents/launch/ray_actors.py`) go on the
+    same way: there is no file to hide."""
     from agent_bus.bus.security import HELD, hand_over, key_hiding
 
-    if curve is None or curve.secret_key_file == HELD:
+    if curve is None:
         return None, hide
+    if curve.secret_key_file == HELD:
+        return hand_over(curve), hide
     return hand_over(curve), (*hide, *key_hiding([curve.secret_key_file], Path(workspace)))
 
 

@@ -11,36 +11,59 @@ import msgspec
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.security import CurveClient
-from agent_bus.commands.base import hub_options, run_async, state_of, topology_option, use_color
+from agent_bus.commands.base import (
+    engine_options,
+    hub_and_engine_options,
+    on_ray,
+    ray_target,
+    run_async,
+    state_of,
+    topology_option,
+    use_color,
+)
 
 
 @click.command()
-@hub_options
+@hub_and_engine_options
 @topology_option
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per process per line.")
-def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bool) -> None:
+def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bool,
+       engine: str | None, address: str | None, topology_name: str) -> None:
     """List the topology's processes: state, pid, uptime, restarts and last exit.
 
     The processes come from the supervisor of the topology started from this directory; with
     `--hub` on the command line (or none up here), from the peers connected to that hub.
     (`BUSCTL_HUB` alone does not switch: it names where to look when nothing is up here.)
+    With `--engine ray` (or a `-c` file whose [engine] kind is "ray"): from the cluster, each
+    process with the node it runs on.
 
     \b
     Examples:
       busctl ps
       busctl ps --hub tcp://10.0.0.5:7400 --json | jq .name
+      busctl ps --engine ray
     """
-    from click.core import ParameterSource
+    target = ray_target(config_file, engine, address, topology_name)
+    if target is not None:
+        _print_rows(on_ray("table", target.name, target.address), as_json)
+        return
+    _print_rows(_rows(hub, curve, config_file), as_json)
 
-    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
-    rows = None if explicit else _supervisor_table(state_of(config_file))
-    if rows is None:
-        rows = _hub_table(hub, curve)
+
+def _print_rows(rows: list[dict[str, Any]], as_json: bool) -> None:
     if not as_json:
         _print_table(rows)
         return
     for row in rows:
         click.echo(msgspec.json.encode(row).decode())
+
+
+def _rows(hub: str, curve: CurveClient | None, config_file: str | None) -> list[dict[str, Any]]:
+    from click.core import ParameterSource
+
+    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
+    rows = None if explicit else _supervisor_table(state_of(config_file))
+    return _hub_table(hub, curve) if rows is None else rows
 
 
 def _supervisor_table(state: Path) -> list[dict[str, Any]] | None:
@@ -94,8 +117,10 @@ def _cell(key: str, value: Any) -> str:
 
 @click.command()
 @topology_option
+@engine_options
 @click.argument("names", nargs=-1, required=True)
-def restart(config_file: str | None, names: tuple[str, ...]) -> None:
+def restart(config_file: str | None, names: tuple[str, ...], engine: str | None,
+            address: str | None, topology_name: str) -> None:
     """Restart processes of the running topology by name (through its supervisor).
 
     Each is stopped (SIGTERM, SIGKILL after a few seconds) and started again at once; the
@@ -105,30 +130,41 @@ def restart(config_file: str | None, names: tuple[str, ...]) -> None:
     Example:
       busctl restart tools-1 gateway-1
     """
-    from agent_bus.agents.launch.up import ControlRequest
-
+    target = ray_target(config_file, engine, address, topology_name)
     for name in names:
+        if target is not None:
+            click.echo(on_ray("restart", target.name, target.address, name))
+            continue
+        from agent_bus.agents.launch.up import ControlRequest
+
         click.echo(_control(config_file, ControlRequest(op="restart", name=name)))
 
 
 @click.command()
 @topology_option
+@engine_options
 @click.argument("targets", nargs=-1, required=True)
-def scale(config_file: str | None, targets: tuple[str, ...]) -> None:
+def scale(config_file: str | None, targets: tuple[str, ...], engine: str | None,
+          address: str | None, topology_name: str) -> None:
     """Set the number of processes of worker groups at run time: GROUP=N (`workers`: the first).
 
     \b
     Examples:
       busctl scale workers=3
       busctl scale tools=2 search=0
+      busctl scale --engine ray workers=6     # across the cluster's nodes
     """
     from agent_bus.agents.launch.up import ControlRequest
 
+    ray = ray_target(config_file, engine, address, topology_name)
     for target in targets:
         group, _, count = target.partition("=")
         if not group or not count.isdigit():
             raise click.BadParameter(f"{target!r} is not GROUP=N (e.g. workers=3)",
                                      param_hint="TARGETS")
+        if ray is not None:
+            click.echo(on_ray("scale", ray.name, ray.address, group, int(count)))
+            continue
         click.echo(_control(config_file, ControlRequest(op="scale", name=group, count=int(count))))
 
 
@@ -146,8 +182,10 @@ def _control(config_file: str | None, request: Any) -> str:
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new output as it is written.")
 @click.option("--tail", type=click.IntRange(0), default=None,
               help="Only the last N lines of each log first [default: all].")
+@engine_options
 @click.argument("names", nargs=-1)
-def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[str, ...]) -> None:
+def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[str, ...],
+         engine: str | None, address: str | None, topology_name: str) -> None:
     """Print the output of the topology's processes (all, or NAMES), each line prefixed.
 
     Read from the log files in the state directory: works while the topology runs and after it
@@ -157,7 +195,18 @@ def logs(config_file: str | None, follow: bool, tail: int | None, names: tuple[s
     Examples:
       busctl logs --tail 20
       busctl logs -f gateway-1 tools-1
+      busctl logs --engine ray -f --tail 20    # read on each process's node
     """
+    target = ray_target(config_file, engine, address, topology_name)
+    if target is not None:
+        import sys
+
+        prefix = click.style("{:>12} | ", fg="cyan") if use_color() else "{:>12} | "
+        try:
+            on_ray("logs", target.name, target.address, set(names), tail, follow, sys.stdout, prefix)
+        except KeyboardInterrupt:
+            pass
+        return
     from agent_bus.agents.launch.supervisor import LogTail
 
     folder = state_of(config_file) / "logs"

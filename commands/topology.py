@@ -16,8 +16,11 @@ from agent_bus.bus.paths import HUB_FORMS
 from agent_bus.bus.security import InsecureBindError, check_bind
 from agent_bus.commands.base import (
     ConfigExit,
+    engine_options,
     hub_address_option,
     load_topology_or_exit,
+    on_ray,
+    ray_target,
     state_of,
     topology_option,
     use_color,
@@ -47,9 +50,10 @@ if TYPE_CHECKING:  # agents.launch.up loads when `up` runs
                    '({"ready": "up", "endpoint": …, "events": …, "pid": …}); the console '
                    "output goes to stderr. Without it the same line is in <state>/up.ready.")
 @click.option("--ready-file", default="", hidden=True)
+@engine_options
 def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ...],
        workers: int | None, demo: bool, model_file: str | None, detach: bool, as_json: bool,
-       ready_file: str) -> None:
+       ready_file: str, engine: str | None, address: str | None, topology_name: str) -> None:
     """Start a whole topology — hub, gateways, workers, coordinators — and supervise it.
 
     \b
@@ -59,7 +63,10 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up --tools ./my_tools.py --workers 4
       busctl up --model-file ./qwen2.5-0.5b-instruct-q4_k_m.gguf   # a local model, no server
       busctl up -d --json | jq -r .endpoint    # a script: the ready line, as JSON
-    Ctrl-C stops everything in order.
+      busctl up -c team.toml --engine ray --address 10.0.0.5:6379   # placed by a Ray cluster
+    Ctrl-C stops everything in order. With `--engine ray` (or `[engine] kind = "ray"`), `up`
+    returns once everything is ready: the topology then belongs to the cluster (Ray restarts
+    what a lost node took) until `busctl down --engine ray`.
     """
     from agent_bus.agents.launch.up import UpOptions
     from agent_bus.bus.procsec import make_undumpable
@@ -73,11 +80,34 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
                         detach_ready_file=ready_file, model_file=model_file or "",
                         topology_file=config_file or "",
                         ready_json=as_json and not detach)
+    if (engine or topology.engine.kind) == "ray":
+        _up_on_ray(topology, options, config_file, address, topology_name, demo, as_json)
+        return
     _check_before_start(topology, options, config_file)
     if detach:
         _detach(topology, options, as_json)
         return
     _run_in_foreground(topology, options, as_json)
+
+
+def _up_on_ray(topology: Any, options: UpOptions, config_file: str | None, address: str | None,
+               name: str, demo: bool, as_json: bool) -> None:
+    from agent_bus.agents.launch.topology import check_topology
+    from agent_bus.agents.launch.up import resolve
+
+    if demo or options.model_file:
+        raise click.UsageError("--demo and --model-file start a model beside the hub, which "
+                               "--engine ray does not (yet): run `busctl fake-llm` or a model "
+                               "server and name it in [models]")
+    topo = resolve(topology, options)
+    problems = check_topology(topo)
+    if problems:
+        raise ConfigExit(f"{config_file or 'embedded default'}: {problems[0]}")
+    from agent_bus.agents.launch.ray_engine import topology_name
+
+    console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
+    sys.exit(on_ray("up", topo, name or topology_name(topo, config_file),
+                    address or topo.engine.address, console, sys.stdout if as_json else None))
 
 
 def _scrub_secrets(topology: Any) -> None:
@@ -176,7 +206,9 @@ def _last_lines(path: Path, count: int = 5) -> str:
 @topology_option
 @click.option("--timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
               help="Seconds to wait for an orderly stop before killing what is left.")
-def down(config_file: str | None, timeout: float) -> None:
+@engine_options
+def down(config_file: str | None, timeout: float, engine: str | None, address: str | None,
+         topology_name: str) -> None:
     """Stop the topology started from this directory (with `busctl up`, `-d` or not).
 
     Asks the supervisor to stop everything in order; if it is gone (or too slow), stops each
@@ -187,6 +219,10 @@ def down(config_file: str | None, timeout: float) -> None:
     Example:
       busctl up -d && busctl run "hi" && busctl down
     """
+    target = ray_target(config_file, engine, address, topology_name)
+    if target is not None:  # every actor, process and placement group of it, on every node
+        click.echo(on_ray("down", target.name, target.address))
+        return
     from agent_bus.agents.launch.up import stop_topology
 
     state = state_of(config_file)

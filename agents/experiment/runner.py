@@ -57,7 +57,7 @@ from agent_bus.agents.replay_wire import REPLAY_SERVICE, ReplayLoad
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, Subscription
-from agent_bus.bus.errors import BusError, HubLost, RemoteError
+from agent_bus.bus.errors import BusError, HubLost, NoService, RemoteError
 from agent_bus.bus.messages import AssistantMessage, RunWorkspace, Usage
 from agent_bus.bus.watch import replay_batch
 from agent_bus.tools.workspaces import WORKSPACES_META
@@ -514,17 +514,29 @@ class Runner:
         for attempt in range(1, self.loaded.spec.run.retries + 2):
             if self.progress is not None:
                 self.progress.running += 1
+            lost = False
             try:
                 result = await self._attempt(base, variant, sample, tag, workspace)
             except BusError as exc:
                 result = msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
+                lost = isinstance(exc, NoService)
             finally:
                 if self.progress is not None:
                     self.progress.running -= 1
             result.attempts = attempt
             if result.status == "ok":
                 break
+            if lost:  # its only coordinator is gone for now (restarted, its node lost): wait
+                await self._served(variant.agent)
         return result
+
+    async def _served(self, agent: str) -> None:
+        """Until a coordinator serves `agent` again, at most `resume_wait` seconds: a retry at
+        once would fail the same way while the supervisor (or Ray, on another node) brings it
+        back, and spend the cell's retries in a moment."""
+        with anyio.move_on_after(self.bus.resume_wait):
+            while agent not in await self.bus.agents():
+                await anyio.sleep(0.25)
 
     async def _attempt(self, base: SampleResult, variant: Variant, sample: Sample,
                        tag: str, workspace: RunWorkspace | None) -> SampleResult:

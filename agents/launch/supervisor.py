@@ -271,7 +271,7 @@ class Supervisor:
                 if self.notify:
                     await self.notify("gave_up", child, code)
                 return
-            delay = _restart_delay(len(child.restart_times))
+            delay = restart_delay(len(child.restart_times))
             self._say(child.spec.name, f"exited with {code}; restarting in {delay:g}s")
             await anyio.sleep(delay)
             if self.stopping or child.removed:
@@ -427,8 +427,13 @@ class Supervisor:
 
 
 def _sandbox_cell(child: Child) -> str:
-    """A worker's sandbox for `busctl ps`: `bwrap` (+ `shell:bwrap net:off`), `none`; `-`."""
-    info = (child.ready or {}).get("sandbox") if child.spec.role == "worker" else None
+    return sandbox_cell(child.ready or {}) if child.spec.role == "worker" else "-"
+
+
+def sandbox_cell(ready: dict[str, Any]) -> str:
+    """A worker's sandbox for `busctl ps`, from its ready line: `bwrap` (+ `shell:bwrap
+    net:off`), `none`; `-`."""
+    info = ready.get("sandbox")
     if not isinstance(info, dict):
         return "-"
     shell = f" shell:{info['shell']} net:{'on' if info.get('shell_network') else 'off'}" \
@@ -457,7 +462,7 @@ async def _hand_over(stdin: anyio.abc.ByteSendStream, data: bytes) -> None:
         pass
 
 
-def _restart_delay(recent_restarts: int) -> float:
+def restart_delay(recent_restarts: int) -> float:
     """The wait before a restart: RESTART_BACKOFF's delay after `recent_restarts` earlier ones
     (those inside CRASH_LOOP_WINDOW), so a child that stayed up a while starts over at 0.5 s."""
     return next(itertools.islice(RESTART_BACKOFF.delays(), recent_restarts, None))

@@ -147,6 +147,42 @@ def otel_traces_url(endpoint: str) -> str:
     return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
 
 
+class EngineSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`[engine]`: what starts and restarts the processes. "local": `busctl up`'s own supervisor
+    on this machine; "ray": a Ray cluster places them (`busctl up --engine ray`,
+    agents/launch/ray_engine.py; needs `pip install 'agent-bus[ray]'`)."""
+
+    kind: Literal["local", "ray"] = "local"
+    # The Ray cluster: "auto" = the one this machine belongs to (`ray start` ran here), or
+    # HOST:PORT of its head (GCS), or ray://HOST:10001 (Ray Client).
+    address: str = "auto"
+    # The topology's name in the cluster: its actors are `<name>:<process>` in Ray namespace
+    # `agent-bus`, and every `busctl --engine ray` command finds it by it. "": the topology
+    # file's stem (`team.toml` -> `team`), `agent-bus` for the embedded default.
+    name: str = ""
+
+
+class Placement(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`[placement.<what>]`: where Ray runs a process or a group of them (ignored by the local
+    engine). <what> is `hub`, `gateways`, `coordinators`, `workers` (every worker group), a worker
+    group's name, or one process's name (`coordinator-2`, `tools-1`); the most specific wins."""
+
+    # Ray resources each process reserves: custom ones a node was started with
+    # (`ray start --resources='{"bus_tools": 4}'`), "GPU", "CPU" (default: none, so a
+    # bus process, mostly idle, does not take a CPU from Ray's tasks).
+    resources: dict[str, Annotated[float, msgspec.Meta(ge=0)]] = msgspec.field(default_factory=dict)
+    # "spread": the processes of this entry on distinct nodes where possible; "pack": on as few
+    # as possible (a soft Ray placement group either way, so a lost node's share comes back on
+    # the nodes left). "": Ray's default.
+    strategy: Literal["", "spread", "pack"] = ""
+    # A node the processes must run on: its IP address, its Ray node id (hex), or a label
+    # `key=value` (`ray start --labels='{"zone": "a"}'`). Hard: they wait for that node.
+    node: str = ""
+
+
+PLACEMENT_GROUPS = ("hub", "gateways", "coordinators", "workers")
+
+
 class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     hub: HubSection = msgspec.field(default_factory=HubSection)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)  # alias -> model
@@ -157,6 +193,8 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     processes: list[ProcessSpec] = msgspec.field(default_factory=list)
     ui: UiSection | None = None
     otel: OtelSection | None = None
+    engine: EngineSection = msgspec.field(default_factory=EngineSection)
+    placement: dict[str, Placement] = msgspec.field(default_factory=dict)
 
     def all_processes(self) -> list[ProcessSpec]:
         """`processes` plus the `[ui]` and `[otel]` children (busctl commands like any other)."""
@@ -290,6 +328,41 @@ def check_topology(topology: Topology) -> list[str]:
         problems.append("gateways.count / coordinators: must be >= 0")
     problems += _state_dir_problems(topology)
     problems += _watcher_problems(topology)
+    problems += placement_problems(topology)
+    return problems
+
+
+def process_names(topology: Topology) -> dict[str, list[str]]:
+    """Each placement key's processes: `hub`, `gateways`, `coordinators`, `workers`, each worker
+    group, and each process by its own name (the names `busctl up` gives them)."""
+    gateways = [f"gateway-{i + 1}" for i in range(topology.gateways.count)]
+    count = topology.coordinators
+    coordinators = [f"coordinator-{i + 1}" for i in range(count) if topology.agents[i::count]]
+    groups = {g.name: [f"{g.name}-{i + 1}" for i in range(g.count)] for g in topology.workers}
+    names = {"hub": ["hub"], "gateways": gateways, "coordinators": coordinators,
+             "workers": [n for group in groups.values() for n in group], **groups}
+    for name in [*gateways, *coordinators, *names["workers"]]:
+        names.setdefault(name, [name])
+    return names
+
+
+def placement_problems(topology: Topology) -> list[str]:
+    problems: list[str] = []
+    known = process_names(topology)
+    for key, entry in topology.placement.items():
+        if key not in known:
+            problems.append(f"placement.{key}: names no process or group (one of "
+                            f"{', '.join(PLACEMENT_GROUPS)}, a worker group, or a process: "
+                            f"{', '.join(n for n in known if n not in PLACEMENT_GROUPS)})")
+        if entry.node and entry.strategy:
+            problems.append(f"placement.{key}: `node` and `strategy` exclude each other (a node "
+                            "fixes where every process runs); give one")
+    engine = topology.engine
+    if engine.name and not re.fullmatch(r"[A-Za-z0-9_.-]+", engine.name):
+        problems.append(f"engine.name: {engine.name!r} must be letters, digits, _ . or -")
+    if not engine.address.strip():
+        problems.append("engine.address: give \"auto\" (the cluster this machine belongs to) or "
+                        "the head's HOST:PORT")
     return problems
 
 
@@ -442,6 +515,14 @@ max_iterations = 200
 # port = 7480                       # 0: any free port; the URL is in its ready line
 # bind = "127.0.0.1"                # the page answers only you (a token, in a 0600 file; its
                                     # link is printed); 0.0.0.0: other machines with the token
+
+# [engine]                          # who runs the processes: "local" (busctl up) or "ray"
+# kind = "ray"                      # a Ray cluster places and restarts them (agent-bus[ray])
+# address = "auto"                  # the cluster this machine belongs to, or HEAD:6379
+# name = "team"                     # its name on the cluster [default: this file's stem]
+# [placement.workers]               # where Ray runs them: hub, gateways, coordinators, workers,
+# resources = { bus_tools = 1 }     # a worker group or one process; Ray resources each takes,
+# strategy = "spread"               # "spread"/"pack" over nodes, or node = "IP|id|label=value"
 
 # [otel]                            # `busctl up` also exports OpenTelemetry traces (busctl otel)
 # endpoint = "http://127.0.0.1:4318"  # OTLP/HTTP; headers from $OTEL_EXPORTER_OTLP_HEADERS

@@ -150,6 +150,21 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
     return specs
 
 
+def process_spec(topo: Topology, endpoint: str, name: str) -> ChildSpec:
+    """The spec of one gateway, worker or coordinator by its name, as `child_specs` makes it (a
+    worker of a group scaled past its `count` too): what another engine runs (ray_engine.py)."""
+    state = state_dir(topo)
+    for spec in _piece_specs(topo, endpoint):
+        if spec.name == name:
+            return _identify(spec, topo, state)
+    group_name, _, index = name.rpartition("-")
+    for group in topo.workers:
+        if group.name == group_name and index.isdigit():
+            return _identify(worker_spec(group, int(index), endpoint, _hidden(topo, group)),
+                             topo, state)
+    raise ChildFailed(f"no process `{name}` in this topology")
+
+
 def _identify(spec: ChildSpec, topo: Topology, state: Path) -> ChildSpec:
     """A child's own identity: its credential (a local hub) or its CURVE key (a CURVE hub)."""
     return credentials.attach(curve_keys.attach(spec, topo, state), topo, state)

@@ -31,6 +31,12 @@ def _no_venv() -> str:
     return "" if (ROOT / ".venv" / "bin" / "python").exists() else "needs the tree's .venv (bench_fences)"
 
 
+def _no_ray() -> str:
+    import importlib.util
+
+    return "" if importlib.util.find_spec("ray") else "needs Ray (the `ray` extra; the test extra has it)"
+
+
 # (id, argv after `python`, the lines the bench must print (regexes), why it is skipped or "")
 BENCHES: list[tuple[str, list[str], list[str], str]] = [
     ("bus", ["bench/bench_bus.py", "--smoke", "--rounds", "1", "--transports", "ipc", "--no-replay"],
@@ -62,6 +68,9 @@ BENCHES: list[tuple[str, list[str], list[str], str]] = [
                 "--seconds", "0.5"], [rf"replay: ratio median {RATIO}"], ""),
     ("experiment", ["bench/bench_experiment.py", "--sessions", "10", "--concurrency", "5", "--rounds", "1"],
      [rf"ratio {RATIO} \(target <= 1.2x\)"], ""),
+    ("ray", ["bench/bench_ray.py", "--smoke"],
+     [rf"up to ready: local .*--engine ray .*\({RATIO}\)",
+      rf"Ray-placed / local, .*: round trip {RATIO}, calls/s {RATIO}"], _no_ray()),
 ]
 
 
