@@ -9,18 +9,18 @@ import sys
 import click
 
 from agent_bus import cli
-from tests.test_import_graph import _imports, _modules
+from tests.test_import_graph import product_modules, project_imports
 
 CLI = ("agent_bus.cli", "agent_bus.commands")
 ENTRIES = ("agent_bus.__main__",)  # `python -m agent_bus` is busctl too
 
 
 def test_nothing_below_the_cli_imports_it() -> None:
-    modules = _modules()
+    modules = product_modules()
     known = set(modules)
     wrong = [f"{name} imports {used}" for name, path in modules.items()
              if not name.startswith(CLI) and name not in ENTRIES
-             for used in _imports(name, path, known) if used.startswith(CLI)]
+             for used in project_imports(name, path, known) if used.startswith(CLI)]
     assert not wrong, wrong
 
 
