@@ -28,7 +28,7 @@ import anyio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import pct  # noqa: E402
+from bench.common import calls_per_second, pct  # noqa: E402
 
 TOOLS = str(ROOT / "bench" / "bench_tools.py")  # its `echo` tool
 
@@ -103,20 +103,7 @@ async def throughput(endpoint: str, curve: object, seconds: float, in_flight: in
 
     body = p.encode(ToolCallRequest(call_id="c", name="echo", arguments='{"text": "hello"}'))
     async with connect(endpoint, name="bench-rps", curve=curve) as peer:  # type: ignore[arg-type]
-        done = 0
-        stop = time.perf_counter() + seconds
-
-        async def caller() -> None:
-            nonlocal done
-            while time.perf_counter() < stop:
-                await peer.request("tool.echo", body)
-                done += 1
-
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for _ in range(in_flight):
-                tg.start_soon(caller)
-        return done / (time.perf_counter() - t0)
+        return await calls_per_second(lambda: peer.request("tool.echo", body), in_flight, seconds)
 
 
 def main() -> None:

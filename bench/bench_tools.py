@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from agent_bus.tools import tool  # noqa: E402
 from bench.baseline import raw_round_trip  # noqa: E402
-from bench.common import ToolTopology, tool_round_trip  # noqa: E402
+from bench.common import ToolTopology, calls_per_second, tool_round_trip  # noqa: E402
 
 
 @tool
@@ -62,20 +62,7 @@ async def tool_throughput(endpoint: str, seconds: float, in_flight: int) -> floa
     async with connect(endpoint, name="bench-client") as peer:
         tools = BusToolExecutor(peer)
         await tools.catalog()
-        done = 0
-        stop = time.perf_counter() + seconds
-
-        async def caller() -> None:
-            nonlocal done
-            while time.perf_counter() < stop:
-                await tools.execute(request)
-                done += 1
-
-        t0 = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for _ in range(in_flight):
-                tg.start_soon(caller)
-        return done / (time.perf_counter() - t0)
+        return await calls_per_second(lambda: tools.execute(request), in_flight, seconds)
 
 
 async def batch_wall(endpoint: str, calls: int, seconds: float) -> float:

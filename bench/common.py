@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,27 @@ class ToolTopology:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+async def calls_per_second(call: Callable[[], Awaitable[object]], in_flight: int,
+                           seconds: float) -> float:
+    """`call` kept `in_flight` times in flight for `seconds`: completed calls per second."""
+    import anyio
+
+    done = 0
+    stop = time.perf_counter() + seconds
+
+    async def caller() -> None:
+        nonlocal done
+        while time.perf_counter() < stop:
+            await call()
+            done += 1
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for _ in range(in_flight):
+            tg.start_soon(caller)
+    return done / (time.perf_counter() - started)
 
 
 async def tool_round_trip(endpoint: str, n: int, name: str) -> dict[str, float]:

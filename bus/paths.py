@@ -206,14 +206,19 @@ def _alias_file(port: int) -> Path:
     return runtime_home() / f"tcp-{port}"
 
 
-def set_tcp_alias(port: int, endpoint: str) -> None:
-    """Make `tcp://127.0.0.1:<port>` lead this user's clients to `endpoint` (0600)."""
-    path = _alias_file(port)
+def write_private(path: Path, text: str) -> None:
+    """Write `path` whole (a temporary file renamed over it), 0600 from the start, never
+    through a link planted in its place: how every secret or per-user file is written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(endpoint)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def set_tcp_alias(port: int, endpoint: str) -> None:
+    """Make `tcp://127.0.0.1:<port>` lead this user's clients to `endpoint` (0600)."""
+    write_private(_alias_file(port), endpoint)
 
 
 def remove_tcp_alias(port: int, endpoint: str) -> None:

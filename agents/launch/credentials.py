@@ -13,7 +13,6 @@ tool worker in a sandbox that shows it only the sockets does not. See docs/proto
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import msgspec
 
 from agent_bus.agents.launch.supervisor import ChildSpec
 from agent_bus.agents.launch.topology import Topology
-from agent_bus.bus.paths import CREDENTIAL_ENV, OWNER_CREDENTIAL, topology_runtime_dir
+from agent_bus.bus.paths import CREDENTIAL_ENV, OWNER_CREDENTIAL, topology_runtime_dir, write_private
 
 FULL = ["*"]
 
@@ -58,12 +57,12 @@ def make(topo: Topology, state: Path) -> Path:
     table: dict[str, dict[str, object]] = {}
     for name, roles in kinds(topo).items():
         token = secrets.token_urlsafe(32)
-        _write_private(folder / f"{name}.cred" if name != "owner" else folder / OWNER_CREDENTIAL,
+        write_private(folder / f"{name}.cred" if name != "owner" else folder / OWNER_CREDENTIAL,
                        token)
         table[hashlib.sha256(token.encode()).hexdigest()] = {"name": name, "roles": roles}
     path = state / "hub" / "credentials.json"
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    _write_private(path, msgspec.json.encode(table).decode())
+    write_private(path, msgspec.json.encode(table).decode())
     return path
 
 
@@ -86,14 +85,6 @@ def kind_of(spec: ChildSpec) -> str:
     if spec.role == "worker":
         return f"worker-{spec.name.rpartition('-')[0]}"
     return "owner"  # the topology's extra processes are its owner's own programs
-
-
-def _write_private(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def remove(state: Path) -> None:

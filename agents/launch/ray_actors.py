@@ -42,13 +42,14 @@ from agent_bus.agents.launch.supervisor import (
     ChildFailed,
     ChildSpec,
     minimal_environ,
+    ready_line,
     restart_delay,
     sandbox_cell,
     signal_name,
 )
 from agent_bus.agents.launch.topology import Topology
 from agent_bus.bus import events as ev
-from agent_bus.bus.paths import ensure_state_dir
+from agent_bus.bus.paths import ensure_state_dir, write_private
 from agent_bus.bus.security import HANDED_KEYS_ENV, ROLES_FILE, CurveClient
 
 NAMESPACE = "agent-bus"  # every topology's actors live in this Ray namespace
@@ -387,11 +388,8 @@ class ProcessKeeper:
             for raw in process.stdout:
                 line = raw.decode(errors="replace").rstrip("\n")
                 log.write(line + "\n")
-                if self.ready is None and line.startswith('{"ready"'):
-                    try:
-                        self.ready = json.loads(line)
-                    except ValueError:
-                        continue
+                if self.ready is None and (ready := ready_line(line)) is not None:
+                    self.ready = ready
                     self._on_ready()
             return process.wait()
 
@@ -464,11 +462,7 @@ def _write_cert(path: Path, public: bytes, secret: bytes | None = None) -> None:
     text = "metadata\ncurve\n" + f'    public-key = "{public.decode()}"\n'
     if secret is not None:
         text += f'    secret-key = "{secret.decode()}"\n'
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_private(path, text)
 
 
 def _hand_over(stdin: Any, data: bytes) -> None:

@@ -332,11 +332,8 @@ class Supervisor:
             for raw in lines:
                 line = raw.decode(errors="replace")
                 log.write(line + "\n")
-                if child.ready is None and line.startswith('{"ready"'):
-                    try:
-                        child.ready = json.loads(line)
-                    except ValueError:
-                        continue
+                if child.ready is None and (ready := ready_line(line)) is not None:
+                    child.ready = ready
                     child.ready_event.set()
                     continue
                 self._say(child.spec.name, line)
@@ -533,6 +530,17 @@ class LogTail:
 
             prefix = click.style(prefix, fg="cyan")
         self.out.write(prefix + line + "\n")
+
+
+def ready_line(line: str) -> dict[str, Any] | None:
+    """A child's JSON ready line (`{"ready": ...}`, printed once it is registered), or None."""
+    if not line.startswith('{"ready"'):
+        return None
+    try:
+        ready = json.loads(line)
+    except ValueError:
+        return None
+    return ready if isinstance(ready, dict) else None
 
 
 def python_argv(*args: str) -> list[str]:

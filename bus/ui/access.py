@@ -34,7 +34,7 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 from agent_bus.bus.errors import ConfigError
-from agent_bus.bus.paths import runtime_home, state_home
+from agent_bus.bus.paths import runtime_home, state_home, write_private
 
 MIN_TOKEN = 16  # shorter is guessable
 #: What a token may hold: base64 and URL-safe characters, which a cookie carries as they are.
@@ -131,8 +131,8 @@ def hand_out(access: Access, page: str) -> Handout:
     """Write `ui-PORT.token` and `ui-PORT.html` (0600) for the view at `page` (its base URL)."""
     folder = runtime_home()
     out = Handout(folder / f"ui-{access.port}.token", folder / f"ui-{access.port}.html")
-    _write_private(out.token_file, access.token + "\n")
-    _write_private(out.launcher, launcher_page(f"{page}?token={quote(access.token, safe='')}"))
+    write_private(out.token_file, access.token + "\n")
+    write_private(out.launcher, launcher_page(f"{page}?token={quote(access.token, safe='')}"))
     return out
 
 
@@ -145,16 +145,6 @@ def withdraw(handout: Handout, access: Access) -> None:
         return
     for path in (handout.launcher, handout.token_file):
         path.unlink(missing_ok=True)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Written whole (a temporary file renamed over it), 0600 from the start, never through a
-    link planted in its place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def launcher_page(target: str) -> str:
