@@ -23,7 +23,11 @@ averaged), the differences b - a, and their mean — the effect — with its pai
 The test: McNemar's exact test (the binomial test of the samples that flipped, p = 1/2) when
 every per-sample mean on both sides is 0 or 1 (one binary outcome a sample: one repeat, or
 repeats that agree); otherwise the paired t test on the per-sample means, whose p agrees with
-the interval shown. The computations are agents.experiment.stats, checked against scipy.stats.
+the interval shown. With 0/1 outcomes the exact test is the one to quote: the t interval beside
+it is approximate there and may exclude 0 at a McNemar p a little above 0.05 (5 flips one way,
+none the other: p = 0.0625). Likewise a variant right (or wrong) on every sample has an
+interval of no width: the per-sample means show no spread. The computations are
+agents.experiment.stats, checked against scipy.stats.
 """
 
 from __future__ import annotations
@@ -64,12 +68,14 @@ def natural(text: str) -> list[Any]:
 def sample_stat(per_sample: Sequence[float], cells: int) -> dict[str, Any]:
     """The mean over samples of per-sample means, its t interval, and the counts."""
     if not per_sample:
-        return {"mean": None, "ci95": None, "method": "", "samples": 0, "cells": cells}
+        return {"mean": None, "ci95": None, "method": "", "samples": 0, "cells": cells,
+                "n": cells}
     ci = stats.t_interval(per_sample)
     if ci is not None and all(0.0 <= v <= 1.0 for v in per_sample):
         ci = (max(0.0, ci[0]), min(1.0, ci[1]))  # a proportion's interval stays in [0, 1]
     return {"mean": stats.mean(per_sample), "ci95": list(ci) if ci else None,
-            "method": CI_METHOD if ci else "", "samples": len(per_sample), "cells": cells}
+            "method": CI_METHOD if ci else "", "samples": len(per_sample), "cells": cells,
+            "n": cells}  # n: as before, the cells (`samples` is the interval's unit)
 
 
 def by_sample(cells: Sequence[SampleResult]) -> dict[str, list[SampleResult]]:
@@ -104,17 +110,18 @@ def _per_cell(cells: Sequence[SampleResult],
 
 def per_sample_rows(cells: Sequence[SampleResult], scorers: Sequence[str],
                     repeats: int) -> list[dict[str, Any]]:
-    """One row a sample: its first scorer's mean, and per repeat (1..repeats) the counted
-    score and outcome (None: not run yet)."""
+    """One row a sample: its first scorer's mean (`means`: every scorer's), and per repeat
+    (1..repeats) the counted score and outcome (None: not run yet)."""
     rows = []
     for sample, own in by_sample(cells).items():
+        means = {s: sample_means(own, s).get(sample) for s in scorers}
         at = {c.repeat: c for c in own}
         first = scorers[0] if scorers else ""
         scores = [at[r].counted([first])[first] if r in at and first else None
                   for r in range(1, repeats + 1)]
         values = [v for v in scores if v is not None]
         rows.append({"sample": sample, "mean": stats.mean(values) if values else None,
-                     "scores": scores,
+                     "means": means, "scores": scores,
                      "statuses": [at[r].outcome if r in at else None
                                   for r in range(1, repeats + 1)],
                      "cells": len(own), "cost": sum(c.cost for c in own),
@@ -168,11 +175,15 @@ def report(journal: Journal, experiment: str) -> dict[str, Any]:
     journaled_ok = sum(r.status == "ok" for r in results)
     return {"experiment": experiment, "planned": plan.planned if plan else None,
             "samples": samples, "repeats": repeats,
-            "done": sum(v["cells"] for v in variants), "scorers": scorers,
+            # done: the cells a resume will not run again (all but errors, which it retries);
+            # counted: the cells in the statistics (errors too, scored 0)
+            "done": sum(v["cells"] - v["errors"] for v in variants),
+            "counted": sum(v["cells"] for v in variants), "scorers": scorers,
             "failure_rule": FAILURE_RULE, "ci_method": CI_METHOD, "variants": variants,
             "unreadable_entries": journal.bad,
             "ignored_entries": journal.ignored,  # not from an identity that may write it
-            "duplicates": journal.ok_entries - journaled_ok,
+            # entries read beyond one a cell (0 for a journal built in memory, as the runner's)
+            "duplicates": max(0, journal.ok_entries - journaled_ok),
             **_workspaces(experiment, results)}
 
 
@@ -256,9 +267,11 @@ def _n(v: dict[str, Any]) -> str:
 
 
 def report_text(data: dict[str, Any]) -> str:
-    lines = [f"experiment {data['experiment']}: {data['done']}/{data['planned']} cells "
+    errors = sum(v["errors"] for v in data["variants"])
+    retried = f", {errors} in error (`run --resume` runs them again)" if errors else ""
+    lines = [f"experiment {data['experiment']}: {data['done']}/{data['planned']} cells done "
              f"({data['samples']} samples × {data['repeats']} repeats × "
-             f"{len(data['variants'])} variants)"]
+             f"{len(data['variants'])} variants){retried}"]
     lines.append(f"{'variant':<14} {'scorer':<10} {'n':>8} {'score':>6} {'95% CI':>15} "
                  f"{'timed out':>9} {'limited':>7} {'errors':>6} {'tokens':>9} {'cost':>10} "
                  f"{'p50 s':>6} {'p95 s':>6}  stop reasons")

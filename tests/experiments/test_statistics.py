@@ -108,6 +108,7 @@ def test_report_counts_samples_as_the_unit_and_failures_as_zero() -> None:
     a, b = data["variants"]
     assert (a["samples"], a["repeats"], a["cells"], a["planned"]) == (4, 3, 12, 12)
     assert (a["timed_out"], a["limited"], a["errors"], a["failures"]) == (1, 1, 1, 3)
+    assert (data["done"], data["counted"]) == (23, 24)  # the error runs again on --resume
     assert (b["timed_out"], b["limited"], b["errors"]) == (0, 0, 0)
     for v in (a, b):
         for scorer in ("x", "y"):
@@ -119,7 +120,8 @@ def test_report_counts_samples_as_the_unit_and_failures_as_zero() -> None:
         assert v["score"] == v["scores"]["x"]["mean"] and v["ci95"] == v["scores"]["x"]["ci95"]
     # s3 of a: limited (0), 0.5, no score: (0 + 0.5) / 2
     s3 = next(r for r in a["per_sample"] if r["sample"] == "s3")
-    assert s3 == {"sample": "s3", "mean": 0.25, "scores": [0.0, 0.5, None],
+    assert s3 == {"sample": "s3", "mean": 0.25, "means": {"x": 0.25, "y": 0.25},
+                  "scores": [0.0, 0.5, None],
                   "statuses": ["limited", "ok", "ok"], "cells": 3, "cost": pytest.approx(0.00024),
                   "tokens": 60, "wall_mean": 2.0}
     assert [r["sample"] for r in a["per_sample"]] == ["s1", "s2", "s3", "s10"]  # natural order
@@ -282,3 +284,9 @@ def test_no_sample_twice_in_a_mean() -> None:
     assert (b["samples"], b["score"], b["ci95"], b["per_sample"]) == (0, None, None, [])
     assert json.loads(json.dumps(data)) == data and not math.isnan(a["score"])
     assert sys.modules.get("scipy") is not None  # what the numbers were checked against
+
+
+def test_compare_needs_two_sides() -> None:
+    out = subprocess.run(busctl("experiment", "compare", "e", "--hub", "tcp://127.0.0.1:9"),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "FIRST --variants A B" in out.stderr, out.stderr

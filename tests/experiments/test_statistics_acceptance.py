@@ -169,12 +169,19 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
         words = json.loads(cli(ex.cwd, ex.endpoint, "compare", E, "--variants", "a", "b",
                                "--scorer", "words", "--json").stdout)
         compare_text = cli(ex.cwd, ex.endpoint, "compare", E, "--variants", "a", "b").stdout
+        env = {**os.environ, **ENV}
+        unknown = subprocess.run(busctl("experiment", "compare", E, "--variants", "a", "c",
+                                        "--hub", ex.endpoint), capture_output=True, text=True,
+                                 timeout=60, cwd=ex.cwd, env=env)
+        assert unknown.returncode == 2 and "--variants" in unknown.stderr and \
+            "has no variant `c` (its variants: a, b)" in unknown.stderr, unknown.stderr
         resumed = on_a_terminal(ex.cwd, ex.endpoint, "run", "examples/experiment/stats.toml",
                                 "--resume", E)
     rows = [json.loads(line) for line in (ex.cwd / "results" / f"{E}.jsonl").open()]
 
     # the headline and every scorer, per variant, against the per-sample computation
-    assert (data["samples"], data["repeats"], data["done"], data["planned"]) == (15, 3, 90, 90)
+    assert (data["samples"], data["repeats"], data["done"], data["counted"], data["planned"]) == \
+        (15, 3, 90, 90, 90)
     for v in data["variants"]:
         slow = len(PLAN[v["name"]]["slow"]) * REPEATS
         assert (v["samples"], v["repeats"], v["cells"]) == (15, 3, 45)
