@@ -65,14 +65,18 @@ def natural(text: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
-def sample_stat(per_sample: Sequence[float], cells: int) -> dict[str, Any]:
-    """The mean over samples of per-sample means, its t interval, and the counts."""
+def sample_stat(per_sample: Sequence[float], cells: int, score: bool = True) -> dict[str, Any]:
+    """The mean over samples of per-sample means, its t interval, and the counts. A score's
+    interval is kept in [0, 1] when every per-sample mean is there (a proportion's cannot
+    leave it); another quantity's (cost, time: never negative) above 0."""
     if not per_sample:
         return {"mean": None, "ci95": None, "method": "", "samples": 0, "cells": cells,
                 "n": cells}
     ci = stats.t_interval(per_sample)
-    if ci is not None and all(0.0 <= v <= 1.0 for v in per_sample):
-        ci = (max(0.0, ci[0]), min(1.0, ci[1]))  # a proportion's interval stays in [0, 1]
+    if ci is not None and score and all(0.0 <= v <= 1.0 for v in per_sample):
+        ci = (max(0.0, ci[0]), min(1.0, ci[1]))
+    elif ci is not None and not score:
+        ci = (max(0.0, ci[0]), ci[1])
     return {"mean": stats.mean(per_sample), "ci95": list(ci) if ci else None,
             "method": CI_METHOD if ci else "", "samples": len(per_sample), "cells": cells,
             "n": cells}  # n: as before, the cells (`samples` is the interval's unit)
@@ -105,7 +109,8 @@ def _per_cell(cells: Sequence[SampleResult],
               value: Callable[[SampleResult], float]) -> dict[str, Any]:
     """A per-cell quantity (cost, wall time) over samples: per-sample means, t interval."""
     grouped = by_sample(cells).values()
-    return sample_stat([stats.mean([value(c) for c in own]) for own in grouped], len(cells))
+    return sample_stat([stats.mean([value(c) for c in own]) for own in grouped], len(cells),
+                       score=False)
 
 
 def per_sample_rows(cells: Sequence[SampleResult], scorers: Sequence[str],

@@ -129,6 +129,17 @@ def test_report_counts_samples_as_the_unit_and_failures_as_zero() -> None:
     assert a["stop_reasons"] == {"stop": 9, "timeout": 1, "limit": 1, "error": 1}
     assert data["duplicates"] == 0
     assert {f["status"] for f in a["failed"]} == {"timed_out", "limited", "error"}
+    # wall time per cell (1, 2, 3 s by repeat): every sample's mean is 2 s, with no spread
+    assert a["time_per_cell"]["mean"] == 2.0 and a["time_per_cell"]["ci95"] == [2.0, 2.0]
+
+
+def test_cost_and_time_intervals_are_not_clipped_to_scores() -> None:
+    cells = [SampleResult("e", "v", f"s{i}", 1, "ok", wall=w, cost=w / 1000)
+             for i, w in enumerate((0.2, 0.9, 0.95, 0.4))]
+    [v] = rep.report(Journal(None, {c.key: c for c in cells}), "e")["variants"]
+    walls = [0.2, 0.9, 0.95, 0.4]
+    lo, hi = sp.t.interval(0.95, 3, loc=sum(walls) / 4, scale=sp.sem(walls))
+    assert hi > 1 and v["time_per_cell"]["ci95"] == pytest.approx([max(0.0, lo), hi])
 
 
 def test_results_rows_follow_the_rule_and_give_the_report() -> None:

@@ -2,7 +2,8 @@
 fake-llm`), 15 samples × 3 repeats × 2 variants, some cells timing out — and the report's
 headline, every scorer, the interval and the paired comparison checked against a computation
 per sample made here from the script (with scipy.stats); then the table, `--json` and the
-results file agree, and a resume's progress line counts the whole experiment's tokens.
+results file agree, and a resume (which runs the cells in error again) has a progress line
+counting the whole experiment's tokens.
 
 The model is deterministic: a variant answers a sample the same way in every repeat, so each
 sample has one 0/1 outcome a variant for `number` (McNemar's exact test), while the `words`
@@ -30,9 +31,11 @@ E = "st-1"
 SAMPLES = 15
 REPEATS = 3
 TIMEOUT = 4.0  # run.timeout: a timed-out sample's reply waits 60 s
-# per variant: the samples (1-based) answered right, answered wrong, and timing out
+# per variant: the samples (1-based) answered right, answered wrong, timing out, and ending in
+# an error (a content filter; run.retries = 0)
 PLAN = {"a": {"right": range(1, 11), "wrong": range(11, 14), "slow": range(14, 16)},
-        "b": {"right": [*range(1, 9), *range(11, 15)], "wrong": range(9, 11), "slow": [15]}}
+        "b": {"right": [*range(1, 9), *range(11, 15)], "wrong": [9], "slow": [15],
+              "error": [10]}}
 # the answers' words (the `words` scorer: min(1, words / 5)): a's right answers have 4
 ANSWER = {("a", "right"): "The answer is {t}", ("b", "right"): "So the answer is {t}",
           ("a", "wrong"): "Maybe 7", ("b", "wrong"): "Maybe 7"}
@@ -79,6 +82,8 @@ def script() -> dict[str, Any]:
                                         "reply": {"usage": {"input": 10, "output": 5}}}
                 if kind == "slow":
                     rule["delay"], rule["reply"]["text"] = 60.0, "too late"
+                elif kind == "error":
+                    rule["reply"] |= {"text": "no", "finish": "content_filter"}
                 else:
                     rule["reply"]["text"] = ANSWER[(variant, kind)].format(t=target(i))
                 rules.append(rule)
@@ -86,11 +91,12 @@ def script() -> dict[str, Any]:
 
 
 def expected(variant: str, scorer: str) -> dict[str, float]:
-    """Each sample's score by the documented rule (a timeout scores 0), from the script."""
+    """Each sample's score by the documented rule (a timeout or an error scores 0), from the
+    script."""
     out = {}
     for kind, samples in PLAN[variant].items():
         for i in samples:
-            if kind == "slow":
+            if kind in ("slow", "error"):
                 value = 0.0
             elif scorer == "number":
                 value = 1.0 if kind == "right" else 0.0
@@ -181,11 +187,12 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
 
     # the headline and every scorer, per variant, against the per-sample computation
     assert (data["samples"], data["repeats"], data["done"], data["counted"], data["planned"]) == \
-        (15, 3, 90, 90, 90)
+        (15, 3, 87, 90, 90)  # b's 3 cells in error are not done: a resume runs them again
     for v in data["variants"]:
         slow = len(PLAN[v["name"]]["slow"]) * REPEATS
+        errors = len(PLAN[v["name"]].get("error", [])) * REPEATS
         assert (v["samples"], v["repeats"], v["cells"]) == (15, 3, 45)
-        assert (v["timed_out"], v["limited"], v["errors"]) == (slow, 0, 0)
+        assert (v["timed_out"], v["limited"], v["errors"]) == (slow, 0, errors)
         for scorer in ("number", "words"):
             means = list(expected(v["name"], scorer).values())
             got = v["scores"][scorer]
@@ -208,7 +215,7 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
     worse = sum(eb[s] < ea[s] for s in ea)
     [v] = within["variants"]
     assert (v["test"], v["samples"], v["better"], v["worse"]) == \
-        ("mcnemar_exact", 15, better, worse) == ("mcnemar_exact", 15, 4, 2)
+        ("mcnemar_exact", 15, better, worse) == ("mcnemar_exact", 15, 4, 2)  # s09, s10 worse
     assert v["p_value"] == pytest.approx(sp.binomtest(worse, better + worse).pvalue)
     diffs = [eb[s] - ea[s] for s in ea]
     assert v["effect"] == pytest.approx(sum(diffs) / 15)
@@ -227,15 +234,16 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
         [line] = [x for x in table.splitlines() if x.startswith(f"{v['name']} ")]
         lo, hi = v["ci95"]
         assert re.search(rf"15×3\s+{v['score']:.3f}\s+\[{lo:.3f}, {hi:.3f}\]\s+"
-                         rf"{v['timed_out']}\s+0\s+0\s+{v['tokens']}\s+\$0\.000", line), line
+                         rf"{v['timed_out']}\s+0\s+{v['errors']}\s+{v['tokens']}\s+\$0\.000",
+                         line), line
         [words_line] = [x for x in table.splitlines()[table.splitlines().index(line) + 1:]
                         if "words" in x][:1]
         assert f"{v['scores']['words']['mean']:.3f}" in words_line
 
     # the results file: the rule's statuses and scores, and the report follows from its rows
-    assert len(rows) == 90 and {r["status"] for r in rows} == {"ok", "timed_out"}
+    assert len(rows) == 90 and {r["status"] for r in rows} == {"ok", "timed_out", "error"}
     assert all(r["score_number"] == r["score_words"] == r["score"] == 0.0
-               for r in rows if r["status"] == "timed_out")
+               for r in rows if r["status"] != "ok")
     for v in data["variants"]:
         for scorer in ("number", "words"):
             per: dict[str, list[float]] = {}
@@ -245,8 +253,9 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
             means = [sum(x) / len(x) for x in per.values()]
             assert sum(means) / len(means) == pytest.approx(v["scores"][scorer]["mean"])
         assert sum(r["tokens"] for r in rows if r["variant"] == v["name"]) == v["tokens"]
-        assert sum(r["status"] == "timed_out" for r in rows
-                   if r["variant"] == v["name"]) == v["timed_out"]
+        for status, key in (("timed_out", "timed_out"), ("error", "errors")):
+            assert sum(r["status"] == status for r in rows
+                       if r["variant"] == v["name"]) == v[key]
 
     # plots: 1200 px wide, written after the report
     assert "score.png" in plots
@@ -254,7 +263,9 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
         png = (ex.cwd / "plots" / f"{name}.png").read_bytes()
         assert struct.unpack(">II", png[16:24]) == (1200, 600)
 
-    # a resume with nothing left: its progress line counts every earlier cell's tokens
+    # the resume runs b's 3 cells in error again (they fail again, the same way): its
+    # progress line counts the 87 cells kept too, failures and tokens
     last = resumed.replace("\r", "\n").split("\x1b[K")[-1]
     total = sum(v["tokens"] for v in data["variants"])
-    assert f"90/90 done, 0 running, 9 failed, ETA ?, {total} tokens, $0.00" in last, resumed
+    assert "90/90 done, 0 running, 12 failed, ETA " in last, resumed
+    assert f" {total} tokens, $0.00" in last, resumed
