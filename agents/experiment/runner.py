@@ -597,7 +597,7 @@ class Runner:
             base, answer=outcome.final_text, stop_reason=outcome.stop_reason,
             tokens=tokens_of(usage), cost=sum(u.cost for u in usage), wall=wall,
             run_id=outcome.run_id, session=outcome.session, error=outcome.error or "")
-        if limited and outcome.stop_reason == "aborted":  # our abort: an answer, at its limit
+        if limited and outcome.stop_reason == "aborted":  # our abort at its limit: `limited`, not an error
             done = msgspec.structs.replace(done, stop_reason="limit", error="")
         elif outcome.stop_reason in FAILED:
             return done

@@ -82,7 +82,7 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall seconds per sample
     # per sample, the whole run tree (helpers asked included): past it the run is aborted and
-    # its answer so far scored, stop reason `limit` (0: none)
+    # the report counts it `limited`, scored 0 (runner.FAILURE_RULE), stop reason `limit` (0: none)
     token_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
     cost_limit: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # seconds a cell whose coordinator died waits for its run to resume there (`busctl up`
