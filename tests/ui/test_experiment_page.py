@@ -157,7 +157,7 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             report = report_json(tmp_path, ex.endpoint)
             assert report["done"] == 11 and report["variants"][0]["failures"] == 1
             rows = [json.loads(line) for line in
-                    (tmp_path / f"{E}.results.jsonl").read_text().splitlines()]
+                    (tmp_path / "results" / f"{E}.jsonl").read_text().splitlines()]
 
             def served_report() -> dict[str, Any] | None:
                 with owner_get(ui, f"experiment?name={E}") as answer:
