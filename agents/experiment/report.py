@@ -97,7 +97,29 @@ def variant_report(name: str, cells: Sequence[SampleResult], scorers: Sequence[s
             "stop_reasons": dict(Counter(c.stop_reason for c in ok)),
             "failures": len(cells) - len(ok),
             "failed": [{"sample": c.sample, "repeat": c.repeat, "error": c.error}
-                       for c in cells if c.status != "ok"]}
+                       for c in cells if c.status != "ok"],
+            "per_sample": per_sample(cells)}
+
+
+def _outcome(cell: SampleResult) -> str:
+    """A cell's outcome in one word: ok, error, or the stop that ended it early."""
+    return cell.stop_reason if cell.stop_reason in ("timeout", "limit") else cell.status
+
+
+def per_sample(cells: Sequence[SampleResult]) -> list[dict[str, Any]]:
+    """One entry per sample, its repeats folded (in repeat order): the page's roll-up."""
+    by_sample: dict[str, list[SampleResult]] = {}
+    for c in sorted(cells, key=lambda c: (c.sample, c.repeat)):
+        by_sample.setdefault(c.sample, []).append(c)
+    out = []
+    for sample, repeats in by_sample.items():
+        scores = [c.score if c.status == "ok" else None for c in repeats]
+        known = [s for s in scores if s is not None]
+        out.append({"sample": sample, "mean": sum(known) / len(known) if known else None,
+                    "scores": scores, "statuses": [_outcome(c) for c in repeats],
+                    "cost": sum(c.cost for c in repeats),
+                    "tokens": sum(c.tokens for c in repeats)})
+    return out
 
 
 def report(journal: Journal, experiment: str) -> dict[str, Any]:
