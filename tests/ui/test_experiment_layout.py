@@ -180,6 +180,18 @@ def test_the_experiment_page_reads_right_at_two_sizes(tmp_path: Path) -> None:
                 (v, str(r)) for v in ("solo", "team") for r in (1, 2, 3)]
             assert all(c["sample"] == slow and c["run"] for c in opened["cells"])
 
+            # a click on a variant's heading: its worst samples first; on "sample": by id
+            browser.evaluate("document.querySelector('#exp-samples th[data-variant=solo]')"
+                             ".click()")
+            worst = wait_for(lambda: (s := browser.evaluate(READ_PAGE) or {}).get("samples")
+                             and s["samples"][0]["sample"] != ids[0] and s, 10, "sorted")
+            means = [s["per_variant"]["solo"]["mean"] for s in worst["samples"]]
+            known = [m for m in means if m is not None]
+            assert means == [None] * (len(means) - len(known)) + sorted(known), means
+            browser.evaluate("document.querySelector('#exp-samples th.sortable').click()")
+            wait_for(lambda: browser.evaluate(READ_PAGE)["samples"][0]["sample"] == ids[0], 10,
+                     "sorted by id again")
+
             for width, height in SIZES:
                 resize(browser, width, height)
                 shot = tmp_path / f"page-{width}.png"

@@ -20,9 +20,9 @@ const state = {
   stream: { ok: false, since: 0 }, // this page's link to `busctl ui`
   journaled: [], // the experiments `busctl experiment run` journaled: [{name, version, done, ...}]
   // the experiment page open (`#experiment=E`): its data as `/experiment?name=E` served it
-  // (`open`: the samples whose cells are shown)
+  // (`open`: the samples whose cells are shown; `sort`: the variant the samples are sorted by)
   exp: { name: "", data: null, fetching: false, missing: false, drawn: null, page: 0,
-         open: new Set() },
+         open: new Set(), sort: "" },
 
 };
 
@@ -669,15 +669,26 @@ function plotHead(domain) {
 }
 
 function head(table, ...columns) {
+  // a column: its name, [its name's lines] (a heading no wider than its values), or a <th>
+  const th = (c) => (Array.isArray(c) ? el("th", {}, ...c.flatMap((line, i) =>
+    (i ? [el("br"), line] : [line]))) : el("th", {}, c));
   document.querySelector(`#${table} thead`).replaceChildren(el("tr", {},
-    ...columns.map((c) => (c instanceof Node && c.tagName === "TH" ? c : el("th", {}, c)))));
+    ...columns.map((c) => (c instanceof Node && c.tagName === "TH" ? c : th(c)))));
+}
+
+function sharedMethod(stats, key) {
+  // the interval method, when every row has the same one: said once, in the heading
+  const methods = new Set(stats.map((st) => st[key] || ""));
+  return methods.size === 1 ? [...methods][0] : "";
 }
 
 function renderVariants(report) {
   const domain = plotDomain(report);
-  head("exp-variants", "variant", "samples × repeats", "cells", "score", "95% interval",
-       plotHead(domain), "timed out · errors · limited", "tokens", "cost", "turns",
-       "time p50 · p95", "stop reasons");
+  const method = sharedMethod(report.variants, "ci_method");
+  head("exp-variants", "variant", ["samples", "× repeats"], "cells", "score",
+       method ? ["95% interval", `(${method})`] : "95% interval",
+       plotHead(domain), ["timed out ·", "errors · limited"], "tokens", "cost", "turns",
+       ["time", "p50 · p95"], "stop reasons");
   document.querySelector("#exp-variants tbody").replaceChildren(...report.variants.map((v) => {
     const colour = colourOf(report, v.name);
     const count = (k) => reported([k], v, String(v[k] ?? "-"));
@@ -686,7 +697,7 @@ function renderVariants(report) {
       reported(["samples", "repeats"], v, `${v.samples ?? "-"} × ${v.repeats ?? "-"}`),
       reported(["cells", "planned"], v, `${v.cells ?? "-"}/${v.planned ?? "-"}`),
       reported(["score"], v, num(v.score, 3), { class: "score" }),
-      reported(["ci95", "ci_method"], v, interval(v.ci95, v.ci_method),
+      reported(["ci95", "ci_method"], v, interval(v.ci95, method ? "" : v.ci_method),
                { title: "95% interval of the score: " + (v.ci_method || "-") }),
       el("td", { class: "plot-cell" }, scorePlot(v.score, v.ci95, domain, colour)),
       reported(["timed_out", "errors", "limited"], v, ["timed_out", "errors", "limited"]
@@ -707,8 +718,10 @@ function renderScorers(report) {
   document.getElementById("exp-scorers").parentElement.hidden = !many;
   if (!many) return;
   const domain = plotDomain(report);
-  head("exp-scorers", "scorer", "variant", "mean", "95% interval", plotHead(domain), "samples",
-       "cells");
+  const stats = report.variants.flatMap((v) => Object.values(v.scores || {}));
+  const method = sharedMethod(stats, "method");
+  head("exp-scorers", "scorer", "variant", "mean", method ? ["95% interval", `(${method})`]
+    : "95% interval", plotHead(domain), "samples", "cells");
   document.querySelector("#exp-scorers tbody").replaceChildren(...report.scorers.flatMap((s, i) =>
     report.variants.map((v) => {
       const st = (v.scores || {})[s] || {};
@@ -716,7 +729,7 @@ function renderScorers(report) {
         el("td", {}, s + (i === 0 ? " (the score)" : "")),
         el("td", { class: "variant" }, swatch(colourOf(report, v.name)), v.name),
         reported(["mean"], st, num(st.mean, 3)),
-        reported(["ci95", "method"], st, interval(st.ci95, st.method)),
+        reported(["ci95", "method"], st, interval(st.ci95, method ? "" : st.method)),
         el("td", { class: "plot-cell" }, scorePlot(st.mean, st.ci95, domain,
                                                    colourOf(report, v.name))),
         reported(["samples"], st, String(st.samples ?? "-")),
@@ -764,8 +777,9 @@ function samplePager(total) {
   return (rows) => rows.slice(p * SAMPLE_PAGE, (p + 1) * SAMPLE_PAGE);
 }
 
-function rollup(report) {
-  // [sample, {variant: its `per_sample` entry}] in natural order (q2 before q10)
+function rollup(report, by) {
+  // [sample, {variant: its `per_sample` entry}] in natural order of the ids (q2 before q10);
+  // `by` a variant: its worst samples first (no score at all before a 0), ties by id
   const bySample = new Map();
   for (const v of report.variants) {
     for (const s of v.per_sample || []) {
@@ -773,8 +787,9 @@ function rollup(report) {
       bySample.get(s.sample)[v.name] = s;
     }
   }
-  return [...bySample.entries()].sort(([a], [b]) => a.localeCompare(b, undefined,
-                                                                     { numeric: true }));
+  const mean = (e) => (e[by] && typeof e[by].mean === "number" ? e[by].mean : -Infinity);
+  return [...bySample.entries()].sort(([a, x], [b, y]) => (by ? mean(x) - mean(y) : 0)
+    || a.localeCompare(b, undefined, { numeric: true }));
 }
 
 function marks(entry) {
@@ -833,23 +848,41 @@ function cellRows(scorers, rows, width) {
   return el("tr", { class: "cells-row" }, el("td", { colspan: String(width) }, table));
 }
 
+function sampleHead(report) {
+  // a click on a variant sorts the samples by its mean, worst first; on "sample", by id
+  const sortBy = (name) => () => { state.exp.sort = name; state.exp.drawn = null; redraw(); };
+  const sorted = (name) => (state.exp.sort === name ? " ▴" : "");
+  const id = el("th", { class: "sortable", title: "sort by id" }, "sample" + sorted(""));
+  id.onclick = sortBy("");
+  head("exp-samples", id, ...report.variants.map((v) => {
+    const th = el("th", { class: "variant sortable", "data-variant": v.name, title: `${v.name}: `
+      + "the sample's mean score over its repeats, and each repeat (click: worst first)" },
+      swatch(colourOf(report, v.name)), `${v.name}: mean · repeats${sorted(v.name)}`);
+    th.onclick = sortBy(v.name);
+    return th;
+  }), el("th", { title: "of the sample's cells, every variant" }, "cost"),
+  el("th", { title: "of the sample's cells, every variant" }, "tokens"));
+}
+
 function renderSamples(report, cells) {
-  const all = rollup(report);
+  const all = rollup(report, state.exp.sort);
   const shown = samplePager(all.length)(all);
   const bySample = new Map();
   for (const r of cells) {
     if (!bySample.has(r.sample)) bySample.set(r.sample, []);
     bySample.get(r.sample).push(r);
   }
-  const width = report.variants.length + 3;
-  head("exp-samples", "sample", ...report.variants.map((v) => el("th", { class: "variant",
-    title: `${v.name}: the sample's mean score over its repeats, and each repeat` },
-    swatch(colourOf(report, v.name)), `${v.name}: mean · repeats`)), "cost", "tokens");
+  sampleHead(report);
   const open = state.exp.open;
+  const width = report.variants.length + 3;
   document.querySelector("#exp-samples tbody").replaceChildren(...shown.flatMap(([s, e]) =>
     open.has(s) ? [sampleRow(report, s, e, true), cellRows(report.scorers, bySample.get(s) || [],
                                                             width)]
       : [sampleRow(report, s, e, false)]));
+  if (!all.length) {
+    document.querySelector("#exp-samples tbody").append(el("tr", {}, el("td", {
+      colspan: String(width), class: "none" }, "no sample finished yet")));
+  }
   const button = document.getElementById("exp-expand");
   const allOpen = shown.length > 0 && shown.every(([s]) => open.has(s));
   button.textContent = allOpen ? "collapse all" : "expand all";
@@ -893,7 +926,7 @@ function route() {
   const name = key === "experiment" ? decodeURIComponent(value || "") : "";
   if (name !== state.exp.name) {
     state.exp = { name, data: null, fetching: false, missing: false, drawn: null, page: 0,
-                  open: new Set() };
+                  open: new Set(), sort: "" };
     if (name) fetchExperiment();
   }
   if (key === "run" && value) {
