@@ -7,9 +7,10 @@ Why a model provider and not only a solver: Inspect counts tokens, costs and tok
 shows the eval's model, for what goes through a `Model`'s `generate()` (its `stats.model_usage`
 and each sample's `model_usage`); a solver that only sets `output.usage` shows 0 tokens. So the
 bus agent is the model Inspect records: the eval's model column says `agent-bus/<agent>` (the
-thing answering: an agent, maybe a team on several models), its tokens are the session's, and
-the models the session called (`fake-one`, `gpt-4o`, ...) are the output's `model` and, with
-their own usage, the output's metadata `bus.usage`.
+thing answering: an agent, maybe a team on several models), its tokens are the session's and
+its helpers' (the runs it asked, `ask_<agent>`: a team's whole tree, as `busctl experiment
+report` counts), and the models they called (`fake-one`, `gpt-4o`, ...) are the output's
+`model` and, with their own usage, the output's metadata `bus.usage`.
 
 Model args (`-M name=value`, or `get_model(..., name=value)`): `hub` (else $BUSCTL_HUB),
 `experiment` (the bus experiment id; default `inspect-<task>-<eval run id>`, one per eval),
@@ -26,6 +27,7 @@ import re
 from typing import Any
 
 import anyio
+import msgspec
 from inspect_ai.model import (
     ChatMessage,
     ChatMessageUser,
@@ -39,8 +41,9 @@ from inspect_ai.tool import ToolChoice, ToolInfo
 
 from agent_bus.agents import commands as cmd
 from agent_bus.agents.client.remote import AgentBus, connect
-from agent_bus.agents.experiment.runner import FAILED, old_tool_workers
+from agent_bus.agents.experiment.runner import END_WAIT, FAILED, old_tool_workers
 from agent_bus.agents.experiment.spec import cell_folder
+from agent_bus.bus import events as ev
 from agent_bus.bus.errors import AgentBusError, ConfigError
 from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, Usage, workspace_problem
 
@@ -109,8 +112,11 @@ class BusModel(ModelAPI):
                 if spec is not None and not self._workers_checked:
                     await _check_workers(bus)
                     self._workers_checked = True
-                return await bus.run(self.agent, text, experiment=tag,
-                                     max_turns=self.max_turns, workspace=spec)
+                since = (await bus.peer.status()).seq
+                result = await bus.run(self.agent, text, experiment=tag,
+                                       max_turns=self.max_turns, workspace=spec)
+                helpers = await _helpers_usage(bus, result.run_id, since)
+                return msgspec.structs.replace(result, usage=_added(result.usage, helpers))
         return None
 
     async def _sample_workspace(self, tag: str) -> RunWorkspace | None:
@@ -182,6 +188,45 @@ def _output(agent: str, result: cmd.RunResult, tag: str, spec: RunWorkspace | No
         "usage": {model: {"input": u.input, "output": u.output, "total": _total(u),
                           "cost": u.cost} for model, u in result.usage.items()}}}
     return output
+
+
+async def _helpers_usage(bus: AgentBus, run: str, since: int) -> dict[str, Usage]:
+    """The usage by model of the runs `run` asked for (`ask_<agent>`, and theirs in turn), read
+    from the log from `since`: a team's tokens are its whole tree's, as `busctl experiment
+    report` counts them. Up to `run`'s agent_end (published just after its result: at most
+    END_WAIT seconds), which comes after its helpers'."""
+    parents: dict[str, str] = {}
+    ended: dict[str, dict[str, Usage]] = {}
+    with anyio.move_on_after(END_WAIT):
+        async with bus.peer.subscribe(["agent/"], since=since) as events:
+            async for envelope in events:
+                header, event = envelope.header, envelope.event
+                if isinstance(event, ev.AgentStart) and header.parent:
+                    parents[header.run] = header.parent
+                elif isinstance(event, ev.AgentEnd) and header.run == run:
+                    break
+                elif isinstance(event, ev.AgentEnd) and header.parent:
+                    ended[header.run] = event.usage
+    found: dict[str, Usage] = {}
+    for helper, usage in ended.items():
+        if _descends(helper, run, parents):
+            found = _added(found, usage)
+    return found
+
+
+def _descends(child: str, top: str, parents: dict[str, str]) -> bool:
+    seen: set[str] = set()
+    while child in parents and child not in seen:
+        seen.add(child)
+        child = parents[child]
+        if child == top:
+            return True
+    return False
+
+
+def _added(one: dict[str, Usage], other: dict[str, Usage]) -> dict[str, Usage]:
+    return {model: one.get(model, Usage()) + other.get(model, Usage())
+            for model in one.keys() | other.keys()}
 
 
 def _total(usage: Usage) -> int:

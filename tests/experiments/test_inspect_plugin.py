@@ -26,6 +26,11 @@ pytest.importorskip("inspect_ai")
 USAGE = {"input": 11, "output": 7}  # every scripted reply's, so the totals are known
 
 SCRIPT = {"rules": [
+    # a team: the lead (on model `two`) asks the solver (on `one`), then answers with its reply
+    {"system": ["LEAD"], "tool_result": False, "reply": {"text": "Asking.", "usage": USAGE,
+     "tool_calls": [{"name": "ask_solver", "arguments": {"prompt": "{last_user}"}}]}},
+    {"system": ["LEAD"], "tool_result": True,
+     "reply": {"text": "lead: {tool_results_full}", "usage": USAGE}},
     # past the eval's timeout (4 s): aborted long before this answers
     {"system": ["SOLVER"], "contains": ["slow"], "delay": 30,
      "reply": {"text": "too late", "usage": USAGE}},
@@ -41,11 +46,23 @@ provider = "openai"
 model = "fake-one"
 base_url = "{base_url}"
 
+[models.two]
+provider = "openai"
+model = "fake-two"
+base_url = "{base_url}"
+
 [[agents]]
 name = "solver"
 model = "one"
 system_prompt = "You are the SOLVER."
 tools = []
+
+[[agents]]
+name = "lead"
+model = "two"
+system_prompt = "You are the LEAD."
+tools = []
+agents = ["solver"]
 """
 
 SAMPLES = [{"id": "a", "input": "say alpha", "target": "alpha"},
@@ -130,14 +147,21 @@ def test_inspect_eval_by_plugin_name_records_tokens_model_experiment_and_timeout
     assert "agent `solver`: no answer within 4 s" in error["message"]
     assert not samples["slow"].get("scores")
 
-    # a second eval, the agent as a solver by name, the experiment overridden: its own
+    # a second eval, a team's agent as the solver by name, the experiment overridden: its
+    # own, and its tokens the whole team's (the lead's two turns on `two`, the solver's one on
+    # `one`, for each sample), by model in the metadata
     second = bus.eval("logs2", "agent_bus/bus_task", "-T", f"dataset={jsonl(bus.cwd / 'two.jsonl', SAMPLES)}",
-                      "-T", "agent=solver", "--solver", "agent_bus/bus_agent",
-                      "-S", "agent=solver", "-S", f"hub={bus.endpoint}",
+                      "-T", "agent=lead", "-T", "scorer=includes", "--solver",
+                      "agent_bus/bus_agent", "-S", "agent=lead", "-S", f"hub={bus.endpoint}",
                       "-S", "experiment=insp-mine")
-    assert second["eval"]["run_id"] != run_id
-    assert second["stats"]["model_usage"]["agent-bus/solver"]["total_tokens"] == 36
-    assert {s["metadata"]["bus"]["experiment"] for s in second["samples"]} == {"insp-mine"}
+    assert second["eval"]["run_id"] != run_id and second["eval"]["model"] == "agent-bus/lead"
+    assert second["stats"]["model_usage"]["agent-bus/lead"]["total_tokens"] == 2 * 54
+    for sample in second["samples"]:
+        assert sample["scores"]["includes"]["value"] == "C"
+        assert sample["metadata"]["bus"]["experiment"] == "insp-mine"
+        assert sample["output"]["model"] == "fake-one, fake-two"
+        by_model = sample["metadata"]["bus"]["usage"]
+        assert (by_model["fake-two"]["total"], by_model["fake-one"]["total"]) == (36, 18)
 
     # the bus saw the same: each eval's sessions under its own experiment, the timed-out run
     # aborted (cancelling the prompt aborts it)
@@ -149,4 +173,4 @@ def test_inspect_eval_by_plugin_name_records_tokens_model_experiment_and_timeout
 
     by_experiment = wait_for(ended, 15, "the timed-out run's agent_end")
     assert sorted(by_experiment[experiment]) == ["aborted", "stop", "stop"]
-    assert by_experiment["insp-mine"] == ["stop", "stop"]
+    assert by_experiment["insp-mine"] == ["stop"] * 4  # two leads', two solvers' runs
