@@ -97,11 +97,14 @@ def bus_task(dataset: str, agent: str = "assistant", scorer: str = "match", hub:
 
 
 def _dataset(path: str) -> Dataset:
-    """The file's samples; a number target (as in JSON) compared as its text."""
+    """The file's samples; a number target (as in JSON) compared as its text; `files` a list of
+    names next to the dataset, as an experiment's may be, or Inspect's {name: source}."""
     def record(row: dict[str, Any]) -> Sample:
-        target = row.get("target")
+        target, files = row.get("target"), row.get("files")
+        if isinstance(files, list):
+            files = {name: name for name in files}
         return Sample(input=row["input"], target="" if target is None else str(target),
-                      id=row.get("id"), files=row.get("files"), metadata=row.get("metadata"))
+                      id=row.get("id"), files=files, metadata=row.get("metadata"))
 
     if not Path(path).is_file():
         raise ConfigError(f"bus_task: dataset: no file {path}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -57,6 +58,17 @@ model = "one"
 system_prompt = "You are the SOLVER."
 tools = []
 
+[models.three]
+provider = "openai"
+model = "fake-three"
+base_url = "{broken_url}"
+
+[[agents]]
+name = "broken"
+model = "three"
+system_prompt = "You are BROKEN."
+tools = []
+
 [[agents]]
 name = "lead"
 model = "two"
@@ -64,6 +76,9 @@ system_prompt = "You are the LEAD."
 tools = []
 agents = ["solver"]
 """
+
+# the model of agent `broken`: refuses every request (an HTTP 400 is not retried)
+BROKEN = {"steps": [{"fail": {"kind": "status", "status": 400, "message": "no such model"}}] * 20}
 
 SAMPLES = [{"id": "a", "input": "say alpha", "target": "alpha"},
            {"id": "b", "input": "say beta", "target": "beta"}]
@@ -105,8 +120,9 @@ class Bus:
 @pytest.fixture(scope="module")
 def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
     cwd = tmp_path_factory.mktemp("inspect")
-    with FakeLLMServer(SCRIPT) as srv:
-        (cwd / "topology.toml").write_text(TOPOLOGY.replace("{base_url}", srv.base_url))
+    with FakeLLMServer(SCRIPT) as srv, FakeLLMServer(BROKEN) as broken:
+        (cwd / "topology.toml").write_text(TOPOLOGY.replace("{base_url}", srv.base_url)
+                                           .replace("{broken_url}", broken.base_url))
         proc, ready = start_up(cwd, "-c", "topology.toml")
         try:
             yield Bus(ready["endpoint"], cwd)
@@ -174,3 +190,23 @@ def test_inspect_eval_by_plugin_name_records_tokens_model_experiment_and_timeout
     by_experiment = wait_for(ended, 15, "the timed-out run's agent_end")
     assert sorted(by_experiment[experiment]) == ["aborted", "stop", "stop"]
     assert by_experiment["insp-mine"] == ["stop"] * 4  # two leads', two solvers' runs
+
+
+def test_a_failed_session_and_an_unreachable_hub_are_the_samples_errors(bus: Bus) -> None:
+    """Not answers: Inspect records them as errors (and scores nothing)."""
+    dataset = jsonl(bus.cwd / "one.jsonl", SAMPLES[:1])
+    log = bus.eval("logs-broken", "agent_bus/bus_task", "-T", f"dataset={dataset}",
+                   "-T", "agent=broken", "-T", f"hub={bus.endpoint}")
+    [sample] = log["samples"]
+    assert "BusEvalError" in sample["error"]["traceback"] and not sample.get("scores")
+    assert "agent `broken`: run " in sample["error"]["message"]
+    assert " ended error: " in sample["error"]["message"]
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        nobody = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    log = bus.eval("logs-nohub", "agent_bus/bus_task", "-T", f"dataset={dataset}",
+                   "-T", "agent=solver", "-T", f"hub={nobody}")
+    [sample] = log["samples"]
+    assert "BusEvalError" in sample["error"]["traceback"]
+    assert f"HubUnreachable: cannot reach the hub at {nobody}" in sample["error"]["message"]
