@@ -106,18 +106,21 @@ class BusModel(ModelAPI):
 
     async def _run(self, text: str, tag: str, spec: RunWorkspace | None
                    ) -> cmd.RunResult | None:
-        """One session; None past `timeout` (the prompt is cancelled, which aborts the run)."""
-        with anyio.move_on_after(self.timeout or None):
-            async with connect(self.hub, name="inspect-bridge") as bus:
-                if spec is not None and not self._workers_checked:
-                    await _check_workers(bus)
-                    self._workers_checked = True
-                since = (await bus.peer.status()).seq
+        """One session, its helpers' usage added; None past `timeout` (the prompt is
+        cancelled, which aborts the run)."""
+        async with connect(self.hub, name="inspect-bridge") as bus:
+            if spec is not None and not self._workers_checked:
+                await _check_workers(bus)
+                self._workers_checked = True
+            since = (await bus.peer.status()).seq
+            result: cmd.RunResult | None = None
+            with anyio.move_on_after(self.timeout or None):
                 result = await bus.run(self.agent, text, experiment=tag,
                                        max_turns=self.max_turns, workspace=spec)
-                helpers = await _helpers_usage(bus, result.run_id, since)
-                return msgspec.structs.replace(result, usage=_added(result.usage, helpers))
-        return None
+            if result is None:
+                return None
+            helpers = await _helpers_usage(bus, result.run_id, since)
+        return msgspec.structs.replace(result, usage=_added(result.usage, helpers))
 
     async def _sample_workspace(self, tag: str) -> RunWorkspace | None:
         """With workspace "sample": the running sample's own folder, with its files."""

@@ -210,3 +210,31 @@ def test_a_failed_session_and_an_unreachable_hub_are_the_samples_errors(bus: Bus
     [sample] = log["samples"]
     assert "BusEvalError" in sample["error"]["traceback"]
     assert f"HubUnreachable: cannot reach the hub at {nobody}" in sample["error"]["message"]
+
+
+GENERATE_TASK = """
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate
+
+
+@task
+def plain() -> Task:
+    return Task(dataset=[Sample(id="a", input="say alpha", target="alpha")],
+                solver=generate(), scorer=includes())
+"""
+
+
+def test_a_plain_generate_task_runs_on_the_bus_with_model_agent_bus(bus: Bus) -> None:
+    """`--model agent-bus/<agent>` (the provider by name, its args as -M): a task of Inspect's
+    own `generate()` is answered by a bus session, its tokens recorded."""
+    (bus.cwd / "plain.py").write_text(GENERATE_TASK)
+    log = bus.eval("logs-plain", "plain.py", "--model", "agent-bus/solver",
+                   "-M", f"hub={bus.endpoint}", "-M", "experiment=insp-plain")
+    assert log["eval"]["model"] == "agent-bus/solver"
+    [sample] = log["samples"]
+    assert sample["output"]["completion"] == "answer: say alpha"
+    assert sample["scores"]["includes"]["value"] == "C"
+    assert log["stats"]["model_usage"]["agent-bus/solver"]["total_tokens"] == 18
+    assert sample["output"]["metadata"]["bus"]["experiment"] == "insp-plain"
