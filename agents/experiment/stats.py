@@ -9,7 +9,7 @@
 
 Why not scipy.stats: it (with numpy) is ~80 MB to install for a handful of closed formulas, and
 the bus's core installs nothing heavy (pyzmq, msgspec, anyio, httpx, click). These functions are
-checked against scipy.stats to 1e-9 in tests/experiments/test_stats.py (scipy is in the `test`
+checked against scipy.stats to 1e-9 in tests/experiments/test_statistics.py (scipy is in the `test`
 extra), so the numbers are scipy's without making every user install it.
 """
 
