@@ -107,9 +107,18 @@ def _agent_verb(verb: str) -> Callable[..., None]:
                 return detail
 
         detail = run_async(go)
+        if verb == "abort" and detail == "idle":  # as steer: nothing to act on is a failure
+            raise click.ClickException(f"{_whose(agent, run_id, session)} has no run in progress, "
+                                       f"so there is nothing to abort (`busctl status` lists the "
+                                       f"live runs)")
         click.echo(f"{verb.replace('_', '-')} sent to {agent}: {detail}")
 
     return command
+
+
+def _whose(agent: str, run_id: str, session: str) -> str:
+    return (f"session `{session}` of agent `{agent}`" if session else
+            f"agent `{agent}` (--run {run_id})" if run_id else f"agent `{agent}`")
 
 
 _ADDRESS = ("\n\nWith several live runs of AGENT, name one with --run or --session (the error "

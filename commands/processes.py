@@ -12,6 +12,7 @@ from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.security import CurveClient
 from agent_bus.commands.base import (
+    UsageExit,
     engine_options,
     hub_and_engine_options,
     on_ray,
@@ -172,8 +173,8 @@ def _control(config_file: str | None, request: Any) -> str:
     from agent_bus.agents.launch.up import control
 
     reply = run_async(control, state_of(config_file), request)
-    if not reply.ok:
-        raise click.ClickException(reply.error)
+    if not reply.ok:  # a wrong name is the command line's fault (2), anything else failed (1)
+        raise (UsageExit if reply.unknown else click.ClickException)(reply.error)
     return reply.message
 
 

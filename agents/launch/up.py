@@ -565,6 +565,7 @@ class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
 class ControlReply(msgspec.Struct):
     ok: bool
     error: str = ""
+    unknown: bool = False  # the error is a name (process, group) or count the user got wrong
     message: str = ""
     processes: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
@@ -616,8 +617,9 @@ async def _carry_out(sup: Supervisor, topo: Topology, request: ControlRequest) -
         return ControlReply(ok=True, processes=sup.table())
     if request.op == "restart":
         if request.name not in sup.children:
-            return ControlReply(ok=False, error=f"no process `{request.name}` (processes: "
-                                                f"{', '.join(sup.children)})")
+            return ControlReply(ok=False, unknown=True,
+                                error=f"no process `{request.name}` (processes: "
+                                      f"{', '.join(sup.children)})")
         child = await sup.restart(request.name)
         return ControlReply(ok=True, message=f"restarted {request.name} (pid {child.pid})")
     if request.op == "scale":
@@ -629,10 +631,11 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
     groups = {g.name: g for g in topo.workers}
     group = topo.workers[0] if name == "workers" and topo.workers else groups.get(name)
     if group is None:
-        return ControlReply(ok=False, error=f"no worker group `{name}` (groups: "
-                                            f"{', '.join(['workers', *groups])})")
+        return ControlReply(ok=False, unknown=True,
+                            error=f"no worker group `{name}` (groups: "
+                                  f"{', '.join(['workers', *groups])})")
     if not 0 <= count <= 64:
-        return ControlReply(ok=False, error=f"{name}={count}: give 0 to 64 processes")
+        return ControlReply(ok=False, unknown=True, error=f"{name}={count}: give 0 to 64 processes")
     mine = sorted((n for n, c in sup.children.items()
                    if c.spec.role == "worker" and n.rpartition("-")[0] == group.name),
                   key=lambda n: int(n.rpartition("-")[2]))
