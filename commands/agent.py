@@ -79,14 +79,15 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     \b
     Every prompt continues the chat's one session. `/abort` aborts the current run,
     `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
-    `/help` lists these, Ctrl-D quits.
+    `/help` lists these, Ctrl-D quits. Ctrl-C aborts the run in progress and returns to the
+    prompt; at the prompt (or again while the abort is under way) it quits with exit 130.
     Examples:
       busctl chat
       busctl chat --agent reviewer --session coordinator-1.3f0c9a   # go on with a run's session
     """
     from agent_bus.agents.client.drive import chat as run_chat
 
-    run_async(run_chat, hub, curve, agent, use_color(), session)
+    sys.exit(run_async(run_chat, hub, curve, agent, use_color(), session))
 
 
 def _agent_verb(verb: str) -> Callable[..., None]:
