@@ -264,9 +264,28 @@ def _hub_options(fn: Callable[..., Any], *, find_on_ray: bool) -> Callable[..., 
             command = click.get_current_context().info_name or ""  # `worker`: a worker's key
             kwargs["hub"], curve = on_ray("client", topology_name, address or "auto", command)
             return fn(*args, curve=curve, **kwargs)
+        kwargs["hub"] = hub_here(kwargs["hub"])
         return fn(*args, curve=curve_client(curve_server_key, curve_key), **kwargs)
 
     return wrapper
+
+
+def hub_here(hub: str) -> str:
+    """`hub`; but when it is only the default (no --hub, no BUSCTL_HUB), the hub of the topology
+    started from this folder, if one runs here: `busctl up --hub 7700` (or a topology file's
+    address) is then found by every command run in its folder, as `busctl down` finds it."""
+    from click.core import ParameterSource
+
+    if click.get_current_context().get_parameter_source("hub") is not ParameterSource.DEFAULT:
+        return hub
+    from agent_bus.agents.launch.supervisor import read_run_file, same_process
+    from agent_bus.bus.paths import default_state_dir
+
+    info = read_run_file(default_state_dir() / "up.json")
+    if info is None or not info.endpoint:
+        return hub
+    record = info.children.get("hub")
+    return info.endpoint if record is not None and same_process(record) else hub
 
 
 ENGINE_ENV = "BUSCTL_ENGINE"

@@ -252,7 +252,7 @@ async def _publisher(peer: Peer) -> Any:
 
 
 def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
-            tools: list[str]) -> list[str]:
+            tools: list[str], port: int | None = None) -> list[str]:
     state = state_dir(topo)
     lines = [f"hub        {endpoint}  (events {events})"]
     procs = "  ".join(f"{name}[{child.pid}]" for name, child in sup.children.items())
@@ -264,8 +264,25 @@ def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
     ui = sup.children.get("ui")
     if ui is not None and ui.ready and ui.spec.role == "process":
         lines.append(f"ui         {ui.ready.get('url', '?')}")
-    lines.append("try        busctl run \"hello\"   ·   busctl watch   ·   busctl status")
+    hub = hub_flag(endpoint, port)
+    agent = next((f" --agent {a.name}" for a in topo.agents[:1] if a.name != DEFAULT_AGENT), "")
+    tries = [f"busctl run{hub}{agent} \"hello\""] if topo.agents else []
+    lines.append("try        " + "   ·   ".join([*tries, f"busctl watch{hub}", f"busctl status{hub}"]))
     return lines
+
+
+DEFAULT_AGENT = "assistant"  # `busctl run`'s --agent default
+
+
+def hub_flag(endpoint: str, port: int | None) -> str:
+    """` --hub ADDR` for a client in another folder to reach this hub ("" at the default
+    address): the loopback port it was asked for (an alias of its ipc:// socket), else the
+    address it is bound to."""
+    from agent_bus.bus.client import DEFAULT_HUB
+
+    if port is not None:
+        return "" if f"tcp://127.0.0.1:{port}" == DEFAULT_HUB else f" --hub {port}"
+    return "" if endpoint == DEFAULT_HUB else f" --hub {endpoint}"
 
 
 def sandbox_lines(sup: Supervisor) -> list[str]:
@@ -365,7 +382,7 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
                            curve=client_curve(topo)) as peer, anyio.create_task_group() as tg:
             sup.notify = await _publisher(peer)
             await _serve_control(tg, sup, topo, state / "control.sock")
-            for line in summary(topo, sup, endpoint, events, await _live_tools(peer)):
+            for line in summary(topo, sup, endpoint, events, await _live_tools(peer), port):
                 out.write(line + "\n")
             out.flush()
             _announce(options, state, endpoint, events)
