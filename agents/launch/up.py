@@ -146,7 +146,9 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
         env = {"BUSCTL_HUB": endpoint, **proc.env}
         specs.append(credentials.attach(
             ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
-                      pass_env=proc.pass_env), topo, state))
+                      pass_env=proc.pass_env, ready_timeout=proc.ready_timeout,
+                      ready_when="port" if proc.ready_port else proc.ready,
+                      ready_port=proc.ready_port), topo, state))
     return specs
 
 
