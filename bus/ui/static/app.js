@@ -196,8 +196,9 @@ function el(tag, attrs, ...kids) {
 }
 
 const MIN_BAR_PX = 4;   // a 1 ms call stays visible and hoverable
-// A bar narrower than this shows no label: a few pixels of one would be a clipped glyph (the
-// bowl of a "d" read as "("); its tooltip still says everything.
+// A bar narrower than this shows no label (`narrow`: drawn transparent, still in the DOM): a
+// few pixels of one would be a clipped glyph (the bowl of a "d" read as "("); its tooltip
+// says everything.
 const MIN_LABEL_PX = 24;
 const PAGE = 20;        // finished runs per page: the DOM stays small however many ran
 
@@ -232,11 +233,11 @@ function bar(kind, item, scale, label, row, tip) {
   const end = item.end === null ? Date.now() / 1000 : item.end;
   const left = ((item.start - scale.t0) / scale.span) * 100;
   const width = ((end - item.start) / scale.span) * 100;
-  const cls = `bar ${kind}${item.error ? " error" : ""}${item.end === null ? " open" : ""}`;
-  const px = (width / 100) * scale.px;
+  const narrow = (width / 100) * scale.px < MIN_LABEL_PX ? " narrow" : "";
+  const cls = `bar ${kind}${item.error ? " error" : ""}${item.end === null ? " open" : ""}${narrow}`;
   const node = el("div", { class: cls, title: tip + `\n${secs(end - item.start)}`,
                            "data-row": String(row), "data-start": String(item.start),
-                           "data-end": String(end) }, px >= MIN_LABEL_PX ? label : "");
+                           "data-end": String(end) }, label);
   // At least MIN_BAR_PX wide, and never past the track's right edge.
   node.style.left = `min(${left}%, calc(100% - ${MIN_BAR_PX}px))`;
   node.style.width = `max(${width}%, ${MIN_BAR_PX}px)`;
