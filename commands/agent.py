@@ -43,9 +43,10 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
     captures exactly the answer; `--json` prints every event of the run on stdout instead.
 
     \b
-    Exit status: 0 on a normal stop, 1 on error, 3 when stopped at its turn limit (--max-turns
-    or the agent's max_iterations; a line on stderr says so), 130 when aborted (Ctrl-C aborts
-    the run; a second Ctrl-C exits at once).
+    Exit status: 0 on a normal stop, 1 on error, 2 on bad usage (an agent no coordinator
+    serves, a bad flag), 3 when stopped at its turn limit (--max-turns or the agent's
+    max_iterations; a line on stderr says so), 130 when aborted (Ctrl-C aborts the run; a
+    second Ctrl-C exits at once).
     Example:
       busctl run --agent assistant "summarise README.md"
       busctl run -q "list the files" > files.txt
