@@ -2,7 +2,9 @@
 
 Each child runs in its own process group (so a stop takes its grandchildren too), writes its
 output to `<log_dir>/<name>.log` and, in the foreground, to the terminal prefixed by its name. A
-child announces readiness with one JSON line starting with `{"ready"` on stdout. A child that exits
+child announces readiness with one JSON line starting with `{"ready"` on stdout (busctl's own
+pieces); a topology's `[[processes]]` entry is ready once started, or as it says (`ready_when`:
+that line, or a port accepting a connection). A child that exits
 while the topology is up is restarted with exponential backoff; one that crash-loops is given up.
 
 Every child is started through `python -m agent_bus.bus.procsec SUPERVISOR_PID …`, which asks the kernel to
