@@ -4,7 +4,9 @@ setuptools builds in the folder it is given, so `pip install .` would leave `bui
 `agent_bus.egg-info/` in the checkout. Each hook here copies the tree (without VCS, venvs,
 caches and earlier build output: a few MB) to a temporary folder, runs setuptools there, and
 hands back only what pip asked for (a wheel, an sdist, metadata). Editable installs must point
-at the checkout itself, so they run in place (their egg-info is listed in .gitignore).
+at the checkout itself, so they run in place, and the `*.egg-info` setuptools writes there on
+the way is removed afterwards: the installed metadata is the `.dist-info` in site-packages, and
+nothing at run time reads the egg-info (left in the checkout, it was a second, stale copy).
 """
 
 from __future__ import annotations
@@ -69,7 +71,26 @@ def build_sdist(sdist_directory: str, config_settings: Settings = None) -> str:
         return _setuptools.build_sdist(target, config_settings)
 
 
-# `pip install -e .`: in place, as setuptools does it.
+# `pip install -e .`: in place, as setuptools does it, then its egg-info is removed.
 get_requires_for_build_editable = _setuptools.get_requires_for_build_editable
-prepare_metadata_for_build_editable = _setuptools.prepare_metadata_for_build_editable
-build_editable = _setuptools.build_editable
+
+
+@contextmanager
+def _no_egg_info_left() -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for leftover in Path.cwd().glob("*.egg-info"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def prepare_metadata_for_build_editable(metadata_directory: str,
+                                        config_settings: Settings = None) -> str:
+    with _no_egg_info_left():
+        return _setuptools.prepare_metadata_for_build_editable(metadata_directory, config_settings)
+
+
+def build_editable(wheel_directory: str, config_settings: Settings = None,
+                   metadata_directory: str | None = None) -> str:
+    with _no_egg_info_left():
+        return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)

@@ -6,8 +6,9 @@ used (or listed by --help): every process `busctl up` starts runs busctl, so an 
 paid at every start.
 
 Every command that talks to a hub takes `--hub ADDR` (or `BUSCTL_HUB`). Bus errors become click
-errors in one place (`commands.base.BusctlGroup`): exit 2 when the hub cannot be reached or a
-flag is wrong, exit 1 when a request fails.
+errors in one place (`commands.base.BusctlGroup`): exit 2 when the hub cannot be reached, a
+flag is wrong or a name (agent, process, experiment) names nothing, exit 1 when a request fails
+(README, "Exit codes").
 """
 
 # ruff: noqa: E402  (the SIGINT handler below must be in place before the slow imports)

@@ -8,6 +8,7 @@
     │   ├── ModelSetupError    agents/gateway/engine.py (no model configured, unknown alias)
     │   └── CoordinatorError   agents/coordinator/process.py (an agent's hook does not import, …)
     ├── ChildFailed          agents/launch/supervisor.py: a child of `busctl up` did not start
+    ├── UnknownName          a name the user gave (agent, process, experiment) names nothing
     ├── ToolError            tools/_exceptions.py: a tool call failed (the model sees the message)
     ├── AgentError           agents/loop/agent.py: the agent loop was misused (e.g. already running)
     ├── StreamError          agents/gateway/providers/base.py: a provider's stream broke
@@ -19,6 +20,7 @@
     ├── ProtocolError       a frame we cannot make sense of (callers count and drop it)
     └── RequestError        a request ended with an error reply; `.code` names the case
         ├── NoService         no peer serves the service (code `no_service`)
+        │   └── NoSuchAgent     ... because no live coordinator hosts the agent (also UnknownName)
         ├── PeerLost          the serving peer died mid-request (code `peer_lost`)
         ├── HubLost           the hub went away or forgot us mid-request (code `hub_lost`)
         ├── DeadlineExceeded  the request's deadline passed (code `deadline_exceeded`)
@@ -37,6 +39,12 @@ class AgentBusError(Exception):
 
 class ConfigError(AgentBusError):
     """Configuration that cannot work; the message names the key or flag and how to fix it."""
+
+
+class UnknownName(AgentBusError):
+    """A name the user gave (an agent, a process, a worker group, an experiment) that names
+    nothing; the message lists the names that exist. busctl exits 2 (`commands.base`): the
+    command line is wrong, as for a bad flag, and running it again will not help."""
 
 
 class BusError(AgentBusError):
@@ -72,6 +80,10 @@ class RequestError(BusError):
 
 class NoService(RequestError):
     code = p.NO_SERVICE
+
+
+class NoSuchAgent(NoService, UnknownName):
+    """No live coordinator hosts the agent named (`agents.client.remote`)."""
 
 
 class PeerLost(RequestError):

@@ -28,7 +28,7 @@ from typing import Any
 
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
-from agent_bus.bus.toolnames import tool_service_fault
+from agent_bus.bus.toolnames import TOOL_PREFIX, tool_service_fault
 
 # A held request costs its frames plus about this much in Python objects (Pending, key,
 # dict/set/heap/deque entries; measured ~850 B), charged to the request budgets.
@@ -176,7 +176,7 @@ class Registry:
     def register(self, peer: PeerState, reg: p.Register, req_id: str) -> None:
         """Add or update the peer's services; each refused spec is answered with an `error`."""
         for spec in reg.services:
-            why = self._bad_spec(spec)
+            why = self._bad_spec(spec) or self._schema_clash(peer, spec)
             if why:
                 self._refuse("bad_register", peer.ident, req_id, p.BAD_REQUEST, why)
                 continue
@@ -204,6 +204,25 @@ class Registry:
             return (f"register refused: service {spec.name!r} has `capacity` {spec.capacity}; "
                     "it must be >= 1")
         return tool_service_fault(spec.name, spec.meta)  # a name/schema no model API takes
+
+    def _schema_clash(self, peer: PeerState, spec: p.ServiceSpec) -> str:
+        """Why `spec` may not join the live `tool.<name>`: other peers serve it with other
+        parameters. Calls are balanced over every peer of a service and the model sees one
+        schema, so a second function under the same name would get arguments meant for the
+        first (issue 49): refused, naming the peers, rather than joined silently."""
+        service = self.services.get(spec.name)
+        if service is None or not spec.name.startswith(TOOL_PREFIX):
+            return ""
+        mine = spec.meta.get("parameters")
+        others = sorted({f"`{self.peers[ident].hello.name}`" for ident, slot in service.slots.items()
+                         if ident != peer.ident and ident in self.peers
+                         and slot.meta.get("parameters") != mine})
+        if not others:
+            return ""
+        return (f"register refused: service {spec.name!r} is served by {', '.join(others)} with "
+                f"other parameters (a tool name means one schema: calls are shared by every peer "
+                f"serving it); stop those first to change the tool, or give this one another "
+                f"name (a prefix)")
 
     def unregister(self, peer: PeerState, names: list[str]) -> None:
         for name in names:

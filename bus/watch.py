@@ -180,7 +180,8 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
                 show(envelope)
             if tally.bad:
                 to_stderr(tally.summary())
-            _say_what_matched(filt, shown, runs)
+            live = await _live_agents(peer) if filt.agents and not shown else []
+            _say_what_matched(filt, shown, runs, live)
             return
         if since is not None and filt.experiment():
             # One experiment's logged events are picked by the hub (no other is read or sent);
@@ -201,12 +202,26 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
                 show(envelope)
 
 
-def _say_what_matched(filt: WatchFilter, shown: int, runs: dict[str, set[str]]) -> None:
+async def _live_agents(peer: Peer) -> list[str]:
+    """The agents a live coordinator serves (their `agent.NAME` services)."""
+    services = (await peer.status()).services
+    return sorted({s.name[6:].partition("@")[0] for s in services if s.name.startswith("agent.")})
+
+
+def _say_what_matched(filt: WatchFilter, shown: int, runs: dict[str, set[str]],
+                      live_agents: list[str]) -> None:
     """A filter that matched nothing, or a --run prefix that matched several runs, is said on
-    stderr: an empty output alone looks like a log with nothing in it (or a wrong id)."""
+    stderr: an empty output alone looks like a log with nothing in it (or a wrong id). The
+    hint is about the filters given: a run prefix for --run, the live agents for --agent."""
     if not shown and filt.describe():
-        to_stderr(f"busctl watch: no event matched {filt.describe()} (a run is named by its id "
-                  "or a prefix of it, as `busctl watch` prints it)")
+        hints = []
+        if filt.runs:
+            hints.append("a run is named by its id or a prefix of it, as `busctl watch` prints it")
+        if filt.agents:
+            hints.append(f"live agents: {', '.join(live_agents) or 'none'}; an agent is named "
+                         f"as in the topology's [[agents]]")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        to_stderr(f"busctl watch: no event matched {filt.describe()}{hint}")
     for prefix, matched in sorted(runs.items()):
         if len(matched) > 1:
             to_stderr(f"busctl watch: --run {prefix} matched {len(matched)} runs "

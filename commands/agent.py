@@ -43,9 +43,10 @@ def run_cmd(hub: str, curve: CurveClient | None, agent: str, as_json: bool, quie
     captures exactly the answer; `--json` prints every event of the run on stdout instead.
 
     \b
-    Exit status: 0 on a normal stop, 1 on error, 3 when stopped at its turn limit (--max-turns
-    or the agent's max_iterations; a line on stderr says so), 130 when aborted (Ctrl-C aborts
-    the run; a second Ctrl-C exits at once).
+    Exit status: 0 on a normal stop, 1 on error, 2 on bad usage (an agent no coordinator
+    serves, a bad flag), 3 when stopped at its turn limit (--max-turns or the agent's
+    max_iterations; a line on stderr says so), 130 when aborted (Ctrl-C aborts the run; a
+    second Ctrl-C exits at once).
     Example:
       busctl run --agent assistant "summarise README.md"
       busctl run -q "list the files" > files.txt
@@ -79,14 +80,15 @@ def chat(hub: str, curve: CurveClient | None, agent: str, session: str) -> None:
     \b
     Every prompt continues the chat's one session. `/abort` aborts the current run,
     `/follow TEXT` queues a follow-up, `/reset` starts a new session (not during a run),
-    `/help` lists these, Ctrl-D quits.
+    `/help` lists these, Ctrl-D quits. Ctrl-C aborts the run in progress and returns to the
+    prompt; at the prompt (or again while the abort is under way) it quits with exit 130.
     Examples:
       busctl chat
       busctl chat --agent reviewer --session coordinator-1.3f0c9a   # go on with a run's session
     """
     from agent_bus.agents.client.drive import chat as run_chat
 
-    run_async(run_chat, hub, curve, agent, use_color(), session)
+    sys.exit(run_async(run_chat, hub, curve, agent, use_color(), session))
 
 
 def _agent_verb(verb: str) -> Callable[..., None]:
@@ -107,9 +109,18 @@ def _agent_verb(verb: str) -> Callable[..., None]:
                 return detail
 
         detail = run_async(go)
+        if verb == "abort" and detail == "idle":  # as steer: nothing to act on is a failure
+            raise click.ClickException(f"{_whose(agent, run_id, session)} has no run in progress, "
+                                       f"so there is nothing to abort (`busctl status` lists the "
+                                       f"live runs)")
         click.echo(f"{verb.replace('_', '-')} sent to {agent}: {detail}")
 
     return command
+
+
+def _whose(agent: str, run_id: str, session: str) -> str:
+    return (f"session `{session}` of agent `{agent}`" if session else
+            f"agent `{agent}` (--run {run_id})" if run_id else f"agent `{agent}`")
 
 
 _ADDRESS = ("\n\nWith several live runs of AGENT, name one with --run or --session (the error "

@@ -16,7 +16,7 @@ import click
 import msgspec
 
 from agent_bus.bus.client import DEFAULT_HUB, HUB_ENV
-from agent_bus.bus.errors import AgentBusError, HubUnreachable
+from agent_bus.bus.errors import AgentBusError, HubUnreachable, UnknownName
 from agent_bus.bus.paths import HUB_FORMS, parse_hub_address
 from agent_bus.bus.security import HANDED_KEYS_ENV, CurveClient
 from agent_bus.commands.interrupt import exit_130
@@ -27,8 +27,22 @@ T = TypeVar("T")
 COUNT = click.IntRange(min=1, max=2**31 - 1)
 
 
-class HubUnreachableExit(click.ClickException):
-    exit_code = 2
+# busctl's exit codes, one table for every command (README, "Exit codes"; checked against the
+# commands by tests/cli/test_exit_codes.py). 3 (`run` stopped at its turn limit) is run's own.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class UsageExit(click.ClickException):
+    """Exit 2: the command line is wrong, as click's own usage errors are — a flag or value, a
+    name that names nothing (an agent, process, worker group, log or experiment; the message
+    lists those that exist), or a hub address nothing answers at. Running it again as it is
+    cannot help; exit 1 (`click.ClickException`) is for a command that was right but failed."""
+
+    exit_code = EXIT_USAGE
+
+
+class HubUnreachableExit(UsageExit):
+    pass
 
 
 def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -38,8 +52,9 @@ def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
 
 class BusctlGroup(click.Group):
     """The one place where errors become exits: an `AgentBusError` is one line on stderr (exit 2
-    when the hub cannot be reached, else 1), Ctrl-C exits 130, and anything unexpected is one
-    line naming the log that holds its traceback — never a bare traceback, never a guess."""
+    when the hub cannot be reached or a name names nothing, else 1), Ctrl-C exits 130, and
+    anything unexpected is one line naming the log that holds its traceback — never a bare
+    traceback, never a guess."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -109,6 +124,8 @@ def _exit_for(exc: BaseException) -> click.exceptions.ClickException | click.exc
         return click.exceptions.Exit(130)
     if isinstance(exc, HubUnreachable):
         return HubUnreachableExit(str(exc))
+    if isinstance(exc, UnknownName):
+        return UsageExit(str(exc))
     if isinstance(exc, AgentBusError):
         return click.ClickException(str(exc))
     return click.ClickException(f"unexpected {type(exc).__name__}: {exc} (a bug in busctl; "
@@ -247,9 +264,28 @@ def _hub_options(fn: Callable[..., Any], *, find_on_ray: bool) -> Callable[..., 
             command = click.get_current_context().info_name or ""  # `worker`: a worker's key
             kwargs["hub"], curve = on_ray("client", topology_name, address or "auto", command)
             return fn(*args, curve=curve, **kwargs)
+        kwargs["hub"] = hub_here(kwargs["hub"])
         return fn(*args, curve=curve_client(curve_server_key, curve_key), **kwargs)
 
     return wrapper
+
+
+def hub_here(hub: str) -> str:
+    """`hub`; but when it is only the default (no --hub, no BUSCTL_HUB), the hub of the topology
+    started from this folder, if one runs here: `busctl up --hub 7700` (or a topology file's
+    address) is then found by every command run in its folder, as `busctl down` finds it."""
+    from click.core import ParameterSource
+
+    if click.get_current_context().get_parameter_source("hub") is not ParameterSource.DEFAULT:
+        return hub
+    from agent_bus.agents.launch.supervisor import read_run_file, same_process
+    from agent_bus.bus.paths import default_state_dir
+
+    info = read_run_file(default_state_dir() / "up.json")
+    if info is None or not info.endpoint:
+        return hub
+    record = info.children.get("hub")
+    return info.endpoint if record is not None and same_process(record) else hub
 
 
 ENGINE_ENV = "BUSCTL_ENGINE"
@@ -367,11 +403,10 @@ def load_topology_or_exit(path: str | None) -> Any:
         raise ConfigExit(str(exc)) from None
 
 
-class ConfigExit(click.ClickException):
+class ConfigExit(UsageExit):
     """A topology that cannot run, named by its key: exit 2 (bad use), from `config check` and
     `up` alike (they share `check_topology`)."""
 
-    exit_code = 2
 
 def topology_option(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`-c FILE`: the topology given to `busctl up`, which names its state directory."""

@@ -12,7 +12,7 @@ import msgspec
 from agent_bus.bus.client import connect
 from agent_bus.bus.errors import HubUnreachable
 from agent_bus.bus.security import CurveClient
-from agent_bus.commands.base import first_leaf, hub_options, run_async
+from agent_bus.commands.base import UsageExit, first_leaf, hub_options, run_async
 
 # --- busctl export ------------------------------------------------------------------------
 
@@ -61,7 +61,7 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
         if output != "-":
             Path(output).unlink(missing_ok=True)
         known = ", ".join(result.experiments) or "none"
-        raise click.ClickException(f"no experiment `{experiment}` in the event log "
+        raise UsageExit(f"no experiment `{experiment}` in the event log "
                                    f"(experiments: {known})")
     click.echo(msgspec.json.encode(result.totals).decode(), err=True)
 

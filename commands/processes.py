@@ -12,6 +12,7 @@ from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.security import CurveClient
 from agent_bus.commands.base import (
+    UsageExit,
     engine_options,
     hub_and_engine_options,
     on_ray,
@@ -67,16 +68,31 @@ def _rows(hub: str, curve: CurveClient | None, config_file: str | None) -> list[
 
 
 def _supervisor_table(state: Path) -> list[dict[str, Any]] | None:
-    from agent_bus.agents.launch.supervisor import ChildFailed
-    from agent_bus.agents.launch.up import ControlRequest, control, running_here
+    """The supervisor's table; None when no topology was started here (no run file). A run file
+    whose supervisor is gone (SIGKILLed) or silent gives the processes it recorded."""
+    from agent_bus.agents.launch.supervisor import (
+        ChildFailed,
+        ChildRecord,
+        read_run_file,
+        same_process,
+    )
+    from agent_bus.agents.launch.up import ControlRequest, control
 
-    if running_here(state) is None:
+    info = read_run_file(state / "up.json")
+    if info is None:
         return None
-    try:
-        reply = run_async(control, state, ControlRequest(op="ps"), 10.0)
-    except ChildFailed:
-        return None
-    return reply.processes
+    alive = same_process(ChildRecord(pid=info.pid, start_ticks=0))
+    if alive:
+        try:
+            return run_async(control, state, ControlRequest(op="ps"), 10.0).processes
+        except ChildFailed:
+            pass
+    click.echo(f"the supervisor of the topology started here (pid {info.pid}) "
+               f"{'does not answer' if alive else 'is gone'}: its processes as it last recorded "
+               f"them; `busctl down` stops what is left and removes its run files", err=True)
+    return [{"name": name, "role": "-", "pid": rec.pid,
+             "state": "running" if same_process(rec) else "gone", "uptime": 0, "restarts": "-",
+             "last_exit": "-", "sandbox": "-"} for name, rec in info.children.items()]
 
 
 def _hub_table(hub: str, curve: CurveClient | None) -> list[dict[str, Any]]:
@@ -172,8 +188,8 @@ def _control(config_file: str | None, request: Any) -> str:
     from agent_bus.agents.launch.up import control
 
     reply = run_async(control, state_of(config_file), request)
-    if not reply.ok:
-        raise click.ClickException(reply.error)
+    if not reply.ok:  # a wrong name is the command line's fault (2), anything else failed (1)
+        raise (UsageExit if reply.unknown else click.ClickException)(reply.error)
     return reply.message
 
 

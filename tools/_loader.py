@@ -46,7 +46,7 @@ def _import_dotted(name: str) -> ModuleType:
         return importlib.import_module(name)
     except Exception as exc:
         raise ToolLoadError(
-            f"Cannot import tool module `{name}`: {type(exc).__name__}: {exc}"
+            f"Cannot import tool module `{name}`: {type(exc).__name__}: {exc}{_old_import(exc)}"
         ) from exc
 
 
@@ -70,9 +70,23 @@ def _import_file(spec: str) -> ModuleType:
         if not isinstance(exc, Exception):
             raise
         raise ToolLoadError(
-            f"Cannot import tool module `{spec}`: {type(exc).__name__}: {exc}"
+            f"Cannot import tool module `{spec}`: {type(exc).__name__}: {exc}{_old_import(exc)}"
         ) from exc
     return module
+
+
+# The top-level names agent-bus had before everything moved under `agent_bus` (issue 31).
+_OLD_PACKAGES = frozenset({"tools", "bus", "agents"})
+
+
+def _old_import(exc: Exception) -> str:
+    """What to import instead, when a tool module failed on an import written for the old
+    layout (`from tools import tool`: no module named `tools`, or a project's own `tools`)."""
+    if not isinstance(exc, ImportError) or (exc.name or "").partition(".")[0] not in _OLD_PACKAGES:
+        return ""
+    return (f"; if this is agent-bus's `{exc.name}` (its name before agent-bus moved under one "
+            f"package), import it from `agent_bus`: `from agent_bus import tool` "
+            f"(`agent_bus.{exc.name}` for the rest)")
 
 
 def _collect(module: ModuleType) -> list[Tool]:

@@ -8,13 +8,14 @@ SIGINT aborts the run (the agent ends it with `agent_end` / aborted); a second o
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import TextIO
 
 import anyio
 import anyio.abc
-import anyio.to_thread
+import anyio.lowlevel
 import click
 
 from agent_bus.agents import commands as cmd
@@ -208,31 +209,89 @@ class ChatState:
         self.agent = agent
         self.session = session
         self.running: list[Run] = []
+        self.aborting = ""  # the run a Ctrl-C is aborting: a second Ctrl-C then quits
+        self.interrupted = False  # quit by Ctrl-C: chat exits 130
 
 
 async def chat(hub: str, curve: CurveClient | None, agent: str, color: bool,
-               session: str = "") -> None:
+               session: str = "") -> int:
     """Read lines from stdin: a prompt when idle, steering while a run streams. Every prompt
-    continues the chat's one session (a fresh one, or `session`); `/reset` starts another."""
+    continues the chat's one session (a fresh one, or `session`); `/reset` starts another.
+    Ctrl-C aborts the run in progress and returns to the prompt; at the prompt (or a second
+    time while the abort is under way) it quits: returns 130 (0 at the end of input)."""
     out = sys.stdout
     view = RunView(out, False, color)
     state = ChatState(agent, session)
     async with connect(hub, name="busctl-chat", curve=curve) as bus, \
-            anyio.create_task_group() as tg:
+            anyio.create_task_group() as outer:
+        outer.start_soon(_chat_sigint, bus, state, outer.cancel_scope, sys.stderr)
         out.write(f"chatting with `{agent}` — /abort, /follow TEXT, /reset, /help, Ctrl-D to quit\n> ")
         out.flush()
-        while True:
-            line = await anyio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
-            if not line:
-                break
+        lines = StdinLines(sys.stdin.fileno())
+        # The runs' followers: leaving this group at the end of input lets a run in progress
+        # finish (Ctrl-C still aborts it) before chat quits.
+        async with anyio.create_task_group() as tg:
+            while (line := await lines.next()) is not None:
+                try:
+                    note = await _chat_line(bus, line.strip(), state, view, tg)
+                except BusError as exc:  # a refused command must not end the chat
+                    note = f"{type(exc).__name__}: {exc}"
+                if note:
+                    sys.stderr.write(note + "\n")
+                    sys.stderr.flush()
+        outer.cancel_scope.cancel()
+    return EXIT_ABORTED if state.interrupted else EXIT_OK
+
+
+async def _chat_sigint(bus: AgentBus, state: ChatState, scope: anyio.CancelScope,
+                       err: TextIO) -> None:
+    """Ctrl-C: abort the run in progress (the prompt comes back when it has ended); at the
+    prompt, or again while aborting, quit at once (`scope` is the whole chat's)."""
+    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            run = state.running[0] if state.running else None
+            if run is None or state.aborting == run.run_id:
+                state.interrupted = True
+                err.write("\n")
+                err.flush()
+                scope.cancel()
+                return
+            state.aborting = run.run_id
+            err.write("\naborting the run (Ctrl-C again to quit at once)…\n")
+            err.flush()
             try:
-                note = await _chat_line(bus, line.strip(), state, view, tg)
-            except BusError as exc:  # a refused command must not end the chat
-                note = f"{type(exc).__name__}: {exc}"
-            if note:
-                sys.stderr.write(note + "\n")
-                sys.stderr.flush()
-        # End of input: let a run in progress finish (Ctrl-C still aborts it) before leaving.
+                await bus.abort(state.agent, "Ctrl-C", run=run.run_id, session=run.session)
+            except BusError as exc:  # it may have ended meanwhile: nothing to abort
+                err.write(f"{type(exc).__name__}: {exc}\n")
+
+
+class StdinLines:
+    """Lines of a file descriptor, read on the event loop (no thread): a Ctrl-C or the end of
+    the chat need not wait for a thread blocked in `readline` (that wait was the hang, and a
+    second Ctrl-C interrupted it with a traceback)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = b""
+        self.eof = False
+
+    async def next(self) -> str | None:
+        """The next line without its newline; the last, unterminated one; None at the end."""
+        while b"\n" not in self.buffer and not self.eof:
+            await self._readable()
+            chunk = os.read(self.fd, 65536)
+            self.eof = not chunk
+            self.buffer += chunk
+        if not self.buffer:
+            return None
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode(errors="replace")
+
+    async def _readable(self) -> None:
+        try:
+            await anyio.wait_readable(self.fd)
+        except OSError:  # a regular file or /dev/null (epoll refuses them): always readable
+            await anyio.lowlevel.checkpoint()
 
 
 #: What `/help` prints (chat answers it itself: it is no prompt for the model).
@@ -241,7 +300,8 @@ CHAT_HELP = """commands (anything else is a prompt, or steers the run in progres
   /follow TEXT    queue TEXT as a follow-up of the run in progress
   /reset          start a new conversation with your next prompt (not during a run)
   /help           this list
-  Ctrl-D          quit (a run in progress finishes first; Ctrl-C aborts it)"""
+  Ctrl-C          abort the run in progress; at the prompt, quit (exit 130)
+  Ctrl-D          quit (a run in progress finishes first)"""
 
 
 async def _chat_line(bus: AgentBus, line: str, state: ChatState, view: RunView,

@@ -40,7 +40,7 @@ from agent_bus.agents.coordinator.multiagent import publish_topic
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import Envelope, Peer, Subscription
 from agent_bus.bus.client import connect as connect_peer
-from agent_bus.bus.errors import NoService, PeerLost, RemoteError
+from agent_bus.bus.errors import NoService, NoSuchAgent, PeerLost, RemoteError
 from agent_bus.bus.messages import RunWorkspace
 from agent_bus.bus.protocol import Status
 from agent_bus.bus.security import CurveClient
@@ -206,6 +206,7 @@ class AgentBus:
         """Several coordinators serve `agent`: send to the one holding the live run."""
         states = [await self._state_of(service) for service in services]
         if run:
+            command = _full_run_id(agent, command, run, states)
             error: RemoteError | None = None
             for service in services:  # the coordinator that has the run accepts
                 try:
@@ -385,13 +386,28 @@ class AgentBus:
                       if a)
 
 
+def _full_run_id(agent: str, command: cmd.Command, run: str,
+                 states: list[cmd.AgentState]) -> cmd.Command:
+    """`command` with its run id prefix (the 8 characters `watch` prints) made whole, when
+    one live run of `agent` starts with it; several: refused, listing them (each coordinator
+    sees only its own runs, so a prefix is resolved here, across them)."""
+    matches = sorted({i.run_id for st in states for i in st.sessions
+                      if i.state != "idle" and i.run_id and i.run_id.startswith(run)})
+    if len(matches) > 1:
+        raise RemoteError(f"--run {run} matches {len(matches)} runs of agent `{agent}` in "
+                          f"progress: {', '.join(matches)}; give more of the id", AMBIGUOUS)
+    if len(matches) == 1 and isinstance(command, (cmd.Steer, cmd.FollowUp, cmd.Abort)):
+        return msgspec.structs.replace(command, run=matches[0])
+    return command
+
+
 def _require_agent(agent: str, status: Status) -> None:
     """Fail at once, naming the agents that exist, when no live coordinator serves `agent`."""
     services = {s.name for s in status.services}
     if cmd.agent_service(agent) in services:
         return
     live = sorted(a for a in map(cmd.agent_of_service, services) if a)
-    raise NoService(f"no live coordinator serves agent `{agent}` (service "
+    raise NoSuchAgent(f"no live coordinator serves agent `{agent}` (service "
                     f"`{cmd.agent_service(agent)}`); live agents: {', '.join(live) or 'none'}. "
                     f"Host it with an [[agents]] entry in the topology of `busctl up`, or "
                     f"`busctl coordinator --topology FILE --agent {agent}`")

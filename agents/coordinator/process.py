@@ -760,9 +760,16 @@ class HostedAgent:
         """The session a steer/follow-up/abort addresses; None: nothing live to act on.
         Several live runs and no id: refused, listing them."""
         if run_id:
-            for s in self.live():
-                if s.run_id == run_id:
-                    return s
+            # a whole id, or a prefix of one (the 8 characters `busctl watch` prints)
+            matches = [s for s in self.live() if s.run_id.startswith(run_id)]
+            exact = [s for s in matches if s.run_id == run_id]
+            if len(exact) == 1 or len(matches) == 1:
+                return (exact or matches)[0]
+            if matches:
+                raise RemoteError(f"run id prefix `{run_id}` matches {len(matches)} runs of agent "
+                                  f"`{self.name}` in progress: "
+                                  f"{', '.join(sorted(s.run_id for s in matches))}; give more "
+                                  f"of the id", AMBIGUOUS)
             raise RemoteError(f"agent `{self.name}` has no run `{run_id}` in progress on "
                               f"coordinator `{self.coordinator}`; {self._live_text()}", NO_RUN)
         if session_id:

@@ -2,7 +2,9 @@
 
 Each child runs in its own process group (so a stop takes its grandchildren too), writes its
 output to `<log_dir>/<name>.log` and, in the foreground, to the terminal prefixed by its name. A
-child announces readiness with one JSON line starting with `{"ready"` on stdout. A child that exits
+child announces readiness with one JSON line starting with `{"ready"` on stdout (busctl's own
+pieces); a topology's `[[processes]]` entry is ready once started, or as it says (`ready_when`:
+that line, or a port accepting a connection). A child that exits
 while the topology is up is restarted with exponential backoff; one that crash-loops is given up.
 
 Every child is started through `python -m agent_bus.bus.procsec SUPERVISOR_PID …`, which asks the kernel to
@@ -24,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import anyio
 import anyio.abc
@@ -114,6 +116,17 @@ class ChildSpec:
     # Written to the child's stdin at every (re)start, then closed: configuration handed over
     # from the supervisor's memory, never re-read from a file something else could rewrite.
     stdin_data: bytes = b""
+    # When the child counts as ready: "line" (its `{"ready": ...}` stdout line: busctl's own
+    # pieces), "started" (once spawned), "port" (once 127.0.0.1:ready_port accepts a connection).
+    ready_when: Literal["line", "started", "port"] = "line"
+    ready_port: int = 0
+
+    def awaited(self) -> str:
+        """What readiness waits for, in the words of the topology file (for an error)."""
+        if self.ready_when == "port":
+            return f"a connection to 127.0.0.1:{self.ready_port} to be accepted (ready_port)"
+        return ('a {"ready": ...} JSON line on its stdout (ready = "line"; without it the '
+                'process is ready once started)')
 
 
 @dataclass
@@ -230,8 +243,9 @@ class Supervisor:
             await child.ready_event.wait()
         if child.ready is None:
             tail = self.tail(spec.name)
-            raise ChildFailed(f"`{spec.name}` did not become ready within {spec.ready_timeout:g}s"
-                              f" (log: {self.log_path(spec.name)}){tail}")
+            raise ChildFailed(f"`{spec.name}` did not become ready within {spec.ready_timeout:g}s:"
+                              f" it waited for {spec.awaited()} (log: "
+                              f"{self.log_path(spec.name)}){tail}")
         return child
 
     def log_path(self, name: str) -> Path:
@@ -318,8 +332,13 @@ class Supervisor:
             async with process, anyio.create_task_group() as tg:
                 if process.stdin is not None:
                     tg.start_soon(_hand_over, process.stdin, stdin_data)
+                if spec.ready_when == "started":
+                    _set_ready(child, {"ready": "started"})
+                elif spec.ready_when == "port":
+                    tg.start_soon(_ready_on_connect, child, spec.ready_port)
                 assert process.stdout is not None
                 await self._pump(child, process.stdout, log)
+                tg.cancel_scope.cancel()  # its output ended: it exited; no port to wait for
             return await process.wait()  # already waited for by leaving `process`: the code
         finally:
             log.close()
@@ -332,9 +351,9 @@ class Supervisor:
             for raw in lines:
                 line = raw.decode(errors="replace")
                 log.write(line + "\n")
-                if child.ready is None and (ready := ready_line(line)) is not None:
-                    child.ready = ready
-                    child.ready_event.set()
+                if (child.ready is None and child.spec.ready_when == "line"
+                        and (ready := ready_line(line)) is not None):
+                    _set_ready(child, ready)
                     continue
                 self._say(child.spec.name, line)
 
@@ -530,6 +549,28 @@ class LogTail:
 
             prefix = click.style(prefix, fg="cyan")
         self.out.write(prefix + line + "\n")
+
+
+def _set_ready(child: Child, ready: dict[str, Any]) -> None:
+    child.ready = ready
+    child.ready_event.set()
+
+
+#: Between two tries to connect to a `ready_port` (the wait is bounded by `ready_timeout`).
+PORT_POLL = 0.1
+
+
+async def _ready_on_connect(child: Child, port: int) -> None:
+    """Ready once 127.0.0.1:`port` accepts a connection (cancelled when the child exits)."""
+    while True:
+        try:
+            stream = await anyio.connect_tcp("127.0.0.1", port)
+        except OSError:
+            await anyio.sleep(PORT_POLL)  # a poll interval; start() holds the deadline
+            continue
+        await stream.aclose()
+        _set_ready(child, {"ready": "port", "port": port})
+        return
 
 
 def ready_line(line: str) -> dict[str, Any] | None:

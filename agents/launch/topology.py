@@ -114,11 +114,19 @@ class AgentSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
 
 
 class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """`[[processes]]`: another program `busctl up` starts, supervises and stops. Readiness (what
+    `up` waits for before it says the topology is up): "started" (the default: once it runs),
+    "line" (a `{"ready": ...}` JSON line on its stdout, as busctl's own commands print), or,
+    with `ready_port`, something accepting connections on 127.0.0.1:ready_port."""
+
     name: str
     command: list[str]
     env: dict[str, str] = msgspec.field(default_factory=dict)
     pass_env: list[str] = msgspec.field(default_factory=list)  # as for workers
     restart: bool = True
+    ready: Literal["started", "line"] = "started"
+    ready_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: none; else ready on connect
+    ready_timeout: Annotated[float, msgspec.Meta(gt=0)] = 20.0  # seconds
 
 
 class UiSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -204,7 +212,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         if self.ui is not None:
             extra.append(ProcessSpec("ui", ["busctl", "ui", "--port", str(self.ui.port),
                                             "--bind", self.ui.bind],
-                                     env=curve, pass_env=["BUSCTL_UI_TOKEN_FILE"]))
+                                     env=curve, pass_env=["BUSCTL_UI_TOKEN_FILE"], ready="line"))
         if self.otel is not None:
             otel = self.otel
             argv = ["busctl", "otel", "--state-file", str(self.state_path() / "otel.json"),
@@ -215,7 +223,7 @@ class Topology(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
                 argv.append("--capture-content")
             extra.append(ProcessSpec("otel", argv, env=curve, pass_env=[
                 "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                "OTEL_EXPORTER_OTLP_HEADERS"]))
+                "OTEL_EXPORTER_OTLP_HEADERS"], ready="line"))
         return [*self.processes, *extra]
 
     def model_configs(self) -> list[ModelConfig]:
@@ -523,6 +531,16 @@ max_iterations = 200
 # [placement.workers]               # where Ray runs them: hub, gateways, coordinators, workers,
 # resources = { bus_tools = 1 }     # a worker group or one process; Ray resources each takes,
 # strategy = "spread"               # "spread"/"pack" over nodes, or node = "IP|id|label=value"
+
+# [[processes]]                     # another program `busctl up` starts, restarts and stops
+# name = "search"
+# command = ["python", "search_server.py", "--port", "8099"]
+# env = { LOG_LEVEL = "info" }      # added to a minimal environment (plus pass_env's names)
+# restart = true
+# ready = "started"                 # when `up` counts it ready: "started" (once it runs), or
+                                    # "line": a {"ready": ...} JSON line on its stdout
+# ready_port = 8099                 # or: once 127.0.0.1:8099 accepts a connection
+# ready_timeout = 20.0              # seconds; past it `up` fails naming what it waited for
 
 # [otel]                            # `busctl up` also exports OpenTelemetry traces (busctl otel)
 # endpoint = "http://127.0.0.1:4318"  # OTLP/HTTP; headers from $OTEL_EXPORTER_OTLP_HEADERS

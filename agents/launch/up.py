@@ -146,7 +146,9 @@ def child_specs(topo: Topology, endpoint: str) -> list[ChildSpec]:
         env = {"BUSCTL_HUB": endpoint, **proc.env}
         specs.append(credentials.attach(
             ChildSpec(proc.name, argv, env=env, restart=proc.restart, role="process",
-                      pass_env=proc.pass_env), topo, state))
+                      pass_env=proc.pass_env, ready_timeout=proc.ready_timeout,
+                      ready_when="port" if proc.ready_port else proc.ready,
+                      ready_port=proc.ready_port), topo, state))
     return specs
 
 
@@ -252,7 +254,7 @@ async def _publisher(peer: Peer) -> Any:
 
 
 def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
-            tools: list[str]) -> list[str]:
+            tools: list[str], port: int | None = None) -> list[str]:
     state = state_dir(topo)
     lines = [f"hub        {endpoint}  (events {events})"]
     procs = "  ".join(f"{name}[{child.pid}]" for name, child in sup.children.items())
@@ -264,8 +266,25 @@ def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
     ui = sup.children.get("ui")
     if ui is not None and ui.ready and ui.spec.role == "process":
         lines.append(f"ui         {ui.ready.get('url', '?')}")
-    lines.append("try        busctl run \"hello\"   ·   busctl watch   ·   busctl status")
+    hub = hub_flag(endpoint, port)
+    agent = next((f" --agent {a.name}" for a in topo.agents[:1] if a.name != DEFAULT_AGENT), "")
+    tries = [f"busctl run{hub}{agent} \"hello\""] if topo.agents else []
+    lines.append("try        " + "   ·   ".join([*tries, f"busctl watch{hub}", f"busctl status{hub}"]))
     return lines
+
+
+DEFAULT_AGENT = "assistant"  # `busctl run`'s --agent default
+
+
+def hub_flag(endpoint: str, port: int | None) -> str:
+    """` --hub ADDR` for a client in another folder to reach this hub ("" at the default
+    address): the loopback port it was asked for (an alias of its ipc:// socket), else the
+    address it is bound to."""
+    from agent_bus.bus.client import DEFAULT_HUB
+
+    if port is not None:
+        return "" if f"tcp://127.0.0.1:{port}" == DEFAULT_HUB else f" --hub {port}"
+    return "" if endpoint == DEFAULT_HUB else f" --hub {endpoint}"
 
 
 def sandbox_lines(sup: Supervisor) -> list[str]:
@@ -365,7 +384,7 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
                            curve=client_curve(topo)) as peer, anyio.create_task_group() as tg:
             sup.notify = await _publisher(peer)
             await _serve_control(tg, sup, topo, state / "control.sock")
-            for line in summary(topo, sup, endpoint, events, await _live_tools(peer)):
+            for line in summary(topo, sup, endpoint, events, await _live_tools(peer), port):
                 out.write(line + "\n")
             out.flush()
             _announce(options, state, endpoint, events)
@@ -565,6 +584,7 @@ class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
 class ControlReply(msgspec.Struct):
     ok: bool
     error: str = ""
+    unknown: bool = False  # the error is a name (process, group) or count the user got wrong
     message: str = ""
     processes: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
@@ -616,8 +636,9 @@ async def _carry_out(sup: Supervisor, topo: Topology, request: ControlRequest) -
         return ControlReply(ok=True, processes=sup.table())
     if request.op == "restart":
         if request.name not in sup.children:
-            return ControlReply(ok=False, error=f"no process `{request.name}` (processes: "
-                                                f"{', '.join(sup.children)})")
+            return ControlReply(ok=False, unknown=True,
+                                error=f"no process `{request.name}` (processes: "
+                                      f"{', '.join(sup.children)})")
         child = await sup.restart(request.name)
         return ControlReply(ok=True, message=f"restarted {request.name} (pid {child.pid})")
     if request.op == "scale":
@@ -629,10 +650,11 @@ async def _scale(sup: Supervisor, topo: Topology, name: str, count: int) -> Cont
     groups = {g.name: g for g in topo.workers}
     group = topo.workers[0] if name == "workers" and topo.workers else groups.get(name)
     if group is None:
-        return ControlReply(ok=False, error=f"no worker group `{name}` (groups: "
-                                            f"{', '.join(['workers', *groups])})")
+        return ControlReply(ok=False, unknown=True,
+                            error=f"no worker group `{name}` (groups: "
+                                  f"{', '.join(['workers', *groups])})")
     if not 0 <= count <= 64:
-        return ControlReply(ok=False, error=f"{name}={count}: give 0 to 64 processes")
+        return ControlReply(ok=False, unknown=True, error=f"{name}={count}: give 0 to 64 processes")
     mine = sorted((n for n, c in sup.children.items()
                    if c.spec.role == "worker" and n.rpartition("-")[0] == group.name),
                   key=lambda n: int(n.rpartition("-")[2]))

@@ -176,7 +176,7 @@ def test_logs_restart_scale_and_ps(tmp_path: Path) -> None:
         assert row[5] == "1", table  # one restart, asked for
 
         unknown = cli("restart", "nosuch", cwd=tmp_path)
-        assert unknown.returncode == 1 and "no process `nosuch`" in unknown.stderr
+        assert unknown.returncode == 2 and "no process `nosuch`" in unknown.stderr
         assert "hub" in unknown.stderr  # lists what exists
     finally:
         follow.stop()

@@ -148,7 +148,7 @@ def test_export_names_a_missing_experiment_and_reads_the_log_without_a_hub(
         publish(endpoint, [("exp-a", e) for e in run_events("a")]
                 + [("exp-b", e) for e in run_events("b")])
         missing = cli("export", "--hub", endpoint, "--experiment", "nosuch")
-        assert missing.returncode == 1 and missing.stdout == ""
+        assert missing.returncode == 2 and missing.stdout == ""
         assert "no experiment `nosuch`" in missing.stderr, missing.stderr
         assert "exp-a, exp-b" in missing.stderr
         live = cli("export", "--hub", endpoint, "--experiment", "exp-a")
@@ -170,7 +170,7 @@ def test_export_names_a_missing_experiment_and_reads_the_log_without_a_hub(
     assert (project / "out.jsonl").read_text() == live.stdout
     missing = cli("export", "--state-dir", str(state), "--experiment", "nosuch", "-o",
                   str(tmp_path / "none.jsonl"))
-    assert missing.returncode == 1 and "exp-a, exp-b" in missing.stderr, missing.stderr
+    assert missing.returncode == 2 and "exp-a, exp-b" in missing.stderr, missing.stderr
     assert not (tmp_path / "none.jsonl").exists()  # no empty file left behind
 
 

@@ -133,6 +133,12 @@ def test_short_addresses_run_prefixes_and_ps(tmp_path: Path, fake_llm: FakeLLMSe
                       env=short)
         assert nothing.returncode == 0 and nothing.stdout == ""
         assert "no event matched --run zzzz" in nothing.stderr, nothing.stderr
+        # issue 49, item 4: the hint is about the filter given (the live agents for --agent)
+        nobody = cli("watch", "--no-follow", "--agent", "nobody", cwd=tmp_path, env=short)
+        assert nobody.returncode == 0 and nobody.stdout == ""
+        assert "no event matched --agent nobody (live agents: assistant;" in nobody.stderr, \
+            nobody.stderr
+        assert "prefix" not in nobody.stderr
 
         # BUSCTL_HUB names a hub for commands that talk to one; `ps` keeps listing this
         # directory's processes (only `--hub` on the command line switches it to a hub's peers).

@@ -102,6 +102,35 @@ async def test_run_many_runs_sessions_concurrently_each_with_its_own_messages(
     assert sorted(requests) == [[f"task-{i}"] for i in range(8)]  # only its own messages
 
 
+async def test_verbs_take_the_run_id_prefix_watch_prints(stack: Stack, tmp_path: Path) -> None:
+    """Issue 49, item 4: `steer`/`abort --run` take a prefix of a live run's id (the 8 characters
+    `busctl watch` prints); a prefix several live runs share is refused, listing them."""
+    gate = tmp_path / "gate"
+    script(stack, gate)
+    async with connect(stack.endpoint, name="t-prefix") as bus:
+        runs = []
+        # run ids are random hex: at most 17 runs until two share their first character
+        while len({r.run_id[0] for r in runs}) == len(runs):
+            runs.append(await bus.prompt("w", f"hold {len(runs)}"))
+        await until(lambda: len(stack.srv.requests) >= len(runs), 20, "every model request")
+        shared = runs[-1].run_id[0]
+        twins = sorted(r.run_id for r in runs if r.run_id.startswith(shared))
+        one = runs[0]
+        steered = await cli_run("steer", "w", "--run", one.run_id[:8], "look here", "--hub",
+                                stack.endpoint)
+        assert steered.returncode == 0 and one.run_id in steered.stdout, steered
+        ambiguous = await cli_run("abort", "w", "--run", shared, "--hub", stack.endpoint)
+        assert ambiguous.returncode == 1, ambiguous
+        assert all(t in ambiguous.stderr for t in twins) and "give more" in ambiguous.stderr, \
+            ambiguous.stderr
+        aborted = await cli_run("abort", "w", "--run", one.run_id[:8], "--hub", stack.endpoint)
+        assert aborted.returncode == 0 and one.run_id in aborted.stdout, aborted
+        assert (await one.result()).stop_reason == "aborted"
+        gate.write_text("open")
+        for run in runs[1:]:
+            assert (await run.result()).stop_reason != "aborted"
+
+
 async def test_verbs_address_a_run_or_a_session(stack: Stack, tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     script(stack, gate)

@@ -15,7 +15,7 @@ const state = {
   order: [], totals: { runs: 0, input: 0, output: 0, cost: 0, stops: {} }, experiments: new Map(),
   status: null, selected: null, filter: { agent: "", experiment: "", run: "", type: "" },
   types: new Set(), // every event type seen: the type filter's suggestions
-  page: 0, zoom: new Map(), anyLive: false,
+  page: 0, zoom: new Map(), anyLive: false, down: true,
   hub: null, // the hub as `busctl ui` sees it: {ok, since}
   stream: { ok: false, since: 0 }, // this page's link to `busctl ui`
   journaled: [], // the experiments `busctl experiment run` journaled: [{name, version, done, ...}]
@@ -206,6 +206,10 @@ function el(tag, attrs, ...kids) {
 }
 
 const MIN_BAR_PX = 4;   // a 1 ms call stays visible and hoverable
+// A bar narrower than this shows no label (`narrow`: drawn transparent, still in the DOM): a
+// few pixels of one would be a clipped glyph (the bowl of a "d" read as "("); its tooltip
+// says everything.
+const MIN_LABEL_PX = 24;
 const PAGE = 20;        // finished runs per page: the DOM stays small however many ran
 
 function money(v) {
@@ -247,7 +251,8 @@ function bar(kind, item, scale, label, row, tip) {
   const end = item.end === null ? Date.now() / 1000 : item.end;
   const left = ((item.start - scale.t0) / scale.span) * 100;
   const width = ((end - item.start) / scale.span) * 100;
-  const cls = `bar ${kind}${item.error ? " error" : ""}${item.end === null ? " open" : ""}`;
+  const narrow = (width / 100) * scale.px < MIN_LABEL_PX ? " narrow" : "";
+  const cls = `bar ${kind}${item.error ? " error" : ""}${item.end === null ? " open" : ""}${narrow}`;
   const node = el("div", { class: cls, title: tip + `\n${secs(end - item.start)}`,
                            "data-row": String(row), "data-start": String(item.start),
                            "data-end": String(end) }, label);
@@ -305,12 +310,19 @@ function axis(scale) {
 function waiting(r, now) {
   // What a live run waits for now: its open tool calls (by worker), else the model, else its
   // sub-agent's wait.
-  const open = [...r.tools.values()].filter((t) => t.end === null);
-  const parts = open.map((t) => {
+  // Parallel calls of one tool on the same workers are one entry ("3 × tool fetch on w for
+  // 2.1 s", timed from the oldest), not the same words once per call.
+  const groups = new Map();
+  for (const t of r.tools.values()) {
+    if (t.end !== null) continue;
     const w = t.worker || workersOf(t.name);
     if (w) t.worker = w; // seen once, kept: the worker may be idle again by the next redraw
-    return `tool ${t.name}${w ? " on " + w : ""} for ${secs(now - t.start)}`;
-  });
+    const g = groups.get(t.name + "\u0000" + w) || { name: t.name, w, n: 0, start: t.start };
+    g.n += 1; g.start = Math.min(g.start, t.start);
+    groups.set(t.name + "\u0000" + w, g);
+  }
+  const parts = [...groups.values()].map((g) => `${g.n > 1 ? g.n + " × " : ""}tool ${g.name}`
+    + `${g.w ? " on " + g.w : ""} for ${secs(now - g.start)}`);
   const chat = r.chats.at(-1);
   if (!parts.length && chat && chat.end === null) {
     parts.push(`model ${chat.model || ""} ${chat.text ? "streaming" : "thinking"} for `
@@ -394,8 +406,9 @@ function scaleOf(r, now) {
   // Each run on its own axis, from its start to its end (a live run: to now).
   const span = Math.max(treeEnd(r, now) - r.start, 1e-3);
   const z = state.zoom.get(r.id);  // [from, to] as fractions of the run, set by the wheel
-  return z ? { start: r.start, t0: r.start + z[0] * span, span: (z[1] - z[0]) * span }
-    : { start: r.start, t0: r.start, span };
+  const px = document.getElementById("timeline").clientWidth; // a track's width, about
+  return z ? { start: r.start, t0: r.start + z[0] * span, span: (z[1] - z[0]) * span, px }
+    : { start: r.start, t0: r.start, span, px };
 }
 
 function renderTimeline() {
@@ -457,14 +470,18 @@ function peerItem(p) {
   const load = services.reduce((n, s) => n + (s.load || 0), 0);
   const cap = services.reduce((n, s) => n + (s.capacity || 0), 0);
   const sandbox = services.map((s) => (s.meta || {}).sandbox).find((x) => x);
+  // With the hub unreachable the peers are the last known, greyed: their loads are not (a
+  // stopped topology is busy with nothing), so only capacities are shown.
   const head = el("div", { class: "peer-head", title: `${p.name} · ${p.role || "peer"} · `
                   + `${p.host || ""} pid ${p.pid || "?"}` }, p.name,
-                  el("span", { class: "load" }, cap ? ` ${load}/${cap} busy` : ""));
+                  el("span", { class: "load" }, !cap ? "" : state.down ? ` ×${cap}`
+                     : ` ${load}/${cap} busy`));
   const kids = [head];
   if (sandbox) kids.push(el("div", { class: "sandbox", title: String(sandbox) }, "sandbox: " + sandbox));
   if (services.length) {
     kids.push(el("div", { class: "svcs", title: services.map((s) => s.name).join("\n") },
-                 services.map((s) => `${s.name} ${s.load || 0}/${s.capacity}`).join(", ")));
+                 services.map((s) => state.down ? `${s.name} ×${s.capacity}`
+                   : `${s.name} ${s.load || 0}/${s.capacity}`).join(", ")));
   }
   return el("li", { class: "peer", "data-peer": p.name }, ...kids);
 }
@@ -484,6 +501,11 @@ function renderTranscript() {
                             + ` ${money(m.usage.cost || 0)}]`);
     return el("div", { class: "msg", "data-role": m.role }, ...parts);
   });
+  const chat = r.chats.at(-1); // the model's reply as it streams in (whole at message_end)
+  if (chat && chat.end === null && chat.text && typeMatches(["message_update"])) {
+    msgs.push(el("div", { class: "msg streaming", "data-role": "assistant" },
+                 el("span", { class: "role" }, "assistant (streaming): "), chat.text));
+  }
   body.replaceChildren(head, ...msgs);
 }
 
@@ -526,6 +548,7 @@ function renderConnection() {
   }
   node.textContent = text;
   const down = text !== "live";
+  if (state.down !== down) { state.down = down; schedule(); } // last known: no loads (peerItem)
   node.className = down ? "down" : "up";
   document.getElementById("side").classList.toggle("stale", down); // last known, greyed
 }
@@ -952,8 +975,9 @@ function redraw() {
   renderTranscript();
   renderTotals();
   if (state.status) { // the hub's polled status: load and queues per service, peers by role
-    renderList("services", state.status.services.map((s) =>
-      `${s.name}: ${s.load || 0}/${s.capacity} busy, ${s.queued || 0} queued, ${s.peers} peers`));
+    renderList("services", state.status.services.map((s) => state.down
+      ? `${s.name}: ×${s.capacity}, ${s.peers} peers (last known)`
+      : `${s.name}: ${s.load || 0}/${s.capacity} busy, ${s.queued || 0} queued, ${s.peers} peers`));
     renderTopology(state.status.peers);
   } else {
     renderList("peers", [...state.peers.values()]);
