@@ -37,7 +37,7 @@ from agent_bus.agents.launch.ray_actors import (
 )
 from agent_bus.agents.launch.supervisor import ChildSpec
 from agent_bus.agents.launch.topology import Placement, Topology, process_names
-from agent_bus.bus.errors import AgentBusError, ConfigError
+from agent_bus.bus.errors import AgentBusError, ConfigError, UnknownName
 from agent_bus.bus.security import CurveClient
 
 RAY_EXTRA = "pip install 'agent-bus[ray]'"
@@ -54,6 +54,10 @@ class RayUnavailable(ConfigError):
 
 class RayEngineError(AgentBusError):
     pass
+
+
+class RayUnknownName(RayEngineError, UnknownName):
+    """A process, worker group or topology name the Ray cluster does not have (exits 2)."""
 
 
 def require_ray() -> Any:
@@ -346,7 +350,7 @@ def find(name: str, address: str) -> tuple[Any, Any, str]:
     try:
         holder = ray.get_actor(topology_actor_name(name), namespace=NAMESPACE)
     except ValueError:
-        raise RayEngineError(f"no topology {name!r} on the Ray cluster at {address!r} (`busctl ps "
+        raise RayUnknownName(f"no topology {name!r} on the Ray cluster at {address!r} (`busctl ps "
                              "--engine ray` without --topology-name finds the one that is up)") from None
     return ray, holder, name
 
@@ -414,7 +418,7 @@ def logs(name: str, address: str, names: set[str], tail: int | None, follow: boo
     keepers = _keepers(ray, holder, name)
     unknown = sorted(names - set(keepers))
     if unknown:
-        raise RayEngineError(f"no process {', '.join(unknown)} (processes: {', '.join(keepers)})")
+        raise RayUnknownName(f"no process {', '.join(unknown)} (processes: {', '.join(keepers)})")
     offsets: dict[str, int] = {}
     first = True
     while True:
@@ -441,7 +445,7 @@ def restart(name: str, address: str, proc: str) -> str:
     ray, holder, name = find(name, address)
     keepers = _keepers(ray, holder, name)
     if proc not in keepers:
-        raise RayEngineError(f"no process `{proc}` (processes: {', '.join(keepers)})")
+        raise RayUnknownName(f"no process `{proc}` (processes: {', '.join(keepers)})")
     info: ProcessInfo = ray.get(keepers[proc][1].restart.remote(), timeout=60)
     return f"restarted {proc} (pid {info.pid} on {info.node})"
 
@@ -453,7 +457,7 @@ def scale(name: str, address: str, group_name: str, count: int) -> str:
     groups = {g.name: g for g in topo.workers}
     group = topo.workers[0] if group_name == "workers" and topo.workers else groups.get(group_name)
     if group is None:
-        raise RayEngineError(f"no worker group `{group_name}` (groups: "
+        raise RayUnknownName(f"no worker group `{group_name}` (groups: "
                              f"{', '.join(['workers', *groups])})")
     if not 0 <= count <= 64:
         raise RayEngineError(f"{group_name}={count}: give 0 to 64 processes")

@@ -338,6 +338,11 @@ def test_scale_adds_and_removes_workers_across_nodes(topo: RayTopology) -> None:
     out = topo.cli("scale", "alpha=1")
     assert out.returncode == 0, out.stderr
     assert {"alpha-2", "alpha-3"}.isdisjoint(topo.ps())
+    # an unknown name is a usage error on Ray as locally (README, "Exit codes")
+    for verb, arg, said in (("scale", "nosuch=2", "no worker group `nosuch`"),
+                            ("restart", "nosuch", "no process `nosuch`")):
+        out = topo.cli(verb, arg)
+        assert out.returncode == 2 and said in out.stderr, (verb, out.returncode, out.stderr)
 
 
 def _experiment(tmp: Path, name: str) -> Path:
