@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sqlite3
 import sys
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -18,6 +17,8 @@ from agent_bus.bus import protocol as p
 from agent_bus.bus.backoff import Backoff, retry
 from agent_bus.bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
 from agent_bus.bus.errors import Overloaded, ProtocolError
+from agent_bus.bus.experiments import covers, holds_entries_of, plan_tags
+from agent_bus.bus.logfile import Row, covered, experiments, open_log, rows
 from agent_bus.bus.messages import Usage
 from agent_bus.bus.render import HumanPrinter, json_line, to_json_obj
 from agent_bus.bus.security import CurveClient
@@ -46,10 +47,6 @@ class WatchFilter:
             return [f"{family}/{a}/" for a in sorted(self.agents) for family in ("agent", "ext")]
         return []
 
-    def experiment(self) -> str:
-        """The one experiment the hub may filter a replay by ("" for none, or several)."""
-        return next(iter(self.experiments)) if len(self.experiments) == 1 else ""
-
     def accepts_header(self, header: p.Header) -> bool:
         """What the header alone decides (a logged event's body is decoded only when wanted)."""
         if self.types and header.type not in self.types:
@@ -62,7 +59,10 @@ class WatchFilter:
         # A run is named by its id or a prefix of it: the 8 characters `watch` prints.
         if self.runs and not (header.run and any(header.run.startswith(r) for r in self.runs)):
             return False
-        return not (self.experiments and header.experiment not in self.experiments)
+        # an experiment's name covers its cells' tags too (bus.experiments): a cell started
+        # after the watch did is shown as well (`accepts` checks a journal entry's cell)
+        return not self.experiments or any(holds_entries_of(name, header.experiment)
+                                           for name in self.experiments)
 
     def describe(self) -> str:
         """The filter as its flags, for the line that says it matched nothing."""
@@ -73,7 +73,18 @@ class WatchFilter:
     def accepts(self, header: p.Header, event: ev.Event) -> bool:
         if self.types and ev.event_type(event) not in self.types and not isinstance(event, ev.Gap):
             return False
-        return self.accepts_where(header)
+        return self.accepts_where(header) and (
+            not self.experiments or selected(self.experiments, header, event))
+
+
+def selected(names: Collection[str], header: p.Header, event: ev.Event) -> bool:
+    """Whether an event is one of experiments `names` (bus.experiments.covers): of an id one of
+    them covers; or a journal entry of a cell one covers (its `tag`: a variant's or a cell's
+    name selects its cells' entries from the experiment's journal)."""
+    if any(covers(name, header.experiment) for name in names):
+        return True
+    return isinstance(event, ev.ExperimentSample) and any(covers(name, event.tag)
+                                                          for name in names)
 
 
 def to_stderr(text: str) -> None:
@@ -137,6 +148,57 @@ async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally
         cursor = batch.upto
 
 
+#: The topic of an experiment's plan (agents/experiment/runner.py publishes it).
+PLAN_TOPIC = "ext///experiment_plan"
+
+
+async def experiment_tags(peer: Peer, name: str) -> list[str]:
+    """The experiment ids `name` covers (bus.experiments.covers), from the hub's log: with a
+    plan journaled for its experiment, that one's id and every planned cell's (a cell not run
+    yet too: it has no events); else `name` alone. Read through the hub's experiment index:
+    no other experiment's event is read."""
+    base = name.split(".", 1)[0]
+    plans: list[ev.ExperimentPlan] = []
+
+    def plan_of_base(header: p.Header) -> bool:  # only the runner's (granted) plan counts
+        return header.experiment == base and header.type == PLAN_TOPIC.rsplit("/", 1)[1] \
+            and bool(header.granted)
+
+    async for envelope in replay(peer, 0, [PLAN_TOPIC], None, plan_of_base, base):
+        if isinstance(envelope.event, ev.ExperimentPlan):
+            plans.append(envelope.event)
+    if not plans:
+        return [name]
+    plan = plans[0]
+    return plan_tags(name, base, plan.variants, plan.repeats) or [name]
+
+
+async def replay_tags(peer: Peer, since: int, tags: list[str], tally: ev.EventTally,
+                      wanted: Callable[[p.Header], bool] | None = None,
+                      upto: int | None = None) -> list[Envelope]:
+    """The logged events (after `since`, up to `upto` when given) of the experiment ids `tags`,
+    in seq order: each id's read through the hub's experiment index, then merged (held in
+    memory: one experiment's). One `upto` for all: each id's replay ends at the head of its own
+    time, and a subscription from `upto` must miss none of them."""
+    found: list[Envelope] = []
+    for tag in tags:
+        def of_tag(header: p.Header, tag: str = tag) -> bool:  # an older hub sends every one
+            return header.experiment == tag and (upto is None or header.seq <= upto) \
+                and (wanted is None or wanted(header))
+
+        found += [envelope async for envelope in replay(peer, since, [], tally, of_tag, tag)]
+    found.sort(key=lambda envelope: envelope.header.seq)
+    return found
+
+
+async def filtered_tags(peer: Peer, filt: WatchFilter) -> list[str]:
+    """The experiment ids of `filt`'s `--experiment` names ([] when it names none)."""
+    tags: list[str] = []
+    for name in sorted(filt.experiments):
+        tags += [tag for tag in await experiment_tags(peer, name) if tag not in tags]
+    return tags
+
+
 def _logged_header(data: bytes, tally: ev.EventTally, seq: int = 0,
                    type_: str = "") -> p.Header | None:
     """A logged event's header (the hub wrote it, but a log is read by other versions too);
@@ -174,22 +236,27 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
     async with connect(hub, name="busctl-watch", role="watcher", curve=curve) as peer:
         if last is not None:
             since = max(0, (await peer.status()).seq - last)
+        tags = await filtered_tags(peer, filt)
         if not follow:
-            async for envelope in replay(peer, since or 0, filt.topics(), tally,
-                                         filt.accepts_header, filt.experiment()):
-                show(envelope)
+            if tags:  # the hub picks the experiments' events (no other is read or sent)
+                for envelope in await replay_tags(peer, since or 0, tags, tally,
+                                                  filt.accepts_header):
+                    show(envelope)
+            else:
+                async for envelope in replay(peer, since or 0, filt.topics(), tally,
+                                             filt.accepts_header):
+                    show(envelope)
             if tally.bad:
                 to_stderr(tally.summary())
             _say_what_matched(filt, shown, runs)
             return
-        if since is not None and filt.experiment():
-            # One experiment's logged events are picked by the hub (no other is read or sent);
-            # the subscription then starts where this left off. Every event of it up to the
-            # replay's end was shown, so no hole and no duplicate past the last one shown.
+        if since is not None and tags:
+            # The experiments' logged events are picked by the hub; the subscription then
+            # starts where this left off. Every event of them up to the replay's end was
+            # shown, so no hole and no duplicate past the last one shown.
             upto = (await peer.status()).seq
-            async for envelope in replay(peer, since, filt.topics(), tally,
-                                         filt.accepts_header, filt.experiment()):
-                upto = max(upto, envelope.header.seq)
+            for envelope in await replay_tags(peer, since, tags, tally, filt.accepts_header,
+                                              upto):
                 show(envelope)
             since = upto
         # Everything, filtered here: a topic-filtered stream has holes in its seqs by design,
@@ -223,6 +290,8 @@ class Totals(msgspec.Struct):
     undecodable: int = 0
     undecodable_seqs: list[int] = msgspec.field(default_factory=list)
     runs: list[str] = msgspec.field(default_factory=list)
+    #: the experiment ids exported (an experiment's own and its cells'), in order met
+    experiments: list[str] = msgspec.field(default_factory=list)
     by_agent: dict[str, Usage] = msgspec.field(default_factory=dict)
     by_model: dict[str, Usage] = msgspec.field(default_factory=dict)
     total: Usage = msgspec.field(default_factory=Usage)
@@ -231,6 +300,8 @@ class Totals(msgspec.Struct):
         self.events += 1
         if header.run and header.run not in self.runs:  # runs are few; events are many
             self.runs.append(header.run)
+        if header.experiment not in self.experiments:
+            self.experiments.append(header.experiment)
         billed = ev.billed(event)
         if billed is None:
             return
@@ -257,46 +328,40 @@ def _write(out: BinaryIO, fmt: str, envelope: Envelope, encoder: msgspec.msgpack
         out.write(json_line(envelope.header, envelope.event).encode() + b"\n")
 
 
-async def export_events(hub: str, curve: CurveClient | None, experiment: str, out: BinaryIO,
+async def export_events(hub: str, curve: CurveClient | None, name: str, out: BinaryIO,
                         fmt: str) -> Export:
-    """Write every logged event of `experiment` to `out` (JSON lines or msgpack), from the hub."""
-    totals, seen = Totals(), set()
+    """Write every logged event of the experiment ids `name` covers (`experiment_tags`: an
+    experiment's own and all its cells') to `out` (JSON lines or msgpack, in seq order), from
+    the hub."""
+    totals = Totals()
     tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
+    seen: set[str] = set()
 
     def seen_only(header: p.Header) -> bool:  # no body is decoded
         seen.add(header.experiment)
         return False
 
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
-        # (the header is checked here too: a hub that predates `ReplayRequest.experiment`
-        # sends every experiment's events)
-        async for envelope in replay(peer, 0, [], tally, lambda h: h.experiment == experiment,
-                                     experiment):
-            totals.add(envelope.header, envelope.event)
-            _write(out, fmt, envelope, encoder)
-        if not totals.events:  # which experiments there are, to name them (a typo's rescue)
+        found = await replay_tags(peer, 0, await experiment_tags(peer, name), tally)
+        if not found:  # which experiments there are: a plan-less name's cells (a replay's
+            # `T.<variant>.r<N>`) are found among them, else they are named (a typo's rescue)
             async for _ in replay(peer, 0, [], tally, seen_only):
                 pass
+            tags = [tag for tag in sorted(seen) if holds_entries_of(name, tag)]
+            found = await replay_tags(peer, 0, tags, tally) if tags else []
+    for envelope in found:
+        if selected((name,), envelope.header, envelope.event):
+            totals.add(envelope.header, envelope.event)
+            _write(out, fmt, envelope, encoder)
     out.flush()
     totals.skipped(tally)
-    return Export(totals, sorted(seen - {""}))
+    return Export(totals, [] if found else sorted(seen - {""}))
 
 
-def log_file(state: Path) -> Path | None:
-    """The hub's event log in a state directory: a topology's (`<state>/hub/events.db`) or a
-    hub's own (`<state>/events.db`); None when neither exists."""
-    for path in (state / "events.db", state / "hub" / "events.db"):
-        if path.is_file():
-            return path
-    return None
-
-
-def _log_envelopes(db: sqlite3.Connection, experiment: str,
-                   tally: ev.EventTally) -> Iterator[Envelope]:
-    rows = db.execute("SELECT seq, type, header, body FROM events WHERE experiment = ? "
-                      "ORDER BY seq", (experiment,))
-    for seq, type_, header_bytes, body in rows:
+def log_envelopes(log: Iterator[Row], tally: ev.EventTally) -> Iterator[Envelope]:
+    """The events of rows read from the log file (bus.logfile.rows), decoded through `tally`."""
+    for seq, type_, header_bytes, body in log:
         header = _logged_header(header_bytes, tally, seq, type_)
         # None: a type this version does not know (not ours to export), or a body that does
         # not decode (named on stderr and counted in the totals)
@@ -305,22 +370,19 @@ def _log_envelopes(db: sqlite3.Connection, experiment: str,
             yield Envelope(header, event)
 
 
-def export_from_log(path: Path, experiment: str, out: BinaryIO, fmt: str) -> Export:
-    """Like `export_events`, read from the log file itself (no hub needed). Read-only: a
-    running hub's writes are not disturbed, and a log we may not write is still read."""
+def export_from_log(path: Path, name: str, out: BinaryIO, fmt: str) -> Export:
+    """Like `export_events`, read from the log file itself (no hub needed; bus.logfile): every
+    experiment id in it that `name` covers."""
     totals = Totals()
     tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    try:
-        db.execute("PRAGMA busy_timeout=5000")
-        for envelope in _log_envelopes(db, experiment, tally):
+    with open_log(path) as db:
+        for envelope in log_envelopes(rows(db, covered(db, name)), tally):
+            if not selected((name,), envelope.header, envelope.event):
+                continue
             totals.add(envelope.header, envelope.event)
             _write(out, fmt, envelope, encoder)
         totals.skipped(tally)
-        known = [] if totals.events else [row[0] for row in db.execute(
-            "SELECT DISTINCT experiment FROM events WHERE experiment != '' ORDER BY 1")]
-    finally:
-        db.close()
+        known = [] if totals.events else experiments(db)
     out.flush()
     return Export(totals, known)
