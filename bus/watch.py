@@ -161,7 +161,7 @@ async def experiment_tags(peer: Peer, name: str) -> list[str]:
     plans: list[ev.ExperimentPlan] = []
 
     def plan_of_base(header: p.Header) -> bool:  # only the runner's (granted) plan counts
-        return header.experiment == base and header.type == PLAN_TOPIC.rsplit("/", 1)[1] \
+        return header.experiment == base and header.type in ev.JOURNAL_TYPES \
             and bool(header.granted)
 
     async for envelope in replay(peer, 0, [PLAN_TOPIC], None, plan_of_base, base):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -152,14 +152,15 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     \b
     A fork (--live-from TURN or --live-from-seq SEQ) replays up to that point, then calls the
     live model; --model, --system-prompt-file and --set change the live part.
+    A `busctl experiment` run's name E replays each of its cells that ran, E.<variant>.r<N>
+    as E2.<variant>.r<N> (one line each; exit 1 if any diverged); E.<variant> one variant's.
     Compare the two afterwards with `busctl diff EXPERIMENT E2`.
     Examples:
       busctl replay --experiment debate-3 --as debate-3-again
       busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
       busctl replay --experiment debate-3 --live-from-seq 1234 --set lead.temperature=0.2
+      busctl replay --experiment arith-1 --as arith-1-again   # every cell of an experiment
     """
-    import uuid
-
     from agent_bus.agents.client.remote import connect as connect_agents
     from agent_bus.agents.replay import Fork, ForkError, parse_setting, replay_experiment
     from agent_bus.bus.errors import ConfigError

@@ -648,5 +648,5 @@ def progress_for(stream: TextIO, planned: int) -> Progress:
 
 
 __all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
-           "cell_workspaces", "journal_from_log", "old_tool_workers", "progress_for", "read_journal", "result_rows",
-           "split_tools", "write_results"]
+           "cell_workspaces", "journal_from_log", "old_tool_workers", "progress_for",
+           "read_journal", "result_rows", "split_tools", "write_results"]

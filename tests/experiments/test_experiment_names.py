@@ -19,7 +19,7 @@ from agent_bus.agents.replay import RecordedRun
 from agent_bus.bus.messages import TextPart, UserMessage
 from tests.examples.test_examples import ENV, example, free_port
 from tests.experiments.test_experiment_workflow import journal_of, run_cli
-from tests.support import ROOT, busctl
+from tests.support import ROOT, Proc, busctl, wait_for
 
 VARIANTS, REPEATS, SAMPLES = ("solo", "team"), 3, 3
 CELLS = {f"wc-1.{v}.r{r}" for v in VARIANTS for r in range(1, REPEATS + 1)}
@@ -49,9 +49,20 @@ def test_one_name_covers_every_cell_with_the_hub_up_and_down(tmp_path: Path) -> 
     copy = tmp_path / "examples" / "experiment"
     shutil.copytree(ROOT / "examples" / "experiment", copy)
     with example(tmp_path, "experiment", copy=False) as ex:
-        out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/spec.toml", "--name",
-                      "wc-1", "--limit", str(SAMPLES))
-        assert out.returncode == 0, out.stdout + out.stderr
+        # a watch started before the experiment: its cells, started later, are followed too
+        follower = Proc(busctl("watch", "--hub", ex.endpoint, "--experiment", "wc-1", "--since",
+                               "0", "--json", "--type", "experiment_sample", "--type",
+                               "agent_start"), env=ENV)
+        try:
+            out = run_cli(ex.cwd, ex.endpoint, "run", "examples/experiment/spec.toml", "--name",
+                          "wc-1", "--limit", str(SAMPLES))
+            assert out.returncode == 0, out.stdout + out.stderr
+            wait_for(lambda: follower.output().count('"experiment_sample"') == len(CELLS) *
+                     SAMPLES, 30, "every cell's journal entry, followed live")
+        finally:
+            follower.stop()
+        followed = [json.loads(line) for line in follower.lines if line.startswith("{")]
+        assert {e["experiment"] for e in followed if e["type"] == "agent_start"} == CELLS
         journal = journal_of(ex.endpoint, "wc-1")
         hub = ("--hub", ex.endpoint)
 
@@ -84,6 +95,9 @@ def test_one_name_covers_every_cell_with_the_hub_up_and_down(tmp_path: Path) -> 
             assert f"{cell} replayed as wc-again{cell[4:]}: identical" in said, said
         assert said[-1] == f"wc-1 replayed as wc-again: {len(CELLS)} cells, identical"
 
+        # the replay has no plan of its own: its name still covers its cells (found in the log)
+        again = lines(cli(ex.cwd, "export", *hub, "--experiment", "wc-again"))
+        assert {e["experiment"] for e in again} == {f"wc-again{c[4:]}" for c in CELLS}
         diffed = json.loads(cli(ex.cwd, "diff", *hub, "wc-1", "wc-again", "--json").stdout)
         assert diffed["identical"], diffed
         top = [r for r in diffed["runs"] if not r["a"]["parent"]]
