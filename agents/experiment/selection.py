@@ -5,6 +5,7 @@ and each logged run's sample, so two executions are paired sample by sample, not
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,7 +81,14 @@ def trees(runs: Sequence[RecordedRun], tag: str, journal: Journal | None) -> lis
             continue
         found.append(Tree([run], cell.variant if cell else "", cell.repeat if cell else 0,
                           samples.get(run.run_id, "")))
+    if all(tree.sample for tree in found):  # a cell's samples in their ids' order (q2 < q10),
+        found.sort(key=lambda tree: _natural(tree.sample))  # not the order they started in
     return found
+
+
+def _natural(text: str) -> list[str | int]:
+    """A sort key that orders the numbers in `text` as numbers (even places text, odd digits)."""
+    return [int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", text))]
 
 
 def pair(a: list[Tree], b: list[Tree]) -> list[tuple[str, Tree | None, Tree | None]]:

@@ -162,3 +162,9 @@ def test_diff_pairs_by_sample_not_by_start_order() -> None:
                if y else []) for label, x, y in pair(first, again)]
     assert paired == [("solo/q1/r1", ["a0"], ["b0"]), ("solo/q2/r1", ["a1", "h1"], ["b1", "k1"]),
                       ("solo/q3/r1", ["a2"], ["b2"])]
+    # listed in the samples' order (numbers as numbers), whatever order they started in
+    later = [run("c10", "ten"), run("c2", "two")]
+    journal.results.update({c.key: c for c in (
+        SampleResult("e", "solo", "q10", 2, "ok", run_id="c10", tag="e.solo.r2"),
+        SampleResult("e", "solo", "q2", 2, "ok", run_id="c2", tag="e.solo.r2"))})
+    assert [t.sample for t in trees(later, "e.solo.r2", journal)] == ["q2", "q10"]
