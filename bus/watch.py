@@ -175,20 +175,28 @@ async def experiment_tags(peer: Peer, name: str) -> list[str]:
 
 async def replay_tags(peer: Peer, since: int, tags: list[str], tally: ev.EventTally,
                       wanted: Callable[[p.Header], bool] | None = None,
-                      upto: int | None = None) -> list[Envelope]:
+                      upto: int | None = None) -> AsyncIterator[Envelope]:
     """The logged events (after `since`, up to `upto` when given) of the experiment ids `tags`,
-    in seq order: each id's read through the hub's experiment index, then merged (held in
-    memory: one experiment's). One `upto` for all: each id's replay ends at the head of its own
+    in seq order: each id's read through the hub's experiment index (one batch at a time),
+    merged as they come. One `upto` for all: each id's replay ends at the head of its own
     time, and a subscription from `upto` must miss none of them."""
-    found: list[Envelope] = []
-    for tag in tags:
-        def of_tag(header: p.Header, tag: str = tag) -> bool:  # an older hub sends every one
+    def of_tag(tag: str) -> Callable[[p.Header], bool]:
+        def wanted_of_tag(header: p.Header) -> bool:  # an older hub sends every experiment's
             return header.experiment == tag and (upto is None or header.seq <= upto) \
                 and (wanted is None or wanted(header))
+        return wanted_of_tag
 
-        found += [envelope async for envelope in replay(peer, since, [], tally, of_tag, tag)]
-    found.sort(key=lambda envelope: envelope.header.seq)
-    return found
+    streams = [replay(peer, since, [], tally, of_tag(tag), tag) for tag in tags]
+    heads = [await anext(stream, None) for stream in streams]
+    while any(head is not None for head in heads):
+        first = min((i for i, head in enumerate(heads) if head is not None),
+                    key=lambda i: _seq_of(heads[i]))
+        yield typing.cast(Envelope, heads[first])
+        heads[first] = await anext(streams[first], None)
+
+
+def _seq_of(envelope: Envelope | None) -> int:
+    return envelope.header.seq if envelope is not None else 0
 
 
 async def filtered_tags(peer: Peer, filt: WatchFilter) -> list[str]:
@@ -239,7 +247,7 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
         tags = await filtered_tags(peer, filt)
         if not follow:
             if tags:  # the hub picks the experiments' events (no other is read or sent)
-                for envelope in await replay_tags(peer, since or 0, tags, tally,
+                async for envelope in replay_tags(peer, since or 0, tags, tally,
                                                   filt.accepts_header):
                     show(envelope)
             else:
@@ -255,7 +263,7 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
             # starts where this left off. Every event of them up to the replay's end was
             # shown, so no hole and no duplicate past the last one shown.
             upto = (await peer.status()).seq
-            for envelope in await replay_tags(peer, since, tags, tally, filt.accepts_header,
+            async for envelope in replay_tags(peer, since, tags, tally, filt.accepts_header,
                                               upto):
                 show(envelope)
             since = upto
@@ -342,21 +350,28 @@ async def export_events(hub: str, curve: CurveClient | None, name: str, out: Bin
         seen.add(header.experiment)
         return False
 
+    gaps: set[tuple[int, int]] = set()  # each id's replay names a pruned range: once here
+
+    async def write(tags: list[str]) -> None:
+        async for envelope in replay_tags(peer, 0, tags, tally):
+            event = envelope.event
+            if isinstance(event, ev.Gap) and (event.first, event.last) not in gaps:
+                gaps.add((event.first, event.last))
+            elif not selected((name,), envelope.header, event):
+                continue
+            totals.add(envelope.header, event)
+            _write(out, fmt, envelope, encoder)
+
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
-        found = await replay_tags(peer, 0, await experiment_tags(peer, name), tally)
-        if not found:  # which experiments there are: a plan-less name's cells (a replay's
-            # `T.<variant>.r<N>`) are found among them, else they are named (a typo's rescue)
+        await write(await experiment_tags(peer, name))
+        if not totals.events:  # which experiments there are: a plan-less name's cells (a
+            # replay's `T.<variant>.r<N>`) are found among them, else named (a typo's rescue)
             async for _ in replay(peer, 0, [], tally, seen_only):
                 pass
-            tags = [tag for tag in sorted(seen) if holds_entries_of(name, tag)]
-            found = await replay_tags(peer, 0, tags, tally) if tags else []
-    for envelope in found:
-        if selected((name,), envelope.header, envelope.event):
-            totals.add(envelope.header, envelope.event)
-            _write(out, fmt, envelope, encoder)
+            await write([tag for tag in sorted(seen) if holds_entries_of(name, tag)])
     out.flush()
     totals.skipped(tally)
-    return Export(totals, [] if found else sorted(seen - {""}))
+    return Export(totals, [] if totals.events else sorted(seen - {""}))
 
 
 def log_envelopes(log: Iterator[Row], tally: ev.EventTally) -> Iterator[Envelope]:
