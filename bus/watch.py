@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -111,7 +112,7 @@ async def replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
 
 async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally | None = None,
                  wanted: Callable[[p.Header], bool] | None = None,
-                 experiment: str = "") -> AsyncIterator[Envelope]:
+                 experiment: str = "") -> AsyncGenerator[Envelope, None]:
     """Logged events after `since` up to the head at the time of the first call, then stop;
     with `experiment`, only its events (the hub reads no other: `ReplayRequest.experiment`).
 
@@ -199,11 +200,46 @@ def _seq_of(envelope: Envelope | None) -> int:
     return envelope.header.seq if envelope is not None else 0
 
 
+async def logged_experiments(peer: Peer) -> set[str]:
+    """Every experiment id in the hub's log: a scan of the whole log (no body is decoded, but
+    the hub reads and sends them all), for what no plan names."""
+    seen: set[str] = set()
+
+    def seen_only(header: p.Header) -> bool:
+        seen.add(header.experiment)
+        return False
+
+    async for _ in replay(peer, 0, [], None, seen_only):
+        pass
+    return seen - {""}
+
+
+async def _has_events(peer: Peer, tag: str) -> bool:
+    """Whether the log holds an event of experiment id `tag` (its first batch, by the index)."""
+    events = replay(peer, 0, [], None, lambda header: header.experiment == tag, tag)
+    async with contextlib.aclosing(events):  # closed at the first: no more is asked
+        async for _ in events:
+            return True
+    return False
+
+
+async def experiment_ids(peer: Peer, name: str) -> tuple[list[str], set[str] | None]:
+    """The experiment ids `name` covers, as `experiment_tags` finds them; for a name with no
+    plan and no events of its own (a whole experiment's replay, whose cells are
+    `T.<variant>.r<N>`; or a typo), those of every id in the log (`logged_experiments`, also
+    returned, to name them) that it covers."""
+    tags = await experiment_tags(peer, name)
+    if tags != [name] or await _has_events(peer, name):
+        return tags, None
+    seen = await logged_experiments(peer)
+    return [tag for tag in sorted(seen) if holds_entries_of(name, tag)] or [name], seen
+
+
 async def filtered_tags(peer: Peer, filt: WatchFilter) -> list[str]:
     """The experiment ids of `filt`'s `--experiment` names ([] when it names none)."""
     tags: list[str] = []
     for name in sorted(filt.experiments):
-        tags += [tag for tag in await experiment_tags(peer, name) if tag not in tags]
+        tags += [tag for tag in (await experiment_ids(peer, name))[0] if tag not in tags]
     return tags
 
 
@@ -338,18 +374,12 @@ def _write(out: BinaryIO, fmt: str, envelope: Envelope, encoder: msgspec.msgpack
 
 async def export_events(hub: str, curve: CurveClient | None, name: str, out: BinaryIO,
                         fmt: str) -> Export:
-    """Write every logged event of the experiment ids `name` covers (`experiment_tags`: an
+    """Write every logged event of the experiment ids `name` covers (`experiment_ids`: an
     experiment's own and all its cells') to `out` (JSON lines or msgpack, in seq order), from
     the hub."""
     totals = Totals()
     tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
-    seen: set[str] = set()
-
-    def seen_only(header: p.Header) -> bool:  # no body is decoded
-        seen.add(header.experiment)
-        return False
-
     gaps: set[tuple[int, int]] = set()  # each id's replay names a pruned range: once here
 
     async def write(tags: list[str]) -> None:
@@ -363,15 +393,13 @@ async def export_events(hub: str, curve: CurveClient | None, name: str, out: Bin
             _write(out, fmt, envelope, encoder)
 
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
-        await write(await experiment_tags(peer, name))
-        if not totals.events:  # which experiments there are: a plan-less name's cells (a
-            # replay's `T.<variant>.r<N>`) are found among them, else named (a typo's rescue)
-            async for _ in replay(peer, 0, [], tally, seen_only):
-                pass
-            await write([tag for tag in sorted(seen) if holds_entries_of(name, tag)])
+        tags, seen = await experiment_ids(peer, name)
+        await write(tags)
+        if not totals.events and seen is None:  # which experiments there are, to name them
+            seen = await logged_experiments(peer)  # (a typo's rescue)
     out.flush()
     totals.skipped(tally)
-    return Export(totals, [] if totals.events else sorted(seen - {""}))
+    return Export(totals, [] if totals.events else sorted(seen or ()))
 
 
 def log_envelopes(log: Iterator[Row], tally: ev.EventTally) -> Iterator[Envelope]:

@@ -98,6 +98,9 @@ def test_one_name_covers_every_cell_with_the_hub_up_and_down(tmp_path: Path) -> 
         # the replay has no plan of its own: its name still covers its cells (found in the log)
         again = lines(cli(ex.cwd, "export", *hub, "--experiment", "wc-again"))
         assert {e["experiment"] for e in again} == {f"wc-again{c[4:]}" for c in CELLS}
+        watched_again = lines(cli(ex.cwd, "watch", *hub, "--experiment", "wc-again",
+                                  "--no-follow", "--since", "0", "--json"))
+        assert [e["seq"] for e in watched_again] == [e["seq"] for e in again]
         diffed = json.loads(cli(ex.cwd, "diff", *hub, "wc-1", "wc-again", "--json").stdout)
         assert diffed["identical"], diffed
         top = [r for r in diffed["runs"] if not r["a"]["parent"]]
