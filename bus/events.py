@@ -10,7 +10,7 @@ names once) a body that does not decode, so one bad event never stops a reader.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import msgspec
@@ -194,6 +194,23 @@ class ExperimentSample(_Journal, tag="experiment_sample"):
     @property
     def key(self) -> tuple[str, str, int]:
         return (self.variant, self.sample, self.repeat)
+
+    @property
+    def outcome(self) -> str:
+        """What the cell came to, by the one failure rule (agents/experiment/runner.py
+        FAILURE_RULE): `ok` (an answer of its own), `timed_out` (run.timeout), `limited`
+        (run.token_limit / cost_limit) or `error` (its retries spent). The journal keeps `status`
+        ok for the first three (a resume runs only `error` cells again); readers go by this."""
+        if self.status != "ok":
+            return "error"
+        return {"timeout": "timed_out", "limit": "limited"}.get(self.stop_reason, "ok")
+
+    def counted(self, scorers: Iterable[str]) -> dict[str, float | None]:
+        """Each scorer's score as the statistics count it: the scorer's own for an `ok` cell
+        (None: it does not apply to this sample, or the grader gave no grade), 0 otherwise."""
+        if self.outcome == "ok":
+            return {s: self.scores.get(s) for s in scorers}
+        return dict.fromkeys(scorers, 0.0)
 
 
 #: The journal's event types: only the runner of experiment E writes them (the hub checks and

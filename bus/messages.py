@@ -117,6 +117,10 @@ class CompactionSummaryMessage(
 ):
     summary: str
     tokens_before: int = 0
+    #: The conversation's first user prompt, verbatim (its head when long): usually the task, and
+    #: what a small model's summary drops first (Qwen2.5-0.5B summarised eight notes as
+    #: "Summary of conversation:...", the first note's code word gone). Each compaction carries it on.
+    first_prompt: str = ""
     timestamp: float = msgspec.field(default_factory=now)
 
 

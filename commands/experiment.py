@@ -373,6 +373,7 @@ def experiment_group() -> None:
       busctl experiment run examples/experiment/spec.toml --resume qa-1
       busctl experiment report qa-1 --json
       busctl experiment compare qa-1 qa-2
+      busctl experiment compare qa-1 --variants solo team
     """
 
 
@@ -413,7 +414,8 @@ def experiment_check(spec: str) -> None:
 @click.option("--limit", type=click.IntRange(0), default=0,
               help="Only the first N samples (0: all); a resume needs the same.")
 @click.option("--results", default="", metavar="FILE",
-              help="The results file (JSON Lines) [default: E.results.jsonl].")
+              help="The results file (JSON Lines) [default: results/E.jsonl in the current "
+                   "directory].")
 def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, resume: str,
                    limit: int, results: str) -> None:
     """Run every sample × variant × repeat of SPEC as a session on the running topology
@@ -457,8 +459,14 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
         raise click.exceptions.Exit(130) from None
     if isinstance(journal, SpecError):
         raise click.UsageError(str(journal))
-    path = Path(results or f"{experiment}.results.jsonl")
-    rows = write_results(path, journal.results.values())
+    path = Path(results or Path("results") / f"{experiment}.jsonl")
+    scorers = [s.label for s in loaded.spec.scorers]
+    try:
+        rows = write_results(path, journal.results.values(), scorers)
+    except OSError as exc:
+        raise click.ClickException(f"--results {path}: cannot write it ({exc.strerror}); the "
+                                   f"journal has every cell: `busctl experiment report "
+                                   f"{experiment}`") from None
     click.echo(report_text(report(journal, experiment)))
     click.echo(f"{rows} results in {path}", err=True)
 
@@ -490,8 +498,8 @@ def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...],
 @experiment_group.command("report")
 @hub_options
 @click.argument("experiment")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object (variants: [{name, n, "
-              "score, ci95, ...}]).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object (variants: [{name, "
+              "samples, repeats, score, ci95, scores, timed_out, per_sample, ...}]).")
 @click.option("--plot", "plot_dir", default="", metavar="DIR",
               help="Also write score.png, cost.png and time.png into DIR (needs matplotlib: "
                    "the `plot` extra).")
@@ -499,9 +507,11 @@ def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...],
               help=STATE_DIR_HELP)
 def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
                       as_json: bool, plot_dir: str, state_dir: str | None) -> None:
-    """Per variant: n, mean score with a 95% interval (Wilson for 0/1 scores, else t), tokens,
-    cost, p50/p95 wall time, stop reasons, failures; from the journal in the hub's log (with no
-    hub running, and no --hub given, from the log `busctl up` left in this directory's state
+    """Per variant and scorer: the mean over samples of each sample's mean over its repeats,
+    with a 95% t interval over those per-sample means (samples are the unit; n = samples ×
+    repeats); cells timed out, limited or in error (scored 0 and counted), tokens, cost,
+    p50/p95 wall time, stop reasons; from the journal in the hub's log (with no hub
+    running, and no --hub given, from the log `busctl up` left in this directory's state
     directory; --state-dir reads another one).
 
     \b
@@ -512,8 +522,9 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
     import json
 
     from agent_bus.agents.experiment.report import report, report_text
-    from agent_bus.agents.experiment.spec import SpecError
 
+    if plot_dir:
+        _plot_ready()  # before anything is printed: a missing extra is not a half-done report
     journal = _journals(hub, curve, (experiment,), state_dir)[0]
     data = report(journal, experiment)
     click.echo(json.dumps(data) if as_json else report_text(data))
@@ -521,10 +532,20 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
         from agent_bus.agents.experiment.plot import plot
 
         try:
-            written = plot(data, journal, Path(plot_dir))
-        except SpecError as exc:
-            raise click.UsageError(f"--plot: {exc}") from None
+            written = plot(data, Path(plot_dir))
+        except OSError as exc:
+            raise click.UsageError(f"--plot {plot_dir}: cannot write there ({exc})") from None
         click.echo(f"wrote {', '.join(map(str, written))}", err=True)
+
+
+def _plot_ready() -> None:
+    from agent_bus.agents.experiment.plot import pyplot
+    from agent_bus.agents.experiment.spec import SpecError
+
+    try:
+        pyplot()
+    except SpecError as exc:
+        raise click.UsageError(f"--plot: {exc}") from None
 
 
 @experiment_group.command("replay")
@@ -596,23 +617,57 @@ def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, samp
 @experiment_group.command("compare")
 @hub_options
 @click.argument("first")
-@click.argument("second")
+@click.argument("second", required=False, default="")
+@click.option("--variants", nargs=2, default=None, metavar="A B",
+              help="Compare variant A with variant B: both of FIRST, or A of FIRST with B of "
+                   "SECOND.")
+@click.option("--scorer", default="", metavar="NAME",
+              help="The scorer compared [default: the first scorer].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 @click.option("--state-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help=STATE_DIR_HELP)
 def experiment_compare(hub: str, curve: CurveClient | None, first: str, second: str,
-                       as_json: bool, state_dir: str | None) -> None:
-    """Pair the cells (variant, sample, repeat) of FIRST and SECOND: which flipped, and an
-    exact paired test (McNemar's for 0/1 scores, else the sign test).
+                       variants: tuple[str, str] | None, scorer: str, as_json: bool,
+                       state_dir: str | None) -> None:
+    """Compare two experiments variant by variant (FIRST SECOND), or two variants (FIRST
+    --variants A B), paired by sample: each side's per-sample mean (repeats averaged), the
+    effect (mean difference, second minus first) with its 95% paired t interval, and a paired
+    test: McNemar's exact test when each sample has one 0/1 outcome a side, else the paired t
+    test.
 
     \b
     Examples:
       busctl experiment compare arith-1 arith-2 --json
+      busctl experiment compare arith-1 --variants solo team
+      busctl experiment compare arith-1 arith-2 --variants team team --scorer judge
     """
     import json
 
-    from agent_bus.agents.experiment.report import compare, compare_text
+    from agent_bus.agents.experiment.report import compare, compare_text, compare_variants
 
-    a, b = _journals(hub, curve, (first, second), state_dir)
-    data = compare(a, b, (first, second))
+    if not second and not variants:
+        raise click.UsageError("give two experiments (FIRST SECOND), or one and the two "
+                               "variants to compare (FIRST --variants A B)")
+    names = (first, second or first)
+    journals = _journals(hub, curve, tuple(dict.fromkeys(names)), state_dir)
+    a, b = journals[0], journals[-1]
+    _check_compared(a, b, names, variants, scorer)
+    data = compare_variants(a, variants[0], b, variants[1], names, scorer) if variants \
+        else compare(a, b, names, scorer)
     click.echo(json.dumps(data) if as_json else compare_text(data))
+
+
+def _check_compared(a: Any, b: Any, names: tuple[str, str], variants: tuple[str, str] | None,
+                    scorer: str) -> None:
+    """--variants and --scorer name what the experiments have."""
+    from agent_bus.agents.experiment.report import journal_scorers, variant_names
+
+    for journal, name, variant in zip((a, b), names, variants or (), strict=False):
+        known = variant_names(journal)
+        if variant not in known:
+            raise click.BadParameter(f"experiment `{name}` has no variant `{variant}` (its "
+                                     f"variants: {', '.join(known)})", param_hint="--variants")
+    known = journal_scorers(a)
+    if scorer and scorer not in known:
+        raise click.BadParameter(f"experiment `{names[0]}` has no scorer `{scorer}` (its "
+                                 f"scorers: {', '.join(known) or 'none'})", param_hint="--scorer")

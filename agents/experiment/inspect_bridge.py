@@ -1,19 +1,31 @@
 """Inspect AI bridge (`pip install 'agent-bus[inspect]'`): run each Inspect sample as one bus
 session of a named agent (or a team's prompted agent), so `inspect eval` runs on the bus.
 
+agent-bus is an Inspect plugin (the `inspect_ai` entry point, `agent_bus._registry`): these
+resolve by name, with no task file of one's own:
+
+    inspect eval agent_bus/bus_task -T dataset=samples.jsonl -T agent=solver -T scorer=number
+    inspect eval task.py --solver agent_bus/bus_agent -S agent=solver
+    inspect eval task.py --model agent-bus/solver          # a task using Inspect's generate()
+
+or in a task file:
+
     from agent_bus.agents.experiment.inspect_bridge import bus_agent
 
     @task
     def arith() -> Task:
-        return Task(dataset=..., solver=bus_agent("solver"), scorer=match(numeric=True))
+        return Task(dataset=..., solver=bus_agent("solver"), scorer=match(numeric=True),
+                    model="agent-bus/solver")
 
-    inspect eval task.py --model mockllm/model -T agent=solver   # the bus answers, not --model
-
-The session's answer becomes the sample's output (and an assistant message), with its usage;
-its run id, session, stop reason and workspace are in the sample's metadata (`bus`), and its
-events carry experiment `experiment` (default: `inspect-<task>`), so `busctl watch`/`export`/
-`replay` see them. The hub: `hub=` or $BUSCTL_HUB (as `busctl`). Inspect's scorers then score
-the output.
+`bus_agent` answers through the `agent-bus/<agent>` model (agents/experiment/inspect_model.py),
+so Inspect records the session's tokens and cost against that model like any model call; give
+the task `model="agent-bus/<agent>"` (as `bus_task` does) or `--model agent-bus/<agent>` so the
+eval's model says so too. The session's answer becomes the sample's output (and an assistant
+message); its run id, session, stop reason, experiment, workspace and usage per model it called
+are in the sample's metadata (`bus`). Its events carry experiment `experiment` (default:
+`inspect-<task>-<eval run id>`, one per eval), so `busctl watch`/`export`/`replay` see them. The
+hub: `hub=` or $BUSCTL_HUB (as `busctl`). A session that fails (ends `error`/`aborted`, passes
+`timeout`, or the bus fails) is the sample's error (`BusEvalError`), not an answer.
 
 Each sample's tool calls run in a fresh folder of its own on the tool workers (`workspace =
 "sample"`, the default, as `busctl experiment`'s `run.workspace`), with the sample's `files`
@@ -27,108 +39,78 @@ workspace's limits (docs/protocol.md, "Run workspaces") the sample fails, naming
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from inspect_ai.model import ChatMessageAssistant, ModelOutput, ModelUsage
+from inspect_ai import Task, task
+from inspect_ai.dataset import Dataset, Sample, csv_dataset, json_dataset
+from inspect_ai.model import get_model
+from inspect_ai.scorer import exact, f1, includes, match
 from inspect_ai.solver import Generate, Solver, TaskState, solver
 
-from agent_bus.agents.client.remote import AgentBus, connect
-from agent_bus.agents.experiment.runner import old_tool_workers
-from agent_bus.agents.experiment.spec import cell_folder
+from agent_bus.agents.experiment.inspect_model import WORKSPACES, BusEvalError
 from agent_bus.bus.errors import ConfigError
-from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, workspace_problem
+
+#: `bus_task`'s `scorer=`: Inspect's own scorers, named as `busctl experiment`'s spec names
+#: the same checks where it has them (`number`: the answer's last number equals the target).
+SCORERS = {"match": match, "number": lambda: match(numeric=True), "includes": includes,
+           "exact": exact, "f1": f1}
 
 
 @solver
 def bus_agent(agent: str = "assistant", hub: str | None = None, experiment: str = "",
-              max_turns: int = 0, workspace: Literal["sample", "shared"] = "sample") -> Solver:
+              max_turns: int = 0, workspace: Literal["sample", "shared"] = "sample",
+              timeout: float = 0) -> Solver:
     """A solver that prompts `agent` on the bus with the sample's input, in a fresh session
-    (and, with `workspace = "sample"`, a fresh folder with the sample's files)."""
-    if workspace not in ("sample", "shared"):
+    (and, with `workspace = "sample"`, a fresh folder with the sample's files); `timeout`:
+    seconds the session may take (0: none), past which it is aborted and the sample fails."""
+    if workspace not in WORKSPACES:
         raise ConfigError(f"bus_agent: workspace: {workspace!r} is not \"sample\" (each "
                           f"sample's tools in a folder of its own) or \"shared\"")
-    workers_checked = False
+    # memoized by Inspect per arguments: one model (and one tool-worker check) for the eval
+    model = get_model(f"agent-bus/{agent}", hub=hub or "", experiment=experiment,
+                      max_turns=max_turns, workspace=workspace, timeout=timeout)
 
     async def solve(state: TaskState, generate: Generate) -> TaskState:
-        nonlocal workers_checked
-        tag = experiment or f"inspect-{state.model}".replace("/", "-")
-        spec = await _workspace(state, tag, agent) if workspace == "sample" else None
-        if spec is None and _sources():
-            raise ConfigError(f"sample {state.sample_id}: files: bus_agent(workspace=\"shared\") "
-                              f"runs every sample in the tool workers' own workspace, where "
-                              f"its files cannot go; use workspace=\"sample\" (the default)")
-        async with connect(hub, name="inspect-bridge") as bus:
-            if spec is not None and not workers_checked:
-                await _check_workers(bus)
-                workers_checked = True
-            result = await bus.run(agent, state.input_text, experiment=tag, max_turns=max_turns,
-                                   workspace=spec)
-        usage = list(result.usage.values())
-        state.output = ModelOutput.from_content(model=f"bus/{agent}", content=result.final_text,
-                                                error=result.error or None)
-        state.output.usage = ModelUsage(
-            input_tokens=sum(u.input for u in usage), output_tokens=sum(u.output for u in usage),
-            total_tokens=sum(u.total or u.input + u.output for u in usage),
-            total_cost=sum(u.cost for u in usage) or None)
-        state.messages.append(ChatMessageAssistant(content=result.final_text))
-        bus_info: dict[str, Any] = {"run_id": result.run_id, "session": result.session,
-                                    "stop_reason": result.stop_reason, "experiment": tag,
-                                    "workspace": spec.id if spec is not None else ""}
-        state.metadata["bus"] = bus_info
+        state.output = await model.generate(state.messages)
+        state.messages.append(state.output.message)
+        bus: dict[str, Any] = (state.output.metadata or {}).get("bus", {})
+        state.metadata["bus"] = bus
         return state
 
     return solve
 
 
-async def _workspace(state: TaskState, tag: str, agent: str) -> RunWorkspace:
-    """The sample's own folder, with its files; ConfigError naming the sample past a limit."""
-    folder = f"{cell_folder(tag, agent, state.epoch, str(state.sample_id))}/{state.uuid}"
-    spec = RunWorkspace(id=folder, files=await _sample_files(str(state.sample_id)))
-    problem = workspace_problem(spec)
-    if problem:
-        raise ConfigError(f"sample {state.sample_id}: files: {problem}")
-    return spec
+@task
+def bus_task(dataset: str, agent: str = "assistant", scorer: str = "match", hub: str = "",
+             experiment: str = "", max_turns: int = 0,
+             workspace: Literal["sample", "shared"] = "sample", timeout: float = 0) -> Task:
+    """A dataset file (`.jsonl`, `.json` or `.csv`; fields `input`, `target`, `id`, `files`,
+    `metadata`, as `busctl experiment`'s) answered by the bus agent `agent` and scored by one
+    of Inspect's scorers (`SCORERS`). The eval's model is `agent-bus/<agent>`."""
+    if scorer not in SCORERS:
+        raise ConfigError(f"bus_task: scorer: {scorer!r} is not one of "
+                          f"{', '.join(sorted(SCORERS))}")
+    return Task(dataset=_dataset(dataset), scorer=SCORERS[scorer](),
+                solver=bus_agent(agent, hub, experiment, max_turns, workspace, timeout),
+                model=f"agent-bus/{agent}")
 
 
-def _sources() -> dict[str, str]:
-    """The running sample's `files` as its dataset gave them (Inspect keeps them out of
-    `TaskState`; its running sample has them)."""
-    from inspect_ai.log._samples import sample_active
+def _dataset(path: str) -> Dataset:
+    """The file's samples; a number target (as in JSON) compared as its text; `files` a list of
+    names next to the dataset, as an experiment's may be, or Inspect's {name: source}."""
+    def record(row: dict[str, Any]) -> Sample:
+        target, files = row.get("target"), row.get("files")
+        if isinstance(files, list):
+            files = {name: name for name in files}
+        return Sample(input=row["input"], target="" if target is None else str(target),
+                      id=row.get("id"), files=files, metadata=row.get("metadata"))
 
-    active = sample_active()
-    return dict(active.sample.files or {}) if active is not None else {}
-
-
-async def _sample_files(sample: str) -> dict[str, bytes]:
-    """The running sample's `files`, read as Inspect reads them into a sandbox (a folder's
-    files one by one, data: URIs, URLs, paths, else the text itself: the private helpers its
-    sandboxes use). Reading stops past the size limit: the rest would be refused anyway."""
-    from inspect_ai._eval.task.sandbox import read_sandboxenv_file, resolve_sample_files
-
-    sources = _sources()
-    if not sources:
-        return {}
-    files: dict[str, bytes] = {}
-    size = 0
-    for name, source in resolve_sample_files(sources).items():
-        files[name] = await read_sandboxenv_file(source)
-        size += len(name) + len(files[name])
-        if size > MAX_WORKSPACE_BYTES:
-            raise ConfigError(f"sample {sample}: files: more than {MAX_WORKSPACE_BYTES} bytes "
-                              f"in all, names included (they go with every tool call of its "
-                              f"session); keep big data in the tool workers' workspace and give "
-                              f"the sample its name instead")
-    return files
+    if not Path(path).is_file():
+        raise ConfigError(f"bus_task: dataset: no file {path}")
+    if path.endswith(".csv"):
+        return csv_dataset(path, record)
+    return json_dataset(path, record)
 
 
-async def _check_workers(bus: AgentBus) -> None:
-    """As `busctl experiment run`: no live tool worker would run a sample's call in its own
-    workspace (one that predates run workspaces)."""
-    old = await old_tool_workers(bus.peer)
-    if old:
-        raise ConfigError(f"bus_agent: workspace: the tool worker(s) {', '.join(old)} cannot "
-                          f"run a sample's tool calls in its own workspace (they predate run "
-                          f"workspaces); upgrade them, or give bus_agent(workspace=\"shared\")")
-
-
-__all__ = ["bus_agent"]
+__all__ = ["SCORERS", "BusEvalError", "bus_agent", "bus_task"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -49,10 +50,13 @@ class Tracked:
         self.version = 0
 
     def progress(self, now: float) -> dict[str, Any]:
-        """done / running / failed of planned, and the ETA at the current stretch's pace."""
-        cells = self.journal.results.values()
-        done = sum(c.status == "ok" for c in cells)
-        failed = len(self.journal.results) - done
+        """done / running / failed of planned, and the ETA at the current stretch's pace. By the
+        report's failure rule (`SampleResult.outcome`): `done` is the report's (every cell but
+        those in error), `timed_out` and `limited` are part of it (scored 0), and `failed` is
+        the cells in error (the ones `--resume` runs again)."""
+        outcomes = Counter(c.outcome for c in self.journal.results.values())
+        failed = outcomes["error"]
+        done = len(self.journal.results) - failed
         plan = self.journal.plan
         planned = plan.planned if plan else None
         left = max(0, planned - done - failed) if planned is not None else None
@@ -60,6 +64,7 @@ class Tracked:
         if left and self.running and self.stretch_done and self.stretch_start:
             eta = (now - self.stretch_start) / self.stretch_done * left
         return {"planned": planned, "done": done, "failed": failed,
+                "timed_out": outcomes["timed_out"], "limited": outcomes["limited"],
                 "running": len(self.running) if left else 0, "left": left, "eta": eta}
 
 
@@ -136,7 +141,8 @@ class ExperimentBook:
             x = self.experiments.get(name)
             if x is None or not (x.journal.plan or x.journal.results):
                 return None
-            rows = result_rows(x.journal.results.values())
+            rows = result_rows(x.journal.results.values(),
+                               x.journal.plan.scorers if x.journal.plan else ())
             for row in rows:
                 row["answer"] = row["answer"][:ANSWER_CHARS]
             return {"experiment": name, "version": x.version,

@@ -1,71 +1,55 @@
-"""Per-variant statistics of an experiment and a paired comparison of two.
+"""Per-variant statistics of an experiment, and paired comparisons of variants.
 
-The score of a variant is the mean, over its answered cells (sample × repeat, status `ok`), of
-the first scorer's score. Its 95% interval: Wilson's score interval when every score is 0 or 1
-(a proportion; it stays inside [0, 1] and behaves at 0/n and n/n, where the normal one does not),
-else Student's t (mean ± t(0.975, n-1) · s/√n). Repeats of one sample count as separate cells:
-the interval treats them as independent, which they are only as far as the model's sampling is.
+Failures, one rule (runner.FAILURE_RULE): a cell that timed out, passed its token or cost
+limit, or ended in an error once its retries were spent is scored 0 on every scorer and
+counted; `timed_out`, `limited` and `errors` say how many beside the score. The table, `--json`,
+the web page (this very function's output) and the results file (runner.result_rows: `status`
+is the outcome, the scores the counted ones) all follow it. A score of None (the scorer does not
+apply to the sample, or a `model` grader gave no grade) is left out of that scorer's numbers.
 
-`compare` pairs the cells two experiments share (variant, sample, repeat): the ones whose score
-went up or down, and an exact two-sided paired test on them: McNemar's exact test (a binomial
-test of the flips, p = 0.5) for binary scores; for other scores the same binomial test on the
-signs of the differences (the sign test), ties dropped.
+Samples are the unit, repeats are not independent observations of the score:
+
+    per-sample mean   each sample's mean over its repeats (cells) with a score
+    score             the mean over samples of those per-sample means (first scorer; every
+                      scorer in `scores`, computed the same way)
+    ci95              Student's t interval over the per-sample means, `t_samples`:
+                      mean ± t(0.975, k-1) · s/√k with k samples (as a cluster-robust
+                      standard error by sample, what Inspect's epochs reduce to); clipped to
+                      [0, 1] when every per-sample mean lies there; none under 2 samples
+    n                 shown as samples × repeats
+
+`compare` and `compare_variants` pair by sample: each side's per-sample mean (its repeats
+averaged), the differences b - a, and their mean — the effect — with its paired t interval.
+The test: McNemar's exact test (the binomial test of the samples that flipped, p = 1/2) when
+every per-sample mean on both sides is 0 or 1 (one binary outcome a sample: one repeat, or
+repeats that agree); otherwise the paired t test on the per-sample means, whose p agrees with
+the interval shown. With 0/1 outcomes the exact test is the one to quote: the t interval beside
+it is approximate there and may exclude 0 at a McNemar p a little above 0.05 (5 flips one way,
+none the other: p = 0.0625). Likewise a variant right (or wrong) on every sample has an
+interval of no width: the per-sample means show no spread. The computations are
+agents.experiment.stats, checked against scipy.stats.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent_bus.agents.experiment.runner import IGNORED_WHY, Journal, SampleResult
+from agent_bus.agents.experiment import stats
+from agent_bus.agents.experiment.runner import (
+    FAILURE_RULE,
+    IGNORED_WHY,
+    Journal,
+    SampleResult,
+    money,
+)
 from agent_bus.tools.workspaces import RUNS_DIR
 
-Z95 = 1.959963984540054
-#: t(0.975, df) for df 1-30; beyond, the values at 40, 60, 120 and the normal limit.
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-       2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-       2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
-def t95(df: int) -> float:
-    if df <= 30:
-        return T95[df - 1]
-    for bound, value in ((40, 2.021), (60, 2.000), (120, 1.980)):
-        if df <= bound:
-            return value
-    return Z95
-
-
-def wilson(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson's score interval for a proportion successes/n."""
-    if n == 0:
-        return (0.0, 1.0)
-    phat = successes / n
-    denom = 1 + z * z / n
-    center = (phat + z * z / (2 * n)) / denom
-    half = z * math.sqrt(phat * (1 - phat) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, center - half), min(1.0, center + half))
-
-
-def t_interval(values: Sequence[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = sum(values) / n
-    if n < 2:
-        return (mean, mean)
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t95(n - 1) * sd / math.sqrt(n)
-    return (mean - half, mean + half)
-
-
-def interval(values: Sequence[float]) -> tuple[tuple[float, float] | None, str]:
-    """The 95% interval of the mean of `values` and the method's name."""
-    if not values:
-        return None, ""
-    if all(v in (0.0, 1.0) for v in values):
-        return wilson(sum(values), len(values)), "wilson"
-    return t_interval(values), "t"
+CI_METHOD = "t_samples"  # the t interval over per-sample means
+CI_WHY = "t over per-sample means: samples are the unit, repeats averaged"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -76,28 +60,111 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def _stat(values: Sequence[float]) -> dict[str, Any]:
-    ci, method = interval(values)
-    return {"n": len(values), "mean": sum(values) / len(values) if values else None,
-            "ci95": list(ci) if ci else None, "method": method}
+def natural(text: str) -> list[Any]:
+    """Sort key: q2 before q10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def sample_stat(per_sample: Sequence[float], cells: int, score: bool = True) -> dict[str, Any]:
+    """The mean over samples of per-sample means, its t interval, and the counts. A score's
+    interval is kept in [0, 1] when every per-sample mean is there (a proportion's cannot
+    leave it); another quantity's (cost, time: never negative) above 0."""
+    if not per_sample:
+        return {"mean": None, "ci95": None, "method": "", "samples": 0, "cells": cells,
+                "n": cells}
+    ci = stats.t_interval(per_sample)
+    if ci is not None and score and all(0.0 <= v <= 1.0 for v in per_sample):
+        ci = (max(0.0, ci[0]), min(1.0, ci[1]))
+    elif ci is not None and not score:
+        ci = (max(0.0, ci[0]), ci[1])
+    return {"mean": stats.mean(per_sample), "ci95": list(ci) if ci else None,
+            "method": CI_METHOD if ci else "", "samples": len(per_sample), "cells": cells,
+            "n": cells}  # n: as before, the cells (`samples` is the interval's unit)
+
+
+def by_sample(cells: Sequence[SampleResult]) -> dict[str, list[SampleResult]]:
+    grouped: dict[str, list[SampleResult]] = {}
+    for cell in sorted(cells, key=lambda c: (natural(c.sample), c.repeat)):
+        grouped.setdefault(cell.sample, []).append(cell)
+    return grouped
+
+
+def sample_means(cells: Sequence[SampleResult], scorer: str) -> dict[str, float]:
+    """Each sample's mean counted score over its repeats (samples with none left out)."""
+    means = {}
+    for sample, own in by_sample(cells).items():
+        values = [v for c in own if (v := c.counted([scorer])[scorer]) is not None]
+        if values:
+            means[sample] = stats.mean(values)
+    return means
+
+
+def scorer_stat(cells: Sequence[SampleResult], scorer: str) -> dict[str, Any]:
+    means = sample_means(cells, scorer)
+    scored = sum(c.counted([scorer])[scorer] is not None for c in cells)
+    return sample_stat(list(means.values()), scored)
+
+
+def _per_cell(cells: Sequence[SampleResult],
+              value: Callable[[SampleResult], float]) -> dict[str, Any]:
+    """A per-cell quantity (cost, wall time) over samples: per-sample means, t interval."""
+    grouped = by_sample(cells).values()
+    return sample_stat([stats.mean([value(c) for c in own]) for own in grouped], len(cells),
+                       score=False)
+
+
+def per_sample_rows(cells: Sequence[SampleResult], scorers: Sequence[str],
+                    repeats: int) -> list[dict[str, Any]]:
+    """One row a sample: its first scorer's mean (`means`: every scorer's), and per repeat
+    (1..repeats) the counted score and outcome (None: not run yet)."""
+    rows = []
+    for sample, own in by_sample(cells).items():
+        means = {s: sample_means(own, s).get(sample) for s in scorers}
+        at = {c.repeat: c for c in own}
+        first = scorers[0] if scorers else ""
+        scores = [at[r].counted([first])[first] if r in at and first else None
+                  for r in range(1, repeats + 1)]
+        values = [v for v in scores if v is not None]
+        rows.append({"sample": sample, "mean": stats.mean(values) if values else None,
+                     "means": means, "scores": scores,
+                     "statuses": [at[r].outcome if r in at else None
+                                  for r in range(1, repeats + 1)],
+                     "cells": len(own), "cost": sum(c.cost for c in own),
+                     "tokens": sum(c.tokens for c in own),
+                     "wall_mean": stats.mean([c.wall for c in own])})
+    return rows
 
 
 def variant_report(name: str, cells: Sequence[SampleResult], scorers: Sequence[str],
-                   planned: int) -> dict[str, Any]:
-    ok = [c for c in cells if c.status == "ok"]
-    main = [c.score for c in ok if c.score is not None]
-    times = [c.wall for c in ok]
-    by_scorer = {s: _stat([v for c in ok if (v := c.scores.get(s)) is not None]) for s in scorers}
-    first = _stat(main)
-    return {"name": name, "n": len(ok), "planned": planned, "score": first["mean"],
-            "ci95": first["ci95"], "ci_method": first["method"], "scores": by_scorer,
-            "tokens": sum(c.tokens for c in ok), "cost": sum(c.cost for c in ok),
-            "turns_mean": sum(c.turns for c in ok) / len(ok) if ok else None,
+                   samples: int, repeats: int) -> dict[str, Any]:
+    """One variant's statistics (`samples` × `repeats` planned) by the module's rules."""
+    outcomes = Counter(c.outcome for c in cells)
+    times = [c.wall for c in cells]
+    by_scorer = {s: scorer_stat(cells, s) for s in scorers}
+    first = by_scorer[scorers[0]] if scorers else sample_stat([], 0)
+    failed = [c for c in cells if c.outcome != "ok"]
+    return {"name": name, "samples": len(by_sample(cells)), "repeats": repeats,
+            "cells": len(cells), "n": len(cells), "planned": samples * repeats,
+            "score": first["mean"], "ci95": first["ci95"], "ci_method": first["method"],
+            "scores": by_scorer,
+            "timed_out": outcomes["timed_out"], "limited": outcomes["limited"],
+            "errors": outcomes["error"], "failures": len(failed),
+            "tokens": sum(c.tokens for c in cells), "cost": sum(c.cost for c in cells),
+            "turns_mean": stats.mean([c.turns for c in cells]) if cells else None,
             "time_p50": percentile(times, 50), "time_p95": percentile(times, 95),
-            "stop_reasons": dict(Counter(c.stop_reason for c in ok)),
-            "failures": len(cells) - len(ok),
-            "failed": [{"sample": c.sample, "repeat": c.repeat, "error": c.error}
-                       for c in cells if c.status != "ok"]}
+            "cost_per_cell": _per_cell(cells, lambda c: c.cost),
+            "time_per_cell": _per_cell(cells, lambda c: c.wall),
+            "stop_reasons": dict(Counter(c.stop_reason or "error" for c in cells)),
+            "failed": [{"sample": c.sample, "repeat": c.repeat, "status": c.outcome,
+                        "error": c.error or c.stop_reason} for c in failed],
+            "per_sample": per_sample_rows(cells, scorers, repeats)}
+
+
+def journal_scorers(journal: Journal) -> list[str]:
+    """The plan's scorers in order; with no plan, the ones the cells have."""
+    if journal.plan is not None:
+        return list(journal.plan.scorers)
+    return sorted({name for c in journal.results.values() for name in c.scores})
 
 
 def report(journal: Journal, experiment: str) -> dict[str, Any]:
@@ -105,15 +172,23 @@ def report(journal: Journal, experiment: str) -> dict[str, Any]:
     plan = journal.plan
     results = list(journal.results.values())
     names = plan.variants if plan else sorted({r.variant for r in results})
-    scorers = plan.scorers if plan else []
-    per_variant = (plan.samples * plan.repeats) if plan else 0
-    variants = [variant_report(v, [r for r in results if r.variant == v], scorers, per_variant)
-                for v in names]
+    scorers = journal_scorers(journal)
+    samples = plan.samples if plan else len({r.sample for r in results})
+    repeats = plan.repeats if plan else max((r.repeat for r in results), default=0)
+    variants = [variant_report(v, [r for r in results if r.variant == v], scorers, samples,
+                               repeats) for v in names]
+    journaled_ok = sum(r.status == "ok" for r in results)
     return {"experiment": experiment, "planned": plan.planned if plan else None,
-            "done": sum(v["n"] for v in variants), "scorers": scorers, "variants": variants,
+            "samples": samples, "repeats": repeats,
+            # done: the cells a resume will not run again (all but errors, which it retries);
+            # counted: the cells in the statistics (errors too, scored 0)
+            "done": sum(v["cells"] - v["errors"] for v in variants),
+            "counted": sum(v["cells"] for v in variants), "scorers": scorers,
+            "failure_rule": FAILURE_RULE, "ci_method": CI_METHOD, "variants": variants,
             "unreadable_entries": journal.bad,
             "ignored_entries": journal.ignored,  # not from an identity that may write it
-            "duplicates": journal.ok_entries - sum(v["n"] for v in variants),
+            # entries read beyond one a cell (0 for a journal built in memory, as the runner's)
+            "duplicates": max(0, journal.ok_entries - journaled_ok),
             **_workspaces(experiment, results)}
 
 
@@ -126,62 +201,102 @@ def _workspaces(experiment: str, results: list[SampleResult]) -> dict[str, str]:
                           f"<variant>.r<repeat>/<sample>/"}
 
 
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value: b and c are the discordant pairs (the flips each way)."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / (1 << n)
-    return min(1.0, 2 * tail)
+# --- paired comparisons ---------------------------------------------------------------------
 
 
-def compare(a: Journal, b: Journal, names: tuple[str, str]) -> dict[str, Any]:
-    """Pair the cells of two experiments by (variant, sample, repeat); per variant the flips."""
-    shared = sorted(set(a.results) & set(b.results))
-    variants: dict[str, list[tuple[SampleResult, SampleResult]]] = {}
-    for key in shared:
-        x, y = a.results[key], b.results[key]
-        if x.status == "ok" and y.status == "ok" and x.score is not None \
-                and y.score is not None:
-            variants.setdefault(key[0], []).append((x, y))
-    return {"a": names[0], "b": names[1],
-            "variants": [_paired(name, pairs) for name, pairs in variants.items()]}
+def paired(name: str, a: dict[str, float], b: dict[str, float]) -> dict[str, Any]:
+    """Per-sample means of two sides, paired by sample (those both have): the effect b - a
+    with its paired t interval, and the test (the module's text says which)."""
+    shared = sorted(set(a) & set(b), key=natural)
+    diffs = [b[s] - a[s] for s in shared]
+    effect, ci, t_p = stats.paired_t(diffs)
+    binary = all(v in (0.0, 1.0) for s in shared for v in (a[s], b[s]))
+    better, worse = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    test, p = ("mcnemar_exact", stats.binom_two_sided(better, better + worse)) if binary \
+        else ("paired_t", t_p)
+    return {"name": name, "samples": len(shared), "pairs": len(shared),
+            "a_mean": stats.mean([a[s] for s in shared]) if shared else None,
+            "b_mean": stats.mean([b[s] for s in shared]) if shared else None,
+            "effect": effect if shared else None, "ci95": list(ci) if ci else None,
+            "ci_method": "paired_t" if ci else "",
+            "better": better, "worse": worse, "same": len(shared) - better - worse,
+            "test": test, "p_value": p,
+            "changed": [{"sample": s, "a": a[s], "b": b[s]} for s in shared if a[s] != b[s]],
+            "only_a": sorted(set(a) - set(b), key=natural),
+            "only_b": sorted(set(b) - set(a), key=natural)}
 
 
-def _paired(name: str, pairs: Iterable[tuple[SampleResult, SampleResult]]) -> dict[str, Any]:
-    pairs = list(pairs)
-    xs = [x.score or 0.0 for x, _ in pairs]
-    ys = [y.score or 0.0 for _, y in pairs]
-    binary = all(v in (0.0, 1.0) for v in xs + ys)
-    up = [(x, y) for x, y in pairs if (y.score or 0.0) > (x.score or 0.0)]
-    down = [(x, y) for x, y in pairs if (y.score or 0.0) < (x.score or 0.0)]
-    n = len(pairs)
-    return {"name": name, "pairs": n, "a_mean": sum(xs) / n, "b_mean": sum(ys) / n,
-            "better": len(up), "worse": len(down),
-            "test": "mcnemar_exact" if binary else "sign_exact",
-            "p_value": mcnemar_exact(len(up), len(down)),
-            "flipped": [{"sample": x.sample, "repeat": x.repeat, "a": x.score, "b": y.score}
-                        for x, y in sorted(up + down, key=lambda p: (p[0].sample, p[0].repeat))]}
+def _cells(journal: Journal, variant: str) -> list[SampleResult]:
+    return [c for c in journal.results.values() if c.variant == variant]
+
+
+def compare(a: Journal, b: Journal, names: tuple[str, str], scorer: str = "") -> dict[str, Any]:
+    """Two experiments, each variant they share compared, paired by sample."""
+    scorer = scorer or next(iter(journal_scorers(a)), "")
+    shared = [v for v in variant_names(a) if v in set(variant_names(b))]
+    return {"a": names[0], "b": names[1], "scorer": scorer,
+            "variants": [paired(v, sample_means(_cells(a, v), scorer),
+                                sample_means(_cells(b, v), scorer)) for v in shared]}
+
+
+def compare_variants(a: Journal, va: str, b: Journal, vb: str, names: tuple[str, str],
+                     scorer: str = "") -> dict[str, Any]:
+    """Variant `va` of experiment a against `vb` of b (a and b may be one experiment)."""
+    scorer = scorer or next(iter(journal_scorers(a)), "")
+    return {"a": f"{names[0]}:{va}", "b": f"{names[1]}:{vb}", "scorer": scorer,
+            "variants": [paired(f"{va} -> {vb}", sample_means(_cells(a, va), scorer),
+                                sample_means(_cells(b, vb), scorer))]}
+
+
+def variant_names(journal: Journal) -> list[str]:
+    if journal.plan is not None:
+        return list(journal.plan.variants)
+    return sorted({c.variant for c in journal.results.values()})
+
+
+# --- text -----------------------------------------------------------------------------------
 
 
 def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _ci(ci: list[float] | None) -> str:
+    return f"[{_num(ci[0])}, {_num(ci[1])}]" if ci else "-"
+
+
+def _n(v: dict[str, Any]) -> str:
+    """n as samples × repeats; the cells when some are missing (a run under way)."""
+    n = f"{v['samples']}×{v['repeats']}"
+    return n if v["cells"] == v["samples"] * v["repeats"] else f"{n} ({v['cells']} cells)"
+
+
 def report_text(data: dict[str, Any]) -> str:
-    lines = [f"experiment {data['experiment']}: {data['done']}/{data['planned']} cells answered"]
-    lines.append(f"{'variant':<16} {'n':>5} {'score':>7} {'95% CI':>17} {'tokens':>9} "
-                 f"{'cost':>9} {'p50 s':>7} {'p95 s':>7} {'fail':>5}  stop reasons")
+    errors = sum(v["errors"] for v in data["variants"])
+    retried = f", {errors} in error (`run --resume` runs them again)" if errors else ""
+    lines = [f"experiment {data['experiment']}: {data['done']}/{data['planned']} cells done "
+             f"({data['samples']} samples × {data['repeats']} repeats × "
+             f"{len(data['variants'])} variants){retried}"]
+    lines.append(f"{'variant':<14} {'scorer':<10} {'n':>8} {'score':>6} {'95% CI':>15} "
+                 f"{'timed out':>9} {'limited':>7} {'errors':>6} {'tokens':>9} {'cost':>10} "
+                 f"{'p50 s':>6} {'p95 s':>6}  stop reasons")
     for v in data["variants"]:
-        ci = f"[{_num(v['ci95'][0])}, {_num(v['ci95'][1])}]" if v["ci95"] else "-"
         stops = ", ".join(f"{k} {n}" for k, n in sorted(v["stop_reasons"].items()))
-        lines.append(f"{v['name']:<16} {v['n']:>5} {_num(v['score']):>7} {ci:>17} "
-                     f"{v['tokens']:>9} {v['cost']:>9.4f} {_num(v['time_p50'], 2):>7} "
-                     f"{_num(v['time_p95'], 2):>7} {v['failures']:>5}  {stops}")
-    methods = sorted({v["ci_method"] for v in data["variants"] if v["ci_method"]})
-    if methods:
-        lines.append(f"(95% CI: {', '.join(methods)}; score = the first scorer's mean)")
+        first = data["scorers"][0] if data["scorers"] else "-"
+        lines.append(f"{v['name']:<14} {first:<10} {_n(v):>8} {_num(v['score']):>6} "
+                     f"{_ci(v['ci95']):>15} {v['timed_out']:>9} {v['limited']:>7} "
+                     f"{v['errors']:>6} {v['tokens']:>9} {money(v['cost']):>10} "
+                     f"{_num(v['time_p50'], 2):>6} {_num(v['time_p95'], 2):>6}  {stops}")
+        for name in data["scorers"][1:]:
+            s = v["scores"][name]
+            lines.append(f"{'':<14} {name:<10} {_n(v):>8} {_num(s['mean']):>6} "
+                         f"{_ci(s['ci95']):>15}")
+    lines.append(f"score: the mean over samples of each sample's mean over its repeats; "
+                 f"95% CI: {CI_WHY}")
+    lines.append(f"failures: {data['failure_rule']}")
+    if data.get("duplicates"):
+        lines.append(f"{data['duplicates']} journal entries of cells done twice (the latest "
+                     f"counts)")
     if data.get("ignored_entries"):
         lines.append(f"{data['ignored_entries']} journal entries ignored: {IGNORED_WHY}")
     if data.get("workspaces"):
@@ -190,14 +305,27 @@ def report_text(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+TESTS = {"mcnemar_exact": "McNemar exact", "paired_t": "paired t"}
+
+
 def compare_text(data: dict[str, Any]) -> str:
-    lines = [f"{data['a']} -> {data['b']}"]
+    lines = [f"{data['a']} -> {data['b']}, scorer `{data['scorer']}`, paired by sample "
+             f"(repeats averaged), effect = b - a"]
     for v in data["variants"]:
-        lines.append(f"{v['name']}: {v['pairs']} pairs, mean {v['a_mean']:.3f} -> "
-                     f"{v['b_mean']:.3f}, {v['better']} better, {v['worse']} worse, "
-                     f"{v['test']} p = {v['p_value']:.4g}")
-        for f in v["flipped"]:
-            lines.append(f"  {f['sample']} r{f['repeat']}: {f['a']} -> {f['b']}")
+        if not v["samples"]:
+            lines.append(f"{v['name']}: no sample scored on both sides")
+            continue
+        p = "-" if v["p_value"] is None else f"{v['p_value']:.3g}"
+        lines.append(f"{v['name']}: {v['samples']} samples, mean {_num(v['a_mean'])} -> "
+                     f"{_num(v['b_mean'])}, effect {v['effect']:+.3f} 95% CI {_ci(v['ci95'])} "
+                     f"(paired t); {v['better']} better, {v['worse']} worse, {v['same']} same; "
+                     f"{TESTS[v['test']]} p = {p}")
+        for c in v["changed"]:
+            lines.append(f"  {c['sample']}: {c['a']:.3f} -> {c['b']:.3f}")
+        for side in ("only_a", "only_b"):
+            if v[side]:
+                lines.append(f"  unpaired, scored only in {data[side[-1]]}: "
+                             f"{', '.join(v[side])}")
     if not data["variants"]:
-        lines.append("no cells in common (the same variant, sample and repeat)")
+        lines.append("no variant in common (compare two variants with --variants A B)")
     return "\n".join(lines)

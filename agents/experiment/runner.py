@@ -26,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TextIO
@@ -70,6 +71,10 @@ END_WAIT = 5.0  # seconds to wait for a run's agent_end (its turns) after its re
 log = logging.getLogger("agents.experiment.runner")
 
 FAILED = frozenset({"error", "aborted"})  # stop reasons that are errors, not answers
+#: The one failure rule the report, its --json, the web page and the results file follow.
+FAILURE_RULE = ("a cell that timed out (run.timeout), passed its run.token_limit / cost_limit, or "
+                "ended in an error once its retries were spent is scored 0 on every scorer and "
+                "counted; the report shows how many of each beside the score")
 LIMIT_REASON = "the experiment's run.token_limit / run.cost_limit for a sample was passed"
 
 
@@ -155,7 +160,7 @@ class Progress:
         left = self.planned - self.done
         eta = f"{elapsed / ran * left:.0f}s" if ran else "?"
         return (f"{self.done}/{self.planned} done, {self.running} running, {self.failed} failed,"
-                f" ETA {eta}, {self.tokens} tokens, ${self.cost:.4f}")
+                f" ETA {eta}, {self.tokens} tokens, {money(self.cost)}")
 
     def show(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -440,7 +445,7 @@ class Runner:
         journal = await self.start(resume, fresh)
         cells = self.missing(journal)
         if self.progress is not None:
-            self.progress.done = self.progress.already = self.loaded.planned - len(cells)
+            self._count_kept(journal, cells)
         limiter = anyio.CapacityLimiter(self.loaded.spec.run.concurrency)
         per_model = {alias: anyio.CapacityLimiter(n)
                      for alias, n in self.loaded.spec.run.per_model.items()}
@@ -468,11 +473,22 @@ class Runner:
             self.progress.finish()
         return journal
 
+    def _count_kept(self, journal: Journal, cells: list[tuple[Variant, Sample, int]]) -> None:
+        """A resume's progress line starts from the experiment's cells kept (not run again):
+        its done, failed, tokens and cost are the whole experiment's, as the report's are."""
+        assert self.progress is not None
+        again = {(v.name, s.key, r) for v, s, r in cells}
+        kept = [c for key, c in journal.results.items() if key not in again]
+        self.progress.done = self.progress.already = self.loaded.planned - len(cells)
+        self.progress.failed = sum(c.outcome != "ok" for c in kept)
+        self.progress.tokens = sum(c.tokens for c in kept)
+        self.progress.cost = sum(c.cost for c in kept)
+
     def _count(self, result: SampleResult) -> None:
         if self.progress is None:
             return
         self.progress.done += 1
-        self.progress.failed += result.status != "ok"
+        self.progress.failed += result.outcome != "ok"
         self.progress.tokens += result.tokens
         self.progress.cost += result.cost
         self.progress.show()
@@ -537,7 +553,7 @@ class Runner:
             base, answer=outcome.final_text, stop_reason=outcome.stop_reason,
             tokens=tokens_of(usage), cost=sum(u.cost for u in usage), wall=wall,
             run_id=outcome.run_id, session=outcome.session, error=outcome.error or "")
-        if limited and outcome.stop_reason == "aborted":  # our abort: an answer, at its limit
+        if limited and outcome.stop_reason == "aborted":  # our abort at its limit: `limited`, not an error
             done = msgspec.structs.replace(done, stop_reason="limit", error="")
         elif outcome.stop_reason in FAILED:
             return done
@@ -618,22 +634,36 @@ def tokens_of(usage: Iterable[Usage]) -> int:
     return sum(u.total or u.input + u.output for u in usage)
 
 
-def result_rows(results: Iterable[SampleResult]) -> list[dict[str, Any]]:
-    """One flat dict per cell (scores as `score_<name>` columns), in a stable order."""
+def result_rows(results: Iterable[SampleResult],
+                scorers: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """One flat dict per cell (scores as `score_<name>` columns), in a stable order, by the
+    failure rule: `status` is the cell's outcome (ok, timed_out, limited, error) and its
+    scores are the ones the report counts (0 for a failed cell), so the report's numbers
+    follow from the rows (README, "Experiment statistics"). `scorers`: the plan's, in order
+    (else the ones the cells have)."""
+    cells = sorted(results, key=lambda r: (r.variant, r.sample, r.repeat))
+    names = list(scorers) or sorted({name for c in cells for name in c.scores})
     rows = []
-    for entry in sorted(results, key=lambda r: (r.variant, r.sample, r.repeat)):
+    for entry in cells:
         row = msgspec.to_builtins(entry)
         row.pop("type", None)
-        for name, value in row.pop("scores").items():
+        row.pop("scores")
+        counted = entry.counted(names)
+        row["status"] = entry.outcome
+        # the first scorer's (the plan's), whichever `scorers` this was given
+        row["score"] = entry.score if entry.outcome == "ok" else 0.0 if names else None
+        for name, value in counted.items():
             row[f"score_{name}"] = value
         rows.append(row)
     return rows
 
 
-def write_results(path: Path, results: Iterable[SampleResult]) -> int:
+def write_results(path: Path, results: Iterable[SampleResult],
+                  scorers: Sequence[str] = ()) -> int:
     """The results file: JSON Lines, one cell a line (`pandas.read_json(path, lines=True)`,
     `polars.read_ndjson(path)`). Written whole to a temporary file, then renamed."""
-    rows = result_rows(results)
+    rows = result_rows(results, scorers)
+    path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     with part.open("w") as out:
         for row in rows:
@@ -642,11 +672,22 @@ def write_results(path: Path, results: Iterable[SampleResult]) -> int:
     return len(rows)
 
 
+def money(value: float) -> str:
+    """A cost in dollars with three significant digits however small ($0.0000400, never
+    $0.0000), cents from $1 up."""
+    if value == 0:
+        return "$0"
+    if abs(value) >= 1:
+        return f"${value:,.2f}"
+    return f"${value:.{max(2, 2 - math.floor(math.log10(abs(value))))}f}"
+
+
 def progress_for(stream: TextIO, planned: int) -> Progress:
     """A progress line on a terminal; counts only otherwise."""
     return Progress(planned, 0, stream if stream.isatty() else None)
 
 
-__all__ = ["PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner", "SampleResult",
-           "cell_workspaces", "journal_from_log", "old_tool_workers", "progress_for",
+__all__ = ["FAILURE_RULE", "PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner",
+           "SampleResult", "cell_workspaces", "journal_from_log", "money", "old_tool_workers",
+           "progress_for",
            "read_journal", "result_rows", "split_tools", "write_results"]

@@ -28,7 +28,10 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from collections.abc import Callable
+import sys
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -36,7 +39,7 @@ import msgspec
 
 from agent_bus.agents import replay
 from agent_bus.agents.gateway.wire import Seed
-from agent_bus.agents.launch.topology import TurnBound, _keypath_message
+from agent_bus.agents.launch.topology import TurnBound
 from agent_bus.agents.replay_wire import LiveOverrides
 from agent_bus.bus import experiments
 from agent_bus.bus.errors import AgentBusError, ConfigError
@@ -80,7 +83,7 @@ class RunSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     max_turns: TurnBound | None = None  # per sample (the agent's max_iterations otherwise)
     timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None  # wall seconds per sample
     # per sample, the whole run tree (helpers asked included): past it the run is aborted and
-    # its answer so far scored, stop reason `limit` (0: none)
+    # the report counts it `limited`, scored 0 (runner.FAILURE_RULE), stop reason `limit` (0: none)
     token_limit: Annotated[int, msgspec.Meta(ge=0)] = 0
     cost_limit: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     # seconds a cell whose coordinator died waits for its run to resume there (`busctl up`
@@ -212,10 +215,10 @@ def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
     try:
         spec = msgspec.toml.decode(data, type=Spec)
     except msgspec.ValidationError as exc:
-        raise SpecError(f"{path}: {_keypath_message(str(exc))}") from None
+        raise SpecError(f"{path}: {spec_message(str(exc), Spec)}") from None
     except msgspec.DecodeError as exc:
         raise SpecError(f"{path}: not valid TOML: {exc}") from None
-    problems = check_spec(spec)
+    problems = check_spec(spec, path.parent)
     if problems:
         raise SpecError(f"{path}: {problems[0]}")
     base = path.parent
@@ -237,8 +240,55 @@ def load_spec(path: Path | str, *, limit: int = 0) -> Loaded:
                   str((base / spec.dataset.path).parent))
 
 
-def check_spec(spec: Spec) -> list[str]:
-    """Cross-field checks msgspec cannot express; each problem names its key."""
+SPEC_HELP = "README.md, \"Experiments from a spec file\""
+
+
+def spec_message(message: str, root: type, top: str = "the top level") -> str:
+    """msgspec's `... - at `$.run.repeat`` as `run.repeat: ...`, saying what would do: an
+    unknown key lists the keys its table (`top` at the top) takes, a value out of a fixed set
+    lists the set."""
+    match = re.match(r"(?s)(.*) - at `\$\.?(.*)`$", message)
+    text, path = match.groups() if match else (message, "")
+    unknown = re.match(r"Object contains unknown field `(.+)`", text)
+    table = _type_at(root, path)
+    if unknown and isinstance(table, type) and issubclass(table, msgspec.Struct):
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        keys = ", ".join(f.name for f in msgspec.structs.fields(table))
+        name = re.sub(r"\[\d+\]$", "", path)
+        where = top if not path else f"[[{name}]]" if name != path else f"[{path}]"
+        return f"{key}: unknown key; {where} takes: {keys} ({SPEC_HELP})"
+    bad = re.match(r"Invalid enum value (.+)", text)
+    if bad and typing.get_origin(table) is Literal:
+        values = ", ".join(map(str, typing.get_args(table)))
+        return f"{path}: {bad.group(1)} is not one of the values it takes: {values}"
+    return f"{path or '(top level)'}: {text}"
+
+
+def _type_at(root: Any, path: str) -> Any:
+    """The type a spec key path (`scorers[0].kind`) has in `root` (None: not known)."""
+    kind: Any = root
+    for part in filter(None, re.sub(r"\[\d+\]", "", path).split(".")):
+        kind = _unwrap(kind)
+        if not (isinstance(kind, type) and issubclass(kind, msgspec.Struct)):
+            return None
+        kind = typing.get_type_hints(kind, include_extras=True).get(part)
+    return _unwrap(kind)
+
+
+def _unwrap(kind: Any) -> Any:
+    """`list[X]`, `X | None` and `Annotated[X, ...]` as X."""
+    while True:
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) in (list, typing.Annotated) or (
+                typing.get_origin(kind) is not Literal and len(args) == 1):
+            kind = args[0]
+        else:
+            return kind
+
+
+def check_spec(spec: Spec, folder: Path | None = None) -> list[str]:
+    """Cross-field checks msgspec cannot express; each problem names its key. `folder`: the
+    spec's, where a `python` scorer's module is looked for first."""
     problems: list[str] = []
     if not re.fullmatch(NAME, spec.name):
         problems.append(f"name: {spec.name!r} must be letters, digits, _ or - (it names the "
@@ -249,7 +299,7 @@ def check_spec(spec: Spec) -> list[str]:
     for i, variant in enumerate(spec.variants):
         problems += _variant_problems(f"variants[{i}]", variant, names)
     for i, scorer in enumerate(spec.scorers):
-        problems += _scorer_problems(f"scorers[{i}]", scorer)
+        problems += _scorer_problems(f"scorers[{i}]", scorer, folder)
     labels = [s.label for s in spec.scorers]
     for label in sorted({x for x in labels if labels.count(x) > 1}):
         problems.append(f"scorers: two scorers are called {label!r}; give one a `name`")
@@ -314,16 +364,23 @@ class ScorerError(AgentBusError):
     pass
 
 
-def load_function(ref: str) -> Callable[..., Any]:
-    """A python scorer's `fn` ("module:function"). Here, below agents/experiment/scoring.py
-    (which calls it), because checking a spec resolves it too: the imports go one way."""
+def load_function(ref: str, folder: Path | None = None) -> Callable[..., Any]:
+    """A python scorer's `fn` ("module:function"), its module looked for next to the spec
+    (`folder`), then in the current directory, then on the path (PYTHONPATH, installed
+    packages): a scorer file kept with its spec needs no PYTHONPATH. Here, below
+    agents/experiment/scoring.py (which calls it), because checking a spec resolves it too."""
     module, colon, name = ref.partition(":")
     if not colon or not module or not name:
         raise ScorerError(f"{ref!r}: expected \"module:function\", e.g. \"my_scorers:grade\"")
+    near = [d for d in dict.fromkeys([folder, Path.cwd()]) if d is not None]
     try:
-        found = getattr(importlib.import_module(module), name)
+        with _searched(near, module):
+            found = getattr(importlib.import_module(module), name)
     except ImportError as exc:
-        raise ScorerError(f"{ref!r}: cannot import module `{module}`: {exc}") from None
+        places = ", ".join(str(d.resolve()) for d in near)
+        raise ScorerError(f"{ref!r}: cannot import module `{module}` ({exc}); looked for "
+                          f"{module.split('.')[0]}.py next to the spec and in the current "
+                          f"directory ({places}), then on PYTHONPATH") from None
     except AttributeError:
         raise ScorerError(f"{ref!r}: module `{module}` has no `{name}`") from None
     if not callable(found):
@@ -331,7 +388,24 @@ def load_function(ref: str) -> Callable[..., Any]:
     return found  # type: ignore[no-any-return]
 
 
-def _scorer_problems(where: str, scorer: Scorer) -> list[str]:
+@contextmanager
+def _searched(folders: Sequence[Path], module: str) -> Iterator[None]:
+    """The first of `folders` that has `module`'s top-level file or package on sys.path
+    first while it is imported (only then: a folder's other files shadow nothing after)."""
+    top = module.split(".")[0]
+    found = next((str(d.resolve()) for d in folders
+                  if (d / f"{top}.py").is_file() or (d / top / "__init__.py").is_file()), None)
+    if found is None or top in sys.modules:
+        yield
+        return
+    sys.path.insert(0, found)
+    try:
+        yield
+    finally:
+        sys.path.remove(found)
+
+
+def _scorer_problems(where: str, scorer: Scorer, folder: Path | None = None) -> list[str]:
     if scorer.kind == "model" and scorer.template:
         try:
             scorer.template.format(input="", answer="", target="")
@@ -347,7 +421,7 @@ def _scorer_problems(where: str, scorer: Scorer) -> list[str]:
             return [f"{where}.pattern: not a regular expression: {exc}"]
     if scorer.kind == "python":
         try:
-            load_function(scorer.fn)
+            load_function(scorer.fn, folder)
         except ScorerError as exc:
             return [f"{where}.fn: {exc}"]
     return []
@@ -371,7 +445,7 @@ def load_dataset(path: Path, *, limit: int = 0) -> list[Sample]:
         try:
             sample = decoder.decode(line)
         except msgspec.ValidationError as exc:
-            raise SpecError(f"{where}: {_keypath_message(str(exc))}") from None
+            raise SpecError(f"{where}: {spec_message(str(exc), Sample, 'a sample')}") from None
         except msgspec.DecodeError as exc:
             raise SpecError(f"{where}: not a JSON object: {exc}") from None
         if sample.key in seen:

@@ -34,6 +34,7 @@ from agent_bus.bus.messages import (
     ToolResult,
     ToolResultMessage,
     Usage,
+    UserMessage,
     error_result,
     user_text,
 )
@@ -680,12 +681,13 @@ def last_turns_start(messages: Sequence[Message], turns: int) -> int:
 
 def compacted_history(
     messages: Sequence[Message], summary: str, retain_last_turns: int, tokens_before: int = 0,
-    budget: int = 0, keep: Sequence[Message] = (),
+    budget: int = 0, keep: Sequence[Message] = (), first: str = "",
 ) -> list[Message]:
-    """[CompactionSummaryMessage(summary)] + the `keep` messages (the current run's prompts, by
-    identity) found before the tail + the tail: the messages of the last `retain_last_turns`
-    turns, fewer while over `budget` (see `retained_start`)."""
-    head: Message = CompactionSummaryMessage(summary=summary, tokens_before=tokens_before)
+    """[CompactionSummaryMessage(summary, first_prompt=first)] + the `keep` messages (the current
+    run's prompts, by identity) found before the tail + the tail: the messages of the last
+    `retain_last_turns` turns, fewer while over `budget` (see `retained_start`)."""
+    head: Message = CompactionSummaryMessage(summary=summary, tokens_before=tokens_before,
+                                             first_prompt=first)
     start = retained_start(messages, retain_last_turns, budget, keep)
     return [head, *pinned(messages[:start], keep),
             *(m for m in messages[start:] if not isinstance(m, CompactionSummaryMessage))]
@@ -708,6 +710,31 @@ def retained_start(messages: Sequence[Message], retain_last_turns: int, budget: 
         if not budget or history_tokens(tail) < budget:
             return start
     return start
+
+
+FIRST_PROMPT_CUT = "\n[... the rest of this prompt was folded into the summary]"
+
+
+def first_prompt(older: Sequence[Message], keep: Sequence[Message], limit: int) -> str:
+    """The conversation's first user prompt, for a summary to carry verbatim: the one an
+    earlier summary carries, else the first visible user message of `older` not in `keep`
+    (a kept one stays in history as it is). Cut to about `limit` estimated tokens."""
+    for message in older:
+        if isinstance(message, CompactionSummaryMessage) and message.first_prompt:
+            return message.first_prompt
+    ids = {id(m) for m in keep}
+    user = next((m for m in older if isinstance(m, UserMessage) and not m.hidden
+                 and id(m) not in ids), None)
+    text = "".join(p.text for p in user.content if isinstance(p, TextPart)) if user else ""
+    return _head(text, limit)
+
+
+def _head(text: str, limit: int) -> str:
+    """`text`, or its head of about `limit` estimated tokens and a note that it was cut."""
+    size = json_tokens(text.encode())
+    if size <= limit:
+        return text
+    return text[:max(0, len(text) * limit // size - len(FIRST_PROMPT_CUT))] + FIRST_PROMPT_CUT
 
 
 def pinned(messages: Sequence[Message], keep: Sequence[Message]) -> list[Message]:
@@ -733,6 +760,7 @@ def history_tokens(messages: Sequence[Message]) -> int:
 COMPACTION_SUMMARY_PREFIX = (
     "The conversation history before this point was compacted into the following summary:\n\n"
 )
+FIRST_PROMPT_PREFIX = "The conversation began with this message from the user (kept verbatim):\n\n"
 BRANCH_SUMMARY_PREFIX = "The following is a summary of a branch that this conversation came back from:\n\n"
 NO_RESULT_TEXT = "No result provided"
 
@@ -740,7 +768,9 @@ NO_RESULT_TEXT = "No result provided"
 def to_llm_message(message: Message) -> LlmMessage | None:
     """One agent message as a model sees it (custom kinds become user messages); None drops it."""
     if isinstance(message, CompactionSummaryMessage):
-        return user_text(f"{COMPACTION_SUMMARY_PREFIX}<summary>\n{message.summary}\n</summary>")
+        first = (f"{FIRST_PROMPT_PREFIX}<first_message>\n{message.first_prompt}\n</first_message>\n\n"
+                 if message.first_prompt else "")
+        return user_text(f"{first}{COMPACTION_SUMMARY_PREFIX}<summary>\n{message.summary}\n</summary>")
     if isinstance(message, BranchSummaryMessage):
         return user_text(f"{BRANCH_SUMMARY_PREFIX}<summary>\n{message.summary}\n</summary>")
     if isinstance(message, CustomMessage):

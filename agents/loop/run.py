@@ -53,6 +53,7 @@ from agent_bus.agents.loop.context import (
     estimate_tokens,
     estimate_usage,
     exceeded_window,
+    first_prompt,
     fixed_tokens,
     history_rate,
     history_tokens,
@@ -1047,8 +1048,11 @@ async def _maybe_compact(run: _Run, *, force: bool = False) -> bool:
     summary = await _summarise(run, config, window, older)
     after = 0
     if summary.text:
+        # The first prompt (usually the task) rides verbatim beside the summary, up to an
+        # eighth of the window: with the summary's own eighth and the tail's half, under 0.8.
+        first = first_prompt(older, run.pinned, rate.budget(window // 8))
         run.messages[:] = compacted_history(run.messages, summary.text, config.retain_last_turns, tokens,
-                                            budget=half, keep=run.pinned)
+                                            budget=half, keep=run.pinned, first=first)
         after = rate.tokens(history_tokens(run.messages))
     await run.emit(CompactionComplete(compacted=bool(summary.text), tokens_before=tokens, tokens_after=after,
                                       usage=summary.usage, model=summary.model,

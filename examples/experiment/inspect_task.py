@@ -1,10 +1,13 @@
 """The example's dataset as an Inspect AI task, answered by the bus (agents/experiment/inspect_bridge.py).
 
     busctl up -c examples/experiment/topology.toml
-    inspect eval examples/experiment/inspect_task.py --model mockllm/model -T agent=solver
+    inspect eval examples/experiment/inspect_task.py -T agent=solver
 
-(`--model` is Inspect's and unused: the bus agent answers.) `match(numeric=True)` compares the
-answer's last number with the target, as the spec's `number` scorer does.
+The eval's model is the bus agent, `agent-bus/solver` (the plugin's model provider): Inspect
+records each session's tokens against it. `match(numeric=True)` compares the answer's last
+number with the target, as the spec's `number` scorer does. The same with no task file:
+`inspect eval agent_bus/bus_task -T dataset=examples/experiment/samples.jsonl -T agent=solver
+-T scorer=number`.
 """
 
 from pathlib import Path
@@ -26,4 +29,4 @@ def record(row: dict[str, Any]) -> Sample:
 def arith(agent: str = "solo", hub: str = "", experiment: str = "") -> Task:
     dataset = json_dataset(str(Path(__file__).with_name("samples.jsonl")), record)
     return Task(dataset=dataset, solver=bus_agent(agent, hub or None, experiment),
-                scorer=match(numeric=True))
+                scorer=match(numeric=True), model=f"agent-bus/{agent}")

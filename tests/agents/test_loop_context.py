@@ -10,6 +10,7 @@ import pytest
 
 from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.context import (
+    FIRST_PROMPT_CUT,
     CompactionConfig,
     ToolOutputCache,
     ToolOutputConfig,
@@ -220,6 +221,30 @@ async def test_compaction_replaces_history_when_threshold_reached() -> None:
     assert messages[1].content[0].text == "hi" and messages[2].tool_calls[0].id == "c1"  # type: ignore[union-attr]
     third = llm.requests[3].messages
     assert isinstance(third[0], UserMessage) and "user asked; tool ran" in third[0].content[0].text  # type: ignore[union-attr]
+
+
+async def test_the_first_prompt_rides_verbatim_beside_a_summary_that_dropped_it() -> None:
+    """Issue 45 §2 against a real 0.5B model: its summary of eight notes was "Summary of
+    conversation:...", the first note's code word gone. The first prompt (usually the task) is
+    kept verbatim beside the summary, carried on by the next compaction, and cut when long."""
+    llm = ScriptedLlm(
+        reply("noted", total=850), reply("<summary>...</summary>"), reply("noted", total=850),
+        reply("<summary>...</summary>"), reply("noted", total=100),
+    )
+    messages: list[Message] = []
+    first = "The secret code word is ZEBRA-42. " + "pad " * 400  # ~1,600 bytes: over an eighth of 1,000
+    with anyio.fail_after(5):
+        for prompt in (first, "note two", "note three"):
+            await run_loop([user_text(prompt)], messages, _compaction_config(retain_last_turns=0),
+                           llm, FakeTools(), Recorder())
+    summary = messages[0]
+    assert isinstance(summary, CompactionSummaryMessage) and summary.summary == "..."
+    assert summary.first_prompt.startswith("The secret code word is ZEBRA-42. ")
+    assert summary.first_prompt.endswith(FIRST_PROMPT_CUT) and len(summary.first_prompt) < len(first)
+    assert sum(isinstance(m, CompactionSummaryMessage) for m in messages) == 1
+    seen = llm.requests[-1].messages[0].content[0].text  # type: ignore[union-attr]
+    assert "kept verbatim" in seen and "ZEBRA-42" in seen  # what the model reads after two compactions
+    assert llm.requests[3].messages[-1].content[0].text.startswith("You are summarizing")  # type: ignore[union-attr]
 
 
 async def test_nothing_older_than_the_question_and_its_results_means_no_summary_call() -> None:

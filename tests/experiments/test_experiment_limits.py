@@ -225,7 +225,7 @@ def test_each_sample_has_its_own_workspace_with_its_files(up: Up) -> None:
         {"id": "s4", "input": "shell four", "files": ["extra.txt"]}])
     out = up.experiment("run", str(spec), "--name", "ws-1")
     assert out.returncode == 0, out.stdout + out.stderr
-    every = [json.loads(line) for line in (up.cwd / "ws-1.results.jsonl").read_text()
+    every = [json.loads(line) for line in (up.cwd / "results" / "ws-1.jsonl").read_text()
              .splitlines()]
     rows = {r["sample"]: r for r in every if r["variant"] == "f"}
     team = {r["sample"]: r for r in every if r["variant"] == "team"}

@@ -288,7 +288,8 @@ def test_a_tool_call_cut_at_max_tokens_leaves_the_session_usable(writer_topo: Re
 @pytest.mark.timeout(1800)
 def test_the_first_note_survives_compaction(topo: RealTopology) -> None:
     """Eight notes continued in one session, a code word in the first: compaction summarises
-    every older message (`left_out` 0), and the answer to the last question is printed."""
+    every older message (`left_out` 0), and the model still answers the code word (the first
+    prompt rides verbatim beside a summary that, from this model, drops it)."""
     pad = "This note is long on purpose, to fill the context window of the model. " * 30
     compactions: list[dict] = []
     for i in range(8):
@@ -302,7 +303,7 @@ def test_the_first_note_survives_compaction(topo: RealTopology) -> None:
     print(f"compactions: {[(c['tokens_before'], c['tokens_after'], c.get('summary_calls'), c.get('left_out', 0)) for c in compactions]}; "
           f"the code word asked after them: {answer[:80]!r} ({'ZEBRA-42' in answer})")
     assert compactions and all(c["compacted"] and not c.get("left_out") for c in compactions), compactions
-    assert asked.code == 0, asked.why
+    assert asked.code == 0 and "ZEBRA-42" in answer.upper().replace(" ", ""), asked.why
 
 
 @pytest.mark.timeout(1800)

@@ -62,12 +62,12 @@ def test_progress_eta_and_report() -> None:
     progress = x.progress(now=120.0)
     # 2 cells in 10 s since the stretch began, 2 left: 10 s more
     assert progress == {"planned": 4, "done": 1, "failed": 1, "running": 1, "left": 2,
-                        "eta": 10.0}
+                        "eta": 10.0, "timed_out": 0, "limited": 0}
     page = book.page("e")
     assert page is not None and page["report"] == report(x.journal, "e")
     assert [r["sample"] for r in page["samples"]] == ["s1", "s2"]
     assert len(page["samples"][0]["answer"]) == 300
-    assert page["report"]["variants"][0]["failures"] == 1 and book.page("nope") is None
+    assert page["progress"]["failed"] == 1 and book.page("nope") is None
     # a cell starting long after the last one ended (a resume): the pace is measured anew
     book.note_event(*run_event(ev.AgentEnd(), "r3", 113.0))
     book.note_event(*run_event(ev.AgentStart(), "r4", 200.0))
@@ -124,9 +124,9 @@ def test_the_page_follows_the_journal_across_a_hub_restart(tmp_path: Path) -> No
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
         assert data["report"] == json.loads(out.stdout)
-        assert data["report"]["duplicates"] == 0 and data["report"]["variants"][0]["n"] == 2
+        assert data["report"]["duplicates"] == 0 and data["report"]["done"] == 2
         assert data["progress"] == {"planned": 2, "done": 2, "failed": 0, "running": 0,
-                                    "left": 0, "eta": None}
+                                    "left": 0, "eta": None, "timed_out": 0, "limited": 0}
     finally:
         for proc in reversed(procs):
             proc.stop()

@@ -1,8 +1,9 @@
 """The web view's experiment page (issue 30, item 3): `busctl experiment run` of the shipped
 example (6 samples x 2 variants x 1 repeat, one cell made to fail) with `busctl ui` open on it
-in a real headless Chromium; then what the page shows — progress, per variant n, mean score,
-interval bounds, tokens, time, failures, and the per-sample rows — equals `busctl experiment
-report E --json`, live and in a `busctl ui` started after the experiment (replayed from the log).
+in a real headless Chromium; then what the page shows — progress, every value of the variant
+table (score, interval, tokens, cost, times, stop reasons...), the per-sample roll-up and each
+sample's cells — equals `busctl experiment report E --json` and the results file, live and in a `busctl ui` started after the experiment (replayed from the log).
+The page's layout at two window sizes: tests/ui/test_experiment_layout.py.
 """
 
 from __future__ import annotations
@@ -25,25 +26,36 @@ from tests.ui.owner import owner_get
 E = "ui-1"
 SPEC = "examples/experiment/spec.toml"
 
-# What the page shows, read from its DOM: the unrounded values are in data-* attributes.
+# What the page shows, read from its DOM: each report value whole (JSON) in its cell's
+# data-value, under the report's keys in data-key.
 READ_PAGE = """(() => {
-  const q = (s) => [...document.querySelectorAll(s)];
+  const q = (s, root) => [...(root || document).querySelectorAll(s)];
+  const values = (root) => Object.fromEntries(q('td[data-key]', root).flatMap((td) => {
+    const v = JSON.parse(td.dataset.value);
+    return td.dataset.key.split(' ').map((k, i) => [k, v[i]]);
+  }));
+  const texts = (root) => Object.fromEntries(q('td[data-key]', root).map((td) =>
+    [td.dataset.key, td.textContent]));
   const p = document.querySelector('#exp-progress [data-done]');
   return {
     progress: p && Object.fromEntries(['planned', 'done', 'running', 'failed'].map(
       (k) => [k, p.dataset[k]])),
-    variants: q('#exp-variants tbody tr').map((tr) => {
-      const d = (k) => { const c = tr.querySelector(`[data-${k}]`); return c && c.dataset[k]; };
-      return {name: tr.dataset.variant, n: d('n'), score: d('score'), lo: d('lo'), hi: d('hi'),
-              tokens: d('tokens'), cost: d('cost'), p50: d('p50'), p95: d('p95'),
-              stops: d('stops'), failures: d('failures'),
-              text: [...tr.children].map((td) => td.textContent)};
-    }),
-    samples: q('#exp-samples tbody tr').map((tr) => ({
+    totals: q('#totals tr[data-key]').map((tr) => [tr.dataset.key, tr.children[1].textContent,
+                                                   tr.title]),
+    variants: q('#exp-variants tbody tr').map((tr) => ({name: tr.dataset.variant,
+      values: values(tr), texts: texts(tr)})),
+    scorers: q('#exp-scorers tbody tr').map((tr) => ({scorer: tr.dataset.scorer,
+      variant: tr.dataset.variant, values: values(tr)})),
+    samples: q('#exp-samples tr.sample').map((tr) => ({sample: tr.dataset.sample,
+      per_variant: Object.fromEntries(q('td[data-key]', tr).map((td) =>
+        [td.dataset.variant, JSON.parse(td.dataset.value)[0]])),
+      marks: q('.mark', tr).length, text: [...tr.children].map((td) => td.textContent)})),
+    cells: q('#exp-samples tr.cell').map((tr) => ({
       sample: tr.dataset.sample, variant: tr.dataset.variant, repeat: tr.dataset.repeat,
       status: tr.dataset.status, score: tr.dataset.score,
       run: (tr.querySelector('[data-run-link]') || {dataset: {}}).dataset.runLink || '',
       text: [...tr.children].map((td) => td.textContent)})),
+    failed: document.querySelector('#exp-failed-box summary').textContent,
   };
 })()"""
 
@@ -86,35 +98,47 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def check_page(shown: dict[str, Any], report: dict[str, Any]) -> None:
-    assert shown["progress"] == {"planned": "12", "done": str(report["done"]), "running": "0",
-                                 "failed": str(sum(v["failures"] for v in report["variants"]))}
+def check_values(shown: dict[str, Any], report: dict[str, Any]) -> None:
+    """Every report value the page draws equals `busctl experiment report --json`'s (a key the
+    report does not have is drawn as "-" and kept as null); per variant, the roll-up's rows are
+    its `per_sample` entries; and as a person reads them: the score's 3 decimals, and the cost
+    to 3 significant digits (a cell's $0.00004 is not $0.0000)."""
     assert [v["name"] for v in shown["variants"]] == [v["name"] for v in report["variants"]]
     for page, want in zip(shown["variants"], report["variants"], strict=True):
-        # the exact values (JavaScript's shortest round-trip text of the same doubles)
-        assert int(page["n"]) == want["n"] and int(page["failures"]) == want["failures"]
-        assert float(page["score"]) == want["score"]
-        assert [float(page["lo"]), float(page["hi"])] == want["ci95"]
-        assert int(page["tokens"]) == want["tokens"] and float(page["cost"]) == want["cost"]
-        assert float(page["p50"]) == want["time_p50"] and float(page["p95"]) == want["time_p95"]
-        assert json.loads(page["stops"]) == want["stop_reasons"]
-        # and as a person reads them
-        lo, hi = want["ci95"]
-        assert page["text"][1:4] == [f"{want['n']}/{want['planned']}", fmt(want["score"]),
-                                     f"[{fmt(lo)}, {fmt(hi)}] {want['ci_method']}"]
-        assert page["text"][9] == str(want["failures"])
+        assert page["values"] and page["values"] == {k: want.get(k) for k in page["values"]}
+        assert page["texts"]["score"] == fmt(want["score"])
+        cost = float(page["texts"]["cost"].lstrip("$"))
+        assert abs(cost - want["cost"]) <= 0.005 * want["cost"], page
+        by_sample = {s["sample"]: s["per_variant"][want["name"]] for s in shown["samples"]}
+        assert by_sample == {e["sample"]: e for e in want["per_sample"]}
+    many = len(report["scorers"]) > 1  # with one, the variant table's score is it
+    assert [(s["scorer"], s["variant"]) for s in shown["scorers"]] == [
+        (s, v["name"]) for s in report["scorers"] for v in report["variants"] if many]
+    for row in shown["scorers"]:
+        [want] = [v["scores"][row["scorer"]] for v in report["variants"]
+                  if v["name"] == row["variant"]]
+        assert row["values"] == {k: want.get(k) for k in row["values"]}
 
 
-def check_samples(shown: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    want = [(r["sample"], r["variant"], str(r["repeat"]), r["status"], r["run_id"],
-             fmt(r.get("score_number"))) for r in rows]
-    got = [(s["sample"], s["variant"], s["repeat"], s["status"], s["run"], s["text"][3])
-           for s in shown["samples"]]
+def check_page(shown: dict[str, Any], report: dict[str, Any], rows: list[dict[str, Any]]
+               ) -> None:
+    failed = sum(r["status"] == "error" for r in rows)  # what a resume runs again
+    assert shown["progress"] == {"planned": "12", "done": str(report["done"]), "running": "0",
+                                 "failed": str(failed)}
+    check_values(shown, report)
+
+
+def check_cells(shown: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """The samples opened: their cells are the results file's rows."""
+    want = sorted((r["sample"], r["variant"], str(r["repeat"]), r["status"], r["run_id"],
+                   fmt(r.get("score_number"))) for r in rows)
+    got = sorted((s["sample"], s["variant"], s["repeat"], s["status"], s["run"], s["text"][2])
+                 for s in shown["cells"])
     assert got == want
 
 
-def report_json(cwd: Path, endpoint: str) -> dict[str, Any]:
-    out = subprocess.run(busctl("experiment", "report", E, "--json", "--hub", endpoint),
+def report_json(cwd: Path, endpoint: str, name: str = E) -> dict[str, Any]:
+    out = subprocess.run(busctl("experiment", "report", name, "--json", "--hub", endpoint),
                          capture_output=True, text=True, timeout=30, cwd=cwd)
     assert out.returncode == 0, out.stderr
     data: dict[str, Any] = json.loads(out.stdout)
@@ -155,9 +179,9 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
                                  timeout=60, cwd=tmp_path, env={**os.environ, **ENV})
             assert run.returncode == 0, run.stdout + run.stderr
             report = report_json(tmp_path, ex.endpoint)
-            assert report["done"] == 11 and report["variants"][0]["failures"] == 1
             rows = [json.loads(line) for line in
-                    (tmp_path / f"{E}.results.jsonl").read_text().splitlines()]
+                    (tmp_path / "results" / f"{E}.jsonl").read_text().splitlines()]
+            assert report["done"] == 11 and sum(r["status"] != "ok" for r in rows) == 1
 
             def served_report() -> dict[str, Any] | None:
                 with owner_get(ui, f"experiment?name={E}") as answer:
@@ -170,14 +194,21 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
             assert served == report  # the server side computes it with report.py
 
             def drawn(page: Browser) -> dict[str, Any]:
-                shown: dict[str, Any] = page.evaluate(READ_PAGE)
-                ok = shown["progress"] and shown["progress"]["done"] == "11" \
-                    and shown["progress"]["running"] == "0" and len(shown["samples"]) == 12
+                shown: dict[str, Any] = page.evaluate(READ_PAGE) or {}  # None: between pages
+                ok = shown.get("progress") and shown["progress"]["done"] == "11" \
+                    and shown["progress"]["running"] == "0" and len(shown["samples"]) == 6
                 return shown if ok else {}
 
-            shown = wait_for(lambda: drawn(live), 15, "the finished experiment on the page")
-            check_page(shown, report)
-            check_samples(shown, rows)
+            def opened(page: Browser) -> dict[str, Any]:
+                """Every sample opened to its cells (one click: expand all)."""
+                wait_for(lambda: drawn(page), 15, "the finished experiment on the page")
+                page.evaluate("document.getElementById('exp-expand').click()")
+                return wait_for(lambda: (s := page.evaluate(READ_PAGE) or {}).get("cells") and s, 10,
+                                "the samples opened")
+
+            shown = opened(live)
+            check_page(shown, report, rows)
+            check_cells(shown, rows)
             # live: drawn as the cells finished, not only at the end (solo q06 ran on alone)
             seen = live.evaluate("window.progressSeen")
             assert any(0 < int(d) < 11 and int(r) >= 1 and "ETA" in t for d, r, t in seen), seen
@@ -185,12 +216,12 @@ def test_experiment_page_live_and_replayed_equals_the_report(tmp_path: Path) -> 
 
             # a view started afterwards replays the log: the same page
             later = open_page(start_ui(ex.endpoint, procs))
-            replayed = wait_for(lambda: drawn(later), 15, "the experiment replayed")
-            check_page(replayed, report)
-            assert replayed["samples"] == shown["samples"]
+            replayed = opened(later)
+            check_page(replayed, report, rows)
+            assert (replayed["samples"], replayed["cells"]) == (shown["samples"], shown["cells"])
             wait_for(lambda: later.evaluate(  # the list comes with the next status snapshot
                 "document.querySelector('#experiments [data-experiment=\"ui-1\"]')"
-                "?.textContent") == "ui-1 11/12, 1 failed", 10, "the experiment in the list")
+                "?.textContent") == "ui-1 11/12, 1 in error", 10, "the experiment in the list")
 
             # a sample's run id opens that run in the runs view, with its transcript
             run_id = next(r["run_id"] for r in rows if r["variant"] == "team")

@@ -20,7 +20,9 @@ const state = {
   stream: { ok: false, since: 0 }, // this page's link to `busctl ui`
   journaled: [], // the experiments `busctl experiment run` journaled: [{name, version, done, ...}]
   // the experiment page open (`#experiment=E`): its data as `/experiment?name=E` served it
-  exp: { name: "", data: null, fetching: false, missing: false, drawn: null, page: 0 },
+  // (`open`: the samples whose cells are shown; `sort`: the variant the samples are sorted by)
+  exp: { name: "", data: null, fetching: false, missing: false, drawn: null, page: 0,
+         open: new Set(), sort: "" },
 
 };
 
@@ -71,12 +73,20 @@ function typeMatches(types) {
   return !f || [...types].some((t) => t.includes(f));
 }
 
-function experiment(name) {
-  const key = name || "(none)";
+// A cell of `busctl experiment run` tags its runs `E.<variant>.r<repeat>`
+// (agents/experiment/pages.py CELL_TAG): its totals are the experiment's, one row, not a row a tag.
+const CELL_TAG = /^([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+\.r[0-9]+$/;
+
+function experiment(tag) {
+  const cellOf = CELL_TAG.exec(tag || "");
+  const key = cellOf ? cellOf[1] : tag || "(none)";
   if (!state.experiments.has(key)) {
-    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0, live: 0, failed: 0 });
+    state.experiments.set(key, { runs: 0, input: 0, output: 0, cost: 0, live: 0, failed: 0,
+                                 tags: new Set() });
   }
-  return state.experiments.get(key);
+  const x = state.experiments.get(key);
+  if (cellOf) x.tags.add(tag);
+  return x;
 }
 
 const handlers = {
@@ -197,6 +207,14 @@ function el(tag, attrs, ...kids) {
 
 const MIN_BAR_PX = 4;   // a 1 ms call stays visible and hoverable
 const PAGE = 20;        // finished runs per page: the DOM stays small however many ran
+
+function money(v) {
+  // dollars with 3 significant digits under $1 ($0.00004, not $0.0000), cents above
+  if (v === null || v === undefined) return "-";
+  if (v === 0 || Math.abs(v) >= 1) return "$" + v.toFixed(2);
+  const digits = Math.min(20, 2 - Math.floor(Math.log10(Math.abs(v))));
+  return "$" + v.toFixed(digits).replace(/(\.\d\d\d*?)0+$/, "$1");
+}
 
 function clip(t, n) {
   t = String(t || "").replace(/\s+/g, " ");
@@ -463,7 +481,7 @@ function renderTranscript() {
                    m.text || ""];
     for (const c of m.calls || []) parts.push(`\n→ ${c.name}(${c.arguments})`);
     if (m.usage) parts.push(`\n[${m.model} in ${m.usage.input || 0} out ${m.usage.output || 0}`
-                            + ` $${(m.usage.cost || 0).toFixed(4)}]`);
+                            + ` ${money(m.usage.cost || 0)}]`);
     return el("div", { class: "msg", "data-role": m.role }, ...parts);
   });
   body.replaceChildren(head, ...msgs);
@@ -471,18 +489,20 @@ function renderTranscript() {
 
 function renderTotals() {
   const t = state.totals;
-  const rows = [["runs", t.runs], ["input", t.input], ["output", t.output],
-                ["cost", "$" + t.cost.toFixed(4)],
+  const rows = [["runs", t.runs], ["input", t.input], ["output", t.output], ["cost", money(t.cost)],
                 ...Object.entries(t.stops).map(([k, v]) => ["stop:" + k, v]),
                 ...[...state.experiments.entries()].map(([k, e]) => ["exp:" + k,
-                  `${e.runs} runs, ${e.input}/${e.output} tok, $${e.cost.toFixed(4)}; `
+                  `${e.runs} runs, ${e.input}/${e.output} tok, ${money(e.cost)}; `
                   + `${e.runs - e.live - e.failed} done, ${e.live} running, ${e.failed} failed`])];
   document.querySelector("#totals tbody").replaceChildren(...rows.map(([k, v]) => {
-    const row = el("tr", { "data-key": k }, el("th", {}, k), el("td", {}, String(v)));
+    const row = el("tr", { "data-key": k }, el("th", {}, k.replace(/^exp:/, "")),
+                   el("td", {}, String(v)));
     if (k.startsWith("exp:") && k !== "exp:(none)") { // the experiment view: a click filters by it
       const name = k.slice(4);
+      const tags = state.experiments.get(name).tags;
       row.className = "exp" + (state.filter.experiment === name ? " chosen" : "");
-      row.title = "show only this experiment's runs (click again: all)";
+      row.title = (tags.size ? `${name}: ${tags.size} cell tags (${[...tags].sort().join(", ")})\n`
+        : "") + "show only this experiment's runs (click again: all)";
       row.onclick = () => setFilter("experiment", state.filter.experiment === name ? "" : name);
     }
     return row;
@@ -511,9 +531,10 @@ function renderConnection() {
 }
 
 // --- the experiment page ---------------------------------------------------------------------
-// Its numbers are computed by the server (bus/ui/experiments.py) with the very function
-// `busctl experiment report --json` uses; this draws them. Each value is also kept unrounded in
-// a data-* attribute, so what the page shows can be checked against the report exactly.
+// Its numbers are computed by the server (agents/experiment/pages.py) with the very function
+// `busctl experiment report --json` uses; this draws them. Each value of the report is also kept
+// whole in its cell's data-value (the report's keys in data-key), so what the page shows can be
+// checked against the report exactly.
 
 function num(v, digits) { return v === null || v === undefined ? "-" : v.toFixed(digits); }
 function secsOrDash(v) { return v === null || v === undefined ? "-" : secs(v); }
@@ -521,7 +542,7 @@ function secsOrDash(v) { return v === null || v === undefined ? "-" : secs(v); }
 function renderExperimentList() {
   document.getElementById("experiments").replaceChildren(...state.journaled.map((x) => el("li",
     { "data-experiment": x.name }, el("a", { href: "#experiment=" + encodeURIComponent(x.name) },
-      x.name), ` ${x.done}/${x.planned ?? "?"}` + (x.failed ? `, ${x.failed} failed` : "")
+      x.name), ` ${x.done}/${x.planned ?? "?"}` + (x.failed ? `, ${x.failed} in error` : "")
       + (x.running ? `, ${x.running} running` : ""))));
 }
 
@@ -563,39 +584,180 @@ function renderProgress(p) {
     { class: "failed" }), el("span", { class: "running" }));
   [p.done, p.failed, p.running].forEach((n, i) => { meter.children[i].style.width = pct(n); });
   const eta = p.eta !== null ? `, ETA ${secs(p.eta)}` : p.left ? ", stopped (resume runs the rest)" : "";
-  const node = el("div", {}, `${p.done} / ${p.planned ?? "?"} done, ${p.running} running, `
-                  + `${p.failed} failed${eta}`, meter);
+  // the report's failure rule: timed out and limited cells are done (scored 0); cells in error
+  // are what a resume runs again
+  const scored0 = [["timed out", p.timed_out], ["limited", p.limited]].filter(([, n]) => n)
+    .map(([what, n]) => `${n} ${what}`).join(", ");
+  const node = el("div", {}, `${p.done} / ${p.planned ?? "?"} done${scored0 ? ` (${scored0}, scored 0)` : ""}, `
+                  + `${p.running} running, ${p.failed} in error${eta}`, meter);
   for (const k of ["planned", "done", "running", "failed"]) node.setAttribute("data-" + k, String(p[k]));
   document.getElementById("exp-progress").replaceChildren(node);
 }
 
-const VARIANT_COLUMNS = ["variant", "n", "score", "95% interval", "tokens", "cost", "p50 time",
-                         "p95 time", "stop reasons", "failures"];
+// One colour a variant, the same in every table and plot of the page (by its place in the plan).
+const VARIANT_COLOURS = ["#3b6fd4", "#d9822b", "#2a9d6f", "#a64fb5", "#c0392b", "#6b7a8f",
+                         "#b59a2a", "#1f9bb5"];
+
+function colourOf(report, name) {
+  const i = Math.max(0, report.variants.findIndex((v) => v.name === name));
+  return VARIANT_COLOURS[i % VARIANT_COLOURS.length];
+}
+
+function swatch(colour) {
+  const node = el("span", { class: "swatch" });
+  node.style.background = colour;
+  return node;
+}
+
+function reported(keys, from, shown, attrs) {
+  // A cell showing report values: the text for a person, the values whole (JSON, in report
+  // order of `keys`) for a check against `busctl experiment report --json`. A key the report
+  // does not have is shown as "-" and kept as null.
+  return el("td", { ...(attrs || {}), "data-key": keys.join(" "),
+                    "data-value": JSON.stringify(keys.map((k) => from[k] ?? null)) }, shown);
+}
+
+function interval(ci, method) {
+  return ci ? `[${num(ci[0], 3)}, ${num(ci[1], 3)}]${method ? " " + method : ""}` : "-";
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+const PLOT_W = 160;
+const PLOT_H = 14;
+
+function svg(tag, attrs, ...kids) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  for (const kid of kids) node.append(kid);
+  return node;
+}
+
+function plotDomain(report) {
+  // One scale for every plot of the page, so their dots compare: [0, 1] (scores usually are),
+  // widened where a mean or an interval leaves it (a t interval may).
+  let [lo, hi] = [0, 1];
+  for (const v of report.variants) {
+    const stats = [{ mean: v.score, ci95: v.ci95 }, ...Object.values(v.scores || {})];
+    for (const x of stats.flatMap((s) => [s.mean, ...(s.ci95 || [])])) {
+      if (typeof x === "number") { lo = Math.min(lo, x); hi = Math.max(hi, x); }
+    }
+  }
+  return [lo, hi];
+}
+
+function scorePlot(mean, ci, domain, colour) {
+  // the mean as a dot, its 95% interval as a whisker, on the page's scale
+  const [lo, hi] = domain;
+  const x = (v) => 4 + ((v - lo) / (hi - lo || 1)) * (PLOT_W - 8);
+  const y = PLOT_H / 2;
+  const kids = [svg("line", { x1: x(lo), x2: x(hi), y1: y, y2: y, class: "rail" }),
+                svg("line", { x1: x((lo + hi) / 2), x2: x((lo + hi) / 2), y1: 2, y2: PLOT_H - 2,
+                              class: "rail" })];
+  if (ci) {
+    kids.push(svg("line", { x1: x(ci[0]), x2: x(ci[1]), y1: y, y2: y, stroke: colour,
+                            "stroke-width": 2 }));
+    for (const end of ci) {
+      kids.push(svg("line", { x1: x(end), x2: x(end), y1: y - 4, y2: y + 4, stroke: colour,
+                              "stroke-width": 2 }));
+    }
+  }
+  if (typeof mean === "number") kids.push(svg("circle", { cx: x(mean), cy: y, r: 3.5, fill: colour }));
+  return svg("svg", { width: PLOT_W, height: PLOT_H, class: "plot" }, ...kids);
+}
+
+function plotHead(domain) {
+  // the plot column's heading: its scale's ends and middle, where the plot puts them
+  const [lo, hi] = domain;
+  return el("th", { class: "plot-head", title: "the mean (dot) and its 95% interval" },
+            ...[lo, (lo + hi) / 2, hi].map((v) => el("span", {}, String(+v.toFixed(2)))));
+}
+
+function head(table, ...columns) {
+  // a column: its name, [its name's lines] (a heading no wider than its values), or a <th>
+  const th = (c) => (Array.isArray(c) ? el("th", {}, ...c.flatMap((line, i) =>
+    (i ? [el("br"), line] : [line]))) : el("th", {}, c));
+  document.querySelector(`#${table} thead`).replaceChildren(el("tr", {},
+    ...columns.map((c) => (c instanceof Node && c.tagName === "TH" ? c : th(c)))));
+}
+
+function sharedMethod(stats, key) {
+  // the interval method, when every row has the same one: said once, in the heading
+  const methods = new Set(stats.map((st) => st[key] || ""));
+  return methods.size === 1 ? [...methods][0] : "";
+}
 
 function renderVariants(report) {
-  const extra = report.scorers.slice(1); // the first scorer is the score; the others beside it
-  document.querySelector("#exp-variants thead").replaceChildren(el("tr", {},
-    ...[...VARIANT_COLUMNS, ...extra].map((c) => el("th", {}, c))));
+  const domain = plotDomain(report);
+  const method = sharedMethod(report.variants, "ci_method");
+  head("exp-variants", "variant", ["samples", "× repeats"], "cells", "score",
+       method ? ["95% interval", `(${method})`] : "95% interval",
+       plotHead(domain), ["timed out ·", "errors · limited"], "tokens", "cost", "turns",
+       ["time", "p50 · p95"], "stop reasons");
   document.querySelector("#exp-variants tbody").replaceChildren(...report.variants.map((v) => {
-    const ci = v.ci95;
-    const row = el("tr", { "data-variant": v.name, title: `interval: ${v.ci_method || "-"}` },
-      cell(v.name), cell(`${v.n}/${v.planned}`, { "data-n": String(v.n) }),
-      cell(num(v.score, 3), { "data-score": String(v.score) }),
-      cell(ci ? `[${num(ci[0], 3)}, ${num(ci[1], 3)}] ${v.ci_method}` : "-",
-           ci ? { "data-lo": String(ci[0]), "data-hi": String(ci[1]) } : {}),
-      cell(String(v.tokens), { "data-tokens": String(v.tokens) }),
-      cell("$" + v.cost.toFixed(4), { "data-cost": String(v.cost) }),
-      cell(secsOrDash(v.time_p50), { "data-p50": String(v.time_p50) }),
-      cell(secsOrDash(v.time_p95), { "data-p95": String(v.time_p95) }),
-      cell(Object.entries(v.stop_reasons).sort().map(([k, n]) => `${k} ${n}`).join(", "),
-           { "data-stops": JSON.stringify(v.stop_reasons) }),
-      cell(String(v.failures), { "data-failures": String(v.failures) }),
-      ...extra.map((s) => { const st = v.scores[s] || {}; return cell(num(st.mean, 3),
-        { "data-scorer": s, "data-mean": String(st.mean) }); }));
-    return row;
+    const colour = colourOf(report, v.name);
+    const count = (k) => reported([k], v, String(v[k] ?? "-"));
+    return el("tr", { "data-variant": v.name },
+      el("td", { class: "variant" }, swatch(colour), v.name),
+      reported(["samples", "repeats"], v, `${v.samples ?? "-"} × ${v.repeats ?? "-"}`),
+      reported(["cells", "planned"], v, `${v.cells ?? "-"}/${v.planned ?? "-"}`),
+      reported(["score"], v, num(v.score, 3), { class: "score" }),
+      reported(["ci95", "ci_method"], v, interval(v.ci95, method ? "" : v.ci_method),
+               { title: "95% interval of the score: " + (v.ci_method || "-") }),
+      el("td", { class: "plot-cell" }, scorePlot(v.score, v.ci95, domain, colour)),
+      reported(["timed_out", "errors", "limited"], v, ["timed_out", "errors", "limited"]
+        .map((k) => String(v[k] ?? "-")).join(" · ")),
+      count("tokens"), reported(["cost"], v, money(v.cost)),
+      reported(["turns_mean"], v, num(v.turns_mean, 1)),
+      reported(["time_p50", "time_p95"], v, `${secsOrDash(v.time_p50)} · `
+               + secsOrDash(v.time_p95)),
+      reported(["stop_reasons"], v, Object.entries(v.stop_reasons || {}).sort()
+        .map(([k, n]) => `${k} ${n}`).join(", "), { class: "stops" }));
   }));
-  document.getElementById("exp-failed").replaceChildren(...report.variants.flatMap((v) =>
-    v.failed.map((f) => el("li", {}, `${v.name} ${f.sample} r${f.repeat}: ${f.error}`))));
+}
+
+function renderScorers(report) {
+  // Every scorer reported the same way, beside each other: drawn when there is more than one
+  // (with one, the variant table's score is it).
+  const many = report.scorers.length > 1;
+  document.getElementById("exp-scorers").parentElement.hidden = !many;
+  if (!many) return;
+  const domain = plotDomain(report);
+  const stats = report.variants.flatMap((v) => Object.values(v.scores || {}));
+  const method = sharedMethod(stats, "method");
+  head("exp-scorers", "scorer", "variant", "mean", method ? ["95% interval", `(${method})`]
+    : "95% interval", plotHead(domain), "samples", "cells");
+  document.querySelector("#exp-scorers tbody").replaceChildren(...report.scorers.flatMap((s, i) =>
+    report.variants.map((v) => {
+      const st = (v.scores || {})[s] || {};
+      return el("tr", { "data-scorer": s, "data-variant": v.name },
+        el("td", {}, s + (i === 0 ? " (the score)" : "")),
+        el("td", { class: "variant" }, swatch(colourOf(report, v.name)), v.name),
+        reported(["mean"], st, num(st.mean, 3)),
+        reported(["ci95", "method"], st, interval(st.ci95, method ? "" : st.method)),
+        el("td", { class: "plot-cell" }, scorePlot(st.mean, st.ci95, domain,
+                                                   colourOf(report, v.name))),
+        reported(["samples"], st, String(st.samples ?? "-")),
+        reported(["cells"], st, String(st.cells ?? "-")));
+    })));
+}
+
+function outcome(r) {
+  // a cell's end in one word: the results row's status is its outcome by the failure rule
+  // (ok, timed_out, limited, error)
+  return r.status;
+}
+
+function renderFailed(rows) {
+  // the cells that ended without a normal answer, folded: the counts are in the tables
+  const bad = rows.filter((r) => outcome(r) !== "ok");
+  const box = document.getElementById("exp-failed-box");
+  box.hidden = !bad.length;
+  const counts = {};
+  for (const r of bad) counts[outcome(r)] = (counts[outcome(r)] || 0) + 1;
+  box.querySelector("summary").textContent = `${bad.length} cells ended without a normal answer `
+    + `(${Object.entries(counts).sort().map(([k, n]) => `${k} ${n}`).join(", ")})`;
+  document.getElementById("exp-failed").replaceChildren(...bad.map((r) => el("li", {},
+    `${r.variant} ${r.sample} r${r.repeat}: ${outcome(r)}${r.error ? " — " + r.error : ""}`)));
 }
 
 function runLink(id) {
@@ -603,7 +765,7 @@ function runLink(id) {
   return el("a", { href: "#run=" + encodeURIComponent(id), "data-run-link": id }, id.slice(0, 8));
 }
 
-const SAMPLE_PAGE = 200; // rows per page: the DOM stays small however many cells there are
+const SAMPLE_PAGE = 100; // samples per page: the DOM stays small however many there are
 
 function samplePager(total) {
   const pages = Math.max(1, Math.ceil(total / SAMPLE_PAGE));
@@ -615,25 +777,124 @@ function samplePager(total) {
   prev.disabled = p === 0; next.disabled = p >= pages - 1;
   prev.onclick = go(-1); next.onclick = go(1);
   document.getElementById("exp-pager").replaceChildren(...(pages > 1 ? [`${p * SAMPLE_PAGE + 1}`
-    + `–${Math.min((p + 1) * SAMPLE_PAGE, total)} of ${total} `, prev, " ", next] : []));
+    + `–${Math.min((p + 1) * SAMPLE_PAGE, total)} of ${total} samples `, prev, " ", next] : []));
   return (rows) => rows.slice(p * SAMPLE_PAGE, (p + 1) * SAMPLE_PAGE);
 }
 
-function renderSamples(scorers, all) {
-  const rows = samplePager(all.length)(all);
-  document.querySelector("#exp-samples thead").replaceChildren(el("tr", {}, ...["sample",
-    "variant", "repeat", ...scorers, "stop reason", "tokens", "cost", "turns", "time", "run"]
-    .map((c) => el("th", {}, c))));
-  document.querySelector("#exp-samples tbody").replaceChildren(...rows.map((r) => el("tr", {
-    class: r.status === "ok" ? "" : "error", "data-sample": r.sample, "data-variant": r.variant,
-    "data-repeat": String(r.repeat), "data-status": r.status, "data-score": String(r.score),
+function rollup(report, by) {
+  // [sample, {variant: its `per_sample` entry}] in natural order of the ids (q2 before q10);
+  // `by` a variant: its worst samples first (no score at all before a 0), ties by id
+  const bySample = new Map();
+  for (const v of report.variants) {
+    for (const s of v.per_sample || []) {
+      if (!bySample.has(s.sample)) bySample.set(s.sample, {});
+      bySample.get(s.sample)[v.name] = s;
+    }
+  }
+  const mean = (e) => (e[by] && typeof e[by].mean === "number" ? e[by].mean : -Infinity);
+  return [...bySample.entries()].sort(([a, x], [b, y]) => (by ? mean(x) - mean(y) : 0)
+    || a.localeCompare(b, undefined, { numeric: true }));
+}
+
+function marks(entry) {
+  // One mark a repeat: an answer shaded by its score (red 0 .. green 1), else the letter of
+  // what stopped it (T timed out, E error, L limited); a repeat not run yet: an empty mark.
+  return el("span", { class: "marks" }, ...entry.statuses.map((outcome, i) => {
+    const status = outcome ?? "pending";
+    const score = entry.scores[i];
+    const mark = el("span", { class: `mark ${status}`, title: `repeat ${i + 1}: ${status}`
+                              + (score === null ? "" : ` ${num(score, 3)}`) },
+                    status === "ok" || status === "pending" ? "" : status[0].toUpperCase());
+    if (status === "ok" && score !== null) {
+      mark.style.background = `hsl(${Math.round(120 * Math.min(1, Math.max(0, score)))} 55% 50%)`;
+    }
+    return mark;
+  }));
+}
+
+function sampleRow(report, sample, entries, open) {
+  const total = (k) => Object.values(entries).reduce((n, e) => n + (e[k] || 0), 0);
+  const row = el("tr", { class: "sample" + (open ? " open" : ""), "data-sample": sample },
+    el("td", { class: "sample-id", title: sample }, el("span", { class: "toggle" },
+                                                       open ? "▾" : "▸"), sample),
+    ...report.variants.map((v) => {
+      const e = entries[v.name];
+      return e ? reported(["per_sample"], { per_sample: e }, "", { "data-variant": v.name })
+        : el("td", { "data-variant": v.name }, "-");
+    }),
+    cell(money(total("cost"))), cell(String(total("tokens"))));
+  report.variants.forEach((v, i) => {
+    const e = entries[v.name];
+    if (e) row.children[i + 1].append(el("span", { class: "mean" }, num(e.mean, 3)), marks(e));
+  });
+  row.onclick = () => {
+    const opened = state.exp.open;
+    if (opened.has(sample)) opened.delete(sample); else opened.add(sample);
+    state.exp.drawn = null; redraw();
+  };
+  return row;
+}
+
+function cellRows(scorers, rows, width) {
+  // an opened sample: its cells, every variant and repeat
+  const table = el("table", { class: "cells" }, el("thead", {}, el("tr", {}, ...["variant",
+    "repeat", ...scorers, "end", "tokens", "cost", "turns", "time", "run"].map((c) =>
+    el("th", {}, c)))), el("tbody", {}, ...rows.map((r) => el("tr", {
+    class: "cell" + (outcome(r) === "ok" ? "" : " error"), "data-sample": r.sample,
+    "data-variant": r.variant, "data-repeat": String(r.repeat), "data-status": r.status,
+    "data-score": String(r.score),
     title: r.error ? `${r.status}: ${r.error} (attempts ${r.attempts})` : clip(r.answer, 300) },
-    cell(r.sample), cell(r.variant), cell(String(r.repeat)),
+    cell(r.variant), cell(String(r.repeat)),
     ...scorers.map((s) => cell(num(r["score_" + s], 3), { "data-scorer": s })),
     cell(r.status === "ok" || r.stop_reason === r.status ? r.stop_reason || r.status
       : `${r.status} (${r.stop_reason || "-"})`),
-    cell(String(r.tokens)), cell("$" + r.cost.toFixed(4)), cell(String(r.turns)),
-    cell(secs(r.wall)), cell(runLink(r.run_id)))));
+    cell(String(r.tokens)), cell(money(r.cost)), cell(String(r.turns)), cell(secs(r.wall)),
+    cell(runLink(r.run_id))))));
+  return el("tr", { class: "cells-row" }, el("td", { colspan: String(width) }, table));
+}
+
+function sampleHead(report) {
+  // a click on a variant sorts the samples by its mean, worst first; on "sample", by id
+  const sortBy = (name) => () => { state.exp.sort = name; state.exp.drawn = null; redraw(); };
+  const sorted = (name) => (state.exp.sort === name ? " ▴" : "");
+  const id = el("th", { class: "sortable", title: "sort by id" }, "sample" + sorted(""));
+  id.onclick = sortBy("");
+  head("exp-samples", id, ...report.variants.map((v) => {
+    const th = el("th", { class: "variant sortable", "data-variant": v.name, title: `${v.name}: `
+      + "the sample's mean score over its repeats, and each repeat (click: worst first)" },
+      swatch(colourOf(report, v.name)), `${v.name}: mean · repeats${sorted(v.name)}`);
+    th.onclick = sortBy(v.name);
+    return th;
+  }), el("th", { title: "of the sample's cells, every variant" }, "cost"),
+  el("th", { title: "of the sample's cells, every variant" }, "tokens"));
+}
+
+function renderSamples(report, cells) {
+  const all = rollup(report, state.exp.sort);
+  const shown = samplePager(all.length)(all);
+  const bySample = new Map();
+  for (const r of cells) {
+    if (!bySample.has(r.sample)) bySample.set(r.sample, []);
+    bySample.get(r.sample).push(r);
+  }
+  sampleHead(report);
+  const open = state.exp.open;
+  const width = report.variants.length + 3;
+  document.querySelector("#exp-samples tbody").replaceChildren(...shown.flatMap(([s, e]) =>
+    open.has(s) ? [sampleRow(report, s, e, true), cellRows(report.scorers, bySample.get(s) || [],
+                                                            width)]
+      : [sampleRow(report, s, e, false)]));
+  if (!all.length) {
+    document.querySelector("#exp-samples tbody").append(el("tr", {}, el("td", {
+      colspan: String(width), class: "none" }, "no sample finished yet")));
+  }
+  const button = document.getElementById("exp-expand");
+  const allOpen = shown.length > 0 && shown.every(([s]) => open.has(s));
+  button.textContent = allOpen ? "collapse all" : "expand all";
+  button.onclick = () => {
+    for (const [s] of shown) { if (allOpen) open.delete(s); else open.add(s); }
+    state.exp.drawn = null; redraw();
+  };
 }
 
 function renderExperiment() {
@@ -641,6 +902,8 @@ function renderExperiment() {
   const onPage = !!x.name;
   document.getElementById("runs-view").hidden = onPage;
   document.getElementById("experiment-view").hidden = !onPage;
+  // the experiment page takes the transcript's column too: its tables need the width
+  document.querySelector("main").classList.toggle("experiment", onPage);
   if (!onPage) return;
   document.getElementById("exp-name").textContent = x.name;
   if (x.drawn === x.data && x.data) return; // a new fetch draws; the 5 Hz redraws do not
@@ -648,16 +911,18 @@ function renderExperiment() {
   if (!x.data) {
     document.getElementById("exp-progress").textContent = x.missing
       ? `no experiment ${x.name} journaled in the hub's log (yet)` : "loading…";
-    for (const id of ["exp-variants", "exp-samples"]) {
+    for (const id of ["exp-variants", "exp-scorers", "exp-samples"]) {
       document.querySelector(`#${id} thead`).replaceChildren();
       document.querySelector(`#${id} tbody`).replaceChildren();
     }
-    document.getElementById("exp-failed").replaceChildren();
+    document.getElementById("exp-failed-box").hidden = true;
     return;
   }
   renderProgress(x.data.progress);
   renderVariants(x.data.report);
-  renderSamples(x.data.report.scorers, x.data.samples);
+  renderScorers(x.data.report);
+  renderFailed(x.data.samples);
+  renderSamples(x.data.report, x.data.samples);
 }
 
 function route() {
@@ -665,7 +930,8 @@ function route() {
   const [key, value] = location.hash.slice(1).split("=");
   const name = key === "experiment" ? decodeURIComponent(value || "") : "";
   if (name !== state.exp.name) {
-    state.exp = { name, data: null, fetching: false, missing: false, drawn: null, page: 0 };
+    state.exp = { name, data: null, fetching: false, missing: false, drawn: null, page: 0,
+                  open: new Set(), sort: "" };
     if (name) fetchExperiment();
   }
   if (key === "run" && value) {
