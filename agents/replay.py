@@ -778,22 +778,40 @@ def run_summary(run: RecordedRun) -> dict[str, Any]:
 COMPARED = ("agent", "final_text", "stop_reason", "tool_calls", "turns", "tokens", "cost")
 
 
-def diff(a: Sequence[RecordedRun], b: Sequence[RecordedRun]) -> dict[str, Any]:
-    """Per run (in start order) and in total: each side's summary and the compared fields
-    that differ (ids and wall time are shown, never a difference)."""
-    runs = []
-    for index in range(max(len(a), len(b))):
-        x = run_summary(a[index]) if index < len(a) else None
-        y = run_summary(b[index]) if index < len(b) else None
-        differs = [k for k in COMPARED if x is None or y is None or x[k] != y[k]]
-        # the replay's comparison too: "identical" means the same for both commands
-        found = (_compare_run(index, a[index], b[index])
-                 if x is not None and y is not None else None)
-        runs.append({"run": index + 1, "a": x, "b": y, "differs": differs,
-                     "events": _event_difference(found)})
+#: Runs to compare with each other: a label (e.g. the sample they ran) and each side's runs
+#: (paired in order; a side with fewer has none for the rest).
+Paired = tuple[str, Sequence[RecordedRun], Sequence[RecordedRun]]
+
+
+def diff(a: Sequence[RecordedRun], b: Sequence[RecordedRun],
+         paired: Sequence[Paired] | None = None) -> dict[str, Any]:
+    """Per pair of runs and in total: each side's summary and the compared fields that differ
+    (ids and wall time are shown, never a difference). The pairs: `paired` (e.g. by sample,
+    agents.experiment.selection), else run by run in start order."""
+    if paired is None:
+        paired = [("", a[i:i + 1], b[i:i + 1]) for i in range(max(len(a), len(b)))]
+    runs: list[dict[str, Any]] = []
+    for label, xs, ys in paired:
+        for k in range(max(len(xs), len(ys))):
+            runs.append(_run_diff(len(runs), label, xs[k] if k < len(xs) else None,
+                                  ys[k] if k < len(ys) else None))
     totals = {side: _totals(runs_) for side, runs_ in (("a", a), ("b", b))}
     return {"runs": runs, "totals": totals,
             "identical": not any(r["differs"] or r["events"] for r in runs)}
+
+
+def _run_diff(index: int, label: str, x: RecordedRun | None,
+              y: RecordedRun | None) -> dict[str, Any]:
+    sx = run_summary(x) if x is not None else None
+    sy = run_summary(y) if y is not None else None
+    differs = [k for k in COMPARED if sx is None or sy is None or sx[k] != sy[k]]
+    # the replay's comparison too: "identical" means the same for both commands
+    found = _compare_run(index, x, y) if x is not None and y is not None else None
+    entry = {"run": index + 1, "a": sx, "b": sy, "differs": differs,
+             "events": _event_difference(found)}
+    if label:
+        entry["sample"] = label
+    return entry
 
 
 def _event_difference(found: Divergence | None) -> str:
@@ -820,6 +838,8 @@ def diff_text(result: dict[str, Any], a: str, b: str) -> str:
     for run in result["runs"]:
         x, y = run["a"] or {}, run["b"] or {}
         name = x.get("agent") or y.get("agent")
+        if run.get("sample"):
+            name = f"{name}, {run['sample']}"
         if not run["differs"]:
             events = run.get("events")
             lines.append(f"run {run['run']} ({name}): differs in events at {events}" if events
@@ -844,6 +864,7 @@ def diff_text(result: dict[str, Any], a: str, b: str) -> str:
 
 __all__ = [
     "Divergence",
+    "Paired",
     "Fork",
     "ForkError",
     "ForkPlan",

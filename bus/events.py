@@ -10,7 +10,7 @@ names once) a body that does not decode, so one bad event never stops a reader.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import msgspec
@@ -140,6 +140,84 @@ class TopicMessage(_Event, tag="topic_message"):
     sender: str = ""
 
 
+# --- the experiment journal (`busctl experiment run`, agents/experiment/runner.py) ---------
+
+
+class _Journal(msgspec.Struct, tag_field="type"):
+    """Journal entries keep their defaults when encoded: the results file is one of them per
+    line (`runner.result_rows`), and every row has every column."""
+
+    @property
+    def type(self) -> str:
+        """The entry's event type (its tag), as the runner publishes it."""
+        return str(self.__struct_config__.tag)
+
+
+class ExperimentPlan(_Journal, tag="experiment_plan"):
+    """What an experiment set out to run (published once, when it starts)."""
+
+    experiment: str
+    digest: str  # the runner's `spec_digest`: a resume with another spec or dataset is refused
+    spec: str
+    samples: int
+    variants: list[str]
+    repeats: int
+    planned: int
+    scorers: list[str]
+
+
+class ExperimentSample(_Journal, tag="experiment_sample"):
+    """One finished cell (sample x variant x repeat): the journal entry and a row of the
+    results file; the latest entry of a cell is its result."""
+
+    experiment: str
+    variant: str
+    sample: str
+    repeat: int
+    status: str  # "ok" (an answer, scored) or "error" (retries exhausted; not scored)
+    answer: str = ""
+    score: float | None = None  # the first scorer's
+    scores: dict[str, float | None] = msgspec.field(default_factory=dict)
+    tokens: int = 0
+    cost: float = 0.0
+    turns: int = 0
+    wall: float = 0.0  # seconds, prompt to result, of the last attempt
+    stop_reason: str = ""
+    run_id: str = ""
+    session: str = ""
+    tag: str = ""  # the experiment id the session's events carry (`E.<variant>.r<repeat>`)
+    # its own folder on the tool workers, `.runs/<this>/` in each one's workspace ("": shared)
+    workspace: str = ""
+    attempts: int = 1
+    error: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.variant, self.sample, self.repeat)
+
+    @property
+    def outcome(self) -> str:
+        """What the cell came to, by the one failure rule (agents/experiment/runner.py
+        FAILURE_RULE): `ok` (an answer of its own), `timed_out` (run.timeout), `limited`
+        (run.token_limit / cost_limit) or `error` (its retries spent). The journal keeps `status`
+        ok for the first three (a resume runs only `error` cells again); readers go by this."""
+        if self.status != "ok":
+            return "error"
+        return {"timeout": "timed_out", "limit": "limited"}.get(self.stop_reason, "ok")
+
+    def counted(self, scorers: Iterable[str]) -> dict[str, float | None]:
+        """Each scorer's score as the statistics count it: the scorer's own for an `ok` cell
+        (None: it does not apply to this sample, or the grader gave no grade), 0 otherwise."""
+        if self.outcome == "ok":
+            return {s: self.scores.get(s) for s in scorers}
+        return dict.fromkeys(scorers, 0.0)
+
+
+#: The journal's event types: only the runner of experiment E writes them (the hub checks and
+#: stamps `granted`, docs/protocol.md section 8), every reader may show them.
+JOURNAL_TYPES: frozenset[str] = frozenset({"experiment_plan", "experiment_sample"})
+
+
 # --- bus events (published by the hub and by `busctl up`) ----------------------------------
 
 
@@ -214,6 +292,8 @@ Event = Union[
     LlmRetry,
     TopicMessage,
     ToolSkipped,
+    ExperimentPlan,
+    ExperimentSample,
     PeerJoined,
     PeerLeft,
     ServiceRegistered,

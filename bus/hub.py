@@ -112,7 +112,7 @@ _TOOL_PROGRESS = "tool_execution_update"
 # The experiment journal (agents/experiment/runner.py): only the identity that runs experiment
 # `E` writes its journal: full rights, or a role matching `experiment.E`. The hub stamps the
 # right it checked in the header (`granted`); readers take no entry without it.
-JOURNAL_TYPES = frozenset({"experiment_plan", "experiment_sample"})
+JOURNAL_TYPES = ev.JOURNAL_TYPES
 JOURNAL_ROLE = "experiment."
 
 

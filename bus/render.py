@@ -76,10 +76,24 @@ def summary(event: ev.Event) -> str:
         case ev.Gap(first=first, last=last):
             return (f"!! missed events {first}..{last}; recover them with "
                     f"`busctl watch --no-follow --since {first - 1}`")
+        case ev.ExperimentPlan(samples=n, variants=variants, repeats=repeats, planned=planned):
+            return (f"{n} samples x {len(variants)} variants ({', '.join(variants)}) x "
+                    f"{repeats} repeats = {planned} cells")
+        case ev.ExperimentSample():
+            return _cell_summary(event)
         case _:
             fields = msgspec.to_builtins(event)
             fields.pop("type", None)
             return " ".join(f"{k}={_clip(str(v), 60)}" for k, v in fields.items())
+
+
+def _cell_summary(cell: ev.ExperimentSample) -> str:
+    """One journaled cell: where it is in the experiment, its outcome and its score."""
+    score = "" if cell.score is None else f" score {cell.score:g}"
+    why = f" [{cell.stop_reason}]" if cell.stop_reason else ""
+    error = f" {_clip(cell.error, 80)}" if cell.error else ""
+    return (f"{cell.variant}/{cell.sample}/r{cell.repeat} {cell.status}{score}{why} "
+            f"run {cell.run_id[:8] or '-'}{error}")
 
 
 def _message_summary(message: Any) -> str:

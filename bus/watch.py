@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
+import contextlib
 import sys
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -18,6 +18,8 @@ from agent_bus.bus import protocol as p
 from agent_bus.bus.backoff import Backoff, retry
 from agent_bus.bus.client import REPLAY_RETRY_FOR, Envelope, Peer, connect
 from agent_bus.bus.errors import Overloaded, ProtocolError
+from agent_bus.bus.experiments import covers, holds_entries_of, plan_tags
+from agent_bus.bus.logfile import Row, covered, experiments, open_log, rows
 from agent_bus.bus.messages import Usage
 from agent_bus.bus.render import HumanPrinter, json_line, to_json_obj
 from agent_bus.bus.security import CurveClient
@@ -46,10 +48,6 @@ class WatchFilter:
             return [f"{family}/{a}/" for a in sorted(self.agents) for family in ("agent", "ext")]
         return []
 
-    def experiment(self) -> str:
-        """The one experiment the hub may filter a replay by ("" for none, or several)."""
-        return next(iter(self.experiments)) if len(self.experiments) == 1 else ""
-
     def accepts_header(self, header: p.Header) -> bool:
         """What the header alone decides (a logged event's body is decoded only when wanted)."""
         if self.types and header.type not in self.types:
@@ -62,7 +60,10 @@ class WatchFilter:
         # A run is named by its id or a prefix of it: the 8 characters `watch` prints.
         if self.runs and not (header.run and any(header.run.startswith(r) for r in self.runs)):
             return False
-        return not (self.experiments and header.experiment not in self.experiments)
+        # an experiment's name covers its cells' tags too (bus.experiments): a cell started
+        # after the watch did is shown as well (`accepts` checks a journal entry's cell)
+        return not self.experiments or any(holds_entries_of(name, header.experiment)
+                                           for name in self.experiments)
 
     def describe(self) -> str:
         """The filter as its flags, for the line that says it matched nothing."""
@@ -73,7 +74,18 @@ class WatchFilter:
     def accepts(self, header: p.Header, event: ev.Event) -> bool:
         if self.types and ev.event_type(event) not in self.types and not isinstance(event, ev.Gap):
             return False
-        return self.accepts_where(header)
+        return self.accepts_where(header) and (
+            not self.experiments or selected(self.experiments, header, event))
+
+
+def selected(names: Collection[str], header: p.Header, event: ev.Event) -> bool:
+    """Whether an event is one of experiments `names` (bus.experiments.covers): of an id one of
+    them covers; or a journal entry of a cell one covers (its `tag`: a variant's or a cell's
+    name selects its cells' entries from the experiment's journal)."""
+    if any(covers(name, header.experiment) for name in names):
+        return True
+    return isinstance(event, ev.ExperimentSample) and any(covers(name, event.tag)
+                                                          for name in names)
 
 
 def to_stderr(text: str) -> None:
@@ -100,7 +112,7 @@ async def replay_batch(peer: Peer, request: p.ReplayRequest) -> p.ReplayBatch:
 
 async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally | None = None,
                  wanted: Callable[[p.Header], bool] | None = None,
-                 experiment: str = "") -> AsyncIterator[Envelope]:
+                 experiment: str = "") -> AsyncGenerator[Envelope, None]:
     """Logged events after `since` up to the head at the time of the first call, then stop;
     with `experiment`, only its events (the hub reads no other: `ReplayRequest.experiment`).
 
@@ -135,6 +147,100 @@ async def replay(peer: Peer, since: int, topics: list[str], tally: ev.EventTally
             raise ProtocolError(f"`hub.replay` from {cursor} answered upto={batch.upto} "
                                 f"< head={batch.head} without progress")
         cursor = batch.upto
+
+
+#: The topic of an experiment's plan (agents/experiment/runner.py publishes it).
+PLAN_TOPIC = "ext///experiment_plan"
+
+
+async def experiment_tags(peer: Peer, name: str) -> list[str]:
+    """The experiment ids `name` covers (bus.experiments.covers), from the hub's log: with a
+    plan journaled for its experiment, that one's id and every planned cell's (a cell not run
+    yet too: it has no events); else `name` alone. Read through the hub's experiment index:
+    no other experiment's event is read."""
+    base = name.split(".", 1)[0]
+    plans: list[ev.ExperimentPlan] = []
+
+    def plan_of_base(header: p.Header) -> bool:  # only the runner's (granted) plan counts
+        return header.experiment == base and header.type in ev.JOURNAL_TYPES \
+            and bool(header.granted)
+
+    async for envelope in replay(peer, 0, [PLAN_TOPIC], None, plan_of_base, base):
+        if isinstance(envelope.event, ev.ExperimentPlan):
+            plans.append(envelope.event)
+    if not plans:
+        return [name]
+    plan = plans[0]
+    return plan_tags(name, base, plan.variants, plan.repeats) or [name]
+
+
+async def replay_tags(peer: Peer, since: int, tags: list[str], tally: ev.EventTally,
+                      wanted: Callable[[p.Header], bool] | None = None,
+                      upto: int | None = None) -> AsyncIterator[Envelope]:
+    """The logged events (after `since`, up to `upto` when given) of the experiment ids `tags`,
+    in seq order: each id's read through the hub's experiment index (one batch at a time),
+    merged as they come. One `upto` for all: each id's replay ends at the head of its own
+    time, and a subscription from `upto` must miss none of them."""
+    def of_tag(tag: str) -> Callable[[p.Header], bool]:
+        def wanted_of_tag(header: p.Header) -> bool:  # an older hub sends every experiment's
+            return header.experiment == tag and (upto is None or header.seq <= upto) \
+                and (wanted is None or wanted(header))
+        return wanted_of_tag
+
+    streams = [replay(peer, since, [], tally, of_tag(tag), tag) for tag in tags]
+    heads = [await anext(stream, None) for stream in streams]
+    while any(head is not None for head in heads):
+        first = min((i for i, head in enumerate(heads) if head is not None),
+                    key=lambda i: _seq_of(heads[i]))
+        yield typing.cast(Envelope, heads[first])
+        heads[first] = await anext(streams[first], None)
+
+
+def _seq_of(envelope: Envelope | None) -> int:
+    return envelope.header.seq if envelope is not None else 0
+
+
+async def logged_experiments(peer: Peer) -> set[str]:
+    """Every experiment id in the hub's log: a scan of the whole log (no body is decoded, but
+    the hub reads and sends them all), for what no plan names."""
+    seen: set[str] = set()
+
+    def seen_only(header: p.Header) -> bool:
+        seen.add(header.experiment)
+        return False
+
+    async for _ in replay(peer, 0, [], None, seen_only):
+        pass
+    return seen - {""}
+
+
+async def _has_events(peer: Peer, tag: str) -> bool:
+    """Whether the log holds an event of experiment id `tag` (its first batch, by the index)."""
+    events = replay(peer, 0, [], None, lambda header: header.experiment == tag, tag)
+    async with contextlib.aclosing(events):  # closed at the first: no more is asked
+        async for _ in events:
+            return True
+    return False
+
+
+async def experiment_ids(peer: Peer, name: str) -> tuple[list[str], set[str] | None]:
+    """The experiment ids `name` covers, as `experiment_tags` finds them; for a name with no
+    plan and no events of its own (a whole experiment's replay, whose cells are
+    `T.<variant>.r<N>`; or a typo), those of every id in the log (`logged_experiments`, also
+    returned, to name them) that it covers."""
+    tags = await experiment_tags(peer, name)
+    if tags != [name] or await _has_events(peer, name):
+        return tags, None
+    seen = await logged_experiments(peer)
+    return [tag for tag in sorted(seen) if holds_entries_of(name, tag)] or [name], seen
+
+
+async def filtered_tags(peer: Peer, filt: WatchFilter) -> list[str]:
+    """The experiment ids of `filt`'s `--experiment` names ([] when it names none)."""
+    tags: list[str] = []
+    for name in sorted(filt.experiments):
+        tags += [tag for tag in (await experiment_ids(peer, name))[0] if tag not in tags]
+    return tags
 
 
 def _logged_header(data: bytes, tally: ev.EventTally, seq: int = 0,
@@ -174,23 +280,28 @@ async def watch_events(hub: str, curve: CurveClient | None, filt: WatchFilter, s
     async with connect(hub, name="busctl-watch", role="watcher", curve=curve) as peer:
         if last is not None:
             since = max(0, (await peer.status()).seq - last)
+        tags = await filtered_tags(peer, filt)
         if not follow:
-            async for envelope in replay(peer, since or 0, filt.topics(), tally,
-                                         filt.accepts_header, filt.experiment()):
-                show(envelope)
+            if tags:  # the hub picks the experiments' events (no other is read or sent)
+                async for envelope in replay_tags(peer, since or 0, tags, tally,
+                                                  filt.accepts_header):
+                    show(envelope)
+            else:
+                async for envelope in replay(peer, since or 0, filt.topics(), tally,
+                                             filt.accepts_header):
+                    show(envelope)
             if tally.bad:
                 to_stderr(tally.summary())
             live = await _live_agents(peer) if filt.agents and not shown else []
             _say_what_matched(filt, shown, runs, live)
             return
-        if since is not None and filt.experiment():
-            # One experiment's logged events are picked by the hub (no other is read or sent);
-            # the subscription then starts where this left off. Every event of it up to the
-            # replay's end was shown, so no hole and no duplicate past the last one shown.
+        if since is not None and tags:
+            # The experiments' logged events are picked by the hub; the subscription then
+            # starts where this left off. Every event of them up to the replay's end was
+            # shown, so no hole and no duplicate past the last one shown.
             upto = (await peer.status()).seq
-            async for envelope in replay(peer, since, filt.topics(), tally,
-                                         filt.accepts_header, filt.experiment()):
-                upto = max(upto, envelope.header.seq)
+            async for envelope in replay_tags(peer, since, tags, tally, filt.accepts_header,
+                                              upto):
                 show(envelope)
             since = upto
         # Everything, filtered here: a topic-filtered stream has holes in its seqs by design,
@@ -238,6 +349,8 @@ class Totals(msgspec.Struct):
     undecodable: int = 0
     undecodable_seqs: list[int] = msgspec.field(default_factory=list)
     runs: list[str] = msgspec.field(default_factory=list)
+    #: the experiment ids exported (an experiment's own and its cells'), in order met
+    experiments: list[str] = msgspec.field(default_factory=list)
     by_agent: dict[str, Usage] = msgspec.field(default_factory=dict)
     by_model: dict[str, Usage] = msgspec.field(default_factory=dict)
     total: Usage = msgspec.field(default_factory=Usage)
@@ -246,6 +359,8 @@ class Totals(msgspec.Struct):
         self.events += 1
         if header.run and header.run not in self.runs:  # runs are few; events are many
             self.runs.append(header.run)
+        if header.experiment not in self.experiments:
+            self.experiments.append(header.experiment)
         billed = ev.billed(event)
         if billed is None:
             return
@@ -272,46 +387,39 @@ def _write(out: BinaryIO, fmt: str, envelope: Envelope, encoder: msgspec.msgpack
         out.write(json_line(envelope.header, envelope.event).encode() + b"\n")
 
 
-async def export_events(hub: str, curve: CurveClient | None, experiment: str, out: BinaryIO,
+async def export_events(hub: str, curve: CurveClient | None, name: str, out: BinaryIO,
                         fmt: str) -> Export:
-    """Write every logged event of `experiment` to `out` (JSON lines or msgpack), from the hub."""
-    totals, seen = Totals(), set()
+    """Write every logged event of the experiment ids `name` covers (`experiment_ids`: an
+    experiment's own and all its cells') to `out` (JSON lines or msgpack, in seq order), from
+    the hub."""
+    totals = Totals()
     tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
+    gaps: set[tuple[int, int]] = set()  # each id's replay names a pruned range: once here
 
-    def seen_only(header: p.Header) -> bool:  # no body is decoded
-        seen.add(header.experiment)
-        return False
+    async def write(tags: list[str]) -> None:
+        async for envelope in replay_tags(peer, 0, tags, tally):
+            event = envelope.event
+            if isinstance(event, ev.Gap) and (event.first, event.last) not in gaps:
+                gaps.add((event.first, event.last))
+            elif not selected((name,), envelope.header, event):
+                continue
+            totals.add(envelope.header, event)
+            _write(out, fmt, envelope, encoder)
 
     async with connect(hub, name="busctl-export", role="cli", curve=curve) as peer:
-        # (the header is checked here too: a hub that predates `ReplayRequest.experiment`
-        # sends every experiment's events)
-        async for envelope in replay(peer, 0, [], tally, lambda h: h.experiment == experiment,
-                                     experiment):
-            totals.add(envelope.header, envelope.event)
-            _write(out, fmt, envelope, encoder)
-        if not totals.events:  # which experiments there are, to name them (a typo's rescue)
-            async for _ in replay(peer, 0, [], tally, seen_only):
-                pass
+        tags, seen = await experiment_ids(peer, name)
+        await write(tags)
+        if not totals.events and seen is None:  # which experiments there are, to name them
+            seen = await logged_experiments(peer)  # (a typo's rescue)
     out.flush()
     totals.skipped(tally)
-    return Export(totals, sorted(seen - {""}))
+    return Export(totals, [] if totals.events else sorted(seen or ()))
 
 
-def log_file(state: Path) -> Path | None:
-    """The hub's event log in a state directory: a topology's (`<state>/hub/events.db`) or a
-    hub's own (`<state>/events.db`); None when neither exists."""
-    for path in (state / "events.db", state / "hub" / "events.db"):
-        if path.is_file():
-            return path
-    return None
-
-
-def _log_envelopes(db: sqlite3.Connection, experiment: str,
-                   tally: ev.EventTally) -> Iterator[Envelope]:
-    rows = db.execute("SELECT seq, type, header, body FROM events WHERE experiment = ? "
-                      "ORDER BY seq", (experiment,))
-    for seq, type_, header_bytes, body in rows:
+def log_envelopes(log: Iterator[Row], tally: ev.EventTally) -> Iterator[Envelope]:
+    """The events of rows read from the log file (bus.logfile.rows), decoded through `tally`."""
+    for seq, type_, header_bytes, body in log:
         header = _logged_header(header_bytes, tally, seq, type_)
         # None: a type this version does not know (not ours to export), or a body that does
         # not decode (named on stderr and counted in the totals)
@@ -320,22 +428,19 @@ def _log_envelopes(db: sqlite3.Connection, experiment: str,
             yield Envelope(header, event)
 
 
-def export_from_log(path: Path, experiment: str, out: BinaryIO, fmt: str) -> Export:
-    """Like `export_events`, read from the log file itself (no hub needed). Read-only: a
-    running hub's writes are not disturbed, and a log we may not write is still read."""
+def export_from_log(path: Path, name: str, out: BinaryIO, fmt: str) -> Export:
+    """Like `export_events`, read from the log file itself (no hub needed; bus.logfile): every
+    experiment id in it that `name` covers."""
     totals = Totals()
     tally = ev.EventTally("busctl export", to_stderr)
     encoder = msgspec.msgpack.Encoder()
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
-    try:
-        db.execute("PRAGMA busy_timeout=5000")
-        for envelope in _log_envelopes(db, experiment, tally):
+    with open_log(path) as db:
+        for envelope in log_envelopes(rows(db, covered(db, name)), tally):
+            if not selected((name,), envelope.header, envelope.event):
+                continue
             totals.add(envelope.header, envelope.event)
             _write(out, fmt, envelope, encoder)
         totals.skipped(tally)
-        known = [] if totals.events else [row[0] for row in db.execute(
-            "SELECT DISTINCT experiment FROM events WHERE experiment != '' ORDER BY 1")]
-    finally:
-        db.close()
+        known = [] if totals.events else experiments(db)
     out.flush()
     return Export(totals, known)

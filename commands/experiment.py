@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import msgspec
@@ -17,19 +18,62 @@ from agent_bus.commands.base import UsageExit, first_leaf, hub_options, run_asyn
 # --- busctl export ------------------------------------------------------------------------
 
 
+STATE_DIR_HELP = ("Read the event log in this state directory (a topology's, or a hub's "
+                  "--state-dir) instead of asking a hub; read-only, no hub needed.")
+#: What `--experiment` / EXPERIMENT names: one id, or a whole experiment (bus.experiments)
+NAME_HELP = ("an experiment id; an experiment's name E covers all its cells (E.<variant>.r<N>), "
+             "E.<variant> one variant's")
+
+T = TypeVar("T")
+
+
+def _hub_or_log(from_hub: Callable[[], T], from_log: Callable[[Path], T],
+                state_dir: str | None) -> T:
+    """From the hub; from the log file on disk with --state-dir, or when no hub answers and this
+    directory's topology left one (a stopped topology's log). A --hub given on the command line
+    names that hub: it is not replaced by the disk; the default or BUSCTL_HUB may be."""
+    import sqlite3
+
+    from click.core import ParameterSource
+
+    from agent_bus.bus.logfile import log_file
+    from agent_bus.bus.paths import default_state_dir
+
+    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
+    local = log_file(Path(state_dir or default_state_dir()))
+    if state_dir and local is None:
+        raise click.BadParameter(f"no event log (events.db or hub/events.db) in {state_dir}; "
+                                 f"give the state directory of a topology or a hub",
+                                 param_hint="--state-dir")
+    if not state_dir:
+        try:
+            return from_hub()
+        except (HubUnreachable, BaseExceptionGroup) as exc:
+            leaf = first_leaf(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            if local is None or explicit or not isinstance(leaf, HubUnreachable):
+                raise
+            click.echo(f"{leaf}; reading the log on disk instead: {local}", err=True)
+    assert local is not None
+    try:
+        return from_log(local)
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"cannot read the event log {local}: {exc}") from None
+
+
 @click.command()
 @hub_options
-@click.option("--experiment", required=True, help="The experiment id to export.")
+@click.option("--experiment", required=True, metavar="E", help=f"What to export: {NAME_HELP}.")
 @click.option("--format", "fmt", type=click.Choice(["jsonl", "msgpack"]), default="jsonl",
               show_default=True, help="JSON lines, or a stream of MessagePack maps.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default="-",
               help="File to write [default: stdout].")
 @click.option("--state-dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Read the event log in this state directory (a topology's, or a hub's "
-                   "--state-dir) instead of asking a hub; read-only, no hub needed.")
+              help=STATE_DIR_HELP)
 def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, output: str,
            state_dir: str | None) -> None:
-    """Write every event of an experiment from the hub's log; print token/cost totals to stderr.
+    """Write every event of an experiment from the hub's log, in seq order; print token/cost
+    totals (and the experiment ids exported) to stderr. A `busctl experiment` run's name covers
+    its journal and all its cells' sessions.
 
     With no hub running (and no --hub given) it reads the log that `busctl up` left in this
     directory's state directory; --state-dir reads another one.
@@ -37,56 +81,29 @@ def export(hub: str, curve: CurveClient | None, experiment: str, fmt: str, outpu
     \b
     Examples:
       busctl export --experiment debate-3 -o debate-3.jsonl
+      busctl export --experiment arith-1            # the journal and every cell of arith-1
+      busctl export --experiment arith-1.team.r2    # one cell
       busctl export --experiment debate-3 --state-dir ~/.local/state/agent-bus/proj-1a2b3c4d5e6f
     """
-    from click.core import ParameterSource
-
-    from agent_bus.bus.paths import default_state_dir
-    from agent_bus.bus.watch import log_file
+    from agent_bus.bus.watch import export_events, export_from_log
 
     try:
         out_file = click.open_file(output, "wb")
     except OSError as exc:
         raise click.ClickException(f"cannot write {output}: {exc.strerror}") from None
-    # --hub on the command line names that hub; the default or BUSCTL_HUB may fall back to disk
-    explicit = click.get_current_context().get_parameter_source("hub") == ParameterSource.COMMANDLINE
-    local = log_file(Path(state_dir or default_state_dir()))
-    if state_dir and local is None:
-        raise click.BadParameter(f"no event log (events.db or hub/events.db) in {state_dir}",
-                                 param_hint="--state-dir")
-    with out_file as out:
-        result = _export(hub, curve, experiment, out, fmt, None if explicit and not state_dir
-                         else local, bool(state_dir))
+    with out_file as opened:
+        out: Any = opened  # binary: opened "wb"
+        result = _hub_or_log(lambda: run_async(export_events, hub, curve, experiment, out, fmt),
+                             lambda local: export_from_log(local, experiment, out, fmt),
+                             state_dir)
     if not result.totals.events:
         if output != "-":
             Path(output).unlink(missing_ok=True)
         known = ", ".join(result.experiments) or "none"
-        raise UsageExit(f"no experiment `{experiment}` in the event log "
-                                   f"(experiments: {known})")
+        raise UsageExit(f"--experiment {experiment}: no experiment `{experiment}` in the event "
+                        f"log (experiments: {known}); give one of them (an experiment's name "
+                        f"covers all its cells)")
     click.echo(msgspec.json.encode(result.totals).decode(), err=True)
-
-
-def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt: str,
-            local: Path | None, only_local: bool) -> Any:
-    """From the hub; from the log file `local` when asked to (`only_local`), or when no hub
-    answers and there is one (a stopped topology's log)."""
-    import sqlite3
-
-    from agent_bus.bus.watch import export_events, export_from_log
-
-    if not only_local:
-        try:
-            return run_async(export_events, hub, curve, experiment, out, fmt)
-        except (HubUnreachable, BaseExceptionGroup) as exc:
-            leaf = first_leaf(exc) if isinstance(exc, BaseExceptionGroup) else exc
-            if local is None or not isinstance(leaf, HubUnreachable):
-                raise
-            click.echo(f"{leaf}; reading the log on disk instead: {local}", err=True)
-    assert local is not None
-    try:
-        return export_from_log(local, experiment, out, fmt)
-    except sqlite3.Error as exc:
-        raise click.ClickException(f"cannot read the event log {local}: {exc}") from None
 
 
 # --- busctl replay / diff (agents.replay) --------------------------------------------------
@@ -94,9 +111,12 @@ def _export(hub: str, curve: CurveClient | None, experiment: str, out: Any, fmt:
 
 @click.command()
 @hub_options
-@click.option("--experiment", required=True, help="The recorded experiment to replay.")
+@click.option("--experiment", required=True, metavar="E",
+              help=f"The recorded experiment to replay: {NAME_HELP} (each cell replayed as "
+                   f"its own).")
 @click.option("--as", "target", default="", metavar="E2",
-              help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>].")
+              help="The replayed experiment's id [default: EXPERIMENT.replay-<hex>; for a "
+                   "whole experiment E, E-replay-<hex>, its cells E2.<variant>.r<N>].")
 @click.option("--live-from", type=click.IntRange(min=0, max=2**31 - 1), default=None, metavar="TURN",
               help="Fork: replay each run's first TURN turns, then call the live model (0: "
                    "every call live).")
@@ -132,14 +152,15 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
     \b
     A fork (--live-from TURN or --live-from-seq SEQ) replays up to that point, then calls the
     live model; --model, --system-prompt-file and --set change the live part.
+    A `busctl experiment` run's name E replays each of its cells that ran, E.<variant>.r<N>
+    as E2.<variant>.r<N> (one line each; exit 1 if any diverged); E.<variant> one variant's.
     Compare the two afterwards with `busctl diff EXPERIMENT E2`.
     Examples:
       busctl replay --experiment debate-3 --as debate-3-again
       busctl replay --experiment debate-3 --as debate-3-b --live-from 2 --model b
       busctl replay --experiment debate-3 --live-from-seq 1234 --set lead.temperature=0.2
+      busctl replay --experiment arith-1 --as arith-1-again   # every cell of an experiment
     """
-    import uuid
-
     from agent_bus.agents.client.remote import connect as connect_agents
     from agent_bus.agents.replay import Fork, ForkError, parse_setting, replay_experiment
     from agent_bus.bus.errors import ConfigError
@@ -152,32 +173,76 @@ def replay(hub: str, curve: CurveClient | None, experiment: str, target: str,
                     settings=dict(parse_setting(s) for s in settings))
     except ForkError as exc:
         raise click.UsageError(str(exc)) from None
-    target = target or f"{experiment}.replay-{uuid.uuid4().hex[:6]}"
     tally = EventTally("busctl replay", to_stderr)  # logged events that do not decode
     notes: list[str] = []  # token usage differences, reported apart from the comparison
+    outcomes: list[tuple[str, str, object]] = []  # (source, target, divergence or None)
 
     async def go() -> object:
         async with connect_agents(hub, name="busctl-replay", curve=curve) as bus:
             try:
-                workspaces = await _cell_workspaces(bus.peer, experiment, target, spec_path) \
-                    if live_tools else {}
-                return await replay_experiment(bus, experiment, target, fork=fork,
-                                               live_tools=live_tools, tally=tally,
-                                               workspaces=workspaces, notes=notes)
+                for source, into in await _replays(bus.peer, experiment, target):
+                    workspaces = await _cell_workspaces(bus.peer, source, into, spec_path) \
+                        if live_tools else {}
+                    outcomes.append((source, into, await replay_experiment(
+                        bus, source, into, fork=fork, live_tools=live_tools, tally=tally,
+                        workspaces=workspaces, notes=notes)))
             except (ValueError, ConfigError) as exc:  # ForkError too: before anything is replayed
                 return exc  # raised here it would reach us inside an exception group
+        return None
 
-    divergence = run_async(go)
+    failed = run_async(go)
     if tally.bad:
         click.echo(tally.summary(), err=True)
-    if isinstance(divergence, (ValueError, ConfigError)):
-        raise click.UsageError(str(divergence))
-    if divergence is not None:
-        raise click.ClickException(f"{experiment} replayed as {target}: {divergence}")
+    if isinstance(failed, (ValueError, ConfigError)):
+        raise click.UsageError(str(failed))
+    _say_replayed(experiment, outcomes, notes)
+
+
+async def _replays(peer: Any, experiment: str, target: str) -> list[tuple[str, str]]:
+    """What `busctl replay --experiment` replays as what: an experiment's name (or
+    E.<variant>) each cell that ran, `E.<variant>.r<N>` as `T.<variant>.r<N>` (T: --as, by
+    default `E-replay-<hex>`: its cells parse back, so `busctl diff E T` pairs them); any
+    other id itself, as --as (by default `<id>.replay-<hex>`)."""
+    import re
+    import uuid
+
+    from agent_bus.agents.experiment.selection import cells_of, retagged
+    from agent_bus.bus.experiments import NAME, parse_cell
+
+    hexid = uuid.uuid4().hex[:6]
+    _, cells = await cells_of(peer, experiment)
+    if not cells or cells == [experiment]:
+        return [(experiment, target or f"{experiment}.replay-{hexid}")]
+    if target and not re.fullmatch(NAME, target):
+        raise ValueError(f"--as {target}: a whole experiment's replay names its cells "
+                         f"{target}.<variant>.r<N>, so --as takes letters, digits, _ or - only")
+    base = parse_cell(cells[0])
+    assert base is not None
+    into = target or f"{base.experiment}-replay-{hexid}"
+    return list(zip(cells, retagged(cells, into), strict=True))
+
+
+def _say_replayed(experiment: str, outcomes: list[tuple[str, str, object]],
+                  notes: list[str]) -> None:
+    """One line per cell replayed (one only for a single id); exit 1 naming the divergences."""
     usage = "".join(f"\n  {note}" for note in notes)
     if usage:  # not part of the comparison: a live call's cache split is the server's state
         usage = f"\ntoken usage differs (compared apart; `busctl diff` shows it):{usage}"
-    click.echo(f"{experiment} replayed as {target}: identical{usage}")
+    if len(outcomes) == 1:
+        [(source, into, divergence)] = outcomes
+        if divergence is not None:
+            raise click.ClickException(f"{source} replayed as {into}: {divergence}")
+        click.echo(f"{source} replayed as {into}: identical{usage}")
+        return
+    for source, into, divergence in outcomes:
+        click.echo(f"{source} replayed as {into}: {divergence or 'identical'}")
+    diverged = sum(divergence is not None for _, _, divergence in outcomes)
+    target = outcomes[0][1].rsplit(".", 2)[0]
+    if diverged:
+        raise click.ClickException(f"{experiment} replayed as {target}: {diverged} of "
+                                   f"{len(outcomes)} cells diverged (above); `busctl diff "
+                                   f"{experiment} {target}` pairs them sample by sample")
+    click.echo(f"{experiment} replayed as {target}: {len(outcomes)} cells, identical{usage}")
 
 
 async def _cell_workspaces(peer: Any, experiment: str, target: str,
@@ -223,17 +288,24 @@ def _system_prompt(path: str | None) -> str | None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object (for notebooks).")
 def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: str,
                      as_json: bool) -> None:
-    """Compare experiments FIRST and SECOND run by run (in start order; the runs a run asked
-    for follow it, in the order of its calls) and in total: final
-    texts (a unified diff), tool calls, turns, tokens, cost, stop reasons; wall time shown;
-    and where the events first differ (the comparison `busctl replay` makes).
+    """Compare experiments FIRST and SECOND run by run and in total: final texts (a unified
+    diff), tool calls, turns, tokens, cost, stop reasons; wall time shown; and where the events
+    first differ (the comparison `busctl replay` makes).
 
     \b
+    Runs are paired by what they ran, not by when they started: in a `busctl experiment`
+    run, by sample (its id from the journal, else its prompt), cell by cell when a side has
+    several; the runs a run asked for follow it, in the order of its calls. A name covers
+    what it does in `busctl export`: E every cell, E.<variant> one variant's, a tag itself;
+    a replay of a whole experiment (`busctl replay --experiment E --as T`) is paired with E
+    cell by cell. Other experiments' runs pair in start order.
     Examples:
       busctl diff debate-3 debate-3-again
+      busctl diff arith-1 arith-1-replay-1a2b3c      # every cell, sample by sample
+      busctl diff arith-1.solo arith-1.team          # two variants, sample by sample
       busctl diff debate-3 debate-3-b --json | jq .total
     """
-    from agent_bus.agents.replay import diff, diff_text, load_experiment
+    from agent_bus.agents.replay import diff, diff_text
     from agent_bus.bus.client import connect as connect_peer
     from agent_bus.bus.events import EventTally
     from agent_bus.bus.watch import to_stderr
@@ -242,18 +314,48 @@ def diff_experiments(hub: str, curve: CurveClient | None, first: str, second: st
 
     async def go() -> dict[str, Any]:
         async with connect_peer(hub, name="busctl-diff", role="cli", curve=curve) as peer:
-            a = await load_experiment(peer, first, tally)
-            b = await load_experiment(peer, second, tally)
-        for name, runs in ((first, a), (second, b)):
+            a, b = await _diff_sides(peer, first, second, tally)
+        for name, (runs, _) in ((first, a), (second, b)):
             if not runs:
-                raise click.UsageError(f"experiment `{name}` has no runs in the hub's log")
-        return diff(a, b)
+                raise click.UsageError(f"experiment `{name}` has no runs in the hub's log (check "
+                                       f"the name with `busctl export --experiment {name}`)")
+        return diff(a[0], b[0], _paired(a[1], b[1]) if a[1] or b[1] else None)
 
     result = run_async(go)
     if tally.bad:
         click.echo(tally.summary(), err=True)
     click.echo(msgspec.json.encode(result).decode() if as_json
                else diff_text(result, first, second))
+
+
+async def _diff_sides(peer: Any, first: str, second: str,
+                      tally: Any) -> list[tuple[list[Any], list[Any]]]:
+    """Each side's runs and, when either is a `busctl experiment` run's (or a replay of one),
+    its trees labelled by cell and sample (`selection.trees`); else no trees (start order)."""
+    from agent_bus.agents.experiment.selection import cells_of, retagged, trees
+    from agent_bus.agents.replay import load_experiment
+
+    found = [await cells_of(peer, first), await cells_of(peer, second)]
+    sides = []
+    for i, name in enumerate((first, second)):
+        journal, tags = found[i]
+        other = found[1 - i][1]
+        if not tags and other and not await load_experiment(peer, name, tally):
+            tags = retagged(other, name)  # a replay of the other's cells: T.<variant>.r<N>
+        runs: list[Any] = []
+        labelled: list[Any] = []
+        for tag in tags or [name]:
+            logged = await load_experiment(peer, tag, tally)
+            runs += logged
+            labelled += trees(logged, tag, journal)
+        sides.append((runs, labelled if found[0][1] or found[1][1] else []))
+    return sides
+
+
+def _paired(a: list[Any], b: list[Any]) -> list[Any]:
+    from agent_bus.agents.experiment.selection import pair
+
+    return [(label, x.runs if x else [], y.runs if y else []) for label, x, y in pair(a, b)]
 
 
 # --- busctl experiment (agents.experiment) -------------------------------------------------
@@ -369,20 +471,27 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
     click.echo(f"{rows} results in {path}", err=True)
 
 
-def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> list[Any]:
-    from agent_bus.agents.experiment.runner import IGNORED_WHY, read_journal
+def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...],
+              state_dir: str | None = None) -> list[Any]:
+    """Each experiment's journal, from the hub's log or the log on disk (`_hub_or_log`)."""
+    from agent_bus.agents.experiment.runner import IGNORED_WHY, journal_from_log, read_journal
 
     async def go() -> list[Any]:
         async with connect(hub, name="busctl-experiment", role="client", curve=curve) as peer:
             return [await read_journal(peer, name) for name in names]
 
-    journals = run_async(go)
+    journals = _hub_or_log(lambda: run_async(go),
+                           lambda local: [journal_from_log(local, name) for name in names],
+                           state_dir)
     for name, journal in zip(names, journals, strict=True):
         if journal.plan is None and not journal.results:
             ignored = (f"; {journal.ignored} entries of it ignored, {IGNORED_WHY}"
                        if journal.ignored else "")
-            raise click.UsageError(f"no experiment `{name}` in the hub's log (`busctl experiment "
-                                   f"run SPEC --name {name}` starts one){ignored}")
+            base = name.split(".", 1)[0]
+            cell = (f"; `{name}` looks like a cell's or a variant's tag: give the experiment's "
+                    f"name, `{base}`") if base != name else ""
+            raise click.UsageError(f"no experiment `{name}` in the event log (`busctl experiment "
+                                   f"run SPEC --name {name}` starts one){ignored}{cell}")
     return journals
 
 
@@ -394,12 +503,16 @@ def _journals(hub: str, curve: CurveClient | None, names: tuple[str, ...]) -> li
 @click.option("--plot", "plot_dir", default="", metavar="DIR",
               help="Also write score.png, cost.png and time.png into DIR (needs matplotlib: "
                    "the `plot` extra).")
+@click.option("--state-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help=STATE_DIR_HELP)
 def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
-                      as_json: bool, plot_dir: str) -> None:
+                      as_json: bool, plot_dir: str, state_dir: str | None) -> None:
     """Per variant and scorer: the mean over samples of each sample's mean over its repeats,
     with a 95% t interval over those per-sample means (samples are the unit; n = samples ×
     repeats); cells timed out, limited or in error (scored 0 and counted), tokens, cost,
-    p50/p95 wall time, stop reasons; from the journal in the hub's log.
+    p50/p95 wall time, stop reasons; from the journal in the hub's log (with no hub
+    running, and no --hub given, from the log `busctl up` left in this directory's state
+    directory; --state-dir reads another one).
 
     \b
     Examples:
@@ -412,7 +525,7 @@ def experiment_report(hub: str, curve: CurveClient | None, experiment: str,
 
     if plot_dir:
         _plot_ready()  # before anything is printed: a missing extra is not a half-done report
-    journal = _journals(hub, curve, (experiment,))[0]
+    journal = _journals(hub, curve, (experiment,), state_dir)[0]
     data = report(journal, experiment)
     click.echo(json.dumps(data) if as_json else report_text(data))
     if plot_dir:
@@ -511,8 +624,11 @@ def experiment_replay(hub: str, curve: CurveClient | None, experiment: str, samp
 @click.option("--scorer", default="", metavar="NAME",
               help="The scorer compared [default: the first scorer].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+@click.option("--state-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help=STATE_DIR_HELP)
 def experiment_compare(hub: str, curve: CurveClient | None, first: str, second: str,
-                       variants: tuple[str, str] | None, scorer: str, as_json: bool) -> None:
+                       variants: tuple[str, str] | None, scorer: str, as_json: bool,
+                       state_dir: str | None) -> None:
     """Compare two experiments variant by variant (FIRST SECOND), or two variants (FIRST
     --variants A B), paired by sample: each side's per-sample mean (repeats averaged), the
     effect (mean difference, second minus first) with its 95% paired t interval, and a paired
@@ -533,7 +649,7 @@ def experiment_compare(hub: str, curve: CurveClient | None, first: str, second: 
         raise click.UsageError("give two experiments (FIRST SECOND), or one and the two "
                                "variants to compare (FIRST --variants A B)")
     names = (first, second or first)
-    journals = _journals(hub, curve, tuple(dict.fromkeys(names)))
+    journals = _journals(hub, curve, tuple(dict.fromkeys(names)), state_dir)
     a, b = journals[0], journals[-1]
     _check_compared(a, b, names, variants, scorer)
     data = compare_variants(a, variants[0], b, variants[1], names, scorer) if variants \

@@ -128,8 +128,10 @@ def _cost_text(model: ModelStats) -> str:
 @click.option("--run", "runs", multiple=True,
               help="Only events of these runs: an id or its prefix (the 8 characters watch "
                    "prints; repeatable).")
-@click.option("--experiment", "experiments", multiple=True,
-              help="Only events of these experiments (repeatable).")
+@click.option("--experiment", "experiments", multiple=True, metavar="E",
+              help="Only events of these experiments (repeatable): a `busctl experiment` run's "
+                   "name E covers its journal and all its cells (E.<variant>.r<N>, also those "
+                   "started later), E.<variant> one variant's.")
 def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None, last: int | None,
           no_follow: bool, types: tuple[str, ...], agents: tuple[str, ...], runs: tuple[str, ...],
           experiments: tuple[str, ...]) -> None:
@@ -141,6 +143,7 @@ def watch(hub: str, curve: CurveClient | None, as_json: bool, since: int | None,
       busctl watch --json --since 0      # everything in the log, then live
       busctl watch --agent assistant --type tool_execution_end
       busctl watch --no-follow --since 0 --json > events.jsonl
+      busctl watch --experiment arith-1 --type experiment_sample   # cells as they finish
     """
     from agent_bus.bus.watch import EVENT_TYPES, WatchFilter, unknown_types, watch_events
 

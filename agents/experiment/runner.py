@@ -59,11 +59,12 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer, Subscription
 from agent_bus.bus.errors import BusError, HubLost, NoService, RemoteError
+from agent_bus.bus.logfile import open_log, rows
 from agent_bus.bus.messages import AssistantMessage, RunWorkspace, Usage
 from agent_bus.bus.watch import replay_batch
 from agent_bus.tools.workspaces import WORKSPACES_META
 
-PLAN_TYPE = "experiment_plan"
+PLAN_TYPE = "experiment_plan"  # the tags of ev.ExperimentPlan / ev.ExperimentSample
 SAMPLE_TYPE = "experiment_sample"
 JOURNAL_TOPIC = "ext///experiment_"  # both types, published with no agent and no run
 END_WAIT = 5.0  # seconds to wait for a run's agent_end (its turns) after its result
@@ -77,65 +78,10 @@ FAILURE_RULE = ("a cell that timed out (run.timeout), passed its run.token_limit
 LIMIT_REASON = "the experiment's run.token_limit / run.cost_limit for a sample was passed"
 
 
-class Plan(msgspec.Struct):
-    """What an experiment set out to run (published once, when it starts)."""
-
-    experiment: str
-    digest: str  # `spec_digest`: a resume with another spec or dataset is refused
-    spec: str
-    samples: int
-    variants: list[str]
-    repeats: int
-    planned: int
-    scorers: list[str]
-    type: str = PLAN_TYPE
-
-
-class SampleResult(msgspec.Struct):
-    """One finished cell: the journal entry and a row of the results file."""
-
-    experiment: str
-    variant: str
-    sample: str
-    repeat: int
-    status: str  # "ok" (an answer, scored) or "error" (retries exhausted; not scored)
-    answer: str = ""
-    score: float | None = None  # the first scorer's
-    scores: dict[str, float | None] = msgspec.field(default_factory=dict)
-    tokens: int = 0
-    cost: float = 0.0
-    turns: int = 0
-    wall: float = 0.0  # seconds, prompt to result, of the last attempt
-    stop_reason: str = ""
-    run_id: str = ""
-    session: str = ""
-    tag: str = ""  # the experiment id the session's events carry
-    # its own folder on the tool workers, `.runs/<this>/` in each one's workspace ("": shared)
-    workspace: str = ""
-    attempts: int = 1
-    error: str = ""
-    type: str = SAMPLE_TYPE
-
-    @property
-    def key(self) -> tuple[str, str, int]:
-        return (self.variant, self.sample, self.repeat)
-
-    @property
-    def outcome(self) -> str:
-        """What the cell came to, by the one failure rule (FAILURE_RULE): `ok` (an answer of
-        its own), `timed_out` (run.timeout), `limited` (run.token_limit / cost_limit) or
-        `error` (its retries spent). The journal keeps `status` ok for the first three (a
-        resume runs only `error` cells again); readers go by this."""
-        if self.status != "ok":
-            return "error"
-        return {"timeout": "timed_out", "limit": "limited"}.get(self.stop_reason, "ok")
-
-    def counted(self, scorers: Iterable[str]) -> dict[str, float | None]:
-        """Each scorer's score as the statistics count it: the scorer's own for an `ok` cell
-        (None: it does not apply to this sample, or the grader gave no grade), 0 otherwise."""
-        if self.outcome == "ok":
-            return {s: self.scores.get(s) for s in scorers}
-        return dict.fromkeys(scorers, 0.0)
+# The journal's entries are bus events (bus/events.py), so every reader of the log knows them
+# (`busctl watch --type experiment_sample`, `busctl export`); their names here are the runner's.
+Plan = ev.ExperimentPlan
+SampleResult = ev.ExperimentSample
 
 
 class Journal(msgspec.Struct):
@@ -184,6 +130,16 @@ async def read_journal(peer: Peer, experiment: str) -> Journal:
         if batch.upto >= batch.head or batch.upto <= cursor:
             break
         cursor = batch.upto
+    return journal
+
+
+def journal_from_log(path: Path, experiment: str) -> Journal:
+    """The same, read from the log file with no hub (bus.logfile, as `busctl export` reads it):
+    only the experiment's journal rows, through the log's experiment index."""
+    journal = Journal(None, {})
+    with open_log(path) as db:
+        for _, _, header_bytes, body in rows(db, [experiment], (PLAN_TYPE, SAMPLE_TYPE)):
+            journal.add_logged(experiment, header_bytes, body)
     return journal
 
 
@@ -732,5 +688,6 @@ def progress_for(stream: TextIO, planned: int) -> Progress:
 
 
 __all__ = ["FAILURE_RULE", "PLAN_TYPE", "SAMPLE_TYPE", "Journal", "Plan", "Progress", "Runner",
-           "SampleResult", "cell_workspaces", "money", "old_tool_workers", "progress_for",
+           "SampleResult", "cell_workspaces", "journal_from_log", "money", "old_tool_workers",
+           "progress_for",
            "read_journal", "result_rows", "split_tools", "write_results"]

@@ -41,10 +41,11 @@ from agent_bus.agents import replay
 from agent_bus.agents.gateway.wire import Seed
 from agent_bus.agents.launch.topology import TurnBound
 from agent_bus.agents.replay_wire import LiveOverrides
+from agent_bus.bus import experiments
 from agent_bus.bus.errors import AgentBusError, ConfigError
 from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, workspace_problem
 
-NAME = r"[A-Za-z0-9_-]+"  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
+NAME = experiments.NAME  # experiment and variant names: the tag `E.<variant>.r<N>` parses back
 #: The gateway holds this many replays (overlays) at once (agents/gateway/process.py REPLAYS_KEPT).
 MAX_OVERLAYS = 16
 MAX_SAMPLE_BYTES = 1024 * 1024  # one dataset line; a larger one is a mistake, not a sample
@@ -531,7 +532,7 @@ def summary(loaded: Loaded) -> dict[str, Any]:
 
 def experiment_tag(experiment: str, variant: str, repeat: int) -> str:
     """The experiment id a cell's sessions carry: `E.<variant>.r<repeat>`."""
-    return f"{experiment}.{variant}.r{repeat}"
+    return experiments.cell_tag(experiment, variant, repeat)
 
 
 def spec_digest(loaded: Loaded) -> str:
