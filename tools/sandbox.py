@@ -630,9 +630,10 @@ def _words(arg: str) -> list[str]:
 def _state_dirs(hide: list[Path]) -> list[Path]:
     """Hidden from tools: the state directories, and the folder of local hubs' sockets,
     credentials and tcp aliases (the hub's own socket folder is bound back in, read-only)."""
-    from agent_bus.bus.paths import runtime_home, state_home
+    from agent_bus.bus.paths import alias_homes, runtime_home, state_home
 
-    hidden = {state_home().resolve(), runtime_home().resolve(), *(h.resolve() for h in hide)}
+    hidden = {state_home().resolve(), runtime_home().resolve(), *(h.resolve() for h in hide),
+              *(home.resolve() for home in alias_homes())}
     return [p for p in hidden if p.is_dir()]
 
 
