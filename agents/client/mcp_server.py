@@ -187,15 +187,12 @@ def _error(text: str) -> Any:
 
 
 def _server(handlers: BusMcpServer) -> Any:
-    from importlib.metadata import PackageNotFoundError, version
-
     from mcp.server.lowlevel import Server
 
-    try:
-        ours = version("agent-bus")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        ours = "0+unknown"
-    server: Server[Any] = Server("agent-bus", version=ours, on_list_tools=handlers.list_tools,
+    from agent_bus.tools.mcp import our_version
+
+    server: Server[Any] = Server("agent-bus", version=our_version(),
+                                 on_list_tools=handlers.list_tools,
                                  on_call_tool=handlers.call_tool)
     return server
 
