@@ -20,6 +20,10 @@ from typing import Any
 import msgspec
 
 TOOL_PREFIX = "tool."
+# A tool service's `meta` key: true when a map `details` of its results is structured output
+# meant for clients (an MCP server's `structuredContent`), which `busctl mcp serve` passes on;
+# any other tool's `details` stays hidden from models and MCP clients (docs/protocol.md §5).
+STRUCTURED_META = "structured_content"
 NAME_RULE = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 NAME_WORDS = "1-64 letters, digits, `_` or `-`, the first a letter or `_`"
 _NAME = re.compile(NAME_RULE)
@@ -110,5 +114,5 @@ def tool_service_fault(service: str, meta: Any) -> str:
     return f"register refused: service {service!r}: {why}" if why else ""
 
 
-__all__ = ["NAME_RULE", "NAME_WORDS", "TOOL_PREFIX", "parameters_fault", "tool_meta_fault", "tool_name_fault",
-           "tool_service_fault"]
+__all__ = ["NAME_RULE", "NAME_WORDS", "STRUCTURED_META", "TOOL_PREFIX", "parameters_fault",
+           "tool_meta_fault", "tool_name_fault", "tool_service_fault"]
