@@ -126,7 +126,6 @@ def _speaks_for(served: set[str], agent: str) -> bool:
     return f"agent.{agent}" in served or any(s.startswith(f"agent.{agent}@") for s in served)
 
 
-
 class _BodyType(msgspec.Struct):
     """An event body read for its `type` alone (the other fields are skipped, not built)."""
 
