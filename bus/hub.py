@@ -105,9 +105,12 @@ HUB_EVENT_TYPES = ev.BUS_TYPES - {"process_restarted", "process_gave_up"}
 
 # Events about a call, published by the peer serving it (not by the agent's coordinator): the
 # service-name prefix a peer with roles must serve to publish each (see `_refuse_speaker`). A
-# tool's progress is published only for a call its peer is serving now (`_serves_call`).
+# tool's progress is not among them: its server sends `partial`s, which the caller publishes
+# (docs/protocol.md section 5), so a tool peer's own `tool_execution_update` is refused (one
+# copy of each update, never two).
 _SERVER_PROGRESS = {"message_update": "llm", "llm_retry": "llm"}
-_TOOL_PROGRESS = "tool_execution_update"
+_PROGRESS_HINT = ("; a tool sends its progress as `partial` replies and its caller publishes "
+                  "them")
 
 # The experiment journal (agents/experiment/runner.py): only the identity that runs experiment
 # `E` writes its journal: full rights, or a role matching `experiment.E`. The hub stamps the
@@ -121,22 +124,6 @@ def _speaks_for(served: set[str], agent: str) -> bool:
     an instance of it (`agent.<agent>@...`); never a name it merely starts (`agent.bob2` does
     not serve `bob`)."""
     return f"agent.{agent}" in served or any(s.startswith(f"agent.{agent}@") for s in served)
-
-
-class _CallFacts(msgspec.Struct):
-    """What a `tool.*` call says it is for (`ToolCallRequest`'s fields; the rest skipped)."""
-
-    call_id: str = ""
-    agent: str = ""
-    run_id: str = ""
-
-
-class _ProgressFacts(msgspec.Struct):
-    tool_call_id: str = ""
-
-
-_decode_call = msgspec.msgpack.Decoder(_CallFacts).decode
-_decode_progress = msgspec.msgpack.Decoder(_ProgressFacts).decode
 
 
 class _BodyType(msgspec.Struct):
@@ -772,13 +759,11 @@ class Hub:
         self._reject(counter, ident, text)
         self._send_error(ident, req_id, p.FORBIDDEN, text)
 
-    def _refuse_speaker(self, ident: bytes, peer: PeerState, header: p.Header,
-                        body: bytes) -> bool:
+    def _refuse_speaker(self, ident: bytes, peer: PeerState, header: p.Header) -> bool:
         """A peer with roles publishes `agent` events only for the agents it serves (has
-        registered `agent.<name>` or `agent.<name>@...` on this connection); progress of the
-        calls it serves is its too: `tool_execution_update` of a call it is serving now (see
-        `_serves_call`), `message_update` and `llm_retry` from an `llm` server. Refused:
-        `forbidden_events`."""
+        registered `agent.<name>` or `agent.<name>@...` on this connection); an `llm` server's
+        `message_update` and `llm_retry` too. A tool's progress is its caller's to publish (from
+        the `partial`s), never the tool peer's. Refused: `forbidden_events`."""
         type_ = header.type
         if ev.event_family(type_) != "agent":
             return False
@@ -789,43 +774,15 @@ class Hub:
         agent = header.agent
         if _speaks_for(served, agent):
             return False
-        if type_ == _TOOL_PROGRESS:
-            if self._serves_call(peer, header, body):
-                return False
-        elif type_ in _SERVER_PROGRESS and any(s.startswith(_SERVER_PROGRESS[type_])
-                                               for s in served):
+        if type_ in _SERVER_PROGRESS and any(s.startswith(_SERVER_PROGRESS[type_])
+                                             for s in served):
             return False
         self._forbid("forbidden_events", ident, header.id,
                      f"event refused, neither logged nor published: {peer.id} does not serve "
-                     f"agent `{agent[:64]}`{self._call_hint(type_)}, so it may not publish its "
-                     f"`{type_[:64]}` (docs/protocol.md section 8, roles)")
+                     f"agent `{agent[:64]}`, so it may not publish its `{type_[:64]}`"
+                     f"{_PROGRESS_HINT if type_ == 'tool_execution_update' else ''} "
+                     f"(docs/protocol.md section 8, roles)")
         return True
-
-    @staticmethod
-    def _call_hint(type_: str) -> str:
-        return (" nor the call named by the event's `parent` (the request id as its server got "
-                "it)" if type_ == _TOOL_PROGRESS else "")
-
-    def _serves_call(self, peer: PeerState, header: p.Header, body: bytes) -> bool:
-        """Whether `peer` is serving the `tool.*` call whose progress this is: the event's
-        `parent` is the id of a request it holds now (a dict lookup), and that call is of the
-        event's agent, run and tool call, asked by a peer that speaks for the agent (the call's
-        own claims are its requester's: a tool worker asking its own tool for `bob`'s run gains
-        nothing). Read only for progress from a peer that does not serve the agent."""
-        call = peer.serving.get(header.parent) if header.parent else None
-        if call is None or not call.service.startswith("tool.") or not call.body:
-            return False
-        try:
-            facts = _decode_call(bytes(call.body[0]))
-            progress = _decode_progress(body)
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-            return False
-        if (facts.agent, facts.run_id, facts.call_id) != (header.agent, header.run,
-                                                          progress.tool_call_id):
-            return False
-        asker = self.peers.get(call.requester)
-        return asker is not None and (self._roles(asker) is None
-                                      or _speaks_for(asker.served, header.agent))
 
     def _refuse_journal(self, ident: bytes, peer: PeerState, header: p.Header) -> bool:
         """Only the runner writes the journal: an `experiment_plan` / `experiment_sample` of
@@ -930,7 +887,7 @@ class Hub:
         # types pay this one set lookup, not a store to clear it)
         if header.type in JOURNAL_TYPES and self._refuse_journal(ident, peer, header):
             return
-        if self._restricted and self._refuse_speaker(ident, peer, header, body):
+        if self._restricted and self._refuse_speaker(ident, peer, header):
             return
         self._batch_bytes += len(body)
         events.stamp(header, body)

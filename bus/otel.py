@@ -278,8 +278,7 @@ class TraceBuilder:
             error = msg.error or ""
             if self.capture:
                 attrs["gen_ai.output.messages"] = json.dumps([_assistant_json(msg)])
-                attrs.update({"output.value": "".join(getattr(c, "text", "") for c in msg.content),
-                              "output.mime_type": "text/plain"})
+                attrs.update(_chat_output(msg))
         if self.capture:
             attrs["gen_ai.input.messages"] = json.dumps(_history(run, chat.index))
             attrs.update({"input.value": attrs["gen_ai.input.messages"],
@@ -297,12 +296,30 @@ class TraceBuilder:
                                  "gen_ai.conversation.id": run.session,
                                  "agent_bus.experiment.id": run.experiment}
         if self.capture:
+            result = tool.result if isinstance(tool.result, str) else ""
             attrs["gen_ai.tool.call.arguments"] = json.dumps(tool.args)
-            attrs["gen_ai.tool.call.result"] = tool.result if isinstance(tool.result, str) else ""
+            attrs["gen_ai.tool.call.result"] = result
+            # OpenInference's input/output: what Phoenix shows for a tool span
+            attrs.update({"input.value": attrs["gen_ai.tool.call.arguments"],
+                          "input.mime_type": "application/json",
+                          "output.value": result, "output.mime_type": "text/plain"})
         error = "tool error" if tool.is_error else ""
         return self._span(f"execute_tool {tool.name}", trace_id,
                           tool_span_id(run.run, tool.call_id), parent, tool.start,
                           tool.end or run.last, attrs, SpanKind.INTERNAL, error)
+
+
+def _chat_output(msg: AssistantMessage) -> dict[str, str]:
+    """A model call's OpenInference output: its text, or, for a reply that only calls tools,
+    those calls as JSON (an empty value would make Phoenix show the span's other attributes,
+    e.g. `{"model": …}`, as its output)."""
+    text = "".join(getattr(c, "text", "") for c in msg.content)
+    calls = [{"id": c.id, "name": c.name, "arguments": _arguments(c.arguments)}
+             for c in msg.content if isinstance(c, ToolCall)]
+    if text or not calls:
+        return {"output.value": text, "output.mime_type": "text/plain"}
+    return {"output.value": json.dumps({"tool_calls": calls}),
+            "output.mime_type": "application/json"}
 
 
 def _messages(role: str, text: str) -> str:

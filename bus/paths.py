@@ -100,6 +100,9 @@ def overlaps(a: Path, b: Path) -> bool:
 # holding `hub` and `hub.events` (short paths: a socket path has at most 107 bytes). The tcp
 # address the topology names (`tcp://127.0.0.1:7400`) stays its owner's way to reach it: an alias
 # file `tcp-<port>` in the user's runtime folder gives the ipc address, and `connect()` follows it.
+# The alias is also written to a folder chosen from the uid alone (`alias_homes`): an MCP client
+# starts `busctl mcp serve` with a minimal environment (no XDG_RUNTIME_DIR, no TMPDIR), and it
+# must find the topology its user started from a full login shell.
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -202,8 +205,21 @@ def loopback_port(endpoint: str) -> int | None:
     return int(port) if port.isdigit() and int(port) else None
 
 
-def _alias_file(port: int) -> Path:
-    return runtime_home() / f"tcp-{port}"
+def _fixed_runtime_base() -> Path:
+    """The runtime folder as chosen without any environment variable: `/run/user/<uid>` (what
+    a login manager names in XDG_RUNTIME_DIR) when it exists and is this user's, else
+    `/tmp/agent-bus-<uid>` (the literal /tmp: a minimal environment has no TMPDIR either)."""
+    login = Path(f"/run/user/{os.getuid()}")
+    if _ours(login, private=True) and login.is_dir():
+        return login / "agent-bus"
+    return Path("/tmp") / f"agent-bus-{os.getuid()}"
+
+
+def alias_homes() -> list[Path]:
+    """Where tcp aliases are written and looked for: the runtime folder of this environment,
+    then the one chosen from the uid alone (the same with and without XDG_RUNTIME_DIR)."""
+    homes = [_runtime_base(), _fixed_runtime_base()]
+    return homes[:1] if homes[0] == homes[1] else homes
 
 
 def write_private(path: Path, text: str) -> None:
@@ -217,23 +233,40 @@ def write_private(path: Path, text: str) -> None:
 
 
 def set_tcp_alias(port: int, endpoint: str) -> None:
-    """Make `tcp://127.0.0.1:<port>` lead this user's clients to `endpoint` (0600)."""
-    write_private(_alias_file(port), endpoint)
+    """Make `tcp://127.0.0.1:<port>` lead this user's clients to `endpoint` (0600), in every
+    folder of `alias_homes`. The runtime folder must take it; the uid-only copy is a courtesy
+    to clients started with a minimal environment, skipped when that folder is not ours."""
+    first, *others = alias_homes()
+    write_private(private_dir(first) / f"tcp-{port}", endpoint)
+    for home in others:
+        try:
+            write_private(private_dir(home) / f"tcp-{port}", endpoint)
+        except (OSError, ConfigError):
+            pass  # e.g. another user made /tmp/agent-bus-<uid>: never write into theirs
 
 
 def remove_tcp_alias(port: int, endpoint: str) -> None:
-    """Remove the alias, unless it now leads to another hub."""
-    try:
-        if tcp_alias(port, live=False) == endpoint:
-            _alias_file(port).unlink(missing_ok=True)
-    except (OSError, ConfigError):
-        pass
+    """Remove the alias from every folder that holds it, unless it now leads to another hub."""
+    for home in alias_homes():
+        try:
+            if _read_alias(home, port, live=False) == endpoint:
+                (home / f"tcp-{port}").unlink(missing_ok=True)
+        except (OSError, ConfigError):
+            pass
 
 
 def tcp_alias(port: int, live: bool = True) -> str:
     """The ipc:// address this user's local hub for `port` listens on ("" when none; with
-    `live`, also when its socket does not accept a connection: a topology that was killed)."""
-    base = _runtime_base()
+    `live`, also when its socket does not accept a connection: a topology that was killed).
+    Looked for in each folder of `alias_homes`, in order."""
+    for home in alias_homes():
+        endpoint = _read_alias(home, port, live)
+        if endpoint:
+            return endpoint
+    return ""
+
+
+def _read_alias(base: Path, port: int, live: bool) -> str:
     path = base / f"tcp-{port}"
     if not (_ours(base, private=True) and _ours(path, private=True)):
         return ""

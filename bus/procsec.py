@@ -121,6 +121,23 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
     return True
 
 
+_PR_GET_PDEATHSIG = 2
+
+
+def parent_death_signal() -> int:
+    """The signal the kernel sends this process when its parent dies (0: none, or unknown).
+
+    Set by whoever started it and asked for it (`busctl up`'s supervisor, `die_with_parent`),
+    kept across `execve`: a process started by hand from a shell has none."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    sig = ctypes.c_int(0)
+    if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0) != 0:
+        return 0
+    return sig.value
+
+
 def exec_with_parent_death(argv: list[str]) -> None:
     """`python -m agent_bus.bus.procsec PARENT_PID CMD…`: die with PARENT_PID, then become CMD.
 
@@ -135,7 +152,8 @@ def exec_with_parent_death(argv: list[str]) -> None:
         os._exit(127)
 
 
-__all__ = ["die_with_parent", "drop_root_powers", "exec_with_parent_death", "make_undumpable"]
+__all__ = ["die_with_parent", "drop_root_powers", "exec_with_parent_death", "make_undumpable",
+           "parent_death_signal"]
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ from typing import Any, overload
 import msgspec
 
 from agent_bus.bus.messages import ToolInfo
+from agent_bus.bus.toolnames import NAME_RULE, NAME_WORDS
 from agent_bus.tools._context import ToolContext
 from agent_bus.tools._exceptions import ArgumentsError, ToolDefinitionError
 from agent_bus.tools._schema import build_args_struct, parse_docstring, provider_schema
 
-# Providers accept ^[a-zA-Z0-9_-]{1,64}$; the name is also the service `tool.<name>`.
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+# The name is also the service `tool.<name>`: the hub's rule, one for both (bus/toolnames.py).
+_NAME_RE = re.compile(NAME_RULE)
 
 
 class Tool:
@@ -41,8 +42,7 @@ class Tool:
         self.name = name or fn.__name__
         if not _NAME_RE.match(self.name):
             raise ToolDefinitionError(
-                f"Tool name `{self.name}` is invalid: use 1-64 letters, digits, `_` or `-`, "
-                f"starting with a letter or `_`"
+                f"Tool name `{self.name}` is invalid: use {NAME_WORDS} (`name=` of @tool)"
             )
         if timeout is not None and timeout <= 0:
             raise ToolDefinitionError(f"Tool `{self.name}`: timeout must be > 0, got {timeout!r}")

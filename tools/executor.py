@@ -44,7 +44,7 @@ from agent_bus.bus.errors import (
 )
 from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
 from agent_bus.bus.rpc import Replies
-from agent_bus.bus.toolnames import tool_meta_fault, tool_name_fault
+from agent_bus.bus.toolnames import STRUCTURED_META, tool_meta_fault, tool_name_fault
 from agent_bus.tools._calls import SERVICE_PREFIX, service_name
 from agent_bus.tools.worker import decode_reply
 
@@ -94,6 +94,8 @@ class BusToolExecutor:
         self._lock = anyio.Lock()
         #: Live tools left out of the catalog (name -> why), as of the last fetch.
         self.skipped: dict[str, str] = {}
+        #: Live tools whose map `details` is structured output for clients (`STRUCTURED_META`).
+        self.structured: set[str] = set()
         self._logged: set[tuple[str, str]] = set()
         # Run workspaces: for each, the peer ids of its workers (the first that answered one
         # of its calls; then, for tools none of those serve, the first that answered one of
@@ -128,6 +130,9 @@ class BusToolExecutor:
                     raise
                 return self._catalog  # stale beats nothing while the hub is away
             self._catalog, self.skipped = {}, {}
+            self.structured = {s.name[len(SERVICE_PREFIX):] for s in status.services
+                               if s.name.startswith(SERVICE_PREFIX)
+                               and s.meta.get(STRUCTURED_META) is True}
             self._serves = {peer.peer: {load.name for load in peer.services}
                             for peer in status.peers}
             for service in status.services:

@@ -65,6 +65,20 @@ STABLE_AFTER = 30.0
 FIRST_CONNECT_WAIT = 30.0
 #: How long a call waits for a re-initialized HTTP session before it fails.
 RENEW_WAIT = 10.0
+#: An HTTP server that refuses our credentials (401/403) is tried again this often, not at the
+#: crash pace: a wrong token stays wrong until someone changes it (or the server's side).
+AUTH_RETRY = 300.0
+_AUTH_STATUSES = (401, 403)
+
+
+def our_version() -> str:
+    """agent-bus's installed version: how its MCP client and server introduce themselves."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agent-bus")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "0+unknown"
 
 
 class McpServerSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -214,6 +228,7 @@ class McpBridge:
         self._gone = anyio.Event()  # set: end the current session (reconnect)
         self._connected = anyio.Event()  # set while a session serves
         self._renewing = False  # the session ends because it expired: reconnect at once
+        self._refused = ""  # the HTTP server's last 401/403, named ("" when none)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                   ) -> None:
@@ -231,6 +246,7 @@ class McpBridge:
 
         while True:
             t0 = anyio.current_time()
+            self._refused = ""
             try:
                 await self._session_once(ready)
                 why = "exited"
@@ -244,6 +260,14 @@ class McpBridge:
             if self._renewing:  # not a failure: the server restarted and forgot us
                 self._renewing = False
                 continue
+            if self._refused:
+                log.error("%s: authentication failed (%s): check its headers (`--mcp-header "
+                          "Authorization=Bearer …`, `headers` of [[workers.mcp]]); its tools "
+                          "are not served; trying again in %.0fs", self.owner, self._refused,
+                          AUTH_RETRY)
+                await anyio.sleep(AUTH_RETRY)
+                delays = RESTART_BACKOFF.delays()
+                continue
             if anyio.current_time() - t0 > STABLE_AFTER:  # it ran well: not a crash loop
                 delays = RESTART_BACKOFF.delays()
             delay = next(delays)
@@ -254,6 +278,7 @@ class McpBridge:
     async def _session_once(self, ready: Callable[[], None]) -> None:
         """Start the server, register its tools, serve until its stdout closes."""
         from mcp import ClientSession
+        from mcp import types as mt
 
         gone = self._gone = anyio.Event()
         async with contextlib.AsyncExitStack() as stack:
@@ -263,7 +288,9 @@ class McpBridge:
             inbox_send, inbox = anyio.create_memory_object_stream[Any](0)
             tg.start_soon(_forward_until_closed, read, inbox_send, gone)
             session = await stack.enter_async_context(
-                ClientSession(inbox, write, message_handler=self._on_message))
+                ClientSession(inbox, write, message_handler=self._on_message,
+                              client_info=mt.Implementation(name="agent-bus",
+                                                            version=our_version())))
             await session.initialize()
             self.session = session
             await self._sync_tools()
@@ -285,6 +312,9 @@ class McpBridge:
 
             client = await stack.enter_async_context(
                 create_mcp_http_client(headers=self.spec.headers or None))
+            # the SDK turns every HTTP error into one JSON-RPC error ("Server returned an error
+            # response"); the status is read here, so a refusal of our credentials is named
+            client.event_hooks["response"].append(self._note_refusal)
             streams = await stack.enter_async_context(
                 streamable_http_client(self.spec.url, http_client=client))
             return streams[0], streams[1]
@@ -293,6 +323,12 @@ class McpBridge:
         errlog = await stack.enter_async_context(_stderr_to_log(self.label))
         streams = await stack.enter_async_context(stdio_client(params, errlog=errlog))
         return streams[0], streams[1]
+
+    async def _note_refusal(self, response: Any) -> None:
+        if response.status_code in _AUTH_STATUSES:
+            asks = response.headers.get("www-authenticate", "")[:200]  # a scheme, no secret
+            self._refused = (f"HTTP {response.status_code} {response.reason_phrase} from "
+                             f"{self.spec.url}" + (f", which asks for `{asks}`" if asks else ""))
 
     async def _renew(self, session: ClientSession) -> ClientSession | None:
         """An HTTP server forgot our session (it restarted): reconnect now, and return the new
@@ -401,6 +437,9 @@ class McpBridge:
                 result = await renewed.call_tool(mcp_name, args, progress_callback=on_progress,
                                                  meta=meta)
         except MCPError as exc:
+            if self._refused:  # the token expired or was revoked mid-session
+                return error_result(f"Error: {self.owner}, tool `{mcp_name}`: authentication "
+                                    f"failed ({self._refused})")
             return error_result(f"Error: {self.owner}, tool `{mcp_name}`: {exc}")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             return error_result(f"Error: {self.owner} exited during `{mcp_name}`")
@@ -509,5 +548,5 @@ async def _start(tg: anyio.abc.TaskGroup, bridge: McpBridge) -> None:
     await tg.start(bridge.run)
 
 
-__all__ = ["McpBridge", "McpServerSpec", "parse_mcp_command", "provider_safe",
+__all__ = ["McpBridge", "McpServerSpec", "our_version", "parse_mcp_command", "provider_safe",
            "serve_mcp_servers", "to_tool_result"]

@@ -500,12 +500,14 @@ def _leave_with_bwrap() -> None:
     forwards nothing); `--die-with-parent` would then SIGKILL the worker. We replace that death
     signal with SIGTERM, which the worker handles like one sent to itself (unregister, finish
     calls, leave). A first process gets only the signals it has a handler for: SIGTERM gets
-    Python's usual meaning (exit) until the worker's own handler takes over."""
+    Python's usual meaning (exit) until the worker's own handler takes over. A SIGHUP that was
+    ignored when the worker started (`nohup`) stays ignored, as it does without a sandbox."""
     import ctypes
     import ctypes.util
 
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGHUP, _exit_on_signal)
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _exit_on_signal)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -514,6 +516,9 @@ def _leave_with_bwrap() -> None:
 
 
 def _exit_on_signal(signum: int, _frame: object) -> None:
+    # Said on stderr: a worker in the background has no other way to tell why it is gone.
+    log.warning("sandboxed worker stopping on %s (sent to it, or to its bwrap process outside, "
+                "or that process ended)", signal.Signals(signum).name)
     raise SystemExit(128 + signum)
 
 
@@ -546,10 +551,20 @@ def worker_prefix(workspace: Path, hub: str, hide: list[Path], given: Iterable[s
         args += ["--ro-bind", "/dev/null", str(other)]  # other processes' roles, CURVE keys
     # --as-pid-1: the worker is the namespace's first process (see `_leave_with_bwrap`)
     args += ["--unshare-user", "--unshare-pid", "--as-pid-1", "--unshare-ipc", "--unshare-uts",
-             "--die-with-parent", "--cap-drop", "ALL", "--chdir", os.getcwd()]
+             *_lifetime_args(), "--cap-drop", "ALL", "--chdir", os.getcwd()]
     if os.geteuid() == 0:
         args += ["--uid", str(ROOT_INNER_UID), "--gid", str(ROOT_INNER_UID)]
     return [*args, "--"], SandboxInfo(kind="bwrap", writable=[str(p) for p in writable])
+
+
+def _lifetime_args() -> list[str]:
+    """`--die-with-parent` only for a worker whose launcher asked it to die with it (`busctl
+    up`'s supervisor sets a parent-death signal, kept across exec): bwrap would otherwise SIGKILL
+    itself, and so the worker, when the shell that started it exits — a worker started by hand
+    (`nohup busctl worker … &`) must outlive its shell, as it does without a sandbox."""
+    from agent_bus.bus.procsec import parent_death_signal
+
+    return ["--die-with-parent"] if parent_death_signal() else []
 
 
 TMP = Path("/tmp")
@@ -630,9 +645,10 @@ def _words(arg: str) -> list[str]:
 def _state_dirs(hide: list[Path]) -> list[Path]:
     """Hidden from tools: the state directories, and the folder of local hubs' sockets,
     credentials and tcp aliases (the hub's own socket folder is bound back in, read-only)."""
-    from agent_bus.bus.paths import runtime_home, state_home
+    from agent_bus.bus.paths import alias_homes, runtime_home, state_home
 
-    hidden = {state_home().resolve(), runtime_home().resolve(), *(h.resolve() for h in hide)}
+    hidden = {state_home().resolve(), runtime_home().resolve(), *(h.resolve() for h in hide),
+              *(home.resolve() for home in alias_homes())}
     return [p for p in hidden if p.is_dir()]
 
 

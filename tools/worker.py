@@ -40,6 +40,7 @@ from agent_bus.bus.errors import HubLost, RequestError
 from agent_bus.bus.messages import ToolCallRequest, ToolInfo, ToolResult, error_result
 from agent_bus.bus.paths import inside_state_dir
 from agent_bus.bus.security import CurveClient
+from agent_bus.bus.toolnames import STRUCTURED_META
 from agent_bus.tools._calls import decode_call, service_name
 from agent_bus.tools._exceptions import ToolLoadError, WorkspaceError
 from agent_bus.tools._loader import load_tools
@@ -207,7 +208,9 @@ class ToolWorker:
         jail = self.settings.sandbox
         meta = {**msgspec.to_builtins(info), **({"sandbox": describe(jail)} if jail else {}),
                 # calls with a `workspace` run in it (a requester may refuse workers without)
-                WORKSPACES_META: workspace_key(self.workspace)}
+                WORKSPACES_META: workspace_key(self.workspace),
+                # an MCP server's `structuredContent` (its results' `details`) is for clients
+                **({STRUCTURED_META: True} if owner != "@tool" else {})}
         await self.peer.serve(service_name(info.name), handler, capacity=self.settings.concurrency,
                               idempotent=idempotent, meta=meta, confirm=confirm)
         self.served[info.name] = (owner, info)

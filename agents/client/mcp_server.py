@@ -9,7 +9,8 @@ call runs the agent and returns the run's final text; the run's events stream as
 notifications (when the client asked for progress); a client-side cancel
 (`notifications/cancelled`) aborts the run. With `--tools`, every live bus tool is exposed as
 itself and called through the hub like an agent's tool call: its progress partials become
-progress notifications, and an MCP-backed tool's `structuredContent` is passed on. A tool that
+progress notifications, and an MCP-backed tool's `structuredContent` is passed on (any other
+tool's `details` is not: it is hidden from models, and an MCP client is often a model's). A tool that
 is neither is answered with a JSON-RPC error (invalid params), as the spec says. The tool list
 is read from the hub at every `tools/list`, so agents that come and go are seen. The official
 SDK (extra `mcp`) speaks the protocol; nothing here writes JSON-RPC.
@@ -130,7 +131,8 @@ class BusMcpServer:
             text = partial.text if isinstance(partial, ToolResult) else str(partial)
             await ctx.session.report_progress(count, None, text)
 
-        return _to_mcp(await self.tools.execute(request, on_update))
+        result = await self.tools.execute(request, on_update)
+        return _to_mcp(result, structured=name in self.tools.structured)
 
 
 async def _abort(run: Run, reason: str) -> None:
@@ -152,7 +154,7 @@ def _describe(envelope: Envelope) -> str:
     return kind
 
 
-def _to_mcp(result: ToolResult) -> Any:
+def _to_mcp(result: ToolResult, structured: bool) -> Any:
     import base64
 
     from mcp import types as mt
@@ -164,11 +166,11 @@ def _to_mcp(result: ToolResult) -> Any:
                                            data=base64.b64encode(part.data).decode()))
         else:
             content.append(mt.TextContent(type="text", text=part.text))
-    # A dict `details` is what an MCP-backed tool's `structuredContent` became (tools/mcp.py):
-    # given back as such (any tool's dict details are a JSON object, which it allows).
-    structured = result.details if isinstance(result.details, dict) else None
-    return mt.CallToolResult(content=content, is_error=result.is_error,
-                             structured_content=structured)
+    # `details` is hidden from models, and so from MCP clients (often a model's host): only a
+    # tool whose meta says its `details` is structured output (an MCP-backed tool's
+    # `structuredContent`, tools/mcp.py) has a map `details` given back as such.
+    out = result.details if structured and isinstance(result.details, dict) else None
+    return mt.CallToolResult(content=content, is_error=result.is_error, structured_content=out)
 
 
 def _unknown_tool(name: str) -> Exception:
@@ -187,15 +189,12 @@ def _error(text: str) -> Any:
 
 
 def _server(handlers: BusMcpServer) -> Any:
-    from importlib.metadata import PackageNotFoundError, version
-
     from mcp.server.lowlevel import Server
 
-    try:
-        ours = version("agent-bus")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        ours = "0+unknown"
-    server: Server[Any] = Server("agent-bus", version=ours, on_list_tools=handlers.list_tools,
+    from agent_bus.tools.mcp import our_version
+
+    server: Server[Any] = Server("agent-bus", version=our_version(),
+                                 on_list_tools=handlers.list_tools,
                                  on_call_tool=handlers.call_tool)
     return server
 

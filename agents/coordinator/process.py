@@ -906,9 +906,12 @@ class Coordinator:
                             hosted.name, self.settings.name)
             spec = hosted.spec
             capacity = spec.max_concurrent_runs + spec.max_queued_runs + COMMAND_CAPACITY
+            # `tools`/`agents`: what its runs may call, for a client that must know (`busctl
+            # experiment run` refuses only for tools a variant's agents can reach)
             meta = {"agent": hosted.name, "model": spec.model,
                     "coordinator": self.settings.name,
-                    "description": first_line(spec.system_prompt)}
+                    "description": first_line(spec.system_prompt),
+                    "tools": list(spec.tools), "agents": list(spec.agents)}
             for service in (hosted.service, hosted.affine_service):
                 await self.peer.serve(service, hosted.handle, capacity=capacity, meta=meta,
                                       confirm=False)

@@ -297,6 +297,36 @@ def old_workers(status: p.Status) -> list[str]:
                   and not any(s.meta.get(WORKSPACES_META) for s in live.services))
 
 
+def unconfined_tools(status: p.Status) -> dict[str, list[str]]:
+    """Each live tool some peer serves without `workspaces` in that service's meta (it would
+    run a call with a workspace in its own folder), with those peers' names."""
+    out: dict[str, list[str]] = {}
+    for live in status.peers:
+        for service in live.services:
+            if service.name.startswith("tool.") and not service.meta.get(WORKSPACES_META):
+                out.setdefault(service.name.removeprefix("tool."), []).append(live.name)
+    return {tool: sorted(names) for tool, names in sorted(out.items())}
+
+
+def reachable(status: p.Status, agent: str, tools: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(agent, tool) for each of `tools` that `agent`, or an agent it asks (`agents`, again and
+    again), may call, by the `tools` and `agents` of each agent's service meta. An agent whose
+    coordinator names neither (an older one) counts as `tools = ["*"]`."""
+    metas = {s.name.removeprefix("agent."): s.meta for s in status.services
+             if s.name.startswith("agent.") and "@" not in s.name}
+    found, seen, todo = [], set(), [agent]
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        meta = metas.get(name, {})
+        allowed = meta.get("tools", ["*"])
+        found += [(name, tool) for tool in tools if "*" in allowed or tool in allowed]
+        todo += [a for a in meta.get("agents", []) if isinstance(a, str)]
+    return found
+
+
 def split_tools(status: p.Status) -> dict[str, list[str]]:
     """The tools served by workers whose `.runs` differ (their `workspaces` meta, see
     tools.workspaces.workspace_key), each with those workers (`name on host`). A run's calls
@@ -379,8 +409,10 @@ class Runner:
                             f"{exc.message}") from None
 
     async def _check_workers(self) -> None:
-        """Every live tool worker runs a call with a workspace in it: one that predates run
-        workspaces (no `workspaces` in its services' meta) would run it in its own."""
+        """Every tool a variant's agents can call runs a call with a workspace in it: one served
+        by a worker without `workspaces` in that service's meta (older, or a foreign tool that
+        does not confine calls) would run it in its own folder. Tools no variant reaches (a
+        stateless foreign tool offered to other agents) do not matter."""
         status = await self.bus.peer.status()
         for tool, workers in split_tools(status).items():
             log.warning("note: tool `%s` is served by workers whose run folders differ "
@@ -389,13 +421,17 @@ class Runner:
                         "by the next; docs/protocol.md, \"Run workspaces\"): give them "
                         "`--concurrency` for the cells at once, or one workspace on one host",
                         tool, ", ".join(workers))
-        old = old_workers(status)
-        if old:
-            raise SpecError(f"{self.loaded.source}: run.workspace: the tool worker(s) "
-                            f"{', '.join(old)} cannot run a sample's tool calls in its own "
-                            f"workspace (they predate run workspaces); upgrade them, or set "
-                            f"run.workspace = \"shared\" to run every sample in the workers' "
-                            f"own workspace")
+        unconfined = unconfined_tools(status)
+        for i, variant in enumerate(self.loaded.spec.variants):
+            for agent, tool in reachable(status, variant.agent, unconfined):
+                via = "" if agent == variant.agent else f" (asked by `{variant.agent}`)"
+                raise SpecError(
+                    f"{self.loaded.source}: variants[{i}] (`{variant.name}`): agent `{agent}`"
+                    f"{via} can call tool `{tool}`, which cannot honour a run workspace: its "
+                    f"worker(s) {', '.join(unconfined[tool])} name no `workspaces` in its meta "
+                    f"(older workers, or a tool that does not run calls in `.runs/<id>/`), so "
+                    f"a sample's calls would run in their own folder; upgrade them, leave "
+                    f"`{tool}` out of the agent's `tools`, or set run.workspace = \"shared\"")
 
     async def _models(self) -> None:
         """Each variant's model alias, for run.per_model: the one it pins, else its agent's

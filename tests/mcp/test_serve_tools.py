@@ -14,6 +14,8 @@ import pytest
 from mcp import ClientSession, MCPError, StdioServerParameters, stdio_client
 from mcp.types import INVALID_PARAMS
 
+from agent_bus.agents.client.remote import connect
+from agent_bus.bus.toolnames import STRUCTURED_META
 from tests.mcp.conftest import DEMO, mcp_worker
 
 pytestmark = pytest.mark.anyio
@@ -60,3 +62,24 @@ async def test_tools_stream_progress_keep_structured_content_and_unknown_is_an_e
             without = await unknown_tool_error(client)
     assert with_tools == without == (
         INVALID_PARAMS, "Unknown tool: no_such_tool (`tools/list` names the live ones)")
+
+
+async def test_a_bus_tools_details_stay_hidden_from_mcp_clients(hub: dict) -> None:
+    """Issue 49 item 14: `details` is documented as hidden from the model, and an MCP client is
+    often a model's host: only an MCP-backed tool (its meta says `structured_content`) has its
+    map `details`, the server's own `structuredContent`, passed on."""
+    endpoint = hub["endpoint"]
+    async with mcp_worker(endpoint, "--mcp", DEMO), \
+            mcp_worker(endpoint, "--tools", "tests.mcp.fixtures.detail_tools"):
+        async with connect(endpoint, name="test-meta") as bus:
+            metas = {s.name: s.meta for s in (await bus.peer.status()).services}
+        assert metas["tool.progress"].get(STRUCTURED_META) is True
+        assert STRUCTURED_META not in metas["tool.noted"]
+        async with stdio_client(serve_params(endpoint, "--tools")) as (r, w), \
+                ClientSession(r, w) as client:
+            await client.initialize()
+            with anyio.fail_after(20):
+                noted = await client.call_tool("noted", {})
+                progress = await client.call_tool("progress", {"steps": 1})
+    assert noted.content[0].text == "shown" and noted.structured_content is None, noted
+    assert progress.structured_content == {"result": "done"}, progress

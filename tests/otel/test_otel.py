@@ -197,6 +197,17 @@ async def test_capture_content(stack: Stack, receiver: Receiver, tmp_path: Path)
         ("tool_call_response", "call_2_ask_helper", "Bananas are yellow.")}
     assert second.attrs["input.value"] == second.attrs["gen_ai.input.messages"]  # for Phoenix
     assert second.attrs["output.value"] == "Done: a, b, yellow."
+    # issue 49 item 14: a reply that only calls tools has those calls as its output (Phoenix
+    # showed the span's `{"model": …}` when it had none), and a tool span its input and output
+    assert first.attrs["output.mime_type"] == "application/json"
+    assert json.loads(first.attrs["output.value"]) == {"tool_calls": [
+        {"id": "call_0_echo", "name": "echo", "arguments": {"text": "a"}},
+        {"id": "call_1_echo", "name": "echo", "arguments": {"text": "b"}},
+        {"id": "call_2_ask_helper", "name": "ask_helper",
+         "arguments": {"prompt": "What colour is a banana?"}}]}
+    assert json.loads(ask.attrs["input.value"]) == {"prompt": "What colour is a banana?"}
+    assert ask.attrs["input.mime_type"] == "application/json"
+    assert ask.attrs["output.value"] == "Bananas are yellow."
     assert json.loads(second.attrs["gen_ai.output.messages"]) == [{
         "role": "assistant", "parts": [{"type": "text", "content": "Done: a, b, yellow."}],
         "finish_reason": "stop"}]

@@ -8,8 +8,9 @@ them only from full rights or a role matching `experiment.<E>`, stamps the right
 (`granted`), and every reader ignores (and counts) an entry without the stamp — one a hub that did
 not check logged.
 
-Break 9: a `tool.*` peer published `tool_execution_update` into any agent's run. Now only into
-the run of a call it is serving now, asked by a peer that speaks for the agent."""
+Break 9: a `tool.*` peer published `tool_execution_update` into any agent's run. Now (issue 49
+item 13) never: a tool sends its progress as `partial` replies and its caller publishes them, so
+the log holds one copy of each update."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ def test_readers_ignore_journal_entries_the_hub_did_not_stamp(tmp_path: Path) ->
         proc.stop()
 
 
-# --- break 9: progress only for calls a peer serves ---------------------------------------
+# --- break 9: a tool's progress is its caller's to publish --------------------------------
 
 
 async def publish_progress(peer: Any, run: str, call_id: str = "c1", parent: str = "") -> None:
@@ -201,7 +202,7 @@ async def publish_progress(peer: Any, run: str, call_id: str = "c1", parent: str
 
 
 @pytest.mark.anyio
-async def test_a_tool_peer_publishes_progress_only_for_calls_it_serves(
+async def test_a_tool_peer_publishes_no_progress_events_not_even_for_its_own_calls(
         curve_hub: tuple[str, Keys]) -> None:
     endpoint, keys = curve_hub
     async with connect(endpoint, name="worker", curve=keys.client("worker")) as worker, \
@@ -211,21 +212,20 @@ async def test_a_tool_peer_publishes_progress_only_for_calls_it_serves(
             call = msgspec.msgpack.decode(req.body, type=ToolCallRequest)
             await publish_progress(worker, call.run_id, call.call_id, req.id)  # its own call
             await publish_progress(worker, "r2", call.call_id, req.id)  # another run
-            await publish_progress(worker, call.run_id, "c9", req.id)  # another tool call
             return msgspec.msgpack.encode(ToolResult())
 
         await worker.serve("tool.x", tool)
         await coord.serve("agent.assistant", lambda req: b"")
-        # the attack: progress into the victim's run, serving no call of it
-        await publish_progress(worker, "victim")
+        await publish_progress(worker, "victim")  # serving no call of it
         assert worker.counters.get("events_refused", 0) == 1
-        for asker, run in ((coord, "r1"), (worker, "r3")):  # r3: asked by itself, for `assistant`
-            call = ToolCallRequest(call_id="c1", name="x", agent="assistant", run_id=run)
-            await asker.request("tool.x", msgspec.msgpack.encode(call), timeout=20)
-        assert worker.counters.get("events_refused", 0) == 1 + 2 + 3
-        # the call's own progress, published by its server, is in the log; nothing else is
+        call = ToolCallRequest(call_id="c1", name="x", agent="assistant", run_id="r1")
+        await coord.request("tool.x", msgspec.msgpack.encode(call), timeout=20)
+        assert worker.counters.get("events_refused", 0) == 1 + 2
+        # the caller (here the agent's own server) publishes the call's progress: one copy
+        await publish_progress(coord, "r1")
         logged = cli("watch", "--json", "--no-follow", "--since", "0", "--hub", endpoint,
                      *keys.cli_args("owner"))
-        runs = [e.get("run_id") for e in map(json.loads, logged.stdout.splitlines())
-                if e.get("type") == "tool_execution_update"]
-        assert runs == ["r1"], logged.stdout[-2000:]
+        updates = [e for e in map(json.loads, logged.stdout.splitlines())
+                   if e.get("type") == "tool_execution_update"]
+        assert [(e.get("run_id"), e.get("peer")) for e in updates] == [
+            ("r1", coord.peer_id)], logged.stdout[-2000:]
