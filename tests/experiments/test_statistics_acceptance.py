@@ -183,7 +183,7 @@ def test_known_dataset_headline_scorers_interval_comparison_and_agreement(
             "has no variant `c` (its variants: a, b)" in unknown.stderr, unknown.stderr
         resumed = on_a_terminal(ex.cwd, ex.endpoint, "run", "examples/experiment/stats.toml",
                                 "--resume", E)
-    rows = [json.loads(line) for line in (ex.cwd / "results" / f"{E}.jsonl").open()]
+    rows = [json.loads(line) for line in (ex.cwd / "results" / f"{E}.jsonl").read_text().splitlines()]
 
     # the headline and every scorer, per variant, against the per-sample computation
     assert (data["samples"], data["repeats"], data["done"], data["counted"], data["planned"]) == \
