@@ -244,13 +244,18 @@ class Peer:
         for sub in list(self.subscriptions):
             sub._close()
         await self._serving.close()  # handlers end before the socket closes
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
-        self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
-        self.welcome = None
-        self._set_state(PeerState.CLOSED)
-        self.ctx.term()
+        try:
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+                await self._tg.__aexit__(None, None, None)
+        finally:
+            # Also when the group's exit raises: a cancellation of the caller arriving while
+            # its tasks end is re-raised there, once they have ended. Skipping this left the
+            # socket and context to the garbage collector (a ResourceWarning).
+            self._close_socket(linger=BYE_LINGER_MS if bye_sent else 0)
+            self.welcome = None
+            self._set_state(PeerState.CLOSED)
+            self.ctx.term()
 
     # --- connection ----------------------------------------------------------------------
 

@@ -19,6 +19,12 @@ Model args (`-M name=value`, or `get_model(..., name=value)`): `hub` (else $BUSC
 `error` or `aborted`, a timeout and a bus failure raise `BusEvalError` (an `AgentBusError`,
 never a bare `TimeoutError`, which Inspect would log only as a warning and score as an empty
 answer): Inspect records it as the sample's error.
+
+The sessions run on the bus client's own event loop, in a thread (`BUS_THREAD`, bus_thread.py:
+one per process, started by the first `generate()`, stopped at exit), not on Inspect's: Inspect
+blocking its loop (writing its log, scoring) past the hub's liveness window would otherwise lose
+the hub and fail every session in flight (`HubLost`). Inspect cancelling a sample (its time
+limit) cancels its session there, which aborts the run.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from inspect_ai.tool import ToolChoice, ToolInfo
 
 from agent_bus.agents import commands as cmd
 from agent_bus.agents.client.remote import AgentBus, connect
+from agent_bus.agents.experiment.bus_thread import BusThread
 from agent_bus.agents.experiment.runner import END_WAIT, FAILED, old_tool_workers
 from agent_bus.agents.experiment.spec import cell_folder
 from agent_bus.bus import events as ev
@@ -48,6 +55,8 @@ from agent_bus.bus.errors import AgentBusError, ConfigError
 from agent_bus.bus.messages import MAX_WORKSPACE_BYTES, RunWorkspace, Usage, workspace_problem
 
 WORKSPACES = ("sample", "shared")
+#: Where the sessions run: the bus client on a loop of its own, not Inspect's (bus_thread.py).
+BUS_THREAD = BusThread("agent-bus-inspect")
 
 
 class BusEvalError(AgentBusError):
@@ -88,7 +97,7 @@ class BusModel(ModelAPI):
         tag = self.experiment or default_experiment()
         spec = await self._sample_workspace(tag)
         try:
-            result = await self._run(_prompt_text(input), tag, spec)
+            result = await BUS_THREAD.call(self._run, _prompt_text(input), tag, spec)
         except AgentBusError as exc:
             raise BusEvalError(f"agent `{self.agent}` (experiment {tag}): "
                                f"{type(exc).__name__}: {exc}") from exc
@@ -107,7 +116,8 @@ class BusModel(ModelAPI):
     async def _run(self, text: str, tag: str, spec: RunWorkspace | None
                    ) -> cmd.RunResult | None:
         """One session, its helpers' usage added; None past `timeout` (the prompt is
-        cancelled, which aborts the run)."""
+        cancelled, which aborts the run). On `BUS_THREAD`'s loop: a stall of Inspect's cannot
+        starve its peer's heartbeats."""
         async with connect(self.hub, name="inspect-bridge") as bus:
             if spec is not None and not self._workers_checked:
                 await _check_workers(bus)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import pytest
 
 from agent_bus.bus.client import Peer, PeerState
@@ -48,3 +49,25 @@ async def test_a_peer_that_never_got_in_ends_closed(tmp_path: Path) -> None:
     with pytest.raises(HubUnreachable, match="connection refused"):
         await peer.__aenter__()
     assert peer.state is PeerState.CLOSED
+
+
+
+async def test_a_peer_left_by_a_cancellation_ends_closed_with_its_socket(hub: dict) -> None:
+    """Its block cancelled from outside (a caller's timeout, Inspect cancelling a sample) while
+    it waits on a request, the peer still closes all the way: its socket and ZeroMQ context
+    too, not left to the garbage collector (a ResourceWarning)."""
+    for _ in range(10):  # where the cancellation lands in `aclose` varies
+        peers: list[Peer] = []
+
+        async def waiting() -> None:
+            async with Peer(hub["endpoint"], name="cancelled") as peer:
+                peers.append(peer)
+                async with peer.stream("nobody.serves.this", b"", timeout=60) as replies:
+                    await replies.__anext__()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiting)
+            await until(lambda: peers and peers[0].requests_in_flight, 10, "the request")
+            tg.cancel_scope.cancel()
+        [peer] = peers
+        assert peer.state is PeerState.CLOSED and peer.sock is None and peer.ctx.closed

@@ -11,16 +11,19 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import start_up
 from tests.examples.helpers import stop_up
-from tests.support import busctl, wait_for
+from tests.support import busctl, until, wait_for
 
 pytest.importorskip("inspect_ai")
 
@@ -32,6 +35,9 @@ SCRIPT = {"rules": [
      "tool_calls": [{"name": "ask_solver", "arguments": {"prompt": "{last_user}"}}]}},
     {"system": ["LEAD"], "tool_result": True,
      "reply": {"text": "lead: {tool_results_full}", "usage": USAGE}},
+    # answered while the caller's event loop is blocked (the stalled-host tests)
+    {"system": ["SOLVER"], "contains": ["stalled host"], "delay": 1,
+     "reply": {"text": "answer: {last_user}", "usage": USAGE}},
     # past the eval's timeout (4 s): aborted long before this answers
     {"system": ["SOLVER"], "contains": ["slow"], "delay": 30,
      "reply": {"text": "too late", "usage": USAGE}},
@@ -86,8 +92,8 @@ SLOW = {"id": "slow", "input": "slow one", "target": "x"}
 
 
 class Bus:
-    def __init__(self, endpoint: str, cwd: Path) -> None:
-        self.endpoint, self.cwd = endpoint, cwd
+    def __init__(self, endpoint: str, cwd: Path, llm: FakeLLMServer) -> None:
+        self.endpoint, self.cwd, self.llm = endpoint, cwd, llm
 
     def inspect(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Inspect's own CLI (from the venv, as a user runs it), in the test's folder, with the
@@ -125,7 +131,7 @@ def bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bus]:
                                            .replace("{broken_url}", broken.base_url))
         proc, ready = start_up(cwd, "-c", "topology.toml")
         try:
-            yield Bus(ready["endpoint"], cwd)
+            yield Bus(ready["endpoint"], cwd, srv)
         finally:
             stop_up(proc)
 
@@ -238,3 +244,68 @@ def test_a_plain_generate_task_runs_on_the_bus_with_model_agent_bus(bus: Bus) ->
     assert sample["scores"]["includes"]["value"] == "C"
     assert log["stats"]["model_usage"]["agent-bus/solver"]["total_tokens"] == 18
     assert sample["output"]["metadata"]["bus"]["experiment"] == "insp-plain"
+
+
+def asked(bus: Bus, text: str) -> bool:
+    """Whether the scripted model was asked `text`: that prompt's session is in flight."""
+    return any(text in json.dumps(request.body) for request in bus.llm.requests)
+
+
+async def generate(bus: Bus, experiment: str, text: str) -> Any:
+    """The bridge's `agent-bus/solver` model answering `text`, as Inspect calls it (on the
+    caller's event loop), outside an eval: no sample, so no workspace of its own."""
+    from inspect_ai.model import ChatMessageUser, GenerateConfig
+
+    from agent_bus.agents.experiment.inspect_model import BusModel
+
+    model = BusModel("solver", hub=bus.endpoint, experiment=experiment)
+    return await model.generate([ChatMessageUser(content=text)], [], "auto", GenerateConfig())
+
+
+@pytest.fixture
+def bridge_thread() -> Iterator[None]:
+    """The bridge's bus thread (started by the test's first call) stopped after the test, even
+    when it failed, and gone."""
+    from agent_bus.agents.experiment.inspect_model import BUS_THREAD
+
+    try:
+        yield
+    finally:
+        BUS_THREAD.close()
+    assert BUS_THREAD.name not in {thread.name for thread in threading.enumerate()}
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("bridge_thread")
+async def test_a_blocked_host_loop_does_not_lose_the_bridges_session(bus: Bus) -> None:
+    """Inspect may block its event loop (writing logs, scoring; on a loaded machine) for longer
+    than the hub's liveness window (here 3 x 0.2 s; by default 3 x 1 s): the session in flight
+    survives, as the bridge's bus client does not need the host's loop for its heartbeats."""
+    outputs: list[Any] = []
+
+    async def answer() -> None:
+        outputs.append(await generate(bus, "insp-stall", "stalled host"))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(answer)
+        await until(lambda: asked(bus, "stalled host"), 30, "the session's model call")
+        time.sleep(5)  # the fault injected (not a wait): the host's event loop blocked
+    [output] = outputs
+    assert output.completion == "answer: stalled host"
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("bridge_thread")
+async def test_cancelling_the_bridges_generate_aborts_its_run(bus: Bus) -> None:
+    """Inspect cancelling a sample (its time limit, an interrupt) cancels the session the
+    bridge runs for it on its own loop: the run is aborted, not left to answer."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(generate, bus, "insp-cancel", "slow one, cancelled")
+        await until(lambda: asked(bus, "slow one, cancelled"), 30, "the session's model call")
+        tg.cancel_scope.cancel()
+
+    def ended() -> list[str]:
+        return [end.get("stop_reason", "stop") for end in bus.ends()
+                if end.get("experiment") == "insp-cancel"]
+
+    assert await anyio.to_thread.run_sync(wait_for, ended, 15, "the run's agent_end") == ["aborted"]
