@@ -359,9 +359,14 @@ def on_ray(what: str, *args: Any) -> Any:
 
 def slurm_state(config_file: str | None, engine: str | None = "slurm") -> Path | None:
     """The state folder of the Slurm topology a command is about (None: not one): `--engine
-    slurm`, or a `-c` file whose [engine] kind is "slurm"."""
+    slurm` (the `-c` file's, else $BUSCTL_SLURM_STATE, else this folder's), or a `-c` file
+    whose [engine] kind is "slurm"."""
     if engine in ("local", "ray"):
         return None
+    from agent_bus.agents.launch.slurm_engine import STATE_ENV
+
+    if engine == "slurm" and config_file is None and os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV])  # set in the job `busctl submit` writes
     topo = load_topology_or_exit(config_file)
     if engine is None and topo.engine.kind != "slurm":
         return None

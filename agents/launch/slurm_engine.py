@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 SLURM_DIR = "slurm"  # under the state folder: keys, the published hub, job scripts and output
 PUBLISHED = "hub.json"
 MODEL_ENV = "model-env.json"  # the models' keys for the job's gateway (0600; `busctl submit`)
+STATE_ENV = "BUSCTL_SLURM_STATE"  # the state folder `busctl --engine slurm` looks in
 SLURM_CLIENT_ENV = ("SLURM_CONF",)  # what the `srun` client itself may need of our environment
 WILDCARD_HOSTS = ("*", "0.0.0.0", "127.0.0.1", "localhost", "::", "::1", "")
 CONTROL_ROLES = ("hub", "gateway", "coordinator", "process", "fake-llm")  # beside the hub
