@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -289,11 +290,35 @@ def up(topo: Topology, options: Any, out: Any, color: bool) -> int:
     load_model_env(state)
     out.write(f"slurm      job {alloc.job_id}: hub on {placer.hub_node}, nodes "
               f"{', '.join(alloc.nodes)}\n")
+    threading.Thread(target=_end_with_job, args=(alloc.job_id,), daemon=True,
+                     name="end-with-job").start()
     try:
         code: int = anyio.run(run_up, topo, options, out, color, placer)  # type: ignore[arg-type]
         return code
     finally:
         unpublish(state, os.getpid())
+
+
+JOB_POLL = 2.0  # seconds between two looks at the job's state (Slurm has no "tell me")
+LIVE_STATES = ("RUNNING", "CONFIGURING", "SUSPENDED")
+
+
+def _end_with_job(job_id: str) -> None:
+    """Stop this `up` (SIGTERM to itself: the usual stop, in order) once Slurm no longer runs
+    its job. Slurm signals the processes it tracks when a job is cancelled, preempted or out of
+    time; a detached `up` (`-d` in a batch script) is not among them where the process tracking
+    follows parent pids (proctrack/linuxproc), and would otherwise outlive its allocation."""
+    while True:
+        time.sleep(JOB_POLL)
+        try:
+            state = run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
+        except SlurmError as exc:
+            if "Invalid job id" not in str(exc):
+                continue  # slurmctld busy or restarting: not a verdict on the job
+            state = ""
+        if state not in LIVE_STATES:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
 
 
 # --- published: found from any machine that sees the state folder --------------------------------
