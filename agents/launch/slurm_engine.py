@@ -54,7 +54,6 @@ MODEL_ENV = "model-env.json"  # the models' keys for the job's gateway (0600; `b
 STATE_ENV = "BUSCTL_SLURM_STATE"  # the state folder `busctl --engine slurm` looks in
 SLURM_CLIENT_ENV = ("SLURM_CONF",)  # what the `srun` client itself may need of our environment
 WILDCARD_HOSTS = ("*", "0.0.0.0", "127.0.0.1", "localhost", "::", "::1", "")
-CONTROL_ROLES = ("hub", "gateway", "coordinator", "process", "fake-llm")  # beside the hub
 
 
 class SlurmError(AgentBusError):
@@ -252,7 +251,7 @@ def _make_keys(topo: Topology, state: Path) -> None:
     owner_public, owner_secret = generate_keys(keys / "owner", "owner")
     authorized = keys / "authorized"  # public keys only: the hub reads every *.key in it
     authorized.mkdir(mode=0o700)
-    shutil.copyfile(owner_public, authorized / "owner.key")
+    write_private(authorized / "owner.key", owner_public.read_text())
     hub = topo.hub
     hub.curve_secret, hub.curve_server_key = str(hub_secret), str(hub_public)
     hub.curve_authorized, hub.curve_client_key = str(authorized), str(owner_secret)

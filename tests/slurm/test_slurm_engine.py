@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.slurm.conftest import SlurmCluster
+from tests.slurm.conftest import SlurmCluster, carrying
 from tests.support import busctl, wait_for
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(240)]
@@ -165,15 +165,36 @@ def test_scancel_mid_experiment_then_resume_runs_each_cell_once(
     _nothing_left(slurm)
 
 
-def test_down_from_the_login_node_cancels_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:
+SECRET = "sk-slurm-test-never-shown-0123456789"
+
+
+def test_down_from_the_login_node_cancels_the_job_and_no_secret_shows(
+        slurm: SlurmCluster, tmp_path: Path) -> None:
     folder = _project(tmp_path, "svc", hub="tcp://0.0.0.0:0", delay=0.0, slurm=True)
-    out = _busctl(slurm, folder, "submit", "topology.toml", "--json")
+    out = subprocess.run(busctl("submit", "topology.toml", "--json"), cwd=folder, text=True,
+                         capture_output=True, timeout=60, check=True, env=slurm.env(
+                             BUSCTL_STATE_HOME=str(_state_home(folder)), OPENAI_API_KEY=SECRET))
     job = str(json.loads(out.stdout)["job_id"])
     wait_for(lambda: _busctl(slurm, folder, "status", "--engine", "slurm",
                              check=False).returncode == 0, 60, "the topology's hub to answer")
+    _no_secret_shown(slurm, folder, job)
     print(_busctl(slurm, folder, "down", "--engine", "slurm").stdout)
     assert _ended(slurm, job)
     _nothing_left(slurm)
     gone = _busctl(slurm, folder, "ps", "--engine", "slurm", check=False)
     assert gone.returncode == 1, gone.stdout
     assert "has ended" in gone.stderr or "no topology" in gone.stderr, gone.stderr
+
+
+def _no_secret_shown(cluster: SlurmCluster, folder: Path, job: str) -> None:
+    """The model's key went to the job by a 0600 file: not in the script, not in what Slurm
+    shows of the job, not in any process's environment; the keys are 0600 in 0700 folders."""
+    state = next(_state_home(folder).glob("*/slurm"))
+    assert SECRET not in cluster.tool("scontrol", "show", "job", "-dd", job)
+    for script in (state / "jobs").glob("*.sbatch"):
+        assert SECRET not in script.read_text()
+    assert cluster.processes()  # the job's processes are there to look at
+    assert [p for p in carrying(f"OPENAI_API_KEY={SECRET}".encode())] == []
+    assert (state / "model-env.json").stat().st_mode & 0o777 == 0o600
+    for path in (state / "keys").rglob("*"):
+        assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
