@@ -5,7 +5,9 @@ the example experiment across both nodes, compared cell by cell with the same sp
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -178,6 +180,7 @@ def test_down_from_the_login_node_cancels_the_job_and_no_secret_shows(
     wait_for(lambda: _busctl(slurm, folder, "status", "--engine", "slurm",
                              check=False).returncode == 0, 60, "the topology's hub to answer")
     _no_secret_shown(slurm, folder, job)
+    _restarts_in_place(slurm, folder)
     print(_busctl(slurm, folder, "down", "--engine", "slurm").stdout)
     assert _ended(slurm, job)
     _nothing_left(slurm)
@@ -198,3 +201,23 @@ def _no_secret_shown(cluster: SlurmCluster, folder: Path, job: str) -> None:
     assert (state / "model-env.json").stat().st_mode & 0o777 == 0o600
     for path in (state / "keys").rglob("*"):
         assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
+
+
+def _ps(cluster: SlurmCluster, folder: Path) -> dict[str, dict[str, Any]]:
+    done = _busctl(cluster, folder, "ps", "--engine", "slurm", "--json", check=False)
+    return {row["name"]: row for row in map(json.loads, done.stdout.splitlines())} \
+        if done.returncode == 0 else {}
+
+
+def _restarts_in_place(cluster: SlurmCluster, folder: Path) -> None:
+    """The worker on n2 SIGKILLed: its step ends, and the supervisor starts a new one on n2."""
+    before = _ps(cluster, folder)["tools-1"]
+    assert before["node"] == "n2" and before["pid"]
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def again() -> dict[str, Any] | None:
+        row = _ps(cluster, folder).get("tools-1")
+        return row if row and row["state"] == "ready" and row["pid"] != before["pid"] else None
+
+    after = wait_for(again, 30, "tools-1 back after SIGKILL")
+    assert after["node"] == "n2"
