@@ -76,7 +76,7 @@ def submit(target: str, slurm: bool, config_file: str | None, name: str, resume:
     topology_file = _experiment(request, target, config_file, name, resume) if spec \
         else _topology_only(target, config_file, name, resume)
     topo = load_topology_or_exit(topology_file)
-    _check(topo, topology_file)
+    _check(topo, topology_file, nodes)
     request.topology = str(Path(topology_file).resolve()) if topology_file else ""
     if dry_run:
         click.echo(slurm_job.script(request, topo, topo.state_path()), nl=False)
@@ -138,12 +138,19 @@ def _topology_only(target: str, config_file: str | None, name: str, resume: str)
     return target
 
 
-def _check(topo: Any, topology_file: str | None) -> None:
+def _check(topo: Any, topology_file: str | None, nodes: int) -> None:
+    """The topology as the job will run it: valid, and its nodes named by position within
+    --nodes (a node named by its name is checked by the job, which knows the names)."""
     from agent_bus.agents.launch.topology import check_topology
 
+    where = topology_file or "embedded default"
     problems = check_topology(topo)
     if problems:
-        raise ConfigExit(f"{topology_file or 'embedded default'}: {problems[0]}")
+        raise ConfigExit(f"{where}: {problems[0]}")
+    for key, entry in topo.placement.items():
+        if entry.node.isdigit() and not 1 <= int(entry.node) <= nodes:
+            raise ConfigExit(f"{where}: placement.{key}.node = {entry.node!r}: the job has "
+                             f"--nodes {nodes}; give a position 1..{nodes}, or more --nodes")
 
 
 def _checked_options(options: tuple[str, ...]) -> list[str]:

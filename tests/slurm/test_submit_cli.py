@@ -76,6 +76,14 @@ def test_usage_errors_exit_2_naming_the_fix(project: Path, args: list[str], name
     assert names in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_node_position_past_the_allocation_is_named(project: Path) -> None:
+    with (project / "topology.toml").open("a") as f:
+        f.write('\n[placement.gateways]\nnode = "3"\n')
+    done = _run(project, "submit", "spec.toml", "-c", "topology.toml", "--dry-run")
+    assert done.returncode == 2
+    assert "placement.gateways.node" in done.stderr and "--nodes 2" in done.stderr
+
+
 def test_nothing_published_exits_1_saying_how_to_start(project: Path) -> None:
     done = _run(project, "ps", "--engine", "slurm")
     assert done.returncode == 1
