@@ -45,7 +45,8 @@ def _is_spec(path: str) -> bool:
 @click.option("--partition", "-p", default="", help="The partition [default: the cluster's].")
 @click.option("--sbatch", "sbatch_options", multiple=True, metavar="OPT",
               help="Another sbatch option, as `#SBATCH OPT` (e.g. --sbatch=--account=proj, "
-                   "--sbatch=--gres=gpu:1). Repeatable.")
+                   "--sbatch=--gres=gpu:1; `hetjob` starts a heterogeneous job's next "
+                   "component: --sbatch=hetjob --sbatch=--nodes=1). Repeatable.")
 @click.option("--dry-run", is_flag=True, help="Print the batch script; submit nothing.")
 @click.option("--json", "as_json", is_flag=True,
               help='One JSON line: {"job_id", "experiment", "script", "output"}.')
@@ -156,6 +157,8 @@ def _check(topo: Any, topology_file: str | None, nodes: int) -> None:
 def _checked_options(options: tuple[str, ...]) -> list[str]:
     """`--sbatch` values become `#SBATCH` lines: one option each, no line breaks."""
     for option in options:
+        if option == "hetjob":  # the next component of a heterogeneous job
+            continue
         if not option.startswith("-") or "\n" in option or "\r" in option:
             raise click.BadParameter(f"{option!r}: give one sbatch option, like "
                                      "--sbatch=--account=proj", param_hint="--sbatch")

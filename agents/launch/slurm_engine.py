@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 SLURM_DIR = "slurm"  # under the state folder: keys, the published hub, job scripts and output
 PUBLISHED = "hub.json"
 MODEL_ENV = "model-env.json"  # the models' keys for the job's gateway (0600; `busctl submit`)
+HET_PREFIX = "het:"  # `[placement.X] node = "het:1"`: a heterogeneous job's component 1
 STATE_ENV = "BUSCTL_SLURM_STATE"  # the state folder `busctl --engine slurm` looks in
 SLURM_CLIENT_ENV = ("SLURM_CONF",)  # what the `srun` client itself may need of our environment
 WILDCARD_HOSTS = ("*", "0.0.0.0", "127.0.0.1", "localhost", "::", "::1", "")
@@ -86,17 +87,30 @@ class Allocation(msgspec.Struct):
     job_id: str
     nodes: list[str]  # in Slurm's order: the first one runs the batch script
     addresses: dict[str, str]  # node -> NodeAddr (how the other nodes reach it)
+    # a heterogeneous job (`#SBATCH hetjob`): each component's nodes, component 0 first
+    het_groups: list[list[str]] = msgspec.field(default_factory=list)
+
+    def het_group(self, node: str) -> int | None:
+        return next((g for g, nodes in enumerate(self.het_groups) if node in nodes), None)
 
 
 def allocation() -> Allocation:
-    """The allocation this process runs in (SLURM_JOB_ID, SLURM_JOB_NODELIST)."""
+    """The allocation this process runs in (SLURM_JOB_ID, SLURM_JOB_NODELIST; a heterogeneous
+    job's components from SLURM_JOB_NODELIST_HET_GROUP_<n>)."""
     job, nodelist = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("SLURM_JOB_NODELIST", "")
     if not job or not nodelist:
         raise SlurmUsage("--engine slurm runs inside a Slurm allocation (no SLURM_JOB_ID here): "
                          "call it from an sbatch script or an salloc shell, or let `busctl "
                          "submit TOPOLOGY` write and submit the job")
-    nodes = run_tool(["scontrol", "show", "hostnames", nodelist]).split()
-    return Allocation(job_id=job, nodes=nodes, addresses=node_addresses(nodes))
+    size = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
+    groups = [_hostnames(os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{g}", ""))
+              for g in range(size)]
+    nodes = list(dict.fromkeys(n for group in groups for n in group)) or _hostnames(nodelist)
+    return Allocation(job_id=job, nodes=nodes, addresses=node_addresses(nodes), het_groups=groups)
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    return run_tool(["scontrol", "show", "hostnames", nodelist]).split() if nodelist else []
 
 
 def node_addresses(nodes: list[str]) -> dict[str, str]:
@@ -151,16 +165,35 @@ class SlurmPlacer:
             return self.hub_node
         key = placement_key(self.topo, name, role)
         entry = self.topo.placement.get(key)
+        if entry is not None and entry.node.startswith(HET_PREFIX):
+            return self._spread(key, self._het_nodes(key, entry.node))
         if entry is not None and entry.node:
             return self._named_node(key, entry.node)
         strategy = entry.strategy if entry is not None else ""
         if strategy == "pack":
             return self.others[0]
         if strategy == "spread" or (not strategy and role == "worker"):
-            turn = self.turns.get(key or "workers", 0)
-            self.turns[key or "workers"] = turn + 1
-            return self.others[turn % len(self.others)]
+            return self._spread(key or "workers", self.others)
         return self.hub_node
+
+    def _spread(self, key: str, nodes: list[str]) -> str:
+        """The next of `nodes` for entry `key`, round-robin."""
+        turn = self.turns.get(key, 0)
+        self.turns[key] = turn + 1
+        return nodes[turn % len(nodes)]
+
+    def _het_nodes(self, key: str, node: str) -> list[str]:
+        """`node = "het:N"`: the nodes of component N of a heterogeneous job."""
+        groups = self.alloc.het_groups
+        index = node[len(HET_PREFIX):]
+        if not groups:
+            raise SlurmUsage(f"placement.{key}.node: {node!r} names a component of a "
+                             f"heterogeneous job, but job {self.alloc.job_id} is not one; submit "
+                             "with `#SBATCH hetjob` components, or give a node or its position")
+        if not index.isdigit() or int(index) >= len(groups):
+            raise SlurmUsage(f"placement.{key}.node: {node!r}: job {self.alloc.job_id} has "
+                             f"components het:0 .. het:{len(groups) - 1}")
+        return groups[int(index)]
 
     def _named_node(self, key: str, node: str) -> str:
         nodes = self.alloc.nodes
@@ -176,7 +209,9 @@ class SlurmPlacer:
         """`srun` for one step on the child's node; it shares the node's CPUs with the others
         (`--overlap`: bus processes are mostly idle) unless its placement reserves some."""
         node = self.node(spec.name, spec.role or "process")
+        group = self.alloc.het_group(node)
         srun = ["srun", f"--jobid={self.alloc.job_id}", "--nodes=1", "--ntasks=1",
+                *([f"--het-group={group}"] if group is not None else []),
                 f"--nodelist={node}", "--overlap", "--unbuffered", "--quiet",
                 f"--job-name=bus:{spec.name}", *self._resources(spec)]
         relay = [sys.executable, "-P", "-m", "agent_bus.agents.launch.slurm_step"]
@@ -310,7 +345,7 @@ def _end_with_job(job_id: str) -> None:
     while True:
         time.sleep(JOB_POLL)
         try:
-            state = run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
+            state = _first(run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"]))
         except SlurmError as exc:
             if "Invalid job id" not in str(exc):
                 continue  # slurmctld busy or restarting: not a verdict on the job
@@ -358,9 +393,14 @@ def unpublish(state: Path, pid: int) -> None:
 def job_state(job_id: str) -> str:
     """The job's state (`RUNNING`…), "" once Slurm no longer lists it."""
     try:
-        return run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"]).strip()
+        return _first(run_tool(["squeue", "-h", "-j", job_id, "-o", "%T"]))
     except SlurmError:  # "Invalid job id": it ended a while ago
         return ""
+
+
+def _first(lines: str) -> str:
+    """squeue's first line: a heterogeneous job has one per component, component 0 first."""
+    return next(iter(lines.split()), "")
 
 
 def published(state: Path) -> Published:

@@ -186,7 +186,8 @@ class Placement(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     strategy: Literal["", "spread", "pack"] = ""
     # A node the processes must run on: its IP address, its Ray node id (hex), or a label
     # `key=value` (`ray start --labels='{"zone": "a"}'`). Hard: they wait for that node.
-    # On Slurm: a node name of the allocation, or its position in it (`"2"`: the second node).
+    # On Slurm: a node name of the allocation, its position in it (`"2"`: the second node), or
+    # `"het:N"`: the nodes of a heterogeneous job's component N (round-robin over them).
     node: str = ""
 
 

@@ -119,6 +119,7 @@ MpiDefault=none
 ReturnToService=2
 KillWait=5
 MinJobAge=5
+SchedulerParameters=bf_interval=1
 StateSaveLocation={folder / "state"}
 SlurmdSpoolDir={folder / "spool"}/%n
 SlurmctldPidFile={folder}/slurmctld.pid

@@ -77,7 +77,8 @@ def _submit(cluster: SlurmCluster, folder: Path, *args: str) -> str:
 
 
 def _ended(cluster: SlurmCluster, job: str) -> bool:
-    return job not in cluster.jobs()
+    """Slurm lists the job no more (a heterogeneous job is listed as J+0, J+1, …)."""
+    return not any(j == job or j.startswith(f"{job}+") for j in cluster.jobs())
 
 
 def _nothing_left(cluster: SlurmCluster) -> None:
@@ -221,3 +222,21 @@ def _restarts_in_place(cluster: SlurmCluster, folder: Path) -> None:
 
     after = wait_for(again, 30, "tools-1 back after SIGKILL")
     assert after["node"] == "n2"
+
+
+def test_a_heterogeneous_jobs_component_takes_a_worker_group(slurm: SlurmCluster,
+                                                             tmp_path: Path) -> None:
+    """`#SBATCH hetjob`: the hub in component 0 (n1), the tool group pinned to component 1."""
+    folder = _project(tmp_path, "het", hub="tcp://0.0.0.0:0", delay=0.0, slurm=True)
+    topology = folder / "topology.toml"
+    topology.write_text(topology.read_text().replace('node = "2"', 'node = "het:1"'))
+    out = _busctl(slurm, folder, "submit", "topology.toml", "--nodes", "1", "--sbatch=hetjob",
+                  "--sbatch=--nodes=1", "--json")
+    job = str(json.loads(out.stdout)["job_id"])
+    rows = wait_for(lambda: len(_ps(slurm, folder)) >= 5 and _ps(slurm, folder), 90,
+                    "the heterogeneous job's topology in ps")
+    assert rows["hub"]["node"] == "n1" and rows["tools-1"]["node"] == "n2", rows
+    assert rows["tools-1"]["state"] == "ready"
+    _busctl(slurm, folder, "down", "--engine", "slurm")
+    assert _ended(slurm, job)
+    _nothing_left(slurm)
