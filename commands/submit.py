@@ -82,7 +82,7 @@ def submit(target: str, slurm: bool, config_file: str | None, name: str, resume:
     if dry_run:
         click.echo(slurm_job.script(request, topo, topo.state_path()), nl=False)
         return
-    job_id, script, output = on_slurm_job(request, topo)
+    job_id, script, output = _submit(request, topo)
     if as_json:
         click.echo(msgspec.json.encode({"job_id": job_id, "experiment": request.experiment,
                                         "script": str(script), "output": str(output)}).decode())
@@ -93,18 +93,13 @@ def submit(target: str, slurm: bool, config_file: str | None, name: str, resume:
                f"  then    busctl ps --engine slurm   ·   busctl down --engine slurm")
 
 
-def on_slurm_job(request: Any, topo: Any) -> tuple[str, Path, Path]:
+def _submit(request: Any, topo: Any) -> tuple[str, Path, Path]:
+    """`sbatch` the job; no Slurm client here: exit 2 saying what to install."""
     from agent_bus.agents.launch import slurm_job
-
-    result: tuple[str, Path, Path] = on_slurm_call(slurm_job.submit, request, topo)
-    return result
-
-
-def on_slurm_call(fn: Any, *args: Any) -> Any:
     from agent_bus.agents.launch.slurm_engine import SlurmUsage
 
     try:
-        return fn(*args)
+        return slurm_job.submit(request, topo)
     except SlurmUsage as exc:
         raise ConfigExit(str(exc)) from None
 
