@@ -46,7 +46,7 @@ from agent_bus.bus.paths import write_private
 from agent_bus.bus.security import CurveClient, generate_keys
 
 if TYPE_CHECKING:
-    from agent_bus.agents.launch.supervisor import Supervisor
+    from agent_bus.agents.launch.supervisor import Child, Supervisor
 
 SLURM_DIR = "slurm"  # under the state folder: keys, the published hub, job scripts and output
 PUBLISHED = "hub.json"
@@ -230,13 +230,30 @@ class SlurmPlacer:
         return out
 
     def announce(self, endpoint: str, events: str, sup: Supervisor) -> None:
+        """Publish the topology once it is ready, and again after every restart or give-up (the
+        supervisor's notice, chained: `busctl ps` on the login node shows the restarts)."""
         for name, child in sup.children.items():  # `busctl up`'s own extras (fake-llm)
             self.node(name, child.spec.role or "process")
+        self._publish(endpoint, events, sup)
+        earlier = sup.notify
+
+        async def notify(what: str, child: Child, code: int | None) -> None:
+            self._publish(endpoint, events, sup)
+            if earlier is not None:
+                await earlier(what, child, code)
+
+        sup.notify = notify
+
+    def _publish(self, endpoint: str, events: str, sup: Supervisor) -> None:
+        rows = {row["name"]: row for row in sup.table()}
         publish(self.state, Published(
             job_id=self.alloc.job_id, endpoint=endpoint, events=events, pid=os.getpid(),
             host=socket.gethostname(), nodes=self.alloc.nodes,
-            processes={n: PlacedProcess(role=self.roles[n], node=node)
-                       for n, node in self.placed.items()}))
+            processes={n: PlacedProcess(role=self.roles[n], node=node,
+                                        restarts=int(rows.get(n, {}).get("restarts", 0)),
+                                        last_exit=str(rows.get(n, {}).get("last_exit", "-")),
+                                        gave_up=rows.get(n, {}).get("state") == "gave up")
+                       for n, node in self.placed.items() if n in sup.children}))
 
 
 # --- up ------------------------------------------------------------------------------------------
@@ -361,6 +378,9 @@ def _end_with_job(job_id: str) -> None:
 class PlacedProcess(msgspec.Struct):
     role: str
     node: str
+    restarts: int = 0  # as of the last publication (at ready, and at each restart)
+    last_exit: str = "-"
+    gave_up: bool = False
 
 
 class Published(msgspec.Struct):
@@ -447,10 +467,12 @@ def table(state: Path) -> list[dict[str, Any]]:
     for name, placed in info.processes.items():
         peer = seen.get(name)
         live = name == "hub" or peer is not None
-        shown = "ready" if live else "-" if placed.role in ("process", "fake-llm") \
+        shown = "gave up" if placed.gave_up else "ready" if live \
+            else "-" if placed.role in ("process", "fake-llm") \
             else "not connected"  # a [[processes]] program is no bus peer: the hub cannot tell
         rows.append({"name": name, "role": placed.role, "node": placed.node, "state": shown,
-                     "pid": peer.pid if peer is not None else 0, "job": info.job_id})
+                     "pid": peer.pid if peer is not None else 0, "restarts": placed.restarts,
+                     "last_exit": placed.last_exit, "job": info.job_id})
     return rows
 
 

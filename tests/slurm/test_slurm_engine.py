@@ -222,6 +222,9 @@ def _restarts_in_place(cluster: SlurmCluster, folder: Path) -> None:
 
     after = wait_for(again, 30, "tools-1 back after SIGKILL")
     assert after["node"] == "n2"
+    restarted = wait_for(lambda: _ps(cluster, folder)["tools-1"]["restarts"] == 1, 10,
+                         "the restart published for ps on the login node")
+    assert restarted
 
 
 def test_a_heterogeneous_jobs_component_takes_a_worker_group(slurm: SlurmCluster,
