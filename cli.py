@@ -32,6 +32,7 @@ from agent_bus.commands.base import BusctlGroup
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("topology", "up"),
     "down": ("topology", "down"),
+    "submit": ("submit", "submit"),
     "ps": ("processes", "ps"),
     "restart": ("processes", "restart"),
     "scale": ("processes", "scale"),

@@ -258,6 +258,10 @@ def _hub_options(fn: Callable[..., Any], *, find_on_ray: bool) -> Callable[..., 
                 engine: str | None, address: str | None, topology_name: str, **kwargs: Any) -> Any:
         if not find_on_ray:
             kwargs.update(engine=engine, address=address, topology_name=topology_name)
+        elif engine == "slurm" and HANDED_KEYS_ENV not in os.environ:
+            # the hub and the owner's key, published by the job in the state folder
+            kwargs["hub"], curve = on_slurm("client", slurm_state(None))
+            return fn(*args, curve=curve, **kwargs)
         elif engine == "ray" and HANDED_KEYS_ENV not in os.environ:
             # the hub and the owner's key, found on the cluster: nothing typed. (A worker that
             # re-ran itself in its sandbox has its keys in a pipe and its hub from outside.)
@@ -302,11 +306,13 @@ def engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                       help="With --engine ray: the Ray cluster (HOST:PORT of its head) "
                            "[default: the topology file's, else `auto`, the cluster this "
                            "machine belongs to] (env RAY_ADDRESS).")(fn)
-    return click.option("--engine", envvar=ENGINE_ENV, type=click.Choice(["local", "ray"]),
+    return click.option("--engine", envvar=ENGINE_ENV,
+                        type=click.Choice(["local", "ray", "slurm"]),
                         default=None, help=f"Where the topology runs: `local` (busctl up's own "
-                        f"supervisor) or `ray` (a Ray cluster; needs `pip install "
-                        f"'agent-bus[ray]'`) [default: the topology file's [engine] kind] "
-                        f"(env {ENGINE_ENV}).")(fn)
+                        f"supervisor), `ray` (a Ray cluster; needs `pip install "
+                        f"'agent-bus[ray]'`) or `slurm` (srun steps in a Slurm allocation; "
+                        f"other commands find its hub in the state folder) [default: the "
+                        f"topology file's [engine] kind] (env {ENGINE_ENV}).")(fn)
 
 
 class RayTarget(msgspec.Struct, frozen=True):
@@ -318,7 +324,7 @@ def ray_target(config_file: str | None, engine: str | None, address: str | None,
                name: str) -> RayTarget | None:
     """The Ray topology a command is about (None: a local one): `--engine ray`, or a topology
     file whose [engine] kind is "ray"; its name and address from the flags, else the file."""
-    if engine == "local":
+    if engine in ("local", "slurm"):
         return None
     topo = load_topology_or_exit(config_file) if config_file else None
     if engine is None and (topo is None or topo.engine.kind != "ray"):
@@ -349,6 +355,33 @@ def on_ray(what: str, *args: Any) -> Any:
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():
             ray.shutdown()
+
+
+def slurm_state(config_file: str | None, engine: str | None = "slurm") -> Path | None:
+    """The state folder of the Slurm topology a command is about (None: not one): `--engine
+    slurm` (the `-c` file's, else $BUSCTL_SLURM_STATE, else this folder's), or a `-c` file
+    whose [engine] kind is "slurm"."""
+    if engine in ("local", "ray"):
+        return None
+    from agent_bus.agents.launch.slurm_engine import STATE_ENV
+
+    if engine == "slurm" and config_file is None and os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV])  # set in the job `busctl submit` writes
+    topo = load_topology_or_exit(config_file)
+    if engine is None and topo.engine.kind != "slurm":
+        return None
+    return Path(topo.state_path())
+
+
+def on_slurm(what: str, *args: Any) -> Any:
+    """Call `agent_bus.agents.launch.slurm_engine.<what>(*args)`; no Slurm tools or no
+    allocation: exit 2 saying so."""
+    from agent_bus.agents.launch import slurm_engine
+
+    try:
+        return getattr(slurm_engine, what)(*args)
+    except slurm_engine.SlurmUsage as exc:
+        raise ConfigExit(str(exc)) from None
 
 
 def budget_options(fn: Callable[..., Any]) -> Callable[..., Any]:

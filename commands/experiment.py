@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -441,6 +442,9 @@ def experiment_run(hub: str, curve: CurveClient | None, spec: str, name: str, re
     if not re.fullmatch(NAME, experiment):
         raise click.UsageError(f"--name/--resume {experiment!r}: letters, digits, _ or -")
     progress = progress_for(sys.stderr, loaded.planned)
+    # SIGTERM (a Slurm job cancelled, preempted or out of time; `kill`) stops as Ctrl-C does:
+    # the runs in flight are aborted, the journal keeps every finished cell, --resume the rest
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     async def go() -> Any:
         async with connect_agents(hub, name="busctl-experiment", curve=curve,

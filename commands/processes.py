@@ -16,8 +16,10 @@ from agent_bus.commands.base import (
     engine_options,
     hub_and_engine_options,
     on_ray,
+    on_slurm,
     ray_target,
     run_async,
+    slurm_state,
     state_of,
     topology_option,
     use_color,
@@ -43,10 +45,15 @@ def ps(hub: str, curve: CurveClient | None, config_file: str | None, as_json: bo
       busctl ps
       busctl ps --hub tcp://10.0.0.5:7400 --json | jq .name
       busctl ps --engine ray
+      busctl ps --engine slurm            # from the login node: each process's node
     """
     target = ray_target(config_file, engine, address, topology_name)
     if target is not None:
         _print_rows(on_ray("table", target.name, target.address), as_json)
+        return
+    slurm = slurm_state(config_file, engine)
+    if slurm is not None:  # from the job's published file and its hub, from any node
+        _print_rows(on_slurm("table", slurm), as_json)
         return
     _print_rows(_rows(hub, curve, config_file), as_json)
 

@@ -20,7 +20,9 @@ from agent_bus.commands.base import (
     hub_address_option,
     load_topology_or_exit,
     on_ray,
+    on_slurm,
     ray_target,
+    slurm_state,
     state_of,
     topology_option,
     use_color,
@@ -64,6 +66,7 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
       busctl up --model-file ./qwen2.5-0.5b-instruct-q4_k_m.gguf   # a local model, no server
       busctl up -d --json | jq -r .endpoint    # a script: the ready line, as JSON
       busctl up -c team.toml --engine ray --address 10.0.0.5:6379   # placed by a Ray cluster
+      busctl up -c team.toml --engine slurm     # in an sbatch script: srun steps on its nodes
     Ctrl-C stops everything in order. With `--engine ray` (or `[engine] kind = "ray"`), `up`
     returns once everything is ready: the topology then belongs to the cluster (Ray restarts
     what a lost node took) until `busctl down --engine ray`.
@@ -82,6 +85,9 @@ def up(config_file: str | None, hub_addr: str | None, extra_tools: tuple[str, ..
                         ready_json=as_json and not detach)
     if (engine or topology.engine.kind) == "ray":
         _up_on_ray(topology, options, config_file, address, topology_name, demo, as_json)
+        return
+    if (engine or topology.engine.kind) == "slurm":
+        _up_on_slurm(topology, options, config_file, detach, as_json)
         return
     _check_before_start(topology, options, config_file)
     if detach:
@@ -108,6 +114,28 @@ def _up_on_ray(topology: Any, options: UpOptions, config_file: str | None, addre
     console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
     sys.exit(on_ray("up", topo, name or topology_name(topo, config_file),
                     address or topo.engine.address, console, sys.stdout if as_json else None))
+
+
+def _up_on_slurm(topology: Any, options: UpOptions, config_file: str | None, detach: bool,
+                 as_json: bool) -> None:
+    """Inside a Slurm allocation: the local supervisor, each child an `srun` step on its node
+    (agents/launch/slurm_engine.py). `-d` detaches as locally (the job's script goes on)."""
+    from agent_bus.agents.launch.supervisor import ChildFailed
+    from agent_bus.agents.launch.topology import check_topology
+    from agent_bus.agents.launch.up import resolve
+
+    problems = check_topology(resolve(topology, options))
+    if problems:
+        raise ConfigExit(f"{config_file or 'embedded default'}: {problems[0]}")
+    if detach:
+        _detach(topology, options, as_json)
+        return
+    console = sys.stderr if as_json else sys.stdout  # with --json, stdout is for scripts
+    try:
+        code = on_slurm("up", resolve(topology, options), options, console, use_color(console))
+    except ChildFailed as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
 
 
 def _scrub_secrets(topology: Any) -> None:
@@ -222,6 +250,10 @@ def down(config_file: str | None, timeout: float, engine: str | None, address: s
     target = ray_target(config_file, engine, address, topology_name)
     if target is not None:  # every actor, process and placement group of it, on every node
         click.echo(on_ray("down", target.name, target.address))
+        return
+    slurm = slurm_state(config_file, engine)
+    if slurm is not None:  # inside the job: as locally; elsewhere: scancel
+        click.echo(on_slurm("down", slurm, timeout))
         return
     from agent_bus.agents.launch.up import stop_topology
 

@@ -36,15 +36,26 @@ def enabled(topo: Topology) -> bool:
     return bool(topo.hub.curve_secret)
 
 
-def folder(state: Path) -> Path:
+def folder(state: Path, shared: bool = False) -> Path:
     """Where `up` keeps the key pairs of its processes and their roles (the hub's second
-    authorised folder)."""
+    authorised folder): the private runtime folder of this machine, or with `shared` (processes
+    on other nodes must read them: `--engine slurm`) the state folder, on the shared filesystem."""
+    if shared:
+        return state / SHARED_KEYS / "processes"
     return topology_runtime_dir(state) / "keys"
+
+
+#: Under the state folder (0700): the keys of a topology whose processes run on other nodes.
+SHARED_KEYS = "slurm/keys"
+
+
+def folder_of(topo: Topology, state: Path) -> Path:
+    return folder(state, shared=topo.engine.kind == "slurm")
 
 
 def make(topo: Topology, state: Path) -> Path:
     """A fresh key pair per process kind and the roles file; returns the folder."""
-    keys = folder(state)
+    keys = folder_of(topo, state)
     shutil.rmtree(keys, ignore_errors=True)  # an earlier run's (a killed `up`): worth nothing
     roles = {name: patterns for name, patterns in credentials.kinds(topo).items()
              if name not in NOT_MADE}
@@ -60,7 +71,7 @@ def attach(spec: ChildSpec, topo: Topology, state: Path) -> ChildSpec:
     """Give a gateway, coordinator or worker of `up` its own key (the others keep theirs)."""
     if not enabled(topo) or spec.role not in ("gateway", "coordinator", "worker"):
         return spec
-    key = folder(state) / f"{credentials.kind_of(spec)}.key_secret"
+    key = folder_of(topo, state) / f"{credentials.kind_of(spec)}.key_secret"
     spec.argv = [*spec.argv, "--curve-server-key", topo.hub.curve_server_key,
                  "--curve-key", str(key)]
     return spec

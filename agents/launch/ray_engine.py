@@ -36,7 +36,8 @@ from agent_bus.agents.launch.ray_actors import (
     topology_actor_name,
 )
 from agent_bus.agents.launch.supervisor import ChildSpec
-from agent_bus.agents.launch.topology import Placement, Topology, process_names
+from agent_bus.agents.launch.topology import Placement, Topology, placement_key, process_names
+from agent_bus.agents.launch.up import model_env
 from agent_bus.bus.errors import AgentBusError, ConfigError, UnknownName
 from agent_bus.bus.security import CurveClient
 
@@ -94,14 +95,6 @@ def connect(address: str) -> Any:
 
 
 # --- placement ---------------------------------------------------------------------------------
-
-
-def placement_key(topo: Topology, name: str, role: str) -> str:
-    """The `[placement.X]` entry that governs process `name`, the most specific one ("": none)."""
-    group = name.rpartition("-")[0]
-    chain = {"hub": ["hub"], "gateway": [name, "gateways"], "coordinator": [name, "coordinators"],
-             "worker": [name, group, "workers"]}[role]
-    return next((key for key in chain if key in topo.placement), "")
 
 
 def _bundle(placement: Placement) -> dict[str, float]:
@@ -223,18 +216,6 @@ def prepare(topo: Topology) -> list[str]:
     return notes
 
 
-def _model_env(topo: Topology) -> tuple[dict[str, str], dict[str, str]]:
-    """The models' keys (their `api_key_env`) and the OPENAI_*/ANTHROPIC_* settings a gateway
-    without [models] is configured from: taken from `up`'s environment, as locally."""
-    from agent_bus.agents.launch.supervisor import SECRET_NAME_RE
-
-    names = {m.api_key_env for m in topo.models.values() if m.api_key_env}
-    provider = {k: v for k, v in os.environ.items() if k.startswith(("OPENAI_", "ANTHROPIC_"))}
-    secrets = {k: v for k, v in os.environ.items() if k in names}
-    secrets.update({k: v for k, v in provider.items() if SECRET_NAME_RE.search(k)})
-    return secrets, {k: v for k, v in provider.items() if k not in secrets}
-
-
 def _cause(ray: Any, exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
         return str(exc.cause)
@@ -270,7 +251,7 @@ def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO |
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get(hub.where.remote()),
                                                                soft=False),
         ).remote(name, msgspec.json.encode(topo))
-        ray.get([holder.set_model_env.remote(*_model_env(topo)),
+        ray.get([holder.set_model_env.remote(*model_env(topo)),
                  *[holder.add_process.remote(proc, role) for proc, role in roles.items()]])
         hub_info: ProcessInfo = ray.get(hub.wait_ready.remote(ChildSpec.ready_timeout + 10))
         keepers = {proc: start_keeper(ray, placer, name, proc, role)

@@ -43,6 +43,9 @@ CRASH_LOOP_WINDOW = 60.0
 STOP_TIMEOUT = 4.0
 
 Notify = Callable[[str, "Child", int | None], Awaitable[None]]  # (what, child, exit code)
+# Where a child runs: its argv and the extra environment names it may see, as this machine
+# starts it (another engine wraps it: `srun` on a node of a Slurm allocation, slurm_engine.py).
+Launch = Callable[["ChildSpec"], tuple[list[str], list[str]]]
 
 
 # What every child may see of the supervisor's environment. Anything else — provider keys above
@@ -209,7 +212,10 @@ def signal_name(code: int | None) -> str:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, echo: TextIO | None, color: bool = False) -> None:
+    def __init__(self, log_dir: Path, echo: TextIO | None, color: bool = False,
+                 launch: Launch | None = None, stop_signal: int = signal.SIGTERM) -> None:
+        self.launch = launch
+        self.stop_signal = stop_signal  # what asks a child to stop (srun's steps: SIGUSR1)
         self.log_dir = log_dir
         self.echo = echo
         self.color = color
@@ -309,14 +315,15 @@ class Supervisor:
 
     async def _run_once(self, child: Child) -> int | None:
         spec = child.spec
-        base = dict(os.environ) if spec.inherit_env else minimal_environ(spec.pass_env)
+        argv, pass_env = self.launch(spec) if self.launch else (spec.argv, spec.pass_env)
+        base = dict(os.environ) if spec.inherit_env else minimal_environ(pass_env)
         stdin_data = spec.stdin_data
         if spec.secrets_on_stdin:
             base, secrets = split_secrets(base, spec.secret_names)
             stdin_data = json.dumps(secrets).encode() + b"\n" + stdin_data
         env = {**base, "PYTHONUNBUFFERED": "1", **spec.env}
         log = self.log_path(spec.name).open("a", buffering=1)
-        guarded = [sys.executable, "-P", "-m", "agent_bus.bus.procsec", str(os.getpid()), *spec.argv]
+        guarded = [sys.executable, "-P", "-m", "agent_bus.bus.procsec", str(os.getpid()), *argv]
         try:
             process = await anyio.open_process(
                 guarded, stdin=subprocess.PIPE if stdin_data else subprocess.DEVNULL,
@@ -377,7 +384,7 @@ class Supervisor:
             child = self.children.get(name)
             if child is None or not child.alive:
                 continue
-            _killpg(child, signal.SIGTERM)
+            _killpg(child, self.stop_signal)
             with anyio.move_on_after(max(0.1, min(2.0, deadline - time.monotonic()))):
                 await child.process.wait()  # type: ignore[union-attr]
         for child in self.children.values():
@@ -400,7 +407,7 @@ class Supervisor:
             return fresh
         old = child.process
         child.restart_now = True
-        await _terminate(child)
+        await _terminate(child, self.stop_signal)
         with anyio.move_on_after(child.spec.ready_timeout + 1):
             while child.process is old or child.ready is None:
                 await anyio.sleep(0.05)  # the supervising task swaps the process in
@@ -412,7 +419,7 @@ class Supervisor:
         """Stop one child for good (scaling down) and forget it."""
         child = self.children[name]
         child.removed = True
-        await _terminate(child)
+        await _terminate(child, self.stop_signal)
         self.children.pop(name, None)
         self.save_run_file()
 
@@ -457,10 +464,10 @@ def sandbox_cell(ready: dict[str, Any]) -> str:
     return f"{info.get('kind', '?')}{shell}"
 
 
-async def _terminate(child: Child) -> None:
+async def _terminate(child: Child, stop_signal: int = signal.SIGTERM) -> None:
     if not child.alive:
         return
-    _killpg(child, signal.SIGTERM)
+    _killpg(child, stop_signal)
     with anyio.move_on_after(STOP_TIMEOUT):
         await child.process.wait()  # type: ignore[union-attr]
     if child.alive:

@@ -158,9 +158,10 @@ def otel_traces_url(endpoint: str) -> str:
 class EngineSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     """`[engine]`: what starts and restarts the processes. "local": `busctl up`'s own supervisor
     on this machine; "ray": a Ray cluster places them (`busctl up --engine ray`,
-    agents/launch/ray_engine.py; needs `pip install 'agent-bus[ray]'`)."""
+    agents/launch/ray_engine.py; needs `pip install 'agent-bus[ray]'`); "slurm": `srun` steps
+    on the nodes of the Slurm allocation `up` runs in (agents/launch/slurm_engine.py)."""
 
-    kind: Literal["local", "ray"] = "local"
+    kind: Literal["local", "ray", "slurm"] = "local"
     # The Ray cluster: "auto" = the one this machine belongs to (`ray start` ran here), or
     # HOST:PORT of its head (GCS), or ray://HOST:10001 (Ray Client).
     address: str = "auto"
@@ -171,8 +172,8 @@ class EngineSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
 
 
 class Placement(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """`[placement.<what>]`: where Ray runs a process or a group of them (ignored by the local
-    engine). <what> is `hub`, `gateways`, `coordinators`, `workers` (every worker group), a worker
+    """`[placement.<what>]`: where Ray or Slurm runs a process or a group of them (ignored by the
+    local engine). <what> is `hub`, `gateways`, `coordinators`, `workers` (every worker group), a worker
     group's name, or one process's name (`coordinator-2`, `tools-1`); the most specific wins."""
 
     # Ray resources each process reserves: custom ones a node was started with
@@ -185,6 +186,8 @@ class Placement(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     strategy: Literal["", "spread", "pack"] = ""
     # A node the processes must run on: its IP address, its Ray node id (hex), or a label
     # `key=value` (`ray start --labels='{"zone": "a"}'`). Hard: they wait for that node.
+    # On Slurm: a node name of the allocation, its position in it (`"2"`: the second node), or
+    # `"het:N"`: the nodes of a heterogeneous job's component N (round-robin over them).
     node: str = ""
 
 
@@ -352,6 +355,14 @@ def process_names(topology: Topology) -> dict[str, list[str]]:
     for name in [*gateways, *coordinators, *names["workers"]]:
         names.setdefault(name, [name])
     return names
+
+
+def placement_key(topo: Topology, name: str, role: str) -> str:
+    """The `[placement.X]` entry that governs process `name`, the most specific one ("": none)."""
+    group = name.rpartition("-")[0]
+    chain = {"hub": ["hub"], "gateway": [name, "gateways"], "coordinator": [name, "coordinators"],
+             "worker": [name, group, "workers"]}.get(role, [])
+    return next((key for key in chain if key in topo.placement), "")
 
 
 def placement_problems(topology: Topology) -> list[str]:
@@ -524,8 +535,9 @@ max_iterations = 200
 # bind = "127.0.0.1"                # the page answers only you (a token, in a 0600 file; its
                                     # link is printed); 0.0.0.0: other machines with the token
 
-# [engine]                          # who runs the processes: "local" (busctl up) or "ray"
-# kind = "ray"                      # a Ray cluster places and restarts them (agent-bus[ray])
+# [engine]                          # who runs the processes: "local" (busctl up), "ray", "slurm"
+# kind = "ray"                      # a Ray cluster places and restarts them (agent-bus[ray]);
+                                    # "slurm": srun steps on the allocation's nodes
 # address = "auto"                  # the cluster this machine belongs to, or HEAD:6379
 # name = "team"                     # its name on the cluster [default: this file's stem]
 # [placement.workers]               # where Ray runs them: hub, gateways, coordinators, workers,

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import anyio
 import anyio.abc
@@ -62,6 +62,17 @@ log = logging.getLogger("agents.launch.up")
 DEMO_MODEL = "demo"
 RUN_FILES = ("up.pid", "up.json", "up.ready", "control.sock")
 MAX_CONTROL_LINE = 64 * 1024
+
+
+class Placed(Protocol):
+    """Another engine's hand in `up` (slurm_engine.SlurmPlacer): where each child runs, and
+    what it publishes once the topology is ready."""
+
+    stop_signal: int  # what asks a child to stop
+
+    def launch(self, spec: ChildSpec) -> tuple[list[str], list[str]]: ...
+
+    def announce(self, endpoint: str, events: str, sup: Supervisor) -> None: ...
 
 
 class UpOptions(msgspec.Struct):
@@ -113,12 +124,25 @@ def hub_argv(topo: Topology) -> list[str]:
         argv += ["--events", hub.events]
     if hub.curve_secret:  # the user's authorised keys, then those `up` made for its processes
         argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized,
-                 "--curve-authorized", str(curve_keys.folder(state_dir(topo)))]
+                 "--curve-authorized", str(curve_keys.folder_of(topo, state_dir(topo)))]
     if hub.insecure:
         argv.append("--insecure")
     if credentials.enabled(topo, state_dir(topo)):
         argv += ["--credentials", str(state_dir(topo) / "hub" / "credentials.json")]
     return argv
+
+
+def model_env(topo: Topology) -> tuple[dict[str, str], dict[str, str]]:
+    """The models' keys (their `api_key_env`) and the OPENAI_*/ANTHROPIC_* settings a gateway
+    without [models] is configured from, taken from this environment: what an engine that
+    starts the gateway elsewhere hands it (Ray: in an actor's memory; Slurm: a 0600 file)."""
+    from agent_bus.agents.launch.supervisor import SECRET_NAME_RE
+
+    names = {m.api_key_env for m in topo.models.values() if m.api_key_env}
+    provider = {k: v for k, v in os.environ.items() if k.startswith(("OPENAI_", "ANTHROPIC_"))}
+    secrets = {k: v for k, v in os.environ.items() if k in names}
+    secrets.update({k: v for k, v in provider.items() if SECRET_NAME_RE.search(k)})
+    return secrets, {k: v for k, v in provider.items() if k not in secrets}
 
 
 def client_curve(topo: Topology) -> CurveClient | None:
@@ -305,8 +329,10 @@ async def _live_tools(peer: Peer) -> list[str]:
     return sorted(s.name[5:] for s in status.services if s.name.startswith("tool."))
 
 
-async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -> int:
-    """Run the topology until SIGINT/SIGTERM/SIGHUP. Returns the exit code."""
+async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool,
+             placed: Placed | None = None) -> int:
+    """Run the topology until SIGINT/SIGTERM/SIGHUP. Returns the exit code. `placed`: another
+    engine's placement of each child (Slurm's srun steps), and where it publishes the hub."""
     topo = resolve(topology, options)
     # Everything the topology writes (event log, conversations, logs, run files) is its user's
     # alone: files 0600 in 0700 folders; the children inherit the umask.
@@ -319,9 +345,10 @@ async def up(topology: Topology, options: UpOptions, out: TextIO, color: bool) -
     if curve_keys.enabled(topo):
         curve_keys.make(topo, state)
     try:
-        async with Supervisor(state / "logs", out, color) as sup:
+        async with Supervisor(state / "logs", out, color, placed.launch if placed else None,
+                              placed.stop_signal if placed else signal.SIGTERM) as sup:
             _claim_run_files(sup, state)
-            await _run(topo, options, sup, state, out, port)
+            await _run(topo, options, sup, state, out, port, placed)
     finally:
         remove_run_files(state, os.getpid())
         if port is not None:
@@ -357,7 +384,7 @@ def make_local(topo: Topology, state: Path) -> int | None:
 
 
 async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
-               out: TextIO, port: int | None = None) -> None:
+               out: TextIO, port: int | None = None, placed: Placed | None = None) -> None:
     with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
         hub = await sup.start(ChildSpec("hub", hub_argv(topo), role="hub"))
         assert hub.ready is not None
@@ -388,6 +415,8 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
                 out.write(line + "\n")
             out.flush()
             _announce(options, state, endpoint, events)
+            if placed is not None:
+                placed.announce(endpoint, events, sup)
             async for signum in signals:
                 out.write(f"got {signal.Signals(signum).name}\n")
                 break
