@@ -304,7 +304,7 @@ def test_the_first_note_survives_compaction(topo: RealTopology) -> None:
     asked = run(topo, "-c", "What is the secret code word? Reply with the code word only.")
     answer = end_of(asked.events)["final_text"]
     print(f"compactions: {[(c['tokens_before'], c['tokens_after'], c.get('summary_calls'), c.get('left_out', 0)) for c in compactions]}; "
-          f"the code word asked after them: {answer[:80]!r} ({'ZEBRA-42' in answer})")
+          f"the code word asked after them: {answer[:80]!r} ({'ZEBRA-42' in answer.upper()})")
     assert compactions and all(c["compacted"] and not c.get("left_out") for c in compactions), compactions
     # The product: the stored history's summary carries the first note verbatim (this model's
     # own summary of the eight notes drops it: "Summary of conversation:..." on 2026-12-06).
