@@ -491,6 +491,8 @@ endpoint = "tcp://127.0.0.1:7400"   # ROUTER; events bind on port + 1
 # state_dir = "/path/to/state"     # event log, conversations, logs, pid file; default: outside
                                     # the project, in ~/.local/state/agent-bus/<folder>-<hash>
                                     # (must not overlap any worker's workspace)
+# store = "nats://h1:4222,h2:4222,h3:4222"  # the event log in a NATS JetStream cluster (3
+                                    # replicas; agent-bus[nats]) instead of SQLite in state_dir
 heartbeat_interval = 1.0            # seconds
 liveness = 3                        # missed beats before a peer is dead
 

@@ -21,7 +21,7 @@ from typing import Protocol
 import msgspec
 
 from agent_bus.bus import protocol as p
-from agent_bus.bus.store.url import StoreUrlError, parse_store_url
+from agent_bus.bus.store.url import JETSTREAM_SCHEME, StoreUrlError, parse_store_url
 
 __all__ = ["REPLAY_LIMIT", "Row", "StoreError", "StoreUrlError", "EventStore", "StoreReader", "Retention",
            "open_store", "open_reader", "reader_in_process", "parse_store_url"]
@@ -105,12 +105,17 @@ def open_store(url: str, path: Path | None, name: str, retention: Retention,
         from agent_bus.bus.store.sqlite import SqliteStore
 
         return SqliteStore(path, name)
-    parse_store_url(url)
-    raise StoreUrlError(f"store {url!r}: only the SQLite log is built in so far")
+    from agent_bus.bus.store.jetstream import JetStreamStore
+
+    return JetStreamStore(parse_store_url(url), retention, max_event_bytes)
 
 
 def open_reader(uri: str) -> StoreReader:
     """A reader of the store an `EventStore.reader_uri` names."""
+    if uri.startswith(f"{JETSTREAM_SCHEME}://"):
+        from agent_bus.bus.store.jetstream import JetStreamReader
+
+        return JetStreamReader(parse_store_url(uri))
     from agent_bus.bus.store.sqlite import SqliteReader
 
     return SqliteReader(uri)
