@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -27,7 +28,8 @@ MAX_PAYLOAD = 8 * 1024 * 1024  # over the hub's max_event_bytes (1 MiB) + header
 
 def nats_server() -> str:
     """The nats-server binary, or skip the test saying what to install."""
-    binary = shutil.which("nats-server")
+    # on PATH, or beside this interpreter (a venv's bin/ that is not on PATH)
+    binary = shutil.which("nats-server") or shutil.which("nats-server", path=str(Path(sys.executable).parent))
     try:
         import nats  # noqa: F401
     except ImportError:

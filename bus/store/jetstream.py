@@ -119,7 +119,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class _Connection:
+class NatsConnection:
     """A nats-py connection and its JetStream context, on a loop thread of its own."""
 
     def __init__(self, url: StoreUrl, name: str) -> None:
@@ -172,7 +172,7 @@ class JetStreamStore:
         self._writer = uuid.uuid4().hex[:12]  # this writer's ids (see the module docstring)
         self._generation = 0
         self._last_stored = -1  # the last seq this writer stored in this generation
-        self._conn = _Connection(url, "bus-store")
+        self._conn = NatsConnection(url, "bus-store")
         try:
             self._check_payload(max_event_bytes)
             self._conn.call(self._ensure_stream(retention), 2 * _CONNECT_TIMEOUT + url.timeout)
@@ -302,7 +302,7 @@ class JetStreamReader:
 
     def __init__(self, url: StoreUrl) -> None:
         self.url = url
-        self._conn = _Connection(url, "bus-store-reader")
+        self._conn = NatsConnection(url, "bus-store-reader")
 
     def read_batch(self, request: p.ReplayRequest, head: int, budget: int) -> p.ReplayBatch:
         return self._conn.call(self._read(request, head, budget),

@@ -22,7 +22,7 @@ from agent_bus.bus.client import connect
 from agent_bus.bus.errors import AgentBusError
 from agent_bus.bus.store import Retention, Row, StoreError, StoreUrlError, parse_store_url
 from tests.store_cluster import Cluster, free_ports, jetstream_cluster, nats_server
-from tests.support import busctl, running
+from tests.support import busctl, running, wait_for
 
 # Publishing must resume this soon after the stream's leader is killed: JetStream elects a new
 # leader after its followers miss the leader's heartbeats (a few seconds); the hub retries the
@@ -156,3 +156,27 @@ def test_store_leader_sigkilled_mid_run_loses_no_acknowledged_event(tmp_path: Pa
              if isinstance(event := ev.decode_event(body), ev.TopicMessage)}
     missing = [text for text in acked if text not in texts]
     assert not missing, f"{len(missing)} acknowledged events missing from the log: {missing[:5]}"
+
+
+def test_a_lease_holder_deposed_after_its_ttl_cannot_renew(jetstream: Cluster) -> None:
+    """The standby hub's groundwork (bus/store/lease.py): while the first holder's lease lives
+    nobody else gets it; once it lapses another holder takes it with a newer epoch, and the
+    old holder's renewal (its stale epoch) is refused."""
+    from agent_bus.bus.store.lease import JetStreamLease, LeaseLost
+
+    url = parse_store_url(jetstream.stream_url())
+    bucket = f"lease_{url.stream}"
+    first, second = JetStreamLease(url, bucket, ttl=1.0), JetStreamLease(url, bucket, ttl=1.0)
+    try:
+        primary = first.acquire("hub-a")
+        assert primary is not None
+        assert second.acquire("hub-b") is None  # held
+        primary = first.renew(primary)  # kept: a newer epoch
+        standby = wait_for(lambda: second.acquire("hub-b"), 15, "the lease to lapse")
+        assert standby.epoch > primary.epoch
+        with pytest.raises(LeaseLost, match="deposed"):
+            first.renew(primary)
+        assert second.renew(standby).epoch > standby.epoch
+    finally:
+        first.close()
+        second.close()
