@@ -188,6 +188,11 @@ class EventPipeline:
         return False
 
     def refusal_text(self, state_dir: str) -> str:
+        if self.log.reader_uri.startswith("nats://"):  # JetStream: not acknowledged, maybe stored
+            return (f"event refused, not acknowledged: {self.log_error}; the JetStream cluster "
+                    f"of the hub's `store` has no stream leader or no quorum now (it may still "
+                    f"store the event); the hub retries every {LOG_RETRY:g} s and resumes by "
+                    "itself once a majority of the servers answer")
         return (f"event refused, neither logged nor published: {self.log_error}; free space "
                 f"for the hub's `state_dir` ({state_dir or 'in memory'}); the hub "
                 f"retries every {LOG_RETRY:g} s and resumes logging by itself")

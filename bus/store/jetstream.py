@@ -92,7 +92,11 @@ def encode(header: bytes, body: bytes) -> bytes:
 
 
 def decode(data: bytes) -> tuple[bytes, bytes]:
+    """(header, body) of a stored event; a message that is not one (written to the stream by
+    something else than a hub) gives an empty header, which readers skip as undecodable."""
     size = int.from_bytes(data[:_LEN], "big")
+    if len(data) < _LEN or _LEN + size > len(data):
+        return b"", data
     return data[_LEN:_LEN + size], data[_LEN + size:]
 
 
@@ -375,7 +379,10 @@ def _wanted(header_bytes: bytes, experiment: str, prefixes: list[bytes]) -> bool
     subject filter is a digest of the experiment: its header says it exactly)."""
     if not experiment and not prefixes:
         return True
-    header = _decode_header(header_bytes)
+    try:
+        header = _decode_header(header_bytes)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False  # not a hub's event (see `decode`): no filter takes it
     if experiment and header.experiment != experiment:
         return False
     if not prefixes:

