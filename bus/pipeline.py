@@ -167,13 +167,10 @@ class EventPipeline:
         return True
 
     def _append_failed(self, rows: list[Row], exc: StoreError) -> bool:
-        """The batch is not in the log: give its seqs back (the log stays gap-free), refuse its
-        events with an error to each publisher, and refuse new ones until a retry succeeds."""
-        try:  # an error raised after COMMIT (a checkpoint) leaves the batch logged
-            if self.log.last_seq() >= rows[-1][0]:
-                return True
-        except StoreError:
-            pass  # unreadable too: the batch counts as not logged
+        """The batch is not in the log (the store said so: SQLite checks a batch an error after
+        its COMMIT left logged; JetStream does not claim a batch it could not see acknowledged):
+        give its seqs back (the log stays gap-free), refuse its events with an error to each
+        publisher, and refuse new ones until a retry succeeds."""
         self.seq = rows[0][0] - 1
         self._bump("log_write_errors")
         self._bump("events_refused", len(rows))

@@ -78,12 +78,17 @@ class Cluster:
         """Every event in the stream `url` names, read from the servers themselves (not through
         a hub): (seq, header, body), in order. A JetStream API call that times out (a busy
         2-core machine, a leader being elected) is tried again, within 60 s."""
+        return list(self.call_retrying(lambda: self._read_all(url)))
+
+    def call_retrying(self, make: Any, within: float = 60) -> Any:
+        """`call(make())`, again while a JetStream request times out (a busy 2-core machine, a
+        leader being elected), at most `within` seconds."""
         import nats.errors
 
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + within
         while True:
             try:
-                return list(self.call(self._read_all(url)))
+                return self.call(make())
             except (nats.errors.TimeoutError, TimeoutError):
                 if time.monotonic() > deadline:
                     raise

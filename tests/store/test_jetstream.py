@@ -219,7 +219,7 @@ def test_a_foreign_message_in_the_stream_breaks_no_reader(tmp_path: Path,
         endpoint = hub.wait_ready()["endpoint"]
         deadline = time.monotonic() + 60
         assert anyio.run(_publish_texts, endpoint, ["before"], deadline) == ["before"]
-        jetstream.call(_foreign_publish(jetstream, stream))
+        jetstream.call_retrying(lambda: _foreign_publish(jetstream, stream))
         assert anyio.run(_publish_texts, endpoint, ["after 1", "after 2"], deadline) == \
             ["after 1", "after 2"]
         watch = subprocess.run(busctl("watch", "--hub", endpoint, "--since", "0", "--no-follow",
