@@ -81,15 +81,17 @@ class Cluster:
         return list(self.call_retrying(lambda: self._read_all(url)))
 
     def call_retrying(self, make: Any, within: float = 60) -> Any:
-        """`call(make())`, again while a JetStream request times out (a busy 2-core machine, a
-        leader being elected), at most `within` seconds."""
+        """`call(make())`, again while a JetStream request times out or finds no responder (a
+        busy 2-core machine: a leader being elected again), at most `within` seconds."""
         import nats.errors
+        import nats.js.errors
 
         deadline = time.monotonic() + within
         while True:
             try:
                 return self.call(make())
-            except (nats.errors.TimeoutError, TimeoutError):
+            except (nats.errors.TimeoutError, TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError):
                 if time.monotonic() > deadline:
                     raise
 

@@ -65,6 +65,7 @@ _LEN = 4  # bytes of the header's length at the start of a message's data
 _WINDOW = 256  # events of a batch in flight at once (acknowledged before the next window)
 _FETCH = 512  # messages one fetch asks for (a batch ends by bytes, rows or the head first)
 _CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 5.0  # seconds a reader's JetStream request may take (hub.replay's reader)
 _HEADER_ROOM = 64 * 1024  # an event's header and the NATS headers, beside its body
 _decode_header = msgspec.msgpack.Decoder(p.Header).decode
 
@@ -127,7 +128,9 @@ class _LoopThread:
 class NatsConnection:
     """A nats-py connection and its JetStream context, on a loop thread of its own."""
 
-    def __init__(self, url: StoreUrl, name: str) -> None:
+    def __init__(self, url: StoreUrl, name: str, api_timeout: float | None = None) -> None:
+        """`api_timeout`: JetStream API requests' (stream info, consumers), default the URL's
+        `timeout` (the hub's routing loop waits for them)."""
         require_nats()
         self.url = url
         self.thread = _LoopThread(name)
@@ -138,14 +141,15 @@ class NatsConnection:
             raise StoreError(f"cannot reach the NATS servers {','.join(url.servers)} within "
                              f"{_CONNECT_TIMEOUT:g} s ({exc.__cause__!r}): start the JetStream "
                              "cluster, or fix the hub's `store` (--store)") from exc
-        self.js = self.nc.jetstream(timeout=url.timeout)
+        self.api_timeout = api_timeout or url.timeout
+        self.js = self.nc.jetstream(timeout=self.api_timeout)
 
     async def _connect(self) -> Any:
         return await nats.connect(
             servers=list(self.url.servers), connect_timeout=_CONNECT_TIMEOUT,
-            # keep trying other servers for ever: the cluster outlives any one of them
+            # keep trying the servers for ever once connected: the cluster outlives any one of
+            # them (the first connect is bounded by the caller's timeout instead)
             allow_reconnect=True, max_reconnect_attempts=-1, reconnect_time_wait=0.1,
-            # a failed first connect must raise, not retry for ever
             name="agent-bus hub")
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -216,14 +220,14 @@ class JetStreamStore:
             # would fill is only memory, so it forgets them after a second
             duplicate_window=1.0,
             description=_retention_reason(retention))
-        js = self._conn.js
+        js = self._conn.nc.jetstream(timeout=_CONNECT_TIMEOUT)  # at the start: no loop waits yet
         try:
             await js.add_stream(config)
         except nats.js.errors.BadRequestError:  # it exists with another configuration
             await js.update_stream(config)
-        await self._leader_elected()
+        await self._leader_elected(js)
 
-    async def _leader_elected(self) -> None:
+    async def _leader_elected(self, js: Any) -> None:
         """Return once the stream has a leader: a new replicated stream elects one first, and
         an append before that would be refused (the hub's first events, at its start)."""
         loop = asyncio.get_running_loop()
@@ -231,7 +235,7 @@ class JetStreamStore:
         delay = 0.01
         while True:
             with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
-                info = await self._conn.js.stream_info(self.url.stream)
+                info = await js.stream_info(self.url.stream)
                 if info.cluster is None or info.cluster.leader:
                     return
             if loop.time() > deadline:
@@ -315,11 +319,12 @@ class JetStreamReader:
 
     def __init__(self, url: StoreUrl) -> None:
         self.url = url
-        self._conn = NatsConnection(url, "bus-store-reader")
+        # off the routing loop: a busy cluster may take longer to answer than an append may
+        self._conn = NatsConnection(url, "bus-store-reader", READ_TIMEOUT)
 
     def read_batch(self, request: p.ReplayRequest, head: int, budget: int) -> p.ReplayBatch:
-        return self._conn.call(self._read(request, head, budget),
-                               self.url.timeout * 4 + 1)
+        # stream info, a consumer, its info, fetches, its removal
+        return self._conn.call(self._read(request, head, budget), READ_TIMEOUT * 6)
 
     async def _read(self, request: p.ReplayRequest, head: int, budget: int) -> p.ReplayBatch:
         since = min(max(0, request.since), head)
@@ -364,7 +369,7 @@ class JetStreamReader:
         if (await sub.consumer_info()).num_pending == 0:
             return events, head  # nothing of this filter up to the stream's end
         while True:
-            msgs = await sub.fetch(min(_FETCH, limit - scanned), timeout=self.url.timeout)
+            msgs = await sub.fetch(min(_FETCH, limit - scanned), timeout=READ_TIMEOUT)
             for msg in msgs:
                 seq = msg.metadata.sequence.stream
                 if seq > head:

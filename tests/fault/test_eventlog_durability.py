@@ -91,7 +91,7 @@ def test_watcher_killed_three_times_matches_the_jetstream_log(tmp_path: Path,
     """The same with the hub's log in a JetStream stream (the log read from the servers)."""
     url = jetstream.stream_url()
     killed_watcher_sees_the_whole_log(
-        tmp_path, 10_000, lambda: [seq for seq, _, _ in jetstream.stream_seqs(url)], url)
+        tmp_path, 8_000, lambda: [seq for seq, _, _ in jetstream.stream_seqs(url)], url)
 
 
 @pytest.mark.slow
