@@ -797,9 +797,9 @@ def write_log(state: str, n: int) -> None:
     """A log of `n` small events written straight into SQLite (as the hub would stamp them)."""
     from agent_bus.bus import events as ev
     from agent_bus.bus import protocol as p
-    from agent_bus.bus.eventlog import EventLog
+    from agent_bus.bus.store.sqlite import SqliteStore
 
-    log = EventLog(Path(state) / "events.db")
+    log = SqliteStore(Path(state) / "events.db")
     body = ev.encode_event(ev.TopicMessage(topic="t", text="x" * 40))
     encode = msgspec.msgpack.Encoder().encode
     ts = time.time()

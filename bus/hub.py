@@ -34,8 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.errors import ConfigError, Overloaded
-from agent_bus.bus.eventlog import Row
-from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Retention
+from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline
 from agent_bus.bus.probing import ProbeSchedule
 from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from agent_bus.bus.replay_reader import PEER_REPLAY_QUEUE, REPLAY_PRIORITIES
@@ -50,6 +49,7 @@ from agent_bus.bus.security import (
     peer_user_id,
     private_ipc,
 )
+from agent_bus.bus.store import Retention, Row, StoreUrlError, parse_store_url
 
 log = logging.getLogger("bus.hub")
 
@@ -255,6 +255,9 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     endpoint: str = "tcp://127.0.0.1:7400"
     events: str = ""  # default: tcp port + 1, or "<ipc path>.events"
     state_dir: str = ""  # "" keeps the event log in memory
+    # The event store (bus/store/): "" is SQLite in `state_dir`; nats://HOST:PORT,... a NATS
+    # JetStream stream with 3 replicas (bus/store/url.py has the URL's form)
+    store: str = ""
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_message_bytes: int = 16 * 1024 * 1024
@@ -328,6 +331,7 @@ def check_config(config: HubConfig) -> None:
         raise HubConfigError(f"hub `replay_priority` is {config.replay_priority!r}: use one of "
                              f"{', '.join(REPLAY_PRIORITIES)} (docs/reliability.md, \"Event log: "
                              "replay and retention\")")
+    _check_store(config)
     try:
         check_bind({"`endpoint`": config.endpoint, "`events`": config.events},
                    curve=config.curve is not None, insecure=config.insecure,
@@ -335,6 +339,18 @@ def check_config(config: HubConfig) -> None:
                        "`insecure` (--insecure) on a trusted network.")
     except InsecureBindError as exc:
         raise HubConfigError(str(exc)) from None
+
+
+def _check_store(config: HubConfig) -> None:
+    if not config.store:
+        return
+    try:
+        parse_store_url(config.store, "hub `store` (--store)")
+    except StoreUrlError as exc:
+        raise HubConfigError(str(exc)) from None
+    if config.retain_deltas_until_end:
+        raise HubConfigError("hub `retain_deltas_until_end` (--retain-deltas-until-end) deletes "
+                             "single events, which a JetStream `store` does not do: turn one off")
 
 
 _UNKNOWN = object()
@@ -421,7 +437,8 @@ class Hub:
             self.counters.bump, self._refuse_batch, config.replay_bytes,
             config.publish_inline_bytes,
             Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end),
-            config.replay_priority, config.replay_pace_bytes)
+            config.replay_priority, config.replay_pace_bytes, config.store,
+            config.max_event_bytes)
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
         # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
         # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,9 +24,9 @@ from zmq.backend import Socket as _BackendSocket
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.errors import Overloaded
-from agent_bus.bus.eventlog import EventLog, Row
 from agent_bus.bus.replay_pacing import ReplayPacer
 from agent_bus.bus.replay_reader import REPLAY_QUEUE, ReplayReader
+from agent_bus.bus.store import Retention, Row, StoreError, open_store
 
 log = logging.getLogger("bus.hub")
 
@@ -47,14 +46,6 @@ _time = time.time
 Bump = Callable[..., int]  # Counters.bump(name, n=1)
 
 
-class Retention(msgspec.Struct, frozen=True):
-    """What the log keeps (docs/reliability.md, "Event log retention"). 0 disables a bound."""
-
-    days: float = 7.0
-    bytes: int = 0
-    deltas_until_end: bool = False  # drop a run's `message_update`s once its `message_end` is logged
-
-
 class EventPipeline:
     """Stamp -> log -> publish. The routing loop calls `stamp`/`flush`; nothing here blocks.
 
@@ -64,7 +55,8 @@ class EventPipeline:
     def __init__(self, ctx: zmq.Context[Any], pub: zmq.Socket[Any], path: Path | None,
                  session: str, bump: Bump, refuse: Callable[[list[Row]], None],
                  replay_bytes: int, inline_bytes: int, retention: Retention,
-                 replay_priority: str = "idle", replay_pace_bytes: int = 0) -> None:
+                 replay_priority: str = "idle", replay_pace_bytes: int = 0,
+                 store: str = "", max_event_bytes: int = 0) -> None:
         self.pub = pub
         self.inline_bytes = inline_bytes  # larger bodies are published as stubs (see flush)
         self.session = session
@@ -72,7 +64,8 @@ class EventPipeline:
         self._refuse = refuse
         self.replay_bytes = replay_bytes
         self.replay_peak = 0  # largest `hub.replay` batch sent, in bytes (shown in status)
-        self.log = EventLog(path, session)
+        # the event store (bus/store/): SQLite at `path` (store ""), or a JetStream stream
+        self.log = open_store(store, path, session, retention, max_event_bytes)
         self.retention = retention
         self.seq = self.log.last_seq()
         self.rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
@@ -85,7 +78,7 @@ class EventPipeline:
         self.log_error = ""
         self.refusing = False
         self._retry_at = math.inf
-        self.reader = ReplayReader(ctx, self.log.uri, replay_bytes, replay_priority)
+        self.reader = ReplayReader(ctx, self.log.reader_uri, replay_bytes, replay_priority)
         self.pacer = ReplayPacer(replay_pace_bytes)  # the reader's answers wait here to be sent
 
     def close(self) -> None:
@@ -165,28 +158,25 @@ class EventPipeline:
         """Log the batch (durable before anyone can see it); False when it was refused instead."""
         try:
             self.log.append(rows)
-        except sqlite3.Error as exc:
+        except StoreError as exc:
             return self._append_failed(rows, exc)
         if self.log_error:
             log.warning("event log %s is writable again; logging and publishing events",
-                        self.log.path)
+                        self.log.where)
             self.log_error = ""
         return True
 
-    def _append_failed(self, rows: list[Row], exc: sqlite3.Error) -> bool:
-        """The batch is not in the log: give its seqs back (the log stays gap-free), refuse its
-        events with an error to each publisher, and refuse new ones until a retry succeeds."""
-        try:  # an error raised after COMMIT (a checkpoint) leaves the batch logged
-            if self.log.last_seq() >= rows[-1][0]:
-                return True
-        except sqlite3.Error:
-            pass  # unreadable too: the batch counts as not logged
+    def _append_failed(self, rows: list[Row], exc: StoreError) -> bool:
+        """The batch is not in the log (the store said so: SQLite checks a batch an error after
+        its COMMIT left logged; JetStream does not claim a batch it could not see acknowledged):
+        give its seqs back (the log stays gap-free), refuse its events with an error to each
+        publisher, and refuse new ones until a retry succeeds."""
         self.seq = rows[0][0] - 1
         self._bump("log_write_errors")
         self._bump("events_refused", len(rows))
         if not self.log_error:  # say it once per episode, not once per retry
             log.error("event log %s cannot be written (%s); refusing events with `%s` until it "
-                      "can, retrying every %.0f s", self.log.path or ":memory:", exc,
+                      "can, retrying every %.0f s", self.log.where, exc,
                       p.LOG_UNAVAILABLE, LOG_RETRY)
         self.log_error = f"event log cannot be written: {exc}"
         self.refusing = True
@@ -195,22 +185,39 @@ class EventPipeline:
         return False
 
     def refusal_text(self, state_dir: str) -> str:
+        if self.log.reader_uri.startswith("nats://"):  # JetStream: not acknowledged, maybe stored
+            return (f"event refused, not acknowledged: {self.log_error}; the JetStream cluster "
+                    f"of the hub's `store` has no stream leader or no quorum now (it may still "
+                    f"store the event); the hub retries every {LOG_RETRY:g} s and resumes by "
+                    "itself once a majority of the servers answer")
         return (f"event refused, neither logged nor published: {self.log_error}; free space "
                 f"for the hub's `state_dir` ({state_dir or 'in memory'}); the hub "
                 f"retries every {LOG_RETRY:g} s and resumes logging by itself")
 
     def tick(self, now: float) -> None:
         """Periodic work: retry a failed log, prune what retention no longer keeps (bounded)."""
-        if now >= self._retry_at:
+        if now >= self._retry_at and self._resync():
             self.refusing = False  # let the next batch try the log again
             self._retry_at = math.inf
         if self.refusing:
             return
         try:
             self._prune()
-        except sqlite3.Error as exc:  # pruning is housekeeping: retried next tick
+        except StoreError as exc:  # pruning is housekeeping: retried next tick
             self._bump("prune_errors")
             log.warning("event log retention failed (retried): %s", exc)
+
+    def _resync(self) -> bool:
+        """Before events are stamped again: continue from the store's head. On SQLite that is
+        the seq the failed batch gave back; on JetStream a batch whose append timed out may
+        have been stored after all (then its events are in the log though their publishers
+        were refused). False (retried later) while the store cannot say."""
+        try:
+            self.seq = self.log.last_seq()
+        except StoreError:
+            self._retry_at = time.monotonic() + LOG_RETRY
+            return False
+        return True
 
     def _prune(self) -> None:
         ret = self.retention

@@ -38,7 +38,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -51,9 +50,12 @@ import msgspec
 import zmq
 
 from agent_bus import bus
-from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
-from agent_bus.bus.eventlog import connect_reader, read_meta
+
+# the limits and pacing of a batch read are the store readers' (re-exported for the tests)
+from agent_bus.bus.store import REPLAY_LIMIT as REPLAY_LIMIT
+from agent_bus.bus.store import StoreError, StoreReader, open_reader, reader_in_process
+from agent_bus.bus.store.sqlite import PACE_SECONDS as PACE_SECONDS
 
 log = logging.getLogger("bus.hub")
 
@@ -69,13 +71,8 @@ IDLE, LOW = "idle", "low"  # the reader process's scheduling class (see the modu
 REPLAY_PRIORITIES = (IDLE, LOW)
 STARVED_AFTER = 1.0  # seconds a job may wait for an idle-class reader before it is replaced
 CALM_AFTER = 30.0  # seconds without a job before a low-class reader is retired
-REPLAY_LIMIT = 10_000  # rows one batch may scan (ReplayRequest.limit is capped to this)
-BLOB_READ_BYTES = 65536  # a body this big or bigger is read through the blob API
 RESTART_GAP = 1.0  # seconds between starts of a reader process that keeps dying
 PARENT_CHECK = 1.0  # seconds: how often the child checks that the hub is still there
-PACE_SECONDS = 0.0003  # the reader blocks after this long reading a batch (see "Pacing" above)
-PACE_SLEEP = 1e-6  # ...for the shortest sleep (the timer slack makes it ~50-60 us)
-PACE_CHECK = 32  # rows between looks at the clock
 
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -89,88 +86,11 @@ class _Job(msgspec.Struct, array_like=True):
     request: p.ReplayRequest
 
 
-def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
-               budget: int) -> p.ReplayBatch:
-    """Logged events in (since, head] of the request's experiment (when it names one) matching
-    its topics, until `budget` bytes were read (at least one row) or `limit` rows were scanned.
-    `upto` is where to ask again; `upto == head` means this reply reaches the head — a reply
-    with fewer events says nothing by itself.
-
-    One read transaction: the rows and the bodies read through the blob API are one snapshot
-    (retention may delete rows meanwhile)."""
-    db.execute("BEGIN")
-    try:
-        batch = _read_batch(db, request, head, budget)
-    except BaseException:
-        with contextlib.suppress(sqlite3.Error):  # the read's error is the one to report
-            db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")  # a read transaction: this only ends the snapshot
-    return batch
-
-
-def _read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
-                budget: int) -> p.ReplayBatch:
-    since = min(max(0, request.since), head)
-    pruned_upto, reason = read_meta(db)
-    gap = None
-    if since < pruned_upto:  # retention removed (since, pruned_upto]: say so, never silently
-        gap = p.ReplayGap(first=since + 1, last=min(pruned_upto, head), reason=reason)
-        since = min(pruned_upto, head)
-    limit = max(1, min(request.limit, REPLAY_LIMIT))
-    prefixes = [t.encode() for t in request.topics]
-    # A body from BLOB_READ_BYTES up is not in the row: `Blob.read` copies it with the GIL
-    # released (the cursor would copy it holding the GIL). `length(body)` reads no overflow
-    # page, and rows that do not match the topics never have a body read.
-    cur = db.execute(_SELECT + (_OF_EXPERIMENT if request.experiment else "") + _RANGE,
-                     (BLOB_READ_BYTES, *([request.experiment] if request.experiment else []),
-                      since, head, limit))
-    events: list[tuple[bytes, bytes]] = []
-    upto, read, scanned = since, 0, 0
-    clock = time.perf_counter
-    pace_at = clock() + PACE_SECONDS
-    for seq, type_, agent, run, header, size, body in cur:
-        upto, scanned = seq, scanned + 1
-        if not scanned % PACE_CHECK and clock() >= pace_at:
-            time.sleep(PACE_SLEEP)  # let a task the scheduler kept waiting behind us run
-            pace_at = clock() + PACE_SECONDS
-        read += len(header) + size
-        if not prefixes or _matches(type_, agent, run, prefixes):
-            events.append((header, body if body is not None else _read_body(db, seq)))
-        if read >= budget:
-            break
-    else:
-        if scanned < limit:  # the cursor ran out: everything up to the head was read
-            upto = head
-    cur.close()
-    return p.ReplayBatch(events=events, upto=upto, head=head, gap=gap)
-
-
-_SELECT = ("SELECT seq, type, agent, run, header, length(body), CASE WHEN length(body) < ? "
-           "THEN body END FROM events WHERE ")
-# An experiment's rows come from its index (`events_experiment`, on `experiment != ''`: the
-# term is repeated so SQLite may use it), in seq order: the other experiments' are never read,
-# nor counted in `limit` or the byte budget.
-_OF_EXPERIMENT = "experiment = ? AND experiment != '' AND "
-_RANGE = "seq > ? AND seq <= ? ORDER BY seq LIMIT ?"
-
-
-def _read_body(db: sqlite3.Connection, seq: int) -> bytes:
-    """A big body, copied out of SQLite with the GIL released (seq is the table's rowid)."""
-    with db.blobopen("events", "body", seq, readonly=True) as blob:
-        return blob.read()
-
-
-def _matches(type_: str, agent: str, run: str, prefixes: list[bytes]) -> bool:
-    topic = p.event_topic(ev.event_family(type_), agent, run, type_)
-    return any(topic.startswith(prefix) for prefix in prefixes)
-
-
-def answer(db: sqlite3.Connection, uri: str, job: _Job, budget: int) -> list[bytes]:
+def answer(reader: StoreReader, uri: str, job: _Job, budget: int) -> list[bytes]:
     """`[code, body]` for one job: always an answer, even when the read fails."""
     try:
-        return [b"", _encode(read_batch(db, job.request, job.head, budget))]
-    except sqlite3.Error as exc:  # answered: the requester must not wait its deadline
+        return [b"", _encode(reader.read_batch(job.request, job.head, budget))]
+    except StoreError as exc:  # answered: the requester must not wait its deadline
         log.warning("hub.replay: event log read failed: %s", exc)
         return [p.HANDLER_ERROR.encode(), f"`hub.replay` could not read the event log "
                 f"({uri}): {exc}".encode()]
@@ -185,7 +105,7 @@ def serve_jobs(sock: zmq.Socket[Any], uri: str, budget: int,
     """The reader's loop (thread or process): answer jobs until an empty message (stop) or
     until `alive()` turns false (checked every PARENT_CHECK seconds without a job)."""
     decode = msgspec.msgpack.Decoder(_Job).decode
-    db = connect_reader(uri)
+    reader = open_reader(uri)
     try:
         while True:
             if not sock.poll(int(PARENT_CHECK * 1000)):
@@ -198,9 +118,9 @@ def serve_jobs(sock: zmq.Socket[Any], uri: str, budget: int,
             job = decode(message)
             # copy=False: the batch (up to `budget` and one event past it) is handed over
             # without another copy
-            sock.send_multipart([b"%d" % job.number, *answer(db, uri, job, budget)], copy=False)
+            sock.send_multipart([b"%d" % job.number, *answer(reader, uri, job, budget)], copy=False)
     finally:
-        db.close()
+        reader.close()
 
 
 @dataclasses.dataclass(slots=True)
@@ -228,7 +148,7 @@ class ReplayReader:
         self._priority = priority  # the class a new reader starts in (config `replay_priority`)
         self._numbers = 0
         self.outstanding: dict[int, _Held] = {}
-        self._in_process = "mode=memory" in log_uri or not zmq.has("ipc")
+        self._in_process = reader_in_process(log_uri) or not zmq.has("ipc")
         self._dir = "" if self._in_process else tempfile.mkdtemp(prefix="bus-replay-")
         self._proc: subprocess.Popen[bytes] | None = None
         self._address = ""  # the running reader's socket (each reader process has its own)
@@ -456,7 +376,7 @@ def _child(uri: str, endpoint: str, budget: int, parent: int, priority: str) -> 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m agent_bus.bus.replay_reader",
                                      description="The hub's replay reader (started by the hub).")
-    parser.add_argument("--uri", required=True, help="the event log's SQLite URI")
+    parser.add_argument("--uri", required=True, help="the event store's reader URI")
     parser.add_argument("--endpoint", required=True, help="ipc:// address to bind")
     parser.add_argument("--budget", type=int, required=True, help="replay_bytes per batch")
     parser.add_argument("--parent", type=int, required=True, help="the hub's pid")

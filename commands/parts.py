@@ -101,6 +101,11 @@ def hub_command() -> click.Command:
     @click.option("--state-dir", type=click.Path(file_okay=False), default=None,
                   help="Where the event log (events.db) lives [default: <state home>/<project>/hub, "
                        "outside the current folder so no tool can reach it].")
+    @click.option("--store", default="", metavar="URL",
+                  help="The event log in a replicated store instead of the state dir's SQLite: "
+                       "nats://HOST:PORT[,HOST:PORT...][?stream=S&replicas=3&timeout=1] (a NATS "
+                       "JetStream cluster; the `nats` extra). See README, \"Choosing the event "
+                       "store\".")
     @click.option("--heartbeat-interval", type=click.FloatRange(0.05, 60), default=1.0,
                   show_default=True, help="Seconds between heartbeats.")
     @click.option("--liveness", type=click.IntRange(1, 100), default=3, show_default=True,
@@ -113,7 +118,8 @@ def hub_command() -> click.Command:
     @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
                                                    case_sensitive=False),
                   default="info", show_default=True, help="What the hub logs to stderr.")
-    def hub(endpoint: str, events: str, state_dir: str | None, heartbeat_interval: float,
+    def hub(endpoint: str, events: str, state_dir: str | None, store: str,
+            heartbeat_interval: float,
             liveness: int, max_message_bytes: int, budgets: dict[str, int],
             retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
             replay_priority: str, replay_pace_bytes: int, curve_secret: str | None,
@@ -125,11 +131,11 @@ def hub_command() -> click.Command:
         Example:
           busctl hub --hub tcp://127.0.0.1:7400 --state-dir /var/lib/agent-bus/hub
         """
-        from agent_bus.bus.hub import HubConfig, serve
+        from agent_bus.bus.hub import HubConfig, HubConfigError, check_config, serve
 
         curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
         config = HubConfig(endpoint=endpoint, events=events,
-                           state_dir=str(state_dir_for(state_dir, "hub")),
+                           state_dir=str(state_dir_for(state_dir, "hub")), store=store,
                            heartbeat_interval=heartbeat_interval, liveness=liveness,
                            max_message_bytes=max_message_bytes, retain_days=retain_days,
                            retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,
@@ -138,6 +144,10 @@ def hub_command() -> click.Command:
                            **budgets)
         logging.getLogger().setLevel(log_level.upper())
         tune_gc()
+        try:
+            check_config(config)
+        except HubConfigError as exc:  # it names the key; the flag has the same name
+            raise click.UsageError(str(exc)) from None
         try:
             serve(config)
         except Exception as exc:  # a bind failure is the usual cause; say which address

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.store_cluster import Cluster, jetstream_cluster
 from tests.support import Proc, busctl
 
 # Default state directories (bus.paths) go to a throwaway folder, not the user's home; every
@@ -37,10 +38,30 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="session")
+def jetstream() -> Iterator[Cluster]:
+    """One real three-server JetStream cluster for the session's store tests (each test takes a
+    stream of its own); skipped, saying what to install, without the `nats` extra."""
+    with jetstream_cluster() as cluster:
+        yield cluster
+
+
 @pytest.fixture
-def hub(tmp_path: Path) -> Iterator[dict]:
+def store(request: pytest.FixtureRequest) -> str:
+    """The hub's `--store`: "" (SQLite in the state dir), or with
+    `@pytest.mark.parametrize("store", STORES, indirect=True)` each of SQLite and a fresh
+    stream on the session's JetStream cluster."""
+    if getattr(request, "param", "sqlite") == "sqlite":
+        return ""
+    cluster: Cluster = request.getfixturevalue("jetstream")
+    return cluster.stream_url()
+
+
+@pytest.fixture
+def hub(tmp_path: Path, store: str) -> Iterator[dict]:
     """A real hub process on a free loopback port; yields its ready line (endpoint, events, pid)."""
-    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state")))
+    proc = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+                       *(["--store", store] if store else [])))
     try:
         info = proc.wait_ready()
         info["proc"] = proc

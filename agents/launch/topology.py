@@ -18,6 +18,7 @@ from agent_bus.agents.gateway.providers.llamacpp import local_model_problems
 from agent_bus.agents.gateway.wire import MaxTokens, ModelConfig, Seed, Temperature, TopP
 from agent_bus.bus.errors import ConfigError
 from agent_bus.bus.paths import default_state_dir, inside_state_dir, overlaps
+from agent_bus.bus.store.url import StoreUrlError, parse_store_url
 from agent_bus.tools.mcp import McpServerSpec
 
 QueueMode = Literal["one-at-a-time", "all"]
@@ -31,6 +32,9 @@ class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     endpoint: str = "tcp://127.0.0.1:7400"
     events: str = ""
     state_dir: str = ""  # "" = outside the project, see bus.paths.default_state_dir
+    # the event store: "" = SQLite in state_dir; nats://HOST:PORT,... = a JetStream cluster
+    # (busctl hub --store; bus/store/url.py)
+    store: str = ""
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_message_bytes: int = 16 * 1024 * 1024
@@ -395,6 +399,11 @@ def hub_problems(hub: HubSection) -> list[str]:
     problems = _address_problems("hub.endpoint", hub.endpoint, events_next=not hub.events)
     if hub.events:
         problems += _address_problems("hub.events", hub.events, events_next=False)
+    if hub.store:
+        try:
+            parse_store_url(hub.store, "hub.store")
+        except StoreUrlError as exc:
+            problems.append(str(exc))
     if not 0.01 <= hub.heartbeat_interval <= 3600:
         problems.append(f"hub.heartbeat_interval: {hub.heartbeat_interval} is out of range "
                         "(seconds between heartbeats, from 0.01 to 3600; default 1.0)")
@@ -493,6 +502,8 @@ endpoint = "tcp://127.0.0.1:7400"   # ROUTER; events bind on port + 1
 # state_dir = "/path/to/state"     # event log, conversations, logs, pid file; default: outside
                                     # the project, in ~/.local/state/agent-bus/<folder>-<hash>
                                     # (must not overlap any worker's workspace)
+# store = "nats://h1:4222,h2:4222,h3:4222"  # the event log in a NATS JetStream cluster (3
+                                    # replicas; agent-bus[nats]) instead of SQLite in state_dir
 heartbeat_interval = 1.0            # seconds
 liveness = 3                        # missed beats before a peer is dead
 

@@ -122,6 +122,8 @@ def hub_argv(topo: Topology) -> list[str]:
                        "--max-message-bytes", str(hub.max_message_bytes))
     if hub.events:
         argv += ["--events", hub.events]
+    if hub.store:
+        argv += ["--store", hub.store]
     if hub.curve_secret:  # the user's authorised keys, then those `up` made for its processes
         argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized,
                  "--curve-authorized", str(curve_keys.folder_of(topo, state_dir(topo)))]

@@ -18,11 +18,13 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from tests.bus.helpers import serving_peers
+from tests.store_cluster import STORES
 from tests.support import ROOT, Proc, busctl, py, running, tight_timing, until
 
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.parametrize("store", STORES, indirect=True)
 async def test_ten_thousand_events_in_order_live_and_replayed(hub: dict) -> None:
     n_peers, per_peer = 4, 2500
     total = n_peers * per_peer
@@ -214,6 +216,7 @@ async def test_raw_subscriber_example_decodes_events(hub: dict) -> None:
 
 
 @pytest.mark.parametrize("fill_gaps", [True, False])
+@pytest.mark.parametrize("store", STORES, indirect=True)
 async def test_lost_live_events_are_filled_from_the_log_or_reported(hub: dict,
                                                                      fill_gaps: bool) -> None:
     async with connect(hub["endpoint"], name="watcher") as peer:

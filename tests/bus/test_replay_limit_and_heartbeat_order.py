@@ -20,9 +20,9 @@ import zmq
 
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
-from agent_bus.bus.eventlog import EventLog, connect_reader
 from agent_bus.bus.pipeline import EventPipeline, Retention
-from agent_bus.bus.replay_reader import read_batch
+from agent_bus.bus.store.sqlite import SqliteStore as EventLog
+from agent_bus.bus.store.sqlite import connect_reader, read_batch
 
 BUDGET = 256 * 1024  # the default `replay_bytes`
 

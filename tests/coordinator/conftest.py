@@ -136,13 +136,14 @@ class Stack:
 
 def start_stack(tmp: Path, *, gateway: bool = True, worker: bool = True,
                 coordinator: Sequence[str] | None = ("a", "s", "h"),
-                agents: str = AGENTS_TOML) -> Stack:
-    """`agents`: the topology's `[[agents]]` tables (TOML text)."""
+                agents: str = AGENTS_TOML, store: str = "") -> Stack:
+    """`agents`: the topology's `[[agents]]` tables (TOML text); `store`: the hub's `--store`
+    ("": SQLite in its state dir)."""
     srv = FakeLLMServer().start()
     topology = tmp / "topology.toml"
     topology.write_text(topology_text(srv.base_url, agents))
     hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp / "hub"),
-                      "--heartbeat-interval", HEARTBEAT))
+                      "--heartbeat-interval", HEARTBEAT, *(["--store", store] if store else [])))
     stack = Stack(tmp, "", srv, topology, {"hub": hub})
     try:
         stack.endpoint = hub.wait_ready()["endpoint"]

@@ -17,6 +17,7 @@ import pytest
 
 from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack, start_stack
+from tests.store_cluster import STORES
 from tests.support import busctl
 
 pytestmark = pytest.mark.anyio
@@ -52,9 +53,11 @@ def script(final: str) -> dict[str, Any]:
     ], "echo": True}
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = start_stack(tmp_path, coordinator=("lead", "helper"), agents=AGENTS)
+@pytest.fixture(params=STORES)
+def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    # each test on the SQLite log and on a JetStream stream: replay reads the same either way
+    store = "" if request.param == "sqlite" else request.getfixturevalue("jetstream").stream_url()
+    s = start_stack(tmp_path, coordinator=("lead", "helper"), agents=AGENTS, store=store)
     try:
         yield s
     finally:

@@ -20,6 +20,7 @@ import pytest
 from agent_bus.agents.coordinator.durable import MAY_HAVE_RUN
 from agent_bus.agents.gateway.fakellm import FakeLLMServer
 from tests.cli.conftest import Topology, pid_alive, start_up
+from tests.store_cluster import STORES
 from tests.support import Proc, busctl
 
 TOOLS = str(Path(__file__).parent / "fixtures" / "durable_tools.py")
@@ -68,12 +69,18 @@ model = "fake"
 """
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[Topology, FakeLLMServer, Path]]:
+@pytest.fixture(params=STORES)
+def stack(tmp_path: Path, request: pytest.FixtureRequest
+          ) -> Iterator[tuple[Topology, FakeLLMServer, Path]]:
+    """The topology on each store: its `[hub] store` is a fresh JetStream stream for the second."""
     counts = tmp_path / "counts"
+    store = "" if request.param == "sqlite" else request.getfixturevalue("jetstream").stream_url()
     with FakeLLMServer(SCRIPT) as srv:
         config = tmp_path / "durable.toml"
-        config.write_text(topology(srv.base_url))
+        text = topology(srv.base_url)
+        if store:
+            text = text.replace("[hub]\n", f"[hub]\nstore = \"{store}\"\n", 1)
+        config.write_text(text)
         proc, ready = start_up(tmp_path, "-c", str(config))
         topo = Topology(proc, tmp_path, ready)
         pids = topo.child_pids()

@@ -31,7 +31,7 @@ import pytest
 from agent_bus.agents.client.remote import connect
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
-from agent_bus.bus.eventlog import EventLog
+from agent_bus.bus.store.sqlite import SqliteStore as EventLog
 from tests.coordinator.conftest import Stack, start_stack
 from tests.otel.receiver import Receiver
 from tests.support import Proc, busctl, until

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import signal
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
 
 from agent_bus.bus.client import connect
+from tests.store_cluster import Cluster
 from tests.support import ROOT, Proc, busctl, py, wait_for
 
 PUBLISHER = str(ROOT / "tests" / "fault" / "publisher_proc.py")
@@ -37,14 +39,18 @@ def watched_seqs(proc: Proc) -> list[int]:
     return seqs
 
 
-def hub_proc(state: Path, endpoint: str = "tcp://127.0.0.1:0") -> Proc:
+def hub_proc(state: Path, endpoint: str = "tcp://127.0.0.1:0", store: str = "") -> Proc:
     return Proc(busctl("hub", "--hub", endpoint, "--state-dir", str(state),
-                       "--heartbeat-interval", "0.2"))
+                       "--heartbeat-interval", "0.2", *(["--store", store] if store else [])))
 
 
-def killed_watcher_sees_the_whole_log(tmp_path: Path, total: int) -> None:
+def killed_watcher_sees_the_whole_log(tmp_path: Path, total: int,
+                                      log: Callable[[], list[int]] | None = None,
+                                      store: str = "") -> None:
+    """`log`: the seqs in the hub's store (default: its SQLite log)."""
     state = tmp_path / "hub"
-    hub = hub_proc(state)
+    log_now = log or (lambda: log_seqs(state))
+    hub = hub_proc(state, store=store)
     procs: list[Proc] = [hub]
     try:
         endpoint = hub.wait_ready()["endpoint"]
@@ -63,13 +69,13 @@ def killed_watcher_sees_the_whole_log(tmp_path: Path, total: int) -> None:
             watcher = Proc(busctl("watch", "--hub", endpoint, "--json", "--since", str(seen[-1])))
             procs.append(watcher)
         publisher.wait_line(lambda s: s.startswith('{"done"'), 120)
-        head = log_seqs(state)[-1]
+        head = log_now()[-1]
         wait_for(lambda: (watched_seqs(watcher) or [0])[-1] >= head, 60,
                  "the last watcher to reach the head of the log")
         seen += watched_seqs(watcher)
-        log = log_seqs(state)
-        assert len(log) >= total
-        assert seen[: len(log)] == log, "the resumed watchers' sequence differs from the log"
+        logged = log_now()
+        assert len(logged) >= total
+        assert seen[: len(logged)] == logged, "the resumed watchers' sequence differs from the log"
         assert len(seen) == len(set(seen)), "a duplicate"
     finally:
         for proc in reversed(procs):
@@ -78,6 +84,14 @@ def killed_watcher_sees_the_whole_log(tmp_path: Path, total: int) -> None:
 
 def test_watcher_killed_three_times_matches_the_log(tmp_path: Path) -> None:
     killed_watcher_sees_the_whole_log(tmp_path, 20_000)
+
+
+def test_watcher_killed_three_times_matches_the_jetstream_log(tmp_path: Path,
+                                                              jetstream: Cluster) -> None:
+    """The same with the hub's log in a JetStream stream (the log read from the servers)."""
+    url = jetstream.stream_url()
+    killed_watcher_sees_the_whole_log(
+        tmp_path, 8_000, lambda: [seq for seq, _, _ in jetstream.stream_seqs(url)], url)
 
 
 @pytest.mark.slow

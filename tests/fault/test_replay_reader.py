@@ -16,14 +16,14 @@ import pytest
 import zmq
 
 from agent_bus.bus import protocol as p
-from agent_bus.bus.eventlog import EventLog, connect_reader
 from agent_bus.bus.replay_reader import (
     PACE_SECONDS,
     PEER_REPLAY_QUEUE,
     REPLAY_LIMIT,
     ReplayReader,
-    read_batch,
 )
+from agent_bus.bus.store.sqlite import SqliteStore as EventLog
+from agent_bus.bus.store.sqlite import connect_reader, read_batch
 from tests.fault.test_budgets import start_hub, status
 from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish

@@ -32,9 +32,9 @@ from agent_bus.agents.experiment.runner import SAMPLE_TYPE, read_journal
 from agent_bus.bus import events as ev
 from agent_bus.bus.client import connect
 from agent_bus.bus.errors import HubLost
-from agent_bus.bus.eventlog import EventLog
 from agent_bus.bus.messages import ToolCallRequest, ToolResult
 from agent_bus.bus.serving import IncomingRequest
+from agent_bus.bus.store.sqlite import SqliteStore as EventLog
 from tests.multihost.conftest import Keys, generate
 from tests.support import Proc, busctl
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import msgspec
 
 from agent_bus.bus import protocol as p
-from agent_bus.bus.eventlog import EventLog
 from agent_bus.bus.paths import default_state_dir, ensure_state_dir
+from agent_bus.bus.store.sqlite import SqliteStore as EventLog
 from tests.cli.conftest import start_up
 from tests.security.fixtures.forge_run import forged_run
 from tests.support import busctl

@@ -17,6 +17,7 @@ import pytest
 
 from agent_bus.agents.client.remote import connect
 from tests.coordinator.conftest import Stack, calls, start_stack, text
+from tests.store_cluster import Cluster
 from tests.support import Proc, busctl, py, until
 from tests.ui.browser import Browser, find_chromium
 from tests.ui.owner import owner_get
@@ -102,6 +103,21 @@ def read_events(ui: dict[str, Any], until_type: str, run_id: str,
 
 
 async def test_page_and_stream_replay_then_live_without_holes(stack: Stack) -> None:
+    await page_replays_then_goes_live(stack)
+
+
+async def test_page_replays_then_goes_live_on_a_jetstream_log(tmp_path: Path,
+                                                              jetstream: Cluster) -> None:
+    """The same with the hub's log in a JetStream stream: the page reads it the same way."""
+    s = start_stack(tmp_path, coordinator=("boss", "helper"), agents=AGENTS,
+                    store=jetstream.stream_url())
+    try:
+        await page_replays_then_goes_live(s)
+    finally:
+        s.close()
+
+
+async def page_replays_then_goes_live(stack: Stack) -> None:
     before = await scripted_run(stack)         # happened before the page's server started
     ui = start_ui(stack)
     page = owner_get(ui, "").read().decode()

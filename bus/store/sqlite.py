@@ -1,4 +1,5 @@
-"""The hub's event log: an append-only SQLite table of stamped events, in WAL mode.
+"""The default event store (bus/store/__init__.py): an append-only SQLite table of stamped
+events, in WAL mode, and its reader (`hub.replay`'s, on a connection of its own).
 
 Durability policy: each hub loop pass appends its batch in one transaction and commits before the
 batch is published, with `synchronous=NORMAL`. In WAL mode that survives a SIGKILL of the hub (the
@@ -10,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import sqlite3
+import time
 from pathlib import Path
 
-Row = tuple[int, float, str, str, str, str, bytes, bytes]
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.store import REPLAY_LIMIT, Row, StoreError
 
 PAGE_SIZE = 16384  # for a new log file
 CHECKPOINT_BYTES = 32 * 1024 * 1024  # WAL size that triggers an automatic checkpoint
@@ -52,6 +56,13 @@ _INSERTS = {n: "INSERT INTO events VALUES " + ",".join(["(?,?,?,?,?,?,?,?)"] * n
             for n in (*_CHUNKS, *range(1, SMALL_BATCH + 1))}
 _flatten = itertools.chain.from_iterable
 
+# Reading a batch (`read_batch`):
+BLOB_READ_BYTES = 65536  # a body this big or bigger is read through the blob API
+# The reader blocks for a moment after PACE_SECONDS of reading (bus/replay_reader.py, "Pacing").
+PACE_SECONDS = 0.0003  # the reader blocks after this long reading a batch
+PACE_SLEEP = 1e-6  # ...for the shortest sleep (the timer slack makes it ~50-60 us)
+PACE_CHECK = 32  # rows between looks at the clock
+
 
 def connect_reader(uri: str) -> sqlite3.Connection:
     """A read-only connection for another thread (the replay reader). In WAL mode it reads the
@@ -71,8 +82,8 @@ def read_meta(db: sqlite3.Connection) -> tuple[int, str]:
     return (0, "") if row is None else (int(row[0]), str(row[1]))
 
 
-class EventLog:
-    """Append and read stamped events. Not thread-safe: the hub loop owns it."""
+class SqliteStore:
+    """Append and read stamped events (an `EventStore`). Not thread-safe: the hub loop owns it."""
 
     def __init__(self, path: Path | None, name: str = "events") -> None:
         self.path = path
@@ -95,11 +106,39 @@ class EventLog:
         self._db.execute(f"PRAGMA journal_size_limit={2 * CHECKPOINT_BYTES}")
         self._db.executescript(_SCHEMA)
 
+    @property
+    def where(self) -> str:
+        return str(self.path) if self.path is not None else ":memory:"
+
+    @property
+    def reader_uri(self) -> str:
+        return self.uri
+
     def last_seq(self) -> int:
-        row = self._db.execute("SELECT MAX(seq) FROM events").fetchone()
+        try:
+            row = self._db.execute("SELECT MAX(seq) FROM events").fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
         return int(row[0] or 0)
 
     def append(self, rows: list[Row]) -> None:
+        """Append `rows` in one transaction: all of them or none (else StoreError, from the SQLite
+        error). (A try costs nothing in Python 3.11 until it catches.)"""
+        try:
+            self._append(rows)
+        except sqlite3.Error as exc:
+            if self._logged_anyway(rows):  # an error after COMMIT (a checkpoint) left it logged
+                return
+            raise StoreError(str(exc)) from exc
+
+    def _logged_anyway(self, rows: list[Row]) -> bool:
+        try:
+            row = self._db.execute("SELECT MAX(seq) FROM events").fetchone()
+        except sqlite3.Error:
+            return False  # unreadable too: the batch counts as not logged
+        return int(row[0] or 0) >= rows[-1][0]
+
+    def _append(self, rows: list[Row]) -> None:
         """Append `rows` in one transaction: all of them or none (then the SQLite error is raised).
 
         On SQLITE_FULL or an I/O error SQLite may already have rolled the transaction back
@@ -142,6 +181,12 @@ class EventLog:
 
     def prune_before(self, ts: float, reason: str) -> int:
         """Delete up to PRUNE_ROWS of the oldest events stamped before `ts`; rows deleted."""
+        try:
+            return self._prune_before(ts, reason)
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
+
+    def _prune_before(self, ts: float, reason: str) -> int:
         oldest = self._db.execute("SELECT ts FROM events ORDER BY seq LIMIT 1").fetchone()
         if oldest is None or oldest[0] >= ts:  # the common case: one indexed row read
             return 0
@@ -152,6 +197,12 @@ class EventLog:
     def prune_to_bytes(self, limit: int, reason: str) -> int:
         """Delete up to PRUNE_ROWS of the oldest events while the log's pages in use (freed
         pages are reused, so the file itself does not shrink) are over `limit` bytes."""
+        try:
+            return self._prune_to_bytes(limit, reason)
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
+
+    def _prune_to_bytes(self, limit: int, reason: str) -> int:
         used = self._used_bytes()
         if used <= limit:
             return 0
@@ -189,9 +240,107 @@ class EventLog:
 
     def drop_deltas(self, run: str) -> int:
         """Delete the `message_update` events of `run` (its `message_end` holds the message)."""
-        cur = self._db.execute("DELETE FROM events WHERE run = ? AND type = 'message_update'",
-                               (run,))
+        try:
+            cur = self._db.execute("DELETE FROM events WHERE run = ? AND type = 'message_update'",
+                                   (run,))
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
         return int(cur.rowcount)
 
     def close(self) -> None:
         self._db.close()
+
+
+class SqliteReader:
+    """`hub.replay`'s reader of a SQLite log (a `StoreReader`): a connection of its own."""
+
+    def __init__(self, uri: str) -> None:
+        self._db = connect_reader(uri)
+
+    def read_batch(self, request: p.ReplayRequest, head: int, budget: int) -> p.ReplayBatch:
+        try:
+            return read_batch(self._db, request, head, budget)
+        except sqlite3.Error as exc:
+            raise StoreError(str(exc)) from exc
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
+               budget: int) -> p.ReplayBatch:
+    """Logged events in (since, head] of the request's experiment (when it names one) matching
+    its topics, until `budget` bytes were read (at least one row) or `limit` rows were scanned.
+    `upto` is where to ask again; `upto == head` means this reply reaches the head — a reply
+    with fewer events says nothing by itself.
+
+    One read transaction: the rows and the bodies read through the blob API are one snapshot
+    (retention may delete rows meanwhile)."""
+    db.execute("BEGIN")
+    try:
+        batch = _read_batch(db, request, head, budget)
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):  # the read's error is the one to report
+            db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")  # a read transaction: this only ends the snapshot
+    return batch
+
+
+def _read_batch(db: sqlite3.Connection, request: p.ReplayRequest, head: int,
+                budget: int) -> p.ReplayBatch:
+    since = min(max(0, request.since), head)
+    pruned_upto, reason = read_meta(db)
+    gap = None
+    if since < pruned_upto:  # retention removed (since, pruned_upto]: say so, never silently
+        gap = p.ReplayGap(first=since + 1, last=min(pruned_upto, head), reason=reason)
+        since = min(pruned_upto, head)
+    limit = max(1, min(request.limit, REPLAY_LIMIT))
+    prefixes = [t.encode() for t in request.topics]
+    # A body from BLOB_READ_BYTES up is not in the row: `Blob.read` copies it with the GIL
+    # released (the cursor would copy it holding the GIL). `length(body)` reads no overflow
+    # page, and rows that do not match the topics never have a body read.
+    cur = db.execute(_SELECT + (_OF_EXPERIMENT if request.experiment else "") + _RANGE,
+                     (BLOB_READ_BYTES, *([request.experiment] if request.experiment else []),
+                      since, head, limit))
+    events: list[tuple[bytes, bytes]] = []
+    upto, read, scanned = since, 0, 0
+    clock = time.perf_counter
+    pace_at = clock() + PACE_SECONDS
+    for seq, type_, agent, run, header, size, body in cur:
+        upto, scanned = seq, scanned + 1
+        if not scanned % PACE_CHECK and clock() >= pace_at:
+            time.sleep(PACE_SLEEP)  # let a task the scheduler kept waiting behind us run
+            pace_at = clock() + PACE_SECONDS
+        read += len(header) + size
+        if not prefixes or _matches(type_, agent, run, prefixes):
+            events.append((header, body if body is not None else _read_body(db, seq)))
+        if read >= budget:
+            break
+    else:
+        if scanned < limit:  # the cursor ran out: everything up to the head was read
+            upto = head
+    cur.close()
+    return p.ReplayBatch(events=events, upto=upto, head=head, gap=gap)
+
+
+_SELECT = ("SELECT seq, type, agent, run, header, length(body), CASE WHEN length(body) < ? "
+           "THEN body END FROM events WHERE ")
+# An experiment's rows come from its index (`events_experiment`, on `experiment != ''`: the
+# term is repeated so SQLite may use it), in seq order: the other experiments' are never read,
+# nor counted in `limit` or the byte budget.
+_OF_EXPERIMENT = "experiment = ? AND experiment != '' AND "
+_RANGE = "seq > ? AND seq <= ? ORDER BY seq LIMIT ?"
+
+
+def _read_body(db: sqlite3.Connection, seq: int) -> bytes:
+    """A big body, copied out of SQLite with the GIL released (seq is the table's rowid)."""
+    with db.blobopen("events", "body", seq, readonly=True) as blob:
+        return blob.read()
+
+
+def _matches(type_: str, agent: str, run: str, prefixes: list[bytes]) -> bool:
+    topic = p.event_topic(ev.event_family(type_), agent, run, type_)
+    return any(topic.startswith(prefix) for prefix in prefixes)
+
+
