@@ -14,7 +14,6 @@ stream: the top-level runs tagged `E.<variant>.r<repeat>` started and not yet en
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter
@@ -27,10 +26,10 @@ from agent_bus.agents.experiment.runner import JOURNAL_TOPIC, PLAN_TYPE, SAMPLE_
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import Peer
+from agent_bus.bus.experiments import parse_cell
 from agent_bus.bus.watch import replay_batch
 
 # The experiment id out of a cell's session tag `E.<variant>.r<repeat>` (spec.experiment_tag).
-CELL_TAG = re.compile(r"([A-Za-z0-9_-]+)\.[A-Za-z0-9_-]+\.r[0-9]+")
 # A cell starting this long after the experiment's last cell ended, none running: a runner
 # (re)started (`--resume`), and the ETA's pace is measured from there, not from the first run.
 IDLE = 30.0
@@ -84,11 +83,11 @@ class ExperimentBook:
         """A run of a cell starting or ending (from the view's own subscription)."""
         if header.parent or not isinstance(event, (ev.AgentStart, ev.AgentEnd)):
             return
-        cell = CELL_TAG.fullmatch(header.experiment)
+        cell = parse_cell(header.experiment)
         if cell is None:
             return
         with self.lock:
-            x = self._get(cell.group(1))
+            x = self._get(cell.experiment)
             if isinstance(event, ev.AgentStart):
                 if not x.running and header.ts - x.last_end > IDLE:  # a (re)started runner
                     x.stretch_start, x.stretch_done = header.ts, 0
