@@ -53,6 +53,8 @@ def test_journal_report_resume_and_export_on_a_jetstream_log(tmp_path: Path,
         events = [json.loads(line) for line in export.read_text().splitlines()]
         # 20 solver + 20 critic runs, and any the killed runner left aborted (run again)
         assert sum(e["type"] == "agent_end" for e in events) >= 40
-        assert {e["experiment"] for e in events} == {"js-1.team.r1"}
+        # the cell's runs, and its journal entries (logged under the experiment's name)
+        assert {e["experiment"] for e in events} == {"js-1.team.r1", "js-1"}
+        assert {e["type"] for e in events if e["experiment"] == "js-1"} == {"experiment_sample"}
         seqs = [e["seq"] for e in events]
         assert seqs == sorted(set(seqs))
