@@ -52,6 +52,9 @@ LOG_UNAVAILABLE: Final = "log_unavailable"  # hub -> publisher: event refused, l
 UNAUTHORIZED: Final = "unauthorized"  # hub -> peer: its CURVE key is no longer authorised
 FORBIDDEN: Final = "forbidden"  # hub -> peer: its roles do not allow that register or event
 BAD_EVENT: Final = "bad_event"  # hub -> publisher: event refused (a hub-only type, or a lying header)
+# hub -> peer: this hub is a standby (or a deposed primary), not the leader: move to the next hub
+# endpoint (docs/protocol.md section 5, "Following the hub"); `error` names the leader if known
+NOT_LEADER: Final = "not_leader"
 
 # Services the hub serves itself.
 HUB_STATUS: Final = "hub.status"
@@ -131,6 +134,9 @@ class Welcome(msgspec.Struct, omit_defaults=True):
     # True: the hub takes an `event` message whose header `type` is `MIXED_TYPES`, each body
     # an event of its own body's type; absent (False) from a hub that predates that.
     mixed_types: bool = False
+    # The leader's lease epoch (issue 52): grows with every takeover, so a peer that saw a newer
+    # epoch never goes back to an older leader. 0 from a hub without a lease (one machine).
+    epoch: int = 0
 
 
 class Register(msgspec.Struct):
