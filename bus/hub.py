@@ -284,6 +284,9 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     publish_inline_bytes: int = 8 * KiB
     subscriber_bytes: int = 64 * MiB  # 0: SNDHWM = pub_hwm, no byte bound
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
+    # The newest logged events kept in memory (headers and bodies), from which a replay that
+    # starts within them (a live subscriber's gap) is answered at once (bus/recent.py); 0: none.
+    recent_bytes: int = 16 * MiB
     # Bytes a second of `hub.status` (and other non-replay hub-service) answers to one peer
     # (a token bucket, burst the same): beyond it the peer is answered `overloaded`.
     peer_service_bytes: int = 16 * MiB
@@ -313,13 +316,13 @@ class HubConfigError(ConfigError, ValueError):
 
 BUDGETS = ("request_bytes", "peer_request_bytes", "queued_services", "queue_limit",
            "max_event_bytes", "publish_inline_bytes", "subscriber_bytes", "replay_bytes",
-           "peer_service_bytes", "max_redispatch")
+           "recent_bytes", "peer_service_bytes", "max_redispatch")
 
 
 def check_config(config: HubConfig) -> None:
     """Refuse a config that must not run: checked here, so every way of starting a hub does."""
     for name in BUDGETS:
-        least = 0 if name in ("max_redispatch", "subscriber_bytes") else 1
+        least = 0 if name in ("max_redispatch", "subscriber_bytes", "recent_bytes") else 1
         if getattr(config, name) < least:
             raise HubConfigError(f"hub budget `{name}` is {getattr(config, name)}: it must be "
                                  f">= {least} (see docs/reliability.md, \"Memory budgets\")")
@@ -438,7 +441,7 @@ class Hub:
             config.publish_inline_bytes,
             Retention(config.retain_days, config.retain_bytes, config.retain_deltas_until_end),
             config.replay_priority, config.replay_pace_bytes, config.store,
-            config.max_event_bytes)
+            config.max_event_bytes, config.recent_bytes)
         self._hb_header = p.encode(p.Header(kind=p.HEARTBEAT))
         # Fast peer-loss detection: libzmq reports a dropped connection (e.g. a SIGKILLed peer)
         # at once on a monitor socket, without saying whose it was; with ROUTER_MANDATORY a send
@@ -1234,6 +1237,7 @@ class Hub:
             "subscriber_bytes": p.Budget(cfg.subscriber_bytes),
             "subscriber_messages": p.Budget(cfg.subscriber_hwm()),
             "replay_bytes": p.Budget(cfg.replay_bytes, self.events.replay_peak),
+            "recent_bytes": p.Budget(cfg.recent_bytes, self.events.recent.bytes),
             "peer_service_bytes": p.Budget(cfg.peer_service_bytes, self._status_size),
             # a rate, not a size: bytes a second while requests flow; used: answers' bytes held
             "replay_pace_bytes": p.Budget(cfg.replay_pace_bytes, self.events.pacer.held_bytes),

@@ -24,6 +24,7 @@ from zmq.backend import Socket as _BackendSocket
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.errors import Overloaded
+from agent_bus.bus.recent import RecentEvents
 from agent_bus.bus.replay_pacing import ReplayPacer
 from agent_bus.bus.replay_reader import REPLAY_QUEUE, ReplayReader
 from agent_bus.bus.store import Retention, Row, StoreError, open_store
@@ -56,7 +57,7 @@ class EventPipeline:
                  session: str, bump: Bump, refuse: Callable[[list[Row]], None],
                  replay_bytes: int, inline_bytes: int, retention: Retention,
                  replay_priority: str = "idle", replay_pace_bytes: int = 0,
-                 store: str = "", max_event_bytes: int = 0) -> None:
+                 store: str = "", max_event_bytes: int = 0, recent_bytes: int = 0) -> None:
         self.pub = pub
         self.inline_bytes = inline_bytes  # larger bodies are published as stubs (see flush)
         self.session = session
@@ -70,6 +71,7 @@ class EventPipeline:
         self.seq = self.log.last_seq()
         self.rows: list[Row] = []  # the batch: (seq, ts, type, agent, run, experiment, header, body)
         self._topics: list[bytes] = []  # the batch's topics, in step with rows
+        self._batch_bytes = 0  # the batch's headers' and bodies' bytes (for `recent`)
         self._topic_cache: dict[tuple[str, str, str], bytes] = {}
         self._ended_runs: set[str] = set()  # runs whose deltas can go (retention.deltas_until_end)
         self.subscribed_at = math.inf  # when a not-yet-answered subscription arrived
@@ -80,6 +82,8 @@ class EventPipeline:
         self._retry_at = math.inf
         self.reader = ReplayReader(ctx, self.log.reader_uri, replay_bytes, replay_priority)
         self.pacer = ReplayPacer(replay_pace_bytes)  # the reader's answers wait here to be sent
+        # the newest logged events: a live subscriber's gap is answered from them at once
+        self.recent = RecentEvents(recent_bytes)
 
     def close(self) -> None:
         self.reader.close()
@@ -99,6 +103,7 @@ class EventPipeline:
             topic = self._topic(type_, agent, run)
         self._topics.append(topic)
         self.rows.append((seq, ts, type_, agent, run, header.experiment, header_bytes, body))
+        self._batch_bytes += len(header_bytes) + len(body)
         if type_ == "message_end" and run and self.retention.deltas_until_end:
             self._ended_runs.add(run)
 
@@ -125,11 +130,14 @@ class EventPipeline:
         if not rows:
             return
         topics = self._topics
+        size = self._batch_bytes
         self.rows = []
         self._topics = []
+        self._batch_bytes = 0
         if not self._append(rows):
             return
         self._bump("events", len(rows))
+        self.recent.add(rows, topics, size)
         pub = self.pub
         sig = p.SIGNATURE
         inline = self.inline_bytes
@@ -221,14 +229,18 @@ class EventPipeline:
 
     def _prune(self) -> None:
         ret = self.retention
+        removed = 0
         if ret.days > 0:
-            self.log.prune_before(time.time() - ret.days * 86400,
-                                  f"retention: older than {ret.days:g} days (`--retain-days`)")
+            removed += self.log.prune_before(
+                time.time() - ret.days * 86400,
+                f"retention: older than {ret.days:g} days (`--retain-days`)")
         if ret.bytes > 0:
-            self.log.prune_to_bytes(ret.bytes,
-                                    f"retention: log over {ret.bytes} bytes (`--retain-bytes`)")
+            removed += self.log.prune_to_bytes(
+                ret.bytes, f"retention: log over {ret.bytes} bytes (`--retain-bytes`)")
         while self._ended_runs:
-            self.log.drop_deltas(self._ended_runs.pop())
+            removed += self.log.drop_deltas(self._ended_runs.pop())
+        if removed:  # the window must never answer with an event the log no longer has
+            self.recent.clear()
 
     # --- heartbeats and subscriptions --------------------------------------------------------
 
@@ -272,6 +284,10 @@ class EventPipeline:
         head = self.seq
         if request.since >= head:
             return _encode(p.ReplayBatch(events=[], upto=head, head=head))
+        batch = self.recent.read_batch(request, head, self.replay_bytes)
+        if batch is not None:  # a recent range (a live subscriber's gap): no log read
+            self._bump("replay_from_memory")
+            return _encode(batch)
         # answers held for pacing count too: replays not answered yet, and memory
         waiting = len(self.reader.outstanding) + len(self.pacer)
         if waiting >= REPLAY_QUEUE or not self.reader.submit(ident, req_id, head, request):
