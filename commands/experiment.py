@@ -53,7 +53,10 @@ def _hub_or_log(from_hub: Callable[[], T], from_log: Callable[[Path], T],
             leaf = first_leaf(exc) if isinstance(exc, BaseExceptionGroup) else exc
             if local is None or explicit or not isinstance(leaf, HubUnreachable):
                 raise
-            click.echo(f"{leaf}; reading the log on disk instead: {local}", err=True)
+            # said as what happens, not as a failure: with no hub running, the log on disk
+            # is the right source (the hub's own words follow, for when one was expected)
+            click.echo(f"reading the event log on disk: {local} (no hub answers: {leaf})",
+                       err=True)
     assert local is not None
     try:
         return from_log(local)

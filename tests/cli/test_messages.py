@@ -166,7 +166,7 @@ def test_export_names_a_missing_experiment_and_reads_the_log_without_a_hub(
     found = cli("export", "--experiment", "exp-a", "-o", "out.jsonl", cwd=project,
                 env={"BUSCTL_HUB": f"127.0.0.1:{free_port()}"})
     assert found.returncode == 0, found.stderr
-    assert "reading the log on disk instead" in found.stderr
+    assert "reading the event log on disk:" in found.stderr
     assert (project / "out.jsonl").read_text() == live.stdout
     missing = cli("export", "--state-dir", str(state), "--experiment", "nosuch", "-o",
                   str(tmp_path / "none.jsonl"))

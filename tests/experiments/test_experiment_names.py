@@ -132,7 +132,7 @@ def test_one_name_covers_every_cell_with_the_hub_up_and_down(tmp_path: Path) -> 
     down = {"BUSCTL_HUB": f"tcp://127.0.0.1:{free_port()}"}
     report = cli(ex.cwd, "experiment", "report", "wc-1", "--json", env=down)
     assert report.returncode == 0, report.stderr
-    assert "reading the log on disk instead" in report.stderr
+    assert "reading the event log on disk:" in report.stderr
     assert json.loads(report.stdout) == live_report
     assert [(v["name"], v["n"]) for v in live_report["variants"]] == \
         [(v, REPEATS * SAMPLES) for v in VARIANTS]
