@@ -202,6 +202,32 @@ def _no_secret_shown(cluster: SlurmCluster, folder: Path, job: str) -> None:
     assert (state / "model-env.json").stat().st_mode & 0o777 == 0o600
     for path in (state / "keys").rglob("*"):
         assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
+    _another_user_reads_nothing(cluster, folder, state)
+
+
+OTHER = ["setpriv", "--reuid", "12345", "--regid", "12345", "--clear-groups"]
+
+
+def _another_user_reads_nothing(cluster: SlurmCluster, folder: Path, state: Path) -> None:
+    """What a login node publishes (`hub.json`: the job, the hub's address, each process's node)
+    and the keys beside it are the owner's alone: another user can read neither, and a `busctl`
+    of theirs pointed at the same state folder is refused with the reason, holding no key."""
+    published = state / "hub.json"
+    assert published.stat().st_mode & 0o777 == 0o600
+    if os.getuid() != 0 or not shutil.which("setpriv"):
+        return  # (a second user needs root and setpriv; the modes above still hold)
+    for path in (published, state / "model-env.json", *(state / "keys").rglob("*")):
+        if path.is_file():
+            read = subprocess.run([*OTHER, "cat", str(path)], capture_output=True, timeout=10)
+            assert read.returncode != 0 and not read.stdout, path
+    home = _state_home(folder)
+    as_other = subprocess.run([*OTHER, *busctl("status", "--engine", "slurm")], cwd=folder,
+                              env=cluster.env(BUSCTL_STATE_HOME=str(home), HOME="/"),
+                              capture_output=True, text=True, timeout=60)
+    assert as_other.returncode != 0, as_other.stdout
+    assert "Traceback" not in as_other.stderr, as_other.stderr
+    assert SECRET not in as_other.stdout + as_other.stderr
+    assert "hub.json: cannot read it" in as_other.stderr, as_other.stderr  # (permission denied)
 
 
 def _ps(cluster: SlurmCluster, folder: Path) -> dict[str, dict[str, Any]]:
