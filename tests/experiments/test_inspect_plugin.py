@@ -38,8 +38,9 @@ SCRIPT = {"rules": [
     # answered while the caller's event loop is blocked (the stalled-host tests)
     {"system": ["SOLVER"], "contains": ["stalled host"], "delay": 1,
      "reply": {"text": "answer: {last_user}", "usage": USAGE}},
-    # past the eval's timeout (4 s): aborted long before this answers
-    {"system": ["SOLVER"], "contains": ["slow"], "delay": 30,
+    # past the eval's timeout (12 s: room for a busy machine's answered samples, which take
+    # ~0.1 s quiet): aborted long before this answers
+    {"system": ["SOLVER"], "contains": ["slow"], "delay": 120,
      "reply": {"text": "too late", "usage": USAGE}},
     {"system": ["SOLVER"], "reply": {"text": "answer: {last_user}", "usage": USAGE}},
 ]}
@@ -146,7 +147,7 @@ def test_inspect_eval_by_plugin_name_records_tokens_model_experiment_and_timeout
     # the task by name: no task file, no --model (the task's model is agent-bus/solver)
     log = bus.eval("logs1", "agent_bus/bus_task", "-T", f"dataset={dataset}",
                    "-T", "agent=solver", "-T", "scorer=includes", "-T", f"hub={bus.endpoint}",
-                   "-T", "timeout=4")
+                   "-T", "timeout=12")
     assert log["eval"]["model"] == "agent-bus/solver"
     samples = {s["id"]: s for s in log["samples"]}
     # the two answered sessions' tokens, recorded by Inspect against the eval's model
@@ -166,7 +167,7 @@ def test_inspect_eval_by_plugin_name_records_tokens_model_experiment_and_timeout
     # the session past its timeout: the sample's error, not an empty "success"
     error = samples["slow"]["error"]
     assert error is not None and "BusEvalError" in error["traceback"]
-    assert "agent `solver`: no answer within 4 s" in error["message"]
+    assert "agent `solver`: no answer within 12 s" in error["message"]
     assert not samples["slow"].get("scores")
 
     # a second eval, a team's agent as the solver by name, the experiment overridden: its
