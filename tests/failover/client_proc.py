@@ -14,8 +14,8 @@ HUBS is one string with commas (what `busctl up` hands its processes). Each prin
   with `--slow S`, one keyed `slow` request of S seconds instead (`{"answer": ...}` once).
 - `subscribe`: every event's seq as `{"seq": N}`.
 
-Every role prints `{"ready": true, "hub": ENDPOINT}` once connected and `{"moved": ENDPOINT}`
-when its peer is welcomed by another hub.
+Every role prints `{"ready": true, "hub": ENDPOINT}` once connected, `{"moved": ENDPOINT}`
+when its peer is welcomed by another hub, and `{"counters": {...}}` when its peer's change.
 """
 
 from __future__ import annotations
@@ -40,12 +40,16 @@ def say(**fields: Any) -> None:
 
 
 async def watch_moves(peer: Peer) -> None:
-    hub = peer.hub
+    """Print each move, and the peer's counters whenever they change."""
+    hub, counters = peer.hub, dict(peer.counters)
     while True:
         await anyio.sleep(0.05)  # a helper's poll, not a test's wait
         if peer.connected and peer.hub != hub:
             hub = peer.hub
             say(moved=hub, epoch=peer.epoch)
+        if peer.counters != counters:
+            counters = dict(peer.counters)
+            say(counters=counters)
 
 
 async def serve(peer: Peer) -> None:
@@ -70,7 +74,7 @@ async def request(peer: Peer, slow: float) -> None:
     say(ready=True, hub=peer.hub)
     if slow:
         answer = await peer.request("slow", str(slow).encode(), key="slow-1", timeout=60)
-        say(answer=answer.decode())
+        say(answer=answer.decode(), counters=peer.counters)
         return
     stop = anyio.Event()
     loop_token = anyio.lowlevel.current_token()
