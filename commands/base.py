@@ -238,7 +238,7 @@ def hub_list_option(ctx: click.Context, param: click.Parameter, value: str | Non
     try:
         return joined(hub_list(value))
     except ValueError as exc:
-        raise click.BadParameter(f"{exc} (env {HUB_ENV} too)") from None
+        raise click.BadParameter(f"{exc} (read from --hub or {HUB_ENV})") from None
 
 
 def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
