@@ -150,6 +150,7 @@ class Peer:
         self.epoch = 0  # the highest leader epoch a welcome carried: never settle below it
         self._prefer_next = ""  # the endpoint a `not_leader` named: tried next
         self._stay = False  # the hub said RECONNECT: it is alive, say hello there again
+        self._last_hub = self.hub  # the endpoint of the last welcome
         self.name = name
         self.role = role
         self.curve = curve
@@ -529,7 +530,10 @@ class Peer:
         for sub in list(self.subscriptions):
             sub.follow(welcome.events)  # a moved hub publishes elsewhere
         if self._state is PeerState.RECONNECTING:
-            log.warning("%s: the hub at %s is back; reconnected", self.name, self.hub)
+            moved = self.hub != self._last_hub
+            log.warning("%s: %s", self.name, f"moved to the hub at {self.hub}" if moved else
+                        f"the hub at {self.hub} is back; reconnected")
+        self._last_hub = self.hub
         if self._state is PeerState.CONNECTING or self._state is PeerState.RECONNECTING:
             self._state = PeerState.READY
         self._changed()
