@@ -369,8 +369,10 @@ class Peer:
         if self._state is PeerState.READY:
             self._state = PeerState.RECONNECTING
         self._changed()
-        # A keyed request is kept for the next hub (`Calls.resend`); the others fail here.
-        self._calls.on_lost(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
+        # With other endpoints to go to, a keyed request is kept for the next hub
+        # (`Calls.resend`); the others fail here (with one endpoint, every one: as before lists).
+        self._calls.on_lost(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST),
+                            keep=len(self.hubs) > 1)
 
     def _open_socket(self, tg: anyio.abc.TaskGroup) -> Transport:
         self.loop = self.outbox.loop = asyncio.get_running_loop()

@@ -4,9 +4,10 @@ A request's replies (partials, then one `reply` or `error`) are queued on its `C
 reader (`Calls.deliver`, synchronous, no task per message) and taken by the requesting task.
 Leaving a request early sends a `cancel`. Calls past their deadline plus a grace period are
 failed locally (`expire`) in case the hub's own deadline error never comes; every call fails
-with `HubLost` when the connection is lost (`on_lost`) but a keyed one (an idempotency key,
-docs/protocol.md section 5, "Following the hub"): it keeps its frames and is sent again, as it
-was, after the next welcome (`resend`). The server answers a repeat of the key from the first
+with `HubLost` when the connection is lost (`on_lost`) but, for a peer with other hub
+endpoints to go to, a keyed one (an idempotency key, docs/protocol.md section 5, "Following the
+hub"): it keeps its frames and is sent again, as it was, after the next welcome (`resend`),
+failing `hub_lost` when none comes within RESEND_WAIT. The server answers a repeat of the key from the first
 run (bus/keyed.py), re-sending every partial from the start: the call skips the ones it has
 already delivered, so its requester sees each once.
 """
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bus.client")
 
+# How long a keyed call kept across the loss of its hub waits for the next welcome (a
+# standby's takeover: its lease lapsing, then the silence window and a round trip per endpoint)
+# before it fails `hub_lost` after all; its own deadline still applies when sooner.
+RESEND_WAIT = 30.0
+
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
 _SIG = p.SIGNATURE
 
@@ -52,7 +58,7 @@ def _fresh_partials(call: Call, frames: list[bytes]) -> bool:
 class Call:
     """One outstanding request: replies queue here until its task takes them (no stream object)."""
 
-    __slots__ = ("id", "items", "waiter", "expires", "done", "frames", "seen", "skip")
+    __slots__ = ("id", "items", "waiter", "expires", "done", "frames", "seen", "skip", "held")
 
     def __init__(self, req_id: str, expires: float, frames: list[Any] | None = None) -> None:
         self.id = req_id
@@ -66,6 +72,7 @@ class Call:
         self.frames = frames
         self.seen = 0
         self.skip = 0
+        self.held: float | None = None  # kept across a loss: its own `expires` meanwhile
 
     def put(self, item: tuple[p.Header, list[bytes]]) -> None:
         self.items.append(item)
@@ -163,18 +170,23 @@ class Calls:
         call.put((header, frames[2:]))
         return True
 
-    def on_lost(self, error: RequestError) -> None:
-        """The connection is gone: fail every call but the keyed ones, which wait for the
-        next welcome (`resend`) or their deadline (`expire`)."""
+    def on_lost(self, error: RequestError, *, keep: bool) -> None:
+        """The connection is gone: fail every call but, with `keep` (the peer has other hub
+        endpoints to go to), the keyed ones, which wait for the next welcome (`resend`) at most
+        RESEND_WAIT, or until their deadline when sooner (`expire`)."""
         pending = self.pending
         if not pending:
             return
-        kept = {i: c for i, c in pending.items() if c.frames is not None}
-        if len(kept) == len(pending):
-            return
-        self.pending = {i: c for i, c in pending.items() if c.frames is None}
-        self.fail_all(error)
-        self.pending = kept
+        kept = {i: c for i, c in pending.items() if c.frames is not None} if keep else {}
+        if len(kept) < len(pending):
+            self.pending = {i: c for i, c in pending.items() if i not in kept}
+            self.fail_all(error)
+            self.pending = kept
+        wait_until = time.monotonic() + RESEND_WAIT
+        for call in kept.values():
+            if call.held is None:
+                call.held = call.expires
+                call.expires = min(call.expires, wait_until)
 
     def resend(self) -> None:
         """After a welcome: send each kept keyed call again, the same message (its id, key and
@@ -185,6 +197,8 @@ class Calls:
             if call.frames is None:
                 continue
             call.skip = call.seen
+            if call.held is not None:
+                call.expires, call.held = call.held, None
             peer.count("requests_resent")
             try:
                 if not peer.send_now(call.frames):
@@ -203,6 +217,11 @@ class Calls:
         expired = [call for call in self.pending.values() if call.expires <= now]
         for call in expired:
             del self.pending[call.id]
+            if call.held is not None and call.held > now:  # still waiting for a hub
+                call.put((p.Header(kind=p.ERROR, id=call.id, code=p.HUB_LOST,
+                                   error=f"lost the hub at {self._peer.hub} and no other hub "
+                                         f"took the request within {RESEND_WAIT:g}s"), []))
+                continue
             call.put((p.Header(kind=p.ERROR, id=call.id, code=p.DEADLINE,
                                error="no reply before the deadline"), []))
 

@@ -186,3 +186,36 @@ def test_a_keyed_request_in_flight_survives_the_hub_and_runs_once(
     wait_for(lambda: any(c.get(path) == 1 for c in _lines(server, "counters")  # type: ignore[union-attr]
                          ), 10, f"the server's {path}")
     assert any(c.get("requests_resent") == 1 for c in _lines(requester, "counters"))  # type: ignore[union-attr]
+
+
+@pytest.mark.anyio
+async def test_without_a_next_hub_a_keyed_call_still_ends(
+        start_hub: Callable[[int], Proc], clients: Callable[..., Proc]) -> None:
+    """No hub takes over: an unkeyed call fails `hub_lost` when the silence is noticed, a keyed
+    one waits for the next hub but no longer than its own deadline (or RESEND_WAIT)."""
+    from agent_bus.bus.errors import DeadlineExceeded, HubLost
+
+    port_a, port_none = hub_ports(2)
+    hubs = [f"tcp://127.0.0.1:{port_a}", f"tcp://127.0.0.1:{port_none}"]
+    hub_a = start_hub(port_a)
+    server = clients("serve", ",".join(hubs))
+    server.wait_ready()
+    async with connect(hubs, name="caller") as peer:
+        outcomes: dict[str, tuple[type, float]] = {}
+
+        async def call(name: str, key: str) -> None:
+            try:
+                await peer.request("slow", b"30", key=key, timeout=6)
+            except (HubLost, DeadlineExceeded) as exc:
+                outcomes[name] = (type(exc), time.monotonic() - killed)
+
+        killed = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, "keyed", "never-answered")
+            tg.start_soon(call, "unkeyed", "")
+            await until(lambda: len(_lines(server, "started")) == 2, 10, "both calls started")
+            killed = time.monotonic()
+            hub_a.signal(signal.SIGKILL)
+    assert outcomes["unkeyed"][0] is HubLost
+    assert outcomes["keyed"][0] is DeadlineExceeded
+    assert outcomes["unkeyed"][1] < outcomes["keyed"][1] < 6 + 2
