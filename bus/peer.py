@@ -11,6 +11,15 @@ welcomed, RECONNECTING after a lost connection until the next welcome (retried w
 current socket is welcomed is `welcome is not None` (`connected`): during CLOSING the link may
 still be up, and the flush needs it.
 
+Following the hub (docs/protocol.md section 5, "Following the hub"): `hub` may name several
+endpoints (bus/endpoints.py), a primary and its standby. The connection loop moves to the next
+when the hub goes silent or answers `not_leader` (to the endpoint its text names, when it is one
+of ours; `_not_leader`), stays after a RECONNECT (that hub is alive), and backs off once every
+endpoint was tried without a welcome. A welcome whose `epoch` is below the highest seen is
+refused like `not_leader` (`stale_leader`). Every welcome re-registers the services, re-sends the
+keyed requests kept across the loss (`Calls.resend`; with one endpoint none is kept, as before
+lists) and points the subscriptions at the welcome's event endpoint (`Subscription.follow`).
+
 How the DEALER is driven (the hot path): its transport (`bus/transport.py`) calls `drain` when
 input may be waiting. Each call drains every ready message with NOBLOCK receives and dispatches
 them synchronously (a reply resolves its caller's call; a request starts a handler task). Sends

@@ -70,9 +70,10 @@ class Call:
         # the connection); with the partial bodies delivered so far, and those of the repeat's
         # answer still to skip (the server re-sends them all).
         self.frames = frames
-        self.seen = 0
-        self.skip = 0
-        self.held: float | None = None  # kept across a loss: its own `expires` meanwhile
+        if frames is not None:  # (only then read: an unkeyed call costs one slot more)
+            self.seen = 0
+            self.skip = 0
+            self.held: float | None = None  # kept across a loss: its own `expires` meanwhile
 
     def put(self, item: tuple[p.Header, list[bytes]]) -> None:
         self.items.append(item)
@@ -217,7 +218,8 @@ class Calls:
         expired = [call for call in self.pending.values() if call.expires <= now]
         for call in expired:
             del self.pending[call.id]
-            if call.held is not None and call.held > now:  # still waiting for a hub
+            if call.frames is not None and call.held is not None and call.held > now:
+                # still waiting for a hub
                 call.put((p.Header(kind=p.ERROR, id=call.id, code=p.HUB_LOST,
                                    error=f"lost the hub at {self._peer.hub} and no other hub "
                                          f"took the request within {RESEND_WAIT:g}s"), []))
