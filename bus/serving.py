@@ -335,7 +335,8 @@ class Serving:
             return False
         peer = self._peer
         peer.count("repeats_answered" if entry.final is not None else "repeats_attached")
-        entry.ids.append(req.id)
+        if req.id not in entry.ids:  # (a requester re-sends with the id it had: often the same)
+            entry.ids.append(req.id)
         for body in entry.partials:
             self._send_reply([_SIG, p.encode(p.Header(kind=p.PARTIAL, id=req.id)), body])
         if entry.final is not None:

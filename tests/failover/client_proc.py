@@ -7,11 +7,13 @@
 HUBS is one string with commas (what `busctl up` hands its processes). Each prints JSON lines:
 
 - `serve`: serves `work` (not idempotent; prints `{"ran": KEY}` each time its handler runs,
-  answers the key back after 20 ms) and `slow` (prints `{"started": KEY}`, sleeps the body's
-  seconds, prints `{"finished": KEY}`, answers the key).
+  answers the key back after 20 ms), `slow` (prints `{"started": KEY}`, sleeps the body's
+  seconds, prints `{"finished": KEY}`, answers the key) and `stream` (N partials `p0`..,
+  one every 0.5 s, then `done`).
 - `request`: keyed requests to `work` one after the other (key `k<N>`), each answered printed
   `{"answer": KEY}`, and an event published for each (`{"published": N}`), until stdin closes;
-  with `--slow S`, one keyed `slow` request of S seconds instead (`{"answer": ...}` once).
+  with `--slow S`, one keyed `slow` request of S seconds instead (`{"answer": ...}` once);
+  with `--stream N`, one keyed `stream` request, each body printed `{"body": ...}`.
 - `subscribe`: every event's seq as `{"seq": N}`.
 
 Every role prints `{"ready": true, "hub": ENDPOINT}` once connected, `{"moved": ENDPOINT}`
@@ -64,14 +66,29 @@ async def serve(peer: Peer) -> None:
         say(finished=req.header.key)
         return req.header.key.encode()
 
+    async def stream(req: IncomingRequest) -> bytes:
+        say(started=req.header.key)
+        for i in range(int(req.body)):
+            await req.partial(f"p{i}".encode())
+            await anyio.sleep(0.5)
+        return b"done"
+
     await peer.serve("work", work, capacity=4)
+    await peer.serve("stream", stream, capacity=4)
     await peer.serve("slow", slow, capacity=4)
     say(ready=True, hub=peer.hub)
     await anyio.sleep_forever()
 
 
-async def request(peer: Peer, slow: float) -> None:
+async def request(peer: Peer, slow: float, stream: int) -> None:
     say(ready=True, hub=peer.hub)
+    if stream:
+        async with peer.stream("stream", str(stream).encode(), key="stream-1",
+                               timeout=60) as replies:
+            async for body in replies:
+                say(body=body.decode())
+        say(streamed=True, counters=peer.counters)
+        return
     if slow:
         answer = await peer.request("slow", str(slow).encode(), key="slow-1", timeout=60)
         say(answer=answer.decode(), counters=peer.counters)
@@ -109,6 +126,7 @@ async def main() -> None:
     parser.add_argument("role", choices=["serve", "request", "subscribe"])
     parser.add_argument("hubs")
     parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--stream", type=int, default=0)
     args = parser.parse_args()
     async with connect(args.hubs, name=f"{args.role}-{os.getpid()}") as peer, \
             anyio.create_task_group() as tg:
@@ -116,7 +134,7 @@ async def main() -> None:
         if args.role == "serve":
             await serve(peer)
         elif args.role == "request":
-            await request(peer, args.slow)
+            await request(peer, args.slow, args.stream)
         else:
             await subscribe(peer)
         tg.cancel_scope.cancel()

@@ -219,3 +219,27 @@ async def test_without_a_next_hub_a_keyed_call_still_ends(
     assert outcomes["unkeyed"][0] is HubLost
     assert outcomes["keyed"][0] is DeadlineExceeded
     assert outcomes["unkeyed"][1] < outcomes["keyed"][1] < 6 + 2
+
+
+def test_a_keyed_stream_sees_each_partial_once_across_a_move(
+        start_hub: Callable[[int], Proc], clients: Callable[..., Proc]) -> None:
+    """A keyed streamed request whose partials flow while hub A is SIGKILLed and B comes up:
+    the server's partials sent meanwhile are lost with A, the repeat on B is attached and
+    re-sent every partial from the first, and the client drops those it had: each partial
+    once, in order, then the final answer once."""
+    port_a, port_b = hub_ports(2)
+    hubs = f"tcp://127.0.0.1:{port_a},tcp://127.0.0.1:{port_b}"
+    hub_a = start_hub(port_a)
+    server = clients("serve", hubs)
+    server.wait_ready()
+    requester = clients("request", hubs, "--stream", "20")
+    requester.wait_ready()
+    requester.wait_line(lambda s: '"p2"' in s, 10)
+    hub_a.signal(signal.SIGKILL)
+    hub_a.popen.wait(5)
+    start_hub(port_b)
+    requester.wait_line(lambda s: '"streamed"' in s, 40)
+    assert _lines(requester, "body") == [f"p{i}" for i in range(20)] + ["done"], requester.output()
+    assert _lines(server, "started") == ["stream-1"]
+    wait_for(lambda: any(c.get("repeats_attached") == 1 for c in _lines(server, "counters")  # type: ignore[union-attr]
+                         ), 10, "the repeat attached")
