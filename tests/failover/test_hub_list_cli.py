@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,26 @@ def test_a_command_starts_at_the_first_hub_that_answers(
     nobody = _busctl("status", "--hub", f"127.0.0.1:{dead},127.0.0.1:{other}")
     assert nobody.returncode == 2
     assert "cannot reach any hub" in nobody.stderr and str(dead) in nobody.stderr
+
+
+def test_hub_list_reads_the_forms_of_one_address_each() -> None:
+    from agent_bus.bus.endpoints import hub_list
+
+    assert hub_list("7400, localhost:7401,tcp://10.0.0.6:7400,7400") == [
+        "tcp://127.0.0.1:7400", "tcp://localhost:7401", "tcp://10.0.0.6:7400"]
+    assert hub_list(["ipc:///run/a/hub.sock", "7402"]) == [
+        "ipc:///run/a/hub.sock", "tcp://127.0.0.1:7402"]
+    with pytest.raises(ValueError, match="entry 3 of 'a:1,b:2,' is empty"):
+        hub_list("a:1,b:2,")
+    with pytest.raises(ValueError, match="no hub address"):
+        hub_list([])
+
+
+def test_a_sandboxed_worker_keeps_each_listed_local_hub(tmp_path: Path) -> None:
+    from agent_bus.tools.sandbox import _ipc_paths
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    assert _ipc_paths(f"ipc://{one}/hub.sock,tcp://127.0.0.1:7400,ipc://{two}/hub.sock") == [
+        one.resolve(), two.resolve()]
