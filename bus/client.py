@@ -22,11 +22,14 @@ This module is the public face; the parts, each with one job:
   duplicate;
 - `bus/transport.py`: framing and the DEALER's transport, the fast (`add_reader`) one or the
   portable (`zmq.asyncio`) one;
+- `bus/endpoints.py`: a peer's list of hub endpoints (`hub_list`), followed when the hub moves;
+  `bus/keyed.py`: what a server remembers of keyed requests (a repeat is answered once).
 - `bus/backoff.py`: the retry policy of the reconnect loop and of a subscription's replays.
 """
 
 from __future__ import annotations
 
+from agent_bus.bus.endpoints import hub_list
 from agent_bus.bus.link import PeerState
 from agent_bus.bus.peer import (
     CONNECT_TIMEOUT,
@@ -56,4 +59,5 @@ __all__ = [
     "Subscription",
     "connect",
     "default_hub",
+    "hub_list",
 ]

@@ -11,6 +11,15 @@ welcomed, RECONNECTING after a lost connection until the next welcome (retried w
 current socket is welcomed is `welcome is not None` (`connected`): during CLOSING the link may
 still be up, and the flush needs it.
 
+Following the hub (docs/protocol.md section 5, "Following the hub"): `hub` may name several
+endpoints (bus/endpoints.py), a primary and its standby. The connection loop moves to the next
+when the hub goes silent or answers `not_leader` (to the endpoint its text names, when it is one
+of ours; `_not_leader`), stays after a RECONNECT (that hub is alive), and backs off once every
+endpoint was tried without a welcome. A welcome whose `epoch` is below the highest seen is
+refused like `not_leader` (`stale_leader`). Every welcome re-registers the services, re-sends the
+keyed requests kept across the loss (`Calls.resend`; with one endpoint none is kept, as before
+lists) and points the subscriptions at the welcome's event endpoint (`Subscription.follow`).
+
 How the DEALER is driven (the hot path): its transport (`bus/transport.py`) calls `drain` when
 input may be waiting. Each call drains every ready message with NOBLOCK receives and dispatches
 them synchronously (a reply resolves its caller's call; a request starts a handler task). Sends
@@ -55,9 +64,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -70,6 +80,7 @@ import zmq.asyncio
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.backoff import Backoff
+from agent_bus.bus.endpoints import hub_list
 from agent_bus.bus.errors import (
     DeadlineExceeded,
     HubLost,
@@ -79,7 +90,7 @@ from agent_bus.bus.housekeeping import Housekeeping
 from agent_bus.bus.ledger import Ledger
 from agent_bus.bus.link import PeerState
 from agent_bus.bus.outbox import Outbox
-from agent_bus.bus.paths import credential_for, hub_refusal, local_alias, parse_hub_address
+from agent_bus.bus.paths import credential_for, hub_refusal, local_alias
 from agent_bus.bus.rpc import Calls, Replies
 from agent_bus.bus.security import CurveClient
 from agent_bus.bus.serving import Handler, Serving, body_limit
@@ -107,6 +118,8 @@ _CURVE_HINT = ("; with CURVE, also check that this client's public key is in the
 _REPLY_KINDS = frozenset({p.REPLY, p.PARTIAL, p.ERROR})
 _REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refusals (§5)
 _EVENT_REFUSED = frozenset({p.LOG_UNAVAILABLE, p.BAD_EVENT, p.FORBIDDEN})  # an event's (§6, §8)
+# The leader's address in a `not_leader` error's text (docs/protocol.md §5, "Following the hub").
+_NAMED_ENDPOINT = re.compile(r"\b(?:tcp|ipc)://[^\s,;()\[\]`'\"]+")
 
 
 def default_hub() -> str:
@@ -123,7 +136,7 @@ class Peer:
 
     def __init__(
         self,
-        hub: str,
+        hub: str | Sequence[str],
         *,
         name: str,
         role: str = "",
@@ -131,14 +144,22 @@ class Peer:
         connect_timeout: float = CONNECT_TIMEOUT,
         flush_timeout: float = FLUSH_TIMEOUT,
     ) -> None:
-        # `tcp://127.0.0.1:PORT` of this user's local topology leads to its private ipc socket
-        # (`HOST:PORT` and `PORT` are read as busctl reads them; a malformed address is left for
-        # `hub_refusal` to refuse, raised as HubUnreachable.)
+        # One endpoint or several (bus/endpoints.py): the peer follows the hub along the list
+        # (`_connection_loop`). `tcp://127.0.0.1:PORT` of this user's local topology leads to
+        # its private ipc socket (`HOST:PORT` and `PORT` are read as busctl reads them; a bad
+        # list is raised as HubUnreachable on entry, naming the entry).
         try:
-            hub = parse_hub_address(hub)
-        except ValueError:
-            pass
-        self.hub = local_alias(hub) if curve is None else hub
+            endpoints = hub_list(hub)
+            self._problem = ""
+        except ValueError as exc:
+            endpoints = [hub if isinstance(hub, str) else ",".join(hub)]
+            self._problem = str(exc)
+        self.hubs = [local_alias(e) if curve is None else e for e in endpoints]
+        self.hub = self.hubs[0]  # the endpoint of the current (or next) connection
+        self.epoch = 0  # the highest leader epoch a welcome carried: never settle below it
+        self._prefer_next = ""  # the endpoint a `not_leader` named: tried next
+        self._stay = False  # the hub said RECONNECT: it is alive, say hello there again
+        self._last_hub = self.hub  # the endpoint of the last welcome
         self.name = name
         self.role = role
         self.curve = curve
@@ -202,11 +223,7 @@ class Peer:
     # --- lifecycle -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Peer:
-        try:
-            refused = hub_refusal(self.hub)
-            problem = f"cannot reach the hub at {self.hub}: {refused} {_IS_IT_UP}" if refused else ""
-        except ValueError as exc:
-            problem = str(exc)
+        problem = self._problem or self._first_reachable()
         if problem:
             self._set_state(PeerState.CLOSED)
             self.ctx.term()
@@ -215,14 +232,35 @@ class Peer:
         await tg.__aenter__()
         tg.start_soon(self._connection_loop, tg)
         tg.start_soon(self._housekeeping.run, tg)
-        with anyio.move_on_after(self.connect_timeout):
+        # Each endpoint of a list that stays silent costs its silence window before the next
+        # is tried: the first welcome may take that much longer.
+        timeout = self.connect_timeout * len(self.hubs)
+        with anyio.move_on_after(timeout):
             await self._wait_connected()
         if self.welcome is None:
             await self.aclose()
+            where = self.hub if len(self.hubs) == 1 else f"any of {', '.join(self.hubs)}"
             raise HubUnreachable(
-                f"no answer from the hub at {self.hub} within {self.connect_timeout:g}s "
+                f"no answer from the hub at {where} within {timeout:g}s "
                 f"{_IS_IT_UP}" + (_CURVE_HINT if self.curve is not None else ""))
         return self
+
+    def _first_reachable(self) -> str:
+        """Start at the first endpoint that does not refuse a connection; "" when one does not,
+        else why none can be reached (a CLI command fails at once rather than after a timeout)."""
+        refusals = []
+        for hub in self.hubs:
+            try:
+                refused = hub_refusal(hub)
+            except ValueError as exc:
+                return str(exc)
+            if not refused:
+                self.hub = hub
+                return ""
+            refusals.append(f"{hub}: {refused}" if len(self.hubs) > 1 else refused)
+        if len(self.hubs) == 1:
+            return f"cannot reach the hub at {self.hub}: {refusals[0]} {_IS_IT_UP}"
+        return f"cannot reach any hub ({'; '.join(refusals)}) {_IS_IT_UP}"
 
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose()
@@ -273,10 +311,15 @@ class Peer:
             await self._state_changed.wait()
 
     async def _connection_loop(self, tg: anyio.abc.TaskGroup) -> None:
+        """Connect, say hello, wait until the connection is lost; then the next endpoint
+        (`_move_on`). The backoff runs once every endpoint was tried without a welcome (with
+        one endpoint: after every try, as before lists)."""
         delays = RECONNECT_BACKOFF.delays()
+        failures = 0  # tries in a row without a welcome
         while not self.closing:
             self._lost = anyio.Event()
             sock = self._open_socket(tg)
+            welcomed = False
             try:
                 # Straight to the socket: events held over from the last connection must
                 # follow the hello, not precede it.
@@ -284,16 +327,48 @@ class Peer:
                     sock.send([_SIG, p.encode(p.Header(kind=p.HELLO, id=p.new_id())),
                                p.encode(self._hello())])
                 await self._lost.wait()
-                if self.welcome is not None:  # it was up: the next try starts soon again
-                    delays = RECONNECT_BACKOFF.delays()
+                welcomed = self.welcome is not None
             finally:
                 self._on_lost()
-            await anyio.sleep(next(delays))
+            if welcomed:  # it was up: the next try starts soon again
+                delays = RECONNECT_BACKOFF.delays()
+                failures = 0
+            else:
+                failures += 1
+            self._move_on()
+            if failures % len(self.hubs) == 0:
+                await anyio.sleep(next(delays))
+
+    def _move_on(self) -> None:
+        """Pick the endpoint of the next connection: the same after a RECONNECT (that hub is
+        alive), the one a `not_leader` named, else the next in the list (cycling)."""
+        stay, self._stay = self._stay, False
+        prefer, self._prefer_next = self._prefer_next, ""
+        if stay or len(self.hubs) == 1:
+            return
+        at = self.hubs.index(prefer) if prefer else (self.hubs.index(self.hub) + 1) % len(self.hubs)
+        if self.hubs[at] != self.hub:
+            log.info("%s: moving from the hub at %s to %s", self.name, self.hub, self.hubs[at])
+        self.hub = self.hubs[at]
 
     def reconnect(self) -> None:
         """Drop the current connection (the hub's silence, its RECONNECT): the connection loop
         makes the next."""
         self._lost.set()
+
+    def _not_leader(self, header: p.Header) -> None:
+        """The hub is a standby or a deposed primary (`not_leader`): move on, to the endpoint
+        its text names when that is one of ours. A request it refused stays with its caller
+        until the connection is gone (`_on_lost`: re-sent when keyed, else `hub_lost`)."""
+        self.count("not_leader")
+        named = _NAMED_ENDPOINT.search(header.error or "")
+        if named is not None:
+            endpoint = local_alias(named.group(0)) if self.curve is None else named.group(0)
+            if endpoint in self.hubs and endpoint != self.hub:
+                self._prefer_next = endpoint
+        log.info("%s: the hub at %s is not the leader (%s); moving on", self.name, self.hub,
+                 header.error or "no leader named")
+        self.reconnect()
 
     def _on_lost(self) -> None:
         """The connection ended (silence, RECONNECT, or closing): fail what waits on it."""
@@ -303,7 +378,10 @@ class Peer:
         if self._state is PeerState.READY:
             self._state = PeerState.RECONNECTING
         self._changed()
-        self._calls.fail_all(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST))
+        # With other endpoints to go to, a keyed request is kept for the next hub
+        # (`Calls.resend`); the others fail here (with one endpoint, every one: as before lists).
+        self._calls.on_lost(HubLost(f"lost the hub at {self.hub}", p.HUB_LOST),
+                            keep=len(self.hubs) > 1)
 
     def _open_socket(self, tg: anyio.abc.TaskGroup) -> Transport:
         self.loop = self.outbox.loop = asyncio.get_running_loop()
@@ -410,6 +488,9 @@ class Peer:
         header = p.decode_header(frames[1])
         kind = header.kind
         if kind in _REPLY_KINDS:
+            if kind == p.ERROR and header.code == p.NOT_LEADER:
+                self._not_leader(header)
+                return
             if not self._calls.deliver(header, frames):
                 self._on_unmatched(header)
             return
@@ -427,6 +508,7 @@ class Peer:
         elif kind == p.WELCOME:
             self._on_welcome(p.decode(frames[2], p.Welcome))
         elif kind == p.RECONNECT:
+            self._stay = True
             self.reconnect()
         elif kind != p.HEARTBEAT:
             self.count("unknown_kind")
@@ -444,12 +526,25 @@ class Peer:
             self.count("stale_replies")
 
     def _on_welcome(self, welcome: p.Welcome) -> None:
+        if welcome.epoch < self.epoch:  # an older leader than one seen: as `not_leader`
+            self.count("stale_leader")
+            log.warning("%s: the hub at %s welcomed with epoch %d, older than %d seen: moving "
+                        "on", self.name, self.hub, welcome.epoch, self.epoch)
+            self.reconnect()
+            return
+        self.epoch = welcome.epoch
         self.welcome = welcome
         frames = self._serving.reregister_frames()
         if frames is not None and not self.send_now(frames):
             log.warning("%s: could not re-register (send queue full)", self.name)
+        self._calls.resend()  # after the registers: a request to this peer finds its service
+        for sub in list(self.subscriptions):
+            sub.follow(welcome.events)  # a moved hub publishes elsewhere
         if self._state is PeerState.RECONNECTING:
-            log.warning("%s: the hub at %s is back; reconnected", self.name, self.hub)
+            moved = self.hub != self._last_hub
+            log.warning("%s: %s", self.name, f"moved to the hub at {self.hub}" if moved else
+                        f"the hub at {self.hub} is back; reconnected")
+        self._last_hub = self.hub
         if self._state is PeerState.CONNECTING or self._state is PeerState.RECONNECTING:
             self._state = PeerState.READY
         self._changed()
@@ -578,7 +673,7 @@ class Peer:
 
     def stream(
         self, service: str, body: bytes, *, timeout: float | None = 30.0, parent: str = "",
-        prefer: str = "", wait: float = 0.0
+        prefer: str = "", wait: float = 0.0, key: str = ""
     ) -> contextlib.AbstractAsyncContextManager[Replies]:
         """Send a request; iterate its partial replies; the iterator ends after the final reply.
 
@@ -589,15 +684,18 @@ class Peer:
         to another, as usual; docs/protocol.md section 5, "Preferred server"). `wait`: when no
         peer serves the service, how long (s) the hub holds the request for one to register
         before it fails `no_service` (0: until the timeout; docs/protocol.md section 5, "Waiting
-        for a server").
+        for a server"). `key`: an idempotency key (docs/protocol.md section 5, "Following the
+        hub"): the request is re-sent with it on the next hub when this one is lost before the
+        final answer, instead of failing `hub_lost`; the server answers a repeat of a key once.
         """
-        return self._calls.stream(service, body, timeout, parent, prefer, wait)
+        return self._calls.stream(service, body, timeout, parent, prefer, wait, key)
 
     async def request(self, service: str, body: bytes, *, timeout: float | None = 30.0,
-                      parent: str = "", prefer: str = "", wait: float = 0.0) -> bytes:
-        """Send a request and return the final reply body (partials are discarded); `prefer`
-        and `wait` as for `stream`."""
-        return await self._calls.request(service, body, timeout, parent, prefer, wait)
+                      parent: str = "", prefer: str = "", wait: float = 0.0,
+                      key: str = "") -> bytes:
+        """Send a request and return the final reply body (partials are discarded); `prefer`,
+        `wait` and `key` as for `stream`."""
+        return await self._calls.request(service, body, timeout, parent, prefer, wait, key)
 
     async def status(self, timeout: float = 5.0) -> p.Status:
         return p.decode(await self.request(p.HUB_STATUS, b"", timeout=timeout), p.Status)
@@ -680,10 +778,11 @@ class Peer:
 
 
 @asynccontextmanager
-async def connect(hub: str | None = None, *, name: str = "client", role: str = "",
-                  curve: CurveClient | None = None,
+async def connect(hub: str | Sequence[str] | None = None, *, name: str = "client",
+                  role: str = "", curve: CurveClient | None = None,
                   connect_timeout: float = CONNECT_TIMEOUT) -> AsyncIterator[Peer]:
-    """Connect a peer to `hub` (default: $BUSCTL_HUB or tcp://127.0.0.1:7400)."""
+    """Connect a peer to `hub` (default: $BUSCTL_HUB or tcp://127.0.0.1:7400): one address, or
+    several (a list, or one string with commas) that the peer follows when the hub moves."""
     peer = Peer(hub or default_hub(), name=name, role=role, curve=curve,
                 connect_timeout=connect_timeout)
     async with peer:

@@ -88,6 +88,11 @@ class Header(msgspec.Struct, omit_defaults=True):
     # requests: seconds it may wait for a server of its service to register while none serves
     # it (0: until the deadline; see docs/protocol.md section 5, "Waiting for a server")
     wait: float = 0.0
+    # requests: an idempotency key (docs/protocol.md section 5, "Following the hub"): a
+    # requester re-sends a keyed request on the next hub when it lost the hub before the final
+    # answer; a server that has seen the key (for a non-idempotent service) answers the repeat
+    # from the first run instead of running it again. "" (omitted): not keyed.
+    key: str = ""
     code: str = ""
     error: str = ""
     # events

@@ -4,13 +4,19 @@ A request's replies (partials, then one `reply` or `error`) are queued on its `C
 reader (`Calls.deliver`, synchronous, no task per message) and taken by the requesting task.
 Leaving a request early sends a `cancel`. Calls past their deadline plus a grace period are
 failed locally (`expire`) in case the hub's own deadline error never comes; every call fails
-with `HubLost` when the connection is lost (`fail_all`).
+with `HubLost` when the connection is lost (`on_lost`) but, for a peer with other hub
+endpoints to go to, a keyed one (an idempotency key, docs/protocol.md section 5, "Following the
+hub"): it keeps its frames and is sent again, as it was, after the next welcome (`resend`),
+failing `hub_lost` when none comes within RESEND_WAIT. The server answers a repeat of the key from the first
+run (bus/keyed.py), re-sending every partial from the start: the call skips the ones it has
+already delivered, so its requester sees each once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -20,26 +26,54 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from agent_bus.bus import protocol as p
-from agent_bus.bus.errors import RequestError, error_for
+from agent_bus.bus.errors import HubLost, RequestError, error_for
 
 if TYPE_CHECKING:
     from agent_bus.bus.link import PeerLink
+
+log = logging.getLogger("bus.client")
+
+# How long a keyed call kept across the loss of its hub waits for the next welcome (a
+# standby's takeover: its lease lapsing, then the silence window and a round trip per endpoint)
+# before it fails `hub_lost` after all; its own deadline still applies when sooner.
+RESEND_WAIT = 30.0
 
 REPLY_GRACE = 1.0  # how long past a deadline we wait for the hub's own deadline error
 _SIG = p.SIGNATURE
 
 
+def _fresh_partials(call: Call, frames: list[bytes]) -> bool:
+    """A keyed call's `partial` message: drop the bodies a repeat's answer re-sent that were
+    delivered before it (`call.skip`), count the rest; False when none is left."""
+    bodies = len(frames) - 2
+    if call.skip:
+        dropped = min(call.skip, bodies)
+        call.skip -= dropped
+        del frames[2:2 + dropped]
+        bodies -= dropped
+    call.seen += bodies
+    return bodies > 0
+
+
 class Call:
     """One outstanding request: replies queue here until its task takes them (no stream object)."""
 
-    __slots__ = ("id", "items", "waiter", "expires", "done")
+    __slots__ = ("id", "items", "waiter", "expires", "done", "frames", "seen", "skip", "held")
 
-    def __init__(self, req_id: str, expires: float) -> None:
+    def __init__(self, req_id: str, expires: float, frames: list[Any] | None = None) -> None:
         self.id = req_id
         self.items: deque[tuple[p.Header, list[bytes]]] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.expires = expires  # monotonic; inf when none
         self.done = False  # a final reply (or error) was taken
+        # A keyed request's message, sent again on the next hub (None: not keyed, fails with
+        # the connection); with the partial bodies delivered so far, and those of the repeat's
+        # answer still to skip (the server re-sends them all).
+        self.frames = frames
+        if frames is not None:  # (only then read: an unkeyed call costs one slot more)
+            self.seen = 0
+            self.skip = 0
+            self.held: float | None = None  # kept across a loss: its own `expires` meanwhile
 
     def put(self, item: tuple[p.Header, list[bytes]]) -> None:
         self.items.append(item)
@@ -132,8 +166,47 @@ class Calls:
             return False
         if header.kind != p.PARTIAL:
             del self.pending[header.id]
+        elif call.frames is not None and not _fresh_partials(call, frames):
+            return True  # every body already delivered before the re-send
         call.put((header, frames[2:]))
         return True
+
+    def on_lost(self, error: RequestError, *, keep: bool) -> None:
+        """The connection is gone: fail every call but, with `keep` (the peer has other hub
+        endpoints to go to), the keyed ones, which wait for the next welcome (`resend`) at most
+        RESEND_WAIT, or until their deadline when sooner (`expire`)."""
+        pending = self.pending
+        if not pending:
+            return
+        kept = {i: c for i, c in pending.items() if c.frames is not None} if keep else {}
+        if len(kept) < len(pending):
+            self.pending = {i: c for i, c in pending.items() if i not in kept}
+            self.fail_all(error)
+            self.pending = kept
+        wait_until = time.monotonic() + RESEND_WAIT
+        for call in kept.values():
+            if call.held is None:
+                call.held = call.expires
+                call.expires = min(call.expires, wait_until)
+
+    def resend(self) -> None:
+        """After a welcome: send each kept keyed call again, the same message (its id, key and
+        deadline); the hub stamps who sent it. A full send queue (right after connecting: not
+        expected) leaves the call to its deadline."""
+        peer = self._peer
+        for call in list(self.pending.values()):
+            if call.frames is None:
+                continue
+            call.skip = call.seen
+            if call.held is not None:
+                call.expires, call.held = call.held, None
+            peer.count("requests_resent")
+            try:
+                if not peer.send_now(call.frames):
+                    log.warning("%s: could not re-send request %s (send queue full)",
+                                peer.name, call.id)
+            except (HubLost, zmq.ZMQError):
+                return  # lost again meanwhile: the next welcome re-sends
 
     def expire(self, now: float) -> None:
         """Fail calls past deadline + grace (the hub normally answers at the deadline itself).
@@ -145,6 +218,12 @@ class Calls:
         expired = [call for call in self.pending.values() if call.expires <= now]
         for call in expired:
             del self.pending[call.id]
+            if call.frames is not None and call.held is not None and call.held > now:
+                # still waiting for a hub
+                call.put((p.Header(kind=p.ERROR, id=call.id, code=p.HUB_LOST,
+                                   error=f"lost the hub at {self._peer.hub} and no other hub "
+                                         f"took the request within {RESEND_WAIT:g}s"), []))
+                continue
             call.put((p.Header(kind=p.ERROR, id=call.id, code=p.DEADLINE,
                                error="no reply before the deadline"), []))
 
@@ -158,14 +237,15 @@ class Calls:
             call.put((p.Header(kind=p.ERROR, id=req_id, code=error.code, error=str(error)), []))
 
     async def start(self, service: str, body: bytes, timeout: float | None, parent: str,
-                    prefer: str = "", wait: float = 0.0) -> Call:
-        call = self.begin(service, body, timeout, parent, prefer, wait)
+                    prefer: str = "", wait: float = 0.0, key: str = "") -> Call:
+        call = self.begin(service, body, timeout, parent, prefer, wait, key)
         if isinstance(call, Call):
             return call
         return await self._start_waiting(*call)
 
     def begin(self, service: str, body: bytes, timeout: float | None, parent: str,
-              prefer: str = "", wait: float = 0.0) -> Call | tuple[str, float, float, list[Any]]:
+              prefer: str = "", wait: float = 0.0, key: str = ""
+              ) -> Call | tuple[str, float, float, list[Any], bool]:
         """Send the request now when the peer is welcomed and the socket takes it (its `Call`);
         else what `_start_waiting` needs to wait for the connection or room, then send it.
         (Synchronous: a request that goes out at once costs no coroutine of its own.)"""
@@ -176,12 +256,12 @@ class Calls:
         header = p.Header(kind=p.REQUEST, id=req_id, service=service,
                           deadline=time.time() + timeout if timeout else 0.0,
                           parent=parent, peer=peer.peer_id, session=peer.session, prefer=prefer,
-                          wait=wait)
+                          wait=wait, key=key)
         frames = [_SIG, p.encode(header), body]
         deadline = now + timeout if timeout else float("inf")
         if peer.welcome is not None:
             pending = self.pending
-            call = Call(req_id, expires)
+            call = Call(req_id, expires, frames if key else None)
             pending[req_id] = call  # before sending: the reply is read after it
             try:
                 # Behind held messages (a turn's events), or beside other calls in flight (the
@@ -200,15 +280,15 @@ class Calls:
             if sent:
                 return call
             pending.pop(req_id, None)
-        return req_id, expires, deadline, frames
+        return req_id, expires, deadline, frames, bool(key)
 
     async def _start_waiting(self, req_id: str, expires: float, deadline: float,
-                             frames: list[Any]) -> Call:
+                             frames: list[Any], keyed: bool) -> Call:
         """Wait for the connection, then send (waiting for room at the HWM)."""
         peer = self._peer
         if peer.welcome is None:
             await peer.wait_connection(deadline)
-        call = Call(req_id, expires)
+        call = Call(req_id, expires, frames if keyed else None)
         self.pending[req_id] = call  # before sending: nothing can yield in between
         try:
             if not peer.send_now(frames):
@@ -231,8 +311,8 @@ class Calls:
                 pass
 
     async def request(self, service: str, body: bytes, timeout: float | None, parent: str,
-                      prefer: str = "", wait: float = 0.0) -> bytes:
-        call = self.begin(service, body, timeout, parent, prefer, wait)
+                      prefer: str = "", wait: float = 0.0, key: str = "") -> bytes:
+        call = self.begin(service, body, timeout, parent, prefer, wait, key)
         if not isinstance(call, Call):
             call = await self._start_waiting(*call)
         try:
@@ -242,8 +322,8 @@ class Calls:
 
     @asynccontextmanager
     async def stream(self, service: str, body: bytes, timeout: float | None, parent: str,
-                     prefer: str = "", wait: float = 0.0) -> AsyncIterator[Replies]:
-        call = await self.start(service, body, timeout, parent, prefer, wait)
+                     prefer: str = "", wait: float = 0.0, key: str = "") -> AsyncIterator[Replies]:
+        call = await self.start(service, body, timeout, parent, prefer, wait, key)
         try:
             yield Replies(call)
         finally:

@@ -23,6 +23,14 @@ partial replies, it is held behind what is and goes out at the end of the event-
 Partials of one request held meanwhile become one `partial` message with one body frame each, in
 order (docs/protocol.md §4): a model's streamed deltas parsed from one read cost one message
 through the hub instead of one each.
+
+A keyed request (an idempotency key: a requester re-sends it on the next hub when it lost the
+hub) of a service not registered `idempotent` is looked up in this process's `KeyWindow`
+(bus/keyed.py): a repeat attaches to the run of its key, or is answered from it, and never runs
+the handler twice here. Its answers are recorded and sent to every id attached; one that cannot
+be sent (the hub is gone) is counted `reply_lost` and waits in the window for the repeat. An
+idempotent service's keyed request simply runs again. A request without a key costs one
+attribute test more.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import zmq
 
 from agent_bus.bus import protocol as p
 from agent_bus.bus.errors import HubLost, RegisterRefused, RequestError
+from agent_bus.bus.keyed import Final, Keyed, KeyWindow
 from agent_bus.bus.ledger import CONFIRM_BODY
 
 if TYPE_CHECKING:
@@ -79,6 +88,9 @@ class IncomingRequest:
     _held_gen: int = -1
     _held_bytes: int = 0  # of its bodies: one message stays under the hub's limit
     _task: asyncio.Task[None] | None = None  # the task serving it (`Serving.close` waits for it)
+    # A keyed request's entry in the window (bus/keyed.py): its answers go to every id there.
+    _keyed: Keyed | None = None
+    _window: KeyWindow | None = None
 
     @property
     def cancelled(self) -> anyio.Event:
@@ -97,6 +109,13 @@ class IncomingRequest:
         if limit and len(body) > limit:
             raise RequestError(_too_large("a partial answer", self.service, len(body), limit),
                                TOO_LARGE)
+        keyed = self._keyed
+        if keyed is not None:
+            assert self._window is not None
+            self._window.partial(keyed, body)  # for a repeat of the key
+            if keyed.ids != [self.id]:  # a repeat is attached: one message per id
+                await self._keyed_partial(body)
+                return
         held = self._held_partial
         if held is not None and self._held_gen == peer.outbox.gen and (
                 not limit or self._held_bytes + len(body) <= limit):
@@ -109,7 +128,24 @@ class IncomingRequest:
             self._held_bytes = len(body)
             return
         self._held_partial = None
-        await peer.send(message[1:], wait=False)
+        try:
+            await peer.send(message[1:], wait=False)
+        except (HubLost, zmq.ZMQError):
+            if keyed is None:
+                raise
+            peer.count("reply_lost")  # recorded: the repeat on the next hub gets it
+
+    async def _keyed_partial(self, body: bytes) -> None:
+        """Send it to every id attached; lost with the hub: counted (the repeat on the next
+        hub gets it from the window's record)."""
+        entry, peer = self._keyed, self._peer
+        assert entry is not None
+        for req_id in list(entry.ids):
+            try:
+                await peer.send([p.encode(p.Header(kind=p.PARTIAL, id=req_id)), body],
+                                wait=False)
+            except (HubLost, zmq.ZMQError):
+                peer.count("reply_lost")
 
 
 Handler = Callable[[IncomingRequest], Awaitable[bytes] | bytes]
@@ -149,6 +185,13 @@ def _awaiting(pending: Awaitable[bytes]) -> AsyncHandler:
     return handler
 
 
+def _final_frames(final: Final, req_id: str, peer_id: str) -> list[bytes]:
+    """A recorded final answer, addressed to `req_id`."""
+    if final.kind == p.REPLY:
+        return [_SIG, p.encode(p.Header(kind=p.REPLY, id=req_id, peer=peer_id)), final.body]
+    return [_SIG, error_header(req_id, final.code, final.error)]
+
+
 def error_header(req_id: str, code: str, text: str) -> bytes:
     return p.encode(p.Header(kind=p.ERROR, id=req_id, code=code, error=text))
 
@@ -166,6 +209,7 @@ class Serving:
         # the refusals that came meanwhile: id -> (code, the hub's text)
         self._registering: dict[str, tuple[str, Served]] = {}
         self._refusals: dict[str, tuple[str, str]] = {}
+        self.keys = KeyWindow()  # keyed requests seen here (bus/keyed.py)
 
     async def register(self, spec: p.ServiceSpec, handler: Handler, *, confirm: bool,
                        timeout: float) -> None:
@@ -250,6 +294,8 @@ class Serving:
             return
         req = IncomingRequest(header.id, header.service, header,
                               frames[2] if len(frames) > 2 else b"", header.deadline, peer)
+        if header.key and not served.spec.idempotent and self._keyed_start(req):
+            return  # a repeat: attached to its key's run, or answered from it
         if served.in_task:
             self._start_task(req, cast(AsyncHandler, served.handler), loop)
             return
@@ -261,6 +307,10 @@ class Serving:
             reply = self._reply(req, outcome)
         except Exception as exc:
             reply = self._failed(req, exc)
+        if req._keyed is not None:
+            reply = self._keyed_answer(req, reply)
+            if not reply:
+                return
         if not self._send_reply(reply):  # the send queue is full: wait for room in a task
             self.in_service[req.id] = req
             req._task = loop.create_task(self._send_later(req, reply))
@@ -274,11 +324,34 @@ class Serving:
         self.in_service[req.id] = req
         req._task = loop.create_task(self._serve_one(handler, req, scope))
 
+    def _keyed_start(self, req: IncomingRequest) -> bool:
+        """A keyed request: True when its key was seen here (the repeat is attached or
+        answered); else its entry is made and the caller runs it."""
+        header = req.header
+        entry = self.keys.get(header.service, header.key)
+        if entry is None:
+            req._keyed = self.keys.begin(header.service, header.key, req.id)
+            req._window = self.keys
+            return False
+        peer = self._peer
+        peer.count("repeats_answered" if entry.final is not None else "repeats_attached")
+        if req.id not in entry.ids:  # (a requester re-sends with the id it had: often the same)
+            entry.ids.append(req.id)
+        for body in entry.partials:
+            self._send_reply([_SIG, p.encode(p.Header(kind=p.PARTIAL, id=req.id)), body])
+        if entry.final is not None:
+            self._send_reply(_final_frames(entry.final, req.id, peer.peer_id))
+        return True
+
     def cancel(self, req_id: str) -> None:
         """A CANCEL from the hub: stop that handler (its answer says `cancelled`)."""
         req = self.in_service.get(req_id)
         if req is None or req._scope is None or req.cancelled.is_set():
             return  # (no scope: its answer is already waiting for room to be sent)
+        keyed = req._keyed
+        if keyed is not None and len(keyed.ids) > 1:
+            keyed.ids.remove(req_id)  # a repeat is attached: the run goes on for it
+            return
         req.cancelled.set()
         req._scope.cancel()
 
@@ -302,7 +375,9 @@ class Serving:
         task from outside (the event loop shutting down)."""
         try:
             reply = await self._answer(handler, req, scope)
-            if not self._closed and not self._send_reply(reply):
+            if req._keyed is not None:
+                reply = self._keyed_answer(req, reply)
+            if reply and not self._closed and not self._send_reply(reply):
                 await self._send_reply_blocked(reply)
         except Exception:  # a bug: nobody awaits this task to see it
             log.exception("%s: failed to answer request `%s`", self._peer.name, req.id)
@@ -326,6 +401,22 @@ class Serving:
                 return self._failed(req, exc)
         # Only reached when the request's own scope caught its cancellation (a CANCEL).
         return [_SIG, error_header(req.id, p.CANCELLED, "cancelled")]
+
+    def _keyed_answer(self, req: IncomingRequest, reply: list[bytes]) -> list[bytes]:
+        """A keyed request's final answer: recorded for a repeat, sent to every id attached
+        but its own; returns its own answer (`reply`) for the caller to send as any other. (An
+        answer lost with the hub waits in the window for the repeat.)"""
+        entry = req._keyed
+        assert entry is not None
+        header = p.decode_header(reply[1])
+        final = Final(header.kind, reply[2] if len(reply) > 2 else b"", header.code, header.error)
+        self.keys.end(entry, final)
+        if self._closed:
+            return []
+        for req_id in entry.ids:
+            if req_id != req.id:
+                self._send_reply(_final_frames(final, req_id, self._peer.peer_id))
+        return reply if req.id in entry.ids else []
 
     def _reply(self, req: IncomingRequest, body: object) -> list[bytes]:
         """The answer carrying a handler's `body`; raises TypeError when it is not bytes."""

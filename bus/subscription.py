@@ -71,6 +71,11 @@ class Subscription:
     are read), then the stream continues live. Without topic filters, a jump in `seq` (a slow
     reader's dropped messages, or a loss at the tail noticed from the hub's heartbeat) is filled
     from the log when `fill_gaps`, or reported as a `Gap` event otherwise.
+
+    When the peer moves to another hub (its welcome names another event endpoint, `follow`),
+    the subscription moves too: a new SUB socket on the new endpoint, subscribed before the
+    log is replayed from the last seq delivered to the head, then live again; what the replay
+    delivered is skipped live (docs/protocol.md section 5, "Following the hub").
     """
 
     def __init__(self, peer: PeerLink, topics: list[str], since: int | None, fill_gaps: bool) -> None:
@@ -93,8 +98,21 @@ class Subscription:
         # holds one batch, not the whole log. Live messages wait in the SUB queue meanwhile;
         # any it drops are a gap in seq, filled from the log like any other.
         self._catching_up = False
+        self._endpoint = ""  # the event endpoint the SUB socket is connected to
+        self._move_to: str | None = None  # another hub's event endpoint to follow (`follow`)
 
     async def __aenter__(self) -> Subscription:
+        self._open(self.peer.events_endpoint)
+        self.peer.subscriptions.add(self)
+        try:
+            await self._await_subscription()
+            self._catching_up = self.since is not None
+        except BaseException:
+            self._close()
+            raise
+        return self
+
+    def _open(self, endpoint: str) -> None:
         portable = transport_kind(asyncio.get_running_loop()) == "portable"
         # A plain socket watched with `add_reader`, or a zmq.asyncio one polled (see
         # bus/transport.py); either way it is read with non-blocking backend calls.
@@ -108,18 +126,39 @@ class Subscription:
             sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         if self.topics:
             sock.setsockopt(zmq.SUBSCRIBE, p.HEARTBEAT_TOPIC)
-        sock.connect(self.peer.events_endpoint)
+        sock.connect(endpoint)
         self._sock = sock
+        self._endpoint = endpoint
         self._fdw = (PollWaiter(sock) if isinstance(sock, zmq.asyncio.Socket)
                      else FdWaiter(sock))
-        self.peer.subscriptions.add(self)
-        try:
-            await self._await_subscription()
-            self._catching_up = self.since is not None
-        except BaseException:
-            self._close()
-            raise
-        return self
+
+    def follow(self, endpoint: str) -> None:
+        """The peer was welcomed by a hub publishing on `endpoint`: when that is not where this
+        subscription listens, move there at the next read (`_follow`); wakes a waiting reader."""
+        if endpoint == self._endpoint or self._sock is None:
+            self._move_to = None
+            return
+        self._move_to = endpoint
+        fdw = self._fdw
+        waiter = fdw.waiter if fdw is not None else None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _follow(self) -> None:
+        """Listen on the new hub's event endpoint, then replay the log from the last seq
+        delivered up to its head (queued on the backlog): live messages that arrive meanwhile
+        wait in the new socket and those already replayed are skipped (`seq <= last_seq`).
+        Before any event or heartbeat was seen (`last_seq < 0`) there is nothing to resume."""
+        endpoint, self._move_to = self._move_to, None
+        if endpoint is None:
+            return
+        log.info("subscription moving to the events of %s from seq %d", endpoint, self.last_seq)
+        self._close()
+        self._held = None
+        self._open(endpoint)
+        await self._await_subscription()
+        if self.last_seq >= 0:
+            await self._replay_until(None)
 
     async def __aexit__(self, *exc_info: Any) -> None:
         self._close()
@@ -129,11 +168,14 @@ class Subscription:
         if fdw is not None:
             fdw.close()
 
-    async def _recv(self) -> list[bytes]:
+    async def _recv(self) -> list[bytes] | None:
+        """The next live message; None when the hub moved (`follow`: the caller follows)."""
         while True:
             sock, fdw = self._sock, self._fdw
             if sock is None or fdw is None:
                 raise StopAsyncIteration
+            if self._move_to is not None:
+                return None
             try:
                 return recv_published(sock)
             except zmq.Again:
@@ -149,7 +191,8 @@ class Subscription:
         interval = self.peer.welcome.heartbeat_interval if self.peer.welcome else 1.0
         with anyio.move_on_after(interval * 3):
             self._held = await self._recv()
-            return
+            if self._held is not None:
+                return
         log.warning("no message on %s within %.1fs; events before now may be missed",
                     self.peer.events_endpoint, interval * 3)
 
@@ -246,6 +289,8 @@ class Subscription:
             envelope = await self._next_live()
             if envelope is not None:
                 return envelope
+            if self._move_to is not None:
+                await self._follow()
 
     async def _next_live(self) -> Envelope | None:
         frames = self._held
@@ -257,6 +302,8 @@ class Subscription:
                 frames = recv_published(sock) if sock is not None else await self._recv()
             except zmq.Again:
                 frames = await self._recv()
+            if frames is None:
+                return None  # the hub moved: `__anext__` follows it
         if len(frames) < 3 or frames[1] != p.SIGNATURE:
             self.unknown += 1
             return None

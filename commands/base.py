@@ -16,6 +16,7 @@ import click
 import msgspec
 
 from agent_bus.bus.client import DEFAULT_HUB, HUB_ENV
+from agent_bus.bus.endpoints import hub_list, joined
 from agent_bus.bus.errors import AgentBusError, HubUnreachable, UnknownName
 from agent_bus.bus.paths import HUB_FORMS, parse_hub_address
 from agent_bus.bus.security import HANDED_KEYS_ENV, CurveClient
@@ -227,6 +228,19 @@ def hub_address_option(ctx: click.Context, param: click.Parameter, value: str | 
     return hub_address(value)
 
 
+def hub_list_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A client's `--hub`/`BUSCTL_HUB`: one address or several separated by commas (a primary
+    hub and its standby, bus/endpoints.py), each read as `hub_address` reads one; passed on as
+    one string with commas, which `connect()` reads the same way. A bad or empty entry is a
+    usage error naming the flag and the entry."""
+    if not value:
+        return value
+    try:
+        return joined(hub_list(value))
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc} (read from --hub or {HUB_ENV})") from None
+
+
 def hub_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`--hub` plus the CURVE client keys, passed on as `hub` and `curve`; with `--engine ray`,
     both are found on the cluster (the topology's holder actor: nothing typed, no key copied)."""
@@ -242,8 +256,10 @@ def hub_and_engine_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _hub_options(fn: Callable[..., Any], *, find_on_ray: bool) -> Callable[..., Any]:
 
     @click.option("--hub", "hub", envvar=HUB_ENV, default=DEFAULT_HUB, show_default=True,
-                  callback=hub_address_option,
-                  help=f"Hub address to connect to: {HUB_FORMS} (env {HUB_ENV}).")
+                  callback=hub_list_option,
+                  help=f"Hub address to connect to: {HUB_FORMS} (env {HUB_ENV}); several "
+                       f"separated by commas (a primary and its standby): the client follows "
+                       f"the hub along them.")
     # not `exists=True`: in a worker's sandbox the files are hidden (its keys came in memory);
     # elsewhere a missing file is named by `curve_client`
     @click.option("--curve-server-key", envvar="BUSCTL_CURVE_SERVER_KEY", default=None,

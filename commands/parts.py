@@ -265,8 +265,8 @@ def _enter_sandbox(hub: str, curve: CurveClient | None, sandbox: str, workspace:
     from agent_bus.tools.sandbox import SandboxUnavailable, enter
 
     if curve is None:  # `--hub 7400`: the local topology's socket, which the sandbox exposes
-        hub = local_alias(hub)
-        claim_worker_credential(hub)  # a worker's rights, not its owner's
+        hub = ",".join(local_alias(one) for one in hub.split(","))  # each of a list's
+        claim_worker_credential(hub.split(",")[0])  # a worker's rights, not its owner's
     handed, hide = _hand_over_keys(curve, workspace, hide)
     try:
         jail = enter(sandbox, workspace, hub, hide, read_only)  # type: ignore[arg-type]  # a click.Choice

@@ -214,8 +214,10 @@ class BusToolExecutor:
             return await self._call_in_workspace(request, request.workspace.id, timeout,
                                                  on_update)
         body = p.encode(request)
+        # keyed: a call the hub lost mid-way is sent again on the next hub, and the worker
+        # answers the repeat from the call it ran (never run twice there; bus/keyed.py)
         async with self.peer.stream(service_name(request.name), body, timeout=timeout,
-                                    wait=self.server_wait) as replies:
+                                    wait=self.server_wait, key=p.new_id()) as replies:
             return await self._result(request, replies, on_update)
 
     async def _result(self, request: ToolCallRequest, replies: Replies,
@@ -248,7 +250,8 @@ class BusToolExecutor:
             mine = self._first[workspace] = anyio.Event()
         try:
             async with self.peer.stream(service, p.encode(request), timeout=timeout,
-                                        prefer=prefer, wait=self.server_wait) as replies:
+                                        prefer=prefer, wait=self.server_wait,
+                                        key=p.new_id()) as replies:
                 result = await self._result(request, replies, on_update)
                 self._served(workspace, prefer, replies.served_by)
                 return result

@@ -654,7 +654,10 @@ def _state_dirs(hide: list[Path]) -> list[Path]:
 
 def _ipc_paths(address: str) -> list[Path]:
     """What of an `ipc://PATH` hub address the worker needs: the socket's folder (a restarted
-    hub makes a new socket file there), or the socket alone when the folder is a state folder."""
+    hub makes a new socket file there), or the socket alone when the folder is a state folder.
+    A list of hub addresses (commas: a primary and its standby) needs each one's."""
+    if "," in address:
+        return [path for one in address.split(",") for path in _ipc_paths(one)]
     if not address.startswith("ipc://"):
         return []
     sock = Path(address[len("ipc://"):]).expanduser().resolve()
@@ -672,6 +675,8 @@ def _others_credentials(address: str) -> list[Path]:
     present the owner's (full rights) or another process's credential to the hub."""
     from agent_bus.bus.paths import CREDENTIAL_ENV
 
+    if "," in address:  # a list of hub addresses (bus/endpoints.py)
+        return sorted({p for one in address.split(",") for p in _others_credentials(one)})
     if not address.startswith("ipc://"):
         return []
     own = os.environ.get(CREDENTIAL_ENV, "")

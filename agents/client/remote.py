@@ -235,7 +235,7 @@ class AgentBus:
                      experiment: str = "", session: str = "", continue_session: bool = False,
                      new_session: bool = False, parent_run_id: str = "",
                      max_turns: int = 0, abort_reason: str = "",
-                     workspace: RunWorkspace | None = None) -> Run:
+                     workspace: RunWorkspace | None = None, key: str = "") -> Run:
         """Start a run; returns once the agent has accepted it (its run id is known).
 
         A fresh session unless `session` (continue it) or `continue_session` (the agent's last
@@ -243,7 +243,11 @@ class AgentBus:
         session over. `max_turns` > 0 bounds this run to that many turns (the agent's
         `max_iterations` otherwise); past it the run ends with stop reason `max_iterations`.
         `abort_reason`: a replay's (see `cmd.Prompt.abort_reason`). `workspace`: a folder of the
-        run's own on the tool workers, with these files (`RunWorkspace`, docs/protocol.md)."""
+        run's own on the tool workers, with these files (`RunWorkspace`, docs/protocol.md).
+        `key`: the prompt's idempotency key (an experiment cell's): when the hub is lost while
+        the run goes on, the prompt is sent again with it on the next hub and the coordinator
+        attaches it to the run it already has (one run, one result; docs/protocol.md section 5,
+        "Following the hub")."""
         if max_turns < 0:
             raise ValueError(f"max_turns must be 0 (the agent's own bound) or more, not {max_turns}")
         command = cmd.Prompt(text=text, messages=list(messages), experiment=experiment,
@@ -251,7 +255,7 @@ class AgentBus:
                              new_session=new_session, parent_run_id=parent_run_id,
                              max_turns=max_turns, abort_reason=abort_reason,
                              workspace=workspace)
-        return await self._start(agent, command, session)
+        return await self._start(agent, command, session, key)
 
     async def continue_(self, agent: str, *, experiment: str = "", session: str = "") -> Run:
         """Run `session` (else the agent's last one) again from its history as it is."""
@@ -269,7 +273,8 @@ class AgentBus:
         self._fork_turns = plan.max_turns
         self._replaying.add(experiment)
 
-    async def _start(self, agent: str, command: cmd.Command, session: str = "") -> Run:
+    async def _start(self, agent: str, command: cmd.Command, session: str = "",
+                     key: str = "") -> Run:
         if isinstance(command, (cmd.Prompt, cmd.Continue)):
             await self._replay(command.experiment)
         if isinstance(command, cmd.Prompt) and not command.max_turns and self.replay_from:
@@ -284,7 +289,8 @@ class AgentBus:
             subscription = await stack.enter_async_context(
                 self.peer.subscribe([f"agent/{agent}/"], since=seq))
             stream = await stack.enter_async_context(
-                self.peer.stream(service, cmd.encode(command), timeout=PROMPT_TIMEOUT))
+                self.peer.stream(service, cmd.encode(command), timeout=PROMPT_TIMEOUT,
+                                 key=key))
             run = Run(self, agent, subscription, stream, stack)
             await run._started()
         except BaseException:

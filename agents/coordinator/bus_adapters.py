@@ -31,6 +31,7 @@ from agent_bus.agents.gateway.wire import LlmPartial
 from agent_bus.agents.loop.abort import Abort
 from agent_bus.agents.loop.context import TOOL_OUTPUT_TOOL, ToolOutputStore, estimate_usage
 from agent_bus.agents.loop.run import ABORTED_TEXT, DeltaSink, ToolExecutor, UpdateSink
+from agent_bus.bus import protocol as p
 from agent_bus.bus.backoff import Backoff
 from agent_bus.bus.client import Peer
 from agent_bus.bus.errors import (
@@ -198,7 +199,10 @@ class BusLlmClient:
     async def _call(self, request: LlmRequest, body: bytes, streamed: _Streamed) -> AssistantMessage:
         bodies = streamed.bodies
         bodies.clear()  # a resend after `no_service`: nothing streamed on the first try
-        async with self.peer.stream(self.service, body, timeout=self.timeout) as replies:
+        # keyed: a call the hub lost mid-way is sent again on the next hub, and the gateway
+        # answers the repeat from the call it made (no second model call; bus/keyed.py)
+        async with self.peer.stream(self.service, body, timeout=self.timeout,
+                                    key=p.new_id()) as replies:
             async for item in replies:
                 # Only the first partial is read now: it describes the model (its context
                 # window); the rest wait in `streamed` (see `_Streamed`).

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TextIO
+from uuid import uuid4
 
 import anyio
 import msgspec
@@ -571,9 +572,12 @@ class Runner:
         outcome: RunResult | None = None
         limited = False
         with anyio.move_on_after(timeout if timeout else float("inf")):
+            # the cell's key (one per attempt: a retry is a new run on purpose): a prompt
+            # re-sent on the next hub attaches to the run the coordinator already has
             run = await self.bus.prompt(variant.agent, sample.input, experiment=tag,
                                         max_turns=self.loaded.max_turns(variant),
-                                        workspace=workspace)
+                                        workspace=workspace,
+                                        key=f"cell:{tag}:{uuid4().hex}")
             try:
                 outcome, limited = await self._result(run)
             finally:  # an error or the limit: its subscription and stream go too
