@@ -169,15 +169,18 @@ def test_a_lease_holder_deposed_after_its_ttl_cannot_renew(jetstream: Cluster) -
     bucket = f"lease_{url.stream}"
     first, second = JetStreamLease(url, bucket, ttl=1.0), JetStreamLease(url, bucket, ttl=1.0)
     try:
-        primary = first.acquire("hub-a")
+        primary = first.acquire("hub-a", "tcp://a")
         assert primary is not None
         assert second.acquire("hub-b") is None  # held
-        primary = first.renew(primary)  # kept: a newer epoch
-        standby = wait_for(lambda: second.acquire("hub-b"), 15, "the lease to lapse")
-        assert standby.epoch > primary.epoch
+        renewed = first.renew(primary)  # kept: the same epoch, a newer revision
+        assert renewed.epoch == primary.epoch and renewed.revision > primary.revision
+        standby = wait_for(lambda: second.acquire("hub-b", "tcp://b"), 15, "the lease to lapse")
+        assert standby.epoch > renewed.revision  # a later term's epoch: past every renewal
         with pytest.raises(LeaseLost, match="deposed"):
-            first.renew(primary)
-        assert second.renew(standby).epoch > standby.epoch
+            first.renew(renewed)
+        assert second.renew(standby).epoch == standby.epoch
+        held = second.read()
+        assert held is not None and (held.endpoint, held.epoch) == ("tcp://b", standby.epoch)
     finally:
         first.close()
         second.close()

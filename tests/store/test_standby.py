@@ -1,0 +1,232 @@
+"""The standby hub (issue 52 item 2, acceptance 3) on a real three-server JetStream cluster: two
+`busctl hub` processes on one stream and its leader lease. The primary SIGKILLed: the standby
+takes over within a bound that follows from the lease's TTL, and the log's seqs continue with no
+hole and no reuse; the old primary restarted comes back as a standby; a write with the old
+primary's view of the log is refused by the store; a primary paused past its TTL (SIGSTOP)
+stands down when it resumes; a primary whose write the store refuses stands down at once.
+
+Hellos are sent on a bare ZeroMQ DEALER (`_hello`), so what a hub answers is seen as sent,
+whatever a client library does with it."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import zmq
+
+from agent_bus.bus import events as ev
+from agent_bus.bus import protocol as p
+from agent_bus.bus.client import connect
+from agent_bus.bus.store import Retention, Row, StoreError, parse_store_url
+from tests.store_cluster import Cluster
+from tests.support import Proc, busctl, running, wait_for
+
+TTL = 3.0  # the tests' lease TTL (--lease-ttl): short, so a takeover is seconds
+# A takeover follows from the TTL: the primary's last renewal expires at most TTL after it was
+# stored; the standby looks every TTL/4; then one read of the log's head and the marker's write.
+# The slack is for the store's expiry timer and a busy 2-core machine.
+TAKEOVER_BOUND = TTL + TTL / 4 + 4.0
+
+
+def _hub(tmp_path: Path, name: str, url: str, *extra: str) -> list[str]:
+    return busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path / name), "--store", url,
+                  "--lease-ttl", str(TTL), *extra)
+
+
+def _hello(endpoint: str, timeout: float = 5.0) -> tuple[str, Any]:
+    """One hello on a fresh connection: ("welcome", Welcome) (then bye), ("error", Header),
+    or ("none", None) when nothing answered within `timeout`."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.HELLO, id="probe")),
+                             p.encode(p.Hello(name="standby-probe", session="test"))])
+        if not sock.poll(int(timeout * 1000)):
+            return "none", None
+        frames = sock.recv_multipart()
+        header = p.decode_header(frames[1])
+        if header.kind != p.WELCOME:
+            return header.kind, header
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.BYE))])
+        return "welcome", p.decode(frames[2], p.Welcome)
+    finally:
+        sock.close()
+
+
+def _not_leader(endpoint: str) -> str:
+    """The `not_leader` error text `endpoint` answers a hello with ("" for anything else)."""
+    kind, answer = _hello(endpoint)
+    if kind == p.ERROR and answer.code == p.NOT_LEADER:
+        return str(answer.error)
+    return ""
+
+
+def _welcome(endpoint: str) -> p.Welcome | None:
+    kind, answer = _hello(endpoint, 2.0)
+    return answer if kind == "welcome" else None
+
+
+async def _publish(endpoint: str, texts: list[str]) -> None:
+    async with connect(endpoint, name="standby-test") as peer:
+        for text in texts:
+            await peer.publish(ev.TopicMessage(topic="t", text=text), confirm=True)
+
+
+def _publish_sync(endpoint: str, texts: list[str]) -> None:
+    anyio.run(_publish, endpoint, texts)
+
+
+def _stored(cluster: Cluster, url: str) -> list[tuple[int, p.Header, ev.Event]]:
+    return [(seq, p.decode_header(header), ev.decode_event(body))
+            for seq, header, body in cluster.stream_seqs(url)]
+
+
+def _check_log(cluster: Cluster, url: str, texts: list[str]) -> list[ev.HubLeader]:
+    """The log: seqs 1..N with no hole, every published text once; its epoch markers."""
+    stored = _stored(cluster, url)
+    assert [seq for seq, _, _ in stored] == list(range(1, len(stored) + 1)), "a hole in the log"
+    logged = [event.text for _, _, event in stored if isinstance(event, ev.TopicMessage)]
+    assert logged == texts
+    markers = [(seq, event) for seq, _, event in stored if isinstance(event, ev.HubLeader)]
+    for seq, marker in markers:
+        assert marker.head == seq - 1  # the new primary continued from the log's head
+    return [marker for _, marker in markers]
+
+
+@contextmanager
+def _pair(tmp_path: Path, url: str) -> Iterator[tuple[Proc, str, Proc, str]]:
+    """Hub `a`, the primary (it takes the lease first), and hub `b`, its standby."""
+    with running(_hub(tmp_path, "a", url)) as a:
+        a_endpoint = a.wait_ready(30)["endpoint"]
+        with running(_hub(tmp_path, "b", url, "--standby")) as b:
+            b_endpoint = b.wait_ready(30)["endpoint"]
+            yield a, a_endpoint, b, b_endpoint
+
+
+def _take_over_time(endpoint: str, since: float) -> tuple[float, p.Welcome]:
+    welcome = wait_for(lambda: _welcome(endpoint), TAKEOVER_BOUND + 30, "the standby to take over")
+    return time.monotonic() - since, welcome
+
+
+def _rows_at(seq: int, text: str = "from the old epoch") -> list[Row]:
+    header = p.Header(kind=p.EVENT, id=f"row{seq}", type="topic_message", seq=seq,
+                      ts=time.time())
+    body = ev.encode_event(ev.TopicMessage(topic="t", text=text))
+    return [(seq, header.ts, header.type, "", "", "", msgspec.msgpack.encode(header), body)]
+
+
+def test_primary_sigkilled_the_standby_takes_over_and_the_old_primary_comes_back_standby(
+        tmp_path: Path, jetstream: Cluster) -> None:
+    from agent_bus.bus.store.jetstream import JetStreamStore
+
+    url = jetstream.stream_url()
+    with _pair(tmp_path, url) as (a, a_endpoint, b, b_endpoint):
+        first = _welcome(a_endpoint)
+        assert first is not None and first.epoch > 0, "the primary's welcome carries its epoch"
+        assert a_endpoint in _not_leader(b_endpoint), "the standby names the primary"
+        _publish_sync(a_endpoint, [f"a{i}" for i in range(20)])
+        old_head = len(jetstream.stream_seqs(url))  # the old primary's view of the log's end
+
+        a.signal(signal.SIGKILL)
+        killed = time.monotonic()
+        took, welcome = _take_over_time(b_endpoint, killed)
+        print(f"\nthe standby took over {took:.2f} s after the primary's SIGKILL (bound "
+              f"{TAKEOVER_BOUND:g} s = lease ttl {TTL:g} s + ttl/4 between a standby's looks + "
+              f"4 s slack); epochs {first.epoch} -> {welcome.epoch}")
+        assert took < TAKEOVER_BOUND
+        assert welcome.epoch > first.epoch
+        _publish_sync(b_endpoint, [f"b{i}" for i in range(20)])
+
+        # the old primary restarted: a standby (fail-back is by hand). On a new port: its old
+        # events port (+1, never reserved) may be any process's ephemeral port by now
+        with running(_hub(tmp_path, "a", url)) as again:
+            again_endpoint = again.wait_ready(30)["endpoint"]
+            assert b_endpoint in _not_leader(again_endpoint)
+            assert _welcome(b_endpoint) is not None  # b still leads
+
+        # a write with the old primary's view of the log (it ended at old_head) is refused by
+        # the store itself: the new primary's epoch marker is there
+        stale = JetStreamStore(parse_store_url(url), Retention())
+        try:
+            with pytest.raises(StoreError, match="wrong last"):
+                stale.append(_rows_at(old_head + 1))
+            assert stale.fenced
+        finally:
+            stale.close()
+    markers = _check_log(jetstream, url, [f"a{i}" for i in range(20)] + [f"b{i}" for i in range(20)])
+    assert [m.epoch for m in markers] == [first.epoch, welcome.epoch]
+    assert [m.endpoint for m in markers] == [a_endpoint, b_endpoint]
+
+
+def test_a_primary_paused_past_its_ttl_stands_down_when_it_resumes(
+        tmp_path: Path, jetstream: Cluster) -> None:
+    url = jetstream.stream_url()
+    with _pair(tmp_path, url) as (a, a_endpoint, b, b_endpoint):
+        _publish_sync(a_endpoint, ["before"])
+        a.signal(signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            took, welcome = _take_over_time(b_endpoint, stopped)
+            print(f"\nthe standby took over {took:.2f} s after the primary's SIGSTOP "
+                  f"(bound {TAKEOVER_BOUND:g} s, lease ttl {TTL:g} s)")
+            _publish_sync(b_endpoint, ["after"])
+        finally:
+            a.signal(signal.SIGCONT)
+        assert wait_for(lambda: b_endpoint in _not_leader(a_endpoint), 15,
+                        "the resumed primary to answer not_leader naming the new one")
+        a.wait_line(lambda line: "standing down as primary" in line, 15)
+        assert _welcome(b_endpoint) is not None
+    markers = _check_log(jetstream, url, ["before", "after"])
+    assert markers[-1].epoch == welcome.epoch and markers[-1].endpoint == b_endpoint
+
+
+def test_a_primary_whose_write_the_store_refuses_stands_down(tmp_path: Path,
+                                                             jetstream: Cluster) -> None:
+    """Another writer got ahead of the primary in the log (what a new leader's epoch marker
+    does to a primary that missed its lapse): the store refuses the primary's next append, and
+    the primary stands down at once, its publisher told `not_leader`."""
+    url = jetstream.stream_url()
+    with running(_hub(tmp_path, "a", url)) as a:
+        endpoint = a.wait_ready(30)["endpoint"]
+        # one connection throughout: a second one's hub events (peer_left, peer_joined) would
+        # be the primary's first refused write, not the publish
+        outcome = anyio.run(_publish_across_a_writer, endpoint, url)
+        # not acknowledged: the client is told `not_leader` for the event, then to reconnect
+        # (how a client reports that is its own: today's Python client raises HubLost)
+        assert outcome != "acknowledged"
+        assert _not_leader(endpoint)
+        a.wait_line(lambda line: "the store refused its write" in line, 15)
+    stored = _stored(jetstream, url)
+    texts = [event.text for _, _, event in stored if isinstance(event, ev.TopicMessage)]
+    assert texts == ["mine", "from another writer"]
+
+
+def _write_ahead(url: str) -> None:
+    """Another writer appends at the log's end (what a new primary's epoch marker does)."""
+    from agent_bus.bus.store.jetstream import JetStreamStore
+
+    ahead = JetStreamStore(parse_store_url(url), Retention())
+    try:
+        ahead.append(_rows_at(ahead.last_seq() + 1, "from another writer"))
+    finally:
+        ahead.close()
+
+
+async def _publish_across_a_writer(endpoint: str, url: str) -> str:
+    async with connect(endpoint, name="fenced-test") as peer:
+        await peer.publish(ev.TopicMessage(topic="t", text="mine"), confirm=True)
+        await anyio.to_thread.run_sync(_write_ahead, url)
+        try:
+            await peer.publish(ev.TopicMessage(topic="t", text="refused"), confirm=True)
+        except Exception as exc:  # the client's error for the event's `not_leader`
+            return f"{type(exc).__name__}: {exc}"
+    return "acknowledged"
