@@ -11,6 +11,7 @@ whatever a client library does with it."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import msgspec
 import pytest
 import zmq
 
+from agent_bus.agents.launch.topology import HubSection, hub_problems
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
@@ -230,3 +232,51 @@ async def _publish_across_a_writer(endpoint: str, url: str) -> str:
         except Exception as exc:  # the client's error for the event's `not_leader`
             return f"{type(exc).__name__}: {exc}"
     return "acknowledged"
+
+
+def test_standby_or_lease_on_the_sqlite_log_is_a_config_error(tmp_path: Path) -> None:
+    """No `store`: the flag named, and the fix (a nats:// store); exit 2 before anything binds."""
+    for flag in (["--standby"], ["--lease-ttl", "3"]):
+        done = subprocess.run(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir",
+                                     str(tmp_path), *flag), capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 2, done.stderr
+        assert flag[0] in done.stderr and "--store nats://" in done.stderr
+    ttl = subprocess.run(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp_path),
+                                "--store", "nats://127.0.0.1:4222", "--lease-ttl", "0.2"),
+                         capture_output=True, text=True, timeout=30)
+    assert ttl.returncode == 2 and "--lease-ttl" in ttl.stderr and "1 to 300" in ttl.stderr
+
+
+def test_a_topology_standby_needs_a_store_and_its_own_address() -> None:
+    problems = hub_problems(HubSection(standby="tcp://127.0.0.1:7500"))
+    assert any(p.startswith("hub.standby:") and "hub.store" in p for p in problems)
+    same = hub_problems(HubSection(store="nats://127.0.0.1:4222", endpoint="tcp://127.0.0.1:7400",
+                                   standby="tcp://127.0.0.1:7400"))
+    assert any("an address of its own" in p for p in same)
+    assert any(p.startswith("hub.lease_ttl:") for p in hub_problems(HubSection(lease_ttl=2)))
+    assert not hub_problems(HubSection(store="nats://127.0.0.1:4222",
+                                       standby="tcp://127.0.0.1:7500", lease_ttl=3))
+
+
+def test_up_starts_the_standby_and_hands_every_process_both_hubs() -> None:
+    """`[hub] standby`: the second hub's command (--standby, a state dir of its own, the same
+    store and lease TTL), and the hub list "primary,standby" in every process `up` starts."""
+    from agent_bus.agents.launch.topology import ProcessSpec, Topology
+    from agent_bus.agents.launch.up import child_specs, hub_argv
+
+    topo = Topology(hub=HubSection(endpoint="tcp://10.0.0.1:7400", store="nats://n1:4222",
+                                   standby="tcp://10.0.0.2:7400", lease_ttl=4, insecure=True),
+                    processes=[ProcessSpec(name="p", command=["true"])])
+    primary, standby = hub_argv(topo), hub_argv(topo, "")
+    assert "--standby" not in primary and "--standby" in standby
+    assert standby[standby.index("--hub") + 1] == "tcp://10.0.0.2:7400"
+    assert standby[standby.index("--state-dir") + 1].endswith("hub-standby")
+    for argv in (primary, standby):
+        assert argv[argv.index("--store") + 1] == "nats://n1:4222"
+        assert float(argv[argv.index("--lease-ttl") + 1]) == 4
+    hubs = "tcp://10.0.0.1:7400,tcp://10.0.0.2:7400"
+    specs = child_specs(topo, hubs)
+    assert [spec.env.get("BUSCTL_HUB") for spec in specs if spec.role == "process"] == [hubs]
+    assert all(hubs in spec.argv for spec in specs if spec.role in ("worker", "coordinator",
+                                                                    "gateway"))
