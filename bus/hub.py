@@ -349,6 +349,7 @@ def check_config(config: HubConfig) -> None:
 
 
 LEASE_TTL_RANGE = (1.0, 300.0)
+ROLE_FILE = "role.json"  # in the state dir, with a lease: this hub's role (`Hub._write_role`)
 
 
 def _check_store(config: HubConfig) -> None:
@@ -502,6 +503,8 @@ class Hub:
             self.events.close()  # (the caller never gets the hub to close)
             raise
         self._check_role()
+        if self._standby:
+            self._write_role()
 
     def _configure_sockets(self) -> None:
         cfg = self.config
@@ -631,6 +634,7 @@ class Hub:
             self._step_down(f"its epoch marker was not written ({self.events.log_error})")
             return
         self.counters.bump("takeovers")
+        self._write_role()
         log.warning("primary now: lease epoch %d, the log continues from seq %d", lead.epoch,
                     head + 1)
 
@@ -650,6 +654,22 @@ class Hub:
             self._send([ident, p.SIGNATURE, self._reconnect_header])
         self._departed.clear()
         self._new_registry()
+        self._write_role()
+
+    def _write_role(self) -> None:
+        """`role.json` in the state dir: this hub's role and epoch for `busctl ps` (a standby
+        answers no `hub.status`), replaced whole at every change."""
+        if not self.config.state_dir:
+            return
+        path = Path(self.config.state_dir) / ROLE_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(msgspec.json.encode({"role": self.role, "epoch": self.epoch,
+                                                 "endpoint": self.endpoint, "pid": os.getpid()}))
+            tmp.replace(path)
+        except OSError as exc:  # only `ps` reads it
+            log.warning("cannot write %s: %s", path, exc)
 
     def _not_leader_text(self) -> str:
         """The `error` text of a `not_leader` answer: the leader's endpoint first when known

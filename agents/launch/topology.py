@@ -432,7 +432,7 @@ def _standby_problems(hub: HubSection) -> list[str]:
                             "JetStream cluster); the SQLite log is one machine's")
     if hub.standby:
         problems += _address_problems("hub.standby", hub.standby, events_next=True)
-        if hub.standby == hub.endpoint:
+        if hub.standby == hub.endpoint and not hub.standby.endswith(":0"):  # (0: any port)
             problems.append(f"hub.standby: {hub.standby!r} is hub.endpoint too: give the "
                             "standby hub an address of its own (another machine's, or another "
                             "port)")

@@ -689,9 +689,27 @@ async def _answer(sup: Supervisor, topo: Topology, stream: anyio.abc.SocketStrea
         return ControlReply(ok=False, error=str(exc))
 
 
+def _with_hub_roles(rows: list[dict[str, Any]], state: Path) -> list[dict[str, Any]]:
+    """A hub of a pair shows its lease role and epoch ("hub primary e12"), from the role file
+    each writes in its state dir at every change (a standby answers no `hub.status`)."""
+    from agent_bus.bus.hub import ROLE_FILE
+
+    for row in rows:
+        if row["role"] != "hub":
+            continue
+        folder = "hub-standby" if row["name"] == "hub-standby" else "hub"
+        try:
+            role = msgspec.json.decode((state / folder / ROLE_FILE).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            continue  # one machine (no lease), or not written yet
+        if isinstance(role, dict) and role.get("pid") == row["pid"]:
+            row["role"] = f"hub {role.get('role', '?')} e{role.get('epoch', 0)}"
+    return rows
+
+
 async def _carry_out(sup: Supervisor, topo: Topology, request: ControlRequest) -> ControlReply:
     if request.op == "ps":
-        return ControlReply(ok=True, processes=sup.table())
+        return ControlReply(ok=True, processes=_with_hub_roles(sup.table(), state_dir(topo)))
     if request.op == "restart":
         if request.name not in sup.children:
             return ControlReply(ok=False, unknown=True,

@@ -280,3 +280,49 @@ def test_up_starts_the_standby_and_hands_every_process_both_hubs() -> None:
     assert [spec.env.get("BUSCTL_HUB") for spec in specs if spec.role == "process"] == [hubs]
     assert all(hubs in spec.argv for spec in specs if spec.role in ("worker", "coordinator",
                                                                     "gateway"))
+
+
+def test_busctl_up_runs_a_hub_pair_and_ps_and_status_show_their_roles(
+        tmp_path: Path, jetstream: Cluster) -> None:
+    """A real `busctl up` with `[hub] store` and `standby`: two hub processes, the standby's
+    address in every process's hub list, `busctl ps` showing which hub is the primary and
+    `busctl status` the primary's role and epoch."""
+    hubs_file = tmp_path / "hubs.txt"
+    (tmp_path / "pair.toml").write_text(f"""
+workers = []
+agents = []
+coordinators = 0
+
+[gateways]
+count = 0
+
+[hub]
+store = "{jetstream.stream_url()}"
+standby = "tcp://127.0.0.1:0"
+lease_ttl = {TTL}
+
+[[processes]]
+name = "shows-hubs"
+command = ["sh", "-c", "echo $BUSCTL_HUB > {hubs_file}; exec sleep 600"]
+""")
+    with running(busctl("up", "--json", "-c", "pair.toml", "--hub", "tcp://127.0.0.1:0"),
+                 cwd=tmp_path) as up:
+        endpoint = up.wait_ready(60)["endpoint"]
+        primary, standby = wait_for(lambda: hubs_file.exists() and hubs_file.read_text().strip(),
+                                    30, "the process's hub list").split(",")
+        assert primary == endpoint and standby.startswith("tcp://127.0.0.1:")
+        assert endpoint in _not_leader(standby)
+
+        def roles() -> dict[str, str]:
+            done = subprocess.run(busctl("ps", "--json"), cwd=tmp_path, capture_output=True,
+                                  text=True, timeout=60)
+            rows = [msgspec.json.decode(line) for line in done.stdout.splitlines()]
+            return {row["name"]: row["role"] for row in rows}
+
+        shown = wait_for(lambda: (r := roles()).get("hub-standby", "").startswith("hub standby")
+                         and r, 30, "busctl ps to show the pair")
+        assert shown["hub"].startswith("hub primary e")
+        status = subprocess.run(busctl("status", "--hub", endpoint), capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stderr
+        assert f"primary, epoch {shown['hub'].removeprefix('hub primary e')}" in status.stdout
