@@ -582,7 +582,7 @@ class Hub:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + interval
-            elif now >= self.events.subscribed_at + SUBSCRIBE_BEAT_GAP:
+            elif now >= self.events.subscribed_at + SUBSCRIBE_BEAT_GAP and not self._standby:
                 self.events.publish_heartbeat()
             self.events.flush()
 
@@ -610,8 +610,9 @@ class Hub:
             else:
                 self.events.seq = lead.head  # following the log (shown in status)
             return
-        if not held:
-            self._step_down("its lease lapsed: not renewed within the lease's ttl")
+        if not held:  # (the lease task keeps trying: a late renewal that the store takes
+            # proves nobody held the lease since, and this hub takes over again, same epoch)
+            self._step_down("its lease lapsed: not renewed within the lease's ttl", fenced=False)
 
     def _take_over(self, lead: Leadership) -> None:
         """Continue the log from the store's head, and write the epoch marker first: it fences
@@ -638,13 +639,15 @@ class Hub:
         log.warning("primary now: lease epoch %d, the log continues from seq %d", lead.epoch,
                     head + 1)
 
-    def _step_down(self, why: str) -> None:
+    def _step_down(self, why: str, fenced: bool = True) -> None:
         """No longer the primary: write nothing more, tell every peer to reconnect (they say
         hello again, are answered `not_leader`, and move to the next hub), forget the routing
-        state, and follow the log as a standby."""
+        state, and follow the log as a standby. `fenced` (another writer is ahead in the log):
+        leave the lease too, and stay out of it for a while."""
         lead = self._leadership
         assert lead is not None
-        lead.resign()
+        if fenced:
+            lead.resign()
         self._standby = True
         self.counters.bump("stand_downs")
         log.warning("standing down as primary (epoch %d): %s; answering %s", self.epoch, why,
@@ -1221,7 +1224,8 @@ class Hub:
         self._expire_peers(now)
         for ident in list(self.peers):
             self._send([ident, p.SIGNATURE, self._hb_header])
-        self.events.publish_heartbeat()
+        if not self._standby:  # a standby's event stream is silent: nobody should follow it
+            self.events.publish_heartbeat()
 
     def _drop_peer(self, peer: PeerState, reason: str) -> None:
         self.registry.drop_peer(peer, reason)

@@ -72,7 +72,9 @@ class Leadership:
 
     def resign(self) -> None:
         """Stop renewing (the store refused this hub's write: another writer is ahead of it).
-        The entry lapses by itself; this hub stays out of the race for one TTL after it."""
+        The entry lapses by itself; this hub stays out of the race for two TTLs. (A lease that
+        merely lapsed is not resigned: the task keeps renewing it, and a renewal the store
+        takes proves nobody held it since.)"""
         self.until = 0.0
         self._resigned_until = time.monotonic() + 2 * self.ttl
         self._lease = None
