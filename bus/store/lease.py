@@ -72,9 +72,11 @@ class JetStreamLease:
                 storage=api.StorageType.FILE)), 10)
         except StoreError as exc:
             self.conn.close()
-            raise StoreError(f"lease bucket `{bucket}` (ttl {ttl:g} s): {exc}; a bucket made "
-                             "with another `lease_ttl` must be removed first (`nats kv del "
-                             f"{bucket}`) or the same `lease_ttl` given") from exc
+            raise StoreError(f"lease bucket `{bucket}` (ttl {ttl:g} s): {exc}; every hub of "
+                             "a pair must give the same `lease_ttl` (--lease-ttl): the bucket "
+                             "was made with another one. To change it, stop every hub of the "
+                             f"pair, remove the bucket (`nats kv del {bucket}`), start them "
+                             "again") from exc
 
     async def aacquire(self, holder: str, endpoint: str) -> Lease | None:
         """The lease for `holder`, or None while another holder's entry lives."""

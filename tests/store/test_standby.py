@@ -326,3 +326,18 @@ command = ["sh", "-c", "echo $BUSCTL_HUB > {hubs_file}; exec sleep 600"]
                                 text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert f"primary, epoch {shown['hub'].removeprefix('hub primary e')}" in status.stdout
+
+
+def test_a_hub_with_another_lease_ttl_than_the_pairs_is_refused_naming_it(
+        tmp_path: Path, jetstream: Cluster) -> None:
+    """Hubs of a pair with different TTLs would disagree on when a lease lapsed: the second
+    one's start fails, naming `lease_ttl` and how to change it."""
+    url = jetstream.stream_url()
+    with running(_hub(tmp_path, "a", url)) as a:
+        a.wait_ready(30)
+        done = subprocess.run(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir",
+                                     str(tmp_path / "b"), "--store", url, "--lease-ttl",
+                                     str(TTL + 1), "--standby"),
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "lease_ttl" in done.stderr and "nats kv del" in done.stderr, done.stderr
