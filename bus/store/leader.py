@@ -80,8 +80,18 @@ class Leadership:
         self._lease = None
 
     def close(self) -> None:
+        """Stop taking part; a primary that still holds the lease gives it up (a standby takes
+        over at its next look, not a TTL later). Called once the hub routes nothing more."""
         self._closing = True
         self._task.cancel()
+        lease, self._lease = self._lease, None
+        if lease is not None and time.monotonic() < self.until:
+            self.until = 0.0
+            try:
+                self._store.release(lease)
+            except StoreError as exc:  # it lapses by itself within the TTL
+                log.warning("could not give the lease up (%s): it lapses within %g s", exc,
+                            self.ttl)
         self._store.close()
 
     # --- the lease task (the lease connection's loop thread) -----------------------------------
@@ -125,6 +135,7 @@ class Leadership:
         current = await self._store.aread()
         if current is not None:
             self.leader, self.leader_epoch = current.endpoint, current.epoch
+            self._grace = 0.0  # the start's grace was for a primary to take it: one has
             return
         self.leader = ""
         now = time.monotonic()

@@ -98,6 +98,15 @@ class JetStreamLease:
                             "was taken over or expired: this holder is deposed") from exc
         return msgspec.structs.replace(lease, revision=revision)
 
+    async def arelease(self, lease: Lease) -> bool:
+        """Give the lease up (a clean stop): the key deleted if this holder's write is still
+        its last, so a standby takes it at its next look instead of after the TTL."""
+        try:
+            await self._kv.delete(KEY, last=lease.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False  # someone else's now, or expired: nothing of ours to give up
+        return True
+
     async def aread(self) -> LeaseValue | None:
         """Who holds the lease now (the epoch filled in), or None when nobody does."""
         try:
@@ -117,6 +126,9 @@ class JetStreamLease:
 
     def renew(self, lease: Lease) -> Lease:
         return self.conn.call(self.arenew(lease))  # (LeaseLost is no nats error: it passes)
+
+    def release(self, lease: Lease) -> bool:
+        return self.conn.call(self.arelease(lease))
 
     def read(self) -> LeaseValue | None:
         return self.conn.call(self.aread())

@@ -341,3 +341,19 @@ def test_a_hub_with_another_lease_ttl_than_the_pairs_is_refused_naming_it(
                               capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert "lease_ttl" in done.stderr and "nats kv del" in done.stderr, done.stderr
+
+
+def test_a_primary_stopped_cleanly_gives_the_lease_up(tmp_path: Path, jetstream: Cluster) -> None:
+    """SIGTERM: the primary deletes its lease key on the way out, so the standby takes over at
+    its next look (every TTL/4), well before the TTL a lost primary costs."""
+    url = jetstream.stream_url()
+    with _pair(tmp_path, url) as (a, a_endpoint, b, b_endpoint):
+        first = _welcome(a_endpoint)
+        assert first is not None
+        a.stop()
+        stopped = time.monotonic()
+        took, welcome = _take_over_time(b_endpoint, stopped)
+        print(f"\nthe standby took over {took:.2f} s after the primary's clean stop (lease ttl "
+              f"{TTL:g} s, looks every {TTL / 4:g} s)")
+        assert took < TTL
+        assert welcome.epoch > first.epoch
