@@ -1422,8 +1422,10 @@ def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
     auth = hub._auth
     if auth is not None:  # re-read the authorised keys now (they are also polled)
         signal.signal(signal.SIGHUP, lambda *_: auth.request_reload())
-    line = {"ready": "hub", "endpoint": hub.endpoint, "events": hub.events_endpoint,
-            "pid": os.getpid(), "seq": hub.seq}
+    line: dict[str, Any] = {"ready": "hub", "endpoint": hub.endpoint,
+                            "events": hub.events_endpoint, "pid": os.getpid(), "seq": hub.seq}
+    if hub.role:  # a hub with a leader lease: which it is at its start
+        line.update(role=hub.role, epoch=hub.epoch)
     print(json.dumps(line), flush=True)
     log.info("hub listening on %s, events on %s", hub.endpoint, hub.events_endpoint)
     try:

@@ -108,10 +108,12 @@ def _check_log(cluster: Cluster, url: str, texts: list[str]) -> list[ev.HubLeade
 def _pair(tmp_path: Path, url: str) -> Iterator[tuple[Proc, str, Proc, str]]:
     """Hub `a`, the primary (it takes the lease first), and hub `b`, its standby."""
     with running(_hub(tmp_path, "a", url)) as a:
-        a_endpoint = a.wait_ready(30)["endpoint"]
+        ready = a.wait_ready(30)
+        assert ready["role"] == "primary" and ready["epoch"] > 0
         with running(_hub(tmp_path, "b", url, "--standby")) as b:
-            b_endpoint = b.wait_ready(30)["endpoint"]
-            yield a, a_endpoint, b, b_endpoint
+            standby = b.wait_ready(30)
+            assert standby["role"] == "standby"
+            yield a, ready["endpoint"], b, standby["endpoint"]
 
 
 def _take_over_time(endpoint: str, since: float) -> tuple[float, p.Welcome]:
