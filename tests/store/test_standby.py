@@ -64,6 +64,21 @@ def _hello(endpoint: str, timeout: float = 5.0) -> tuple[str, Any]:
         sock.close()
 
 
+def _request_answer(endpoint: str, timeout: float = 5.0) -> p.Header | None:
+    """The header a hub answers a `hub.status` request with, sent without a hello first."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([p.SIGNATURE, p.encode(p.Header(kind=p.REQUEST, id="r1",
+                                                            service=p.HUB_STATUS))])
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return p.decode_header(sock.recv_multipart()[1])
+    finally:
+        sock.close()
+
+
 def _not_leader(endpoint: str) -> str:
     """The `not_leader` error text `endpoint` answers a hello with ("" for anything else)."""
     kind, answer = _hello(endpoint)
@@ -137,6 +152,9 @@ def test_primary_sigkilled_the_standby_takes_over_and_the_old_primary_comes_back
         first = _welcome(a_endpoint)
         assert first is not None and first.epoch > 0, "the primary's welcome carries its epoch"
         assert a_endpoint in _not_leader(b_endpoint), "the standby names the primary"
+        answer = _request_answer(b_endpoint)  # a request too, with the request's id
+        assert answer is not None and (answer.kind, answer.code, answer.id) == \
+            (p.ERROR, p.NOT_LEADER, "r1") and answer.error.startswith(a_endpoint)
         _publish_sync(a_endpoint, [f"a{i}" for i in range(20)])
         old_head = len(jetstream.stream_seqs(url))  # the old primary's view of the log's end
 
