@@ -702,7 +702,7 @@ class Hub:
         self.router.close(0)
         self.pub.close(0)
         if self._leadership is not None:
-            self._leadership.close()  # stops renewing: a standby takes over within the ttl
+            self._leadership.close()  # gives the lease up: a standby takes over at its next look
         self.events.close()  # joins the replay reader, whose socket must close before term()
         if self._auth is not None:
             self._auth.stop()

@@ -35,7 +35,6 @@ DEFAULT_TTL = 5.0  # seconds; why this value: docs/reliability.md, "The standby 
 RENEW_FRACTION = 4  # renewed every ttl/4: three renewals may fail before the lease lapses
 MARGIN = 0.1  # of the TTL: a primary stops this much before its entry can expire
 RETRY = 0.2  # seconds between attempts while the store does not answer
-PRIMARY, STANDBY = "primary", "standby"
 
 
 class Leadership:
@@ -65,10 +64,6 @@ class Leadership:
         except StoreError as exc:
             self.error = str(exc)
         self._task = asyncio.run_coroutine_threadsafe(self._run(), conn.thread.loop)
-
-    @property
-    def role(self) -> str:
-        return PRIMARY if time.monotonic() < self.until else STANDBY
 
     def resign(self) -> None:
         """Stop renewing (the store refused this hub's write: another writer is ahead of it).
