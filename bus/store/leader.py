@@ -35,6 +35,7 @@ DEFAULT_TTL = 5.0  # seconds; why this value: docs/reliability.md, "The standby 
 RENEW_FRACTION = 4  # renewed every ttl/4: three renewals may fail before the lease lapses
 MARGIN = 0.1  # of the TTL: a primary stops this much before its entry can expire
 RETRY = 0.2  # seconds between attempts while the store does not answer
+LATE_TTLS = 2  # a primary started while another leads leaves a free lease alone this long
 
 
 class Leadership:
@@ -54,8 +55,10 @@ class Leadership:
         self.error = ""  # why the lease cannot be read or kept now ("" when fine)
         self._lease: Lease | None = None
         self._stream = url.stream
-        self._grace = time.monotonic() + ttl if standby else 0.0
+        started = time.monotonic()
+        self._grace = started + ttl if standby else 0.0
         self._resigned_until = 0.0
+        self._late_until = 0.0
         self._closing = False
         self._store = JetStreamLease(url, bucket_name(url.stream), ttl)
         conn = self._store.conn
@@ -63,6 +66,12 @@ class Leadership:
             conn.call(self._step(), conn.url.timeout * 3 + 2)
         except StoreError as exc:
             self.error = str(exc)
+        # A primary (not `standby`) started while another hub leads: the old primary
+        # restarted by its supervisor. It leaves a lease that lapses soon to the standby that
+        # was following, for LATE_TTLS TTLs (Binary Star: the restarted primary comes back as
+        # the standby; fail-back is by hand). Alone, it takes the lease that much later.
+        if not standby and self.leader and self._lease is None:
+            self._late_until = started + LATE_TTLS * ttl
         self._task = asyncio.run_coroutine_threadsafe(self._run(), conn.thread.loop)
 
     def resign(self) -> None:
@@ -134,7 +143,7 @@ class Leadership:
             return
         self.leader = ""
         now = time.monotonic()
-        if now < self._grace or now < self._resigned_until:
+        if now < self._grace or now < self._resigned_until or now < self._late_until:
             return
         sent = time.monotonic()
         lease = await self._store.aacquire(self.holder, self.endpoint)

@@ -10,6 +10,7 @@ whatever a client library does with it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -28,6 +29,7 @@ from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
 from agent_bus.bus.store import Retention, Row, StoreError, parse_store_url
+from agent_bus.bus.store.leader import LATE_TTLS
 from tests.store_cluster import Cluster
 from tests.support import Proc, busctl, running, wait_for
 
@@ -302,11 +304,18 @@ def test_up_starts_the_standby_and_hands_every_process_both_hubs() -> None:
                                                                     "gateway"))
 
 
+def _ps(cwd: Path) -> list[dict[str, Any]]:
+    done = subprocess.run(busctl("ps", "--json"), cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+    return [msgspec.json.decode(line) for line in done.stdout.splitlines()]
+
+
 def test_busctl_up_runs_a_hub_pair_and_ps_and_status_show_their_roles(
         tmp_path: Path, jetstream: Cluster) -> None:
     """A real `busctl up` with `[hub] store` and `standby`: two hub processes, the standby's
     address in every process's hub list, `busctl ps` showing which hub is the primary and
-    `busctl status` the primary's role and epoch."""
+    `busctl status` the primary's role and epoch; then the primary SIGKILLed: the standby
+    leads, and the supervisor's restart of the old primary is the standby."""
     hubs_file = tmp_path / "hubs.txt"
     (tmp_path / "pair.toml").write_text(f"""
 workers = []
@@ -334,10 +343,7 @@ command = ["sh", "-c", "echo $BUSCTL_HUB > {hubs_file}; exec sleep 600"]
         assert endpoint in _not_leader(standby)
 
         def roles() -> dict[str, str]:
-            done = subprocess.run(busctl("ps", "--json"), cwd=tmp_path, capture_output=True,
-                                  text=True, timeout=60)
-            rows = [msgspec.json.decode(line) for line in done.stdout.splitlines()]
-            return {row["name"]: row["role"] for row in rows}
+            return {row["name"]: row["role"] for row in _ps(tmp_path)}
 
         shown = wait_for(lambda: (r := roles()).get("hub-standby", "").startswith("hub standby")
                          and r, 30, "busctl ps to show the pair")
@@ -346,6 +352,22 @@ command = ["sh", "-c", "echo $BUSCTL_HUB > {hubs_file}; exec sleep 600"]
                                 text=True, timeout=60)
         assert status.returncode == 0, status.stderr
         assert f"primary, epoch {shown['hub'].removeprefix('hub primary e')}" in status.stdout
+
+        # Binary Star under the supervisor: the primary hub SIGKILLed, the standby takes over,
+        # and the supervisor's restart of the old primary (within 0.5 s, while its lease
+        # lives) comes back as the standby: a primary started while another hub leads leaves
+        # a lease that lapses to the standby that was following (LATE_TTLS)
+        os.kill(next(row["pid"] for row in _ps(tmp_path) if row["name"] == "hub"),
+                signal.SIGKILL)
+        swapped = wait_for(lambda: (r := roles())["hub-standby"].startswith("hub primary")
+                           and r["hub"].startswith("hub standby") and r,
+                           TAKEOVER_BOUND + LATE_TTLS * TTL + 30, "the standby to lead and the old primary to "
+                                                "come back as the standby")
+        assert int(swapped["hub-standby"].removeprefix("hub primary e")) > \
+            int(shown["hub"].removeprefix("hub primary e"))
+        wait_for(lambda: standby in _not_leader(endpoint), 15,  # (it looks every TTL/4)
+                 "the restarted old primary to name the new one")
+        assert up.popen.poll() is None  # the supervisor lives on
 
 
 def test_a_hub_with_another_lease_ttl_than_the_pairs_is_refused_naming_it(
