@@ -266,6 +266,16 @@ class ProcessGaveUp(_Event, tag="process_gave_up"):
     restarts: int = 0
 
 
+class HubLeader(_Event, tag="hub_leader"):
+    """A hub took the leader lease (issue 52, the standby hub): its first write as the primary,
+    which also fences the previous primary (its next append, expecting the log to end before
+    this event, is refused by the store). `epoch` is the lease's, as in its peers' `welcome`."""
+
+    epoch: int
+    endpoint: str = ""
+    head: int = 0  # the log's last seq before this event (the new primary continues from it)
+
+
 class Gap(_Event, tag="gap"):
     """Synthesised by a subscriber (never sent by the hub): seqs `first`..`last` were not seen.
     `reason` says why (e.g. the retention that pruned them from the log); empty when unknown."""
@@ -301,6 +311,7 @@ Event = Union[
     WorkerLost,
     ProcessRestarted,
     ProcessGaveUp,
+    HubLeader,
     Gap,
 ]
 
@@ -328,6 +339,7 @@ BUS_TYPES: frozenset[str] = frozenset(
         "worker_lost",
         "process_restarted",
         "process_gave_up",
+        "hub_leader",
         "gap",
     }
 )

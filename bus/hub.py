@@ -49,7 +49,10 @@ from agent_bus.bus.security import (
     peer_user_id,
     private_ipc,
 )
-from agent_bus.bus.store import Retention, Row, StoreUrlError, parse_store_url
+from agent_bus.bus.store import Retention, Row, StoreError, StoreUrlError, parse_store_url
+
+if typing.TYPE_CHECKING:
+    from agent_bus.bus.store.leader import Leadership
 
 log = logging.getLogger("bus.hub")
 
@@ -258,6 +261,10 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # The event store (bus/store/): "" is SQLite in `state_dir`; nats://HOST:PORT,... a NATS
     # JetStream stream with 3 replicas (bus/store/url.py has the URL's form)
     store: str = ""
+    # The leader lease (a JetStream `store` only; bus/store/leader.py): `standby` leaves it to
+    # the other hub at the start; `lease_ttl` 0 is the default (leader.DEFAULT_TTL)
+    standby: bool = False
+    lease_ttl: float = 0.0
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_message_bytes: int = 16 * 1024 * 1024
@@ -344,9 +351,24 @@ def check_config(config: HubConfig) -> None:
         raise HubConfigError(str(exc)) from None
 
 
+LEASE_TTL_RANGE = (1.0, 300.0)
+ROLE_FILE = "role.json"  # in the state dir, with a lease: this hub's role (`Hub._write_role`)
+
+
 def _check_store(config: HubConfig) -> None:
     if not config.store:
+        for key, flag, given in (("standby", "--standby", config.standby),
+                                 ("lease_ttl", "--lease-ttl", config.lease_ttl)):
+            if given:
+                raise HubConfigError(f"hub `{key}` ({flag}) needs a replicated event store, so "
+                                     "that the other hub reads the same log: give `store` "
+                                     "(--store nats://HOST:PORT,...), a NATS JetStream cluster; "
+                                     "the SQLite log is one machine's")
         return
+    low, high = LEASE_TTL_RANGE
+    if config.lease_ttl and not low <= config.lease_ttl <= high:
+        raise HubConfigError(f"hub `lease_ttl` (--lease-ttl) is {config.lease_ttl:g}: give "
+                             f"{low:g} to {high:g} seconds (0: the default)")
     try:
         parse_store_url(config.store, "hub `store` (--store)")
     except StoreUrlError as exc:
@@ -403,16 +425,7 @@ class Hub:
         self.session = p.new_session()
         self.started = time.time()
         self.counters = Counters()
-        # Routing state (services, slots, queues, deadlines, cancels) lives in the Registry,
-        # which has no sockets: it answers through `_send` and announces through `_emit`.
-        self.registry = Registry(
-            Limits(queue_limit=config.queue_limit, request_bytes=config.request_bytes,
-                   peer_request_bytes=config.peer_request_bytes,
-                   queued_services=config.queued_services,
-                   max_redispatch=config.max_redispatch),
-            self.counters, self._send, self._emit)
-        self.peers = self.registry.peers  # the same dicts, never rebound
-        self.services = self.registry.services
+        self._new_registry()
         self._batch_bytes = 0  # event bodies read this pass (it ends past EVENT_BATCH_BYTES)
         self._status_size = 0  # bytes of the last `hub.status` answer (the next one's estimate)
         self._trim_at = math.inf  # when to give freed memory back to the OS (see _trim)
@@ -456,8 +469,45 @@ class Hub:
         # sent before closing may still be queued in the ROUTER behind the hub's backlog, and
         # their events must still be logged. Forgotten after DEPARTED_KEEP seconds.
         self._departed: dict[bytes, tuple[float, PeerState]] = {}
+        # The leader lease (a JetStream store; bus/store/leader.py): None on one machine, where
+        # this hub is simply the hub (epoch 0). With it, the hub starts as a standby and is the
+        # primary only while it holds the lease (`_check_role`, every pass of the loop).
+        self.epoch = 0
+        self._standby = False
+        self._leadership: Leadership | None = None
+        if config.store:
+            self._start_leadership(config)
 
     # --- setup ---------------------------------------------------------------------------
+
+    def _new_registry(self) -> None:
+        """Routing state (services, slots, queues, deadlines, cancels) lives in the Registry,
+        which has no sockets: it answers through `_send` and announces through `_emit`. A new
+        one at the start, and when a primary stands down (its peers move to the new one)."""
+        config = self.config
+        self.registry = Registry(
+            Limits(queue_limit=config.queue_limit, request_bytes=config.request_bytes,
+                   peer_request_bytes=config.peer_request_bytes,
+                   queued_services=config.queued_services,
+                   max_redispatch=config.max_redispatch),
+            self.counters, self._send, self._emit)
+        self.peers = self.registry.peers  # the registry's own dicts, which it never rebinds
+        self.services = self.registry.services
+
+    def _start_leadership(self, config: HubConfig) -> None:
+        from agent_bus.bus.store.leader import DEFAULT_TTL, Leadership
+
+        self._standby = True
+        self.events.hold()
+        try:
+            self._leadership = Leadership(parse_store_url(config.store), config.lease_ttl
+                                          or DEFAULT_TTL, self.endpoint, config.standby)
+        except StoreError:
+            self.events.close()  # (the caller never gets the hub to close)
+            raise
+        self._check_role()
+        if self._standby:
+            self._write_role()
 
     def _configure_sockets(self) -> None:
         cfg = self.config
@@ -506,6 +556,8 @@ class Hub:
                 if exc.errno == errno.EINTR:  # (pyzmq has no zmq.EINTR)
                     continue
                 raise
+            if self._leadership is not None:  # (one machine: no lease, no check)
+                self._check_role()
             if self.router in ready:
                 self._drain()
             if self.pub in ready:
@@ -533,12 +585,116 @@ class Hub:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + interval
-            elif now >= self.events.subscribed_at + SUBSCRIBE_BEAT_GAP:
+            elif now >= self.events.subscribed_at + SUBSCRIBE_BEAT_GAP and not self._standby:
                 self.events.publish_heartbeat()
             self.events.flush()
 
     def stop(self) -> None:
         self._stopping = True
+
+    # --- the lease: primary or standby -------------------------------------------------------
+
+    @property
+    def role(self) -> str:
+        """"primary" or "standby" with a lease; "" on one machine (no lease: the only hub)."""
+        if self._leadership is None:
+            return ""
+        return "standby" if self._standby else "primary"
+
+    def _check_role(self) -> None:
+        """Take over once the lease task holds the lease; stand down at once when it lapsed
+        (not renewed in time: this hub may have been paused, and another may hold it now)."""
+        lead = self._leadership
+        assert lead is not None
+        held = time.monotonic() < lead.until
+        if self._standby:
+            if held:
+                self._take_over(lead)
+            else:
+                self.events.seq = lead.head  # following the log (shown in status)
+            return
+        if not held:  # (the lease task keeps trying: a late renewal that the store takes
+            # proves nobody held the lease since, and this hub takes over again, same epoch)
+            self._step_down("its lease lapsed: not renewed within the lease's ttl", fenced=False)
+
+    def _take_over(self, lead: Leadership) -> None:
+        """Continue the log from the store's head, and write the epoch marker first: it fences
+        a previous primary that missed the lapse of its lease (its next append expects the log
+        to end before the marker, and the store refuses it)."""
+        try:
+            head = self.events.log.last_seq()
+        except StoreError as exc:
+            log.error("took the lease (epoch %d) but cannot read the log's head (%s): "
+                      "leaving the lease", lead.epoch, exc)
+            lead.resign()
+            return
+        self._standby, self.epoch = False, lead.epoch
+        self.events.resume(head)
+        self._emit(ev.HubLeader(epoch=lead.epoch, endpoint=self.endpoint, head=head))
+        self.events.flush()
+        if self._standby:  # the marker was refused: another writer is ahead (stood down)
+            return
+        if self.events.refusing:  # the store did not acknowledge it: no primary without it
+            self._step_down(f"its epoch marker was not written ({self.events.log_error})")
+            return
+        self.counters.bump("takeovers")
+        self._write_role()
+        log.warning("primary now: lease epoch %d, the log continues from seq %d", lead.epoch,
+                    head + 1)
+
+    def _step_down(self, why: str, fenced: bool = True) -> None:
+        """No longer the primary: write nothing more, tell every peer to reconnect (they say
+        hello again, are answered `not_leader`, and move to the next hub), forget the routing
+        state, and follow the log as a standby. `fenced` (another writer is ahead in the log):
+        leave the lease too, and stay out of it for a while."""
+        lead = self._leadership
+        assert lead is not None
+        if fenced:
+            lead.resign()
+        self._standby = True
+        self.counters.bump("stand_downs")
+        log.warning("standing down as primary (epoch %d): %s; answering %s", self.epoch, why,
+                    p.NOT_LEADER)
+        self._refuse_rows(self.events.hold(), p.NOT_LEADER, self._not_leader_text())
+        for ident in list(self.peers):
+            self._send([ident, p.SIGNATURE, self._reconnect_header])
+        self._departed.clear()
+        self._new_registry()
+        self._write_role()
+
+    def _write_role(self) -> None:
+        """`role.json` in the state dir: this hub's role and epoch for `busctl ps` (a standby
+        answers no `hub.status`), replaced whole at every change."""
+        if not self.config.state_dir:
+            return
+        path = Path(self.config.state_dir) / ROLE_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(msgspec.json.encode({"role": self.role, "epoch": self.epoch,
+                                                 "endpoint": self.endpoint, "pid": os.getpid()}))
+            tmp.replace(path)
+        except OSError as exc:  # only `ps` reads it
+            log.warning("cannot write %s: %s", path, exc)
+
+    def _not_leader_text(self) -> str:
+        """The `error` text of a `not_leader` answer: the leader's endpoint first when known
+        (docs/protocol.md, "Following the hub: the hub's side")."""
+        lead = self._leadership
+        assert lead is not None
+        if lead.leader and lead.leader != self.endpoint:
+            return (f"{lead.leader} leads (epoch {lead.leader_epoch}); this hub {self.endpoint} "
+                    "is a standby: send to the leader")
+        return (f"no hub leads now (the lease is free or being taken); this hub "
+                f"{self.endpoint} is a standby: try the next hub endpoint")
+
+    def _answer_standby(self, ident: bytes, header: p.Header) -> None:
+        """A standby's answer to anything a peer sends: `not_leader` to what expects an answer
+        (hello, request, event, register, unregister, cancel); nothing to the rest."""
+        if header.kind in (p.HEARTBEAT, p.BYE, p.REPLY, p.ERROR, p.PARTIAL):
+            return
+        self.counters.bump("not_leader")
+        self._send_error(ident, header.id, p.NOT_LEADER, self._not_leader_text())
 
     def close(self) -> None:
         try:
@@ -548,6 +704,8 @@ class Hub:
         self._monitor.close(0)
         self.router.close(0)
         self.pub.close(0)
+        if self._leadership is not None:
+            self._leadership.close()  # gives the lease up: a standby takes over at its next look
         self.events.close()  # joins the replay reader, whose socket must close before term()
         if self._auth is not None:
             self._auth.stop()
@@ -630,7 +788,10 @@ class Hub:
 
     def _handle_stranger(self, ident: bytes, peer: PeerState | None, header: p.Header,
                          frames: list[bytes], handler: _Handler) -> None:
-        """A hello, or anything from a peer the hub does not know (revoked, departed, unknown)."""
+        """A hello, or anything from a peer the hub does not know (revoked, departed, unknown).
+        A standby knows no peer: everything comes here, and is answered `not_leader`."""
+        if self._standby:
+            return self._answer_standby(ident, header)
         if self._refuse_revoked(ident, peer, header):
             return
         if peer is None and header.kind != p.HELLO:
@@ -732,6 +893,7 @@ class Hub:
             max_message_bytes=self.config.max_message_bytes,
             event_bodies=p.MAX_EVENT_BODIES,
             mixed_types=True,
+            epoch=self.epoch,
         )
         self._send([ident, p.SIGNATURE, p.encode(p.Header(kind=p.WELCOME, id=header.id)),
                     p.encode(welcome)])
@@ -1065,7 +1227,8 @@ class Hub:
         self._expire_peers(now)
         for ident in list(self.peers):
             self._send([ident, p.SIGNATURE, self._hb_header])
-        self.events.publish_heartbeat()
+        if not self._standby:  # a standby's event stream is silent: nobody should follow it
+            self.events.publish_heartbeat()
 
     def _drop_peer(self, peer: PeerState, reason: str) -> None:
         self.registry.drop_peer(peer, reason)
@@ -1106,13 +1269,21 @@ class Hub:
         self.events.emit(event)
 
     def _refuse_batch(self, rows: list[Row]) -> None:
+        """The store refused a batch. With a lease, a refusal because another writer is ahead
+        (`fenced`) means another hub took over: this one stands down at once."""
+        if self._leadership is not None and self.events.log.fenced:
+            self._refuse_rows(rows, p.NOT_LEADER, self._not_leader_text())
+            self._step_down("the store refused its write: another hub wrote the log since")
+            return
+        self._refuse_rows(rows, p.LOG_UNAVAILABLE, self._log_refusal())
+
+    def _refuse_rows(self, rows: list[Row], code: str, text: str) -> None:
         idents = {peer.id: peer.ident for peer in self.peers.values()}
-        text = self._log_refusal()
         for row in rows:
             header = _decode_header(row[6])
             ident = idents.get(header.peer)
             if ident is not None:  # the hub's own events have no publisher to tell
-                self._send_error(ident, header.id, p.LOG_UNAVAILABLE, text)
+                self._send_error(ident, header.id, code, text)
 
     def _log_refusal(self) -> str:
         return self.events.refusal_text(self.config.state_dir)
@@ -1221,7 +1392,8 @@ class Hub:
                 counters[name] = value
         return p.Status(self.session, self.endpoint, self.events_endpoint,
                         time.time() - self.started, self.seq, peers, services, counters,
-                        self.config.state_dir, self.events.log_error, self.budgets())
+                        self.config.state_dir, self.events.log_error, self.budgets(),
+                        role=self.role, epoch=self.epoch)
 
     def budgets(self) -> dict[str, p.Budget]:
         """Each budget's limit and use. A subscriber's queue lives inside libzmq, which does not
@@ -1254,8 +1426,10 @@ def serve(config: HubConfig, ready: Iterable[Any] = ()) -> None:
     auth = hub._auth
     if auth is not None:  # re-read the authorised keys now (they are also polled)
         signal.signal(signal.SIGHUP, lambda *_: auth.request_reload())
-    line = {"ready": "hub", "endpoint": hub.endpoint, "events": hub.events_endpoint,
-            "pid": os.getpid(), "seq": hub.seq}
+    line: dict[str, Any] = {"ready": "hub", "endpoint": hub.endpoint,
+                            "events": hub.events_endpoint, "pid": os.getpid(), "seq": hub.seq}
+    if hub.role:  # a hub with a leader lease: which it is at its start
+        line.update(role=hub.role, epoch=hub.epoch)
     print(json.dumps(line), flush=True)
     log.info("hub listening on %s, events on %s", hub.endpoint, hub.events_endpoint)
     try:

@@ -192,6 +192,20 @@ class EventPipeline:
         self._refuse(rows)
         return False
 
+    def hold(self) -> list[Row]:
+        """A hub that is not (or no longer) the leader: refuse every event, with no retry, until
+        `resume`. The batch stamped and not yet logged is returned (its publishers are told),
+        never logged: a deposed primary writes nothing more."""
+        rows, self.rows, self._topics = self.rows, [], []
+        self.refusing, self._retry_at, self.log_error = True, math.inf, ""
+        return rows
+
+    def resume(self, head: int) -> None:
+        """The hub took the lease: continue the log from the store's `head` (no hole, no seq
+        used twice)."""
+        self.seq = head
+        self.refusing, self._retry_at, self.log_error = False, math.inf, ""
+
     def refusal_text(self, state_dir: str) -> str:
         if self.log.reader_uri.startswith("nats://"):  # JetStream: not acknowledged, maybe stored
             return (f"event refused, not acknowledged: {self.log_error}; the JetStream cluster "

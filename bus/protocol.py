@@ -229,6 +229,10 @@ class Status(msgspec.Struct, omit_defaults=True):
     state_dir: str = ""
     log_error: str = ""  # why events are being refused (event log not writable); "" when fine
     budgets: dict[str, Budget] = msgspec.field(default_factory=dict)
+    # With a leader lease (issue 52): "primary" (a standby answers no status: `not_leader`)
+    # and the lease's epoch; "" and 0 on a hub without a lease (one machine)
+    role: str = ""
+    epoch: int = 0
 
 
 # --- codecs: one encoder/decoder per type, built once --------------------------------------

@@ -59,7 +59,9 @@ def status(hub: str, curve: CurveClient | None, as_json: bool) -> None:
 
 
 def _print_hub(st: Status) -> None:
-    click.echo(f"hub {st.endpoint}  events {st.events}  seq {st.seq}  up {st.uptime:.0f}s")
+    # with a leader lease (a hub pair on a replicated store): which one this is, and its term
+    lease = f"  {st.role}, epoch {st.epoch}" if st.role else ""
+    click.echo(f"hub {st.endpoint}  events {st.events}  seq {st.seq}  up {st.uptime:.0f}s{lease}")
     if st.log_error:  # the hub refuses every event until the log can be written again
         click.echo(f"EVENTS REFUSED: {st.log_error} (retried by itself; free space or fix "
                    f"the state directory {st.state_dir})")

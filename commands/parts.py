@@ -106,6 +106,14 @@ def hub_command() -> click.Command:
                        "nats://HOST:PORT[,HOST:PORT...][?stream=S&replicas=3&timeout=1] (a NATS "
                        "JetStream cluster; the `nats` extra). See README, \"Choosing the event "
                        "store\".")
+    @click.option("--standby", is_flag=True,
+                  help="Start as the standby of a hub pair on the same --store: answer "
+                       "`not_leader` (naming the primary), follow the log, and take over once "
+                       "the primary's lease lapses. Needs a nats:// --store.")
+    @click.option("--lease-ttl", type=float, default=0.0, metavar="SECONDS",
+                  help="Seconds the leader lease lives unrenewed (with a nats:// --store): the "
+                       "standby takes over within about this much after the primary is lost "
+                       "[default: 5].")
     @click.option("--heartbeat-interval", type=click.FloatRange(0.05, 60), default=1.0,
                   show_default=True, help="Seconds between heartbeats.")
     @click.option("--liveness", type=click.IntRange(1, 100), default=3, show_default=True,
@@ -118,8 +126,8 @@ def hub_command() -> click.Command:
     @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error", "critical"],
                                                    case_sensitive=False),
                   default="info", show_default=True, help="What the hub logs to stderr.")
-    def hub(endpoint: str, events: str, state_dir: str | None, store: str,
-            heartbeat_interval: float,
+    def hub(endpoint: str, events: str, state_dir: str | None, store: str, standby: bool,
+            lease_ttl: float, heartbeat_interval: float,
             liveness: int, max_message_bytes: int, budgets: dict[str, int],
             retain_days: float, retain_bytes: int, retain_deltas_until_end: bool,
             replay_priority: str, replay_pace_bytes: int, curve_secret: str | None,
@@ -136,6 +144,7 @@ def hub_command() -> click.Command:
         curve = hub_curve(endpoint, curve_secret, curve_authorized, insecure, events)
         config = HubConfig(endpoint=endpoint, events=events,
                            state_dir=str(state_dir_for(state_dir, "hub")), store=store,
+                           standby=standby, lease_ttl=lease_ttl,
                            heartbeat_interval=heartbeat_interval, liveness=liveness,
                            max_message_bytes=max_message_bytes, retain_days=retain_days,
                            retain_bytes=retain_bytes, retain_deltas_until_end=retain_deltas_until_end,

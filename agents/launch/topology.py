@@ -35,6 +35,10 @@ class HubSection(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True)
     # the event store: "" = SQLite in state_dir; nats://HOST:PORT,... = a JetStream cluster
     # (busctl hub --store; bus/store/url.py)
     store: str = ""
+    # A standby hub's address (a replicated `store` only): `busctl up` starts a second hub there
+    # (`busctl hub --standby`), and hands every process the hub list "endpoint,standby"
+    standby: str = ""
+    lease_ttl: float = 0.0  # seconds the leader lease lives unrenewed; 0: the hub's default (5)
     heartbeat_interval: float = 1.0
     liveness: int = 3
     max_message_bytes: int = 16 * 1024 * 1024
@@ -404,6 +408,7 @@ def hub_problems(hub: HubSection) -> list[str]:
             parse_store_url(hub.store, "hub.store")
         except StoreUrlError as exc:
             problems.append(str(exc))
+    problems += _standby_problems(hub)
     if not 0.01 <= hub.heartbeat_interval <= 3600:
         problems.append(f"hub.heartbeat_interval: {hub.heartbeat_interval} is out of range "
                         "(seconds between heartbeats, from 0.01 to 3600; default 1.0)")
@@ -413,6 +418,27 @@ def hub_problems(hub: HubSection) -> list[str]:
     if not 1024 <= hub.max_message_bytes <= 2**31 - 1:
         problems.append(f"hub.max_message_bytes: {hub.max_message_bytes} is out of range (from 1024 "
                         f"to {2**31 - 1}; default {16 * 1024 * 1024})")
+    return problems
+
+
+def _standby_problems(hub: HubSection) -> list[str]:
+    """[hub] standby and lease_ttl: both need a replicated store (the standby reads the log the
+    primary writes, and the lease lives in that store)."""
+    problems = []
+    for key, given in (("standby", hub.standby), ("lease_ttl", hub.lease_ttl)):
+        if given and not hub.store:
+            problems.append(f"hub.{key}: a standby hub and its leader lease need a replicated "
+                            "event store: set hub.store = \"nats://HOST:PORT,...\" (a NATS "
+                            "JetStream cluster); the SQLite log is one machine's")
+    if hub.standby:
+        problems += _address_problems("hub.standby", hub.standby, events_next=True)
+        if hub.standby == hub.endpoint and not hub.standby.endswith(":0"):  # (0: any port)
+            problems.append(f"hub.standby: {hub.standby!r} is hub.endpoint too: give the "
+                            "standby hub an address of its own (another machine's, or another "
+                            "port)")
+    if hub.lease_ttl and not 1.0 <= hub.lease_ttl <= 300.0:
+        problems.append(f"hub.lease_ttl: {hub.lease_ttl:g} is out of range (seconds the leader "
+                        "lease lives unrenewed, from 1 to 300; 0: the default, 5)")
     return problems
 
 

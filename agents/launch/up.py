@@ -114,16 +114,26 @@ def state_dir(topology: Topology) -> Path:
     return topology.state_path()
 
 
-def hub_argv(topo: Topology) -> list[str]:
+def hub_argv(topo: Topology, standby_events: str | None = None) -> list[str]:
+    """The hub's command; with `standby_events` (its events address, "" for the default) the
+    standby's, at `[hub] standby`, with a state dir of its own."""
     hub = topo.hub
-    argv = python_argv("hub", "--hub", hub.endpoint, "--state-dir", str(state_dir(topo) / "hub"),
+    standby = standby_events is not None
+    endpoint, events = (hub.standby, standby_events or "") if standby else (hub.endpoint,
+                                                                            hub.events)
+    argv = python_argv("hub", "--hub", endpoint,
+                       "--state-dir", str(state_dir(topo) / ("hub-standby" if standby else "hub")),
                        "--heartbeat-interval", str(hub.heartbeat_interval),
                        "--liveness", str(hub.liveness),
                        "--max-message-bytes", str(hub.max_message_bytes))
-    if hub.events:
-        argv += ["--events", hub.events]
+    if events:
+        argv += ["--events", events]
     if hub.store:
         argv += ["--store", hub.store]
+    if hub.lease_ttl:
+        argv += ["--lease-ttl", str(hub.lease_ttl)]
+    if standby:
+        argv.append("--standby")
     if hub.curve_secret:  # the user's authorised keys, then those `up` made for its processes
         argv += ["--curve-secret", hub.curve_secret, "--curve-authorized", hub.curve_authorized,
                  "--curve-authorized", str(curve_keys.folder_of(topo, state_dir(topo)))]
@@ -283,6 +293,8 @@ def summary(topo: Topology, sup: Supervisor, endpoint: str, events: str,
             tools: list[str], port: int | None = None) -> list[str]:
     state = state_dir(topo)
     lines = [f"hub        {endpoint}  (events {events})"]
+    if topo.hub.standby:  # (its lease's TTL bounds a takeover: docs/reliability.md)
+        lines.append(f"standby    {topo.hub.standby}  (takes over when the hub's lease lapses)")
     procs = "  ".join(f"{name}[{child.pid}]" for name, child in sup.children.items())
     lines.append(f"processes  {procs}")
     lines.append(f"agents     {', '.join(a.name for a in topo.agents)}")
@@ -399,6 +411,7 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
             set_tcp_alias(port, endpoint)
         sup.run_info.endpoint, sup.run_info.events = endpoint, events
         sup.save_run_file()
+        hubs = await _start_standby(sup, topo, endpoint)
         if options.demo:
             fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0"),
                                              role="fake-llm"))
@@ -408,7 +421,7 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
             topo.gateways.default_model = DEMO_MODEL
         # For people (what is running); never read back by the children, see child_specs.
         (state / "topology.json").write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
-        await _start_all(sup, child_specs(topo, endpoint))
+        await _start_all(sup, child_specs(topo, hubs))
         async with connect(endpoint, name="busctl-up", role="supervisor",
                            curve=client_curve(topo)) as peer, anyio.create_task_group() as tg:
             sup.notify = await _publisher(peer)
@@ -424,6 +437,20 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
                 break
             tg.cancel_scope.cancel()
         await _stop(sup, out)
+
+
+async def _start_standby(sup: Supervisor, topo: Topology, endpoint: str) -> str:
+    """With `[hub] standby`: the standby hub (on its own address; on one machine another
+    process), its bound addresses pinned for its restarts like the primary's. The hub address
+    every other process is given: "primary,standby" (a client moves to the one that leads),
+    or the primary's alone."""
+    if not topo.hub.standby:
+        return endpoint
+    standby = await sup.start(ChildSpec("hub-standby", hub_argv(topo, ""), role="hub"))
+    assert standby.ready is not None
+    topo.hub.standby = standby.ready["endpoint"]
+    standby.spec.argv = hub_argv(topo, standby.ready["events"])
+    return f"{endpoint},{topo.hub.standby}"
 
 
 # A closed terminal or a lost SSH session sends SIGHUP: it stops the topology like Ctrl-C.
@@ -662,9 +689,27 @@ async def _answer(sup: Supervisor, topo: Topology, stream: anyio.abc.SocketStrea
         return ControlReply(ok=False, error=str(exc))
 
 
+def _with_hub_roles(rows: list[dict[str, Any]], state: Path) -> list[dict[str, Any]]:
+    """A hub of a pair shows its lease role and epoch ("hub primary e12"), from the role file
+    each writes in its state dir at every change (a standby answers no `hub.status`)."""
+    from agent_bus.bus.hub import ROLE_FILE
+
+    for row in rows:
+        if row["role"] != "hub":
+            continue
+        folder = "hub-standby" if row["name"] == "hub-standby" else "hub"
+        try:
+            role = msgspec.json.decode((state / folder / ROLE_FILE).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            continue  # one machine (no lease), or not written yet
+        if isinstance(role, dict) and role.get("pid") == row["pid"]:
+            row["role"] = f"hub {role.get('role', '?')} e{role.get('epoch', 0)}"
+    return rows
+
+
 async def _carry_out(sup: Supervisor, topo: Topology, request: ControlRequest) -> ControlReply:
     if request.op == "ps":
-        return ControlReply(ok=True, processes=sup.table())
+        return ControlReply(ok=True, processes=_with_hub_roles(sup.table(), state_dir(topo)))
     if request.op == "restart":
         if request.name not in sup.children:
             return ControlReply(ok=False, unknown=True,

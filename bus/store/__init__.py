@@ -49,6 +49,10 @@ class Retention(msgspec.Struct, frozen=True):
 class EventStore(Protocol):
     """The writer's side. Not thread-safe: the hub's routing loop owns it."""
 
+    # Whether the last append was refused because another writer wrote since (a standby hub
+    # took over): a fencing refusal, not a failure to answer. Always False on SQLite.
+    fenced: bool
+
     @property
     def where(self) -> str:
         """Where the log is, for messages (the events.db path, the stream and its servers)."""

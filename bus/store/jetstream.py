@@ -102,6 +102,17 @@ def decode(data: bytes) -> tuple[bytes, bytes]:
     return data[_LEN:_LEN + size], data[_LEN + size:]
 
 
+# JetStream's refusals of an append that does not follow the log's end: "wrong last sequence"
+# (Nats-Expected-Last-Sequence) and "wrong last msg ID" (Nats-Expected-Last-Msg-Id)
+_FENCED_CODES = (10071, 10070)
+
+
+def _is_fenced(exc: BaseException | None) -> bool:
+    """Whether the store refused an append because another writer wrote since (a deposed
+    hub's write: the hub stands down, bus/hub.py `_step_down`), not because it did not answer."""
+    return getattr(exc, "err_code", None) in _FENCED_CODES
+
+
 class _LoopThread:
     """An asyncio loop in a daemon thread: `run(coro, timeout)` from any other thread."""
 
@@ -181,6 +192,8 @@ class JetStreamStore:
         self._writer = uuid.uuid4().hex[:12]  # this writer's ids (see the module docstring)
         self._generation = 0
         self._last_stored = -1  # the last seq this writer stored in this generation
+        # the last append was refused because another writer is ahead (see `_is_fenced`)
+        self.fenced = False
         self._conn = NatsConnection(url, "bus-store")
         try:
             self._check_payload(max_event_bytes)
@@ -254,9 +267,10 @@ class JetStreamStore:
         try:  # the call's own bound: every window's
             self._conn.call(self._publish(rows),
                             (len(rows) // _WINDOW + 1) * (self.url.timeout + 1))
-        except StoreError:
+        except StoreError as exc:
             self._generation += 1  # ids of this batch are never sent again
             self._last_stored = -1
+            self.fenced = _is_fenced(exc.__cause__)
             raise
         self._last_stored = rows[-1][0]
 

@@ -85,6 +85,8 @@ def read_meta(db: sqlite3.Connection) -> tuple[int, str]:
 class SqliteStore:
     """Append and read stamped events (an `EventStore`). Not thread-safe: the hub loop owns it."""
 
+    fenced = False  # one hub per file: no other writer can be ahead of it
+
     def __init__(self, path: Path | None, name: str = "events") -> None:
         self.path = path
         # The URI other threads open (`connect_reader`): in memory, a shared-cache database
