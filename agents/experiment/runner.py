@@ -69,6 +69,9 @@ PLAN_TYPE = "experiment_plan"  # the tags of ev.ExperimentPlan / ev.ExperimentSa
 SAMPLE_TYPE = "experiment_sample"
 JOURNAL_TOPIC = "ext///experiment_"  # both types, published with no agent and no run
 END_WAIT = 5.0  # seconds to wait for a run's agent_end (its turns) after its result
+# Seconds a journal entry may take across a hub takeover (a pair of hubs: issue 52): the
+# standby leads within its lease TTL + a quarter (5 s by default), then the log is checked.
+JOURNAL_FAILOVER_WAIT = 60.0
 log = logging.getLogger("agents.experiment.runner")
 
 FAILED = frozenset({"error", "aborted"})  # stop reasons that are errors, not answers
@@ -355,6 +358,7 @@ class Runner:
         # `model` scorers' calls: tagged with the experiment, under an agent name of their own
         self.grader = BusLlmClient(bus.peer, agent="experiment-grader", experiment=experiment)
         self.models: dict[str, str] = {}  # variant -> its model alias (with run.per_model)
+        self._confirmed_head = 0  # the log's head at the last confirmed journal entry
 
     async def start(self, resume: bool, fresh: bool = False) -> Journal:
         """Check the journal against `resume` and publish the plan of a new experiment.
@@ -646,19 +650,53 @@ class Runner:
                               f"{exc}") from exc
 
     async def _publish(self, type_: str, entry: Plan | SampleResult) -> None:
+        """Journal `entry` exactly once: published, then confirmed logged. When the hub is lost
+        before it confirms and the peer follows a pair of hubs (issue 52), the entry may or may
+        not be in the log: the log on the next hub is read from where the last confirmation
+        left it, and the entry sent again only if it is not there."""
         peer = self.bus.peer
-        refused = peer.counters.get("events_refused", 0)
-        try:
-            await peer.publish_raw(type_, msgspec.msgpack.encode(entry),
-                                   experiment=self.experiment, confirm=True)
-        except HubLost:
-            if peer.counters.get("events_refused", 0) == refused:
-                raise
-            raise JournalRefused(
-                f"the hub refused experiment `{self.experiment}`'s journal (`{type_}`): this "
-                f"identity may not write it; run the experiment with the owner's rights, or "
-                f"give this key a role matching `experiment.{self.experiment}` in the hub's "
-                f"roles.toml (docs/protocol.md section 8, Roles)") from None
+        body = msgspec.msgpack.encode(entry)
+        deadline = time.monotonic() + JOURNAL_FAILOVER_WAIT
+        while True:
+            refused = peer.counters.get("events_refused", 0)
+            try:
+                await peer.publish_raw(type_, body, experiment=self.experiment)
+                self._confirmed_head = await peer.confirm()
+                return
+            except HubLost:
+                if peer.counters.get("events_refused", 0) != refused:
+                    raise self._refused(type_) from None
+                if len(peer.hubs) < 2 or time.monotonic() > deadline:
+                    raise
+            try:
+                await peer.wait_connection(deadline)
+                if await self._journaled(type_, body):
+                    return
+            except HubLost:  # moved again: the loop looks once more, within the deadline
+                if time.monotonic() > deadline:
+                    raise
+
+    async def _journaled(self, type_: str, body: bytes) -> bool:
+        """Whether the log holds this journal entry (its exact body) past the last confirmed
+        head: what a hub lost mid-publish may or may not have logged."""
+        peer = self.bus.peer
+        cursor = self._confirmed_head
+        while True:
+            batch = await replay_batch(peer, p.ReplayRequest(
+                since=cursor, topics=[JOURNAL_TOPIC], experiment=self.experiment))
+            for header_bytes, logged in batch.events:
+                if bytes(logged) == body and p.decode_header(header_bytes).type == type_:
+                    return True
+            if batch.upto >= batch.head or batch.upto <= cursor:
+                return False
+            cursor = batch.upto
+
+    def _refused(self, type_: str) -> JournalRefused:
+        return JournalRefused(
+            f"the hub refused experiment `{self.experiment}`'s journal (`{type_}`): this "
+            f"identity may not write it; run the experiment with the owner's rights, or "
+            f"give this key a role matching `experiment.{self.experiment}` in the hub's "
+            f"roles.toml (docs/protocol.md section 8, Roles)")
 
 
 class JournalRefused(SpecError):

@@ -386,7 +386,9 @@ def make_local(topo: Topology, state: Path) -> int | None:
     """A hub on loopback tcp without CURVE would answer every local user: it listens on ipc://
     sockets in a private runtime directory instead (bus/paths.py), and its tcp port becomes an
     alias of them for this user's clients. Returns that port (None: no alias; the tcp address
-    is kept as given with CURVE, or `insecure`, or a non-loopback address)."""
+    is kept as given with CURVE, or `insecure`, or a non-loopback address). A standby on
+    loopback listens beside it (`…/hub-standby`): it answers only this user too, and this
+    user's clients present the owner's credential to either hub of the pair."""
     hub = topo.hub
     if hub.curve_secret or hub.insecure or not hub.endpoint.startswith("tcp://"):
         return None
@@ -394,6 +396,8 @@ def make_local(topo: Topology, state: Path) -> int | None:
         return None
     port = loopback_port(hub.endpoint)
     hub.endpoint, hub.events = local_hub_endpoint(state), ""
+    if hub.standby and is_loopback_endpoint(hub.standby):  # a pair on one machine: both private
+        hub.standby = f"{hub.endpoint}-standby"
     return port
 
 
@@ -412,6 +416,9 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
         sup.run_info.endpoint, sup.run_info.events = endpoint, events
         sup.save_run_file()
         hubs = await _start_standby(sup, topo, endpoint)
+        if hubs != endpoint:  # commands run in this folder follow the pair too (hub_here)
+            sup.run_info.endpoint = hubs
+            sup.save_run_file()
         if options.demo:
             fake = await sup.start(ChildSpec("fake-llm", python_argv("fake-llm", "--port", "0"),
                                              role="fake-llm"))
@@ -422,7 +429,7 @@ async def _run(topo: Topology, options: UpOptions, sup: Supervisor, state: Path,
         # For people (what is running); never read back by the children, see child_specs.
         (state / "topology.json").write_bytes(msgspec.json.format(msgspec.json.encode(topo)))
         await _start_all(sup, child_specs(topo, hubs))
-        async with connect(endpoint, name="busctl-up", role="supervisor",
+        async with connect(hubs, name="busctl-up", role="supervisor",
                            curve=client_curve(topo)) as peer, anyio.create_task_group() as tg:
             sup.notify = await _publisher(peer)
             await _serve_control(tg, sup, topo, state / "control.sock")
@@ -566,7 +573,8 @@ def _owner(address: str) -> str:
         return ""
     for path in run_files:
         info = read_run_file(path)
-        if info is not None and address in (info.endpoint, info.events) and running_here(path.parent):
+        if (info is not None and address in (*info.endpoint.split(","), info.events)
+                and running_here(path.parent)):
             return f", by the topology started from {info.cwd} (supervisor pid {info.pid})"
     return ""
 

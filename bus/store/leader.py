@@ -59,6 +59,7 @@ class Leadership:
         self._grace = started + ttl if standby else 0.0
         self._resigned_until = 0.0
         self._late_until = 0.0
+        self._first_look = not standby  # a primary's first look: is a standby following?
         self._closing = False
         self._store = JetStreamLease(url, bucket_name(url.stream), ttl)
         conn = self._store.conn
@@ -140,14 +141,26 @@ class Leadership:
         if current is not None:
             self.leader, self.leader_epoch = current.endpoint, current.epoch
             self._grace = 0.0  # the start's grace was for a primary to take it: one has
+            self._first_look = False
+            await self._store.afollowing(self.holder, self.endpoint)
             return
         self.leader = ""
         now = time.monotonic()
+        if self._first_look:
+            # A primary restarted by its supervisor after its lease lapsed (a slow start, a
+            # busy machine) finds no leader, but a standby that was following: it leaves the
+            # lease to that one (Binary Star: fail-back is by hand), as when the lease lives.
+            self._first_look = False
+            follower = await self._store.afollower()
+            if follower is not None and follower.holder != self.holder:
+                self._late_until = now + LATE_TTLS * self.ttl
         if now < self._grace or now < self._resigned_until or now < self._late_until:
+            await self._store.afollowing(self.holder, self.endpoint)
             return
         sent = time.monotonic()
         lease = await self._store.aacquire(self.holder, self.endpoint)
         if lease is None:
+            await self._store.afollowing(self.holder, self.endpoint)
             return
         self._lease = lease
         self.leader, self.leader_epoch, self.epoch = self.endpoint, lease.epoch, lease.epoch

@@ -29,6 +29,9 @@ except ImportError:  # the `nats` extra: require_nats() says so
     pass
 
 KEY = "leader"
+# A hub that follows (a standby) says so here, every look: a primary restarted while the lease
+# lapses leaves it to that hub (bus/store/leader.py). Its entry lives `ttl` like the lease's.
+FOLLOWER_KEY = "follower"
 
 
 class LeaseValue(msgspec.Struct, frozen=True):
@@ -120,6 +123,24 @@ class JetStreamLease:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return LeaseValue("?", "", int(entry.revision))  # not a hub's: held, by no one we know
         return value if value.epoch else msgspec.structs.replace(value, epoch=int(entry.revision))
+
+    async def afollowing(self, holder: str, endpoint: str) -> None:
+        """Say that `holder` follows the log, ready to take the lease (the entry lapses `ttl`
+        after its last look)."""
+        await self._kv.put(FOLLOWER_KEY, msgspec.json.encode(LeaseValue(holder, endpoint)))
+
+    async def afollower(self) -> LeaseValue | None:
+        """The hub that said last, within `ttl`, that it follows (None: none did)."""
+        try:
+            entry: Any = await self._kv.get(FOLLOWER_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        if entry.value is None:
+            return None
+        try:
+            return msgspec.json.decode(entry.value, type=LeaseValue)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
 
     def acquire(self, holder: str, endpoint: str = "") -> Lease | None:
         return self.conn.call(self.aacquire(holder, endpoint))
