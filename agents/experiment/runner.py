@@ -670,7 +670,11 @@ class Runner:
                     raise
             try:
                 await peer.wait_connection(deadline)
-                if await self._journaled(type_, body):
+                found = await self._journaled(type_, body)
+                log.warning("experiment %s: a journal entry (`%s`) was not confirmed before "
+                            "the hub was lost: %s", self.experiment, type_,
+                            "the log on the next hub has it" if found else "sending it again")
+                if found:
                     return
             except HubLost:  # moved again: the loop looks once more, within the deadline
                 if time.monotonic() > deadline:

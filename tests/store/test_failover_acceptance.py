@@ -104,6 +104,7 @@ def test_the_primary_hubs_host_lost_mid_experiment_loses_nothing(jetstream: Clus
                   f"standby ({standby}) leads {took:.2f} s later (lease_ttl {TTL:g} s: bound "
                   f"TTL + TTL/4 = {TTL * 1.25:g} s and a check)")
             assert run.popen.wait(timeout=240) == 0, run.output()
+            print("\n".join(line for line in run.lines if "journal entry" in line))
             cells = _cells(folder, "fo")
             assert len(cells) == CELLS
             # every acknowledged event is in the log, which has no hole
