@@ -35,9 +35,14 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
      "parallel": 0,            # >0: this many slots, as llama.cpp's `--parallel N`: at most N
                                # requests are answered at once, the others wait their turn in
                                # arrival order (`--parallel`)
-     "token_ms": 0.0}          # >0: streamed events spaced this many milliseconds apart (a
+     "token_ms": 0.0,          # >0: streamed events spaced this many milliseconds apart (a
                                # reply's own `chunk_delay` wins), a model's decoding pace
                                # (`--token-ms`)
+     "stamp": false}           # true: each `{sent_at}` in a streamed event becomes the server's
+                               # clock as the event is written (time.time(), 6 decimals): a
+                               # reader on this machine sees how long a delta took to reach it
+                               # (bench/bench_pace.py). Give a reply `chunk_size` 10 so that each
+                               # "{sent_at} " is a chunk of its own
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -188,6 +193,7 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     # a model server's pace: N slots (0: no limit) and milliseconds between streamed events
     parallel: Annotated[int, msgspec.Meta(ge=0)] = 0
     token_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    stamp: bool = False  # `{sent_at}` in a streamed event: the clock when it is written
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -1063,7 +1069,10 @@ class _Connection(asyncio.Protocol):
             packer = zlib.compressobj(wbits=31)
             events = [packer.compress(e) + packer.flush(zlib.Z_SYNC_FLUSH) for e in events]
             events.append(packer.flush())
+        stamp = self.owner.script.stamp and not gzip
         for event in events:  # one write each, as a server sends each token when it has it
+            if stamp and SENT_AT in event:
+                event = event.replace(SENT_AT, b"%.6f" % time.time())
             self._write(event if self._raw_body else b"%x\r\n%b\r\n" % (len(event), event))
             if self._paused:
                 await self._flush()
@@ -1112,6 +1121,9 @@ class _Connection(asyncio.Protocol):
             if self._eof:
                 raise _ClientGone()
             await self._wait_input(left)
+
+
+SENT_AT = b"{sent_at}"  # with `stamp`: replaced by the clock as the event is written
 
 
 def _settle(future: asyncio.Future[None]) -> None:
