@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench import common  # noqa: E402
 from bench.baseline import free_port  # noqa: E402
 from bench.common import Proc, busctl, fake_argv  # noqa: E402
 from bench.headline import Headlines  # noqa: E402
@@ -114,6 +115,7 @@ class Watch:
     def __init__(self, endpoint: str) -> None:
         self.proc = Proc(busctl("watch", "--hub", endpoint, "--json", "--type", "message_update"))
         self.latencies: list[float] = []
+        self.to_hub: list[float] = []  # the server's clock -> the hub's stamp (`ts`)
         self.lines = 0
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -124,20 +126,30 @@ class Watch:
         for line in stdout:
             now = time.time()
             self.lines += 1
-            self.latencies += [now - float(s) for s in STAMP.findall(line)]
+            stamps = [float(s) for s in STAMP.findall(line)]
+            if not stamps:
+                continue
+            self.latencies += [now - s for s in stamps]
+            ts = json.loads(line).get("ts", 0.0)
+            self.to_hub += [ts - s for s in stamps]
 
     def take(self) -> list[float]:
         out, self.latencies = self.latencies, []
+        return out
+
+    def take_to_hub(self) -> list[float]:
+        out, self.to_hub = self.to_hub, []
         return out
 
     def stop(self) -> None:
         self.proc.stop()
 
 
-async def direct(base_url: str, model: str, cells: int, parallel: int,
-                 tokens: int) -> tuple[float, list[float]]:
+async def direct(base_url: str, model: str, cells: int, parallel: int, tokens: int,
+                 each: list[float] | None = None) -> tuple[float, list[float]]:
     """`cells` streamed requests, `parallel` at once, straight to the server: (wall s, each
-    stamped token's latency from the server's clock to this reader)."""
+    stamped token's latency from the server's clock to this reader); each request's wall
+    appended to `each`."""
     body = {"model": model, "stream": True, "max_tokens": tokens,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INPUT}]}
     latencies: list[float] = []
@@ -149,12 +161,15 @@ async def direct(base_url: str, model: str, cells: int, parallel: int,
             nonlocal left
             while left > 0:
                 left -= 1
+                begun = time.perf_counter()
                 async with client.stream("POST", f"{base_url}/chat/completions",
                                          json=body) as response:
                     response.raise_for_status()
                     async for line in response.aiter_lines():
                         now = time.time()
                         latencies.extend(now - float(s) for s in STAMP.findall(line))
+                if each is not None:
+                    each.append(time.perf_counter() - begun)
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(parallel)))
@@ -189,9 +204,10 @@ def last_seq(db: Path) -> int:
         con.close()
 
 
-def bus_run(endpoint: str, spec: Path, name: str, tmp: Path, db: Path,
-            cells: int) -> tuple[float, float]:
-    """`busctl experiment run` of `spec`: (cells/s over its journal's window, process wall s)."""
+def bus_run(endpoint: str, spec: Path, name: str, tmp: Path, db: Path, cells: int,
+            each: list[float] | None = None) -> tuple[float, float]:
+    """`busctl experiment run` of `spec`: (cells/s over its journal's window, process wall s);
+    each cell's wall (prompt to result, from the results file) appended to `each`."""
     before = last_seq(db)
     started = time.perf_counter()
     done = subprocess.run(busctl("experiment", "run", str(spec), "--hub", endpoint, "--name", name,
@@ -212,6 +228,9 @@ def bus_run(endpoint: str, spec: Path, name: str, tmp: Path, db: Path,
         if time.monotonic() > deadline:
             raise RuntimeError(f"{name}: fewer than {cells} samples journaled")
         time.sleep(0.05)
+    if each is not None:
+        with (tmp / f"{name}.jsonl").open() as rows:
+            each += [json.loads(row)["wall"] for row in rows]
     return samples / (t1 - t0), wall
 
 
@@ -233,7 +252,16 @@ def main() -> None:
     ap.add_argument("--base-url", default="",
                     help="a running OpenAI-compatible server (.../v1) instead of the scripted one")
     ap.add_argument("--model", default="m", help="the model name sent to --base-url")
+    ap.add_argument("--replay-priority", choices=("idle", "low"), default="",
+                    help="the hub's --replay-priority (default: the hub's own, idle): every "
+                         "prompt's subscription starts with a replay from the log, served by "
+                         "that reader")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="run the hub, gateway and coordinator under cProfile, dumping into DIR")
+    ap.add_argument("--no-watch", action="store_true",
+                    help="no `busctl watch` during the bus runs (cells/s only)")
     args = ap.parse_args()
+    common.PROFILE_DIR = args.profile  # read by `busctl()`
     size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
     for flag, value in (("--parallel", args.parallel), ("--tokens", args.tokens)):
         if value < 1:
@@ -261,7 +289,8 @@ def main() -> None:
             topo = tmp / "topology.toml"
             topo.write_text(topology_toml(base_url, args.model, parallel, tokens))
             hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir",
-                              str(tmp / "hub")))
+                              str(tmp / "hub"), *(["--replay-priority", args.replay_priority]
+                                                  if args.replay_priority else [])))
             procs.append(hub)
             endpoint = str(hub.ready()["endpoint"])
             for argv in (busctl("gateway", "--hub", endpoint, "--topology", str(topo)),
@@ -272,14 +301,18 @@ def main() -> None:
                 proc.ready()
             spec = write_spec(tmp, cells, parallel)
             db = tmp / "hub" / "events.db"
-            watch = Watch(endpoint)
+            watch = None if args.no_watch else Watch(endpoint)
             # warm-up: imports, connections, the server's first requests
             bus_run(endpoint, write_spec_small(tmp, parallel), "warm", tmp, db, parallel)
             asyncio.run(direct(base_url, args.model, parallel, parallel, tokens))
-            watch.take()
+            if watch is not None:
+                watch.take()
+                watch.take_to_hub()
             rates: dict[str, list[float]] = {"bus": [], "direct": []}
             walls: list[float] = []
+            cell_walls: dict[str, list[float]] = {"bus": [], "direct": []}
             lat: dict[str, list[float]] = {"bus": [], "direct": []}
+            to_hub: list[float] = []
             p50s: dict[str, list[float]] = {"bus": [], "direct": []}
             print(f"{cells} cells a run, {parallel} at once; the model: "
                   + (base_url if real else f"busctl fake-llm --parallel {parallel} --token-ms "
@@ -289,14 +322,18 @@ def main() -> None:
                 for i, kind in enumerate(("direct", "bus", "bus", "direct")):
                     if kind == "direct":
                         wall, got = asyncio.run(direct(base_url, args.model, cells, parallel,
-                                                       tokens))
+                                                       tokens, cell_walls["direct"]))
                         rates["direct"].append(cells / wall)
                     else:
-                        rate, wall = bus_run(endpoint, spec, f"pace-{r}-{i}", tmp, db, cells)
+                        rate, wall = bus_run(endpoint, spec, f"pace-{r}-{i}", tmp, db, cells,
+                                             cell_walls["bus"])
                         rates["bus"].append(rate)
                         walls.append(cells / wall)
-                        time.sleep(0.2)  # the watch's last lines (printed as they came)
-                        got = watch.take()
+                        got = []
+                        if watch is not None:
+                            time.sleep(0.2)  # the watch's last lines (printed as they came)
+                            got = watch.take()
+                            to_hub += watch.take_to_hub()
                     round_lat[kind] += got
                     print(f"round {r + 1} {kind:>6}: {rates[kind][-1]:.2f} cells/s"
                           + (f" (the whole `busctl experiment run` process: {walls[-1]:.2f}/s)"
@@ -316,16 +353,24 @@ def main() -> None:
           f"{min(cell_ratios):.2f}-{max(cell_ratios):.2f}); medians bus "
           f"{statistics.median(rates['bus']):.2f}/s, direct {statistics.median(rates['direct']):.2f}/s"
           f", the whole busctl process {statistics.median(walls):.2f}/s")
+    print(f"one cell's wall, p50 (p99): through the bus (prompt to result, the runner's) "
+          f"{p50(cell_walls['bus']) * 1e3:.1f} ms ({pct99(cell_walls['bus']) * 1e3:.1f}), direct "
+          f"(request to the stream's end) {p50(cell_walls['direct']) * 1e3:.1f} ms "
+          f"({pct99(cell_walls['direct']) * 1e3:.1f})")
     hl.add("pace_cells_per_s", cell_ratios, ">=", 0.95, "runs")
     if lat["bus"] and lat["direct"]:
         delta_ratios = [b / d for b, d in zip(p50s["bus"], p50s["direct"], strict=True)]
         print(f"streamed delta latency from the server's clock, p50 (p99): through `busctl watch` "
               f"{p50(lat['bus']) * 1e3:.2f} ms ({pct99(lat['bus']) * 1e3:.2f}), straight to "
               f"httpx {p50(lat['direct']) * 1e3:.2f} ms ({pct99(lat['direct']) * 1e3:.2f}); "
-              f"{len(lat['bus'])} and {len(lat['direct'])} tokens")
+              f"{len(lat['bus'])} and {len(lat['direct'])} tokens; of the bus's, the server's "
+              f"clock to the hub's stamp (the gateway reading and publishing it, the hub taking "
+              f"it) p50 {p50(to_hub) * 1e3:.2f} ms, the rest (the hub logging and publishing it, "
+              f"`busctl watch` printing it) {(p50(lat['bus']) - p50(to_hub)) * 1e3:.2f} ms")
         hl.add("pace_delta_p50", delta_ratios, "<=", 2.0, "rounds")
     else:
-        print("streamed delta latency: not measured (a real server's tokens carry no clock)")
+        print("streamed delta latency: not measured (--no-watch, or a real server: its tokens "
+              "carry no clock)")
     hl.print()
 
 
