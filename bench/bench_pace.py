@@ -58,8 +58,9 @@ from bench.baseline import free_port  # noqa: E402
 from bench.common import Proc, busctl, fake_argv  # noqa: E402
 from bench.headline import Headlines  # noqa: E402
 
+# a real model keeps writing to max_tokens (the scripted one ignores the prompt)
 SYSTEM = "You are a counter. Count from one upwards in words until you are stopped."
-INPUT = "Count."
+INPUT = "Count from one to five hundred in words, separated by commas."
 STAMP = re.compile(r"(\d{10}\.\d{6}) ")  # a token of the stamped reply, as written
 
 
@@ -84,6 +85,8 @@ base_url = "{base_url}"
 model = "{model}"
 max_concurrency = {parallel}
 max_tokens = {tokens}
+temperature = 0.0
+seed = 1
 timeout = 600
 
 [[agents]]
@@ -146,15 +149,18 @@ class Watch:
 
 
 async def direct(base_url: str, model: str, cells: int, parallel: int, tokens: int,
-                 each: list[float] | None = None) -> tuple[float, list[float]]:
+                 each: list[float] | None = None, keep_alive: bool = True) -> tuple[float, list[float]]:
     """`cells` streamed requests, `parallel` at once, straight to the server: (wall s, each
     stamped token's latency from the server's clock to this reader); each request's wall
-    appended to `each`."""
-    body = {"model": model, "stream": True, "max_tokens": tokens,
+    appended to `each`. `keep_alive` False: a connection a request (llama.cpp's server closes
+    each after its stream, unannounced)."""
+    # greedy and seeded as the topology's model (a real model's replies the same length both ways)
+    body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0.0, "seed": 1,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INPUT}]}
     latencies: list[float] = []
     left = cells
-    limits = httpx.Limits(max_connections=parallel, max_keepalive_connections=parallel)
+    limits = httpx.Limits(max_connections=parallel,
+                          max_keepalive_connections=parallel if keep_alive else 0)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def worker() -> None:
@@ -192,6 +198,14 @@ def journal_window(db: Path, after_seq: int) -> tuple[float, float, int, int]:
     if not plans or not samples:
         raise RuntimeError(f"no experiment journaled after seq {after_seq} in {db}")
     return plans[0], samples[-1], len(samples), int(last)
+
+
+def count_type(db: Path, kind: str) -> int:
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return int(con.execute("SELECT COUNT(*) FROM events WHERE type = ?", (kind,)).fetchone()[0])
+    finally:
+        con.close()
 
 
 def last_seq(db: Path) -> int:
@@ -304,7 +318,8 @@ def main() -> None:
             watch = None if args.no_watch else Watch(endpoint)
             # warm-up: imports, connections, the server's first requests
             bus_run(endpoint, write_spec_small(tmp, parallel), "warm", tmp, db, parallel)
-            asyncio.run(direct(base_url, args.model, parallel, parallel, tokens))
+            asyncio.run(direct(base_url, args.model, parallel, parallel, tokens,
+                               keep_alive=not real))
             if watch is not None:
                 watch.take()
                 watch.take_to_hub()
@@ -322,7 +337,7 @@ def main() -> None:
                 for i, kind in enumerate(("direct", "bus", "bus", "direct")):
                     if kind == "direct":
                         wall, got = asyncio.run(direct(base_url, args.model, cells, parallel,
-                                                       tokens, cell_walls["direct"]))
+                                                       tokens, cell_walls["direct"], not real))
                         rates["direct"].append(cells / wall)
                     else:
                         rate, wall = bus_run(endpoint, spec, f"pace-{r}-{i}", tmp, db, cells,
@@ -343,6 +358,9 @@ def main() -> None:
                 for kind in lat:
                     lat[kind] += round_lat[kind]
                     p50s[kind].append(p50(round_lat[kind]))
+            retries = count_type(db, "llm_retry")
+            print(f"the gateway's retries of a model call (llm_retry events) in the whole run: "
+                  f"{retries}", flush=True)
         finally:
             if watch is not None:
                 watch.stop()
