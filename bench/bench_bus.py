@@ -39,6 +39,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -990,7 +991,8 @@ def replay_figures(n_log: int, n_rtt: int, decode: bool = False) -> dict[str, fl
 
 
 def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    # the middle value, or the mean of the middle two (as the headlines, bench/headline.py)
+    return statistics.median(values)
 
 
 class Size(NamedTuple):

@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -294,7 +295,8 @@ tools = ["echo"]
 
 
 def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    # the middle value, or the mean of the middle two (as the headlines, bench/headline.py)
+    return statistics.median(values)
 
 
 def floor_of(b: list[float], c: list[float], f: list[float],

@@ -63,6 +63,7 @@ import functools
 import json
 import os
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -421,7 +422,8 @@ def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
 
 
 def median_of(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    # the middle value, or the mean of the middle two (as the headlines, bench/headline.py)
+    return statistics.median(values)
 
 
 def listed(values: list[float], spec: str = ".2f", sep: str = ", ") -> str:
@@ -444,8 +446,8 @@ def report_raw_floors(r: dict[str, Any]) -> None:
     above = [w / f for w, f in zip(r["walls"], r["floors"], strict=True)]
     print(f"         the floor of that ratio, (pure loop CPU + the same sessions' hops through "
           f"raw pyzmq + the scripted model's CPU) / {CORES} cores, or the pure wall if longer, "
-          f"/ pure: {sorted(floor)[len(floor) // 2]:.2f}x [{', '.join(f'{x:.2f}' for x in floor)}]"
-          f"; topology / floor {sorted(above)[len(above) // 2]:.2f}x; CPU s per wave: pure loop "
+          f"/ pure: {median_of(floor):.2f}x [{', '.join(f'{x:.2f}' for x in floor)}]"
+          f"; topology / floor {median_of(above):.2f}x; CPU s per wave: pure loop "
           f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
           f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
     report_http_floors(r)
@@ -499,7 +501,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           + ("nothing lost" if r["lost"] == 0 and r["results"] == n else "LOST")
           + f" (all {len(r['walls']) + (n <= args.second_wave_max)} waves checked: {r['lost']} lost)")
     per = [w / p for w, p in zip(r["walls"], r["pure"], strict=True)]
-    ratio = sorted(per)[len(per) // 2]
+    ratio = median_of(per)
     target = TARGETS.get(n)
     verdict = "" if target is None else (
         f"; target <= {target}x: {'met' if ratio <= target else 'NOT met'}")
