@@ -1,6 +1,6 @@
 """The agent loop through the whole process topology vs the pure loop in one process.
 
-    python bench/bench_loop.py [--quick] [--turns 50] [--calls 4] [--repeat 3]
+    python bench/bench_loop.py [--quick] [--turns 50] [--calls 4] [--repeat 20]
                               [--transports tcp,ipc] [--count-sends DIR] [--parts]
 
 `--quick`: 30 turns, 15 alternated runs (each an option's default; a flag given wins):
@@ -314,7 +314,9 @@ def main() -> None:
                          "given")
     ap.add_argument("--turns", type=int, default=None, help="default 50 (30 with --quick)")
     ap.add_argument("--calls", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=None, help="default 3 (15 with --quick)")
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="alternated runs after a warm-up: default 20 (15 with --quick; issue 51 "
+                         "asks 10 or more)")
     ap.add_argument("--transports", default="tcp,ipc",
                     help="the hub's transports: a topology on each, C run on each in turn")
     ap.add_argument("--profile", default="", metavar="DIR",
@@ -331,7 +333,7 @@ def main() -> None:
     args = ap.parse_args()
     quick = args.quick
     args.turns = args.turns if args.turns is not None else 30 if quick else 50
-    args.repeat = args.repeat if args.repeat is not None else 15 if quick else 3
+    args.repeat = args.repeat if args.repeat is not None else 15 if quick else 20
     if args.fakellm and not os.path.isfile(args.fakellm):
         ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
     common.FAKELLM = args.fakellm

@@ -272,6 +272,10 @@ def main() -> None:
                          "that reader")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="run the hub, gateway and coordinator under cProfile, dumping into DIR")
+    ap.add_argument("--event-linger", type=float, default=None, metavar="S",
+                    help="a measuring instrument, not a setting: the gateway and coordinator "
+                         "hold events and partial replies up to S seconds instead of "
+                         "bus/outbox.py's EVENT_LINGER (a line run before cli.py)")
     ap.add_argument("--no-watch", action="store_true",
                     help="no `busctl watch` during the bus runs (cells/s only)")
     args = ap.parse_args()
@@ -307,9 +311,12 @@ def main() -> None:
                                                   if args.replay_priority else [])))
             procs.append(hub)
             endpoint = str(hub.ready()["endpoint"])
-            for argv in (busctl("gateway", "--hub", endpoint, "--topology", str(topo)),
+            patch = ("" if args.event_linger is None else
+                     f"import agent_bus.bus.outbox as o\no.EVENT_LINGER = {args.event_linger!r}\n")
+            for argv in (busctl("gateway", "--hub", endpoint, "--topology", str(topo),
+                                patch=patch),
                          busctl("coordinator", "--hub", endpoint, "--topology", str(topo),
-                                "--state-dir", str(tmp / "agents"))):
+                                "--state-dir", str(tmp / "agents"), patch=patch)):
                 procs.append(Proc(argv))
             for proc in procs[-2:]:
                 proc.ready()

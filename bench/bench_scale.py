@@ -26,10 +26,11 @@ runs, coordinator RSS per session (growth over its RSS before the prompts, divid
 sessions are idle and stored by then, only IDLE_SESSIONS_KEPT of them stay in memory), and a
 loss check: every prompt got a result and every run has exactly one `agent_end` in the log.
 
-Per N, ROUNDS times (default 3), alternated: the same N runs with `asyncio.gather` over the pure
-loop in this process (in-memory model sleeping MODEL_MS, in-process tool; the no-bus limit),
-then N through the topology; the ratio printed is the median of the rounds' ratios (issue 32:
-<= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is checked for loss.
+Per N, ROUNDS times (default 5, 3 at N >= 1,000), alternated: the same N runs with
+`asyncio.gather` over the pure loop in this process (in-memory model sleeping MODEL_MS,
+in-process tool; the no-bus limit), then N through the topology; the ratio printed is the
+median of the rounds' ratios (issue 32: <= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is
+checked for loss.
 
 Each round also measures the floor of that ratio: the same N sessions' hops through raw pyzmq
 (bench/baseline.py `RawTurns`: a raw broker and WORKERS + 1 raw echo processes, nothing done at
@@ -111,7 +112,7 @@ WORKERS = common.SCALE_WORKERS  # the topology's tool workers
 TARGETS = {100: 1.3, 1000: 1.5}
 #: issue 51: N sessions through the topology / the split-work floor at the same N
 SPLIT_TARGETS = {100: 1.10, 1000: 1.05}
-QUICK_ROUNDS = {100: 4, 1000: 2}  # --quick's rounds at N (3 at any other N)
+QUICK_ROUNDS = {100: 4, 1000: 2}  # --quick's rounds at N (3 at any other N; see rounds_at)
 CORES = os.cpu_count() or 1
 
 async def prompt_all(endpoint: str, n: int) -> tuple[float, float, list[cmd.RunResult], int]:
@@ -532,7 +533,9 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
 def rounds_at(n: int, args: argparse.Namespace) -> int:
     if args.rounds is not None:
         return int(args.rounds)
-    return QUICK_ROUNDS.get(n, 3) if args.quick else 3
+    if args.quick:
+        return QUICK_ROUNDS.get(n, 3)
+    return 3 if n >= 1000 else 5  # more rounds than --quick's, where a round is short
 
 
 def main() -> None:
@@ -563,8 +566,8 @@ def main() -> None:
                     help="also time bare httpx.AsyncClients (the gateway's HTTP client) at each N")
     ap.add_argument("--rounds", type=int, default=None,
                     help="per N, alternated rounds of the pure loop (asyncio.gather) then the "
-                         "topology; the ratio is their median (default 3; with --quick 4 at N = "
-                         "100, 2 at 1,000)")
+                         "topology; the ratio is their median (default 5, 3 at N >= 1,000; with "
+                         "--quick 4 at N = 100, 2 at 1,000)")
     ap.add_argument("--pure", type=int, default=0, metavar="N",
                     help="also the pure loop alone at N sessions, after the rest (0: skip)")
     ap.add_argument("--count-sends", default="", metavar="DIR",
