@@ -249,3 +249,19 @@ def test_fake_llm_help_names_parallel_and_token_ms() -> None:
     out = subprocess.run([sys.executable, "-m", "agent_bus.cli", "fake-llm", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--parallel N" in out and "--token-ms X" in out
+
+
+def test_stamp_writes_the_servers_clock_into_each_streamed_token(fake_server: StartServer) -> None:
+    """`stamp`: each `{sent_at}` becomes the clock as the event is written (bench_pace reads a
+    delta's latency from it); each token's stamp lies between the request and its answer, in order."""
+    import re
+    import time
+
+    srv = fake_server({"stamp": True, "rules": [{"reply": {"text": "{sent_at} " * 3, "chunk_size": 10}}]})
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    before = time.time()
+    data = httpx.post(srv.base_url + CHAT, json=body).text
+    after = time.time()
+    stamps = [float(s) for s in re.findall(r"(\d{10}\.\d{6}) ", data)]
+    assert len(stamps) == 3 and "{sent_at}" not in data
+    assert before <= stamps[0] <= stamps[1] <= stamps[2] <= after
