@@ -1,7 +1,11 @@
 """The agent loop through the whole process topology vs the pure loop in one process.
 
-    python bench/bench_loop.py [--turns 50] [--calls 4] [--repeat 3] [--transports tcp,ipc]
-                              [--count-sends DIR] [--parts]
+    python bench/bench_loop.py [--quick] [--turns 50] [--calls 4] [--repeat 20]
+                              [--transports tcp,ipc] [--count-sends DIR] [--parts]
+
+`--quick`: 30 turns, 15 alternated runs (each an option's default; a flag given wins):
+issue 51's headline C / W in about a minute. The headline lines come last, after
+`== headline ==` (bench/headline.py).
 
 A run of TURNS model turns, each asking for CALLS parallel `echo` tool calls, then one final
 answer turn, against a zero-latency scripted model. Three ways:
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -76,6 +81,7 @@ from agent_bus.bus.messages import (  # noqa: E402
 from bench import common  # noqa: E402
 from bench.baseline import RawTurns, free_port, tree_cpu_s  # noqa: E402
 from bench.common import EngineLlm, LocalTools, Proc, busctl, count_sends, fake_argv, report_sends  # noqa: E402
+from bench.headline import Headlines  # noqa: E402
 from bench.split import SplitTurns  # noqa: E402
 
 TOOLS_PY = '''
@@ -289,7 +295,8 @@ tools = ["echo"]
 
 
 def median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    # the middle value, or the mean of the middle two (as the headlines, bench/headline.py)
+    return statistics.median(values)
 
 
 def floor_of(b: list[float], c: list[float], f: list[float],
@@ -302,9 +309,14 @@ def floor_of(b: list[float], c: list[float], f: list[float],
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--turns", type=int, default=50)
+    ap.add_argument("--quick", action="store_true",
+                    help="issue 51's headline in about a minute: --turns 30 --repeat 15 unless "
+                         "given")
+    ap.add_argument("--turns", type=int, default=None, help="default 50 (30 with --quick)")
     ap.add_argument("--calls", type=int, default=4)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=None,
+                    help="alternated runs after a warm-up: default 20 (15 with --quick; issue 51 "
+                         "asks 10 or more)")
     ap.add_argument("--transports", default="tcp,ipc",
                     help="the hub's transports: a topology on each, C run on each in turn")
     ap.add_argument("--profile", default="", metavar="DIR",
@@ -319,6 +331,9 @@ def main() -> None:
                     help="serve the scripted model from this fakellm.py instead of the tree's "
                          "(an A/B of the fake)")
     args = ap.parse_args()
+    quick = args.quick
+    args.turns = args.turns if args.turns is not None else 30 if quick else 50
+    args.repeat = args.repeat if args.repeat is not None else 15 if quick else 20
     if args.fakellm and not os.path.isfile(args.fakellm):
         ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
     common.FAKELLM = args.fakellm
@@ -466,6 +481,10 @@ def main() -> None:
     print(f"    the split-work floor of C/B, W / B: {median(per):.2f}x "
           f"[{', '.join(f'{x:.2f}' for x in per)}]; C / W {median(full):.2f}x "
           f"[{', '.join(f'{x:.2f}' for x in full)}]")
+    hl = Headlines()
+    for t in transports:  # W runs on the first transport; each C over the same run's W
+        hl.add(f"c_over_w_{t}", [ct / wt for ct, wt in zip(times[t][1:], times["W"][1:],
+                                                             strict=True)], "<=", 1.15, "runs")
     for part in parts:
         per = [ct / bt for ct, bt in zip(times[part][1:], times["B"][1:], strict=True)]
         full = [ct / pt for ct, pt in zip(times[transports[0]][1:], times[part][1:], strict=True)]
@@ -503,6 +522,7 @@ def main() -> None:
         print(f"  ({(len(systems) + 1) * runs * model_turns} model calls through the "
               f"gateways, {runs * model_turns} of them in D from this process)")
         report_sends(args.count_sends)
+    hl.print()
 
 
 if __name__ == "__main__":

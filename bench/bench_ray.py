@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import calls_per_second, pct  # noqa: E402
+from bench.headline import Headlines  # noqa: E402
 
 TOOLS = str(ROOT / "bench" / "bench_tools.py")  # its `echo` tool
 
@@ -155,10 +156,15 @@ def main() -> None:
                 print(f"round {r + 1}: round trip local {rt['local'][-1] * 1e6:.0f} us, ray "
                       f"{rt['ray'][-1] * 1e6:.0f} us; calls/s local {rps['local'][-1]:.0f}, ray "
                       f"{rps['ray'][-1]:.0f}", flush=True)
-            rt_ratio = statistics.median(b / a for a, b in zip(rt["local"], rt["ray"], strict=True))
-            rps_ratio = statistics.median(b / a for a, b in zip(rps["local"], rps["ray"], strict=True))
-            print(f"Ray-placed / local, medians of {rounds} rounds: round trip {rt_ratio:.2f}x, "
-                  f"calls/s {rps_ratio:.2f}x (budget 0.9x-1.1x)", flush=True)
+            rt_per = [b / a for a, b in zip(rt["local"], rt["ray"], strict=True)]
+            rps_per = [b / a for a, b in zip(rps["local"], rps["ray"], strict=True)]
+            print(f"Ray-placed / local, medians of {rounds} rounds: round trip "
+                  f"{statistics.median(rt_per):.2f}x, calls/s {statistics.median(rps_per):.2f}x "
+                  "(budget 0.9x-1.1x)", flush=True)
+            hl = Headlines()  # issue 51 item 5
+            hl.add("ray_roundtrip_p50", rt_per, "<=", 1.1, "rounds")
+            hl.add("ray_calls_per_s", rps_per, ">=", 0.9, "rounds")
+            hl.print()
         finally:
             if local_file is not None:
                 busctl("down", "-c", str(local_file), env=env)

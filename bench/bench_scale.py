@@ -1,6 +1,12 @@
 """N concurrent sessions of one agent through the whole process topology.
 
-    python bench/bench_scale.py [--sessions 1,10,100,1000] [--rounds 3] [--count-sends DIR]
+    python bench/bench_scale.py [--quick] [--sessions 1,10,100,1000] [--rounds 3] [--count-sends DIR]
+
+`--quick`: issue 51's headlines (N = 100 and 1,000, topology / the split-work floor, and nothing
+lost) in about a minute: `--sessions 100,1000 --second-wave-max 0 --split-floor-only` (of the
+floors, only the split-work floor), unless given; 4 rounds at N = 100, 2 at 1,000 (its rounds'
+spread is narrow, each takes ~20 s here) unless `--rounds` is given. The headline lines come
+last, after `== headline ==` (bench/headline.py).
 
 Each session is one run of TURNS tool turns (default 3), each turn a model reply asking for CALLS
 (default 4) parallel `work` calls that sleep TOOL_MS (default 20 ms), then the final answer.
@@ -20,10 +26,11 @@ runs, coordinator RSS per session (growth over its RSS before the prompts, divid
 sessions are idle and stored by then, only IDLE_SESSIONS_KEPT of them stay in memory), and a
 loss check: every prompt got a result and every run has exactly one `agent_end` in the log.
 
-Per N, ROUNDS times (default 3), alternated: the same N runs with `asyncio.gather` over the pure
-loop in this process (in-memory model sleeping MODEL_MS, in-process tool; the no-bus limit),
-then N through the topology; the ratio printed is the median of the rounds' ratios (issue 32:
-<= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is checked for loss.
+Per N, ROUNDS times (default 5, 3 at N >= 1,000), alternated: the same N runs with
+`asyncio.gather` over the pure loop in this process (in-memory model sleeping MODEL_MS,
+in-process tool; the no-bus limit), then N through the topology; the ratio printed is the
+median of the rounds' ratios (issue 32: <= 1.3x at N = 100, <= 1.5x at 1,000). Every wave is
+checked for loss.
 
 Each round also measures the floor of that ratio: the same N sessions' hops through raw pyzmq
 (bench/baseline.py `RawTurns`: a raw broker and WORKERS + 1 raw echo processes, nothing done at
@@ -57,6 +64,7 @@ import functools
 import json
 import os
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -96,11 +104,15 @@ from bench.common import (  # noqa: E402
     report_sends,
     scale_script,
 )
+from bench.headline import Headlines  # noqa: E402
 from bench.split import SplitTurns  # noqa: E402
 
 WORKERS = common.SCALE_WORKERS  # the topology's tool workers
 #: issue 32: N sessions through the topology / the pure loop at the same N
 TARGETS = {100: 1.3, 1000: 1.5}
+#: issue 51: N sessions through the topology / the split-work floor at the same N
+SPLIT_TARGETS = {100: 1.10, 1000: 1.05}
+QUICK_ROUNDS = {100: 4, 1000: 2}  # --quick's rounds at N (3 at any other N; see rounds_at)
 CORES = os.cpu_count() or 1
 
 async def prompt_all(endpoint: str, n: int) -> tuple[float, float, list[cmd.RunResult], int]:
@@ -208,12 +220,17 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = cpu_self()
             pure.append(asyncio.run(pure_gather(n, args, tools)))
             pure_cpu.append(cpu_self() - cpu0)
-            assert raw is not None and raw_async is not None
-            raw_cpu.append(raw.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
-            raw_async_cpu.append(raw_async.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
-            cpu0 = cpu_self()
-            http_walls.append(asyncio.run(pure_gather(n, args, tools, topo.base_url)))
-            http_cpu.append(cpu_self() - cpu0)
+            if args.split_floor_only:
+                for values in (raw_cpu, http_walls, http_cpu, raw_async_cpu):
+                    values.append(float("nan"))
+            else:
+                assert raw is not None and raw_async is not None
+                raw_cpu.append(raw.run(n, args.turns, args.calls)[1] * n * (args.turns + 1))
+                raw_async_cpu.append(raw_async.run(n, args.turns, args.calls)[1] * n
+                                     * (args.turns + 1))
+                cpu0 = cpu_self()
+                http_walls.append(asyncio.run(pure_gather(n, args, tools, topo.base_url)))
+                http_cpu.append(cpu_self() - cpu0)
             assert split is not None
             split_walls.append(asyncio.run(split_gather(n, split, tools)))
 
@@ -233,8 +250,9 @@ def run_topology(n: int, args: argparse.Namespace) -> dict[str, Any]:
         raw_async_cpu: list[float] = []
         async_floors: list[float] = []  # with the model over HTTP and asyncio ends
         try:
-            raw = RawTurns(WORKERS + 1)
-            raw_async = RawTurns(WORKERS + 1, ends="asyncio")
+            if not args.split_floor_only:
+                raw = RawTurns(WORKERS + 1)
+                raw_async = RawTurns(WORKERS + 1, ends="asyncio")
             endpoint = topo.start()
             split = SplitTurns(topo.base_url, str(tools_py), WORKERS, "tcp", max(8, n))
             asyncio.run(split_gather(1, split, tools))  # warm-up: its processes, connections
@@ -405,7 +423,8 @@ def run_http_probe(ns: list[int], args: argparse.Namespace) -> None:
 
 
 def median_of(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    # the middle value, or the mean of the middle two (as the headlines, bench/headline.py)
+    return statistics.median(values)
 
 
 def listed(values: list[float], spec: str = ".2f", sep: str = ", ") -> str:
@@ -420,6 +439,34 @@ def over_pure(r: dict[str, Any], key: str) -> list[float]:
 def topology_over(r: dict[str, Any], key: str) -> list[float]:
     """Each round's topology wall over the same round's `r[key]` (a wall time)."""
     return [w / x for w, x in zip(r["walls"], r[key], strict=True)]
+
+
+def report_raw_floors(r: dict[str, Any]) -> None:
+    """The floors from raw hops (blocking, then asyncio ends) and the pure loop over HTTP."""
+    floor = over_pure(r, "floors")
+    above = [w / f for w, f in zip(r["walls"], r["floors"], strict=True)]
+    print(f"         the floor of that ratio, (pure loop CPU + the same sessions' hops through "
+          f"raw pyzmq + the scripted model's CPU) / {CORES} cores, or the pure wall if longer, "
+          f"/ pure: {median_of(floor):.2f}x [{', '.join(f'{x:.2f}' for x in floor)}]"
+          f"; topology / floor {median_of(above):.2f}x; CPU s per wave: pure loop "
+          f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
+          f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
+    report_http_floors(r)
+
+
+def report_http_floors(r: dict[str, Any]) -> None:
+    ms = 1000.0
+    http_floor = over_pure(r, "http_floors")
+    per_http = topology_over(r, "http_walls")
+    print(f"         with the model over HTTP (the pure loop's CPU measured with the gateway's "
+          f"engine in its process: {listed(r['http_cpu'], '.1f', ' ')} s per wave), the floor / "
+          f"pure: {median_of(http_floor):.2f}x [{listed(http_floor)}]; topology / that pure loop "
+          f"(walls ms {listed([w * ms for w in r['http_walls']], '.0f', ' ')}): "
+          f"{median_of(per_http):.2f}x [{listed(per_http)}]")
+    async_floor = over_pure(r, "async_floors")
+    print(f"         and with asyncio ends (the same hops between asyncio programs: "
+          f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
+          f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
 
 
 def report(r: dict[str, Any], args: argparse.Namespace) -> None:
@@ -455,7 +502,7 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           + ("nothing lost" if r["lost"] == 0 and r["results"] == n else "LOST")
           + f" (all {len(r['walls']) + (n <= args.second_wave_max)} waves checked: {r['lost']} lost)")
     per = [w / p for w, p in zip(r["walls"], r["pure"], strict=True)]
-    ratio = sorted(per)[len(per) // 2]
+    ratio = median_of(per)
     target = TARGETS.get(n)
     verdict = "" if target is None else (
         f"; target <= {target}x: {'met' if ratio <= target else 'NOT met'}")
@@ -463,25 +510,11 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
           f"alternated rounds: {ratio:.2f}x [{', '.join(f'{x:.2f}' for x in per)}]{verdict}; "
           f"walls ms: topology {' '.join(f'{w * ms:.0f}' for w in r['walls'])}, pure "
           f"{' '.join(f'{w * ms:.0f}' for w in r['pure'])}")
-    floor = over_pure(r, "floors")
-    above = [w / f for w, f in zip(r["walls"], r["floors"], strict=True)]
-    print(f"         the floor of that ratio, (pure loop CPU + the same sessions' hops through "
-          f"raw pyzmq + the scripted model's CPU) / {CORES} cores, or the pure wall if longer, "
-          f"/ pure: {sorted(floor)[len(floor) // 2]:.2f}x [{', '.join(f'{x:.2f}' for x in floor)}]"
-          f"; topology / floor {sorted(above)[len(above) // 2]:.2f}x; CPU s per wave: pure loop "
-          f"{' '.join(f'{x:.1f}' for x in r['pure_cpu'])}, raw hops "
-          f"{' '.join(f'{x:.1f}' for x in r['raw_cpu'])}")
-    http_floor = over_pure(r, "http_floors")
-    per_http = topology_over(r, "http_walls")
-    print(f"         with the model over HTTP (the pure loop's CPU measured with the gateway's "
-          f"engine in its process: {listed(r['http_cpu'], '.1f', ' ')} s per wave), the floor / "
-          f"pure: {median_of(http_floor):.2f}x [{listed(http_floor)}]; topology / that pure loop "
-          f"(walls ms {listed([w * ms for w in r['http_walls']], '.0f', ' ')}): "
-          f"{median_of(per_http):.2f}x [{listed(per_http)}]")
-    async_floor = over_pure(r, "async_floors")
-    print(f"         and with asyncio ends (the same hops between asyncio programs: "
-          f"{listed(r['raw_async_cpu'], '.1f', ' ')} CPU s per wave), the asyncio floor / pure: "
-          f"{median_of(async_floor):.2f}x [{listed(async_floor)}]")
+    if args.split_floor_only:
+        print("         (the raw-hop floors, blocking and with asyncio ends, and the pure loop "
+              "with the model over HTTP: not measured, --quick or --split-floor-only)")
+    else:
+        report_raw_floors(r)
     split = over_pure(r, "split_walls")
     per_split = topology_over(r, "split_walls")
     print(f"         the split-work floor (the same N runs here, the model's engine and the tools "
@@ -497,10 +530,22 @@ def report(r: dict[str, Any], args: argparse.Namespace) -> None:
     sys.stdout.flush()
 
 
+def rounds_at(n: int, args: argparse.Namespace) -> int:
+    if args.rounds is not None:
+        return int(args.rounds)
+    if args.quick:
+        return QUICK_ROUNDS.get(n, 3)
+    return 3 if n >= 1000 else 5  # more rounds than --quick's, where a round is short
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--sessions", default="1,10,100,1000",
-                    help="comma-separated N values (default: 1,10,100,1000)")
+    ap.add_argument("--quick", action="store_true",
+                    help="issue 51's headlines in about a minute: --sessions 100,1000 "
+                         "--second-wave-max 0 --split-floor-only, 4 rounds at N = 100 and 2 at "
+                         "1,000 unless given")
+    ap.add_argument("--sessions", default=None,
+                    help="comma-separated N values (default: 1,10,100,1000; 100,1000 with --quick)")
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--model-ms", type=float, default=100.0)
@@ -510,13 +555,19 @@ def main() -> None:
     ap.add_argument("--gateway-clients", default="", metavar="SIZE[:PER]",
                     help="the gateway's httpx pool for this run: at most SIZE AsyncClients, a "
                          "new one once each holds PER streams (default: the engine's 16:6)")
-    ap.add_argument("--second-wave-max", type=int, default=100, metavar="N",
-                    help="run a second wave (idle stored session memory) for N up to this")
+    ap.add_argument("--second-wave-max", type=int, default=None, metavar="N",
+                    help="run a second wave (idle stored session memory) for N up to this "
+                         "(default 100; 0 with --quick)")
+    ap.add_argument("--split-floor-only", action="store_true",
+                    help="of the floors, measure only the split-work floor (skip the raw hops, "
+                         "blocking and with asyncio ends, and the pure loop with the model over "
+                         "HTTP); implied by --quick")
     ap.add_argument("--http-probe", action="store_true",
                     help="also time bare httpx.AsyncClients (the gateway's HTTP client) at each N")
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=None,
                     help="per N, alternated rounds of the pure loop (asyncio.gather) then the "
-                         "topology; the ratio is their median (default 3)")
+                         "topology; the ratio is their median (default 5, 3 at N >= 1,000; with "
+                         "--quick 4 at N = 100, 2 at 1,000)")
     ap.add_argument("--pure", type=int, default=0, metavar="N",
                     help="also the pure loop alone at N sessions, after the rest (0: skip)")
     ap.add_argument("--count-sends", default="", metavar="DIR",
@@ -525,10 +576,14 @@ def main() -> None:
                     help="serve the scripted model from this fakellm.py instead of the tree's "
                          "(e.g. `git show OLD:agents/gateway/fakellm.py > old.py`: an A/B of the fake)")
     args = ap.parse_args()
+    args.sessions = args.sessions or ("100,1000" if args.quick else "1,10,100,1000")
+    args.split_floor_only = args.split_floor_only or args.quick
+    if args.second_wave_max is None:
+        args.second_wave_max = 0 if args.quick else 100
     if args.fakellm and not os.path.isfile(args.fakellm):
         ap.error(f"--fakellm: no such file {args.fakellm!r}; give a fakellm.py to serve")
     common.FAKELLM = args.fakellm
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds: expected 1 or more, got {args.rounds}")
     common.PROFILE_DIR = args.profile  # read by `busctl()`
     if args.gateway_clients:
@@ -545,10 +600,19 @@ def main() -> None:
                  f"{args.sessions!r}")
     print(f"{args.turns} tool turns x {args.calls} parallel {args.tool_ms:g} ms calls + final "
           f"answer per session; model {args.model_ms:g} ms per reply; {WORKERS} workers")
+    hl = Headlines()
+    lost: list[int] = []
     for n in ns:
         if args.count_sends:
             count_sends(os.path.join(args.count_sends, f"n{n}"))
-        report(run_topology(n, args), args)
+        began = time.monotonic()
+        r = run_topology(n, argparse.Namespace(**{**vars(args), "rounds": rounds_at(n, args)}))
+        report(r, args)
+        print(f"(N={n} took {time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
+        lost.append(r["lost"] + n - r["results"])
+        if n in SPLIT_TARGETS:
+            hl.add(f"sessions_{n}_over_split", topology_over(r, "split_walls"), "<=",
+                   SPLIT_TARGETS[n], "rounds")
         if args.count_sends:  # the warm-up session and the second wave included
             report_sends(os.path.join(args.count_sends, f"n{n}"))
     if args.http_probe:
@@ -562,6 +626,10 @@ def main() -> None:
         ideal = (args.turns * (args.model_ms + args.tool_ms) + args.model_ms) / 1000
         print(f"pure loop, asyncio.gather, N={args.pure}: wall {wall * 1000:.0f} ms "
               f"({wall / ideal:.2f}x ideal), {args.pure * (args.turns + 1) / wall:.0f} turns/s")
+    # every wave of every N: runs without exactly one agent_end or a wrong answer, prompts
+    # without a result
+    hl.add_count("lost_runs", lost, 0, "sizes")
+    hl.print()
 
 
 if __name__ == "__main__":

@@ -29,9 +29,20 @@ Script (a `Script`, a list of steps, a dict, or a JSON/TOML file with the same s
      "cut_at_max_tokens": false,  # true: a reply longer than the request's `max_tokens` is cut
                                # there, finish `length` (a tool call mid-arguments, unterminated
                                # JSON), as a real server does (`--cut-at-max-tokens`)
-     "bytes_per_token": 4.0}   # the fake tokenizer: usage, the window and `max_tokens` count
+     "bytes_per_token": 4.0,   # the fake tokenizer: usage, the window and `max_tokens` count
                                # JSON bytes / this; real ones count fewer bytes a token for digits
                                # (2.75 measured on number-heavy text) (`--bytes-per-token`)
+     "parallel": 0,            # >0: this many slots, as llama.cpp's `--parallel N`: at most N
+                               # requests are answered at once, the others wait their turn in
+                               # arrival order (`--parallel`)
+     "token_ms": 0.0,          # >0: streamed events spaced this many milliseconds apart (a
+                               # reply's own `chunk_delay` wins), a model's decoding pace
+                               # (`--token-ms`)
+     "stamp": false}           # true: each `{sent_at}` in a streamed event becomes the server's
+                               # clock as the event is written (time.time(), 6 decimals): a
+                               # reader on this machine sees how long a delta took to reach it
+                               # (bench/bench_pace.py). Give a reply `chunk_size` 10 so that each
+                               # "{sent_at} " is a chunk of its own
 
     STEP  = {"reply": REPLY, "delay": 0.0}           # delay = seconds before the first byte
           | {"fail": FAIL,   "delay": 0.0}
@@ -75,6 +86,7 @@ CLI: `python -m agent_bus.agents.gateway.fakellm --script FILE --port N` (defaul
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -178,6 +190,10 @@ class Script(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     cut_at_max_tokens: bool = False  # replies cut at the request's `max_tokens` (finish `length`)
     # the fake tokenizer: prompts, replies, the window and `max_tokens` are counted with it
     bytes_per_token: Annotated[float, msgspec.Meta(gt=0)] = 4.0
+    # a model server's pace: N slots (0: no limit) and milliseconds between streamed events
+    parallel: Annotated[int, msgspec.Meta(ge=0)] = 0
+    token_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    stamp: bool = False  # `{sent_at}` in a streamed event: the clock when it is written
 
 
 ScriptLike = Script | Sequence[Step | dict[str, Any]] | dict[str, Any] | str | Path | None
@@ -898,7 +914,8 @@ class _Connection(asyncio.Protocol):
                     for m in script.models]
             self._send_json(200, {"object": "list", "data": data})
         elif self.path.rstrip("/") == "/props" and window:
-            self._send_json(200, {"default_generation_settings": {"n_ctx": window}, "total_slots": 1})
+            self._send_json(200, {"default_generation_settings": {"n_ctx": window},
+                                  "total_slots": max(script.parallel, 1)})
         else:
             self._send_json(404, {"error": {"message": f"no route for GET {self.path}"}})
 
@@ -917,7 +934,8 @@ class _Connection(asyncio.Protocol):
         owner = self.owner
         record = self._record = owner._begin(self.path, dict(self.headers), body)
         try:
-            await self._serve(api, body, owner._next_step(api, body), record)
+            async with owner._slot():
+                await self._serve(api, body, owner._next_step(api, body), record)
         except (_ClientGone, BrokenPipeError, ConnectionResetError):
             owner._closed(record)
             self.close_connection = True
@@ -942,7 +960,8 @@ class _Connection(asyncio.Protocol):
         if stream:
             events = reply.sse or (openai_events if api == "openai" else anthropic_events)(
                 reply, model, body)
-            await self._stream(events, reply.chunk_delay, gzip=reply.gzip)
+            pace = reply.chunk_delay or self.owner.script.token_ms / 1000
+            await self._stream(events, pace, gzip=reply.gzip)
             record.usage = None if reply.sse else _usage(reply, body)
             self._dead = self.owner.script.close_after_stream
         else:
@@ -1050,7 +1069,10 @@ class _Connection(asyncio.Protocol):
             packer = zlib.compressobj(wbits=31)
             events = [packer.compress(e) + packer.flush(zlib.Z_SYNC_FLUSH) for e in events]
             events.append(packer.flush())
+        stamp = self.owner.script.stamp and not gzip
         for event in events:  # one write each, as a server sends each token when it has it
+            if stamp and SENT_AT in event:
+                event = event.replace(SENT_AT, b"%.6f" % time.time())
             self._write(event if self._raw_body else b"%x\r\n%b\r\n" % (len(event), event))
             if self._paused:
                 await self._flush()
@@ -1101,6 +1123,9 @@ class _Connection(asyncio.Protocol):
             await self._wait_input(left)
 
 
+SENT_AT = b"{sent_at}"  # with `stamp`: replaced by the clock as the event is written
+
+
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -1139,6 +1164,9 @@ class FakeLLMServer:
         self._address: tuple[str, int] = self._socket.getsockname()[:2]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Future[None] | None = None
+        # `parallel` slots, made on the serving loop at the first request (remade when a new
+        # script changes their number; requests holding the old ones finish on them)
+        self._slots: tuple[int, asyncio.Semaphore] | None = None
         self._thread: threading.Thread | None = None
 
     def set_script(self, script: ScriptLike, *, clear_requests: bool = False) -> None:
@@ -1240,6 +1268,16 @@ class FakeLLMServer:
 
     # --- called by the connections (on the event loop's thread)
 
+    def _slot(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A slot to answer in: with `parallel` N, the N+1th request waits here (FIFO, as
+        asyncio's semaphore wakes its waiters) until one of the N ends; else no wait."""
+        n = self.script.parallel
+        if n <= 0:
+            return contextlib.nullcontext()
+        if self._slots is None or self._slots[0] != n:
+            self._slots = (n, asyncio.Semaphore(n))
+        return self._slots[1]
+
     def _next_step(self, api: str, body: dict[str, Any]) -> Step:
         with self._lock:
             if self._cursor < len(self.script.steps):
@@ -1313,8 +1351,15 @@ class FakeLLMServer:
 @click.option("--bytes-per-token", type=click.FloatRange(min=0.5), default=None,
               help="The fake tokenizer's bytes a token (default: the script's, 4); real tokenizers "
                    "count fewer for number-heavy text (2.75).")
+@click.option("--parallel", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Answer at most N requests at once (slots, as llama.cpp's `--parallel N`); the "
+                   "others wait in arrival order. 0: no limit (default: the script's, 0).")
+@click.option("--token-ms", type=click.FloatRange(min=0), default=None, metavar="X",
+              help="Milliseconds between streamed events (a model's decoding pace; a reply's own "
+                   "chunk_delay wins). Default: the script's, 0.")
 def fake_llm_command(script_path: str | None, host: str, port: int, close_delimited: bool,
-                     strict_tool_json: bool, cut_at_max_tokens: bool, bytes_per_token: float | None) -> None:
+                     strict_tool_json: bool, cut_at_max_tokens: bool, bytes_per_token: float | None,
+                     parallel: int | None, token_ms: float | None) -> None:
     """Serve a scripted fake OpenAI + Anthropic API (for demos and tests)."""
     script = load_script(script_path) if script_path else demo_script()
     # a flag turns a quirk on; it never turns off what the script asks for
@@ -1323,6 +1368,10 @@ def fake_llm_command(script_path: str | None, host: str, port: int, close_delimi
     script = msgspec.structs.replace(script, **{k: True for k, on in quirks.items() if on})
     if bytes_per_token is not None:
         script = msgspec.structs.replace(script, bytes_per_token=bytes_per_token)
+    if parallel is not None:
+        script = msgspec.structs.replace(script, parallel=parallel)
+    if token_ms is not None:
+        script = msgspec.structs.replace(script, token_ms=token_ms)
     server = FakeLLMServer(script, host=host, port=port)
     # One JSON ready line first (`busctl up` and tests wait for it), then a human line.
     click.echo(json.dumps({"ready": "fake-llm", "base_url": server.base_url}))

@@ -4,6 +4,11 @@ Every bench script is started as the README says (`python bench/NAME.py ...`, fr
 repository root), a real subprocess, with the options of the README's "smoke options" column;
 the test asserts it exits 0 and prints its ratio lines. Their values are not checked: on a
 shared 2-core machine at this size they mean nothing (bench/README.md holds the figures).
+
+The benches of issue 51's table end with headline lines (bench/headline.py): after a line
+`== headline ==`, one ratio a line, `NAME: VALUE (target OP GOAL: met|NOT met) [UNIT LOW-HIGH,
+n=N]`; the test checks that each named headline is there in that format, with a verdict, and
+that nothing else follows the mark.
 """
 
 from __future__ import annotations
@@ -20,6 +25,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RATIO = r"\d+\.\d+x"
+sys.path.insert(0, str(ROOT))
+
+from bench.headline import HEADLINE_RE, MARK  # noqa: E402
+
+# the headline names each bench prints at the smoke options below (issue 51's table)
+HEADLINES: dict[str, list[str]] = {
+    "bus": ["requests_per_s_ipc_rounds", "events_per_s_paced_ipc", "events_per_s_unpaced_ipc",
+            "requests_per_s_ipc_interleaved", "roundtrip_p50_ipc"],
+    "bus-curve": ["requests_per_s_tcp_rounds", "events_per_s_paced_tcp",
+                  "events_per_s_unpaced_tcp", "requests_per_s_tcp_interleaved",
+                  "curve_requests_per_s", "roundtrip_p50_tcp", "curve_roundtrip_p50"],
+    "loop": ["c_over_w_ipc"],
+    "scale": ["lost_runs"],
+    "pace": ["pace_cells_per_s", "pace_delta_p50"],
+    "ray": ["ray_roundtrip_p50", "ray_calls_per_s"],
+}
 
 
 def _bwrap_missing() -> str:
@@ -44,6 +65,9 @@ BENCHES: list[tuple[str, list[str], list[str], str]] = [
       rf"events/s logged \+ published / raw PUB->SUB .*: ipc {RATIO}",
       rf"4 serving peers / raw broker with 4 raw workers {RATIO}", rf"hub / raw blocking broker {RATIO}"],
      ""),
+    ("bus-curve", ["bench/bench_bus.py", "--smoke", "--rounds", "1", "--transports", "tcp", "--no-replay"],
+     [rf"CURVE: p50 hub with CURVE on tcp .* / the same hub plain tcp {RATIO}",
+      rf"CURVE: hub with CURVE on tcp .* / the same hub plain tcp {RATIO}"], ""),
     ("bus-replay", ["bench/bench_bus.py", "--replay-only", "--smoke"],
      [rf"request p99 beside a full replay .*\({RATIO}; target"], ""),
     ("loop", ["bench/bench_loop.py", "--turns", "2", "--repeat", "1", "--transports", "ipc"],
@@ -73,6 +97,8 @@ BENCHES: list[tuple[str, list[str], list[str], str]] = [
      [rf"this tree / agents/gateway/fakellm.py: {RATIO}"], ""),
     ("replay", ["bench/bench_replay.py", "--rounds", "1", "--events", "10", "--event-kib", "16",
                 "--seconds", "0.5"], [rf"replay: ratio median {RATIO}"], ""),
+    ("pace", ["bench/bench_pace.py", "--smoke"],
+     [rf"cells/s, bus / direct: {RATIO}", r"streamed delta latency from the server's clock, p50"], ""),
     ("experiment", ["bench/bench_experiment.py", "--sessions", "10", "--concurrency", "5", "--rounds", "1"],
      [rf"ratio {RATIO} \(target <= 1.2x\)"], ""),
     ("ray", ["bench/bench_ray.py", "--smoke"],
@@ -81,8 +107,8 @@ BENCHES: list[tuple[str, list[str], list[str], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("argv", "expected", "skip"), [pytest.param(*b[1:], id=b[0]) for b in BENCHES])
-def test_bench_runs_at_its_smallest_size(argv: list[str], expected: list[str], skip: str) -> None:
+@pytest.mark.parametrize(("name", "argv", "expected", "skip"), [pytest.param(*b, id=b[0]) for b in BENCHES])
+def test_bench_runs_at_its_smallest_size(name: str, argv: list[str], expected: list[str], skip: str) -> None:
     if skip:
         pytest.skip(skip)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -94,12 +120,44 @@ def test_bench_runs_at_its_smallest_size(argv: list[str], expected: list[str], s
     assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode} after {took:.1f} s:\n{out[-4000:]}"
     missing = [line for line in expected if not re.search(line, proc.stdout)]
     assert not missing, f"{' '.join(argv)} printed no line matching {missing}:\n{proc.stdout[-4000:]}"
+    if name in HEADLINES:
+        check_headlines(proc.stdout, HEADLINES[name])
+
+
+def check_headlines(stdout: str, names: list[str]) -> None:
+    """After the mark, only headline lines, in the format a script reads; each of `names`."""
+    lines = stdout.splitlines()
+    assert MARK in lines, f"no {MARK!r} line:\n{stdout[-4000:]}"
+    after = [line for line in lines[lines.index(MARK) + 1:] if line]
+    bad = [line for line in after if not HEADLINE_RE.match(line)]
+    assert not bad, f"lines after {MARK!r} not in the headline format: {bad}"
+    found = {HEADLINE_RE.match(line)["name"] for line in after}  # type: ignore[index]
+    assert set(names) <= found, f"missing headlines {sorted(set(names) - found)} in {after}"
+    for line in after:
+        m = HEADLINE_RE.match(line)
+        assert m is not None and m["verdict"] in ("met", "NOT met")
+        value, goal = float(m["value"]), float(m["goal"])
+        assert (m["verdict"] == "met") == (value <= goal if m["op"] == "<=" else value >= goal), line
+
+
+def test_headline_format_is_what_a_script_reads() -> None:
+    from bench.headline import Headlines
+
+    hl = Headlines()
+    hl.add("roundtrip_p50_tcp", [1.07, 1.22, 1.46], "<=", 1.15)
+    hl.add("curve_requests_per_s", [0.95, 0.91], ">=", 0.9, "rounds")
+    hl.add_count("lost_runs", [0, 0], 0, "sizes")
+    assert hl.lines == ["roundtrip_p50_tcp: 1.22x (target <= 1.15x: NOT met) [groups 1.07-1.46, n=3]",
+                        "curve_requests_per_s: 0.93x (target >= 0.9x: met) [rounds 0.91-0.95, n=2]",
+                        "lost_runs: 0 (target <= 0: met) [sizes 0-0, n=2]"]
+    check_headlines("\n".join(["detail", MARK, *hl.lines]), ["roundtrip_p50_tcp", "lost_runs"])
 
 
 def test_every_bench_has_a_smoke_run() -> None:
     """A new bench script gets a row above (and in bench/README.md's table)."""
     scripts = {p.name for p in (ROOT / "bench").glob("*.py")} - {"__init__.py", "common.py",
-                                                                  "baseline.py", "split.py"}
+                                                                  "baseline.py", "split.py",
+                                                                  "headline.py"}
     covered = {argv[0].removeprefix("bench/") for _, argv, _, _ in BENCHES}
     assert scripts == covered
     readme = (ROOT / "bench" / "README.md").read_text()

@@ -195,3 +195,73 @@ def test_cli_flags_turn_the_llamacpp_quirks_on() -> None:
         proc.wait(timeout=5)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_cli_parallel_slots_queue_the_next_request_and_token_ms_paces_the_stream(tmp_path: Path) -> None:
+    """`--parallel 2 --token-ms 25`: two streams are answered at once, the third waits for a slot
+    (its head comes after a whole paced stream), and each stream's events are spaced 25 ms apart.
+    Lower bounds only: a pause never ends early, so these hold however loaded the machine is."""
+    import threading
+    import time
+
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({"rules": [{"reply": {"text": "tok " * 5, "chunk_size": 4}}]}))
+    proc = subprocess.Popen([sys.executable, "-m", "agent_bus.agents.gateway.fakellm", "--port", "0",
+                             "--script", str(script), "--parallel", "2", "--token-ms", "25"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        base_url = json.loads(proc.stdout.readline())["base_url"]
+        body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        heads: list[float] = []
+        spans: list[tuple[float, float, int]] = []  # head, end, events
+        lock = threading.Lock()
+
+        def one() -> None:
+            with httpx.stream("POST", base_url + CHAT, json=body, timeout=10) as response:
+                head = time.monotonic()
+                events = sum(1 for line in response.iter_lines() if line.startswith("data:"))
+            with lock:
+                heads.append(head)
+                spans.append((head, time.monotonic(), events))
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        assert len(spans) == 3
+        events = spans[0][2]
+        assert events >= 5  # the role, 5 chunks of text, the finish, [DONE]
+        paced = events * 0.025
+        for head, end, _ in spans:
+            assert end - head >= 0.8 * paced  # every event is followed by a 25 ms pause
+        first, _, third = sorted(heads)
+        assert third - first >= 0.8 * paced  # the third waited for one of the two to end
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_fake_llm_help_names_parallel_and_token_ms() -> None:
+    out = subprocess.run([sys.executable, "-m", "agent_bus.cli", "fake-llm", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--parallel N" in out and "--token-ms X" in out
+
+
+def test_stamp_writes_the_servers_clock_into_each_streamed_token(fake_server: StartServer) -> None:
+    """`stamp`: each `{sent_at}` becomes the clock as the event is written (bench_pace reads a
+    delta's latency from it); each token's stamp lies between the request and its answer, in order."""
+    import re
+    import time
+
+    srv = fake_server({"stamp": True, "rules": [{"reply": {"text": "{sent_at} " * 3, "chunk_size": 10}}]})
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    before = time.time()
+    data = httpx.post(srv.base_url + CHAT, json=body).text
+    after = time.time()
+    stamps = [float(s) for s in re.findall(r"(\d{10}\.\d{6}) ", data)]
+    assert len(stamps) == 3 and "{sent_at}" not in data
+    assert before <= stamps[0] <= stamps[1] <= stamps[2] <= after
