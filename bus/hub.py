@@ -711,11 +711,19 @@ class Hub:
             self._auth.stop()
         self.ctx.term()
 
-    def _recv_curve(self, flags: int) -> list[bytes]:
-        """With CURVE: receive as frames to read the connection's ZAP User-Id (its key)."""
-        frames = self.router.recv_multipart(flags, copy=False)
-        self._user_id = peer_user_id(frames[-1])
-        return [f.bytes for f in frames]
+    def _recv_curve(self, flags: int) -> list[Any]:
+        """With CURVE: `_recv_frames`, and the connection's ZAP User-Id (its key) read from the
+        first frame after the routing id, which is received as a `zmq.Frame` anyway (receiving
+        every frame as one, then copying each into bytes, cost the hub ~20 us a request)."""
+        sock = self.router
+        frames: list[Any] = [_brecv(sock, flags, True)]
+        frame = _brecv(sock, flags, False)
+        self._user_id = peer_user_id(frame)
+        frames.append(frame.bytes if len(frame) < _COPY_THRESHOLD else frame)
+        while frame.more:
+            frame = _brecv(sock, flags, False)
+            frames.append(frame.bytes if len(frame) < _COPY_THRESHOLD else frame)
+        return frames
 
     def _drain(self) -> None:
         router = self.router

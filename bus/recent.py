@@ -27,7 +27,8 @@ from agent_bus.bus.store import REPLAY_LIMIT, Row
 # ~300 small events, ~0.06 ms of the routing loop. Smaller than the reader's batches (256 KiB),
 # which are built in its own process.
 BATCH_BYTES = 64 * 1024
-_COMPACT = 1024  # dropped batches kept at the list's head before it is compacted
+_COMPACT = 1024  # dropped batches' slots kept at the list's head before it is compacted
+_DROPPED: tuple[list[Row], list[bytes], int] = ([], [], 0)  # a dropped batch's slot
 
 
 class RecentEvents:
@@ -66,8 +67,10 @@ class RecentEvents:
         self._batches.append((rows, topics, size))
         self.bytes += size
         start = self._start
-        while self.bytes > self.max_bytes and start < len(self._batches):
-            self.bytes -= self._batches[start][2]
+        batches = self._batches
+        while self.bytes > self.max_bytes and start < len(batches):
+            self.bytes -= batches[start][2]
+            batches[start] = _DROPPED  # its rows are freed now, the list slot at compaction
             start += 1
         if start > _COMPACT and start * 2 > len(self._batches):  # O(1) amortised
             del self._batches[:start]
