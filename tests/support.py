@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -94,6 +95,9 @@ class Proc:
         try:
             return self.popen.wait(5)
         finally:
+            if self.popen.stdin:  # a pipe the test wrote to (a ResourceWarning left open)
+                with contextlib.suppress(OSError):  # (a flush into a pipe nobody reads)
+                    self.popen.stdin.close()
             if self.popen.stdout:
                 self._reader.join(2)
                 self.popen.stdout.close()
