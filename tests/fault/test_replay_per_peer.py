@@ -23,6 +23,11 @@ from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
 from tests.support import busctl, running
 
+# The reader process is what these tests are about: a hub that keeps no recent events in memory
+# (`--recent-bytes 0`), so every replay, even of what was just published, reads the log there
+# (bus/recent.py answers a live subscriber's gap from memory instead).
+READER = ("--recent-bytes", "0")
+
 FLOODER = Path(__file__).parent / "fixtures" / "replay_flooder.py"
 # The other peer's replay beside the flood, against the same replay on the quiet hub: it may
 # wait behind the flooder's share (PEER_REPLAY_QUEUE = 4 batches) and shares the CPU with it
@@ -43,7 +48,7 @@ def replay_times(peer: RawPeer, n: int) -> list[float]:
 
 
 def test_a_peer_flooding_replays_does_not_starve_another(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     ctx = zmq.Context()
     endpoint = hub.ready["endpoint"]  # type: ignore[attr-defined]
     other = RawPeer(ctx, endpoint, "other")
@@ -84,7 +89,7 @@ def publish_experiments(peer: RawPeer, others: int, ours: int) -> list[str]:
 
 
 def test_a_replay_of_one_experiment_reads_only_its_events(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     ctx = zmq.Context()
     endpoint = hub.ready["endpoint"]  # type: ignore[attr-defined]
     peer = RawPeer(ctx, endpoint, "publisher")

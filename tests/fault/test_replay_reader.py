@@ -29,6 +29,11 @@ from tests.fault.test_fuzz import RawPeer
 from tests.fault.test_replay_and_retention import publish
 from tests.support import Proc, busctl, wait_for
 
+# The reader process is what these tests are about: a hub that keeps no recent events in memory
+# (`--recent-bytes 0`), so every replay, even of what was just published, reads the log there
+# (bus/recent.py answers a live subscriber's gap from memory instead).
+READER = ("--recent-bytes", "0")
+
 
 def reader_pids(hub_pid: int) -> list[int]:
     """The hub's children running `bus.replay_reader`."""
@@ -60,7 +65,7 @@ def replay(peer: RawPeer, since: int = 0) -> tuple[p.Header, list[bytes]]:
 
 
 def test_a_reader_that_dies_has_its_replays_answered_and_is_replaced(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     ctx = zmq.Context()
     peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
     try:
@@ -109,7 +114,7 @@ def started_reader(hub: Any) -> int:
 
 
 def test_a_hub_that_never_replays_starts_no_reader(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     try:
         ctx = zmq.Context()
         peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
@@ -128,7 +133,7 @@ def test_a_hub_that_never_replays_starts_no_reader(tmp_path: Path) -> None:
 
 
 def test_the_reader_does_not_outlive_its_hub(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     try:
         reader = started_reader(hub)
         os.kill(hub.pid, signal.SIGKILL)  # the hub alone: its process group is left alone
@@ -138,7 +143,7 @@ def test_the_reader_does_not_outlive_its_hub(tmp_path: Path) -> None:
 
 
 def test_a_stopped_hub_stops_its_reader(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     try:
         reader = started_reader(hub)
         os.kill(hub.pid, signal.SIGTERM)  # the hub alone, as `busctl up` stops it
@@ -158,7 +163,7 @@ def test_a_starved_idle_class_reader_is_replaced_and_its_replays_answered(tmp_pa
     (SIGSTOP: it gets no CPU at all): after 1 s the hub replaces it with a reader at nice 10,
     hands that one every waiting replay, and each is answered once; `replay_reader_starved`
     counts it."""
-    hub = start_hub(tmp_path)
+    hub = start_hub(tmp_path, *READER)
     ctx = zmq.Context()
     peer = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
     try:
@@ -196,7 +201,7 @@ def test_a_starved_idle_class_reader_is_replaced_and_its_replays_answered(tmp_pa
 
 
 def test_replay_priority_low_runs_the_reader_at_nice_10(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path, "--replay-priority", "low")
+    hub = start_hub(tmp_path, *READER, "--replay-priority", "low")
     try:
         reader = started_reader(hub)
         assert nice_and_policy(reader) == (10, os.SCHED_OTHER)
