@@ -292,19 +292,26 @@ class EventPipeline:
 
     def replay(self, ident: bytes, req_id: str, request: p.ReplayRequest) -> bytes | None:
         """Start a replay: the reply body at once when there is nothing to read (a client's
-        publish confirmation asks from past the head), else None and the reader answers later.
+        publish confirmation asks from past the head), else None: the answer from memory
+        (`recent`) or the reader's goes out through the pacer (`ReplayPacer`).
         Raises `Overloaded` when REPLAY_QUEUE replays are waiting."""
         self.flush()  # the reply follows every event the requester sent before it, logged
         head = self.seq
         if request.since >= head:
             return _encode(p.ReplayBatch(events=[], upto=head, head=head))
+        # answers held for pacing count too: replays not answered yet, and memory
+        waiting = len(self.reader.outstanding) + len(self.pacer)
+        if waiting >= REPLAY_QUEUE:
+            raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting to be "
+                             f"answered; retry after one is")
         batch = self.recent.read_batch(request, head, self.replay_bytes)
         if batch is not None:  # a recent range (a live subscriber's gap): no log read
             self._bump("replay_from_memory")
-            return _encode(batch)
-        # answers held for pacing count too: replays not answered yet, and memory
-        waiting = len(self.reader.outstanding) + len(self.pacer)
-        if waiting >= REPLAY_QUEUE or not self.reader.submit(ident, req_id, head, request):
+            # answered in this pass, but like the reader's answers through the pacer: while
+            # requests flow, a replayer of big events cannot copy them out faster from here
+            self.pacer.add([(ident, req_id, b"", _encode(batch))])
+            return None
+        if not self.reader.submit(ident, req_id, head, request):
             raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting for "
                              f"the log reader; retry after one is answered")
         return None

@@ -452,7 +452,8 @@ def test_replay_answers_are_paced_while_requests_flow_and_not_when_idle(tmp_path
 
 
 def test_replay_that_fails_on_a_database_error_is_answered(tmp_path: Path) -> None:
-    hub = start_hub(tmp_path)
+    # the log's reader is what fails: no recent events in memory, which would answer instead
+    hub = start_hub(tmp_path, "--recent-bytes", "0")
     ctx = zmq.Context()
     peer = RawPeer(ctx, hub.ready["endpoint"], "reader")  # type: ignore[attr-defined]
     try:
