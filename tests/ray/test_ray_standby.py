@@ -42,6 +42,7 @@ class Pair:
     file: Path
     state: Path
     endpoint: str  # what `up --json` said: "primary,standby"
+    store: str  # the `[hub] store` URL: the log's own stream on the NATS cluster
     env: dict[str, str]
     cluster: RayCluster
     summary: str
@@ -120,7 +121,8 @@ def pair(ray_cluster: RayCluster, store: Cluster,
                         {"contains": [], "reply": {"text": "hello"}}]}
     with FakeLLMServer(script) as model:
         file = tmp / f"{NAME}.toml"
-        file.write_text(_topology(tmp, model.base_url, store.stream_url()))
+        url = store.stream_url()
+        file.write_text(_topology(tmp, model.base_url, url))
         env = ray_cluster.env()
         started = time.monotonic()
         up = subprocess.run(busctl("up", "-c", str(file), "--engine", "ray", "--address",
@@ -131,7 +133,7 @@ def pair(ray_cluster: RayCluster, store: Cluster,
         try:
             assert up.returncode == 0, up.stderr
             ready = json.loads(up.stdout.strip().splitlines()[-1])
-            yield Pair(file, tmp / "state", ready["endpoint"], env, ray_cluster, up.stderr)
+            yield Pair(file, tmp / "state", ready["endpoint"], url, env, ray_cluster, up.stderr)
         finally:
             subprocess.run(busctl("down", "-c", str(file)), capture_output=True, text=True,
                            timeout=120, env={**os.environ, **env})
@@ -152,6 +154,16 @@ def test_the_standby_runs_on_another_node_with_the_same_server_key(pair: Pair) -
     assert ray.get(holder.where.remote()) == pair.cluster.head.node_id  # outlives either hub's node
     out = pair.cli("run", "-q", "question 0")  # the owner's key, one CURVE server key for both
     assert out.returncode == 0 and "answer 7" in out.stdout, (out.stdout, out.stderr)
+
+
+def test_the_standby_on_ray_must_listen_on_tcp() -> None:
+    from agent_bus.agents.launch.ray_engine import RayEngineError, prepare
+    from agent_bus.agents.launch.topology import parse_topology
+
+    topo = parse_topology(b'[hub]\nendpoint = "tcp://0.0.0.0:0"\nstandby = "ipc:///tmp/x"\n'
+                          b'store = "nats://127.0.0.1:4222"\n', "t", as_json=False)
+    with pytest.raises(RayEngineError, match=r"hub.standby: .*tcp://0.0.0.0:PORT"):
+        prepare(topo)
 
 
 def _experiment(tmp: Path, name: str) -> Path:
@@ -179,7 +191,7 @@ def _journal(pair: Pair, name: str) -> Journal:
 
 
 def test_the_primarys_node_lost_mid_experiment_the_standby_leads_and_a_hub_comes_back(
-        pair: Pair) -> None:
+        pair: Pair, store: Cluster) -> None:
     cluster = pair.cluster
     before = pair.ps()
     lost = pair.node_of(before["hub"])
@@ -231,6 +243,16 @@ def test_the_primarys_node_lost_mid_experiment_the_standby_leads_and_a_hub_comes
     assert len(journal.results) == SAMPLES and journal.ok_entries == SAMPLES, (
         len(journal.results), journal.ok_entries, journal.ignored, errors)
     assert {r.score for r in journal.results.values()} == {1.0}
+    # in the log itself (read from the NATS servers, not through a hub): no hole, each cell once
+    logged = store.stream_seqs(pair.store)
+    seqs = [seq for seq, _, _ in logged]
+    assert seqs == list(range(1, len(seqs) + 1))
+    cells = [msgspec.msgpack.decode(body)["sample"] for _, header, body in logged
+             if msgspec.msgpack.decode(header).get("type") == "experiment_sample"]
+    assert len(cells) == len(set(cells)) == SAMPLES, (len(cells), len(set(cells)))
+    rows = [json.loads(line) for line in
+            (pair.state.parent / "results" / "pairlost.jsonl").read_text().splitlines()]
+    assert len(rows) == len({r["sample"] for r in rows}) == SAMPLES  # the results file: once each
     out = pair.cli("run", "-q", "question again")  # `busctl --engine ray` reaches the leader
     assert out.returncode == 0 and "answer 7" in out.stdout, (out.stdout, out.stderr)
 
