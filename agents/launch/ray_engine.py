@@ -50,6 +50,7 @@ TOKEN_BUNDLE = {"CPU": 0.001}
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label: the standby's anti-affinity
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node (1 of it)
 KEEPER_CONCURRENCY = 8  # wait_ready, info, logs and stop may arrive together
+STANDBY_PLACE_TIMEOUT = 20.0  # seconds for Ray to find the standby a node (else `up` says why)
 
 
 class RayUnavailable(ConfigError):
@@ -290,7 +291,7 @@ def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO |
                  *[holder.add_process.remote(proc, role) for proc, role in roles.items()]])
         hubs = [hub]
         if topo.hub.standby:
-            hubs.append(start_keeper(ray, placer, name, STANDBY, "hub", hub_node))
+            hubs.append(_placed_standby(ray, placer, name, hub_node))
         hub_infos: list[ProcessInfo] = ray.get([h.wait_ready.remote(ChildSpec.ready_timeout + 10)
                                                 for h in hubs])
         hub_info = hub_infos[0]
@@ -328,6 +329,20 @@ def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO |
               "busctl down --engine ray\n")
     out.flush()
     return 0
+
+
+def _placed_standby(ray: Any, placer: Placer, name: str, hub_node: str) -> Any:
+    """The standby's keeper, once Ray has found it a node: a cluster with no other node fitting
+    `[placement.hub]` would leave it pending (and `up` waiting) for ever."""
+    keeper = start_keeper(ray, placer, name, STANDBY, "hub", hub_node)
+    try:
+        ray.get(keeper.where.remote(), timeout=STANDBY_PLACE_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        raise RayEngineError(
+            f"hub.standby: Ray found no node but the hub's ({hub_node[:8]}) fitting "
+            f"[placement.hub] within {STANDBY_PLACE_TIMEOUT:g}s: a hub pair needs two such nodes "
+            "(see `ray status`; loosen [placement.hub], or add a node)") from None
+    return keeper
 
 
 def _sandbox_lines(infos: list[ProcessInfo]) -> list[str]:

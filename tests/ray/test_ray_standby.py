@@ -166,6 +166,22 @@ def test_the_standby_on_ray_must_listen_on_tcp() -> None:
         prepare(topo)
 
 
+def test_a_pair_with_one_fitting_node_is_refused_naming_the_key(
+        ray_cluster: RayCluster, store: Cluster, tmp_path: Path) -> None:
+    """Only node a has the label `[placement.hub]` asks for: the standby has nowhere to go."""
+    file = tmp_path / "onenode.toml"
+    file.write_text(f'[engine]\nkind = "ray"\nname = "onenode"\n[hub]\nendpoint = "tcp://0.0.0.0:0"\n'
+                    f'standby = "tcp://0.0.0.0:0"\nstore = "{store.stream_url()}"\n'
+                    f'state_dir = "{tmp_path / "state"}"\n[placement.hub]\nnode = "bus-zone=a"\n')
+    up = subprocess.run(busctl("up", "-c", str(file), "--engine", "ray", "--address",
+                               ray_cluster.address), capture_output=True, text=True, timeout=120,
+                        env={**os.environ, **ray_cluster.env()})
+    assert up.returncode != 0 and "hub.standby: Ray found no node but the hub's" in up.stderr, (
+        up.returncode, up.stderr)
+    assert not [e for e in ray.util.list_named_actors(all_namespaces=True)
+                if e["name"].startswith("onenode:")]  # nothing left
+
+
 def _experiment(tmp: Path, name: str) -> Path:
     with (tmp / "samples.jsonl").open("w") as out:
         for i in range(SAMPLES):
