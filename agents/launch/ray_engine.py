@@ -8,10 +8,12 @@ still carries every bus message (nothing of the bus goes through Ray's object st
    bundles spread over nodes or packed), detached so that it outlives `up`;
 3. starts the hub's keeper (on the node of `[placement.hub]`, by default this machine's node:
    the event log lives there), then the topology's holder actor beside it (`<name>:topology`,
-   ray_actors.TopologyHolder, which makes every CURVE key pair in its own memory), waits for the
-   hub's ready line, then starts every gateway, worker and coordinator keeper, and returns once
-   all are ready: the topology then belongs to Ray, and `busctl
-   ps/status/run/watch/logs/scale/restart/down --engine ray` reach it from any node by its name.
+   ray_actors.TopologyHolder, which makes every CURVE key pair in its own memory; with a standby
+   hub, on the Ray head instead, and the standby's keeper on any node but the primary's), waits
+   for the hubs' ready lines, then starts every gateway, worker and coordinator keeper (given
+   "primary,standby"), and returns once all are ready: the topology then belongs to Ray, and
+   `busctl ps/status/run/watch/logs/scale/restart/down --engine ray` reach it from any node by
+   its name.
 
 Ray is imported here only (and in ray_actors' methods), lazily: the local engine never loads it.
 """
@@ -425,9 +427,9 @@ def _keepers(ray: Any, holder: Any, name: str) -> dict[str, tuple[str, Any]]:
     except ray.exceptions.RayError as exc:
         raise RayEngineError(
             f"the holder actor of topology {name!r} is gone ({_cause(ray, exc).splitlines()[0]}): "
-            "it lives on the hub's node, so that node was probably lost, and the hub (with the "
-            f"event log) with it; `busctl down --engine ray --topology-name {name}` removes what "
-            "is left") from None
+            "it lives on the hub's node (with a standby hub: on the Ray head), so that node was "
+            "probably lost, and the hub (with the event log) with it; "
+            f"`busctl down --engine ray --topology-name {name}` removes what is left") from None
     out = {}
     for proc, role in procs.items():
         try:
