@@ -120,6 +120,8 @@ _REGISTER_REFUSED = frozenset({p.FORBIDDEN, p.BAD_REQUEST})  # a register's refu
 _EVENT_REFUSED = frozenset({p.LOG_UNAVAILABLE, p.BAD_EVENT, p.FORBIDDEN})  # an event's (§6, §8)
 # The leader's address in a `not_leader` error's text (docs/protocol.md §5, "Following the hub").
 _NAMED_ENDPOINT = re.compile(r"\b(?:tcp|ipc)://[^\s,;()\[\]`'\"]+")
+# A leader named outside the peer's list is joined with CURVE only, up to this many endpoints.
+MAX_HUBS = 8
 
 
 def default_hub() -> str:
@@ -364,11 +366,22 @@ class Peer:
         named = _NAMED_ENDPOINT.search(header.error or "")
         if named is not None:
             endpoint = local_alias(named.group(0)) if self.curve is None else named.group(0)
-            if endpoint in self.hubs and endpoint != self.hub:
+            if endpoint != self.hub and (endpoint in self.hubs or self._learn(endpoint)):
                 self._prefer_next = endpoint
         log.info("%s: the hub at %s is not the leader (%s); moving on", self.name, self.hub,
                  header.error or "no leader named")
         self.reconnect()
+
+    def _learn(self, endpoint: str) -> bool:
+        """Add a leader a `not_leader` named that is not in the list: a hub its engine brought
+        back at another address (Ray, on another node) after this peer was given the list. Only
+        a tcp:// hub under CURVE: it must present the same server key as the hub that named it,
+        so only a holder of the pair's secret key can lead the peer there."""
+        if self.curve is None or not endpoint.startswith("tcp://") or len(self.hubs) >= MAX_HUBS:
+            return False
+        log.info("%s: learned the leader's endpoint %s from a not_leader", self.name, endpoint)
+        self.hubs.append(endpoint)
+        return True
 
     def _on_lost(self) -> None:
         """The connection ended (silence, RECONNECT, or closing): fail what waits on it."""

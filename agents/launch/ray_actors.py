@@ -53,6 +53,7 @@ from agent_bus.bus.paths import ensure_state_dir, write_private
 from agent_bus.bus.security import HANDED_KEYS_ENV, ROLES_FILE, CurveClient
 
 NAMESPACE = "agent-bus"  # every topology's actors live in this Ray namespace
+STANDBY = "hub-standby"  # the standby hub's process name (`[hub] standby`), as under `busctl up`
 TOPOLOGY_SUFFIX = ":topology"
 KeyTriple = tuple[bytes, bytes, bytes]  # (hub public, client public, client secret), Z85
 
@@ -90,19 +91,34 @@ class TopologyHolder:
         self.pairs = {kind: zmq.curve_keypair() for kind in self.roles}
         self.endpoint = ""
         self.events = ""
+        self.has_standby = bool(topo.hub.standby)
+        self.standby_endpoint = ""
         self.processes: dict[str, str] = {}  # name -> role, in start order
         self.model_secrets: dict[str, str] = {}
         self.gateway_env: dict[str, str] = {}
 
     # --- what every keeper reads ---
+    def where(self) -> str:
+        """This actor's node id (with a standby hub: the head's, see ray_engine.up)."""
+        return str(_ray().get_runtime_context().get_node_id())
+
     def topology(self) -> bytes:
         return self.topology_json
 
     def hub_address(self) -> tuple[str, str]:
-        return self.endpoint, self.events
+        """The hub's address; with a standby, the pair's "primary,standby" once both are up
+        ("" before: every process gets both, and a client moves to the one that leads)."""
+        if self.has_standby and not (self.endpoint and self.standby_endpoint):
+            return "", self.events
+        return ",".join(e for e in (self.endpoint, self.standby_endpoint) if e), self.events
 
-    def set_hub_address(self, endpoint: str, events: str) -> None:
-        self.endpoint, self.events = endpoint, events
+    def set_hub_address(self, endpoint: str, events: str, standby: bool = False) -> None:
+        """A hub's keeper, at each ready line (a hub Ray brought back on another node has
+        another address: processes started from then on get it)."""
+        if standby:
+            self.standby_endpoint = endpoint
+        else:
+            self.endpoint, self.events = endpoint, events
 
     # --- keys: returned by method calls only (never arguments) ---
     def hub_keys(self) -> tuple[bytes, bytes]:
@@ -182,6 +198,7 @@ class ProcessKeeper:
         # Ray brought this actor back (its node died): the first start is a restart too
         self.moved = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.log_path = Path()
+        self.state = Path()
         # One thread starts every child: the kernel's parent-death signal (bus/procsec.py)
         # follows the thread that forked, so it must live as long as the children do.
         self.thread = threading.Thread(target=self._keep, name=f"keep-{name}", daemon=True)
@@ -199,11 +216,26 @@ class ProcessKeeper:
                  else "starting" if alive or self.process is None else "exited")
         ready = self.ready or {}
         return ProcessInfo(
-            name=self.name, role=self.role, node=self.node, node_id=self.node_id,
+            name=self.name, role=self._lease_role(), node=self.node, node_id=self.node_id,
             pid=self.process.pid if self.process else 0, state=state,
             uptime=round(time.time() - self.started_at, 1) if alive else 0.0,
             restarts=self.restarts, last_exit=signal_name(self.last_exit),
             sandbox=sandbox_cell(ready) if self.role == "worker" else "-", ready=ready)
+
+    def _lease_role(self) -> str:
+        """A hub of a pair: its lease role and epoch ("hub primary e3"), from the role file it
+        writes in its state dir on this node at every change (as `busctl ps` shows locally)."""
+        from agent_bus.bus.hub import ROLE_FILE
+
+        if self.role != "hub" or self.process is None:
+            return self.role
+        try:
+            role = msgspec.json.decode((self.state / self.name / ROLE_FILE).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return self.role  # no lease (one hub), or not written yet
+        if not isinstance(role, dict) or role.get("pid") != self.process.pid:
+            return self.role
+        return f"hub {role.get('role', '?')} e{role.get('epoch', 0)}"
 
     def wait_ready(self, timeout: float) -> ProcessInfo:
         """This process's info once it is ready; raise ChildFailed (with its log's tail) if not."""
@@ -271,6 +303,7 @@ class ProcessKeeper:
             state = ensure_state_dir(topo.state_path())
             (state / "logs").mkdir(mode=0o700, exist_ok=True)
             self.log_path = state / "logs" / f"{self.name}.log"
+            self.state = state
             spec, keys = self._spec(topo, state)
         except Exception as exc:  # noqa: BLE001 - reported by info()/wait_ready, not lost in a thread
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -310,8 +343,11 @@ class ProcessKeeper:
 
         ray = _ray()
 
-        if self.role == "hub":
+        if self.role == "hub":  # the standby: the same keys, its own address and state dir
             self._write_hub_keys(topo, state)
+            if self.name == STANDBY:
+                topo.hub.standby = _on_node(topo.hub.standby, self.node)
+                return ChildSpec(STANDBY, hub_argv(topo, ""), role="hub"), None
             topo.hub.endpoint = _on_node(topo.hub.endpoint, self.node)
             return ChildSpec("hub", hub_argv(topo), role="hub"), None
         endpoint = ""
@@ -353,9 +389,14 @@ class ProcessKeeper:
     def _pinned_hub(self, topo: Topology, state: Path) -> ChildSpec:
         from agent_bus.agents.launch.up import hub_argv
 
+        self._write_hub_keys(topo, state)
+        if self.name == STANDBY:
+            if self.ready:
+                topo.hub.standby = self.ready["endpoint"]
+            return ChildSpec(STANDBY, hub_argv(topo, (self.ready or {}).get("events", "")),
+                             role="hub")
         if self.ready:
             topo.hub.endpoint, topo.hub.events = self.ready["endpoint"], self.ready["events"]
-        self._write_hub_keys(topo, state)
         return ChildSpec("hub", hub_argv(topo), role="hub")
 
     def _run_once(self, spec: ChildSpec, keys: KeyTriple | None) -> int | None:
@@ -396,7 +437,8 @@ class ProcessKeeper:
     def _on_ready(self) -> None:
         ray = _ray()
         if self.role == "hub" and self.ready is not None:
-            ray.get(self.holder.set_hub_address.remote(self.ready["endpoint"], self.ready["events"]))
+            ray.get(self.holder.set_hub_address.remote(self.ready["endpoint"], self.ready["events"],
+                                                       self.name == STANDBY))
         self.ready_event.set()
         if self.restarts or self.moved:  # off the pump's thread: the child's output keeps flowing
             threading.Thread(target=self._announce, args=(ev.ProcessRestarted(

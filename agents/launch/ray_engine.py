@@ -8,10 +8,12 @@ still carries every bus message (nothing of the bus goes through Ray's object st
    bundles spread over nodes or packed), detached so that it outlives `up`;
 3. starts the hub's keeper (on the node of `[placement.hub]`, by default this machine's node:
    the event log lives there), then the topology's holder actor beside it (`<name>:topology`,
-   ray_actors.TopologyHolder, which makes every CURVE key pair in its own memory), waits for the
-   hub's ready line, then starts every gateway, worker and coordinator keeper, and returns once
-   all are ready: the topology then belongs to Ray, and `busctl
-   ps/status/run/watch/logs/scale/restart/down --engine ray` reach it from any node by its name.
+   ray_actors.TopologyHolder, which makes every CURVE key pair in its own memory; with a standby
+   hub, on the Ray head instead, and the standby's keeper on any node but the primary's), waits
+   for the hubs' ready lines, then starts every gateway, worker and coordinator keeper (given
+   "primary,standby"), and returns once all are ready: the topology then belongs to Ray, and
+   `busctl ps/status/run/watch/logs/scale/restart/down --engine ray` reach it from any node by
+   its name.
 
 Ray is imported here only (and in ray_actors' methods), lazily: the local engine never loads it.
 """
@@ -28,6 +30,7 @@ import msgspec
 
 from agent_bus.agents.launch.ray_actors import (
     NAMESPACE,
+    STANDBY,
     TOPOLOGY_SUFFIX,
     ProcessInfo,
     ProcessKeeper,
@@ -46,7 +49,10 @@ STOP_RANK = {"coordinator": 1, "worker": 2, "gateway": 3, "hub": 5}
 # Ray refuses an empty bundle: a placement without resources reserves a thousandth of a CPU,
 # which also keeps its processes off nodes that offer none (a head started with --num-cpus=0).
 TOKEN_BUNDLE = {"CPU": 0.001}
+NODE_ID_LABEL = "ray.io/node-id"  # every Ray node's own label: the standby's anti-affinity
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node (1 of it)
 KEEPER_CONCURRENCY = 8  # wait_ready, info, logs and stop may arrive together
+STANDBY_PLACE_TIMEOUT = 20.0  # seconds for Ray to find the standby a node (else `up` says why)
 
 
 class RayUnavailable(ConfigError):
@@ -173,6 +179,20 @@ class Placer:
         return {**_resource_options(_bundle(entry)),
                 "scheduling_strategy": "SPREAD" if entry.strategy == "spread" else "DEFAULT"}
 
+    def standby_options(self, primary_node: str) -> dict[str, Any]:
+        """The standby hub: `[placement.hub]`'s resources and label, on any node but the
+        primary's (a label selector on Ray's own node-id label). A `node` naming one IP or id,
+        or a `strategy`, cannot hold a pair apart: the standby keeps only the resources."""
+        entry = self.topo.placement.get("hub")
+        options: dict[str, Any] = {"num_cpus": 0}
+        selector = {NODE_ID_LABEL: f"!{primary_node}"}
+        if entry is not None:
+            options = _resource_options(entry.resources) if entry.resources else options
+            if "=" in entry.node:
+                label, _, value = entry.node.partition("=")
+                selector[label.strip()] = value.strip()
+        return {**options, "label_selector": selector}
+
     def _default(self, role: str) -> dict[str, Any]:
         if role != "hub":
             return {"num_cpus": 0}
@@ -191,6 +211,8 @@ def roles_of(topo: Topology) -> dict[str, str]:
     """Every process `up` starts on Ray, by name, with its role, in start order."""
     names = process_names(topo)
     roles = {"hub": "hub"}
+    if topo.hub.standby:
+        roles[STANDBY] = "hub"
     roles.update({n: "gateway" for n in names["gateways"]})
     roles.update({n: "worker" for n in names["workers"]})
     roles.update({n: "coordinator" for n in names["coordinators"]})
@@ -212,6 +234,13 @@ def prepare(topo: Topology) -> list[str]:
         notes.append("processes / [ui] / [otel]: not started on Ray yet; run them beside it "
                      "with `busctl ui|otel --engine ray`")
         topo.processes, topo.ui, topo.otel = [], None, None
+    if hub.standby and not hub.standby.startswith("tcp://"):
+        raise RayEngineError(f"hub.standby: {hub.standby!r}: on Ray the standby hub listens on "
+                             "TCP (with CURVE) on another node than the hub; give "
+                             "tcp://0.0.0.0:PORT (0: any port)")
+    if hub.standby and not hub.store:
+        raise RayEngineError("hub.standby: a standby hub needs a replicated event store both "
+                             "hubs reach: give hub.store = \"nats://HOST:4222,...\"")
     topo.hub.state_dir = str(topo.state_path())  # every node uses the same path
     return notes
 
@@ -242,33 +271,57 @@ def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO |
 
     placer = Placer(ray, topo, name)
     try:
-        placer.reserve(roles)
+        placer.reserve({p: r for p, r in roles.items() if p != STANDBY})
         hub = start_keeper(ray, placer, name, "hub", "hub")
-        # The holder lives beside the hub: losing that node loses the topology either way, and
-        # no other node's loss takes the keys and the address with it.
+        hub_node = ray.get(hub.where.remote())
+        if topo.hub.standby:
+            # With a standby the holder must outlive the primary's node: it goes to the head,
+            # whose loss takes Ray's control store (and so every actor) with it anyway. Not
+            # beside the standby: after a takeover that node is the one left holding the log's
+            # leader, and its loss would then take the keys with it. Not restarted by Ray
+            # either: its keys live in its memory only, and new ones would lock every peer out.
+            where: dict[str, Any] = {"resources": {HEAD_RESOURCE: 0.001}}
+        else:
+            # The holder lives beside the hub: losing that node loses the topology either way,
+            # and no other node's loss takes the keys and the address with it.
+            where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(hub_node, soft=False)}
         holder = ray.remote(TopologyHolder).options(
             name=topology_actor_name(name), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get(hub.where.remote()),
-                                                               soft=False),
+            **where,
         ).remote(name, msgspec.json.encode(topo))
         ray.get([holder.set_model_env.remote(*model_env(topo)),
                  *[holder.add_process.remote(proc, role) for proc, role in roles.items()]])
-        hub_info: ProcessInfo = ray.get(hub.wait_ready.remote(ChildSpec.ready_timeout + 10))
+        hubs = [hub]
+        if topo.hub.standby:
+            hubs.append(_placed_standby(ray, placer, name, hub_node))
+        hub_infos: list[ProcessInfo] = ray.get([h.wait_ready.remote(ChildSpec.ready_timeout + 10)
+                                                for h in hubs])
+        hub_info = hub_infos[0]
         keepers = {proc: start_keeper(ray, placer, name, proc, role)
                    for proc, role in roles.items() if role != "hub"}
         timeout = _ready_timeout(topo)
-        infos = [hub_info, *ray.get([k.wait_ready.remote(timeout) for k in keepers.values()])]
+        infos = [*hub_infos, *ray.get([k.wait_ready.remote(timeout) for k in keepers.values()])]
     except (ray.exceptions.RayError, AgentBusError) as exc:
         why = _cause(ray, exc)
         remove(ray, name)
         raise RayEngineError(f"`busctl up --engine ray` failed, and what it started is stopped: "
                              f"{why}") from None
     endpoint, events = hub_info.ready["endpoint"], hub_info.ready["events"]
+    if topo.hub.standby:  # what every process got: both hubs (a client follows the leader)
+        endpoint = f"{endpoint},{hub_infos[1].ready['endpoint']}"
     if ready_out is not None:  # `up --json`: one line for scripts
         ready_out.write(msgspec.json.encode({"ready": "up", "engine": "ray", "name": name,
                                              "endpoint": endpoint, "events": events}).decode() + "\n")
         ready_out.flush()
-    out.write(f"hub        {endpoint}  (events {events}; its event log on node {hub_info.node})\n")
+    if topo.hub.standby:
+        standby = hub_infos[1]
+        out.write(f"hub        {hub_info.ready['endpoint']}  (events {events}; on node "
+                  f"{hub_info.node}/{hub_info.node_id[:8]}; its event log in {topo.hub.store})\n")
+        out.write(f"standby    {standby.ready['endpoint']}  (on node {standby.node}/"
+                  f"{standby.node_id[:8]}; takes over when the hub's lease lapses)\n")
+    else:
+        out.write(f"hub        {endpoint}  (events {events}; its event log on node "
+                  f"{hub_info.node})\n")
     out.write("processes  " + "  ".join(f"{i.name}@{i.node}/{i.node_id[:8]}[{i.pid}]"
                                         for i in infos) + "\n")
     for line in _sandbox_lines(infos):
@@ -278,6 +331,20 @@ def up(topo: Topology, name: str, address: str, out: TextIO, ready_out: TextIO |
               "busctl down --engine ray\n")
     out.flush()
     return 0
+
+
+def _placed_standby(ray: Any, placer: Placer, name: str, hub_node: str) -> Any:
+    """The standby's keeper, once Ray has found it a node: a cluster with no other node fitting
+    `[placement.hub]` would leave it pending (and `up` waiting) for ever."""
+    keeper = start_keeper(ray, placer, name, STANDBY, "hub", hub_node)
+    try:
+        ray.get(keeper.where.remote(), timeout=STANDBY_PLACE_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        raise RayEngineError(
+            f"hub.standby: Ray found no node but the hub's ({hub_node[:8]}) fitting "
+            f"[placement.hub] within {STANDBY_PLACE_TIMEOUT:g}s: a hub pair needs two such nodes "
+            "(see `ray status`; loosen [placement.hub], or add a node)") from None
+    return keeper
 
 
 def _sandbox_lines(infos: list[ProcessInfo]) -> list[str]:
@@ -302,12 +369,14 @@ def _ready_timeout(topo: Topology) -> float:
     return (LOCAL_MODEL_READY_TIMEOUT if hosts else ChildSpec.ready_timeout) + 10
 
 
-def start_keeper(ray: Any, placer: Placer, name: str, proc: str, role: str) -> Any:
-    """A detached keeper actor for `proc` (Ray restarts it on another node if its node dies)."""
+def start_keeper(ray: Any, placer: Placer, name: str, proc: str, role: str,
+                 away_from: str = "") -> Any:
+    """A detached keeper actor for `proc` (Ray restarts it on another node if its node dies);
+    the standby hub's (`away_from`: the primary's node id) on any node but the primary's."""
+    options = placer.standby_options(away_from) if proc == STANDBY else placer.options(proc, role)
     return ray.remote(ProcessKeeper).options(
         name=process_actor_name(name, proc), namespace=NAMESPACE, lifetime="detached",
-        max_restarts=-1, max_task_retries=0, max_concurrency=KEEPER_CONCURRENCY,
-        **placer.options(proc, role),
+        max_restarts=-1, max_task_retries=0, max_concurrency=KEEPER_CONCURRENCY, **options,
     ).remote(name, proc, role)
 
 
@@ -358,9 +427,9 @@ def _keepers(ray: Any, holder: Any, name: str) -> dict[str, tuple[str, Any]]:
     except ray.exceptions.RayError as exc:
         raise RayEngineError(
             f"the holder actor of topology {name!r} is gone ({_cause(ray, exc).splitlines()[0]}): "
-            "it lives on the hub's node, so that node was probably lost, and the hub (with the "
-            f"event log) with it; `busctl down --engine ray --topology-name {name}` removes what "
-            "is left") from None
+            "it lives on the hub's node (with a standby hub: on the Ray head), so that node was "
+            "probably lost, and the hub (with the event log) with it; "
+            f"`busctl down --engine ray --topology-name {name}` removes what is left") from None
     out = {}
     for proc, role in procs.items():
         try:
