@@ -20,7 +20,7 @@ from agent_bus.agents.launch.topology import HubSection, hub_problems
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.client import connect
-from agent_bus.bus.errors import AgentBusError
+from agent_bus.bus.errors import AgentBusError, HubUnreachable
 from agent_bus.bus.store import Retention, Row, StoreError, StoreUrlError, parse_store_url
 from tests.store_cluster import Cluster, free_ports, jetstream_cluster, nats_server
 from tests.support import busctl, running, wait_for
@@ -197,6 +197,15 @@ async def _foreign_publish(cluster: Cluster, stream: str) -> None:
 
 
 async def _publish_texts(endpoint: str, texts: list[str], deadline: float) -> list[str]:
+    while True:
+        try:
+            return await _publish_on(endpoint, texts, deadline)
+        except HubUnreachable:  # it answers `not_leader` until it takes the lease again (2 TTLs)
+            if time.monotonic() > deadline:
+                raise
+
+
+async def _publish_on(endpoint: str, texts: list[str], deadline: float) -> list[str]:
     acked: list[str] = []
     async with connect(endpoint, name="foreign-test") as peer:
         for text in texts:
