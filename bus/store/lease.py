@@ -112,11 +112,8 @@ class JetStreamLease:
 
     async def aread(self) -> LeaseValue | None:
         """Who holds the lease now (the epoch filled in), or None when nobody does."""
-        try:
-            entry: Any = await self._kv.get(KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        if entry.value is None:
+        entry = await self._entry(KEY)
+        if entry is None:
             return None
         try:
             value = msgspec.json.decode(entry.value, type=LeaseValue)
@@ -131,16 +128,19 @@ class JetStreamLease:
 
     async def afollower(self) -> LeaseValue | None:
         """The hub that said last, within `ttl`, that it follows (None: none did)."""
+        entry = await self._entry(FOLLOWER_KEY)
         try:
-            entry: Any = await self._kv.get(FOLLOWER_KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        if entry.value is None:
-            return None
-        try:
-            return msgspec.json.decode(entry.value, type=LeaseValue)
+            return None if entry is None else msgspec.json.decode(entry.value, type=LeaseValue)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
+
+    async def _entry(self, key: str) -> Any:
+        """The live entry of `key` (it has a value), or None: never written, deleted, expired."""
+        try:
+            entry: Any = await self._kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return None if entry.value is None else entry
 
     def acquire(self, holder: str, endpoint: str = "") -> Lease | None:
         return self.conn.call(self.aacquire(holder, endpoint))
