@@ -40,6 +40,7 @@ class Keyed:
     """One key's run: the request ids its answers go to, and what it answered so far."""
 
     ids: list[str]
+    name: tuple[str, str] = ("", "")  # (service, key): where the window holds it
     partials: list[bytes] = field(default_factory=list)
     final: Final | None = None
     ended: float = 0.0  # monotonic, once `final` is set
@@ -47,12 +48,17 @@ class Keyed:
 
 
 class KeyWindow:
-    """The keys one serving process has seen, by (service, key)."""
+    """The keys one serving process has seen, by (service, key).
+
+    Finished keys are also kept in the order they finished, so expiring them looks at the
+    oldest finished alone: running keys (a coordinator holds a run per experiment cell, a
+    thousand at once) are never walked past on every call."""
 
     def __init__(self, ttl: float = KEY_TTL, limit: int = KEY_LIMIT,
                  max_bytes: int = KEY_BYTES) -> None:
         self.ttl, self.limit, self.max_bytes = ttl, limit, max_bytes
-        self._keys: OrderedDict[tuple[str, str], Keyed] = OrderedDict()
+        self._keys: dict[tuple[str, str], Keyed] = {}
+        self._finished: OrderedDict[tuple[str, str], Keyed] = OrderedDict()  # oldest first
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -63,7 +69,8 @@ class KeyWindow:
         return self._keys.get((service, key))
 
     def begin(self, service: str, key: str, req_id: str) -> Keyed:
-        entry = self._keys[(service, key)] = Keyed([req_id])
+        name = (service, key)
+        entry = self._keys[name] = Keyed([req_id], name)
         return entry
 
     def partial(self, entry: Keyed, body: bytes) -> None:
@@ -76,17 +83,18 @@ class KeyWindow:
         entry.ended = time.monotonic()
         entry.size += len(final.body)
         self._bytes += len(final.body)
+        self._finished[entry.name] = entry
         self._expire(entry.ended)
 
     def _expire(self, now: float) -> None:
         """Drop finished keys past their time, then the oldest finished while over a bound."""
-        keys = self._keys
-        over = len(keys) > self.limit or self._bytes > self.max_bytes
-        for name, entry in list(keys.items()):
-            if entry.final is None:
-                continue
-            if not over and now - entry.ended <= self.ttl:
-                break  # (oldest first: the rest are younger)
-            del keys[name]
-            self._bytes -= entry.size
+        keys, finished = self._keys, self._finished
+        while finished:
+            name, entry = next(iter(finished.items()))
             over = len(keys) > self.limit or self._bytes > self.max_bytes
+            if not over and now - entry.ended <= self.ttl:
+                return  # (oldest first: the rest are younger)
+            del finished[name]
+            if keys.get(name) is entry:
+                del keys[name]
+            self._bytes -= entry.size
