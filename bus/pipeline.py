@@ -292,8 +292,9 @@ class EventPipeline:
 
     def replay(self, ident: bytes, req_id: str, request: p.ReplayRequest) -> bytes | None:
         """Start a replay: the reply body at once when there is nothing to read (a client's
-        publish confirmation asks from past the head), else None: the answer from memory
-        (`recent`) or the reader's goes out through the pacer (`ReplayPacer`).
+        publish confirmation asks from past the head) or when memory (`recent`) holds the range
+        and its events are small; else None: the answer from memory (with a big event) or the
+        reader's goes out through the pacer (`ReplayPacer`).
         Raises `Overloaded` when REPLAY_QUEUE replays are waiting."""
         self.flush()  # the reply follows every event the requester sent before it, logged
         head = self.seq
@@ -307,9 +308,12 @@ class EventPipeline:
         batch = self.recent.read_batch(request, head, self.replay_bytes)
         if batch is not None:  # a recent range (a live subscriber's gap): no log read
             self._bump("replay_from_memory")
-            # answered in this pass, but like the reader's answers through the pacer: while
-            # requests flow, a replayer of big events cannot copy them out faster from here
-            self.pacer.add([(ident, req_id, b"", _encode(batch))])
+            body = _encode(batch)
+            if all(len(event) <= self.inline_bytes for _, event in batch.events):
+                return body  # what the live stream carried anyway: at once
+            # with a big event (published as a stub), like the reader's answers through the
+            # pacer: while requests flow, a replayer of big events cannot copy them out faster
+            self.pacer.add([(ident, req_id, b"", body)])
             return None
         if not self.reader.submit(ident, req_id, head, request):
             raise Overloaded(f"`hub.replay`: {REPLAY_QUEUE} replays are already waiting for "
