@@ -293,7 +293,10 @@ class HubConfig(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
     replay_bytes: int = 256 * 1024  # a `hub.replay` batch ends past this (always >= 1 event)
     # The newest logged events kept in memory (headers and bodies), from which a replay that
     # starts within them (a live subscriber's gap) is answered at once (bus/recent.py); 0: none.
-    recent_bytes: int = 16 * MiB
+    # 8 MiB: the hub's CPU per event as without (16 MiB cost 7-9% in bursts: memory the
+    # allocator no longer reuses hot), and a subscriber 40,000 small events behind still fills
+    # from it (2 MiB did not: bench/results/2026-12-06.md).
+    recent_bytes: int = 8 * MiB
     # Bytes a second of `hub.status` (and other non-replay hub-service) answers to one peer
     # (a token bucket, burst the same): beyond it the peer is answered `overloaded`.
     peer_service_bytes: int = 16 * MiB
