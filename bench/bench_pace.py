@@ -154,8 +154,12 @@ async def direct(base_url: str, model: str, cells: int, parallel: int, tokens: i
     stamped token's latency from the server's clock to this reader); each request's wall
     appended to `each`. `keep_alive` False: a connection a request (llama.cpp's server closes
     each after its stream, unannounced)."""
-    # greedy and seeded as the topology's model (a real model's replies the same length both ways)
-    body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0.0, "seed": 1,
+    # greedy and seeded as the topology's model (a real model's replies the same length both
+    # ways), and asking for the usage chunk as the gateway does (`providers/openai.py`): without
+    # it the scripted server sent one event less, a token interval (10 ms) a cell the gateway
+    # was charged for the usage every experiment needs
+    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": tokens, "temperature": 0.0, "seed": 1,
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INPUT}]}
     latencies: list[float] = []
     left = cells

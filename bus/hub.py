@@ -34,7 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.errors import ConfigError, Overloaded
-from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline
+from agent_bus.bus.pipeline import EventPipeline
 from agent_bus.bus.probing import ProbeSchedule
 from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
 from agent_bus.bus.replay_reader import PEER_REPLAY_QUEUE, REPLAY_PRIORITIES
@@ -550,7 +550,7 @@ class Hub:
         pacer = self.events.pacer
         while not self._stopping:
             now = time.monotonic()
-            next_sub_beat = self.events.subscribed_at + SUBSCRIBE_BEAT_GAP
+            next_sub_beat = self.events.sub_beat_at
             wake = min(next_beat, next_tick, probes.next_at, next_sub_beat, pacer.next_at)
             timeout = max(0.0, wake - now)
             try:
@@ -588,7 +588,7 @@ class Hub:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = now + interval
-            elif now >= self.events.subscribed_at + SUBSCRIBE_BEAT_GAP and not self._standby:
+            elif now >= self.events.sub_beat_at and not self._standby:
                 self.events.publish_heartbeat()
             self.events.flush()
 

@@ -12,6 +12,7 @@ and hands it the socket and the welcome to flush into.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,9 @@ HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the 
 # request or answer this peer sends takes them along, or more events join them. An agent's turn
 # emits its events over several loop iterations (each tool's end arrives on its own): sent at the
 # end of each, they cost the hub (and this peer) one wake-up each; lingering, they ride with the
-# turn's next request. Watchers see an event at most this much later.
+# turn's next request. Watchers see an event at most this much later. On an idle channel (nothing
+# sent for this long) nothing is coming to ride with: held events go at the end of the loop
+# iteration (a streamed delta 10 ms after the last one waited the whole linger for nobody).
 EVENT_LINGER = 0.002
 # Held events that differ only by id (and type, with a hub that takes mixed types) go out as one
 # multi-body `event` message (docs/protocol.md §4), up to this many bodies and bytes of bodies:
@@ -60,16 +63,18 @@ class Outbox:
 
     `items` is read by the owner's hot path (is anything held?); `gen` changes whenever held
     messages leave it (sent or dropped): a partial still held may take more bodies while it is
-    unchanged. `events_sent` counts events handed to a socket (the publish accounting)."""
+    unchanged. `events_sent` counts events handed to a socket (the publish accounting);
+    `sent_at` is when the owner last sent anything (the owner's direct sends set it too)."""
 
     __slots__ = ("_flush", "_flush_scheduled", "_linger", "_new_id", "_session", "events_sent",
-                 "gen", "items", "loop")
+                 "gen", "items", "loop", "sent_at")
 
     def __init__(self, session: str, new_id: Callable[[], str],
                  flush: Callable[[], None]) -> None:
         self.items: list[Held] = []
         self.gen = 0
         self.events_sent = 0
+        self.sent_at = -EVENT_LINGER  # time.monotonic() of the owner's last send
         self.loop: asyncio.AbstractEventLoop | None = None  # the owner's, set when it connects
         self._session = session
         self._new_id = new_id  # a request id of the owner's (an event's id is one too)
@@ -123,9 +128,14 @@ class Outbox:
             self.loop.call_soon(self._flush_soon)
 
     def _schedule_linger(self) -> None:
-        """Flush held events `EVENT_LINGER` from now, unless something sends them sooner."""
-        if self._linger is None and not self._flush_scheduled and self.loop is not None:
-            self._linger = self.loop.call_later(EVENT_LINGER, self._linger_ended)
+        """Flush held events `EVENT_LINGER` from now, unless something sends them sooner; at the
+        end of the loop iteration when the channel is idle (nothing sent within the linger)."""
+        if self._linger is not None or self._flush_scheduled or self.loop is None:
+            return
+        if time.monotonic() - self.sent_at >= EVENT_LINGER:
+            self._schedule_flush()
+            return
+        self._linger = self.loop.call_later(EVENT_LINGER, self._linger_ended)
 
     def _linger_ended(self) -> None:
         self._linger = None
@@ -175,6 +185,7 @@ class Outbox:
 
     def _sent(self, sent: int, events: int) -> None:
         if sent:
+            self.sent_at = time.monotonic()
             del self.items[:sent]
             self.gen += 1
             self.events_sent += events

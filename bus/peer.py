@@ -34,7 +34,8 @@ current event-loop iteration and then sent back to back (`Peer.hold`, the `Outbo
 socket every send wakes ZeroMQ's I/O thread (and then the hub), which costs far more than the send
 itself, so a burst (a streamed reply's deltas, a turn's lifecycle events, the answers of handlers
 that finished together) is cheaper sent together. Events held alone linger a little longer
-(`EVENT_LINGER`, 2 ms) for the next request or answer to take them along. Partial replies to one
+(`EVENT_LINGER`, 2 ms) for the next request or answer to take them along, unless nothing was
+sent for that long (then nothing is coming: they go at the iteration's end). Partial replies to one
 request held meanwhile go out as one `partial` message with a body frame each
 (`IncomingRequest.partial`), and consecutive held events that differ only by id (or, to a hub that
 takes mixed types, by id and type: header type `*`) as one `event` message with a body frame each
@@ -580,6 +581,7 @@ class Peer:
             sock.send(frames)
         except zmq.Again:
             return False
+        self.outbox.sent_at = time.monotonic()
         # The send may have consumed the fd's edge for input that arrived meanwhile, so look (an
         # EVENTS read, ~1.5 us). Past INLINE_CHECKS sends since the last drain or look, once
         # after this iteration's callbacks instead (the loop does not block before it runs): an

@@ -31,7 +31,10 @@ from agent_bus.bus.store import Retention, Row, StoreError, open_store
 
 log = logging.getLogger("bus.hub")
 
-SUBSCRIBE_BEAT_GAP = 0.002  # seconds: new subscriptions are answered after this (coalesced)
+# New subscriptions are answered by a heartbeat at most once per this many seconds: a lone one at
+# once (a prompt's subscription waited the whole gap, ~2.7 ms of each experiment cell), a flood of
+# them coalesced, so a subscriber cannot make the hub flood the stream.
+SUBSCRIBE_BEAT_GAP = 0.002
 DRAIN_LIMIT = 4096  # subscription messages read per pass
 LOG_RETRY = 1.0  # seconds between attempts to write an event log that failed (e.g. disk full)
 _TOPIC_CACHE_MAX = 4096  # distinct (type, agent, run) topics remembered
@@ -74,7 +77,8 @@ class EventPipeline:
         self._batch_bytes = 0  # the batch's headers' and bodies' bytes (for `recent`)
         self._topic_cache: dict[tuple[str, str, str], bytes] = {}
         self._ended_runs: set[str] = set()  # runs whose deltas can go (retention.deltas_until_end)
-        self.subscribed_at = math.inf  # when a not-yet-answered subscription arrived
+        self.sub_beat_at = math.inf  # when the heartbeat answering new subscriptions is due
+        self._beat_at = -math.inf  # when the last heartbeat went out
         # Event log not writable (disk full, I/O error): events are refused, not stamped, until
         # a retry every LOG_RETRY seconds succeeds. `log_error` says why (shown in status).
         self.log_error = ""
@@ -262,7 +266,8 @@ class EventPipeline:
         # Everything stamped so far is published before the heartbeat that announces its seq,
         # so a subscriber never takes an event still in the batch for a lost one.
         self.flush()
-        self.subscribed_at = math.inf
+        self.sub_beat_at = math.inf
+        self._beat_at = time.monotonic()
         hb = _encode(p.Header(kind=p.HEARTBEAT, seq=self.seq, ts=time.time()))
         try:
             _bsend(self.pub, p.HEARTBEAT_TOPIC, _MORE_NOBLOCK)
@@ -272,15 +277,15 @@ class EventPipeline:
             self._bump("publish_dropped_hwm")
 
     def drain_subscriptions(self) -> None:
-        """Note new subscriptions (answered by a heartbeat, at most one per SUBSCRIBE_BEAT_GAP,
-        so a subscriber cannot make the hub flood the stream). Anything else is ignored."""
+        """Note new subscriptions: a heartbeat answers them, at once when none went out within
+        SUBSCRIBE_BEAT_GAP, else that long after the last one. Anything else is ignored."""
         for _ in range(DRAIN_LIMIT):
             try:
                 message = self.pub.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if message[:1] == b"\x01" and self.subscribed_at == math.inf:
-                self.subscribed_at = time.monotonic()
+            if message[:1] == b"\x01" and self.sub_beat_at == math.inf:
+                self.sub_beat_at = max(time.monotonic(), self._beat_at + SUBSCRIBE_BEAT_GAP)
 
     # --- replay ----------------------------------------------------------------------------
 

@@ -231,13 +231,14 @@ async def test_a_refused_body_is_reported_and_its_siblings_logged(hub: dict) -> 
 
 @pytest.mark.anyio
 async def test_events_of_several_loop_iterations_linger_into_one_message() -> None:
-    """Events held alone wait up to EVENT_LINGER for company: ones published a loop iteration
-    apart (a turn's tool results arrive one by one) share a message; a request sent meanwhile
-    takes them along before it; one held alone still goes out by itself."""
+    """Events held alone wait up to EVENT_LINGER for company while the peer is sending: ones
+    published a loop iteration apart (a turn's tool results arrive one by one) share a message;
+    a request sent meanwhile takes them along before it; one held alone still goes out by itself."""
     with recording_hub(p.MAX_EVENT_BODIES, mixed_types=True) as rec:
         async with connect(rec.endpoint, name="lingerer") as peer:
             sent = []
             started = time.monotonic()
+            await peer.confirm()  # a request: the channel is not idle, so events linger
             for i in range(4):
                 sent.append(body("topic_message", str(i)))
                 await peer.publish_raw("topic_message", sent[-1], agent="a", run="r")
@@ -245,8 +246,8 @@ async def test_events_of_several_loop_iterations_linger_into_one_message() -> No
             await peer.confirm()  # a request: the held events go out first
             elapsed = time.monotonic() - started
             assert rec.bodies() == sent
-            # One message, unless this machine took longer than a linger between publishes:
-            # each message but the last waited a whole linger (without it: 4 at once).
+            # One message, unless this machine took longer than a linger between sends: each
+            # message but the last waited a whole linger, or followed an idle linger's length.
             assert len(rec.events) <= 1 + int(elapsed / EVENT_LINGER), (len(rec.events), elapsed)
             if elapsed < EVENT_LINGER:
                 assert len(rec.events) == 1
@@ -255,3 +256,21 @@ async def test_events_of_several_loop_iterations_linger_into_one_message() -> No
             await peer.publish_raw("topic_message", sent[-1], agent="a", run="r")
             await until(lambda: rec.bodies() == sent, what="the lone event sent after its linger")
             assert len(rec.events) == messages + 1
+
+
+@pytest.mark.anyio
+async def test_an_event_on_an_idle_channel_goes_at_the_end_of_the_loop_iteration() -> None:
+    """Nothing sent within EVENT_LINGER: nothing is coming for a held event to ride with, so it
+    goes once the loop iteration ends (a streamed delta 10 ms after the last one waited the
+    whole linger for nobody), not a linger later."""
+    with recording_hub(p.MAX_EVENT_BODIES, mixed_types=True) as rec:
+        async with connect(rec.endpoint, name="idle") as peer:
+            await until(lambda: time.monotonic() - peer.outbox.sent_at > EVENT_LINGER,
+                        what="the channel idle for a linger")
+            event = body("topic_message", "delta")
+            await peer.publish_raw("topic_message", event, agent="a", run="r")
+            assert peer.outbox.items, "held for the end of the iteration"
+            await anyio.lowlevel.checkpoint()  # the iteration ends: the flush runs before us
+            assert not peer.outbox.items, "still held: it waits a linger on an idle channel"
+            await until(lambda: rec.bodies() == [event], what="the event at the hub")
+            assert len(rec.events) == 1

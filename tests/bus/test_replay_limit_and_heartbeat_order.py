@@ -11,6 +11,7 @@ Real SQLite and real ZeroMQ sockets, in this process (the pipeline's own log rea
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import zmq
 
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
-from agent_bus.bus.pipeline import EventPipeline, Retention
+from agent_bus.bus.pipeline import SUBSCRIBE_BEAT_GAP, EventPipeline, Retention
 from agent_bus.bus.store.sqlite import SqliteStore as EventLog
 from agent_bus.bus.store.sqlite import connect_reader, read_batch
 
@@ -83,5 +84,50 @@ def test_a_heartbeat_is_published_after_the_events_it_counts(tmp_path: Path) -> 
         if pipeline is not None:
             pipeline.close()
         sub.close(0)
+        pub.close(0)
+        ctx.term()
+
+
+def test_a_lone_subscription_is_answered_at_once_a_burst_once_per_gap(tmp_path: Path) -> None:
+    """The heartbeat that confirms a new subscription is due at once when none went out within
+    SUBSCRIBE_BEAT_GAP (a prompt's subscription waited the whole gap), else the gap after the
+    last: a burst of subscriptions still costs the stream one heartbeat per gap."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pipeline = None
+    subs: list[zmq.Socket[Any]] = []
+    try:
+        pub.linger = 0
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        pipeline = EventPipeline(ctx, pub, tmp_path / "events.db", "s", lambda *a, **k: 0,
+                                 lambda rows: None, BUDGET, 8192, Retention())
+
+        def subscribe(topic: bytes) -> tuple[float, float]:
+            """Subscribe a new SUB socket; (just before, just after) the hub's side noted it."""
+            sub = ctx.socket(zmq.SUB)
+            sub.linger = 0
+            subs.append(sub)
+            sub.setsockopt(zmq.SUBSCRIBE, topic)
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            assert pub.poll(10_000), "the subscription never reached the XPUB"
+            before = time.monotonic()
+            pipeline.drain_subscriptions()
+            return before, time.monotonic()
+
+        assert pipeline.sub_beat_at == math.inf  # nothing to answer
+        before, after = subscribe(b"a/")
+        assert before <= pipeline.sub_beat_at <= after  # due at once
+        pipeline.publish_heartbeat()
+        beat = time.monotonic()
+        assert pipeline.sub_beat_at == math.inf
+        _, after = subscribe(b"b/")  # due the gap after that heartbeat, or at once past it
+        assert beat + SUBSCRIBE_BEAT_GAP - 1e-3 <= pipeline.sub_beat_at
+        assert pipeline.sub_beat_at <= max(after, beat + SUBSCRIBE_BEAT_GAP)
+    finally:
+        if pipeline is not None:
+            pipeline.close()
+        for sub in subs:
+            sub.close(0)
         pub.close(0)
         ctx.term()
