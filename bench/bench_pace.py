@@ -25,7 +25,10 @@ results file are printed apart); for direct, CELLS over its wall time. A streame
 latency: the time a token reaches the reader minus the clock the server wrote into it, on the
 same machine; through the bus the reader is a `busctl watch --json --type message_update`
 subprocess (this process reads its stdout as it prints), direct it is the httpx client; each
-round's ratio is the bus p50 over the direct p50 of the same round.
+round's ratio is the bus p50 over the direct p50 of the same round. The floor of that path
+(after each direct run, unless `--no-floor`): the same requests read by an httpx relay process
+that pushes each stamped line through a raw Python broker to a SUB process printing it, the
+three processes a delta crosses through the bus (gateway, hub, watch) with none of its work.
 
 Headlines (bench/headline.py, after `== headline ==`): `pace_cells_per_s` bus / direct (target
 >= 0.95x) and `pace_delta_p50` through `busctl watch` / straight from the server (target <= 2x).
@@ -112,11 +115,13 @@ def write_spec(tmp: Path, cells: int, parallel: int) -> Path:
 
 
 class Watch:
-    """A `busctl watch --json` subprocess; a thread reads its lines as they come and keeps each
-    stamped token's latency (the time the line was read minus the token's server clock)."""
+    """A `busctl watch --json` subprocess (or `proc`, another printer of stamped lines: the
+    floor's); a thread reads its lines as they come and keeps each stamped token's latency (the
+    time the line was read minus the token's server clock)."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.proc = Proc(busctl("watch", "--hub", endpoint, "--json", "--type", "message_update"))
+    def __init__(self, endpoint: str, proc: Proc | None = None) -> None:
+        self.proc = proc or Proc(busctl("watch", "--hub", endpoint, "--json", "--type",
+                                        "message_update"))
         self.latencies: list[float] = []
         self.to_hub: list[float] = []  # the server's clock -> the hub's stamp (`ts`)
         self.lines = 0
@@ -133,8 +138,9 @@ class Watch:
             if not stamps:
                 continue
             self.latencies += [now - s for s in stamps]
-            ts = json.loads(line).get("ts", 0.0)
-            self.to_hub += [ts - s for s in stamps]
+            if line.startswith("{"):
+                ts = json.loads(line).get("ts", 0.0)
+                self.to_hub += [ts - s for s in stamps]
 
     def take(self) -> list[float]:
         out, self.latencies = self.latencies, []
@@ -148,19 +154,23 @@ class Watch:
         self.proc.stop()
 
 
+def request_body(model: str, tokens: int) -> dict[str, Any]:
+    """What the direct driver (and the floor's relay) sends: greedy and seeded as the topology's
+    model (a real model's replies the same length both ways), and asking for the usage chunk as
+    the gateway does (`providers/openai.py`): without it the scripted server sent one event
+    less, a token interval (10 ms) a cell the gateway was charged for the usage it needs."""
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": tokens, "temperature": 0.0, "seed": 1,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INPUT}]}
+
+
 async def direct(base_url: str, model: str, cells: int, parallel: int, tokens: int,
                  each: list[float] | None = None, keep_alive: bool = True) -> tuple[float, list[float]]:
     """`cells` streamed requests, `parallel` at once, straight to the server: (wall s, each
     stamped token's latency from the server's clock to this reader); each request's wall
     appended to `each`. `keep_alive` False: a connection a request (llama.cpp's server closes
     each after its stream, unannounced)."""
-    # greedy and seeded as the topology's model (a real model's replies the same length both
-    # ways), and asking for the usage chunk as the gateway does (`providers/openai.py`): without
-    # it the scripted server sent one event less, a token interval (10 ms) a cell the gateway
-    # was charged for the usage every experiment needs
-    body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": tokens, "temperature": 0.0, "seed": 1,
-            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INPUT}]}
+    body = request_body(model, tokens)
     latencies: list[float] = []
     left = cells
     limits = httpx.Limits(max_connections=parallel,
@@ -184,6 +194,77 @@ async def direct(base_url: str, model: str, cells: int, parallel: int, tokens: i
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(parallel)))
         return time.perf_counter() - started, latencies
+
+
+# The floor of a delta's path (`--no-floor` leaves it out): the least glue over the same
+# processes as the bus's path. A relay process reads the server's stream with httpx, as the
+# direct driver does (the gateway's place), and pushes each stamped line through a raw Python
+# broker (blocking pyzmq PULL -> XPUB: the hub's place, with no check, stamp or log) to a SUB
+# process that prints it (the watch's place). Through the bus a delta crosses the same three
+# processes; what it costs over this floor is the bus's own work on the way.
+FLOOR_BROKER = """
+import json, sys, zmq
+ctx = zmq.Context()
+pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.XPUB)
+pull_port = pull.bind_to_random_port("tcp://127.0.0.1")
+pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+print(json.dumps({"ports": [pull_port, pub_port]}), flush=True)
+pub.recv()  # the printer's subscription: from now on nothing pushed is lost
+print(json.dumps({"ready": "broker"}), flush=True)
+while True:
+    pub.send(pull.recv())
+"""
+FLOOR_PRINTER = """
+import sys, zmq
+sub = zmq.Context().socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(sys.argv[1])
+out = sys.stdout
+while True:
+    out.write(sub.recv().decode() + "\\n")
+    out.flush()
+"""
+FLOOR_RELAY = """
+import asyncio, json, sys, httpx, zmq
+base_url, model, cells, parallel, tokens, pull = sys.argv[1:7]
+cells, parallel, tokens = int(cells), int(parallel), int(tokens)
+push = zmq.Context().socket(zmq.PUSH)
+push.connect(pull)
+body = json.loads(sys.argv[7])
+async def main():
+    left = cells
+    limits = httpx.Limits(max_connections=parallel, max_keepalive_connections=parallel)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker():
+            nonlocal left
+            while left > 0:
+                left -= 1
+                async with client.stream("POST", base_url + "/chat/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            push.send(line.encode())
+        await asyncio.gather(*(worker() for _ in range(parallel)))
+asyncio.run(main())
+"""
+
+
+def floor_processes() -> tuple[list[Proc], str, Watch]:
+    """The floor's broker and printer (its reader thread in a `Watch`): (processes, the
+    broker's PULL endpoint, the reader)."""
+    broker = Proc([sys.executable, "-c", FLOOR_BROKER])
+    assert broker.popen.stdout is not None
+    pull_port, pub_port = json.loads(broker.popen.stdout.readline())["ports"]
+    printer = Proc([sys.executable, "-c", FLOOR_PRINTER, f"tcp://127.0.0.1:{pub_port}"])
+    broker.ready()
+    return [broker, printer], f"tcp://127.0.0.1:{pull_port}", Watch("", printer)
+
+
+def floor_run(base_url: str, model: str, cells: int, parallel: int, tokens: int,
+              pull: str) -> None:
+    """One relay run of `cells` cells (its lines reach the floor's printer as they stream)."""
+    subprocess.run([sys.executable, "-c", FLOOR_RELAY, base_url, model, str(cells), str(parallel),
+                    str(tokens), pull, json.dumps(request_body(model, tokens))],
+                   check=True, timeout=600)
 
 
 def journal_window(db: Path, after_seq: int) -> tuple[float, float, int, int]:
@@ -282,6 +363,8 @@ def main() -> None:
                          "bus/outbox.py's EVENT_LINGER (a line run before cli.py)")
     ap.add_argument("--no-watch", action="store_true",
                     help="no `busctl watch` during the bus runs (cells/s only)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="leave out the floor of a delta's path (a relay after each direct run)")
     args = ap.parse_args()
     common.PROFILE_DIR = args.profile  # read by `busctl()`
     size = SIZES["smoke" if args.smoke else "quick" if args.quick else "full"]
@@ -297,6 +380,7 @@ def main() -> None:
         tmp = Path(folder)
         procs: list[Proc] = []
         watch: Watch | None = None
+        floor: Watch | None = None
         try:
             if real:
                 base_url = args.base_url.rstrip("/")
@@ -327,6 +411,10 @@ def main() -> None:
             spec = write_spec(tmp, cells, parallel)
             db = tmp / "hub" / "events.db"
             watch = None if args.no_watch else Watch(endpoint)
+            pull = ""
+            if not (args.no_watch or args.no_floor or real):
+                floor_procs, pull, floor = floor_processes()
+                procs += floor_procs
             # warm-up: imports, connections, the server's first requests
             bus_run(endpoint, write_spec_small(tmp, parallel), "warm", tmp, db, parallel)
             asyncio.run(direct(base_url, args.model, parallel, parallel, tokens,
@@ -337,14 +425,14 @@ def main() -> None:
             rates: dict[str, list[float]] = {"bus": [], "direct": []}
             walls: list[float] = []
             cell_walls: dict[str, list[float]] = {"bus": [], "direct": []}
-            lat: dict[str, list[float]] = {"bus": [], "direct": []}
+            lat: dict[str, list[float]] = {"bus": [], "direct": [], "floor": []}
             to_hub: list[float] = []
-            p50s: dict[str, list[float]] = {"bus": [], "direct": []}
+            p50s: dict[str, list[float]] = {"bus": [], "direct": [], "floor": []}
             print(f"{cells} cells a run, {parallel} at once; the model: "
                   + (base_url if real else f"busctl fake-llm --parallel {parallel} --token-ms "
                      f"{args.token_ms:g}, {tokens} tokens a reply"), flush=True)
             for r in range(rounds):
-                round_lat: dict[str, list[float]] = {"bus": [], "direct": []}
+                round_lat: dict[str, list[float]] = {"bus": [], "direct": [], "floor": []}
                 for i, kind in enumerate(("direct", "bus", "bus", "direct")):
                     if kind == "direct":
                         wall, got = asyncio.run(direct(base_url, args.model, cells, parallel,
@@ -366,15 +454,24 @@ def main() -> None:
                              if kind == "bus" else "")
                           + (f"; delta p50 {p50(got) * 1e3:.2f} ms ({len(got)} tokens)"
                              if got else ""), flush=True)
+                    if kind == "direct" and floor is not None:
+                        floor_run(base_url, args.model, cells, parallel, tokens, pull)
+                        time.sleep(0.2)  # the printer's last lines
+                        got = floor.take()
+                        round_lat["floor"] += got
+                        print(f"round {r + 1}  floor: delta p50 {p50(got) * 1e3:.2f} ms "
+                              f"({len(got)} tokens)", flush=True)
                 for kind in lat:
                     lat[kind] += round_lat[kind]
-                    p50s[kind].append(p50(round_lat[kind]))
+                    if round_lat[kind]:
+                        p50s[kind].append(p50(round_lat[kind]))
             retries = count_type(db, "llm_retry")
             print(f"the gateway's retries of a model call (llm_retry events) in the whole run: "
                   f"{retries}", flush=True)
         finally:
-            if watch is not None:
-                watch.stop()
+            for reader in (watch, floor):
+                if reader is not None:
+                    reader.stop()
             for proc in reversed(procs):
                 proc.stop()
     cell_ratios = [b / d for b, d in zip(rates["bus"], rates["direct"], strict=True)]
@@ -397,6 +494,15 @@ def main() -> None:
               f"it) p50 {p50(to_hub) * 1e3:.2f} ms, the rest (the hub logging and publishing it, "
               f"`busctl watch` printing it) {(p50(lat['bus']) - p50(to_hub)) * 1e3:.2f} ms")
         hl.add("pace_delta_p50", delta_ratios, "<=", 2.0, "rounds")
+        if lat["floor"]:
+            over = [b / f for b, f in zip(p50s["bus"], p50s["floor"], strict=True)]
+            floor_over = [f / d for f, d in zip(p50s["floor"], p50s["direct"], strict=True)]
+            print(f"the floor of a delta's path (an httpx relay process -> a raw Python broker -> "
+                  f"a SUB process printing it): p50 {p50(lat['floor']) * 1e3:.2f} ms (p99 "
+                  f"{pct99(lat['floor']) * 1e3:.2f}); floor / straight to httpx "
+                  f"{statistics.median(floor_over):.2f}x (rounds {min(floor_over):.2f}-"
+                  f"{max(floor_over):.2f}); through `busctl watch` / the floor "
+                  f"{statistics.median(over):.2f}x (rounds {min(over):.2f}-{max(over):.2f})")
     else:
         print("streamed delta latency: not measured (--no-watch, or a real server: its tokens "
               "carry no clock)")
