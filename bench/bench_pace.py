@@ -360,7 +360,8 @@ def main() -> None:
     ap.add_argument("--event-linger", type=float, default=None, metavar="S",
                     help="a measuring instrument, not a setting: the gateway and coordinator "
                          "hold events and partial replies up to S seconds instead of "
-                         "bus/outbox.py's EVENT_LINGER (a line run before cli.py)")
+                         "bus/outbox.py's EVENT_LINGER (a line run before cli.py; the gateway "
+                         "keeps its own STREAM_LINGER when that is shorter)")
     ap.add_argument("--no-watch", action="store_true",
                     help="no `busctl watch` during the bus runs (cells/s only)")
     ap.add_argument("--no-floor", action="store_true",

@@ -30,6 +30,8 @@ HOLD_MAX = 1024  # messages (events, replies, partials) held for the end of the 
 # turn's next request. Watchers see an event at most this much later. On an idle channel (nothing
 # sent for this long) nothing is coming to ride with: held events go at the end of the loop
 # iteration (a streamed delta 10 ms after the last one waited the whole linger for nobody).
+# An owner whose events are mostly what watchers wait for sets its own (`Outbox.linger`: the
+# gateway's streamed deltas, agents/gateway/process.py).
 EVENT_LINGER = 0.002
 # Held events that differ only by id (and type, with a hub that takes mixed types) go out as one
 # multi-body `event` message (docs/protocol.md §4), up to this many bodies and bytes of bodies:
@@ -67,13 +69,14 @@ class Outbox:
     `sent_at` is when the owner last sent anything (the owner's direct sends set it too)."""
 
     __slots__ = ("_flush", "_flush_scheduled", "_linger", "_new_id", "_session", "events_sent",
-                 "gen", "items", "loop", "sent_at")
+                 "gen", "items", "linger", "loop", "sent_at")
 
     def __init__(self, session: str, new_id: Callable[[], str],
                  flush: Callable[[], None]) -> None:
         self.items: list[Held] = []
         self.gen = 0
         self.events_sent = 0
+        self.linger = EVENT_LINGER  # seconds held events wait for company
         self.sent_at = -EVENT_LINGER  # time.monotonic() of the owner's last send
         self.loop: asyncio.AbstractEventLoop | None = None  # the owner's, set when it connects
         self._session = session
@@ -86,7 +89,7 @@ class Outbox:
 
     def hold(self, frames: list[Any], *, linger: bool = False) -> bool:
         """Hold a whole message for the end of this loop iteration (with `linger`, a partial
-        reply: up to `EVENT_LINGER` for the next send); False when full (send it now)."""
+        reply: up to `linger` for the next send); False when full (send it now)."""
         items = self.items
         if len(items) >= HOLD_MAX:
             return False
@@ -98,7 +101,7 @@ class Outbox:
         return True
 
     def hold_event(self, body: bytes, key: EventKey) -> bool:
-        """Hold an event for up to `EVENT_LINGER`; False when full (send it now)."""
+        """Hold an event for up to `linger`; False when full (send it now)."""
         items = self.items
         if len(items) >= HOLD_MAX:
             return False
@@ -128,14 +131,15 @@ class Outbox:
             self.loop.call_soon(self._flush_soon)
 
     def _schedule_linger(self) -> None:
-        """Flush held events `EVENT_LINGER` from now, unless something sends them sooner; at the
-        end of the loop iteration when the channel is idle (nothing sent within the linger)."""
+        """Flush held events `linger` from now, unless something sends them sooner; at the end
+        of the loop iteration when the channel is idle (nothing sent within the linger)."""
         if self._linger is not None or self._flush_scheduled or self.loop is None:
             return
-        if time.monotonic() - self.sent_at >= EVENT_LINGER:
+        linger = self.linger
+        if time.monotonic() - self.sent_at >= linger:
             self._schedule_flush()
             return
-        self._linger = self.loop.call_later(EVENT_LINGER, self._linger_ended)
+        self._linger = self.loop.call_later(linger, self._linger_ended)
 
     def _linger_ended(self) -> None:
         self._linger = None

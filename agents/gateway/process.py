@@ -216,6 +216,14 @@ def _over_limit(peer: Peer, size: int) -> bool:
     return bool(limit) and size > limit
 
 
+# How long a streamed delta's partial and event wait for company (bus/outbox.py): a watcher
+# waits for them, and streams of a few tokens a read rarely share a message worth the wait.
+# 2 ms (the bus's default linger) put busctl watch 1.4-2.3 ms behind the server, 0.5 ms 1.0-1.3
+# ms (bench/bench_pace.py, 4 streams of a token each 10 ms); a model streaming faster still
+# sends a few messages a millisecond at most.
+STREAM_LINGER = 0.0005
+
+
 class _CallRelay:
     """One `llm` call's streaming: each delta to the requester (a partial reply) and to the log
     (`message_update` events), each retry as a `reset` partial and an `llm_retry` event. The
@@ -401,6 +409,7 @@ async def _run_engine(settings: GatewaySettings, engine: LlmEngine,
                 _exit_setup_error(exc)
             async with connect(settings.hub, name=settings.name, role="gateway",
                                curve=settings.curve) as peer:
+                peer.outbox.linger = min(peer.outbox.linger, STREAM_LINGER)
                 await _serve(settings, engine, peer, task_status)
 
 
