@@ -5,11 +5,14 @@ from running). Through a real hub process."""
 
 from __future__ import annotations
 
+import math
+
 import anyio
 import pytest
 
+from agent_bus.bus import protocol as p
 from agent_bus.bus.client import IncomingRequest, connect
-from agent_bus.bus.rpc import SPIN_MAX
+from agent_bus.bus.rpc import SPIN_MAX, Call
 from tests.bus.helpers import serving_peers
 
 pytestmark = pytest.mark.anyio
@@ -59,3 +62,14 @@ async def test_a_slow_service_is_not_polled_for(hub: dict) -> None:
                 with anyio.fail_after(10):
                     assert (await peer.request("slow", b"0.02")).startswith(b"done by")
             assert peer._calls._round_trips["slow"] > SPIN_MAX  # a 20 ms service: it sleeps
+
+
+async def test_a_replay_is_never_polled_for(hub: dict) -> None:
+    """`hub.replay` may be answered by the hub's idle-priority reader, which a poller would keep
+    off the CPU: it waits in the loop, whatever its round trips took."""
+    async with connect(hub["endpoint"], name="requester") as peer:
+        with anyio.fail_after(10):
+            await peer.confirm()  # a lone `hub.replay`
+        peer._calls._round_trips.pop(p.HUB_REPLAY, None)  # as if never asked: a poll's case
+        # a call no reply will come for: a poll would end False after SPIN_MAX
+        assert peer._calls._spin(Call("x", math.inf), p.HUB_REPLAY)
