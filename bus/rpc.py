@@ -46,12 +46,11 @@ _SIG = p.SIGNATURE
 # most SPIN_MAX waits for its reply by polling the socket, yielding the CPU between looks
 # (`Calls._spin`), for up to twice that service's usual round trip (at most SPIN_MAX), and only
 # then through the event loop. On this 2-core VM a wake-up from epoll through the loop is much
-# of a short round trip: polling took the lone round trip to 0.81x (bench/ab_bus.py); polling
-# without yielding took it to 1.59x (the poller kept the hub and the server off the CPU). A
-# request to a slower service (a model call) never polls: its process stays asleep. Nor does a
-# `hub.replay` (a subscriber's gap fill, a publish confirmation): its answer may come from the
-# hub's idle-priority reader, which a poller keeps off a CPU (an unpaced subscriber behind a
-# burst fell to 0.15-0.36x raw in 3 of 13 bench_bus rounds with it, 0 of 6 without).
+# of a short round trip: polling took the lone round trip to 0.73-0.83x (bench/ab_bus.py);
+# polling without yielding took it to 1.59x (the poller kept the hub and the server off the
+# CPU). A request to a slower service (a model call) never polls: its process stays asleep. Nor
+# does a `hub.replay` (a subscriber's gap fill, a publish confirmation): its answer may come
+# from the hub's idle-priority reader, which a poller would keep off a CPU.
 SPIN_MAX = 0.0005  # s
 SPIN_SMOOTHING = 0.25  # weight of the newest lone round trip in a service's running estimate
 _sched_yield = getattr(os, "sched_yield", lambda: None)
@@ -334,7 +333,7 @@ class Calls:
         if not isinstance(call, Call):
             call, lone = await self._start_waiting(*call), False
         try:
-            if lone:
+            if lone and self._polls(service):
                 # What is ready runs first (a burst's other requests: then this one is not
                 # lone, and the loop must not stop for it); the reply is polled for after.
                 await asyncio.sleep(0)
@@ -350,13 +349,18 @@ class Calls:
             self._learn(service, time.perf_counter() - started)
         return reply
 
-    def _spin(self, call: Call, service: str) -> bool:
-        """Poll for `call`'s reply while `service` usually answers a lone request within
-        SPIN_MAX (see there); the reader's `drain` queues it on the call. False: polled in vain."""
+    def _polls(self, service: str) -> bool:
+        """Whether a lone request to `service` polls for its reply (see SPIN_MAX)."""
         usual = self._round_trips.get(service)
+        return (usual is None or usual <= SPIN_MAX) and service != p.HUB_REPLAY
+
+    def _spin(self, call: Call, service: str) -> bool:
+        """Poll for `call`'s reply for up to twice `service`'s usual lone round trip (at most
+        SPIN_MAX); the reader's `drain` queues it on the call. False: polled in vain."""
         sock = self._peer.sock
-        if usual is not None and usual > SPIN_MAX or sock is None or service == p.HUB_REPLAY:
+        if sock is None:
             return True
+        usual = self._round_trips.get(service)
         end = time.perf_counter() + (SPIN_MAX if usual is None else min(SPIN_MAX, 2 * usual))
         try:
             while not call.items:
