@@ -32,7 +32,7 @@ from agent_bus.bus.store import Retention, Row, StoreError, open_store
 log = logging.getLogger("bus.hub")
 
 # New subscriptions are answered by a heartbeat at most once per this many seconds: a lone one at
-# once (a prompt's subscription waited the whole gap, ~2.7 ms of each experiment cell), a flood of
+# once (a prompt's subscription waited the whole gap: 39% of starting a run), a flood of
 # them coalesced, so a subscriber cannot make the hub flood the stream.
 SUBSCRIBE_BEAT_GAP = 0.002
 DRAIN_LIMIT = 4096  # subscription messages read per pass

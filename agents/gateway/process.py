@@ -218,9 +218,9 @@ def _over_limit(peer: Peer, size: int) -> bool:
 
 # How long a streamed delta's partial and event wait for company (bus/outbox.py): a watcher
 # waits for them, and streams of a few tokens a read rarely share a message worth the wait.
-# 2 ms (the bus's default linger) put busctl watch 1.4-2.3 ms behind the server, 0.5 ms 1.0-1.3
-# ms (bench/bench_pace.py, 4 streams of a token each 10 ms); a model streaming faster still
-# sends a few messages a millisecond at most.
+# Against the bus's default 2 ms, 0.5 ms took busctl watch's lag behind the server to about 0.6x
+# in the same runs (bench/bench_pace.py --event-linger, 4 streams of a token each 10 ms); a
+# model streaming faster still sends at most one flush per linger.
 STREAM_LINGER = 0.0005
 
 
