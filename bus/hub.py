@@ -60,7 +60,15 @@ DRAIN_LIMIT = 4096  # messages read per socket per pass, so periodic work still 
 TICK = 0.1  # seconds between expiry scans (request deadlines and peer liveness)
 DEPARTED_KEEP = 10.0  # seconds a peer dropped for a closed connection is remembered (see _handle)
 REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a reset
-EVENT_BATCH_BYTES = 8 * 1024 * 1024  # a pass ends once its events pass this (logged, published)
+EVENT_BATCH_BYTES = 1024 * 1024  # a pass ends once its events' bodies pass this (logged, published)
+# ...or once it stamped this many events (at most a quarter of a subscriber's queue, see
+# `_pass_events`). A flood read in one pass was published in one burst after it: 100,000 small
+# events were one 400 ms pass, a subscriber that reads as fast as the hub publishes heard nothing
+# meanwhile, then lost all but its queue's 8,192, and the batch was too big for the `recent`
+# window, so its gap waited for the log's reader (bench_bus unpaced: 0.15-0.36x raw). 512, not
+# 1,024: a request's round trip beside a flood waits for the pass in hand (p50 ~0.65x of 1,024's;
+# events/s within the runs' spread).
+PASS_EVENTS = 512
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 TRIM_DELAY = 1.0  # seconds after a peer is dropped before freed memory is given back (_trim)
@@ -430,6 +438,8 @@ class Hub:
         self.counters = Counters()
         self._new_registry()
         self._batch_bytes = 0  # event bodies read this pass (it ends past EVENT_BATCH_BYTES)
+        # events stamped per pass: a burst never overflows a subscriber that keeps up
+        self._pass_events = max(1, min(PASS_EVENTS, config.subscriber_hwm() // 4))
         self._status_size = 0  # bytes of the last `hub.status` answer (the next one's estimate)
         self._trim_at = math.inf  # when to give freed memory back to the OS (see _trim)
         self._stopping = False
@@ -734,12 +744,15 @@ class Hub:
             functools.partial(self._recv_curve, _NOBLOCK) if self._auth is not None
             else functools.partial(_recv_frames, router))
         handle = self._handle
+        events = self.events
+        pass_events = self._pass_events
         self._batch_bytes = 0
         for n in range(DRAIN_LIMIT):
-            if self._batch_bytes > EVENT_BATCH_BYTES:
-                # Big events: the pass ends here (the loop logs and publishes the batch, then
-                # beats and ticks), so a backlog of them never keeps the heartbeats from peers
-                # (tests/fault/test_hub_beats.py).
+            if self._batch_bytes > EVENT_BATCH_BYTES or len(events.rows) >= pass_events:
+                # The pass ends here (the loop logs and publishes the batch, then beats and
+                # ticks): a backlog of big events never keeps the heartbeats from peers
+                # (tests/fault/test_hub_beats.py), and a flood of small ones reaches
+                # subscribers as it is read, not in one burst past their queues.
                 return
             try:
                 frames = recv()
