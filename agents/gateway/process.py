@@ -79,8 +79,14 @@ EVENT_DELTA_CHARS = 128 * 1024
 
 _encoder = msgspec.msgpack.Encoder()
 _replay_decoder = msgspec.msgpack.Decoder(ReplayLoad)
-RUNS_KEPT = 64  # runs whose last request `_Requests` keeps decoded (the most recent calls')
-MESSAGES_KEPT = 20_000  # and the most messages those hold together: bounded memory
+# Runs whose last request `_Requests` keeps decoded (the most recent calls'): as many as a
+# big experiment runs at once (64 thrashed at 1,000 sessions: 3.7% of the gateway's CPU went to
+# decoding whole histories again). Memory stays bounded by the other two: the most messages
+# those hold together, and the most bytes of their bodies (each kept message is a view into
+# its request's body, which it keeps alive).
+RUNS_KEPT = 2048
+MESSAGES_KEPT = 20_000
+BODY_BYTES_KEPT = 64 * 1024 * 1024
 
 
 class _LazyRequest(LlmRequest):
@@ -103,10 +109,14 @@ class _Requests:
     request's decoded objects, never changed by the gateway (which lets the engine's
     `Histories` recognise them at once and convert only the new ones)."""
 
-    def __init__(self, runs: int = RUNS_KEPT, messages: int = MESSAGES_KEPT) -> None:
-        self._kept, self._most = runs, messages
-        self._runs: OrderedDict[str, tuple[list[msgspec.Raw], list[LlmMessage]]] = OrderedDict()
+    def __init__(self, runs: int = RUNS_KEPT, messages: int = MESSAGES_KEPT,
+                 body_bytes: int = BODY_BYTES_KEPT) -> None:
+        self._kept, self._most, self._most_bytes = runs, messages, body_bytes
+        # run -> (its last request's messages encoded, decoded, and that body's size)
+        self._runs: OrderedDict[str, tuple[list[msgspec.Raw], list[LlmMessage], int]] = \
+            OrderedDict()
         self._held = 0  # messages in `_runs`
+        self._held_bytes = 0  # bytes of the bodies they keep alive
 
     def decode(self, body: bytes) -> LlmRequest:
         """Raises `msgspec.DecodeError` or `msgspec.ValidationError` for a malformed request."""
@@ -116,6 +126,7 @@ class _Requests:
         same = 0
         if seen is not None:
             self._held -= len(seen[0])
+            self._held_bytes -= seen[2]
             old = seen[0]
             if len(old) <= len(raws) and raws[:len(old)] == old:
                 same = len(old)
@@ -124,11 +135,15 @@ class _Requests:
                     same += 1
         messages = seen[1][:same] if seen is not None else []
         messages += [_message_decoder.decode(raw) for raw in raws[same:]]
-        if run and len(raws) <= self._most:
-            self._runs[run] = (raws, messages)
+        if run and len(raws) <= self._most and len(body) <= self._most_bytes:
+            self._runs[run] = (raws, messages, len(body))
             self._held += len(raws)
-            while len(self._runs) > self._kept or self._held > self._most:
-                self._held -= len(self._runs.popitem(last=False)[1][0])
+            self._held_bytes += len(body)
+            while (len(self._runs) > self._kept or self._held > self._most
+                   or self._held_bytes > self._most_bytes):
+                dropped = self._runs.popitem(last=False)[1]
+                self._held -= len(dropped[0])
+                self._held_bytes -= dropped[2]
         return LlmRequest(messages=list(messages),
                           **{name: getattr(lazy, name) for name in _OTHER_FIELDS})
 

@@ -223,3 +223,17 @@ def test_the_gateways_requests_decode_only_what_a_runs_history_added() -> None:
     bad = msgspec.msgpack.encode({"messages": [{"role": "user", "content": 7}], "run_id": "r"})
     with pytest.raises(msgspec.ValidationError):
         requests.decode(bad)
+
+
+def test_the_gateways_requests_keep_at_most_their_bodies_budget() -> None:
+    """A kept message is a view into its request's body, which it keeps alive: the bodies
+    kept are bounded in bytes too, whatever the number of runs."""
+    body = msgspec.msgpack.encode(LlmRequest(messages=HISTORY[:2], run_id="a"))
+    requests = _Requests(body_bytes=2 * len(body) + 10)  # room for two such bodies
+    first = requests.decode(body)
+    assert requests.decode(body).messages[1] is first.messages[1]  # kept
+    requests.decode(msgspec.msgpack.encode(LlmRequest(messages=HISTORY[:2], run_id="b")))
+    requests.decode(msgspec.msgpack.encode(LlmRequest(messages=HISTORY[:2], run_id="c")))
+    assert requests.decode(body).messages[1] is not first.messages[1]  # "a" went for "c"
+    huge = _Requests(body_bytes=len(body) - 1)  # a body over the whole budget is not kept
+    assert huge.decode(body).messages[1] is not huge.decode(body).messages[1]

@@ -240,7 +240,9 @@ def convert_messages(system_prompt: str, messages: list[LlmMessage]) -> list[dic
     return _convert(messages, head)
 
 
-HISTORIES_KEPT = 64  # runs whose converted history `Histories` keeps (the most recent calls')
+# runs whose converted history `Histories` keeps (the most recent calls'): as many as a big
+# experiment runs at once (64 thrashed at 1,000 sessions)
+HISTORIES_KEPT = 2048
 # and the most messages they hold together: the memory held between calls stays bounded (tens
 # of MB at a few kB a message) whatever the histories' length
 HISTORY_MESSAGES_KEPT = 20_000
