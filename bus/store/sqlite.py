@@ -6,9 +6,10 @@ batch is published, with `synchronous=NORMAL`. In WAL mode that survives a SIGKI
 commit is in the WAL file); only an OS crash or power loss can lose the last commits.
 
 Checkpoints (copying the WAL back into the database file, with its fsyncs) run on a thread of
-their own (`Checkpointer`), never in the routing loop: SQLite's automatic one runs in the commit
+their own (`Checkpointer`), not in the routing loop: SQLite's automatic one runs in the commit
 that crosses its threshold, and stopped the loop for ~60 ms every ~110,000 small events
-(bench_bus unpaced: a subscriber and every request waited for it).
+(bench_bus unpaced: a subscriber and every request waited for it). Under a steady flood the loop
+still copies the last few frames of each checkpoint itself (see `Checkpointer`).
 """
 
 from __future__ import annotations
@@ -335,12 +336,13 @@ def checkpoint(db: sqlite3.Connection) -> bool:
     """A PASSIVE checkpoint on `db`: whether it copied every frame (False also when it failed,
     e.g. disk full: the next one copies what this did not)."""
     try:
-        _, frames, copied = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        busy, frames, copied = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     except sqlite3.Error as exc:
         log.warning("event log checkpoint failed (tried again after the next %d MB): %s",
                     CHECKPOINT_BYTES >> 20, exc)
         return False
-    return bool(copied >= frames)
+    # busy: another checkpoint was running (it copied nothing); frames -1: not in WAL mode
+    return bool(not busy and 0 <= frames <= copied)
 
 
 class SqliteReader:
