@@ -30,6 +30,7 @@ log = logging.getLogger("bus.hub")
 
 PAGE_SIZE = 16384  # for a new log file
 CHECKPOINT_BYTES = 32 * 1024 * 1024  # rows appended between two checkpoints (~the WAL's size)
+COPIES = 3  # checkpoints in a row, each of what the writer added during the one before
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS events (
@@ -290,10 +291,10 @@ class Checkpointer:
     sqlite3 module releases the GIL while SQLite works, so the routing loop goes on. The WAL
     starts over (and is truncated to `journal_size_limit`) only at a commit that begins after
     a checkpoint copied every frame. When the writer committed nothing while the thread copied
-    (the usual bursts), its next commit does; under a steady flood its commits overlap every
-    copy (which takes as long as its fsyncs), so the writer copies the frames it added
-    meanwhile itself, just before its next commit (`SqliteStore._append`): a moment, not the
-    whole copy, and the WAL stays bounded."""
+    (the usual bursts), its next commit does. Under a steady flood its commits overlap every
+    copy (which takes as long as its fsyncs): the thread copies again what came meanwhile, up to
+    COPIES times, and the writer copies the little left itself, just before its next commit
+    (`SqliteStore._append`: 2-3 ms, bench/bench_flood.py), and the WAL stays bounded."""
 
     def __init__(self, uri: str) -> None:
         self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
@@ -320,9 +321,15 @@ class Checkpointer:
             self._asked.clear()
             if self._closing:
                 return
-            commits = self.commits
-            if checkpoint(self._db):
-                self.copied_at = commits
+            copied_at = None
+            for _ in range(COPIES):  # each copies what the writer added during the last
+                commits = self.commits
+                if not checkpoint(self._db):
+                    break
+                copied_at = commits
+                if self.commits == commits:
+                    break  # the writer added nothing meanwhile: its next commit starts over
+            self.copied_at = copied_at
             self.done += 1
 
     def close(self) -> None:

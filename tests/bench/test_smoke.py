@@ -70,6 +70,9 @@ BENCHES: list[tuple[str, list[str], list[str], str]] = [
       rf"CURVE: hub with CURVE on tcp .* / the same hub plain tcp {RATIO}"], ""),
     ("bus-replay", ["bench/bench_bus.py", "--replay-only", "--smoke"],
      [rf"request p99 beside a full replay .*\({RATIO}; target"], ""),
+    ("flood", ["bench/bench_flood.py", "--smoke"],
+     [rf"round trip beside the flood / idle p50 .*: p50 {RATIO}, p99 {RATIO}, p99.9 {RATIO}, "
+      rf"max {RATIO}", r"event log after the floods: WAL \d+\.\d MiB"], ""),
     ("loop", ["bench/bench_loop.py", "--turns", "2", "--repeat", "1", "--transports", "ipc"],
      [rf"C/B \(ipc\).*: {RATIO}", rf"\(B \+ F\) / B: {RATIO}", rf"W / B: {RATIO}"], ""),
     ("scale", ["bench/bench_scale.py", "--sessions", "1", "--rounds", "1", "--second-wave-max", "0",
