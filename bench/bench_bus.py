@@ -26,8 +26,9 @@ body as its own message, frame by frame as the hub does, and does nothing else
 (bench/baseline.py `raw_forwarded_rate`). Events/s through the `bus` client is measured as the
 raw baseline is, its publisher never more than WINDOW events ahead of its subscriber (which sends
 CREDIT back each time it has read that many), and again unpaced: a publisher that outruns its
-subscriber, whose PUB queue at the hub then drops what the subscriber fills from the log (read
-by the hub's idle-class replay reader, so a fill waits for a free core). Not run by pytest.
+subscriber, whose PUB queue at the hub may then drop what the subscriber fills from the log (from
+the hub's `recent` window when the gap is recent, else by its idle-class replay reader, which
+waits for a free core). Not run by pytest.
 Processes are started with the `spawn` method; every one is stopped at the end, even on error.
 """
 
