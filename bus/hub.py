@@ -63,11 +63,11 @@ REBIND_TIMEOUT = 1.0  # seconds to get the event socket's address back after a r
 EVENT_BATCH_BYTES = 1024 * 1024  # a pass ends once its events' bodies pass this (logged, published)
 # ...or once it stamped this many events (at most a quarter of a subscriber's queue, see
 # `_pass_events`). A flood read in one pass was published in one burst after it: 100,000 small
-# events were one 400 ms pass, a subscriber that reads as fast as the hub publishes heard nothing
-# meanwhile, then lost all but its queue's 8,192, and the batch was too big for the `recent`
-# window, so its gap waited for the log's reader (bench_bus unpaced: 0.15-0.36x raw). 512, not
-# 1,024: a request's round trip beside a flood waits for the pass in hand (p50 ~0.65x of 1,024's;
-# events/s within the runs' spread).
+# events were one pass as long as logging them all, a subscriber that reads as fast as the hub
+# publishes heard nothing meanwhile, then lost all but its queue's 8,192, and the batch was too
+# big for the `recent` window, so its gap waited for the log's reader (bench_bus unpaced:
+# 0.15-0.36x raw). 512, not 1,024: a request's round trip beside a flood waits for the pass in
+# hand (p50 ~0.65x of 1,024's; events/s within the runs' spread).
 PASS_EVENTS = 512
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)

@@ -7,9 +7,9 @@ commit is in the WAL file); only an OS crash or power loss can lose the last com
 
 Checkpoints (copying the WAL back into the database file, with its fsyncs) run on a thread of
 their own (`Checkpointer`), not in the routing loop: SQLite's automatic one runs in the commit
-that crosses its threshold, and stopped the loop for ~60 ms every ~110,000 small events
-(bench_bus unpaced: a subscriber and every request waited for it). Under a steady flood the loop
-still copies the last few frames of each checkpoint itself (see `Checkpointer`).
+that crosses its threshold, and stopped the loop every ~110,000 small events for ~200x a lone
+round trip (bench/bench_flood.py: a subscriber and every request waited for it). Under a steady
+flood the loop still copies the last few frames of each checkpoint itself (see `Checkpointer`).
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ class Checkpointer:
     (the usual bursts), its next commit does. Under a steady flood its commits overlap every
     copy (which takes as long as its fsyncs): the thread copies again what came meanwhile, up to
     COPIES times, and the writer copies the little left itself, just before its next commit
-    (`SqliteStore._append`: 2-3 ms, bench/bench_flood.py), and the WAL stays bounded."""
+    (`SqliteStore._append`: ~5% of the whole copy's time), and the WAL stays bounded."""
 
     def __init__(self, uri: str) -> None:
         self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
