@@ -38,7 +38,9 @@ answer turn, against a zero-latency scripted model. Three ways:
   --parts: C again on the first transport, alternated with the rest, with the bus's features
      switched off by a few lines run in the coordinator and gateway before `cli.py` (a
      measuring instrument, not a setting of the product): no event published (so none logged),
-     no coordinator store (no run journal, no history), neither. What each costs a turn.
+     no coordinator store (no run journal, no history), neither; and the disk's share of those
+     (the hub patched too): the hub's log in memory, the coordinator's store never
+     checkpointed. What each costs a turn.
 
 Bus overhead per turn = (C - A) / turns (the target is < 2 ms); (C - B) / turns is the part
 that is neither the model's HTTP stream nor the loop itself. Per tool call divides the same
@@ -222,15 +224,33 @@ _NO_GATEWAY_EVENTS = ("from agent_bus.bus import peer as PP\n"
 _NO_STORE = ("from agent_bus.agents.coordinator import process as P\n"
              "P.Session._journal = lambda self, event: None\n"
              "P.Session.sync = lambda self: None\n")
+# The disk's share of those two: every event still logged and every write still made, but the
+# hub's log in SQLite's memory (no file, no WAL), and the coordinator's store never copying its
+# WAL back into the database (SQLite's automatic checkpoint, which runs inside a commit, in the
+# coordinator's event loop).
+_LOG_IN_MEMORY = ("from agent_bus.bus.store import sqlite as S\n"
+                  "_open = S.SqliteStore.__init__\n"
+                  "def _in_memory(self, path, name='events'): _open(self, None, name)\n"
+                  "S.SqliteStore.__init__ = _in_memory\n")
+_NO_CHECKPOINTS = ("from agent_bus.agents.coordinator import persistence as S\n"
+                   "_open = S.ConversationStore.__init__\n"
+                   "def _no_checkpoints(self, *args, **kw):\n"
+                   "    _open(self, *args, **kw)\n"
+                   "    self.db.execute('PRAGMA wal_autocheckpoint=0')\n"
+                   "S.ConversationStore.__init__ = _no_checkpoints\n")
 PART_TEXT = {
     "no-events": "no event published by the coordinator or the gateway, none logged",
     "no-store": "the coordinator's store writes nothing: no run journal, no history",
     "neither": "no event and no store",
+    "log-in-memory": "every event logged, but the hub's log in memory: no file, no WAL",
+    "no-checkpoints": "every store write made, but the coordinator's WAL never checkpointed",
 }
 PARTS: dict[str, dict[str, str]] = {
     "no-events": {"coordinator": _NO_COORDINATOR_EVENTS, "gateway": _NO_GATEWAY_EVENTS},
     "no-store": {"coordinator": _NO_STORE},
     "neither": {"coordinator": _NO_COORDINATOR_EVENTS + _NO_STORE, "gateway": _NO_GATEWAY_EVENTS},
+    "log-in-memory": {"hub": _LOG_IN_MEMORY},
+    "no-checkpoints": {"coordinator": _NO_CHECKPOINTS},
 }
 
 
@@ -277,7 +297,8 @@ tools = ["echo"]
 """)
     # ipc: as a local topology (`busctl up`) listens; tcp: as a multi-host one does
     address = f"ipc://{folder}/hub.sock" if transport == "ipc" else "tcp://127.0.0.1:0"
-    hub = Proc(busctl("hub", "--hub", address, "--state-dir", str(folder / "hub")))
+    hub = Proc(busctl("hub", "--hub", address, "--state-dir", str(folder / "hub"),
+                      patch=patches.get("hub", "")))
     procs.append(hub)
     endpoint = hub.ready()["endpoint"]
     starting = [Proc(busctl("gateway", "--hub", endpoint, "--topology", str(topo),
@@ -325,8 +346,9 @@ def main() -> None:
                     help="count the messages each process sends, by kind (files in DIR)")
     ap.add_argument("--parts", action="store_true",
                     help="also run C (on the first transport) with the bus's event stream, its "
-                         "coordinator store, and both switched off (bench-only patches): what "
-                         "each costs a turn")
+                         "coordinator store, and both switched off, and with the hub's log in "
+                         "memory or the coordinator's store never checkpointed (bench-only "
+                         "patches): what each costs a turn")
     ap.add_argument("--fakellm", default="", metavar="FILE",
                     help="serve the scripted model from this fakellm.py instead of the tree's "
                          "(an A/B of the fake)")
