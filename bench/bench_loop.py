@@ -226,18 +226,13 @@ _NO_STORE = ("from agent_bus.agents.coordinator import process as P\n"
              "P.Session.sync = lambda self: None\n")
 # The disk's share of those two: every event still logged and every write still made, but the
 # hub's log in SQLite's memory (no file, no WAL), and the coordinator's store never copying its
-# WAL back into the database (SQLite's automatic checkpoint, which runs inside a commit, in the
-# coordinator's event loop).
+# WAL back into the database (its `Checkpointer` thread never asked).
 _LOG_IN_MEMORY = ("from agent_bus.bus.store import sqlite as S\n"
                   "_open = S.SqliteStore.__init__\n"
                   "def _in_memory(self, path, name='events'): _open(self, None, name)\n"
                   "S.SqliteStore.__init__ = _in_memory\n")
 _NO_CHECKPOINTS = ("from agent_bus.agents.coordinator import persistence as S\n"
-                   "_open = S.ConversationStore.__init__\n"
-                   "def _no_checkpoints(self, *args, **kw):\n"
-                   "    _open(self, *args, **kw)\n"
-                   "    self.db.execute('PRAGMA wal_autocheckpoint=0')\n"
-                   "S.ConversationStore.__init__ = _no_checkpoints\n")
+                   "S.CHECKPOINT_COMMITS = 1 << 62\n")  # its checkpoint thread never asked
 PART_TEXT = {
     "no-events": "no event published by the coordinator or the gateway, none logged",
     "no-store": "the coordinator's store writes nothing: no run journal, no history",

@@ -17,7 +17,9 @@ coordinator once per group commit (`at_commit`: a turn's 4 tool results cost one
 the stored rows are still a prefix (by identity) of the history it appends the new tail,
 otherwise (compaction, `prepare_next_turn`, tool-output trimming, reset) it rewrites the session
 in one transaction. Writes are synchronous and small; WAL with `synchronous=NORMAL` keeps each
-one well under a millisecond. Several coordinators may share one state directory.
+one well under a millisecond. Several coordinators may share one state directory. With group
+commits a thread copies the WAL back into the database (`CHECKPOINT_COMMITS`), as the hub's
+event log does (bus/store/sqlite.py, `Checkpointer`).
 
 Group commit (`defer_commits()`, what the coordinator uses): writes made while the event loop
 runs go into one open transaction, committed by a callback at the end of the loop iteration, so
@@ -54,8 +56,15 @@ import msgspec
 
 from agent_bus.agents.loop.context import ToolOutputStore
 from agent_bus.bus.messages import Message, RunWorkspace, ToolResultMessage
+from agent_bus.bus.store.sqlite import Checkpointer
 
 DB_NAME = "conversations.sqlite"
+# With group commits, the WAL is copied back into the database on a thread (`Checkpointer`,
+# the event log's), every this many commits (a few pages each: about SQLite's own default of
+# 1,000 pages), not by SQLite inside the commit that crosses its threshold, in the event loop:
+# that copy and its fsyncs cost every session of the process a stall (bench_loop --parts,
+# `no-checkpoints`: 1.04-1.06x of a turn).
+CHECKPOINT_COMMITS = 256
 
 log = logging.getLogger("agents.coordinator.persistence")
 
@@ -171,18 +180,26 @@ class ConversationStore:
         self._group: asyncio.Event | None = None  # set once the open group is committed
         #: Writes due just before the open group commits (`at_commit`), in order, once each.
         self._at_commit: dict[Callable[[], None], None] = {}
+        self._checkpointer: Checkpointer | None = None  # with group commits (`defer_commits`)
 
     def close(self) -> None:
         if self._group is not None:
             self.commit()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
         self.db.close()
 
     # --- group commit --------------------------------------------------------------------
 
     def defer_commits(self) -> None:
         """From now on, writes made inside a running event loop share one transaction per
-        loop iteration (see the module doc); outside one they still commit at once."""
+        loop iteration (see the module doc); outside one they still commit at once. The WAL is
+        then copied back on a thread of its own (`CHECKPOINT_COMMITS`)."""
         self.deferred = True
+        if self._checkpointer is None:
+            self.db.execute("PRAGMA wal_autocheckpoint=0")
+            self._checkpointer = Checkpointer(self.path.resolve().as_uri(), "conversation store")
 
     async def committed(self) -> None:
         """Return once every write made so far is committed (at once when none is pending)."""
@@ -213,6 +230,11 @@ class ConversationStore:
         try:
             self.db.execute("COMMIT")
             self.commits += 1
+            checkpointer = self._checkpointer
+            if checkpointer is not None:
+                checkpointer.commits += 1
+                if not checkpointer.commits % CHECKPOINT_COMMITS:
+                    checkpointer.ask()
         except sqlite3.Error:
             self.lost_groups += 1  # recorders rewrite their sessions (`sync`)
             log.exception("could not commit the conversation store; its last writes are lost "
@@ -393,6 +415,8 @@ class ConversationStore:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return False
+        if self._checkpointer is not None:  # (outside a transaction: a checkpoint cannot be in one)
+            self._checkpointer.catch_up(self.db)
         self.db.execute("BEGIN IMMEDIATE")
         self._group = asyncio.Event()
         loop.call_soon(self.commit)

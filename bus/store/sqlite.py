@@ -165,12 +165,8 @@ class SqliteStore:
         if not rows:
             return
         checkpointer = self._checkpointer
-        if checkpointer is not None and checkpointer.copied_at is not None:
-            # The thread's copy is done: this commit starts the WAL over, once the frames
-            # committed while it copied (if any: a few passes' worth) are copied too
-            if checkpointer.copied_at != checkpointer.commits:
-                checkpoint(db)
-            checkpointer.copied_at = None
+        if checkpointer is not None:
+            checkpointer.catch_up(db)
         if len(rows) <= SMALL_BATCH:
             db.execute(_INSERTS[len(rows)], tuple(_flatten(rows)))
         else:
@@ -294,9 +290,14 @@ class Checkpointer:
     (the usual bursts), its next commit does. Under a steady flood its commits overlap every
     copy (which takes as long as its fsyncs): the thread copies again what came meanwhile, up to
     COPIES times, and the writer copies the little left itself, just before its next commit
-    (`SqliteStore._append`: ~5% of the whole copy's time), and the WAL stays bounded."""
+    (`catch_up`, ~5% of the whole copy's time), and the WAL stays bounded.
 
-    def __init__(self, uri: str) -> None:
+    The writer's part: `catch_up(db)` just before each commit begins, `commits += 1` after it,
+    `ask()` every so many bytes or commits. `name` says whose database it is (its log lines,
+    its thread)."""
+
+    def __init__(self, uri: str, name: str = "event log") -> None:
+        self.name = name
         self._db = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA busy_timeout=5000")
         self._asked = threading.Event()
@@ -307,9 +308,20 @@ class Checkpointer:
         self.copied_at: int | None = None
         self.asks = 0  # checkpoints asked for, and run (for tests)
         self.done = 0
-        self._thread = threading.Thread(target=self._run, name="event-log-checkpoint",
+        self._thread = threading.Thread(target=self._run, name=f"{name}-checkpoint".replace(" ", "-"),
                                         daemon=True)
         self._thread.start()
+
+    def catch_up(self, db: sqlite3.Connection) -> None:
+        """The writer's, on its own connection `db`, just before a commit begins: once the
+        thread's copy is done, copy what was committed while it copied (if anything: a few
+        commits' worth), so this commit starts the WAL over."""
+        copied_at = self.copied_at
+        if copied_at is None:
+            return
+        if copied_at != self.commits:
+            checkpoint(db, self.name)
+        self.copied_at = None
 
     def ask(self) -> None:
         self.asks += 1
@@ -324,7 +336,7 @@ class Checkpointer:
             copied_at = None
             for _ in range(COPIES):  # each copies what the writer added during the last
                 commits = self.commits
-                if not checkpoint(self._db):
+                if not checkpoint(self._db, self.name):
                     break
                 copied_at = commits
                 if self.commits == commits:
@@ -339,14 +351,14 @@ class Checkpointer:
         self._db.close()
 
 
-def checkpoint(db: sqlite3.Connection) -> bool:
-    """A PASSIVE checkpoint on `db`: whether it copied every frame (False also when it failed,
-    e.g. disk full: the next one copies what this did not)."""
+def checkpoint(db: sqlite3.Connection, name: str = "event log") -> bool:
+    """A PASSIVE checkpoint on `db` (the `name`d database's): whether it copied every frame
+    (False also when it failed, e.g. disk full: the next one copies what this did not)."""
     try:
         busy, frames, copied = db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     except sqlite3.Error as exc:
-        log.warning("event log checkpoint failed (tried again after the next %d MB): %s",
-                    CHECKPOINT_BYTES >> 20, exc)
+        log.warning("%s checkpoint failed (the next one copies what this did not): %s", name,
+                    exc)
         return False
     # busy: another checkpoint was running (it copied nothing); frames -1: not in WAL mode
     return bool(not busy and 0 <= frames <= copied)

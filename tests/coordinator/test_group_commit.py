@@ -120,3 +120,41 @@ async def test_a_history_grown_by_several_messages_is_synced_once_in_the_commit(
         assert len(plain.messages("a", "s1")) == 5
     finally:
         plain.close()
+
+
+async def test_group_commits_copy_the_wal_back_on_a_thread(tmp_path: Path) -> None:
+    """SQLite's automatic checkpoint (which runs inside the commit crossing its threshold, in
+    the coordinator's event loop) is off; the event log's `Checkpointer` thread copies the WAL
+    back every CHECKPOINT_COMMITS commits, and the WAL starts over after each copy, so it stays
+    about one cycle big however long the coordinator runs; the thread ends with the store.
+    Without the thread the WAL holds every commit: 4 cycles."""
+    import threading
+    import time
+
+    from agent_bus.agents.coordinator import persistence
+
+    store = ConversationStore(tmp_path)
+    store.defer_commits()
+    wal = Path(f"{store.path}-wal")
+    cycle = persistence.CHECKPOINT_COMMITS
+    checkpointer = store._checkpointer
+    assert checkpointer is not None
+    try:
+        assert store.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+        text = "x" * 2000  # a message row and its index: a few pages a commit
+        for i in range(4 * cycle):
+            store.append("a", "s", i, [user_text(f"{i} {text}")])
+            await store.committed()
+            if i == cycle // 2:
+                half = wal.stat().st_size  # half a cycle's WAL, to size the bound
+            if (i + 1) % cycle == 0:  # the copy asked for: its end, whatever the machine's speed
+                deadline = time.monotonic() + 30
+                while checkpointer.done < checkpointer.asks and time.monotonic() < deadline:
+                    await anyio.sleep(0.005)
+                assert checkpointer.done == checkpointer.asks == (i + 1) // cycle
+        # one cycle and the commit that started it over, not four cycles (8 halves)
+        assert wal.stat().st_size <= 3 * half, (wal.stat().st_size, half)
+        assert len(store.messages("a", "s")) == 4 * cycle
+    finally:
+        store.close()
+    assert not [t for t in threading.enumerate() if t.name == "conversation-store-checkpoint"]
