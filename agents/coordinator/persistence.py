@@ -62,8 +62,8 @@ DB_NAME = "conversations.sqlite"
 # With group commits, the WAL is copied back into the database on a thread (`Checkpointer`,
 # the event log's), every this many commits (a few pages each: about SQLite's own default of
 # 1,000 pages), not by SQLite inside the commit that crosses its threshold, in the event loop:
-# that copy and its fsyncs cost every session of the process a stall (bench_loop --parts,
-# `no-checkpoints`: 1.04-1.06x of a turn).
+# that copy and its fsyncs stalled every session of the process (bench_loop, alternated runs:
+# a turn took 1.04x as long with it; never checkpointing, 0.99x of the thread's).
 CHECKPOINT_COMMITS = 256
 
 log = logging.getLogger("agents.coordinator.persistence")
