@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 from agent_bus.bus import events as ev
 from agent_bus.bus import protocol as p
 from agent_bus.bus.errors import ConfigError, Overloaded
+from agent_bus.bus.pauses import PauseWatch
 from agent_bus.bus.pipeline import EventPipeline
 from agent_bus.bus.probing import ProbeSchedule
 from agent_bus.bus.registry import Counters, Limits, PeerState, Registry, error_frames, no_service_text
@@ -482,6 +483,10 @@ class Hub:
         # sent before closing may still be queued in the ROUTER behind the hub's backlog, and
         # their events must still be logged. Forgotten after DEPARTED_KEEP seconds.
         self._departed: dict[bytes, tuple[float, PeerState]] = {}
+        # When the hub itself was paused, its peers' silence is not judged for a window after
+        # (bus/pauses.py): their heartbeats were waiting unread.
+        self._pauses = PauseWatch(allowance=config.heartbeat_interval)
+        self._pass_due = time.monotonic()  # when the current pass's poll was due to end
         # The leader lease (a JetStream store; bus/store/leader.py): None on one machine, where
         # this hub is simply the hub (epoch 0). With it, the hub starts as a standby and is the
         # primary only while it holds the lease (`_check_role`, every pass of the loop).
@@ -558,11 +563,15 @@ class Hub:
         next_tick = time.monotonic() + TICK
         probes = self._probes
         pacer = self.events.pacer
+        allowance = self._pauses.allowance
         while not self._stopping:
             now = time.monotonic()
+            if now - self._pass_due > allowance:  # the last pass overslept or took long
+                self._paused(now)
             next_sub_beat = self.events.sub_beat_at
             wake = min(next_beat, next_tick, probes.next_at, next_sub_beat, pacer.next_at)
             timeout = max(0.0, wake - now)
+            self._pass_due = now + timeout  # (its work after the poll counts as lateness)
             try:
                 ready = dict(poller.poll(math.ceil(timeout * 1000)))
             except zmq.ZMQError as exc:
@@ -1193,13 +1202,33 @@ class Hub:
                     dropped += 1
         return dropped
 
+    def _paused(self, now: float) -> None:
+        """Whether the current pass, due to end its poll at `_pass_due`, runs so late at `now`
+        that the hub itself was not running (bus/pauses.py). The loop asks only when it is (the
+        same comparison, inline: no call per pass)."""
+        due = self._pass_due
+        if not self._pauses.ran(now, due):
+            return
+        self._pass_due = now  # counted once
+        late = now - due
+        n = self.counters.bump("hub_paused")
+        if n <= 10 or n % 100 == 0:
+            log.info("the hub's loop ran %.2fs late (#%d: paused, or a slow disk): peers' "
+                     "silence is not judged for %.1fs", late, n,
+                     self.config.heartbeat_interval * self.config.liveness)
+
     def _expire_peers(self, now: float) -> None:
         """Drop peers silent for `liveness` heartbeat intervals (checked every tick, so a dead
-        peer is noticed at most one tick after its expiry)."""
+        peer is noticed at most one tick after its expiry), unless the hub was itself paused
+        within that window (bus/pauses.py)."""
         if self._departed:
             for ident in [i for i, (until, _) in self._departed.items() if until <= now]:
                 del self._departed[ident]
         expiry = self.config.heartbeat_interval * self.config.liveness
+        if now - self._pass_due > self._pauses.allowance:  # paused in this very pass
+            self._paused(now)
+        if not self._pauses.may_judge(now, expiry):
+            return
         for peer in self.registry.expired_peers(now, expiry):
             self.counters.bump("peers_expired")
             self._drop_peer(peer, f"missed {self.config.liveness} heartbeats")
