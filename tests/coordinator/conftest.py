@@ -24,6 +24,13 @@ from tests.support import Proc, busctl
 HERE = Path(__file__).resolve().parent
 TOOLS = str(HERE / "fixtures" / "my_tools.py")
 HEARTBEAT = "0.2"  # fast hub heartbeats: subscriptions are in place within one interval
+# ...and a liveness window (HEARTBEAT x LIVENESS = 2 s) longer than this test process ever stops:
+# its own peers send no heartbeat while its cyclic GC runs, up to 229 ms for one collection in
+# test_fuzz's hostile-bodies test on a quiet machine (2-3x that on a slow hour). With 3 intervals
+# (0.6 s) such a pause can get the test's peer dropped, its call in flight failed with hub_lost:
+# one of the two causes found for that test's failure in CI (the other, the hub's own pauses:
+# bus/pauses.py).
+LIVENESS = "10"
 
 AGENTS_TOML = """
 [[agents]]
@@ -143,7 +150,8 @@ def start_stack(tmp: Path, *, gateway: bool = True, worker: bool = True,
     topology = tmp / "topology.toml"
     topology.write_text(topology_text(srv.base_url, agents))
     hub = Proc(busctl("hub", "--hub", "tcp://127.0.0.1:0", "--state-dir", str(tmp / "hub"),
-                      "--heartbeat-interval", HEARTBEAT, *(["--store", store] if store else [])))
+                      "--heartbeat-interval", HEARTBEAT, "--liveness", LIVENESS,
+                      *(["--store", store] if store else [])))
     stack = Stack(tmp, "", srv, topology, {"hub": hub})
     try:
         stack.endpoint = hub.wait_ready()["endpoint"]

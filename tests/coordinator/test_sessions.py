@@ -66,7 +66,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 async def cli_run(*args: str) -> subprocess.CompletedProcess[str]:
     """`busctl ARGS` in a thread: blocking the event loop would silence the test's own peer,
-    and the hub drops a peer silent for its liveness window (0.6 s here)."""
+    and the hub drops a peer silent for its liveness window (2 s here)."""
     return await anyio.to_thread.run_sync(functools.partial(
         subprocess.run, busctl(*args), capture_output=True, text=True, timeout=30))
 
