@@ -18,6 +18,7 @@ import zmq
 
 from agent_bus.bus import protocol as p
 from agent_bus.bus.link import PeerState
+from agent_bus.bus.pauses import PauseWatch
 from agent_bus.bus.rpc import REPLY_GRACE
 
 if TYPE_CHECKING:
@@ -44,13 +45,18 @@ class Housekeeping:
         self._calls = calls  # the requests the peer made: expired here
         self._ledger = ledger  # its publish accounting: confirmed here while events flow
         self._next_beat = self._next_confirm = 0.0  # monotonic; due at once
+        # A pass that wakes a heartbeat interval late: this process was paused (or its loop
+        # blocked), and the hub's silence is not judged for a window after (bus/pauses.py).
+        self._pauses = PauseWatch(allowance=1.0)
 
     async def run(self, tg: anyio.abc.TaskGroup) -> None:
         """Forever: sleep until the next duty (`delay`), then do what is due."""
         peer = self._peer
         self._next_beat = self._next_confirm = time.monotonic()
         while True:
-            await anyio.sleep(self.delay())
+            delay = self.delay()
+            due = time.monotonic() + delay
+            await anyio.sleep(delay)
             now = time.monotonic()
             self._calls.expire(now)
             if peer.sock is None:
@@ -61,6 +67,8 @@ class Housekeeping:
                 expiry = interval * welcome.liveness
             else:
                 interval, expiry = 1.0, 3.0
+            self._pauses.allowance = interval
+            self._pauses.ran(now, due)
             if self._hub_silent(now, expiry):
                 continue
             if peer.outbox.stalled():
@@ -99,6 +107,12 @@ class Housekeeping:
         peer.drain()
         if now - peer.last_heard <= expiry:
             return False
+        # Paused itself (a stopped process, a VM that was not scheduled): the hub's heartbeats
+        # may still be in the kernel's buffers, not yet moved to the socket by ZeroMQ's I/O
+        # thread, which was paused too. A whole window of this process running decides.
+        if not self._pauses.may_judge(now, expiry):
+            return False
+        peer.count("hub_silent")
         # Said once, when a ready link is lost: the first connect and each retry while the hub
         # stays down are quiet (a WARNING every few seconds told nothing new); the peer's
         # welcome handler says when it is back.

@@ -9,8 +9,10 @@ whole liveness window has passed since it: each peer gets a full window of this 
 running to be heard. A peer whose connection closed is still noticed at once (the hub's
 probes: bus/probing.py).
 
-The hub measured it (tests/fault/test_hub_beats.py): paused for twice its 0.6 s window while a
-peer flooded events, it dropped both of its live peers after 6 of 10 pauses.
+Both ends use it: the hub for its peers (bus/hub.py), a client for its hub (bus/housekeeping.py).
+Measured before (tests/fault/test_hub_beats.py): a hub paused for twice its 0.6 s window while a
+peer flooded events dropped both of its live peers after 6 of 10 pauses; a hub and a client
+paused together, the client reconnected after every pause.
 """
 
 from __future__ import annotations

@@ -9,10 +9,14 @@ failed 3 runs in 4 at load 10). A pass now ends once its batch passes EVENT_BATC
 The same bound by count (PASS_EVENTS): a flood of small events read in one pass was published in
 one burst after it, so a subscriber heard nothing until the whole flood was logged, then lost all
 but its queue (bench/bench_bus.py's unpaced subscriber: 0.15-0.36x raw in some rounds).
+
+Paused is not silent either (bus/pauses.py): a hub stopped for longer than its liveness window
+keeps the peers whose heartbeats wait unread, and a client stopped with it keeps its hub.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -24,9 +28,10 @@ import zmq
 
 from agent_bus.bus import hub as hub_module
 from agent_bus.bus import protocol as p
+from tests.fault import test_fuzz
 from tests.fault.test_budgets import event_body, start_hub, status
 from tests.fault.test_fuzz import RawPeer
-from tests.support import wait_for
+from tests.support import Proc, py, wait_for
 
 INTERVAL = 0.5  # the hub's heartbeat interval here (seconds)
 LIVENESS = 3  # the default: a peer declares the hub lost after this many silent intervals
@@ -227,6 +232,55 @@ def test_a_paused_hub_drops_no_peer_whose_heartbeats_wait_unread(tmp_path: Path)
         os.kill(hub.popen.pid, signal.SIGCONT)
         for thread in threads:
             thread.join(30)
+        checker.close()
+        ctx.term()
+        hub.stop()
+
+
+def test_a_machine_paused_whole_keeps_its_client_connected(tmp_path: Path) -> None:
+    """The hub and a client process (the client library: bus/peer.py) stopped together, as a VM
+    that was not scheduled, for twice the liveness window. Both wake to the other's silence;
+    the hub's heartbeats reach the client only once the hub runs and the client's I/O thread
+    reads them. Neither may call the other lost: the client does not reconnect (which would fail
+    its calls in flight with hub_lost), and the hub keeps it. Before, the client called the hub
+    silent after nearly every pause (bus/pauses.py)."""
+    hub = start_hub(tmp_path, "--heartbeat-interval", str(PAUSE_INTERVAL),
+                    "--liveness", str(PAUSE_LIVENESS))
+    ctx = zmq.Context()
+    client = Proc(py(test_fuzz.__file__, "peer", hub.ready["endpoint"]))  # type: ignore[attr-defined]
+    checker = RawPeer(ctx, hub.ready["endpoint"])  # type: ignore[attr-defined]
+
+    def client_counters() -> dict[str, int]:
+        header, frames = checker.request("counters", timeout=10)
+        assert header.kind == p.REPLY, (header, client.output()[-2000:])
+        counts: dict[str, int] = msgspec.json.decode(frames[0])
+        return counts
+
+    def client_ids() -> set[str]:
+        return {peer.peer for peer in status(checker).peers if peer.name == "fuzzpeer"}
+
+    try:
+        wait_for(lambda: any(line.startswith('{"ready"') for line in client.lines), 20,
+                 "the client to be ready")
+        ids = client_ids()
+        window = PAUSE_INTERVAL * PAUSE_LIVENESS
+        for _ in range(PAUSES):
+            for proc in (hub, client):
+                os.kill(proc.popen.pid, signal.SIGSTOP)
+            try:
+                time.sleep(window * 2)  # the fault itself
+            finally:
+                for proc in (hub, client):
+                    os.kill(proc.popen.pid, signal.SIGCONT)
+            time.sleep(window)  # where either would have called the other lost
+        assert client_counters().get("hub_silent", 0) == 0, client.output()[-2000:]
+        assert client_ids() == ids, "the client reconnected (a new peer id)"
+        assert status(checker).counters.get("hub_paused", 0) >= PAUSES
+    finally:
+        for proc in (hub, client):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.popen.pid, signal.SIGCONT)
+        client.stop()
         checker.close()
         ctx.term()
         hub.stop()
