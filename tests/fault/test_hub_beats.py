@@ -155,6 +155,7 @@ def test_a_flood_of_small_events_reaches_subscribers_as_it_is_read(tmp_path: Pat
 PAUSE_INTERVAL = 0.2  # the paused hub's heartbeat interval: peers it has not heard from for
 PAUSE_LIVENESS = 3  # 0.6 s are dropped
 PAUSES = 4  # each longer than that window
+MACHINE_PAUSES = 2  # (before, the client reconnected after each one)
 
 
 def test_a_paused_hub_drops_no_peer_whose_heartbeats_wait_unread(tmp_path: Path) -> None:
@@ -264,7 +265,7 @@ def test_a_machine_paused_whole_keeps_its_client_connected(tmp_path: Path) -> No
                  "the client to be ready")
         ids = client_ids()
         window = PAUSE_INTERVAL * PAUSE_LIVENESS
-        for _ in range(PAUSES):
+        for _ in range(MACHINE_PAUSES):
             for proc in (hub, client):
                 os.kill(proc.popen.pid, signal.SIGSTOP)
             try:
@@ -275,7 +276,7 @@ def test_a_machine_paused_whole_keeps_its_client_connected(tmp_path: Path) -> No
             time.sleep(window)  # where either would have called the other lost
         assert client_counters().get("hub_silent", 0) == 0, client.output()[-2000:]
         assert client_ids() == ids, "the client reconnected (a new peer id)"
-        assert status(checker).counters.get("hub_paused", 0) >= PAUSES
+        assert status(checker).counters.get("hub_paused", 0) >= MACHINE_PAUSES
     finally:
         for proc in (hub, client):
             with contextlib.suppress(ProcessLookupError):
