@@ -1203,9 +1203,9 @@ class Hub:
         return dropped
 
     def _paused(self, now: float) -> None:
-        """Whether the current pass, due to end its poll at `_pass_due`, runs so late at `now`
-        that the hub itself was not running (bus/pauses.py). The loop asks only when it is (the
-        same comparison, inline: no call per pass)."""
+        """Note a pause when the current pass, due to end its poll at `_pass_due`, runs so late
+        at `now` that the hub itself was not running (bus/pauses.py). The loop calls it only
+        when it is that late (the same comparison, inline: no call per pass)."""
         due = self._pass_due
         if not self._pauses.ran(now, due):
             return
